@@ -1,0 +1,17 @@
+"""Errors that mean "the user gave us something wrong".
+
+Entry points catch `UserError` and print its message as one line (no traceback): the message must name
+the offending flag, file or value and the rule it breaks. Anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input: a flag combination, a file, a topology. The message is shown to the user as is."""
+
+
+class ConfigError(UserError):
+    """An invalid flag or combination of flags."""
+
+
+class DataError(UserError):
+    """A missing, corrupt or inconsistent data file (index, binary, tokenizer model)."""

@@ -1,0 +1,78 @@
+"""Run a function on N forked processes joined in a gloo process group.
+
+Fork (not spawn) keeps a 4-rank test at ~0.1 s instead of ~4 s. Each child gets its own rank, builds the
+process groups, runs `fn(*args)` and sends back its (picklable) result or its traceback. A child that
+hangs or dies fails the test within `timeout` seconds, and no child outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, tp, pp, vpp, fn, args, results):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from megatron_po import parallel_state as ps
+
+        torch.set_num_threads(1)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        os.environ.update(env)
+        ps.destroy_model_parallel()
+        ps.init_distributed(timeout_minutes=2)
+        ps.initialize_model_parallel(tp, pp, vpp)
+        out = fn(*args)
+        dist.barrier()
+        results.put((rank, True, out))
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        os._exit(0)
+
+
+def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                    args: tuple = (), timeout: float = 180.0) -> list:
+    """Run `fn(*args)` on `world_size` ranks; return the list of results indexed by rank."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"distributed test timed out after {timeout}s; "
+                                   f"finished ranks: {sorted(out)}") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # the other ranks may now block forever; fail at once
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,25 @@
+"""Optimizers that can predict their own next steps (PipeOptim), mixed precision, grad clipping."""
+
+from megatron_po.optim.optimizers import (
+    OPTIMIZER_NAMES,
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Lion,
+    PredictiveOptimizer,
+    RMSprop,
+    build_optimizer,
+)
+
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Lion",
+    "PredictiveOptimizer",
+    "RMSprop",
+    "build_optimizer",
+]

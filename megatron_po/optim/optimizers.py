@@ -1,0 +1,616 @@
+"""Predictive optimizers: torch.optim's update rules, plus the direction PipeOptim extrapolates along.
+
+Every optimizer here is a `torch.optim.Optimizer` (param_groups, state_dict, load_state_dict, lr
+schedulers and step hooks work as usual) whose `step()` reproduces the torch.optim counterpart's foreach
+implementation op for op. On top of `step()` each one exposes:
+
+- `update_direction()`: ΔW, the displacement the LAST step applied to each parameter divided by the
+  group's lr, so that `W_after = W_before - lr * ΔW` (up to float rounding). It is rebuilt from the
+  optimizer's own state (see the ΔW table in docs/ASYNC_PIPELINES.md).
+- `predict(steps)`: the PipeOptim weight prediction `Ŵ = W - steps * lr * ΔW`, written in place or into
+  other tensors (e.g. the bf16 model weights while the optimizer holds fp32 main weights).
+- `has_state()`: whether any step has happened yet; before that there is no ΔW and prediction is a no-op.
+
+Memory: where the state already determines ΔW nothing extra is stored. Where it does not, one extra
+tensor per parameter is kept after each step:
+
+| optimizer                                 | extra state                            |
+|-------------------------------------------|----------------------------------------|
+| SGD without momentum                      | `last_grad` (g_t, incl. the L2 term)   |
+| SGD momentum, direction="buffer"          | nothing (ΔW = momentum_buffer)         |
+| SGD momentum, direction="lookahead"       | `last_grad`                            |
+| SGD Nesterov                              | `last_grad`                            |
+| Adam, AdamW                               | nothing (ΔW from exp_avg, exp_avg_sq)  |
+| RMSprop with momentum (centered or not)   | nothing (ΔW = momentum_buffer)         |
+| RMSprop without momentum                  | `last_grad`                            |
+| Adagrad                                   | `last_grad`                            |
+| Lion                                      | `update_sign` (int8, 1 byte/element)   |
+
+All parameter writes (step and predict) go through `param.data`, which does not bump the parameter's
+autograd version counter: in an asynchronous pipeline, micro-batches whose forward saved a weight are
+still in flight when that weight is stepped or swapped, and their backward must not fail.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from megatron_po.errors import ConfigError
+
+
+class _Direction(NamedTuple):
+    """ΔW for the parameters of one group that have state: `numerator / denominator / divisor`.
+
+    Kept factored so that `predict()` can apply it with one fused `addcdiv_` without materialising ΔW.
+    `denominators=None` and `divisors=None` mean 1. Decoupled weight decay is not included.
+    """
+
+    numerators: list[Tensor]
+    denominators: list[Tensor] | None = None
+    divisors: list[float] | None = None
+
+
+def _step_value(step: Tensor) -> float:
+    return step.item()
+
+
+def _increment_steps(states: list[dict]) -> None:
+    # Same as torch.optim: step counts are 0-dim float32 CPU tensors (so state_dicts look alike), and a
+    # CPU scalar tensor with alpha picks the overload that does not re-wrap 1 into a tensor per element.
+    torch._foreach_add_([s["step"] for s in states], torch.tensor(1.0), alpha=1.0)
+
+
+def _remember(states: list[dict], key: str, tensors: list[Tensor], dtype: torch.dtype | None = None) -> None:
+    """Keep a copy of `tensors` in each state under `key`, reusing last step's buffers when present."""
+    if all(key in s for s in states):
+        torch._foreach_copy_([s[key] for s in states], tensors)
+        return
+    for state, tensor in zip(states, tensors):
+        if key in state:
+            state[key].copy_(tensor)
+        else:
+            state[key] = tensor.detach().to(dtype=dtype or tensor.dtype, copy=True)
+
+
+class PredictiveOptimizer(torch.optim.Optimizer):
+    """Base class: the step loop, ΔW and prediction. Subclasses supply the update rule.
+
+    A subclass implements `_step_group(group, params, grads, states)` (params are `.data` views, states
+    may be empty dicts on a parameter's first step) and `_direction(group, params, states)` returning the
+    factored ΔW of the last step. `decoupled_weight_decay` says whether `group["weight_decay"]` shrinks
+    the weights outside the gradient (AdamW, Lion); otherwise weight decay is an L2 term already folded
+    into the gradient and hence into ΔW.
+    """
+
+    decoupled_weight_decay = False
+
+    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
+        raise NotImplementedError
+
+    def _direction(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One update of every parameter that has a gradient; parameters whose .grad is None are skipped
+        (no state is created for them and their weights do not move), as in torch.optim."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            states = [self.state[p] for p in params]
+            self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
+        return loss
+
+    def has_state(self) -> bool:
+        """Whether any parameter has been stepped, i.e. whether there is a ΔW to predict with."""
+        return any(len(state) > 0 for state in self.state.values())
+
+    def _stepped(self, group: dict) -> tuple[list[int], list[Tensor], list[dict]]:
+        """Positions, `.data` views and states of the group's parameters that have state."""
+        positions, params, states = [], [], []
+        for i, p in enumerate(group["params"]):
+            state = self.state.get(p)  # .get: self.state is a defaultdict, indexing would create entries
+            if state:
+                positions.append(i)
+                params.append(p.data)
+                states.append(state)
+        return positions, params, states
+
+    @torch.no_grad()
+    def update_direction(self, include_weight_decay: bool = False) -> list[list[Tensor | None]]:
+        """ΔW of the last step, one list per param group aligned with `group["params"]`.
+
+        Entries are new tensors (never views of the state) in the parameter's dtype. A parameter that
+        has never been stepped has no state and gets None; a parameter that was skipped by later steps
+        (grad None) keeps the ΔW of its own last step. Decoupled weight decay (AdamW, Lion) is excluded
+        unless `include_weight_decay`, in which case `λ·W` at the current weights is added; for the other
+        optimizers weight decay is an L2 term already inside ΔW and the flag changes nothing.
+        """
+        directions = []
+        for group in self.param_groups:
+            row: list[Tensor | None] = [None] * len(group["params"])
+            positions, params, states = self._stepped(group)
+            if params:
+                d = self._direction(group, params, states)
+                if d.denominators is not None:
+                    delta = torch._foreach_div(d.numerators, d.denominators)
+                else:
+                    delta = [n.to(dtype=p.dtype, copy=True) for n, p in zip(d.numerators, params)]
+                if d.divisors is not None:
+                    torch._foreach_div_(delta, d.divisors)
+                if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
+                    torch._foreach_add_(delta, params, alpha=group["weight_decay"])
+                for i, tensor in zip(positions, delta):
+                    row[i] = tensor
+            directions.append(row)
+        return directions
+
+    @torch.no_grad()
+    def predict(
+        self,
+        steps: float | Sequence[float],
+        include_weight_decay: bool = False,
+        out: Sequence[Sequence[Tensor]] | None = None,
+    ) -> None:
+        """PipeOptim weight prediction `Ŵ = W - steps * lr * ΔW`, with each group's current lr.
+
+        steps: how many steps ahead to extrapolate; one number for every group or one per param group
+            (e.g. when model chunks with different staleness sit in different groups). 0 is allowed.
+        include_weight_decay: also extrapolate decoupled weight decay (AdamW, Lion), see update_direction.
+        out: None to overwrite the parameters in place, or one list per param group aligned with
+            `group["params"]` that receives Ŵ; it may have another dtype (e.g. bf16 model weights for fp32
+            main weights) and is written through `.data`. Ŵ is computed in the parameters' dtype.
+
+        Parameters without state (never stepped, in particular everything before the first step) are
+        predicted as W itself: in place that is a no-op, with `out` it is a plain copy.
+        """
+        if isinstance(steps, Tensor):
+            steps = steps.tolist()
+        if isinstance(steps, numbers.Real):
+            steps_per_group = [float(steps)] * len(self.param_groups)
+        else:
+            steps_per_group = [float(s) for s in steps]
+        if len(steps_per_group) != len(self.param_groups):
+            raise ValueError(
+                f"predict: got {len(steps_per_group)} step counts for {len(self.param_groups)} param groups"
+            )
+        if out is not None and len(out) != len(self.param_groups):
+            raise ValueError(f"predict: out has {len(out)} lists for {len(self.param_groups)} param groups")
+
+        for g, (group, s) in enumerate(zip(self.param_groups, steps_per_group)):
+            if out is not None:
+                targets = [t.data for t in out[g]]
+                if len(targets) != len(group["params"]):
+                    raise ValueError(f"predict: out[{g}] has {len(targets)} tensors for {len(group['params'])} params")
+                if targets:  # start every target at W; the stepped ones are then moved (or recomputed) below
+                    torch._foreach_copy_(targets, [p.data for p in group["params"]])
+            positions, params, states = self._stepped(group)
+            if s == 0 or not params:
+                continue
+
+            copy_out = False
+            if out is None:
+                dst = params
+            elif all(targets[i].dtype == p.dtype for i, p in zip(positions, params)):
+                dst = [targets[i] for i in positions]
+            else:
+                # Compute Ŵ in the optimizer's precision and round once, when copying it out.
+                dst, copy_out = [p.clone() for p in params], True
+
+            alpha = -s * group["lr"]
+            if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
+                torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])  # Ŵ = W(1 - s·lr·λ) - s·lr·ΔW
+            d = self._direction(group, params, states)
+            scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
+            if d.denominators is not None:
+                torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
+            elif scalars is None:
+                torch._foreach_add_(dst, d.numerators, alpha=alpha)
+            else:
+                torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars))
+            if copy_out:
+                torch._foreach_copy_([targets[i] for i in positions], dst)
+
+
+def _check_non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if not value >= 0.0:
+            raise ValueError(f"invalid {name}: {value} (must be >= 0)")
+
+
+def _check_betas(betas: tuple[float, float]) -> None:
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"invalid beta{i + 1}: {beta} (must be in [0, 1))")
+
+
+class SGD(PredictiveOptimizer):
+    """torch.optim.SGD (plain, momentum, Nesterov; L2 weight decay folded into the gradient).
+
+    ΔW: without momentum the last gradient g_t (incl. λW); Nesterov `g_t + momentum·v_t`; with momentum
+    either the buffer v_t (direction="buffer", the PipeOptim paper and SpecTrain) or the step that an
+    unchanged gradient would give next, `momentum·v_t + (1-dampening)·g_t` (direction="lookahead").
+    The buffer is what the last step applied, but it lags the next step: under a constant gradient g
+    (no dampening) v_t = g(1-u^t)/(1-u), so predicting with the buffer falls short of the next step by
+    lr·u^t·g, a gap that vanishes only once the buffer has converged. Lookahead matches the next step
+    exactly when the gradient does not change. `update_direction()` always returns the group's chosen
+    direction (for lookahead that is the next step's displacement over lr, not the last one's).
+    Extra state: `last_grad` without momentum, with Nesterov and with direction="lookahead".
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        direction: str = "buffer",
+    ):
+        _check_non_negative(lr=lr, weight_decay=weight_decay, momentum=momentum)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0")
+        if direction not in ("buffer", "lookahead"):
+            raise ValueError(f"invalid direction: {direction!r} (must be 'buffer' or 'lookahead')")
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            direction=direction,
+        )
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _keeps_last_grad(group: dict) -> bool:
+        return group["momentum"] == 0 or group["nesterov"] or group["direction"] == "lookahead"
+
+    def _step_group(self, group, params, grads, states):
+        lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        if self._keeps_last_grad(group):
+            _remember(states, "last_grad", grads)
+
+        update = grads
+        if momentum != 0:
+            if all("momentum_buffer" in s for s in states):
+                buffers = [s["momentum_buffer"] for s in states]
+                torch._foreach_mul_(buffers, momentum)
+                torch._foreach_add_(buffers, grads, alpha=1 - dampening)
+            else:
+                # Some parameter steps for the first time: like torch, its buffer starts as g (undampened).
+                buffers = []
+                for state, grad in zip(states, grads):
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = grad.detach().clone()
+                    else:
+                        state["momentum_buffer"].mul_(momentum).add_(grad, alpha=1 - dampening)
+                    buffers.append(state["momentum_buffer"])
+            # torch adds into the gradients in place here; out of place gives the same numbers
+            # without mutating p.grad.
+            update = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
+        torch._foreach_add_(params, update, alpha=-lr)
+
+    def _direction(self, group, params, states):
+        momentum = group["momentum"]
+        if self._keeps_last_grad(group) and any("last_grad" not in s for s in states):
+            raise RuntimeError(
+                "SGD.update_direction: this group's direction needs the last gradient, which is stored only "
+                "by steps taken with that setting (was momentum/nesterov/direction changed after stepping?)"
+            )
+        if momentum == 0:
+            return _Direction([s["last_grad"] for s in states])
+        buffers = [s["momentum_buffer"] for s in states]
+        last_grads = [s["last_grad"] for s in states] if self._keeps_last_grad(group) else None
+        if group["nesterov"]:
+            return _Direction(torch._foreach_add(last_grads, buffers, alpha=momentum))
+        if group["direction"] == "lookahead":
+            lookahead = torch._foreach_mul(buffers, momentum)
+            torch._foreach_add_(lookahead, last_grads, alpha=1 - group["dampening"])
+            return _Direction(lookahead)
+        return _Direction(buffers)
+
+
+class Adam(PredictiveOptimizer):
+    """torch.optim.Adam (no amsgrad); weight decay is an L2 term added to the gradient.
+
+    ΔW = m̂/(√v̂ + ε) with the bias corrections of the parameter's current step count. No extra state.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        _check_non_negative(lr=lr, eps=eps, weight_decay=weight_decay)
+        _check_betas(betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _step_group(self, group, params, grads, states):
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        _increment_steps(states)
+
+        if weight_decay != 0:
+            if self.decoupled_weight_decay:
+                torch._foreach_mul_(params, 1 - lr * weight_decay)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+
+        d = self._direction(group, params, states)
+        step_sizes = [(lr / bias_correction1) * -1 for bias_correction1 in d.divisors]  # torch's rounding
+        torch._foreach_addcdiv_(params, d.numerators, d.denominators, step_sizes)
+
+    def _direction(self, group, params, states):
+        # The step's update is lr · m/(√v/√(1-β2^t) + ε) / (1-β1^t); factored as numerator m,
+        # denominator √v̂ + ε and divisor 1-β1^t, with the same float ops as torch.optim.Adam.
+        beta1, beta2 = group["betas"]
+        step_counts = [_step_value(s["step"]) for s in states]
+        bias_corrections1 = [1 - beta1**t for t in step_counts]
+        bias_corrections2_sqrt = [(1 - beta2**t) ** 0.5 for t in step_counts]
+        denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        torch._foreach_div_(denominators, bias_corrections2_sqrt)
+        torch._foreach_add_(denominators, group["eps"])
+        return _Direction([s["exp_avg"] for s in states], denominators, bias_corrections1)
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay `W ← W(1 - lr·λ)` before the Adam update.
+
+    ΔW as Adam; the decay is excluded from ΔW unless include_weight_decay=True. No extra state.
+    """
+
+    decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+class RMSprop(PredictiveOptimizer):
+    """torch.optim.RMSprop (plain, momentum, centered); L2 weight decay folded into the gradient.
+
+    ΔW is what the step applied: with momentum the buffer (no extra state), otherwise g_t/(√E[g²] + ε)
+    (centered: √(E[g²] - E[g]²)), which needs the last gradient: extra state `last_grad`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+    ):
+        _check_non_negative(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered)
+        super().__init__(params, defaults)
+
+    def _step_group(self, group, params, grads, states):
+        alpha, momentum = group["alpha"], group["momentum"]
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if momentum > 0:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["centered"]:
+                    state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        _increment_steps(states)
+
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        if momentum == 0:
+            _remember(states, "last_grad", grads)
+        square_avgs = [s["square_avg"] for s in states]
+        torch._foreach_mul_(square_avgs, alpha)
+        torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)
+        if group["centered"]:
+            torch._foreach_lerp_([s["grad_avg"] for s in states], grads, 1 - alpha)
+
+        rms = self._root_mean_square(group, states)
+        if momentum > 0:
+            buffers = [s["momentum_buffer"] for s in states]
+            torch._foreach_mul_(buffers, momentum)
+            torch._foreach_addcdiv_(buffers, grads, rms)
+            torch._foreach_add_(params, buffers, alpha=-group["lr"])
+        else:
+            torch._foreach_addcdiv_(params, grads, rms, value=-group["lr"])
+
+    @staticmethod
+    def _root_mean_square(group: dict, states: list[dict]) -> list[Tensor]:
+        """The step's denominator √E[g²] + ε (centered: √(E[g²] - E[g]²) + ε), from the current state."""
+        if group["centered"]:
+            grad_avgs = [s["grad_avg"] for s in states]
+            rms = torch._foreach_addcmul([s["square_avg"] for s in states], grad_avgs, grad_avgs, value=-1)
+            torch._foreach_sqrt_(rms)
+        else:
+            rms = torch._foreach_sqrt([s["square_avg"] for s in states])
+        torch._foreach_add_(rms, group["eps"])
+        return rms
+
+    def _direction(self, group, params, states):
+        if group["momentum"] > 0:
+            return _Direction([s["momentum_buffer"] for s in states])
+        return _Direction([s["last_grad"] for s in states], self._root_mean_square(group, states))
+
+
+class Adagrad(PredictiveOptimizer):
+    """torch.optim.Adagrad (dense gradients); L2 weight decay folded into the gradient.
+
+    The step at count t applies lr/(1+(t-1)·lr_decay) · g_t/(√Σg² + ε). ΔW is that divided by the base
+    lr = group["lr"], i.e. `g_t/(√Σg² + ε) / (1+(t-1)·lr_decay)`, so the decayed effective lr is part of
+    ΔW and `W_after = W_before - group["lr"]·ΔW`. Extra state: `last_grad` (Σg² loses the sign of g).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+    ):
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+        )
+        _check_non_negative(**defaults)
+        super().__init__(params, defaults)
+
+    def _step_group(self, group, params, grads, states):
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                initial = group["initial_accumulator_value"]
+                state["sum"] = torch.full_like(p, initial, memory_format=torch.preserve_format)
+        _increment_steps(states)
+
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        _remember(states, "last_grad", grads)
+        minus_clr = [-group["lr"] / (1 + (_step_value(s["step"]) - 1) * group["lr_decay"]) for s in states]
+        sums = [s["sum"] for s in states]
+        torch._foreach_addcmul_(sums, grads, grads, value=1)
+        std = torch._foreach_sqrt(sums)
+        torch._foreach_add_(std, group["eps"])
+        torch._foreach_addcdiv_(params, torch._foreach_mul(grads, minus_clr), std)
+
+    def _direction(self, group, params, states):
+        std = torch._foreach_sqrt([s["sum"] for s in states])
+        torch._foreach_add_(std, group["eps"])
+        lr_decay_factors = [1 + (_step_value(s["step"]) - 1) * group["lr_decay"] for s in states]
+        return _Direction([s["last_grad"] for s in states], std, lr_decay_factors)
+
+
+class Lion(PredictiveOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled weight decay:
+
+        c = β1·m + (1-β1)·g;   W ← W(1 - lr·λ) - lr·sign(c);   m ← β2·m + (1-β2)·g
+
+    ΔW = sign(c) of the last step (decay excluded unless include_weight_decay=True). m alone does not
+    determine c, so the sign is kept as extra state `update_sign`, in int8 (1 byte per element).
+    """
+
+    decoupled_weight_decay = True
+
+    def __init__(
+        self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0
+    ):
+        _check_non_negative(lr=lr, weight_decay=weight_decay)
+        _check_betas(betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    def _step_group(self, group, params, grads, states):
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p, state in zip(params, states):
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avgs = [s["exp_avg"] for s in states]
+
+        signs = torch._foreach_mul(exp_avgs, beta1)
+        torch._foreach_add_(signs, grads, alpha=1 - beta1)
+        torch._foreach_sign_(signs)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_add_(params, signs, alpha=-lr)
+        torch._foreach_mul_(exp_avgs, beta2)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
+        _remember(states, "update_sign", signs, dtype=torch.int8)
+
+    def _direction(self, group, params, states):
+        return _Direction([s["update_sign"] for s in states])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim casts floating state to the parameter dtype on load; keep the signs in int8.
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "update_sign" in state:
+                state["update_sign"] = state["update_sign"].to(torch.int8)
+
+
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion")
+
+
+def build_optimizer(
+    name: str,
+    params: Iterable,
+    lr: float,
+    weight_decay: float = 0.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    sgd_momentum: float = 0.9,
+    sgd_direction: str = "buffer",
+    lion_beta1: float = 0.9,
+    lion_beta2: float = 0.99,
+) -> PredictiveOptimizer:
+    """The optimizer named by `--optimizer`, from Megatron-style flag values.
+
+    "adam" is Adam with L2 weight decay in the gradient and "adamw" decoupled decay, as in torch and the
+    PipeOptim paper (Megatron-LM's own "adam" applies decoupled decay, i.e. is "adamw" here).
+    "sgd" uses momentum `sgd_momentum` (Megatron's default 0.9; 0 gives plain SGD), "nesterov" the same
+    with Nesterov momentum. RMSprop and Adagrad use torch's defaults for their other settings.
+    Bad values raise ConfigError.
+    """
+    try:
+        if name == "adam":
+            return Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+        if name == "adamw":
+            return AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+        if name == "sgd":
+            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, direction=sgd_direction)
+        if name == "nesterov":
+            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, nesterov=True)
+        if name == "rmsprop":
+            return RMSprop(params, lr, weight_decay=weight_decay)
+        if name == "adagrad":
+            return Adagrad(params, lr, weight_decay=weight_decay)
+        if name == "lion":
+            return Lion(params, lr, betas=(lion_beta1, lion_beta2), weight_decay=weight_decay)
+    except ValueError as e:
+        raise ConfigError(f"--optimizer {name}: {e}") from e
+    raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")

@@ -1,0 +1,312 @@
+"""Tensor-parallel layers: column/row-parallel linear and vocab-parallel embedding (Megatron's).
+
+A transformer MLP is  Y = gelu(X A) B.  Split A by output columns (ColumnParallelLinear) and B by input
+rows (RowParallelLinear): each TP rank computes gelu(X A_i) B_i on its own, and one all-reduce sums
+the partial outputs. Attention splits the same way by heads. Weights are stored as F.linear wants them,
+[out, in], so "column-parallel" splits weight dim 0 and "row-parallel" splits weight dim 1.
+
+Activations are [seq, batch, hidden]. With sequence parallelism the activations outside TP regions are
+also split along seq: the column-parallel layer all-gathers its input along seq, and the row-parallel
+layer reduce-scatters its output along seq instead of all-reducing it.
+
+Both linear layers return `(output, output_bias)` like Megatron: `output_bias` is None unless
+`skip_bias_add=True`, in which case the bias is returned unadded so the caller can fuse it (bias+gelu,
+bias+dropout+residual).
+
+Initialization does not depend on the TP size: every rank draws the FULL master weight with
+`init_method` from the default generator (identical across TP ranks, see random.py) and keeps its
+slice, so a TP=2 model built from the same seed holds exactly the slices of the TP=1 model's weights.
+
+Parameter attributes (read by grad-norm, optimizer, DDP and checkpoint code):
+  tensor_model_parallel (bool)  this parameter is a slice; False: replicated on every TP rank, so
+                                count it once in norms (see `param_is_not_tensor_parallel_duplicate`).
+  partition_dim (int)           the dim it is sliced along (-1 if replicated).
+  partition_stride (int)        1 = contiguous slices; s > 1 = the full dim is cut in world*s chunks and
+                                rank r holds chunks r, r+world, ... (see `shard_tensor`).
+  sequence_parallel (bool)      replicated parameter whose gradient is PARTIAL under sequence
+                                parallelism (each rank saw only its part of the sequence): the grad
+                                must be all-reduced over the TP group before the optimizer step. Set
+                                here on the row-parallel bias; models must set it on LayerNorm weights
+                                and biases in sequence-parallel regions. Read it with
+                                `getattr(p, "sequence_parallel", False)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron_po.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    divide,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Parameter attributes and sharding helpers
+# --------------------------------------------------------------------------------------------------
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    for name, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True if this rank should count `param` in a norm over the TP group: slices always, replicated
+    parameters only on TP rank 0."""
+    return getattr(param, "tensor_model_parallel", False) or get_tensor_model_parallel_rank() == 0
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice of `full` along `dim` (the layout the layers use for their parameters)."""
+    chunk = divide(full.size(dim), world_size * stride)
+    pieces = torch.split(full, chunk, dim=dim)
+    return torch.cat(pieces[rank::world_size], dim=dim).contiguous()
+
+
+def gather_tensor(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard_tensor`: the full tensor from every rank's slice, listed by TP rank."""
+    world_size = len(shards)
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    # Chunk k of the full tensor is piece k // world_size of rank k % world_size.
+    return torch.cat([pieces[k % world_size][k // world_size] for k in range(world_size * stride)], dim=dim)
+
+
+def init_method_normal(sigma: float):
+    """N(0, sigma) initialization (Megatron's default with sigma = 0.02)."""
+    def init_(tensor):
+        return nn.init.normal_(tensor, mean=0.0, std=sigma)
+    return init_
+
+
+def _initialize_affine_weight_cpu(weight: torch.Tensor, full_shape: tuple[int, int], partition_dim: int,
+                                  init_method, stride: int = 1) -> None:
+    """Draw the full master weight on the CPU default generator and copy this rank's slice into
+    `weight`. Every TP rank draws the same numbers, so the result does not depend on the TP size."""
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    master_weight = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master_weight)
+    my_slice = shard_tensor(master_weight, partition_dim, get_tensor_model_parallel_rank(),
+                            get_tensor_model_parallel_world_size(), stride)
+    with torch.no_grad():
+        weight.copy_(my_slice)
+
+
+# --------------------------------------------------------------------------------------------------
+# Linear layers
+# --------------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A ([output_size, input_size]) split along output_size over TP ranks.
+
+    input:  [s, b, input_size], replicated on TP ranks (or [s/tp, b, input_size] with sequence_parallel)
+    output: [s, b, output_size/tp] on each rank, or [s, b, output_size] if gather_output.
+
+    `skip_weight_param_allocation=True` creates no weight; `forward(x, weight=...)` then uses the given
+    [output_size/tp, input_size] slice (an output layer tied to the vocab-parallel word embedding).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
+                 init_method=None, stride: int = 1, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            # The output would be gathered along hidden while the rest of the block expects seq-split.
+            raise ValueError("ColumnParallelLinear: gather_output is incompatible with sequence_parallel")
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        world_size = get_tensor_model_parallel_world_size()
+        self.output_size_per_partition = divide(output_size, world_size)
+        init_method = init_method or init_method_normal(0.02)
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size))
+            _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 0, init_method, stride)
+            self.weight.sequence_parallel = False
+        if bias:
+            # Each rank's bias slice sees the full (gathered) sequence: its grad is complete.
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition))
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
+            self.bias.sequence_parallel = False
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
+            weight = self.weight
+        if self.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]; backward reduce-scatters the partial input grads.
+            input_parallel = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        else:
+            # Replicated input; backward all-reduces the partial input grads.
+            input_parallel = copy_to_tensor_model_parallel_region(input_)
+        bias = None if self.skip_bias_add else self.bias
+        output_parallel = F.linear(input_parallel, weight, bias)
+        output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
+        output_bias = self.bias if self.skip_bias_add else None
+        return output, output_bias
+
+    def extra_repr(self):
+        return (f"input_size={self.input_size}, output_size={self.output_size} "
+                f"(per partition {self.output_size_per_partition}), gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A ([output_size, input_size]) split along input_size over TP ranks.
+
+    input:  [s, b, input_size/tp] (input_is_parallel) or [s, b, input_size] replicated (then scattered).
+    output: [s, b, output_size] replicated, or [s/tp, b, output_size] with sequence_parallel.
+
+    The bias is replicated and added after the reduction (adding it on each rank would count it tp
+    times). Under sequence parallelism each rank's bias grad covers only its sequence slice, so the bias
+    is marked `sequence_parallel=True` (all-reduce its grad over TP).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
+                 init_method=None, stride: int = 1, sequence_parallel: bool = False, skip_bias_add: bool = False):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        world_size = get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = divide(input_size, world_size)
+        init_method = init_method or init_method_normal(0.02)
+
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition))
+        _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 1, init_method, stride)
+        self.weight.sequence_parallel = False
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size))
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=-1, stride=1)
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_)
+        output_parallel = F.linear(input_parallel, self.weight)  # partial sums over this rank's rows
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel)
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
+
+    def extra_repr(self):
+        return (f"input_size={self.input_size} (per partition {self.input_size_per_partition}), "
+                f"output_size={self.output_size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding
+# --------------------------------------------------------------------------------------------------
+
+
+def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Megatron's _vocab_size_with_padding: round the vocab up to a multiple of divisible_by * tp, so
+    every TP rank holds an equal, GEMM-friendly slice. The padded ids are never produced by the tokenizer."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return int(math.ceil(orig_vocab_size / multiple)) * multiple
+
+
+class VocabUtility:
+    """The contiguous range of vocab ids [first, last) owned by a TP rank."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int, world_size: int):
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int):
+        per_partition = divide(global_vocab_size, world_size)
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its rows (the vocab) split over TP ranks.
+
+    Each rank looks up the ids it owns, writes zeros for the others, and the TP all-reduce fills in the
+    rest: the sum has exactly one non-zero contribution per token.
+
+    input:  ids [b, s] (any shape); output: [*ids.shape, embedding_dim], replicated on TP ranks.
+    With `reduce_scatter_embeddings=True` (Megatron-core's flag, for sequence parallelism) the output is
+    instead transposed to [s, b, h] and reduce-scattered along s: [s/tp, b, h], saving the all-reduce
+    plus the later scatter. Without the flag, a sequence-parallel caller transposes to [s, b, h] and
+    calls `scatter_to_sequence_parallel_region` itself.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
+                 reduce_scatter_embeddings: bool = False):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tensor_model_parallel_size = get_tensor_model_parallel_world_size()
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, get_tensor_model_parallel_rank(), self.tensor_model_parallel_size)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        init_method = init_method or init_method_normal(0.02)
+
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
+        _initialize_affine_weight_cpu(self.weight, (num_embeddings, embedding_dim), 0, init_method)
+        self.weight.sequence_parallel = False
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.tensor_model_parallel_size > 1:
+            input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            # Ids owned by other ranks look up row 0 (any valid row) and are zeroed below.
+            masked_input = (input_ - self.vocab_start_index).masked_fill(input_mask, 0)
+            output_parallel = F.embedding(masked_input, self.weight)
+            output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
+        else:
+            output_parallel = F.embedding(input_, self.weight)
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel)
+        return reduce_from_tensor_model_parallel_region(output_parallel)
+
+    def extra_repr(self):
+        return (f"num_embeddings={self.num_embeddings} (per partition {self.num_embeddings_per_partition}), "
+                f"embedding_dim={self.embedding_dim}")

@@ -7,8 +7,10 @@ hangs or dies fails the test within `timeout` seconds, and no child outlives the
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -20,7 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, tp, pp, vpp, fn, args, results):
+def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout):
+    # A hung rank prints every thread's stack shortly before the parent gives up on it.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
         import torch
         import torch.distributed as dist
@@ -36,11 +40,15 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results):
         ps.initialize_model_parallel(tp, pp, vpp)
         out = fn(*args)
         dist.barrier()
-        results.put((rank, True, out))
+        # Plain pickle copies tensors by value (the multiprocessing reducers would share them through
+        # file descriptors, which die with this process).
+        results.put((rank, True, pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
+        results.close()
+        results.join_thread()  # flush the queue before the hard exit
         os._exit(0)
 
 
@@ -50,7 +58,7 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | No
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results))
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results, timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -63,7 +71,7 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | No
                 raise TimeoutError(f"distributed test timed out after {timeout}s; "
                                    f"finished ranks: {sorted(out)}") from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 break  # the other ranks may now block forever; fail at once

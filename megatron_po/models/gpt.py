@@ -1,0 +1,135 @@
+"""GPT: embedding -> pre-LN transformer layers -> final norm -> (vocab-parallel) output layer + loss.
+
+One `GPTModel` instance is one model chunk: a contiguous range of layers, with the embedding only when
+it is the first virtual pipeline stage (`pre_process`) and the final norm, output layer and loss only
+when it is the last (`post_process`). With one stage and one chunk it is the whole model.
+
+Initialization does not depend on the parallel layout: every layer is built from its own seed
+(derived from `--seed` and its global layer number), and tensor-parallel layers draw the full weight
+and keep their slice. So the TP=2 x PP=2 model holds exactly the pieces of the TP=1 x PP=1 model,
+which is what the equivalence tests compare against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import ModelConfig
+from megatron_po.models.transformer import RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal
+from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
+                                         scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, part: int):
+    """Build one part of the model (a layer number, or -1/-2 for embedding/head) from its own seed,
+    leaving the global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed * 1_000_003 + (part + 2) * 7919) % (2**63 - 1))
+        yield
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout = cfg.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size,
+                                                      init_method=init_normal(cfg.init_method_std))
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings or cfg.seq_length, cfg.hidden_size)
+            init_normal(cfg.init_method_std)(self.position_embeddings.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(pos)[None]
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x)
+        return dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, seed: int, *, pre_process: bool = True,
+                 post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel
+        self.layer_offset = layer_offset
+        n = cfg.num_layers if num_layers is None else num_layers
+        self.tie_output = not cfg.untie_embeddings_and_output_weights
+
+        self.embedding = None
+        if pre_process:
+            with _seeded(seed, -1):
+                self.embedding = Embedding(cfg, padded_vocab_size, sequence_parallel)
+            # Tied to the output layer (here or on the last virtual stage): see allreduce_embedding_grads.
+            self.embedding.word_embeddings.weight.shared_embedding = self.tie_output
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, cfg.rotary_base)
+        layers = []
+        for i in range(layer_offset, layer_offset + n):
+            with _seeded(seed, i):
+                layers.append(TransformerLayer(cfg, sequence_parallel))
+        self.layers = nn.ModuleList(layers)
+
+        self.final_norm = self.output_layer = None
+        if post_process:
+            self.final_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
+            with _seeded(seed, -2):
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, padded_vocab_size, bias=False,
+                                                         gather_output=False,
+                                                         init_method=init_normal(cfg.init_method_std),
+                                                         sequence_parallel=sequence_parallel)
+            if self.tie_output:
+                if pre_process:
+                    # One parameter serves both ends; the output layer reads the embedding's weight.
+                    del self.output_layer.weight
+                    self.output_layer.weight = self.embedding.word_embeddings.weight
+                else:
+                    # The last pipeline stage keeps a copy that starts equal to the embedding (same seed)
+                    # and whose gradient is all-reduced with the first stage's (synchronous methods only).
+                    with _seeded(seed, -1):
+                        copy = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size,
+                                                      init_method=init_normal(cfg.init_method_std))
+                    self.output_layer.weight = copy.weight
+                    self.output_layer.weight.shared_embedding = True
+                    self.output_layer.weight.embedding_copy = True  # not counted twice in norms/checkpoints
+
+    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage takes `input_ids` [b, s]; later stages take `hidden_states` [s, b, h].
+
+        Returns hidden states [s, b, h] (not the last stage), per-token losses [b, s] (last stage with
+        labels) or vocab-parallel logits [s, b, V/tp] (last stage without labels).
+        """
+        x = self.embedding(input_ids) if self.pre_process else hidden_states
+        rotary = None
+        if self.rotary is not None:
+            seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+            rotary = self.rotary(seq, x.device)
+        for layer in self.layers:
+            x = layer(x, rotary)
+        if not self.post_process:
+            return x
+        x = self.final_norm(x)
+        logits, _ = self.output_layer(x)  # [s, b, V/tp]; gathers the sequence under sequence parallel
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).t()  # [b, s]
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+

@@ -1,0 +1,287 @@
+"""Run a pipeline rank's op list; the same runner serves real processes and the single-process emulator.
+
+`StageRunner.run(op)` executes one op of one pipeline rank on its model chunks:
+
+- `Forward(mb, c)`: take the input (the micro-batch's tokens on the first virtual stage, else the
+  activation received from the previous virtual stage), run chunk c, and either send the output to
+  the next virtual stage or, on the last one, compute the micro-batch's loss;
+- `Backward(mb, c)`: backpropagate from the loss (last virtual stage) or from the gradient received
+  from the next virtual stage, then send the input's gradient to the previous virtual stage;
+- `Step(c)`: call the caller's `step_fn(c)` (asynchronous methods step chunks mid-stream; synchronous
+  training steps after the schedule, so its `Step(None)` is left to the caller).
+
+It never knows which schedule produced the ops. What moves between stages goes through a transport:
+`P2PTransport` (torch.distributed isend / blocking recv, any number of tensors per message, shapes
+sent in a small header so variable-length batches work) or `Mailbox` (a dict, for the emulator). The
+weight-version policy of asynchronous methods is called around every forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_po import parallel_state as ps
+from megatron_po.models.gpt import masked_mean_loss
+from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, message_tag, virtual_stage
+
+# --------------------------------------------------------------------------------------------------
+# Transports
+# --------------------------------------------------------------------------------------------------
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 64  # int64 slots: [num_tensors, dtype code, (ndim, dims...) per tensor]
+
+
+class Mailbox:
+    """In-process transport: the emulator's ranks leave messages in a shared dict."""
+
+    def __init__(self):
+        self.messages: dict = {}
+
+    def send(self, peer: int, key: tuple, tensors: list[torch.Tensor]) -> None:
+        self.messages[(peer, key)] = [t.detach().clone() for t in tensors]
+
+    def recv(self, me: int, peer: int, key: tuple) -> list[torch.Tensor]:
+        return self.messages.pop((me, key))
+
+    def flush(self) -> None:
+        pass
+
+
+class P2PTransport:
+    """Point-to-point between pipeline ranks. Each message is a header (shapes, dtype) and one flat
+    payload; tags come from `message_tag`, doubled to tell header from payload, so forward activations
+    and backward gradients never match each other even when both neighbours are the same rank (D=2)."""
+
+    def __init__(self, num_stages: int, num_chunks: int):
+        self.D, self.v = num_stages, num_chunks
+        self.ranks = ps.get_pipeline_model_parallel_ranks()
+        self.group = ps.get_pipeline_model_parallel_group()
+        self.device = ps.get_device()
+        self.pending: list = []  # (work, tensors kept alive until the send completes)
+
+    def _tag(self, key) -> int:
+        kind, mb, dest_vs = key
+        return 2 * message_tag(kind, mb, dest_vs, self.v, self.D)
+
+    def send(self, peer: int, key: tuple, tensors: list[torch.Tensor]) -> None:
+        dtype = tensors[0].dtype
+        header = [len(tensors), _DTYPES.index(dtype)]
+        for t in tensors:
+            assert t.dtype == dtype, "all tensors of one message share a dtype"
+            header += [t.dim(), *t.shape]
+        assert len(header) <= _HEADER, "message header too large"
+        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
+        payload = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
+        tag, dst = self._tag(key), self.ranks[peer]
+        self.pending.append((dist.isend(head, dst, group=self.group, tag=tag), head))
+        self.pending.append((dist.isend(payload, dst, group=self.group, tag=tag + 1), payload))
+        if len(self.pending) > 64:  # drop completed sends so long asynchronous runs don't accumulate
+            self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def recv(self, me: int, peer: int, key: tuple) -> list[torch.Tensor]:
+        tag, src = self._tag(key), self.ranks[peer]
+        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(head, src, group=self.group, tag=tag)
+        h = head.tolist()
+        n, dtype = h[0], _DTYPES[h[1]]
+        shapes, i = [], 2
+        for _ in range(n):
+            ndim = h[i]
+            shapes.append(tuple(h[i + 1:i + 1 + ndim]))
+            i += 1 + ndim
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        payload = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+        dist.recv(payload, src, group=self.group, tag=tag + 1)
+        return [p.view(s) for p, s in zip(payload.split(sizes), shapes)]
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight-version policy interface (asynchronous methods plug in here; synchronous ones use the no-op)
+# --------------------------------------------------------------------------------------------------
+
+
+class WeightPolicy:
+    """Hooks the runner calls around each pass; the default keeps the live weights throughout."""
+
+    def before_forward(self, mb: int, chunk: int) -> None: ...
+    def after_forward(self, mb: int, chunk: int) -> None: ...
+    def before_backward(self, mb: int, chunk: int) -> None: ...
+    def after_backward(self, mb: int, chunk: int) -> None: ...
+    def after_step(self, chunk: int) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# The runner
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_list(x) -> list[torch.Tensor]:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+@dataclass
+class StageRunner:
+    rank: int  # pipeline rank
+    num_stages: int
+    chunks: list  # model chunks of this rank, indexed by chunk id
+    transport: object
+    get_batch: object  # mb -> dict(tokens, labels, loss_mask)
+    loss_scale: float = 1.0  # multiplies each micro-batch loss before backward (1/M: the mean)
+    policy: WeightPolicy = field(default_factory=WeightPolicy)
+    step_fn: object = None  # chunk -> None, for Step ops
+    grad_sync: object = None  # (chunk, enabled: bool) -> None, DDP sync on a chunk's last backward
+    forward_only: bool = False
+    saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
+    losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def _peer(self, vs: int) -> int:
+        return vs % self.num_stages
+
+    def run(self, op, sync_grads: bool = False) -> None:
+        if isinstance(op, Forward):
+            self.forward(op.microbatch, op.chunk)
+        elif isinstance(op, Backward):
+            self.backward(op.microbatch, op.chunk, sync_grads)
+        elif isinstance(op, Step):
+            if self.step_fn is not None:
+                self.step_fn(op.chunk)
+                self.policy.after_step(op.chunk)
+
+    def forward(self, mb: int, c: int) -> None:
+        chunk = self.chunks[c]
+        vs = virtual_stage(self.rank, c, self.num_stages)
+        batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process) else None
+        inputs = []
+        if not chunk.pre_process:
+            inputs = self.transport.recv(self.rank, self._peer(vs - 1), ("act", mb, vs))
+            if not self.forward_only:
+                for t in inputs:
+                    t.requires_grad_(t.is_floating_point())
+        self.policy.before_forward(mb, c)
+        with torch.set_grad_enabled(not self.forward_only):
+            hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
+            out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
+                        labels=batch["labels"] if chunk.post_process else None)
+            if chunk.post_process:
+                loss = masked_mean_loss(out, batch["loss_mask"])
+                self.losses[mb] = loss.detach()
+                outputs = [loss * self.loss_scale]
+        self.policy.after_forward(mb, c)
+        if not chunk.post_process:
+            outputs = _as_list(out)
+            self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)
+        if not self.forward_only:
+            self.saved[(mb, c)] = (inputs, outputs)
+
+    def backward(self, mb: int, c: int, sync_grads: bool = False) -> None:
+        chunk = self.chunks[c]
+        vs = virtual_stage(self.rank, c, self.num_stages)
+        inputs, outputs = self.saved.pop((mb, c))
+        if chunk.post_process:
+            grads = [None]
+        else:
+            grads = self.transport.recv(self.rank, self._peer(vs + 1), ("grad", mb, vs))
+        self.policy.before_backward(mb, c)
+        if self.grad_sync is not None:
+            self.grad_sync(c, sync_grads)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if self.grad_sync is not None:
+            self.grad_sync(c, False)
+        self.policy.after_backward(mb, c)
+        if not chunk.pre_process:
+            in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+            self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
+
+
+def last_backward_per_chunk(ops) -> set[int]:
+    """Indices of each chunk's last Backward: the one whose gradients complete the step (DDP sync)."""
+    last = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, Backward):
+            last[op.chunk] = i
+    return set(last.values())
+
+
+def forward_only_ops(ops) -> list:
+    """Evaluation: the schedule's forwards in their order (a valid pipeline order on every rank)."""
+    return [op for op in ops if isinstance(op, Forward)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Drivers
+# --------------------------------------------------------------------------------------------------
+
+
+def run_rank(schedule: Schedule, runner: StageRunner) -> None:
+    """Distributed: this process runs its own rank's ops in order."""
+    ops = schedule.ops[runner.rank]
+    if runner.forward_only:
+        ops = forward_only_ops(ops)
+    sync_at = last_backward_per_chunk(ops)
+    for i, op in enumerate(ops):
+        runner.run(op, sync_grads=i in sync_at)
+    runner.transport.flush()
+
+
+def emulate(schedule: Schedule, runners: dict[int, StageRunner]) -> None:
+    """Single process: run every rank's ops in an order the dependencies allow (the one the deadlock
+    checker finds), with the same per-op code and numerics as the distributed run."""
+    from megatron_po.pipeline.schedules import Schedule as _S, execution_order
+    sched = schedule
+    if any(r.forward_only for r in runners.values()):
+        sched = _S(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches,
+                   {r: forward_only_ops(ops) for r, ops in schedule.ops.items()})
+    sync_at = {r: last_backward_per_chunk(ops) for r, ops in sched.ops.items()}
+    for r, i in execution_order(sched):
+        runners[r].run(sched.ops[r][i], sync_grads=i in sync_at[r])
+
+
+# --------------------------------------------------------------------------------------------------
+# Synchronous training glue
+# --------------------------------------------------------------------------------------------------
+
+_SCHEDULE_CACHE: dict = {}
+_TRANSPORT: dict = {}
+
+
+def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False):
+    """One synchronous iteration of this rank over `batches` (its micro-batches). Gradients end up in
+    the DDP buffer (the DP reduce overlapping each chunk's last backward); the caller steps.
+    Returns the mean micro-batch loss on the last pipeline stage, None elsewhere."""
+    from megatron_po.pipeline.schedules import build_schedule
+    D, v, M = ps.get_pipeline_model_parallel_world_size(), len(chunks), len(batches)
+    if D == 1 and v == 1:
+        method = "none"
+    key = (method, D, v, M)
+    if key not in _SCHEDULE_CACHE:
+        _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
+    if (D, v) not in _TRANSPORT:
+        _TRANSPORT[(D, v)] = P2PTransport(D, v) if D > 1 else Mailbox()
+
+    def grad_sync(_chunk, enabled):
+        ddp.sync_enabled = enabled
+
+    runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
+                         transport=_TRANSPORT[(D, v)], get_batch=batches.__getitem__, loss_scale=1.0 / M,
+                         grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only)
+    run_rank(_SCHEDULE_CACHE[key], runner)
+    if ddp is not None:
+        ddp.sync_enabled = True
+    if not runner.losses:
+        return None
+    return torch.stack([runner.losses[mb] for mb in sorted(runner.losses)]).mean()

@@ -1,0 +1,40 @@
+"""Split the GPT layers over D pipeline ranks x v model chunks.
+
+Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering) holds the contiguous layers
+`[vs*n, (vs+1)*n)` with `n = L / (D*v)`; virtual stage 0 also holds the embedding and the last one
+the final norm, output layer and loss.
+"""
+
+from __future__ import annotations
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import Config, virtual_pipeline_size
+from megatron_po.errors import ConfigError
+from megatron_po.models.gpt import GPTModel
+
+
+def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) -> int:
+    if num_layers % (num_stages * num_chunks) != 0:
+        raise ConfigError(f"--num-layers ({num_layers}) is not divisible by pipeline stages ({num_stages}) x "
+                          f"model chunks ({num_chunks})")
+    return num_layers // (num_stages * num_chunks)
+
+
+def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages: int, num_chunks: int,
+                          device=None) -> list[GPTModel]:
+    """The v model chunks of pipeline rank `rank` (pure in the rank: the emulator builds every rank)."""
+    n = layers_per_virtual_stage(cfg.model.num_layers, num_stages, num_chunks)
+    last = num_stages * num_chunks - 1
+    chunks = []
+    for c in range(num_chunks):
+        vs = c * num_stages + rank
+        chunk = GPTModel(cfg.model, padded_vocab, cfg.training.seed, pre_process=vs == 0, post_process=vs == last,
+                         layer_offset=vs * n, num_layers=n, sequence_parallel=cfg.parallel.sequence_parallel)
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    return chunks
+
+
+def build_pipeline_chunks(cfg: Config, padded_vocab: int) -> list[GPTModel]:
+    return build_chunks_for_rank(cfg, padded_vocab, ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_pipeline_model_parallel_world_size(), virtual_pipeline_size(cfg),
+                                 ps.get_device())

@@ -1,0 +1,356 @@
+"""The training loop: set-up, iterations, evaluation, checkpoints and logging.
+
+One iteration consumes one global batch (`micro_batch x num_microbatches x DP` samples): each DP rank
+runs forward/backward over its `num_microbatches` micro-batches (gradients accumulated locally, the
+DP all-reduce overlapping the last backward), then the gradients are clipped by their global norm and
+the optimizer steps with the lr of the schedule.
+
+Data order follows Megatron's pretraining sampler: global batch `g` holds samples
+`[g*G, (g+1)*G)`; micro-batch `m` of DP rank `d` holds `mbs` samples starting at
+`g*G + m*mbs*DP + d*mbs`. So a DP=2 run sees, in total, the same samples per step as one process.
+Every TP rank reads the same samples itself (deterministic indexing) instead of receiving a broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import Config, global_batch_size, num_microbatches, validate
+from megatron_po.distributed.checkpoint import load_checkpoint, read_tracker, save_checkpoint
+from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
+                                         allreduce_sequence_parallel_grads)
+from megatron_po.errors import DataError, UserError
+from megatron_po.models.gpt import GPTModel
+from megatron_po.optim import build_optimizer
+from megatron_po.optim.clip_grads import clip_grad_norm_
+from megatron_po.optim.lr_scheduler import lr_at, set_lr
+from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), Megatron's dense convention.
+
+    Per layer and token the forward does 2 FLOPs per multiply-add of: QKV (3h^2), attention output
+    (h^2), MLP (2 h f, or 3 h f with SwiGLU), and attention scores + weighted values (2 s h, counting
+    the full s x s square as Megatron does, although causal masking needs only half). Plus the output
+    layer (h V). With f = 4h and no SwiGLU this is Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per
+    token.
+    """
+    from megatron_po.config import ffn_hidden_size
+    m = cfg.model
+    h, s, L, f = m.hidden_size, m.seq_length, m.num_layers, ffn_hidden_size(m)
+    mlp = (3 if m.swiglu else 2) * h * f
+    per_layer = 2 * (4 * h * h + mlp + 2 * s * h)
+    return 3.0 * (L * per_layer + 2 * h * vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def build_model_chunks(cfg: Config, padded_vocab: int) -> list:
+    """This rank's model chunks (one without pipeline parallelism)."""
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1 or cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        from megatron_po.pipeline.partition import build_pipeline_chunks
+        return build_pipeline_chunks(cfg, padded_vocab)
+    model = GPTModel(cfg.model, padded_vocab, cfg.training.seed,
+                     sequence_parallel=cfg.parallel.sequence_parallel).to(ps.get_device())
+    return [model]
+
+
+def param_groups(chunks, weight_decay: float):
+    """Megatron's rule: no weight decay on biases and normalization weights (the 1-D params)."""
+    decay, no_decay, seen = [], [], set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (no_decay if p.ndim == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_data(cfg: Config, tokenizer_vocab_size: int):
+    from megatron_po.data.gpt_dataset import build_gpt_datasets
+    t = cfg.training
+    world = dist.get_world_size()
+    gbs = global_batch_size(cfg, world)
+    # Validation restarts from its first sample at every evaluation, so numbers compare across evals.
+    num_samples = (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs)
+    train, valid, test = build_gpt_datasets(
+        cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, num_samples,
+        cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data, vocab_size=tokenizer_vocab_size)
+    return train, valid, test
+
+
+def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
+    """This DP rank's micro-batches of the global batch that starts at `consumed_samples`."""
+    dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    device = ps.get_device()
+    out = []
+    for m in range(num_mb):
+        start = consumed_samples + m * mbs * dp + d * mbs
+        items = [dataset[i % len(dataset)] for i in range(start, start + mbs)]
+        out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# One step
+# --------------------------------------------------------------------------------------------------
+
+
+def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False) -> torch.Tensor | None:
+    """Loss averaged over this rank's micro-batches; gradients accumulated into the DDP buffer.
+
+    Every layout runs through the pipeline executor: without pipelining it runs the "none" schedule
+    (F0 B0 F1 B1 ..., plain gradient accumulation with the DP sync on the last backward).
+    Returns the mean loss on the rank that holds it (None elsewhere).
+    """
+    from megatron_po.pipeline.executor import synchronous_forward_backward
+    return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only)
+
+
+def holds_loss() -> bool:
+    return ps.is_pipeline_last_stage()
+
+
+def logging_rank() -> int:
+    return ps.rank_of(0, 0, ps.get_pipeline_model_parallel_world_size() - 1,
+                      ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+
+
+def average_over_dp(x: torch.Tensor | None) -> float | None:
+    """Mean over data-parallel replicas of a loss held by the last pipeline stage."""
+    if x is None:
+        return None
+    x = x.detach().clone().to(torch.float64)
+    dist.all_reduce(x, group=ps.get_data_parallel_group())
+    return float(x) / ps.get_data_parallel_world_size()
+
+
+def train_step(cfg, chunks, ddp, optimizer, batches, lr: float):
+    ddp.zero_grad()
+    loss = forward_backward(cfg, chunks, ddp, batches)
+    ddp.finish_grad_sync()
+    allreduce_sequence_parallel_grads(ddp.params)
+    allreduce_embedding_grads(ddp.params)
+    grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def evaluate(cfg, chunks, ddp, valid, num_mb):
+    for c in chunks:
+        c.eval()
+    losses = []
+    gbs = global_batch_size(cfg, dist.get_world_size())
+    for k in range(cfg.training.eval_iters):
+        batches = microbatches(valid, k * gbs, num_mb, cfg.training.micro_batch_size)
+        loss = forward_backward(cfg, chunks, ddp, batches, forward_only=True)
+        losses.append(average_over_dp(loss) if holds_loss() else None)
+    for c in chunks:
+        c.train()
+    if not holds_loss():
+        return None
+    return sum(losses) / len(losses)
+
+
+# --------------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------------
+
+
+class Logger:
+    """Console line, `--metrics-file` JSON lines and W&B, from the rank that holds the loss."""
+
+    def __init__(self, cfg: Config, active: bool):
+        self.active = active
+        self.metrics_file = None
+        self.wandb = None
+        if not active:
+            return
+        lc = cfg.logging
+        if lc.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(lc.metrics_file)), exist_ok=True)
+            self.metrics_file = open(lc.metrics_file, "a")
+        if lc.wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=lc.wandb_project, name=lc.wandb_exp_name, entity=lc.wandb_entity,
+                                    dir=lc.wandb_save_dir, config=cfg.to_dict())
+
+    def log(self, record: dict, line: str | None = None):
+        if not self.active:
+            return
+        if line:
+            print(line, flush=True)
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=record["iteration"])
+
+    def close(self):
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def print_rank0(msg: str):
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry
+# --------------------------------------------------------------------------------------------------
+
+
+def pretrain(cfg: Config) -> dict:
+    """Run training as configured; returns the last logged record (on the logging rank)."""
+    env_world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    validate(cfg, env_world)
+    ps.init_distributed(cfg.parallel.distributed_timeout_minutes)
+    world = dist.get_world_size()
+    validate(cfg, world)
+    p = cfg.parallel
+    from megatron_po.config import virtual_pipeline_size
+    ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
+    t = cfg.training
+    torch.manual_seed(t.seed)
+    model_parallel_seed(t.seed)
+
+    from megatron_po.data.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    padded_vocab = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
+                                  p.tensor_model_parallel_size)
+    chunks = build_model_chunks(cfg, padded_vocab)
+    ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size)
+    optimizer = build_optimizer(t.optimizer, param_groups(chunks, t.weight_decay), lr=t.lr,
+                                weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+                                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
+                f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
+                f"device {ps.get_device()}")
+
+    # Real data is checked against the tokenizer's vocabulary (a token id >= vocab size is an error).
+    train_ds, valid_ds, _ = build_data(cfg, tokenizer.vocab_size)
+
+    state = TrainState()
+    ck = cfg.checkpoint
+    if ck.load and read_tracker(ck.load) is not None:
+        extra = load_checkpoint(ck.load, chunks, optimizer)
+        state = TrainState(**extra["train_state"])
+        print_rank0(f"> resumed from {ck.load} at iteration {state.iteration}")
+    elif ck.load:
+        if not os.path.isdir(ck.load) and ck.load != ck.save:
+            raise UserError(f"--load {ck.load}: no such directory")
+        print_rank0(f"> no checkpoint in {ck.load} yet: starting from scratch")
+
+    gbs = global_batch_size(cfg, world)
+    num_mb = num_microbatches(cfg, world)
+    mbs = t.micro_batch_size
+    flops_per_iter = gpt_flops_per_token(cfg, padded_vocab) * gbs * cfg.model.seq_length
+    logger = Logger(cfg, dist.get_rank() == logging_rank())
+    record: dict = {}
+    window_start, window_iters = time.perf_counter(), 0
+    loss_sum, loss_n = 0.0, 0
+
+    def save():
+        save_checkpoint(ck.save, state.iteration, chunks, optimizer,
+                        {"train_state": vars(state).copy(), "config": cfg.to_dict()})
+        print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
+
+    while state.iteration < t.train_iters:
+        lr = lr_at(state.iteration, t)
+        batches = microbatches(train_ds, state.consumed_samples, num_mb, mbs)
+        loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr)
+        state.iteration += 1
+        state.consumed_samples += gbs
+        window_iters += 1
+        avg = average_over_dp(loss) if holds_loss() else None
+        if avg is not None:
+            loss_sum, loss_n = loss_sum + avg, loss_n + 1
+            if not math.isfinite(avg):
+                raise UserError(f"loss is {avg} at iteration {state.iteration} (rank {dist.get_rank()})")
+
+        do_log = state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters
+        do_eval = state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters
+        if do_log:
+            elapsed = time.perf_counter() - window_start
+            sec_per_iter = elapsed / window_iters
+            tokens_per_sec = gbs * cfg.model.seq_length / sec_per_iter
+            tflops = flops_per_iter / sec_per_iter / world / 1e12
+            record = {"iteration": state.iteration, "lm_loss": loss_sum / max(loss_n, 1), "lr": lr,
+                      "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+                      "tflops_per_process": tflops, "consumed_samples": state.consumed_samples}
+            line = (f" iteration {state.iteration:6d}/{t.train_iters} | consumed samples {state.consumed_samples} |"
+                    f" lm loss {record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {grad_norm:.3f} |"
+                    f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f} |"
+                    f" TFLOP/s per process {tflops:.4f}")
+            if do_eval:
+                val = evaluate(cfg, chunks, ddp, valid_ds, num_mb) if valid_ds is not None else None
+                if val is not None:
+                    record["val_loss"] = val
+                    record["val_ppl"] = math.exp(min(val, 50.0))
+                    line += f" | val loss {val:.4f} | val ppl {record['val_ppl']:.2f}"
+            logger.log(record, line)
+            window_start, window_iters, loss_sum, loss_n = time.perf_counter(), 0, 0.0, 0
+        elif do_eval and valid_ds is not None:
+            val = evaluate(cfg, chunks, ddp, valid_ds, num_mb)
+            if val is not None:
+                logger.log({"iteration": state.iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))},
+                           f" validation at iteration {state.iteration} | val loss {val:.4f}")
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            save()
+    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+        save()
+    logger.close()
+    return record
+
+
+def run_main(cfg_or_argv, description: str = "megatron_po") -> int:
+    """Entry-point wrapper: bad input -> one `error:` line on stderr and exit code 2."""
+    import sys
+
+    from megatron_po.config import parse_args
+    try:
+        cfg = parse_args(cfg_or_argv, description) if not isinstance(cfg_or_argv, Config) else cfg_or_argv
+        pretrain(cfg)
+    except (UserError, DataError) as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 or not dist.is_initialized():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

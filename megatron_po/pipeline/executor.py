@@ -208,13 +208,17 @@ class StageRunner:
             self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
-def last_backward_per_chunk(ops) -> set[int]:
-    """Indices of each chunk's last Backward: the one whose gradients complete the step (DDP sync)."""
-    last = {}
+def backwards_before_step(ops) -> set[int]:
+    """Indices of the Backward ops whose gradients complete a step: the last backward of chunk c
+    before a Step(c) or Step(None). The DDP reduce of that chunk overlaps exactly these backwards."""
+    out, last = set(), {}
     for i, op in enumerate(ops):
         if isinstance(op, Backward):
             last[op.chunk] = i
-    return set(last.values())
+        elif isinstance(op, Step):
+            chunks = list(last) if op.chunk is None else [op.chunk]
+            out |= {last.pop(c) for c in chunks if c in last}
+    return out
 
 
 def forward_only_ops(ops) -> list:
@@ -232,7 +236,7 @@ def run_rank(schedule: Schedule, runner: StageRunner) -> None:
     ops = schedule.ops[runner.rank]
     if runner.forward_only:
         ops = forward_only_ops(ops)
-    sync_at = last_backward_per_chunk(ops)
+    sync_at = backwards_before_step(ops)
     for i, op in enumerate(ops):
         runner.run(op, sync_grads=i in sync_at)
     runner.transport.flush()
@@ -246,7 +250,7 @@ def emulate(schedule: Schedule, runners: dict[int, StageRunner]) -> None:
     if any(r.forward_only for r in runners.values()):
         sched = _S(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches,
                    {r: forward_only_ops(ops) for r, ops in schedule.ops.items()})
-    sync_at = {r: last_backward_per_chunk(ops) for r, ops in sched.ops.items()}
+    sync_at = {r: backwards_before_step(ops) for r, ops in sched.ops.items()}
     for r, i in execution_order(sched):
         runners[r].run(sched.ops[r][i], sync_grads=i in sync_at[r])
 

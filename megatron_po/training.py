@@ -351,6 +351,7 @@ def run_main(cfg_or_argv, description: str = "megatron_po") -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
+        ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

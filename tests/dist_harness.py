@@ -39,11 +39,13 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout):
         ps.init_distributed(timeout_minutes=2)
         ps.initialize_model_parallel(tp, pp, vpp)
         out = fn(*args)
-        dist.barrier()
+        if dist.is_initialized():  # fn may have shut the group down itself (e.g. run_main)
+            dist.barrier()
         # Plain pickle copies tensors by value (the multiprocessing reducers would share them through
         # file descriptors, which die with this process).
         results.put((rank, True, pickle.dumps(out)))
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:

@@ -20,9 +20,6 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from megatron_po import parallel_state as ps
 from megatron_po.errors import UserError
@@ -70,6 +67,7 @@ _MESH = None
 
 
 def _tp_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
     global _MESH
     if _MESH is None:
         _MESH = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), ps.get_device().type)
@@ -81,6 +79,7 @@ def _global_view(p: torch.Tensor, t: torch.Tensor):
     tensor-parallel shard, else the plain tensor (replicated across TP/DP; DCP writes one copy)."""
     if getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1 \
             and t.shape == p.shape:
+        from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(t, _tp_mesh(), [Shard(p.partition_dim)], run_check=False)
     return t
 
@@ -109,6 +108,7 @@ def _model_and_optimizer_state(chunks, optimizer):
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict) -> str:
     """Write a checkpoint of this iteration; collective over all ranks."""
+    import torch.distributed.checkpoint as dcp  # heavy import (~1-3 s): only when checkpointing
     final = checkpoint_dir(root, iteration)
     partial = final + ".partial"
     if dist.get_rank() == 0:
@@ -137,6 +137,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict) -
 
 def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_rng: bool = True) -> dict:
     """Load the latest checkpoint under `root` into the model (and optimizer); return its `extra`."""
+    import torch.distributed.checkpoint as dcp
     if not os.path.isdir(root):
         raise UserError(f"--load {root}: no such directory")
     iteration = read_tracker(root)

@@ -111,12 +111,17 @@ class P2PTransport:
 
 
 class WeightPolicy:
-    """Hooks the runner calls around each pass; the default keeps the live weights throughout."""
+    """Hooks the runner calls around each pass; the default keeps the live weights throughout.
+
+    Forward-only runs (evaluation) never call the hooks: evaluation always uses the live weights.
+    `before_step` lets a policy keep the weights a step is about to overwrite (weight stashing).
+    """
 
     def before_forward(self, mb: int, chunk: int) -> None: ...
     def after_forward(self, mb: int, chunk: int) -> None: ...
     def before_backward(self, mb: int, chunk: int) -> None: ...
     def after_backward(self, mb: int, chunk: int) -> None: ...
+    def before_step(self, chunk: int) -> None: ...
     def after_step(self, chunk: int) -> None: ...
 
 
@@ -158,6 +163,7 @@ class StageRunner:
             self.backward(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
+                self.policy.before_step(op.chunk)
                 self.step_fn(op.chunk)
                 self.policy.after_step(op.chunk)
 
@@ -171,7 +177,8 @@ class StageRunner:
             if not self.forward_only:
                 for t in inputs:
                     t.requires_grad_(t.is_floating_point())
-        self.policy.before_forward(mb, c)
+        if not self.forward_only:
+            self.policy.before_forward(mb, c)
         with torch.set_grad_enabled(not self.forward_only):
             hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
             out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
@@ -180,7 +187,8 @@ class StageRunner:
                 loss = masked_mean_loss(out, batch["loss_mask"])
                 self.losses[mb] = loss.detach()
                 outputs = [loss * self.loss_scale]
-        self.policy.after_forward(mb, c)
+        if not self.forward_only:
+            self.policy.after_forward(mb, c)
         if not chunk.post_process:
             outputs = _as_list(out)
             self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)

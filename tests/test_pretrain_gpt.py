@@ -1,0 +1,204 @@
+"""End to end through pretrain_gpt.py's entry (`training.run_main`) on the bundled corpus.
+
+- A 4-process TP=2 x DP=2 run of 30 iterations matches the 1-process run's loss curve
+  (|delta loss| <= 2e-3 at every logged iteration: fp32, different reduction orders through 30 AdamW
+  steps) and its loss falls; with PP=2 (1F1B) likewise.
+- Bad input ends with exit code 2 and one `error:` line, no traceback.
+"""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from dist_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "examples", "data", "bible_web.en.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small tokenizer and the first 300 chapters preprocessed to .bin/.idx."""
+    from tools import preprocess_data, train_tokenizer
+    d = tmp_path_factory.mktemp("corpus")
+    src = d / "bible300.jsonl"
+    with gzip.open(CORPUS, "rt") as f, open(src, "w") as out:
+        for i, line in enumerate(f):
+            if i == 300:
+                break
+            out.write(line)
+    assert train_tokenizer.main(["--input", str(src), "--json-keys", "text", "--vocab-size", "500",
+                                 "--output-prefix", str(d / "tok")]) == 0
+    assert preprocess_data.main(["--input", str(src), "--json-keys", "text", "--tokenizer-type",
+                                 "SentencePieceTokenizer", "--tokenizer-model", str(d / "tok.model"),
+                                 "--output-prefix", str(d / "bible"), "--append-eod", "--workers", "1"]) == 0
+    return {"prefix": str(d / "bible_text_document"), "model": str(d / "tok.model"), "dir": d}
+
+
+def base_args(corpus, out_dir, **overrides):
+    args = {
+        "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 64,
+        "--micro-batch-size": 4, "--global-batch-size": 16, "--train-iters": 30, "--lr": 2e-3,
+        "--min-lr": 2e-4, "--lr-warmup-iters": 3, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
+        "--data-path": corpus["prefix"], "--tokenizer-model": corpus["model"], "--split": "95,5,0",
+        "--log-interval": 5, "--eval-interval": 15, "--eval-iters": 2, "--make-vocab-size-divisible-by": 16,
+        "--data-cache-path": str(out_dir / "cache"), "--metrics-file": str(out_dir / "metrics.jsonl"),
+        "--seed": 3,
+    }
+    args.update(overrides)
+    argv = []
+    for k, v in args.items():
+        if v is True:
+            argv.append(k)
+        elif v is not None:
+            argv += [k, str(v)]
+    return argv
+
+
+def run_pretrain(argv):
+    from megatron_po.training import run_main
+    return run_main(argv)  # reuses the harness's process group, builds its own model-parallel groups
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_layout(corpus, tmp_path, name, world, **flags):
+    out = tmp_path / name
+    out.mkdir()
+    argv = base_args(corpus, out, **flags)
+    codes = run_distributed(run_pretrain, world, args=(argv,), timeout=300)
+    assert codes == [0] * world
+    return read_metrics(out / "metrics.jsonl")
+
+
+def assert_same_curve(a, b, tol=2e-3):
+    la = [r["lm_loss"] for r in a if "lm_loss" in r]
+    lb = [r["lm_loss"] for r in b if "lm_loss" in r]
+    assert len(la) == len(lb) == 6
+    for x, y in zip(la, lb):
+        assert abs(x - y) <= tol, (la, lb)
+    va = [r["val_loss"] for r in a if "val_loss" in r]
+    vb = [r["val_loss"] for r in b if "val_loss" in r]
+    assert len(va) == len(vb) == 2
+    for x, y in zip(va, vb):
+        assert abs(x - y) <= tol, (va, vb)
+
+
+def test_tp2_dp2_matches_single_process_and_loss_falls(corpus, tmp_path):
+    single = run_layout(corpus, tmp_path, "single", 1)
+    parallel = run_layout(corpus, tmp_path, "tp2dp2", 4, **{"--tensor-model-parallel-size": 2})
+    losses = [r["lm_loss"] for r in single if "lm_loss" in r]
+    assert losses[-1] < losses[0] - 0.5 and losses == sorted(losses, reverse=True), losses  # falls steadily
+    assert_same_curve(single, parallel)
+    rec = parallel[-1]
+    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "val_loss"):
+        assert key in rec
+    assert rec["iteration"] == 30
+
+
+def test_pp2_dp2_1f1b_matches_single_process(corpus, tmp_path):
+    single = run_layout(corpus, tmp_path, "single", 1)
+    piped = run_layout(corpus, tmp_path, "pp2", 4, **{"--pipeline-model-parallel-size": 2})
+    assert_same_curve(single, piped)
+
+
+# ---- bad input: one clear line ---------------------------------------------------------------------
+
+def cli(args, env_extra=None, timeout=120):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_one_error_line(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def corrupt_copy(corpus, tmp_path, mutate):
+    prefix = str(tmp_path / "bad_text_document")
+    shutil.copy(corpus["prefix"] + ".bin", prefix + ".bin")
+    data = bytearray(open(corpus["prefix"] + ".idx", "rb").read())
+    open(prefix + ".idx", "wb").write(mutate(data))
+    return prefix
+
+
+BAD_INPUT_CASES = ["world", "hidden", "heads", "missing-data", "bad-magic", "truncated-idx", "vocab-mismatch",
+                   "missing-tokenizer", "unknown-flag"]
+
+
+def bad_input(case, corpus, tmp_path):
+    """(flag overrides, environment, words the error line must contain) of each bad-input case."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    over, needles = {}, []
+    if case == "world":
+        env["WORLD_SIZE"] = "3"
+        over = {"--tensor-model-parallel-size": 2}
+        needles = ["world size 3", "--tensor-model-parallel-size"]
+    elif case == "hidden":
+        env["WORLD_SIZE"] = "2"
+        over = {"--tensor-model-parallel-size": 2, "--hidden-size": 63, "--num-attention-heads": 3}
+        needles = ["--hidden-size (63)", "--tensor-model-parallel-size (2)"]
+    elif case == "heads":
+        env["WORLD_SIZE"] = "2"
+        over = {"--tensor-model-parallel-size": 2, "--hidden-size": 96, "--num-attention-heads": 3}
+        needles = ["--num-attention-heads (3)"]
+    elif case == "missing-data":
+        over = {"--data-path": str(tmp_path / "nope_text_document")}
+        needles = ["nope_text_document"]
+    elif case == "bad-magic":
+        over = {"--data-path": corrupt_copy(corpus, tmp_path, lambda b: b"XXXXXXXXX" + b[9:])}
+        needles = ["bad_text_document.idx", "magic"]
+    elif case == "truncated-idx":
+        over = {"--data-path": corrupt_copy(corpus, tmp_path, lambda b: b[:len(b) // 2])}
+        needles = ["bad_text_document.idx"]
+    elif case == "vocab-mismatch":
+        over = {"--tokenizer-type": "NullTokenizer", "--vocab-size": 50, "--tokenizer-model": None}
+        needles = ["vocab"]
+    elif case == "missing-tokenizer":
+        over = {"--tokenizer-model": str(tmp_path / "missing.model")}
+        needles = ["missing.model"]
+    elif case == "unknown-flag":
+        over = {"--no-such-flag": 1}
+        needles = ["--no-such-flag"]
+    return base_args(corpus, tmp_path, **over), env, needles
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input_gives_one_clear_error_line(case, corpus, tmp_path, monkeypatch, capsys):
+    """In-process through run_main (fast): exit code 2, exactly one `error:` line naming the problem."""
+    from megatron_po.training import run_main
+    argv, env, needles = bad_input(case, corpus, tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = run_main(argv)
+    err = capsys.readouterr().err
+    assert_one_error_line(subprocess.CompletedProcess([], code, "", err), *needles)
+
+
+@pytest.mark.parametrize("case", ["world", "bad-magic"])
+def test_bad_input_through_the_real_cli(case, corpus, tmp_path):
+    """The same through `python pretrain_gpt.py`: nothing but the one line reaches the terminal."""
+    argv, env, needles = bad_input(case, corpus, tmp_path)
+    assert_one_error_line(cli(argv, env), *needles)

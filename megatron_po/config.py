@@ -97,6 +97,7 @@ class TrainingConfig:
     seed: int = _f(1234, "random seed")
     eval_interval: int = _f(1000, "evaluate every this many iterations")
     eval_iters: int = _f(10, "validation micro-batch groups per evaluation")
+    exit_interval: int | None = _f(None, "stop (after saving, with --save) once the iteration is a multiple of this")
 
 
 @dataclass

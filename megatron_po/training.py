@@ -329,8 +329,16 @@ def pretrain(cfg: Config) -> dict:
             if val is not None:
                 logger.log({"iteration": state.iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))},
                            f" validation at iteration {state.iteration} | val loss {val:.4f}")
+        saved = False
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save()
+            saved = True
+        if t.exit_interval and state.iteration % t.exit_interval == 0:
+            if ck.save and not saved:
+                save()
+            print_rank0(f"> exiting at iteration {state.iteration} (--exit-interval {t.exit_interval})")
+            logger.close()
+            return record
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         save()
     logger.close()

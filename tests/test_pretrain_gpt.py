@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from dist_harness import run_distributed
+from wandb_records import read_offline_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "examples", "data", "bible_web.en.jsonl.gz")
@@ -202,3 +203,51 @@ def test_bad_input_through_the_real_cli(case, corpus, tmp_path):
     """The same through `python pretrain_gpt.py`: nothing but the one line reaches the terminal."""
     argv, env, needles = bad_input(case, corpus, tmp_path)
     assert_one_error_line(cli(argv, env), *needles)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+def test_resume_continues_exactly_and_loads_under_another_layout(corpus, tmp_path):
+    """10 straight iterations vs 5 + save + exit (--exit-interval) + load + 5 (same layout: identical losses), and the TP=2 x DP=2
+    checkpoint loaded by one process (TP=1) continues with the same losses within 2e-3."""
+    sched = {"--train-iters": 10, "--lr-decay-iters": 10, "--log-interval": 1, "--eval-interval": 100}
+    straight = run_layout(corpus, tmp_path, "straight", 4, **{"--tensor-model-parallel-size": 2}, **sched)
+
+    first = tmp_path / "first"
+    first.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    argv = base_args(corpus, first, **{**sched, "--exit-interval": 5, "--tensor-model-parallel-size": 2,
+                                       "--save": ckpt})
+    assert run_distributed(run_pretrain, 4, args=(argv,), timeout=300) == [0] * 4
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "5"
+
+    def resume(name, world, tp):
+        out = tmp_path / name
+        out.mkdir()
+        argv = base_args(corpus, out, **{**sched, "--tensor-model-parallel-size": tp, "--load": ckpt})
+        assert run_distributed(run_pretrain, world, args=(argv,), timeout=300) == [0] * world
+        return [r["lm_loss"] for r in read_metrics(out / "metrics.jsonl") if "lm_loss" in r]
+
+    expected = [r["lm_loss"] for r in straight if "lm_loss" in r][5:]
+    assert resume("same_layout", 4, 2) == expected  # bit for bit
+    resharded = resume("one_process", 1, 1)
+    assert len(resharded) == 5
+    for a, b in zip(resharded, expected):
+        assert abs(a - b) <= 2e-3, (resharded, expected)
+
+
+def test_wandb_offline_run_records_config_and_metrics(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "wb"
+    out.mkdir()
+    argv = base_args(corpus, out, **{"--train-iters": 4, "--log-interval": 2, "--eval-interval": 4,
+                                     "--wandb-project": "mpo-test", "--wandb-save-dir": str(out)})
+    assert run_distributed(run_pretrain, 1, args=(argv,), timeout=300) == [0]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    config, history, summary = read_offline_run(str(runs[0]))
+    assert {"model", "parallel", "training"} <= config, config
+    assert [int(h["_step"]) for h in history] == [2, 4]
+    for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec"):
+        assert all(key in h for h in history), history
+    assert "val_loss" in history[-1] and "val_loss" in summary

@@ -1,0 +1,347 @@
+"""Asynchronous pipeline training: the no-flush 1F1B stream, per-chunk steps and weight policies.
+
+Every pipeline rank holds its model chunks, one optimizer per chunk and one weight policy
+(policies.py). Micro-batches stream through `async_one_f_one_b(D, v, M, k)`; after every k backwards of
+chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
+
+  (a) mean of chunk c's gradients over the data-parallel group (when it has more than one rank);
+  (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
+      counted once each over the TP group (DP replicas hold identical gradients after (a));
+  (c) lr = lr_fn(i), i = the number of steps chunk c has taken so far;
+  (d) the optimizer step of chunk c, then (e) chunk c's gradients are dropped.
+
+Each micro-batch's loss is scaled by 1/k, so a step applies the mean over its k micro-batches (and over
+DP after (a)).
+
+Segments. Training runs the stream in segments of M micro-batches (`segment_schedule`): the schedule of
+M micro-batches with ids offset by the number already consumed, so batches, p2p tags and staleness use
+global ids. A segment ends with a drain (every micro-batch in flight finishes its backward and step),
+which is needed before evaluation, checkpoints and the end of training. A drain does not change the
+update semantics of the micro-batches already in flight: their forward ran where it would have run in
+the endless stream, and exactly the same backwards and steps of their stage separate it from their
+backward, so s(j), stashed versions and predictions are unchanged (tests/test_async_pipeline.py checks
+s(j) against a longer stream). It only shortens the stream: the next segment starts with a fresh
+warm-up, whose first micro-batches see fresher weights than they would have without the drain. M must
+be a multiple of k (a step always averages k micro-batches) and, with interleaving, of D.
+
+`AsyncEmulator` runs all D ranks in one process (the research tool: exact per-op numerics of the
+distributed run, no process groups needed); `AsyncPipelineRank` is one rank of the distributed run.
+Both use the same `AsyncStage`, so their updates are identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
+from megatron_po.errors import ConfigError
+from megatron_po.optim import build_optimizer
+from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
+from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.pipeline.executor import Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, run_rank
+from megatron_po.pipeline.partition import build_chunks_for_rank
+from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
+from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
+
+# --------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------
+
+
+def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: int, update_interval: int) -> None:
+    if method not in ASYNC_METHODS:
+        raise ConfigError(f"unknown asynchronous pipeline method {method!r}; valid: {', '.join(ASYNC_METHODS)}")
+    if not cfg.model.untie_embeddings_and_output_weights:
+        raise ConfigError("asynchronous pipeline methods need --untie-embeddings-and-output-weights")
+    if not isinstance(update_interval, int) or update_interval < 1:
+        raise ConfigError(f"the async update interval must be an integer >= 1, got {update_interval!r}")
+    if num_stages < 1 or num_chunks < 1:
+        raise ConfigError(f"need num_stages >= 1 and num_chunks >= 1, got {num_stages}, {num_chunks}")
+
+
+def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
+    """`build_optimizer` keyword arguments from the training flags."""
+    return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+
+
+def chunk_param_groups(chunk: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's rule, as in training.param_groups: no weight decay on biases and norm weights (1-D)."""
+    params = chunk_parameters(chunk)
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def segment_schedule(num_stages: int, num_chunks: int, num_microbatches: int, update_interval: int,
+                     first_microbatch: int = 0) -> Schedule:
+    """Async 1F1B over micro-batches `first_microbatch .. first_microbatch + num_microbatches - 1`."""
+    if num_microbatches % update_interval != 0:
+        raise ConfigError(f"a segment of {num_microbatches} micro-batches does not split into steps of "
+                          f"k={update_interval} micro-batches: use a multiple of k")
+    schedule = async_one_f_one_b(num_stages, num_chunks, num_microbatches, update_interval)
+    return shift_microbatches(schedule, first_microbatch)
+
+
+def _probe_schedule(num_stages: int, num_chunks: int, update_interval: int) -> Schedule:
+    """A schedule long enough to reach the steady state; policies validate themselves against it when
+    they are built, so bad combinations fail before any training."""
+    unit = update_interval if num_chunks == 1 else math.lcm(num_stages, update_interval)
+    return segment_schedule(num_stages, num_chunks, unit * math.ceil(4 * num_stages * num_chunks / unit),
+                            update_interval)
+
+
+def _batch_getter(batches, first: int) -> tuple[Callable[[int], dict], int | None]:
+    """(mb -> batch, count): a callable takes global micro-batch ids; a sequence is this segment's."""
+    if callable(batches):
+        return batches, None
+    batches = list(batches)
+    return (lambda mb: batches[mb - first]), len(batches)
+
+
+# --------------------------------------------------------------------------------------------------
+# One pipeline rank
+# --------------------------------------------------------------------------------------------------
+
+
+class AsyncStage:
+    """One pipeline rank's side of asynchronous training: its chunks, one optimizer per chunk, the step
+    function run at each Step(c) and the weight policy (kept across segments)."""
+
+    def __init__(self, rank: int, num_stages: int, chunks: list, method: str, update_interval: int,
+                 optimizer_name: str, optimizer_kwargs: dict, lr_fn: Callable[[int], float] | None,
+                 clip_grad: float = 0.0, dp_group=None, tp_group=None, **policy_options):
+        self.rank, self.num_stages, self.chunks = rank, num_stages, chunks
+        self.method, self.update_interval = method, update_interval
+        kwargs = dict(optimizer_kwargs)
+        weight_decay = kwargs.pop("weight_decay", 0.0)
+        lr = kwargs.pop("lr")
+        self.lr_fn = lr_fn if lr_fn is not None else (lambda step: lr)
+        self.optimizers = [build_optimizer(optimizer_name, chunk_param_groups(c, weight_decay), lr,
+                                           weight_decay=weight_decay, **kwargs) for c in chunks]
+        self.clip_grad = clip_grad
+        self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.steps = [0] * len(chunks)
+        self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
+        self.policy = build_policy(method, rank, chunks, self.optimizers,
+                                   _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
+
+    @torch.no_grad()
+    def step(self, c: int) -> None:
+        params = chunk_parameters(self.chunks[c])
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dp_group is not None and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat /= dist.get_world_size(self.dp_group)
+            dist.all_reduce(flat, group=self.dp_group)
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        if self.tp_group is not None:
+            from megatron_po.distributed.ddp import allreduce_sequence_parallel_grads
+            allreduce_sequence_parallel_grads(params)
+        if self.clip_grad > 0:
+            self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
+        else:
+            self.grad_norms[c] = global_grad_norm(params, self.tp_group)
+        opt = self.optimizers[c]
+        set_lr(opt, self.lr_fn(self.steps[c]))
+        opt.step()
+        for p in params:
+            p.grad = None
+        self.steps[c] += 1
+
+    def runner(self, schedule: Schedule, transport, get_batch) -> StageRunner:
+        """The StageRunner of this rank for one training segment."""
+        self.policy.use_schedule(schedule)
+        return StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
+                           get_batch=get_batch, loss_scale=1.0 / self.update_interval, policy=self.policy,
+                           step_fn=self.step)
+
+    def eval_runner(self, transport, get_batch) -> StageRunner:
+        """Forward only, live weights (the default policy; the runner skips policies in forward-only runs)."""
+        return StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
+                           get_batch=get_batch, policy=WeightPolicy(), forward_only=True)
+
+
+def _eval_schedule(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """Forwards in GPipe order (any number of micro-batches); the runners keep only the forwards."""
+    return gpipe(num_stages, num_chunks, num_microbatches)
+
+
+def _set_train(chunks, mode: bool) -> None:
+    for c in chunks:
+        c.train(mode)
+
+
+def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
+    """{global parameter name: tensor} (full tensors when `gather_tp`, TP shards gathered)."""
+    from megatron_po.distributed.checkpoint import named_parameters_global
+    out = {}
+    for name, p in named_parameters_global(chunks):
+        t = p.detach().clone()
+        if gather_tp and getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+            from megatron_po.tensor_parallel import gather_tensor
+            shards = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = gather_tensor(shards, p.partition_dim, getattr(p, "partition_stride", 1))
+        out[name] = t
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Single process: every rank in memory
+# --------------------------------------------------------------------------------------------------
+
+
+class AsyncEmulator:
+    """All D pipeline ranks of an asynchronous run in one process, with the numerics of the distributed
+    run (same ops, same per-op code; only the transport differs).
+
+        emu = AsyncEmulator(cfg, padded_vocab, "pipeoptim", num_stages=4, update_interval=1,
+                            optimizer_name="adam", optimizer_kwargs={"lr": 1e-3}, lr_fn=lambda i: 1e-3)
+        losses = emu.train_segment(get_batch, 64)   # get_batch(global micro-batch id) -> batch dict
+        val = emu.evaluate(valid_batches)           # live weights, no prediction
+        weights = emu.full_state_dict()             # {global parameter name: tensor}
+
+    Defaults come from `cfg.training`: optimizer name and settings, clip_grad; lr_fn defaults to the
+    constant `lr`. `policy_options` go to the method's policy (pipeoptim: s_offset, include_weight_decay).
+    Model init follows `cfg.training.seed` (layout independent); dropout draws from torch's global RNG.
+    """
+
+    def __init__(self, cfg: Config, padded_vocab: int, method: str, num_stages: int, num_chunks: int = 1,
+                 update_interval: int = 1, optimizer_name: str | None = None, optimizer_kwargs: dict | None = None,
+                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None, **policy_options):
+        check_async_config(cfg, method, num_stages, num_chunks, update_interval)
+        self.cfg, self.method = cfg, method
+        self.num_stages, self.num_chunks, self.update_interval = num_stages, num_chunks, update_interval
+        device = ps.get_device()
+        t = cfg.training
+        self.stages = [AsyncStage(r, num_stages, build_chunks_for_rank(cfg, padded_vocab, r, num_stages, num_chunks,
+                                                                        device),
+                                  method, update_interval, optimizer_name or t.optimizer,
+                                  optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
+                                  lr_fn, t.clip_grad if clip_grad is None else clip_grad, **policy_options)
+                       for r in range(num_stages)]
+        self.microbatches_consumed = 0
+
+    @property
+    def chunks(self) -> list:
+        """Every model chunk, in virtual-stage order."""
+        return [self.stages[r].chunks[c] for c in range(self.num_chunks) for r in range(self.num_stages)]
+
+    def train_segment(self, get_batch, num_microbatches: int | None = None) -> list[float]:
+        """Stream `num_microbatches` micro-batches through the pipeline and drain it; returns each
+        micro-batch's loss, in order. `get_batch` is a function of the global micro-batch id
+        (`microbatches_consumed + i`) or a list of this segment's batches."""
+        first = self.microbatches_consumed
+        get_batch, count = _batch_getter(get_batch, first)
+        num_microbatches = num_microbatches if num_microbatches is not None else count
+        schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
+        mailbox = Mailbox()
+        runners = {s.rank: s.runner(schedule, mailbox, get_batch) for s in self.stages}
+        emulate(schedule, runners)
+        self.microbatches_consumed += num_microbatches
+        losses = runners[self.num_stages - 1].losses
+        return [losses[first + i].item() for i in range(num_microbatches)]
+
+    def evaluate(self, batches: Sequence[dict]) -> float:
+        """Mean loss over `batches` on the live weights (eval mode, no prediction, no gradients)."""
+        batches = list(batches)
+        chunks = self.chunks
+        _set_train(chunks, False)
+        mailbox = Mailbox()
+        runners = {s.rank: s.eval_runner(mailbox, batches.__getitem__) for s in self.stages}
+        emulate(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), runners)
+        _set_train(chunks, True)
+        losses = runners[self.num_stages - 1].losses
+        return torch.stack([losses[i] for i in range(len(batches))]).mean().item()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its global name (as in checkpoints and the unpipelined GPTModel)."""
+        out = {}
+        for s in self.stages:
+            out.update(_global_state(s.chunks, gather_tp=False))
+        return out
+
+    def copies_per_chunk(self) -> dict[tuple[int, int], int]:
+        """(rank, chunk) -> the most weight copies that chunk has held at once (live weights included)."""
+        return {(s.rank, c): n for s in self.stages for c, n in s.policy.copies_per_chunk().items()}
+
+    def steps_taken(self) -> dict[tuple[int, int], int]:
+        return {(s.rank, c): n for s in self.stages for c, n in enumerate(s.steps)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed: this process is one pipeline rank
+# --------------------------------------------------------------------------------------------------
+
+
+class AsyncPipelineRank:
+    """This process's pipeline rank of an asynchronous run (P2P between ranks; DP, TP groups from
+    parallel_state). Same arguments and update semantics as `AsyncEmulator`, with D and the rank taken
+    from the process groups and v from the config unless given. Losses live on the last pipeline stage:
+    `train_segment` and `evaluate` return None on the other stages, and each DP rank reports the losses
+    of its own micro-batches (`get_batch` must return this DP rank's share)."""
+
+    def __init__(self, cfg: Config, padded_vocab: int, method: str, num_chunks: int | None = None,
+                 update_interval: int = 1, optimizer_name: str | None = None, optimizer_kwargs: dict | None = None,
+                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None, **policy_options):
+        D = ps.get_pipeline_model_parallel_world_size()
+        v = num_chunks if num_chunks is not None else virtual_pipeline_size(cfg)
+        check_async_config(cfg, method, D, v, update_interval)
+        self.cfg, self.method = cfg, method
+        self.num_stages, self.num_chunks, self.update_interval = D, v, update_interval
+        self.rank = ps.get_pipeline_model_parallel_rank()
+        t = cfg.training
+        chunks = build_chunks_for_rank(cfg, padded_vocab, self.rank, D, v, ps.get_device())
+        self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name or t.optimizer,
+                                optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
+                                lr_fn, t.clip_grad if clip_grad is None else clip_grad,
+                                dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                                **policy_options)
+        self.transport = P2PTransport(D, v) if D > 1 else Mailbox()
+        self.microbatches_consumed = 0
+
+    @property
+    def chunks(self) -> list:
+        return self.stage.chunks
+
+    def holds_loss(self) -> bool:
+        return self.rank == self.num_stages - 1
+
+    def train_segment(self, get_batch, num_microbatches: int | None = None) -> list[float] | None:
+        first = self.microbatches_consumed
+        get_batch, count = _batch_getter(get_batch, first)
+        num_microbatches = num_microbatches if num_microbatches is not None else count
+        schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
+        runner = self.stage.runner(schedule, self.transport, get_batch)
+        run_rank(schedule, runner)
+        self.microbatches_consumed += num_microbatches
+        if not self.holds_loss():
+            return None
+        return [runner.losses[first + i].item() for i in range(num_microbatches)]
+
+    def evaluate(self, batches: Sequence[dict]) -> float | None:
+        batches = list(batches)
+        _set_train(self.chunks, False)
+        runner = self.stage.eval_runner(self.transport, batches.__getitem__)
+        run_rank(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), runner)
+        _set_train(self.chunks, True)
+        if not self.holds_loss():
+            return None
+        return torch.stack([runner.losses[i] for i in range(len(batches))]).mean().item()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under their global names, TP shards gathered into full tensors."""
+        return _global_state(self.chunks, gather_tp=True)
+
+    def copies_per_chunk(self) -> dict[int, int]:
+        return self.stage.policy.copies_per_chunk()

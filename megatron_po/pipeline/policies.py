@@ -1,0 +1,421 @@
+"""Weight-version policies: which weights each forward and backward of an asynchronous pipeline uses.
+
+The asynchronous methods of docs/ASYNC_PIPELINES.md all run the same no-flush 1F1B stream
+(`schedules.async_one_f_one_b`); they differ only in the weights a micro-batch's forward and backward
+see. A policy is one object per pipeline rank, managing all of its model chunks; the StageRunner calls
+its hooks around every pass and step (executor.py) and never knows which method runs:
+
+| method         | forward of mb j                 | backward of mb j                | copies per chunk     |
+|----------------|---------------------------------|---------------------------------|----------------------|
+| async-naive    | live                            | live (newer)                    | 1                    |
+| pipedream      | live, stashed as a version      | the stashed version             | s_max + 1 (D-r)      |
+| pipedream-2bw  | W(g-1), g = steps before B(j)   | W(g-1) (the older version)      | 2                    |
+| spectrain      | W - s_f·η·v (momentum buffer)   | W - s_b·η·v                     | 2 (live + cache)     |
+| pipeoptim      | W - s·η·ΔW, s = s(j) + s_offset | live                            | 2 (live + cache)     |
+
+Every staleness a policy uses comes from the schedule's op list (`schedules.staleness`) or, for
+SpecTrain's backward, from the schedule's unit-cost timeline; nothing assumes D-r-1.
+
+How weights move: a micro-batch's forward saves the parameters themselves for its backward (autograd
+keeps references, not copies), so whatever the parameter storage holds when the backward runs is what
+the backward uses, while the activations come from the forward. All swaps therefore write the values in
+place through `.data` under no_grad (views saved by in-flight micro-batches see them, and the parameters'
+autograd version counters are not bumped, so backwards of micro-batches in flight do not fail). Swapping
+two full copies goes parameter by parameter through a one-parameter scratch tensor, which is not
+counted as a weight copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_po.errors import ConfigError
+from megatron_po.pipeline.executor import WeightPolicy
+from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
+
+ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
+
+# --------------------------------------------------------------------------------------------------
+# Quantities derived from the schedule
+# --------------------------------------------------------------------------------------------------
+
+
+def shift_microbatches(schedule: Schedule, offset: int) -> Schedule:
+    """The same schedule with every micro-batch id increased by `offset` (a segment of a longer stream:
+    batches, p2p tags and staleness are then keyed by global micro-batch ids)."""
+    def shift(op):
+        if isinstance(op, Forward):
+            return Forward(op.microbatch + offset, op.chunk)
+        if isinstance(op, Backward):
+            return Backward(op.microbatch + offset, op.chunk)
+        return op
+    ops = {r: [shift(op) for op in ops] for r, ops in schedule.ops.items()}
+    return Schedule(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches, ops)
+
+
+def first_microbatch(schedule: Schedule) -> int:
+    """The smallest micro-batch id in the schedule (0 unless it was shifted)."""
+    return min(op.microbatch for ops in schedule.ops.values() for op in ops if not isinstance(op, Step))
+
+
+def update_interval_of(schedule: Schedule) -> int:
+    """k: backwards of a chunk per Step of that chunk, read from the op list (the first step's group)."""
+    intervals = []
+    for ops in schedule.ops.values():
+        count: dict[int, int] = {}
+        done: set[int] = set()
+        for op in ops:
+            if isinstance(op, Backward):
+                count[op.chunk] = count.get(op.chunk, 0) + 1
+            elif isinstance(op, Step):
+                for c in (list(count) if op.chunk is None else [op.chunk]):
+                    if c not in done:
+                        done.add(c)
+                        intervals.append(count[c])
+    return min(intervals)
+
+
+def spectrain_staleness(schedule: Schedule) -> dict[tuple[int, int], dict[int, tuple[int, int]]]:
+    """(s_f, s_b) per (rank, chunk) and micro-batch: the steps a chunk takes from F(j), resp. B(j), until
+    micro-batch j's round trip ends (the end of its backward on virtual stage 0).
+
+    SpecTrain predicts every pass to the weights the stage will hold when the micro-batch completes. The
+    steps between F(j) and B(j) are s(j) from the op list; those after B(j) are counted on the schedule's
+    timeline with unit forward and backward costs (the timing SpecTrain's derivation assumes). For the
+    straight pipeline with k = 1 this gives the paper's s_f = ⌊r/2⌋ + D-r-1 and s_b = ⌊r/2⌋ in the
+    steady state; interleaved schedules and k > 1 get their own values the same way.
+    """
+    from megatron_po.pipeline.simulator import simulate
+    offset = first_microbatch(schedule)
+    local = shift_microbatches(schedule, -offset)  # the simulator checks ids are 0..M-1
+    timeline = simulate(local, 1.0, 1.0)
+    done = {e.op.microbatch: e.end for e in timeline.events
+            if e.rank == 0 and isinstance(e.op, Backward) and e.op.chunk == 0}
+    backward_end = {(e.rank, e.op.chunk, e.op.microbatch): e.end for e in timeline.events
+                    if isinstance(e.op, Backward)}
+    step_times: dict[tuple[int, int], list[float]] = {}
+    for e in timeline.events:
+        if isinstance(e.op, Step):
+            chunks = range(local.num_chunks) if e.op.chunk is None else [e.op.chunk]
+            for c in chunks:
+                step_times.setdefault((e.rank, c), []).append(e.end)
+    out = {}
+    for (r, c), per_mb in staleness(local).items():
+        times = step_times.get((r, c), [])
+        out[(r, c)] = {}
+        for mb, s in per_mb.items():
+            after_backward = sum(1 for t in times if backward_end[(r, c, mb)] < t <= done[mb])
+            out[(r, c)][mb + offset] = (s + after_backward, after_backward)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Moving weights without autograd noticing
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk_parameters(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(chunk.parameters())
+
+
+@torch.no_grad()
+def _clone(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.data.clone() for p in params]
+
+
+@torch.no_grad()
+def _copy_into(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    torch._foreach_copy_([p.data for p in params], values)
+
+
+@torch.no_grad()
+def _swap(params: list[torch.Tensor], other: list[torch.Tensor]) -> None:
+    """Exchange the parameters' values with `other` in place, one parameter-sized scratch at a time."""
+    for p, o in zip(params, other):
+        scratch = p.data.clone()
+        p.data.copy_(o)
+        o.copy_(scratch)
+
+
+def check_untied(chunks) -> None:
+    """Tied input/output embeddings are kept equal by a cross-stage gradient all-reduce before a common
+    step, which asynchronous stages do not have."""
+    for chunk in chunks:
+        if any(getattr(p, "shared_embedding", False) for p in chunk.parameters()):
+            raise ConfigError("asynchronous pipeline methods need --untie-embeddings-and-output-weights")
+
+
+# --------------------------------------------------------------------------------------------------
+# Policies
+# --------------------------------------------------------------------------------------------------
+
+
+class AsyncPolicy(WeightPolicy):
+    """Shared bookkeeping: the chunks' parameters, their optimizers, the steps each chunk has taken,
+    the schedule's staleness for this rank, and the weight copies alive per chunk.
+
+    `use_schedule(schedule)` installs the schedule of the segment about to run (its micro-batch ids may
+    be global); policy state that must outlive a segment (2BW's older version, step counts) is kept.
+    """
+
+    options: tuple[str, ...] = ()
+
+    def __init__(self, rank: int, chunks, optimizers, schedule: Schedule | None = None):
+        if len(optimizers) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks but {len(optimizers)} optimizers (one per chunk)")
+        self.rank = rank
+        self.chunks = list(chunks)
+        self.optimizers = list(optimizers)
+        self.params = [chunk_parameters(c) for c in self.chunks]
+        self.steps = [0] * len(self.chunks)  # optimizer steps taken by each chunk
+        self._max_copies = [1] * len(self.chunks)
+        self.schedule = None
+        self.staleness: dict[int, dict[int, int]] = {}
+        if schedule is not None:
+            self.use_schedule(schedule)
+
+    def use_schedule(self, schedule: Schedule) -> None:
+        if schedule.num_chunks != len(self.chunks):
+            raise ValueError(f"schedule has {schedule.num_chunks} chunks per rank, policy {len(self.chunks)}")
+        self.schedule = schedule
+        self.staleness = {c: s for (r, c), s in staleness(schedule).items() if r == self.rank}
+
+    def after_step(self, chunk: int) -> None:
+        self.steps[chunk] += 1
+
+    def copies(self, chunk: int) -> int:
+        """Full weight copies of `chunk` alive right now, the live weights included."""
+        return 1
+
+    def _note_copies(self, chunk: int) -> None:
+        self._max_copies[chunk] = max(self._max_copies[chunk], self.copies(chunk))
+
+    def copies_per_chunk(self) -> dict[int, int]:
+        """The most weight copies (live weights included) each chunk has held at once so far."""
+        return dict(enumerate(self._max_copies))
+
+
+class AsyncNaivePolicy(AsyncPolicy):
+    """Forward on the live weights, backward on whatever is live then (newer): inconsistent and stale."""
+
+
+class PipeDreamPolicy(AsyncPolicy):
+    """Weight stashing: F(j) runs on the live weights and remembers their version (the chunk's step
+    count); B(j) swaps that version in, computes the gradients, and swaps the live weights back.
+
+    A version is copied only when a step is about to overwrite it while a micro-batch that saw it is
+    still in flight, and freed once the last such micro-batch has run its backward. Micro-batches that
+    saw the same version share one copy, so a chunk holds at most s_max + 1 copies (D-r in the straight
+    pipeline with k = 1). Update: W_{t+1} = W_t - η·U(∇f(W_{t-s})).
+    """
+
+    def __init__(self, rank, chunks, optimizers, schedule=None):
+        self.version_of: dict[tuple[int, int], int] = {}  # (mb, chunk) in flight -> version it saw
+        self.stash: list[dict[int, list[torch.Tensor]]] = [{} for _ in chunks]  # chunk -> version -> W
+        super().__init__(rank, chunks, optimizers, schedule)
+
+    def copies(self, chunk):
+        return 1 + len(self.stash[chunk])
+
+    def _in_flight_versions(self, chunk: int) -> set[int]:
+        return {v for (_, c), v in self.version_of.items() if c == chunk}
+
+    def before_forward(self, mb, chunk):
+        self.version_of[(mb, chunk)] = self.steps[chunk]
+
+    def before_step(self, chunk):
+        live = self.steps[chunk]
+        if live in self._in_flight_versions(chunk) and live not in self.stash[chunk]:
+            self.stash[chunk][live] = _clone(self.params[chunk])
+            self._note_copies(chunk)
+
+    def before_backward(self, mb, chunk):
+        version = self.version_of[(mb, chunk)]
+        if version != self.steps[chunk]:
+            _swap(self.params[chunk], self.stash[chunk][version])
+
+    def after_backward(self, mb, chunk):
+        version = self.version_of.pop((mb, chunk))
+        if version != self.steps[chunk]:
+            _swap(self.params[chunk], self.stash[chunk][version])
+            if version not in self._in_flight_versions(chunk):
+                del self.stash[chunk][version]
+
+
+class PipeDream2BWPolicy(AsyncPolicy):
+    """Two weight versions and a delay of exactly one step: W(t+1) = W(t) - η·U(∇f(W(t-1))).
+
+    Each chunk steps after every m = k of its backwards (m >= D). Micro-batch j, whose backward falls
+    between step g and step g+1 (g = the chunk's step count at B(j)), runs both passes on W(g-1)
+    (W(-1) = W(0)): at B(j) that is the older of the two versions; at F(j) it is the live one if the
+    next step comes before B(j) (s(j) = 1), else the older one. This needs s(j) <= 1 for every
+    micro-batch, which m >= D guarantees for the straight pipeline; interleaved schedules may need a
+    larger m, and any schedule that violates it is rejected (ConfigError).
+    """
+
+    def __init__(self, rank, chunks, optimizers, schedule=None):
+        self.older: list[list[torch.Tensor] | None] = [None] * len(chunks)  # W(t-1) once t >= 1
+        self.version_of: dict[tuple[int, int], int] = {}
+        super().__init__(rank, chunks, optimizers, schedule)
+
+    def use_schedule(self, schedule):
+        m, D = update_interval_of(schedule), schedule.num_stages
+        if m < D:
+            raise ConfigError(f"pipedream-2bw accumulates gradients over m >= D micro-batches per step: "
+                              f"got update interval m={m} < D={D} pipeline stages")
+        super().use_schedule(schedule)
+        worst = max((s for per_mb in self.staleness.values() for s in per_mb.values()), default=0)
+        if worst > 1:
+            raise ConfigError(f"pipedream-2bw needs every micro-batch's forward and backward within one "
+                              f"step of each other, but this schedule (D={D}, v={schedule.num_chunks}, "
+                              f"m={m}) has staleness {worst} on rank {self.rank}: use a larger update "
+                              "interval")
+
+    def copies(self, chunk):
+        return 1 if self.older[chunk] is None else 2
+
+    def _swap_in(self, chunk: int, version: int) -> None:
+        if version == self.steps[chunk]:
+            return  # the live weights
+        assert version == self.steps[chunk] - 1, "2BW keeps only the live and the previous version"
+        _swap(self.params[chunk], self.older[chunk])  # the same call swaps back
+
+    def before_forward(self, mb, chunk):
+        version = max(self.steps[chunk] + self.staleness[chunk][mb] - 1, 0)
+        self.version_of[(mb, chunk)] = version
+        self._swap_in(chunk, version)
+
+    def after_forward(self, mb, chunk):
+        self._swap_in(chunk, self.version_of[(mb, chunk)])
+
+    def before_backward(self, mb, chunk):
+        self._swap_in(chunk, self.version_of[(mb, chunk)])
+
+    def after_backward(self, mb, chunk):
+        self._swap_in(chunk, self.version_of.pop((mb, chunk)))
+
+    def before_step(self, chunk):
+        if self.older[chunk] is None:
+            self.older[chunk] = _clone(self.params[chunk])
+            self._note_copies(chunk)
+        else:
+            _copy_into(self.older[chunk], [p.data for p in self.params[chunk]])
+
+
+class _PredictingPolicy(AsyncPolicy):
+    """Predict a chunk's weights in place from its optimizer, keeping the live weights in ONE cache per
+    chunk (allocated at the first prediction, reused after) and restoring them from it. Prediction is
+    skipped (s treated as 0) while the optimizer has no state, i.e. before the chunk's first step."""
+
+    def __init__(self, rank, chunks, optimizers, schedule=None):
+        for opt in optimizers:
+            if not hasattr(opt, "predict"):
+                raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
+                                  f"(megatron_po.optim), got {type(opt).__name__}")
+        self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)
+        self.predicted = [False] * len(chunks)
+        super().__init__(rank, chunks, optimizers, schedule)
+
+    def copies(self, chunk):
+        return 1 if self.cache[chunk] is None else 2
+
+    def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
+        opt = self.optimizers[chunk]
+        if steps == 0 or not opt.has_state():
+            return
+        if self.cache[chunk] is None:
+            self.cache[chunk] = _clone(self.params[chunk])
+            self._note_copies(chunk)
+        else:
+            _copy_into(self.cache[chunk], [p.data for p in self.params[chunk]])
+        opt.predict(steps, include_weight_decay=include_weight_decay)
+        self.predicted[chunk] = True
+
+    def _restore(self, chunk: int) -> None:
+        if self.predicted[chunk]:
+            _copy_into(self.params[chunk], self.cache[chunk])
+            self.predicted[chunk] = False
+
+
+class SpecTrainPolicy(_PredictingPolicy):
+    """SpecTrain: both passes run on weights predicted from the momentum buffer v ("smoothed gradient"),
+    Ŵ = W - s·η·v, with s_f for the forward and s_b for the backward (`spectrain_staleness`); the live
+    weights are restored after each pass. Momentum SGD only (megatron_po.optim.SGD, momentum > 0, not
+    Nesterov, direction="buffer" so that ΔW is v)."""
+
+    def __init__(self, rank, chunks, optimizers, schedule=None):
+        from megatron_po.optim import SGD
+        for opt in optimizers:
+            ok = isinstance(opt, SGD) and all(g["momentum"] > 0 and not g["nesterov"] and
+                                              g["direction"] == "buffer" for g in opt.param_groups)
+            if not ok:
+                raise ConfigError("spectrain predicts from the momentum buffer and needs SGD with momentum "
+                                  f"(--optimizer sgd, --sgd-momentum > 0, no Nesterov); got {type(opt).__name__}")
+        self.spectrain: dict[int, dict[int, tuple[int, int]]] = {}
+        super().__init__(rank, chunks, optimizers, schedule)
+
+    def use_schedule(self, schedule):
+        super().use_schedule(schedule)
+        self.spectrain = {c: s for (r, c), s in spectrain_staleness(schedule).items() if r == self.rank}
+
+    def before_forward(self, mb, chunk):
+        self._predict(chunk, self.spectrain[chunk][mb][0])
+
+    def after_forward(self, mb, chunk):
+        self._restore(chunk)
+
+    def before_backward(self, mb, chunk):
+        self._predict(chunk, self.spectrain[chunk][mb][1])
+
+    def after_backward(self, mb, chunk):
+        self._restore(chunk)
+
+
+class PipeOptimPolicy(_PredictingPolicy):
+    """PipeOptim: F(j) runs on Ŵ = W - s·η·ΔW with s = s(j) + s_offset, ΔW the optimizer's own update
+    direction (SGD's `direction` picks buffer or lookahead); the live weights are restored from the cache
+    right after the forward, so B(j) and the step run on the live weights.
+
+    s_offset: 0 = the paper (s = D-r-1 in the straight pipeline), 1 = the reference code (D-r).
+    include_weight_decay: also extrapolate decoupled weight decay (AdamW, Lion); the paper does not.
+    """
+
+    options = ("s_offset", "include_weight_decay")
+
+    def __init__(self, rank, chunks, optimizers, schedule=None, s_offset: int = 0,
+                 include_weight_decay: bool = False):
+        if not isinstance(s_offset, int) or s_offset < 0:
+            raise ConfigError(f"pipeoptim s_offset must be an integer >= 0, got {s_offset!r}")
+        self.s_offset = s_offset
+        self.include_weight_decay = bool(include_weight_decay)
+        super().__init__(rank, chunks, optimizers, schedule)
+
+    def before_forward(self, mb, chunk):
+        self._predict(chunk, self.staleness[chunk][mb] + self.s_offset, self.include_weight_decay)
+
+    def after_forward(self, mb, chunk):
+        self._restore(chunk)
+
+
+POLICIES = {
+    "async-naive": AsyncNaivePolicy,
+    "pipedream": PipeDreamPolicy,
+    "pipedream-2bw": PipeDream2BWPolicy,
+    "spectrain": SpecTrainPolicy,
+    "pipeoptim": PipeOptimPolicy,
+}
+
+
+def build_policy(method: str, rank: int, chunks, optimizers, schedule: Schedule | None, **options) -> AsyncPolicy:
+    """The weight policy of an asynchronous `method` for pipeline rank `rank` (all of its chunks, one
+    optimizer per chunk). `schedule` is the async schedule it runs (replace it per segment with
+    `use_schedule`). Unknown methods, options a method does not take and tied embeddings are ConfigErrors."""
+    if method not in POLICIES:
+        raise ConfigError(f"unknown asynchronous pipeline method {method!r}; valid: {', '.join(ASYNC_METHODS)}")
+    cls = POLICIES[method]
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        valid = ", ".join(cls.options) or "none"
+        raise ConfigError(f"option(s) {', '.join(unknown)} do not apply to {method} (its options: {valid})")
+    check_untied(chunks)
+    return cls(rank, chunks, optimizers, schedule, **options)

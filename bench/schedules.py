@@ -50,10 +50,10 @@ from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import Config, ModelConfig  # noqa: E402
 from megatron_po.models.gpt import masked_mean_loss  # noqa: E402
-from megatron_po.pipeline.executor import (P2PTransport, StageRunner, run_rank,  # noqa: E402
-                                           synchronous_forward_backward)
+from megatron_po.pipeline.executor import (_HEADER, P2PTransport, StageRunner,  # noqa: E402
+                                           backwards_before_step, run_rank, synchronous_forward_backward)
 from megatron_po.pipeline.partition import build_chunks_for_rank  # noqa: E402
-from megatron_po.pipeline.schedules import build_schedule  # noqa: E402
+from megatron_po.pipeline.schedules import build_schedule, comm_of  # noqa: E402
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed, vocab_parallel_cross_entropy  # noqa: E402
 
@@ -91,70 +91,95 @@ def median(xs):
 
 
 def p2p_costs(mbs: int, n: int):
-    """Rank 0 and 1: one-way latencies (us) of several ways to move one [mbs, WIDTH] fp32 tensor."""
+    """Ranks 0 (sender) and 1 (receiver); one [mbs, WIDTH] fp32 tensor per message. Per sample, in seconds:
+
+    - "waiting": the receiver is blocked in recv before the sender sends (what the simulator's t_p2p
+      models): latency = receiver's return time - sender's send time (perf_counter is system-wide);
+    - "late": the message was sent 5 ms before the receiver calls recv: the time recv takes (gloo moves
+      the data only after the receiver posts its recv, a rendezvous round trip through the sender's
+      gloo thread);
+    - "send call": how long the send call blocks the sender;
+    - raw gloo with the irecv posted before the send: the wait after the data arrived.
+    """
     r = dist.get_rank()
-    peer = 1 - r
     group = ps.get_pipeline_model_parallel_group()
     x, buf = torch.randn(mbs, WIDTH), torch.empty(mbs, WIDTH)
     transport = P2PTransport(2, 1)
     pending = []
 
-    def pingpong(send, recv):
-        samples = []
-        for i in range(n + 10):
+    def raw_send(i):
+        pending.append(dist.isend(x, 1, group=group, tag=i))
+
+    def raw_recv(i):
+        dist.recv(buf, 0, group=group, tag=i)
+
+    def ours_send(i):
+        transport.send(1, ("act", i, 1), [x])
+
+    def ours_recv(i):
+        transport.recv(1, 0, ("act", i, 1))
+
+    out: dict[str, list] = {}
+    i = 0
+    for name, send, recv in (("raw gloo isend / recv", raw_send, raw_recv),
+                             ("ours P2PTransport.send / recv", ours_send, ours_recv)):
+        waiting, late, send_call = [], [], []
+        for k in range(n + 5):
+            i += 1
             dist.barrier()
-            t = time.perf_counter()
-            if r == 0:
+            if r == 0:  # receiver waiting
+                time.sleep(0.005)
+                t = time.perf_counter()
                 send(i)
-                recv(i)
+                send_call.append(time.perf_counter() - t)
+                waiting.append(-t)
             else:
                 recv(i)
+                waiting.append(time.perf_counter())
+            i += 1
+            dist.barrier()
+            if r == 0:  # message already there
                 send(i)
-            samples.append((time.perf_counter() - t) / 2)
-        return samples[10:]
-
-    out = {}
-    out["raw gloo isend + recv, ping-pong (one way)"] = pingpong(
-        lambda i: pending.append(dist.isend(x, peer, group=group, tag=1)),
-        lambda i: dist.recv(buf, peer, group=group, tag=1))
-    out["ours P2PTransport send + recv, ping-pong (one way)"] = pingpong(
-        lambda i: transport.send(peer, ("act" if r == 0 else "grad", i, 1 if r == 0 else 0), [x]),
-        lambda i: transport.recv(r, peer, ("grad" if r == 0 else "act", i, 0 if r == 0 else 1)))
-    for w in pending:
-        w.wait()
-    transport.flush()
-
-    # A recv posted 5 ms after the matching isend: what the receiving rank pays when the message is
-    # already there (sender idle, sleeping, as a stage between ops would be).
-    late = {"raw gloo recv, message sent 5 ms earlier": [], "ours P2PTransport.recv, message sent 5 ms earlier": [],
-            "raw gloo irecv posted before the send, wait after it arrived": []}
-    for i in range(n):
+                time.sleep(0.010)
+            else:
+                time.sleep(0.005)
+                t = time.perf_counter()
+                recv(i)
+                late.append(time.perf_counter() - t)
+        out[f"{name}: one-way latency, receiver waiting"] = waiting[5:]
+        out[f"{name}: recv of a message sent 5 ms earlier"] = late[5:]
+        out[f"{name}: send call"] = send_call[5:]
+    pre = []
+    for k in range(n):
+        i += 1
+        work = dist.irecv(buf, 0, group=group, tag=i) if r == 1 else None
         dist.barrier()
         if r == 0:
-            w = dist.isend(x, 1, group=group, tag=7)
-            transport.send(1, ("act", i, 1), [x])
-            time.sleep(0.012)
-            w.wait()
-            transport.flush()
-            w = dist.isend(x, 1, group=group, tag=8)
-            time.sleep(0.012)
-            w.wait()
+            raw_send(i)
+            time.sleep(0.008)
         else:
             time.sleep(0.005)
             t = time.perf_counter()
-            dist.recv(buf, 0, group=group, tag=7)
-            late["raw gloo recv, message sent 5 ms earlier"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            transport.recv(1, 0, ("act", i, 1))
-            late["ours P2PTransport.recv, message sent 5 ms earlier"].append(time.perf_counter() - t)
-            work = dist.irecv(buf, 0, group=group, tag=8)  # posted before rank 0 sends
-            time.sleep(0.008)
-            t = time.perf_counter()
             work.wait()
-            late["raw gloo irecv posted before the send, wait after it arrived"].append(time.perf_counter() - t)
-    if r == 1:
-        out.update(late)
+            pre.append(time.perf_counter() - t)
+    out["raw gloo irecv posted before the send: wait after the data arrived"] = pre
+    for w in pending:
+        w.wait()
+    transport.flush()
     dist.barrier()
+    return out
+
+
+def merge_p2p(res) -> dict[str, list]:
+    """Per-rank samples -> {what: samples}; one-way latencies = receiver's end - sender's start."""
+    out = {}
+    for k in res[0]:
+        if "receiver waiting" in k:
+            out[k] = [end + neg_start for neg_start, end in zip(res[0][k], res[1][k])]
+        elif "send call" in k:
+            out[k] = res[0][k]
+        else:
+            out[k] = res[1][k]
     return out
 
 
@@ -211,50 +236,153 @@ def synthetic_batches(mbs):
     return lambda mb: batch
 
 
-def synthetic_ours(method, num_chunks, lengths, t_f, t_b, mbs, warmup, reps):
-    """Our executor: for each stream length, `warmup + reps` runs of run_rank. Returns {length: [(s, e)]}."""
+# ---- bench-local prototypes of a transport fix (NOT the product code path; see the report) ----------
+
+
+class OneTripTransport(P2PTransport):
+    """Prototype. Remembers the shapes of the last message per (peer, kind, destination virtual stage) and
+    then posts the header's and the payload's irecv together, so a message costs one gloo rendezvous round
+    trip instead of two (header, then payload). `prepost` posts them before the op that needs them, so
+    gloo can push the data the moment the sender sends it (no round trip left on the critical path).
+    Shapes are checked against the header; the bench's shapes are static."""
+
+    def __init__(self, num_stages, num_chunks):
+        super().__init__(num_stages, num_chunks)
+        self.shapes: dict = {}
+        self.posted: dict = {}
+
+    def prepost(self, me, peer, key):
+        cache_key = (peer, key[0], key[2])
+        if key in self.posted or cache_key not in self.shapes:
+            return
+        dtype, shapes = self.shapes[cache_key]
+        tag, src = self._tag(key), self.ranks[peer]
+        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+        payload = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+        self.posted[key] = (dist.irecv(head, src, group=self.group, tag=tag),
+                            dist.irecv(payload, src, group=self.group, tag=tag + 1), head, payload, shapes, sizes)
+
+    def recv(self, me, peer, key):
+        self.prepost(me, peer, key)
+        if key not in self.posted:  # first message of this kind: the header path
+            out = super().recv(me, peer, key)
+            self.shapes[(peer, key[0], key[2])] = (out[0].dtype, [tuple(t.shape) for t in out])
+            return out
+        head_work, payload_work, head, payload, shapes, sizes = self.posted.pop(key)
+        head_work.wait()
+        payload_work.wait()
+        h = head.tolist()
+        assert h[0] == len(shapes) and h[2] == len(shapes[0]) and tuple(h[3:3 + h[2]]) == shapes[0], \
+            "message shape changed: the prototype only handles static shapes"
+        return [t.view(sh) for t, sh in zip(payload.split(sizes), shapes)]
+
+
+def prepost_run_rank(schedule, runner, lookahead):
+    """run_rank, but before each op the recvs of the next `lookahead` ops are posted (prototype)."""
+    ops = schedule.ops[runner.rank]
+    sync_at = backwards_before_step(ops)
+    recvs = [comm_of(op, runner.rank, schedule.num_stages, schedule.num_chunks)[0] for op in ops]
+    for i, op in enumerate(ops):
+        for j in range(i + 1, min(len(ops), i + 1 + lookahead)):
+            if recvs[j] is not None:
+                runner.transport.prepost(runner.rank, *recvs[j])
+        runner.run(op, sync_grads=i in sync_at)
+    runner.transport.flush()
+
+
+LOOKAHEAD = 4
+VARIANTS = ("ours", "ours_1trip", "ours_prepost")  # real path, prototype one-trip, prototype one-trip + prepost
+
+
+def ours_runners(method, num_chunks, t_f, t_b, mbs):
+    """{variant: n -> run one iteration of n micro-batches} on one set of sleeping chunks per variant."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    chunks = sleep_chunks(num_chunks, t_f, t_b)
-    transport = P2PTransport(D, num_chunks)
     get_batch = synthetic_batches(mbs)
-    out = {n: [] for n in lengths}
-    for _ in range(warmup + reps):
-        for n in lengths:  # alternate lengths so noise hits both alike
+    out = {}
+    for variant in VARIANTS:
+        chunks = sleep_chunks(num_chunks, t_f, t_b)
+        transport = P2PTransport(D, num_chunks) if variant == "ours" else OneTripTransport(D, num_chunks)
+
+        def run(n, chunks=chunks, transport=transport, variant=variant):
             schedule = build_schedule(method, D, num_chunks, n)
             runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport, get_batch=get_batch,
                                  loss_scale=1.0 / n)
-            out[n].append(timed(lambda: run_rank(schedule, runner)))
+            if variant == "ours_prepost":
+                prepost_run_rank(schedule, runner, LOOKAHEAD)
+            else:
+                run_rank(schedule, runner)  # the real driver
+
+        out[variant] = run
     return out
 
 
-def synthetic_torch(kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
+def synthetic_stream(lengths, t_f, t_b, mbs, warmup, reps):
+    """Async no-flush stream: every variant and every length, `warmup + reps` times, all alternating so
+    machine noise hits them alike. Returns {(variant, length): [(start, end)]}."""
+    runs = ours_runners("async", 1, t_f, t_b, mbs)
+    out = {(variant, n): [] for variant in VARIANTS for n in lengths}
+    for _ in range(warmup + reps):
+        for variant in VARIANTS:
+            for n in lengths:
+                out[(variant, n)].append(timed(lambda: runs[variant](n)))
+    return out
+
+
+def synthetic_pair(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
+    """Ours (and the prototypes) and torch's `kind` schedule on identical sleeping stages, repetitions
+    alternating. Returns {variant or "torch": [(start, end)]}."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    chunks = sleep_chunks(num_chunks, t_f, t_b, TorchSleepStage)
+    runs = ours_runners(method, num_chunks, t_f, t_b, mbs)
+    torch_chunks = sleep_chunks(num_chunks, t_f, t_b, TorchSleepStage)
     group = ps.get_pipeline_model_parallel_group()
     stages = [PipelineStage(chunk, c * D + r, D * num_chunks, torch.device("cpu"), group=group)
-              for c, chunk in enumerate(chunks)]
+              for c, chunk in enumerate(torch_chunks)]
     loss_fn = lambda out, target: out.mean()  # noqa: E731
     if kind == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
+        torch_schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
     else:
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], M, loss_fn=loss_fn)
+        torch_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], M, loss_fn=loss_fn)
     x = torch.randn(M * mbs, WIDTH)
     target = torch.zeros(M * mbs, WIDTH)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
-    def step():
-        schedule.step(*((x,) if first else ()), target=target if last else None,
-                      losses=[] if last else None, return_outputs=False)
+    def run_torch():
+        torch_schedule.step(*((x,) if first else ()), target=target if last else None,
+                            losses=[] if last else None, return_outputs=False)
 
-    return [timed(step) for _ in range(warmup + reps)]
+    out = {name: [] for name in VARIANTS + ("torch",)}
+    for _ in range(warmup + reps):
+        for variant in VARIANTS:
+            out[variant].append(timed(lambda: runs[variant](M)))
+        out["torch"].append(timed(run_torch))
+    return out
 
 
-def bound(method, D, v, M, t_f, t_b, t_p2p):
-    """Simulated micro-batches/s for an iteration of M micro-batches."""
-    return M / simulate(build_schedule(method, D, v, M), t_f / v, t_b / v, t_p2p).makespan
+def calibrate_stage_costs(t_f, t_b, mbs, n):
+    """Measured duration of one sleeping stage's forward and backward (sleep overshoot, the autograd
+    call, and the cold caches after a sleep included), one process, no p2p."""
+    stage = SleepStage(t_f, t_b, True, False)
+    x = torch.randn(mbs, WIDTH)
+    fwd, bwd = [], []
+    for _ in range(n + 2):
+        t = time.perf_counter()
+        y = stage(input_ids=x)
+        t1 = time.perf_counter()
+        torch.autograd.backward([y], [torch.ones_like(y)])
+        t2 = time.perf_counter()
+        fwd.append(t1 - t)
+        bwd.append(t2 - t1)
+    return median(fwd[2:]), median(bwd[2:])
+
+
+def bound(method, D, v, M, t_f_chunk, t_b_chunk, t_p2p):
+    """Simulated micro-batches/s of an iteration of M micro-batches; costs are per virtual stage."""
+    return M / simulate(build_schedule(method, D, v, M), t_f_chunk, t_b_chunk, t_p2p).makespan
 
 
 def async_bound(D, n1, n2, t_f, t_b, t_p2p):
+    """Simulated steady-state micro-batches/s of the async stream: the makespan difference of two lengths."""
     spans = [simulate(build_schedule("async", D, 1, n), t_f, t_b, t_p2p).makespan for n in (n1, n2)]
     return (n2 - n1) / (spans[1] - spans[0])
 
@@ -337,8 +465,9 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--p2p-samples", type=int, default=200)
-    p.add_argument("--gpt-reps", type=int, default=5)
+    p.add_argument("--gpt-reps", type=int, default=9)
     p.add_argument("--skip-gpt", action="store_true")
+    p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "schedules.md"))
     args = p.parse_args()
     assert args.reps >= 3, "median of at least 3 repetitions"
@@ -358,63 +487,76 @@ def main():
     emit()
     # ---- 0. p2p
     res = run_distributed(p2p_costs, 2, pp=2, args=(args.mbs, args.p2p_samples), timeout=TIMEOUT)
-    merged = {**res[0], **{k: v for k, v in res[1].items() if k not in res[0]}}
-    emit(f"## 0. p2p cost per message on gloo, one [{args.mbs}, {WIDTH}] fp32 tensor, 2 ranks "
-         f"({args.p2p_samples} samples)")
+    p2p = merge_p2p(res)
+    emit(f"## 0. p2p cost per message on gloo: one [{args.mbs}, {WIDTH}] fp32 tensor, 2 ranks, "
+         f"{args.p2p_samples} samples each")
     emit()
     rows = []
-    for k, v in merged.items():
+    for k, v in p2p.items():
         q = statistics.quantiles([x * 1e6 for x in v], n=10)
         rows.append([k, f"{median(v) * 1e6:.0f}", f"{q[0]:.0f}", f"{q[-1]:.0f}"])
     emit(table(["what", "median us", "p10 us", "p90 us"], rows))
-    t_p2p = median(merged["ours P2PTransport send + recv, ping-pong (one way)"])
+    t_p2p = median(p2p["ours P2PTransport.send / recv: one-way latency, receiver waiting"])
     emit()
-    emit(f"Simulator p2p cost below: t_p2p = {t_p2p * 1e3:.3f} ms (median one-way of our transport).")
+    emit(f"Simulator p2p cost used below: t_p2p = {t_p2p * 1e3:.3f} ms (ours, one-way, receiver waiting).")
     emit()
 
     # ---- 1. synthetic
-    emit(f"## 1. Synthetic sleeping stages: D={D}, t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms per stage "
-         f"(interleaved: v=2 chunks at half the cost), [{args.mbs}, {WIDTH}] activations")
-    emit()
-    emit(f"Throughput / ideal, ideal = 1/(t_f+t_b) = {ideal:.2f} micro-batches/s. `bound` = simulator "
-         f"(t_p2p=0 | t_p2p={t_p2p * 1e3:.2f} ms); `ours/bound` uses the p2p-inclusive bound. "
-         f"Median of {args.reps} after {args.warmup} warm-up.")
-    emit()
-    rows = []
-    for M in args.Ms:
-        for name, method, v, kind in [("gpipe", "gpipe", 1, "gpipe"), ("1f1b", "1f1b", 1, "1f1b"),
-                                      ("interleaved 1f1b v=2", "1f1b", 2, "interleaved"),
-                                      ("async 1f1b (steady state)", "async", 1, None)]:
-            if method == "async":
-                n1, n2 = 2 * M, 4 * M
-                per_rank = run_distributed(synthetic_ours, D, pp=D, timeout=TIMEOUT,
-                                           args=("async", 1, [n1, n2], t_f, t_b, args.mbs, args.warmup, args.reps))
-                s1 = makespans([r[n1] for r in per_rank], args.warmup)
-                s2 = makespans([r[n2] for r in per_rank], args.warmup)
-                ours = (n2 - n1) / (median(s2) - median(s1))
-                b0, bp = async_bound(D, n1, n2, t_f, t_b, 0.0), async_bound(D, n1, n2, t_f, t_b, t_p2p)
-                theirs = None
-                label = f"{name}, N={n1}->{n2}"
-            else:
-                per_rank = run_distributed(synthetic_ours, D, pp=D, timeout=TIMEOUT,
-                                           args=(method, v, [M], t_f, t_b, args.mbs, args.warmup, args.reps))
-                ours = M / median(makespans([r[M] for r in per_rank], args.warmup))
-                b0, bp = bound(method, D, v, M, t_f, t_b, 0.0), bound(method, D, v, M, t_f, t_b, t_p2p)
-                per_rank = run_distributed(synthetic_torch, D, pp=D, timeout=TIMEOUT,
-                                           args=(kind, v, M, t_f, t_b, args.mbs, args.warmup, args.reps))
-                theirs = M / median(makespans(per_rank, args.warmup))
-                label = name
-            row = [M, label, f"{ours / ideal:.3f}", f"{b0 / ideal:.3f} / {bp / ideal:.3f}", f"{ours / bp:.3f}",
-                   "-" if theirs is None else f"{theirs / ideal:.3f}",
-                   "-" if theirs is None else f"{ours / theirs:.3f}x"]
-            rows.append(row)
-            print("  ", row, flush=True)
-    emit(table(["M", "schedule", "ours", "bound (0 / p2p)", "ours/bound", "torch.pipelining", "ours/torch"],
-               rows))
-    emit()
-    emit("torch.pipelining counterparts: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved -> "
-         "ScheduleInterleaved1F1B (2 PipelineStages per rank); async has no torch counterpart.")
-    emit()
+    if not args.skip_synthetic:
+        cal = {v: run_distributed(calibrate_stage_costs, 1, args=(t_f / v, t_b / v, args.mbs, 20))[0] for v in (1, 2)}
+        emit(f"## 1. Synthetic sleeping stages: D={D}, t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms per stage "
+             f"(interleaved: v=2 chunks per rank at half the cost), [{args.mbs}, {WIDTH}] activations")
+        emit()
+        emit(f"Throughput as a fraction of ideal = 1/(t_f+t_b) = {ideal:.2f} micro-batches/s; median of {args.reps} "
+             f"after {args.warmup} warm-up, all columns of a row measured alternately in the same processes.")
+        emit(f"- `bound`: simulator, nominal costs, t_p2p = 0. `bound cal`: simulator with the measured stage "
+             f"costs (one process, no p2p: forward {cal[1][0] * 1e3:.2f} / backward {cal[1][1] * 1e3:.2f} ms, "
+             f"v=2 chunk {cal[2][0] * 1e3:.2f} / {cal[2][1] * 1e3:.2f} ms; sleep overshoot and the cold CPU "
+             f"after a sleep) and t_p2p = {t_p2p * 1e3:.2f} ms (table 0).")
+        emit("- `ours`: run_rank + StageRunner + P2PTransport, the real code path. `torch`: ScheduleGPipe / "
+             "Schedule1F1B / ScheduleInterleaved1F1B (2 PipelineStages per rank) on the same stages.")
+        emit(f"- `proto 1-trip`, `proto prepost`: bench-local prototypes of a transport fix, not product code: "
+             f"header and payload irecv posted together from a shape cache (one gloo rendezvous per message "
+             f"instead of two); plus those irecvs posted {LOOKAHEAD} ops ahead of the op that needs them.")
+        emit(f"- async: steady-state throughput of the no-flush stream, (N2-N1) / (T(N2)-T(N1)), N1=2M, N2=4M "
+             f"(fill and drain cancel); no torch counterpart.")
+        emit()
+        rows = []
+        for M in args.Ms:
+            for name, method, v, kind in [("gpipe", "gpipe", 1, "gpipe"), ("1f1b", "1f1b", 1, "1f1b"),
+                                          ("interleaved 1f1b v=2", "1f1b", 2, "interleaved"),
+                                          ("async 1f1b", "async", 1, None)]:
+                tf_cal, tb_cal = cal[v]
+                if method == "async":
+                    n1, n2 = 2 * M, 4 * M
+                    per_rank = run_distributed(synthetic_stream, D, pp=D, timeout=TIMEOUT,
+                                               args=([n1, n2], t_f, t_b, args.mbs, args.warmup, args.reps))
+                    got = {}
+                    for variant in VARIANTS:
+                        s1 = makespans([r[(variant, n1)] for r in per_rank], args.warmup)
+                        s2 = makespans([r[(variant, n2)] for r in per_rank], args.warmup)
+                        got[variant] = (n2 - n1) / (median(s2) - median(s1))
+                    b0 = async_bound(D, n1, n2, t_f, t_b, 0.0)
+                    bc = async_bound(D, n1, n2, tf_cal, tb_cal, t_p2p)
+                    label = f"{name} (N={n1}->{n2})"
+                else:
+                    per_rank = run_distributed(synthetic_pair, D, pp=D, timeout=TIMEOUT,
+                                               args=(method, kind, v, M, t_f, t_b, args.mbs, args.warmup, args.reps))
+                    got = {k: M / median(makespans([r[k] for r in per_rank], args.warmup))
+                           for k in VARIANTS + ("torch",)}
+                    b0 = bound(method, D, v, M, t_f / v, t_b / v, 0.0)
+                    bc = bound(method, D, v, M, tf_cal, tb_cal, t_p2p)
+                    label = name
+                theirs = got.get("torch")
+                row = [M, label, f"{b0 / ideal:.3f}", f"{bc / ideal:.3f}", f"{got['ours'] / ideal:.3f}",
+                       f"{got['ours'] / bc:.3f}", "-" if theirs is None else f"{theirs / ideal:.3f}",
+                       "-" if theirs is None else f"{got['ours'] / theirs:.3f}x",
+                       f"{got['ours_1trip'] / ideal:.3f}", f"{got['ours_prepost'] / ideal:.3f}"]
+                rows.append(row)
+                print("  ", row, flush=True)
+        emit(table(["M", "schedule", "bound", "bound cal", "ours", "ours/bound cal", "torch", "ours/torch",
+                    "proto 1-trip", "proto prepost"], rows))
+        emit()
 
     # ---- 2. GPT
     if not args.skip_gpt:

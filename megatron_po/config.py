@@ -287,6 +287,12 @@ def validate(cfg: Config, world_size: int) -> None:
     need(gbs % (t.micro_batch_size * dp) == 0,
          f"--global-batch-size ({gbs}) is not divisible by --micro-batch-size ({t.micro_batch_size}) x "
          f"data-parallel size ({dp})")
+    num_mb = gbs // (t.micro_batch_size * dp)
+    if virtual_pipeline_size(cfg) > 1:
+        need(num_mb % pp == 0,
+             f"interleaved pipeline (--num-layers-per-virtual-pipeline-stage) needs the number of micro-batches "
+             f"({num_mb} = --global-batch-size / (--micro-batch-size x DP)) divisible by "
+             f"--pipeline-model-parallel-size ({pp})")
     need(t.lr >= 0 and t.min_lr >= 0 and t.min_lr <= t.lr, f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     need(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
     if d.mock_data:

@@ -104,9 +104,13 @@ def test_tp2_dp2_matches_single_process_and_loss_falls(corpus, tmp_path):
     assert rec["iteration"] == 30
 
 
-def test_pp2_dp2_1f1b_matches_single_process(corpus, tmp_path):
+@pytest.mark.parametrize("flags", [{"--pipeline-model-parallel-size": 2},
+                                   {"--pipeline-model-parallel-size": 2, "--pipeline-method": "gpipe"},
+                                   {"--pipeline-model-parallel-size": 2, "--num-layers-per-virtual-pipeline-stage": 1}],
+                         ids=["1f1b", "gpipe", "interleaved"])
+def test_pp2_dp2_matches_single_process(corpus, tmp_path, flags):
     single = run_layout(corpus, tmp_path, "single", 1)
-    piped = run_layout(corpus, tmp_path, "pp2", 4, **{"--pipeline-model-parallel-size": 2})
+    piped = run_layout(corpus, tmp_path, "pp2", 4, **flags)
     assert_same_curve(single, piped)
 
 
@@ -139,7 +143,8 @@ def corrupt_copy(corpus, tmp_path, mutate):
 
 
 BAD_INPUT_CASES = ["world", "hidden", "heads", "missing-data", "bad-magic", "truncated-idx", "vocab-mismatch",
-                   "missing-tokenizer", "unknown-flag"]
+                   "missing-tokenizer", "unknown-flag", "layers-vs-stages", "interleave-microbatches",
+                   "unknown-schedule"]
 
 
 def bad_input(case, corpus, tmp_path):
@@ -176,6 +181,20 @@ def bad_input(case, corpus, tmp_path):
     elif case == "unknown-flag":
         over = {"--no-such-flag": 1}
         needles = ["--no-such-flag"]
+    elif case == "layers-vs-stages":
+        env["WORLD_SIZE"] = "2"
+        over = {"--pipeline-model-parallel-size": 2, "--num-layers": 4, "--num-layers-per-virtual-pipeline-stage": 3}
+        needles = ["--num-layers (4)", "--pipeline-model-parallel-size (2)", "virtual"]
+    elif case == "interleave-microbatches":
+        env["WORLD_SIZE"] = "2"  # 16 / 4 = 4 micro-batches is fine for PP=2; 12 / 4 = 3 is not
+        over = {"--pipeline-model-parallel-size": 2, "--num-layers-per-virtual-pipeline-stage": 1,
+                "--num-layers": 4, "--global-batch-size": 12}
+        needles = ["micro-batches (3", "--pipeline-model-parallel-size (2)"]
+    elif case == "unknown-schedule":
+        over = {"--pipeline-method": "zigzag"}
+        needles = ["--pipeline-method", "zigzag"]
+    # Should a check ever let a case through, its lone rank must not wait long for absent peers.
+    over.setdefault("--distributed-timeout-minutes", 0.1)
     return base_args(corpus, tmp_path, **over), env, needles
 
 

@@ -19,10 +19,13 @@ global ids. A segment ends with a drain (every micro-batch in flight finishes it
 which is needed before evaluation, checkpoints and the end of training. A drain does not change the
 update semantics of the micro-batches already in flight: their forward ran where it would have run in
 the endless stream, and exactly the same backwards and steps of their stage separate it from their
-backward, so s(j), stashed versions and predictions are unchanged (tests/test_async_pipeline.py checks
-s(j) against a longer stream). It only shortens the stream: the next segment starts with a fresh
-warm-up, whose first micro-batches see fresher weights than they would have without the drain. M must
-be a multiple of k (a step always averages k micro-batches) and, with interleaving, of D.
+backward, so s(j), and with it PipeDream's stashed versions, 2BW's versions and PipeOptim's
+predictions, are unchanged (tests/test_async_pipeline.py checks s(j) against a longer stream). It only
+shortens the stream: the next segment starts with a fresh warm-up, whose first micro-batches see fresher
+weights than they would have without the drain. (SpecTrain's backward look-ahead s_b counts steps until
+a micro-batch's round trip ends on the timeline; during a drain fewer steps remain, so the schedule
+gives the last micro-batches a smaller s_b, which is what that stream really does.) M must be a
+multiple of k (a step always averages k micro-batches) and, with interleaving, of D.
 
 `AsyncEmulator` runs all D ranks in one process (the research tool: exact per-op numerics of the
 distributed run, no process groups needed); `AsyncPipelineRank` is one rank of the distributed run.
@@ -39,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
+from megatron_po.distributed.ddp import allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
@@ -68,6 +72,14 @@ def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
     """`build_optimizer` keyword arguments from the training flags."""
     return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
                 adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+
+
+def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad) -> tuple[str, dict, float]:
+    """Optimizer name, `build_optimizer` kwargs and clip norm: the given ones, else cfg.training's."""
+    t = cfg.training
+    return (optimizer_name or t.optimizer,
+            optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
+            t.clip_grad if clip_grad is None else clip_grad)
 
 
 def chunk_param_groups(chunk: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -123,7 +135,10 @@ class AsyncStage:
         self.method, self.update_interval = method, update_interval
         kwargs = dict(optimizer_kwargs)
         weight_decay = kwargs.pop("weight_decay", 0.0)
-        lr = kwargs.pop("lr")
+        lr = kwargs.pop("lr", None)
+        if lr is None and lr_fn is None:
+            raise ConfigError("asynchronous training needs a learning rate: optimizer_kwargs['lr'] or lr_fn")
+        lr = lr if lr is not None else lr_fn(0)
         self.lr_fn = lr_fn if lr_fn is not None else (lambda step: lr)
         self.optimizers = [build_optimizer(optimizer_name, chunk_param_groups(c, weight_decay), lr,
                                            weight_decay=weight_decay, **kwargs) for c in chunks]
@@ -139,13 +154,12 @@ class AsyncStage:
     def step(self, c: int) -> None:
         params = chunk_parameters(self.chunks[c])
         grads = [p.grad for p in params if p.grad is not None]
-        if self.dp_group is not None and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat /= dist.get_world_size(self.dp_group)
+        if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
             dist.all_reduce(flat, group=self.dp_group)
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
-        if self.tp_group is not None:
-            from megatron_po.distributed.ddp import allreduce_sequence_parallel_grads
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced.view_as(g))
+        if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         if self.clip_grad > 0:
             self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
@@ -222,14 +236,13 @@ class AsyncEmulator:
         check_async_config(cfg, method, num_stages, num_chunks, update_interval)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = num_stages, num_chunks, update_interval
-        device = ps.get_device()
-        t = cfg.training
-        self.stages = [AsyncStage(r, num_stages, build_chunks_for_rank(cfg, padded_vocab, r, num_stages, num_chunks,
-                                                                        device),
-                                  method, update_interval, optimizer_name or t.optimizer,
-                                  optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
-                                  lr_fn, t.clip_grad if clip_grad is None else clip_grad, **policy_options)
-                       for r in range(num_stages)]
+        optimizer_name, optimizer_kwargs, clip_grad = _training_defaults(cfg, optimizer_name, optimizer_kwargs,
+                                                                         clip_grad)
+        self.stages = []
+        for r in range(num_stages):
+            chunks = build_chunks_for_rank(cfg, padded_vocab, r, num_stages, num_chunks, ps.get_device())
+            self.stages.append(AsyncStage(r, num_stages, chunks, method, update_interval, optimizer_name,
+                                          optimizer_kwargs, lr_fn, clip_grad, **policy_options))
         self.microbatches_consumed = 0
 
     @property
@@ -300,13 +313,12 @@ class AsyncPipelineRank:
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = D, v, update_interval
         self.rank = ps.get_pipeline_model_parallel_rank()
-        t = cfg.training
+        optimizer_name, optimizer_kwargs, clip_grad = _training_defaults(cfg, optimizer_name, optimizer_kwargs,
+                                                                         clip_grad)
         chunks = build_chunks_for_rank(cfg, padded_vocab, self.rank, D, v, ps.get_device())
-        self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name or t.optimizer,
-                                optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
-                                lr_fn, t.clip_grad if clip_grad is None else clip_grad,
-                                dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-                                **policy_options)
+        self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
+                                lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
+                                tp_group=ps.get_tensor_model_parallel_group(), **policy_options)
         self.transport = P2PTransport(D, v) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
 

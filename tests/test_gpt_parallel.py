@@ -135,3 +135,19 @@ def test_model_layout_independent_init():
     tail = GPTModel(cfg, VOCAB, SEED, pre_process=False, layer_offset=2, num_layers=2)
     for (n1, p1), (n2, p2) in zip(whole.layers[2:].named_parameters(), tail.layers.named_parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+
+
+def grad_norm_run(tp_size):
+    from megatron_po.optim.clip_grads import global_grad_norm
+    model_parallel_seed(SEED)
+    model = GPTModel(CONFIGS["gpt2"], VOCAB, SEED)
+    batch = make_batch()
+    masked_mean_loss(model(input_ids=batch["tokens"], labels=batch["labels"]), batch["loss_mask"]).backward()
+    return global_grad_norm(list(model.parameters()), ps.get_model_parallel_group())
+
+
+def test_grad_norm_counts_each_parameter_once_under_tp():
+    """TP-replicated params (norms, row biases, position embeddings) are counted once, shards once."""
+    ref = run_distributed(grad_norm_run, 1, args=(1,))[0]
+    for norm in run_distributed(grad_norm_run, 4, tp=4, args=(4,)):
+        assert abs(norm - ref) <= 1e-5 * ref

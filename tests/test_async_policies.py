@@ -97,14 +97,15 @@ class Recorder(WeightPolicy):
         self.events = {c: [] for c in range(len(chunks))}
         self.out_grads = {}
         self.current = None
-        for c, chunk in enumerate(chunks):
+        for chunk in chunks:
             chunk.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def _on_forward(self, module, args, kwargs, output):
         if not torch.is_grad_enabled():
             return  # evaluation
         mb, c = self.current
-        self.events[c][-1]["input"] = None if kwargs["hidden_states"] is None else kwargs["hidden_states"].detach().clone()
+        hidden = kwargs["hidden_states"]
+        self.events[c][-1]["input"] = None if hidden is None else hidden.detach().clone()
         output.register_hook(lambda g: self.out_grads.__setitem__((mb, c), g.detach().clone()))
 
     def use_schedule(self, schedule):

@@ -1,28 +1,32 @@
 """Pipeline schedule throughput: our executor vs its simulated bound vs torch.distributed.pipelining.
 
-    python bench/schedules.py [--tf 0.02 --Ms 4 8 16 --reps 5]
+    python bench/schedules.py [--tf 0.02 --Ms 4 8 16 --reps 5 --skip-gpt --skip-synthetic]
 
-Every rank is a forked process in a gloo group (tests/dist_harness.py). Three tables, all measured in
-the same run and written to bench/results/schedules.md:
+Every rank is a forked process in a gloo group (tests/dist_harness.py, one torch thread per rank).
+Three tables, measured in the same run, printed and written to bench/results/schedules.md:
 
-0. p2p cost per message on gloo: one-way latency of a raw isend/recv ping-pong, of our P2PTransport
-   (header + payload), and the cost of a recv posted after the message was sent (gloo only moves the
-   data once the receiver has posted its recv: a rendezvous round trip).
-1. Synthetic stages, D=4: each (virtual) stage is an autograd Function that sleeps t_f in forward and
-   t_b = 2 t_f in backward on a [mbs, 16] tensor (sleep releases the GIL and the CPU, so 4 stages run in
-   parallel on 2 cores). Throughput in micro-batches/s over the ideal 1/(t_f+t_b) of one stage, for our
-   gpipe, 1f1b, interleaved 1f1b (v=2, per-chunk costs halved) and the async no-flush stream, each next
-   to the simulator's bound (`simulate`, with t_p2p = 0 and with the measured p2p cost) and to torch's
-   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on the same sleeping stages. Ours runs through
-   the real code path: `run_rank(build_schedule(...), StageRunner(..., P2PTransport))`.
-   Async: steady-state throughput = (N2 - N1) / (T(N2) - T(N1)) for streams of N1 = 2M and N2 = 4M
-   micro-batches (the fill and drain cancel); its bound is the same difference in the simulator.
+0. p2p cost per message on gloo (2 ranks, one [mbs, 16] fp32 tensor): one-way latency with the receiver
+   already waiting (the simulator's t_p2p), the cost of a recv whose message was sent earlier (gloo only
+   moves the data once the receiver has posted its recv: a rendezvous round trip), and the send call;
+   raw gloo isend/recv next to our P2PTransport (a header message, then the payload).
+1. Synthetic stages, D=4: each virtual stage is an autograd Function that sleeps t_f in forward and
+   t_b = 2 t_f in backward on a [mbs, 16] tensor (sleep releases the GIL and the CPU, so 4 ranks run in
+   parallel on 2 cores). Throughput (micro-batches/s) over the ideal 1/(t_f+t_b) of one stage for our
+   gpipe, 1f1b, interleaved 1f1b (v=2, each chunk at half the cost) and the async no-flush stream,
+   next to the simulator's bound (nominal costs without and with the measured p2p cost; and with the
+   stage costs as measured in one process) and to torch's ScheduleGPipe / Schedule1F1B /
+   ScheduleInterleaved1F1B on identical stages. "ours" is the real code path:
+   `run_rank(build_schedule(...), StageRunner(..., P2PTransport))`. Two extra columns run bench-local
+   prototypes of a transport fix (`OneTripTransport`, `prepost_run_rank`; NOT product code) to show
+   what closes the gap. Async: steady-state throughput = (N2 - N1) / (T(N2) - T(N1)) for streams of
+   N1 = 2M and N2 = 4M micro-batches (fill and drain cancel), the bound is the same difference simulated.
 2. The real tiny GPT at PP=2: tokens/s of one forward+backward iteration (no optimizer), ours
-   (`synchronous_forward_backward`) vs torch's schedule on the same chunks; ours and torch's
-   repetitions alternate inside one pair of processes so machine noise hits both alike.
+   (`synchronous_forward_backward`) vs torch's Schedule1F1B / ScheduleGPipe on the same chunks.
 
-Times are the median of `--reps` repetitions after `--warmup` discarded ones; a repetition's makespan
-is max(end) - min(start) over ranks (perf_counter is CLOCK_MONOTONIC, shared by the processes).
+Times are medians of `--reps` repetitions after `--warmup` discarded ones. All variants of one table
+row run alternately in the same processes, so machine noise (this box is shared) hits them alike. A
+repetition's makespan is max(end) - min(start) over ranks (perf_counter is CLOCK_MONOTONIC, shared by
+the processes).
 """
 
 from __future__ import annotations
@@ -509,7 +513,8 @@ def main():
         emit()
         emit(f"Throughput as a fraction of ideal = 1/(t_f+t_b) = {ideal:.2f} micro-batches/s; median of {args.reps} "
              f"after {args.warmup} warm-up, all columns of a row measured alternately in the same processes.")
-        emit(f"- `bound`: simulator, nominal costs, t_p2p = 0. `bound cal`: simulator with the measured stage "
+        emit(f"- `bound`: simulator, nominal costs, t_p2p = 0. `bound p2p`: nominal costs, t_p2p = "
+             f"{t_p2p * 1e3:.2f} ms. `bound cal`: simulator with the measured stage "
              f"costs (one process, no p2p: forward {cal[1][0] * 1e3:.2f} / backward {cal[1][1] * 1e3:.2f} ms, "
              f"v=2 chunk {cal[2][0] * 1e3:.2f} / {cal[2][1] * 1e3:.2f} ms; sleep overshoot and the cold CPU "
              f"after a sleep) and t_p2p = {t_p2p * 1e3:.2f} ms (table 0).")
@@ -537,6 +542,7 @@ def main():
                         s2 = makespans([r[(variant, n2)] for r in per_rank], args.warmup)
                         got[variant] = (n2 - n1) / (median(s2) - median(s1))
                     b0 = async_bound(D, n1, n2, t_f, t_b, 0.0)
+                    bp = async_bound(D, n1, n2, t_f, t_b, t_p2p)
                     bc = async_bound(D, n1, n2, tf_cal, tb_cal, t_p2p)
                     label = f"{name} (N={n1}->{n2})"
                 else:
@@ -545,17 +551,19 @@ def main():
                     got = {k: M / median(makespans([r[k] for r in per_rank], args.warmup))
                            for k in VARIANTS + ("torch",)}
                     b0 = bound(method, D, v, M, t_f / v, t_b / v, 0.0)
+                    bp = bound(method, D, v, M, t_f / v, t_b / v, t_p2p)
                     bc = bound(method, D, v, M, tf_cal, tb_cal, t_p2p)
                     label = name
                 theirs = got.get("torch")
-                row = [M, label, f"{b0 / ideal:.3f}", f"{bc / ideal:.3f}", f"{got['ours'] / ideal:.3f}",
-                       f"{got['ours'] / bc:.3f}", "-" if theirs is None else f"{theirs / ideal:.3f}",
-                       "-" if theirs is None else f"{got['ours'] / theirs:.3f}x",
+                ours, theirs = got["ours"], got.get("torch")
+                row = [M, label, f"{b0 / ideal:.3f}", f"{bp / ideal:.3f}", f"{bc / ideal:.3f}", f"{ours / ideal:.3f}",
+                       f"{ours / bp:.3f}", f"{ours / bc:.3f}", "-" if theirs is None else f"{theirs / ideal:.3f}",
+                       "-" if theirs is None else f"{ours / theirs:.3f}x",
                        f"{got['ours_1trip'] / ideal:.3f}", f"{got['ours_prepost'] / ideal:.3f}"]
                 rows.append(row)
                 print("  ", row, flush=True)
-        emit(table(["M", "schedule", "bound", "bound cal", "ours", "ours/bound cal", "torch", "ours/torch",
-                    "proto 1-trip", "proto prepost"], rows))
+        emit(table(["M", "schedule", "bound", "bound p2p", "bound cal", "ours", "ours/bound p2p", "ours/bound cal",
+                    "torch", "ours/torch", "proto 1-trip", "proto prepost"], rows))
         emit()
 
     # ---- 2. GPT
@@ -568,7 +576,8 @@ def main():
                               args=(mc, vocab, mbs, M, ["1f1b", "gpipe"], 2, args.gpt_reps))
         emit(f"## 2. Tiny GPT, PP=2: {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} "
              f"heads, seq {mc.seq_length}, vocab {vocab} (untied), micro-batch {mbs}, M={M}; forward+backward, "
-             f"no optimizer; 1 thread per rank")
+             f"no optimizer; 1 thread per rank; median of {args.gpt_reps} after 2 warm-up, ours and torch "
+             f"alternating in the same 2 processes")
         emit()
         rows = []
         tokens = M * mbs * mc.seq_length
@@ -578,8 +587,8 @@ def main():
             to, tt = tokens / median(ours), tokens / median(theirs)
             rows.append([method, f"{to:,.0f}", f"{tt:,.0f}", f"{to / tt:.3f}x",
                          f"{median(ours) * 1e3:.0f} / {median(theirs) * 1e3:.0f}"])
-        emit(table(["schedule", "ours tokens/s", "torch.pipelining tokens/s", "ours/torch", "iteration ms ours / torch"],
-                   rows))
+        emit(table(["schedule", "ours tokens/s", "torch.pipelining tokens/s", "ours/torch",
+                    "iteration ms ours / torch"], rows))
         emit()
     emit(f"load average at end {os.getloadavg()[0]:.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -56,8 +56,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual stage (interleaved pipeline)")
     sequence_parallel: bool = _f(False, "split LayerNorm/dropout activations along the sequence over TP ranks")
-    pipeline_method: str = _f("1f1b", "pipeline schedule / asynchronous method",
-                              choices=["gpipe", "1f1b"])
+    pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b) or asynchronous method",
+                              choices=["gpipe", "1f1b", "async-naive", "pipedream", "pipedream-2bw", "spectrain",
+                                       "pipeoptim"])
+    async_update_interval: int = _f(1, "asynchronous methods: a stage steps after every k of its backwards")
+    pipeoptim_s_offset: int = _f(0, "PipeOptim: added to the schedule's staleness s (0 = paper, 1 = reference code)")
+    pipeoptim_sgd_direction: str = _f("buffer", "PipeOptim with SGD momentum: the direction extrapolated",
+                                      choices=["buffer", "lookahead"])
+    pipeoptim_extrapolate_weight_decay: bool = _f(False, "PipeOptim: also extrapolate decoupled weight decay")
     ddp_bucket_size: int = _f(40_000_000, "DDP gradient bucket size in elements")
     distributed_timeout_minutes: float = _f(10.0, "timeout of collective and p2p operations")
 
@@ -206,6 +212,13 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 # --------------------------------------------------------------------------------------------------
 
 
+ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
+
+
+def is_async(cfg: "Config") -> bool:
+    return cfg.parallel.pipeline_method in ASYNC_METHODS
+
+
 def ffn_hidden_size(m: ModelConfig) -> int:
     if m.ffn_hidden_size is not None:
         return m.ffn_hidden_size
@@ -312,6 +325,23 @@ def validate(cfg: Config, world_size: int) -> None:
         need(d.tokenizer_model is not None, "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
     if d.tokenizer_type == "NullTokenizer":
         need(d.vocab_size is not None and d.vocab_size > 0, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if p.pipeline_method in ASYNC_METHODS:
+        meth, k = p.pipeline_method, p.async_update_interval
+        need(k >= 1, f"--async-update-interval must be >= 1 (got {k})")
+        need(m.untie_embeddings_and_output_weights,
+             f"--pipeline-method {meth} is asynchronous: stages step independently, so tied input/output "
+             f"embeddings cannot stay equal; add --untie-embeddings-and-output-weights")
+        need(num_mb % k == 0, f"--async-update-interval ({k}) must divide the micro-batches per iteration ({num_mb})")
+        if meth == "spectrain":
+            need(t.optimizer == "sgd" and t.sgd_momentum > 0,
+                 f"--pipeline-method spectrain predicts from the momentum buffer: it needs --optimizer sgd with "
+                 f"--sgd-momentum > 0 (got --optimizer {t.optimizer})")
+        if meth == "pipedream-2bw":
+            need(k >= pp, f"--pipeline-method pipedream-2bw accumulates m >= D micro-batches per update: "
+                          f"--async-update-interval ({k}) must be >= --pipeline-model-parallel-size ({pp})")
+    elif p.async_update_interval != 1:
+        raise ConfigError(f"--async-update-interval applies to asynchronous methods, not --pipeline-method "
+                          f"{p.pipeline_method} (synchronous methods step once per global batch)")
     if cfg.checkpoint.save_interval is not None:
         need(cfg.checkpoint.save is not None, "--save-interval needs --save")
         need(cfg.checkpoint.save_interval >= 1, "--save-interval must be >= 1")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, global_batch_size, num_microbatches, validate
+from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, validate
 from megatron_po.distributed.checkpoint import load_checkpoint, read_tracker, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
@@ -131,7 +131,9 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False) -> t
     Returns the mean loss on the rank that holds it (None elsewhere).
     """
     from megatron_po.pipeline.executor import synchronous_forward_backward
-    return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only)
+    from megatron_po.pipeline.partition import gpt_message_specs
+    specs = gpt_message_specs(cfg, batches[0]["tokens"].shape[0])
+    return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only, specs)
 
 
 def holds_loss() -> bool:
@@ -204,11 +206,13 @@ class Logger:
             self.wandb = wandb.init(project=lc.wandb_project, name=lc.wandb_exp_name, entity=lc.wandb_entity,
                                     dir=lc.wandb_save_dir, config=cfg.to_dict())
 
-    def log(self, record: dict, line: str | None = None):
+    def log(self, record: dict | None, line: str | None = None):
         if not self.active:
             return
         if line:
             print(line, flush=True)
+        if record is None:
+            return
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
@@ -251,15 +255,20 @@ def pretrain(cfg: Config) -> dict:
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     padded_vocab = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
                                   p.tensor_model_parallel_size)
-    chunks = build_model_chunks(cfg, padded_vocab)
-    ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size)
-    optimizer = build_optimizer(t.optimizer, param_groups(chunks, t.weight_decay), lr=t.lr,
-                                weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+    engine = ddp = None
+    if is_async(cfg):
+        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world))
+        chunks, optimizer = engine.chunks, engine.stage.optimizers
+    else:
+        chunks = build_model_chunks(cfg, padded_vocab)
+        ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size)
+        optimizer = build_optimizer(t.optimizer, param_groups(chunks, t.weight_decay), lr=t.lr,
+                                    weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+                                    adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
                 f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
-                f"device {ps.get_device()}")
+                f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
 
     # Real data is checked against the tokenizer's vocabulary (a token id >= vocab size is an error).
     train_ds, valid_ds, _ = build_data(cfg, tokenizer.vocab_size)
@@ -269,6 +278,8 @@ def pretrain(cfg: Config) -> dict:
     if ck.load and read_tracker(ck.load) is not None:
         extra = load_checkpoint(ck.load, chunks, optimizer)
         state = TrainState(**extra["train_state"])
+        if engine is not None:
+            engine.restore_progress(state.iteration * num_microbatches(cfg, world))
         print_rank0(f"> resumed from {ck.load} at iteration {state.iteration}")
     elif ck.load:
         if not os.path.isdir(ck.load) and ck.load != ck.save:
@@ -280,69 +291,167 @@ def pretrain(cfg: Config) -> dict:
     mbs = t.micro_batch_size
     flops_per_iter = gpt_flops_per_token(cfg, padded_vocab) * gbs * cfg.model.seq_length
     logger = Logger(cfg, dist.get_rank() == logging_rank())
-    record: dict = {}
-    window_start, window_iters = time.perf_counter(), 0
-    loss_sum, loss_n = 0.0, 0
+    progress = Progress(cfg, logger, gbs, flops_per_iter, world)
 
     def save():
         save_checkpoint(ck.save, state.iteration, chunks, optimizer,
                         {"train_state": vars(state).copy(), "config": cfg.to_dict()})
         print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
 
-    while state.iteration < t.train_iters:
-        lr = lr_at(state.iteration, t)
-        batches = microbatches(train_ds, state.consumed_samples, num_mb, mbs)
-        loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr)
-        state.iteration += 1
-        state.consumed_samples += gbs
-        window_iters += 1
-        avg = average_over_dp(loss) if holds_loss() else None
-        if avg is not None:
-            loss_sum, loss_n = loss_sum + avg, loss_n + 1
-            if not math.isfinite(avg):
-                raise UserError(f"loss is {avg} at iteration {state.iteration} (rank {dist.get_rank()})")
+    def evaluate_now() -> float | None:
+        if valid_ds is None:
+            return None
+        if engine is None:
+            return evaluate(cfg, chunks, ddp, valid_ds, num_mb)
+        losses = []
+        for k in range(t.eval_iters):
+            val = engine.evaluate(microbatches(valid_ds, k * gbs, num_mb, mbs))
+            losses.append(average_over_dp(torch.tensor(val)) if holds_loss() else None)
+        return sum(losses) / len(losses) if holds_loss() else None
 
-        do_log = state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters
-        do_eval = state.iteration % t.eval_interval == 0 or state.iteration == t.train_iters
-        if do_log:
-            elapsed = time.perf_counter() - window_start
-            sec_per_iter = elapsed / window_iters
-            tokens_per_sec = gbs * cfg.model.seq_length / sec_per_iter
-            tflops = flops_per_iter / sec_per_iter / world / 1e12
-            record = {"iteration": state.iteration, "lm_loss": loss_sum / max(loss_n, 1), "lr": lr,
-                      "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                      "tflops_per_process": tflops, "consumed_samples": state.consumed_samples}
-            line = (f" iteration {state.iteration:6d}/{t.train_iters} | consumed samples {state.consumed_samples} |"
-                    f" lm loss {record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {grad_norm:.3f} |"
-                    f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f} |"
-                    f" TFLOP/s per process {tflops:.4f}")
-            if do_eval:
-                val = evaluate(cfg, chunks, ddp, valid_ds, num_mb) if valid_ds is not None else None
-                if val is not None:
-                    record["val_loss"] = val
-                    record["val_ppl"] = math.exp(min(val, 50.0))
-                    line += f" | val loss {val:.4f} | val ppl {record['val_ppl']:.2f}"
-            logger.log(record, line)
-            window_start, window_iters, loss_sum, loss_n = time.perf_counter(), 0, 0.0, 0
-        elif do_eval and valid_ds is not None:
-            val = evaluate(cfg, chunks, ddp, valid_ds, num_mb)
+    def at_boundary() -> bool:
+        """Evaluate / save / exit after the iteration just finished, as the intervals say. Returns
+        True when training must stop here (--exit-interval)."""
+        it = state.iteration
+        if it % t.eval_interval == 0 or it == t.train_iters:
+            val = evaluate_now()
             if val is not None:
-                logger.log({"iteration": state.iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))},
-                           f" validation at iteration {state.iteration} | val loss {val:.4f}")
+                progress.log_validation(it, val)
         saved = False
-        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+        if ck.save and ((ck.save_interval and it % ck.save_interval == 0) or it == t.train_iters):
             save()
             saved = True
-        if t.exit_interval and state.iteration % t.exit_interval == 0:
+        if t.exit_interval and it % t.exit_interval == 0 and it < t.train_iters:
             if ck.save and not saved:
                 save()
-            print_rank0(f"> exiting at iteration {state.iteration} (--exit-interval {t.exit_interval})")
-            logger.close()
-            return record
-    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
-        save()
+            print_rank0(f"> exiting at iteration {it} (--exit-interval {t.exit_interval})")
+            return True
+        return False
+
+    if engine is None:
+        # Synchronous: one global batch per iteration, a flush and a step at its end.
+        while state.iteration < t.train_iters:
+            lr = lr_at(state.iteration, t)
+            batches = microbatches(train_ds, state.consumed_samples, num_mb, mbs)
+            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr)
+            state.iteration += 1
+            state.consumed_samples += gbs
+            progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm)
+            stop = at_boundary()
+            progress.flush()
+            if stop:
+                break
+    else:
+        # Asynchronous: micro-batches stream without a flush; the pipeline drains only at the next
+        # evaluation, checkpoint, exit or the end of training (segment boundaries).
+        def batch_of(mb: int) -> dict:
+            """Micro-batch `mb` of the stream is micro-batch mb % M of global batch mb // M (same data
+            order as synchronous training)."""
+            g, m = divmod(mb, num_mb)
+            return microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
+
+        pending: dict[int, list] = {}
+
+        def on_loss(mb: int, loss: torch.Tensor) -> None:
+            g = mb // num_mb
+            pending.setdefault(g, []).append(loss)
+            if len(pending[g]) == num_mb:
+                mean = torch.stack(pending.pop(g)).mean()
+                last_norm = next((n for n in reversed(engine.stage.grad_norms) if n is not None), float("nan"))
+                progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm)
+
+        while state.iteration < t.train_iters:
+            stop = next_boundary(state.iteration, cfg)
+            engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss)
+            state.consumed_samples += (stop - state.iteration) * gbs
+            state.iteration = stop
+            stop = at_boundary()
+            progress.flush()
+            if stop:
+                break
     logger.close()
-    return record
+    return progress.record
+
+
+def next_boundary(iteration: int, cfg: Config) -> int:
+    """The next iteration after which an asynchronous pipeline must drain: evaluation, checkpoint,
+    exit or the end of training."""
+    t, ck = cfg.training, cfg.checkpoint
+    intervals = [t.eval_interval] + ([ck.save_interval] if ck.save and ck.save_interval else []) \
+        + ([t.exit_interval] if t.exit_interval else [])
+    return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
+
+
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int):
+    """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
+    batches), so warm-up and decay span the same samples as in synchronous training although a stage
+    steps `microbatches_per_iteration / k` times per iteration."""
+    from megatron_po.pipeline.async_pipeline import AsyncPipelineRank, optimizer_kwargs_from_config
+    p, t = cfg.parallel, cfg.training
+    k = p.async_update_interval
+    steps_per_iteration = microbatches_per_iteration // k
+    kwargs = optimizer_kwargs_from_config(t)
+    if t.optimizer == "sgd":
+        kwargs["sgd_direction"] = p.pipeoptim_sgd_direction
+    options = {}
+    if p.pipeline_method == "pipeoptim":
+        options = dict(s_offset=p.pipeoptim_s_offset, include_weight_decay=p.pipeoptim_extrapolate_weight_decay)
+    from megatron_po.pipeline.partition import gpt_message_specs
+    return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
+                             lr_fn=lambda step: lr_at(step // steps_per_iteration, t), clip_grad=t.clip_grad,
+                             message_specs=gpt_message_specs(cfg, t.micro_batch_size), **options)
+
+
+class Progress:
+    """Per-iteration bookkeeping on every rank; console, metrics file and W&B on the logging rank.
+
+    The console line is printed when an iteration is logged; its metrics record is written once the
+    iteration's evaluation (if any) is known, so `val_loss` joins the same JSON object."""
+
+    def __init__(self, cfg: Config, logger: Logger, gbs: int, flops_per_iter: float, world: int):
+        self.cfg, self.logger, self.gbs, self.flops_per_iter, self.world = cfg, logger, gbs, flops_per_iter, world
+        self.record: dict = {}  # the last logged record
+        self.pending: dict | None = None  # logged, not yet written
+        self.window_start, self.window_iters = time.perf_counter(), 0
+        self.loss_sum, self.loss_n = 0.0, 0
+
+    def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float) -> None:
+        t = self.cfg.training
+        self.window_iters += 1
+        if loss is not None:
+            self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
+            if not math.isfinite(loss):
+                raise UserError(f"loss is {loss} at iteration {iteration} (rank {dist.get_rank()})")
+        if iteration % self.cfg.logging.log_interval != 0 and iteration != t.train_iters:
+            return
+        self.flush()
+        sec_per_iter = (time.perf_counter() - self.window_start) / self.window_iters
+        tokens_per_sec = self.gbs * self.cfg.model.seq_length / sec_per_iter
+        tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
+        self.record = {"iteration": iteration, "lm_loss": self.loss_sum / max(self.loss_n, 1), "lr": lr,
+                       "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec, "tflops_per_process": tflops,
+                       "consumed_samples": iteration * self.gbs}
+        self.pending = self.record
+        self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {iteration * self.gbs} |"
+                              f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {grad_norm:.3f} |"
+                              f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f} |"
+                              f" TFLOP/s per process {tflops:.4f}")
+        self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
+
+    def log_validation(self, iteration: int, val: float) -> None:
+        rec = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        self.logger.log(None, f" validation at iteration {iteration} | val loss {val:.4f} | val ppl {rec['val_ppl']:.2f}")
+        if self.pending is not None and self.pending["iteration"] == iteration:
+            self.pending.update(rec)
+        else:
+            self.flush()
+            self.pending = {"iteration": iteration, **rec}
+        self.record.update(rec)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.logger.log(self.pending)
+            self.pending = None
 
 
 def run_main(cfg_or_argv, description: str = "megatron_po") -> int:

@@ -20,7 +20,7 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
                                          allreduce_sequence_parallel_grads)
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate, synchronous_forward_backward
-from megatron_po.pipeline.partition import build_chunks_for_rank
+from megatron_po.pipeline.partition import build_chunks_for_rank, gpt_message_specs
 from megatron_po.pipeline.schedules import build_schedule
 from megatron_po.tensor_parallel import model_parallel_seed
 
@@ -67,7 +67,7 @@ def global_grads(chunks):
     return out
 
 
-def pipeline_run(name, method, num_chunks):
+def pipeline_run(name, method, num_chunks, agreed_shapes=False):
     model_parallel_seed(SEED)
     cfg = make_cfg(name)
     D = ps.get_pipeline_model_parallel_world_size()
@@ -77,7 +77,8 @@ def pipeline_run(name, method, num_chunks):
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = microbatches(M * dp)
     mine = mbs[d * M:(d + 1) * M]
-    loss = synchronous_forward_backward(method, chunks, ddp, mine)
+    specs = gpt_message_specs(cfg, mine[0]["tokens"].shape[0]) if agreed_shapes else None
+    loss = synchronous_forward_backward(method, chunks, ddp, mine, message_specs=specs)
     ddp.finish_grad_sync()
     allreduce_sequence_parallel_grads(ddp.params)
     allreduce_embedding_grads(ddp.params)
@@ -107,6 +108,14 @@ def check_against_reference(results, ref_loss, ref_grads):
 def test_pipeline_matches_unpipelined(name, pp, method, v):
     ref_loss, ref_grads = reference(name)
     results = run_distributed(pipeline_run, pp, pp=pp, args=(name, method, v))
+    check_against_reference(results, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("pp,method,v", [(4, "1f1b", 1), (2, "1f1b", 2)])
+def test_agreed_shapes_transport_matches_unpipelined(pp, method, v):
+    """The header-free protocol with receives posted ahead gives the same results."""
+    ref_loss, ref_grads = reference("llama")
+    results = run_distributed(pipeline_run, pp, pp=pp, args=("llama", method, v, True))
     check_against_reference(results, ref_loss, ref_grads)
 
 

@@ -9,7 +9,8 @@ with `scale_grads=True` (divide the summed gradients by M at the end), we by sca
 micro-batch loss by 1/M before its backward.
 
 Compared: every parameter's gradient and the mean loss, fp32, rtol=1e-5 / atol=1e-6 (the two paths
-differ only in where 1/M is applied and in autograd accumulation order; bitwise is not required).
+differ only in where 1/M is applied; bitwise is not required, though with M=4, a power of two, the
+scaling is exact and the results currently come out bitwise equal).
 
 Pairs: our gpipe vs ScheduleGPipe, our 1f1b vs Schedule1F1B (PP=2 and PP=4), our interleaved 1f1b
 (v=2) vs ScheduleInterleaved1F1B (PP=2).

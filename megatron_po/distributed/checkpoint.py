@@ -84,15 +84,26 @@ def _global_view(p: torch.Tensor, t: torch.Tensor):
     return t
 
 
-def _model_and_optimizer_state(chunks, optimizer):
+def _optimizer_of(optimizers) -> dict:
+    """id(param) -> the optimizer that steps it. `optimizers` is one optimizer, a list (one per model
+    chunk in asynchronous training) or None."""
+    if optimizers is None:
+        return {}
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]
+    return {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
+
+
+def _model_and_optimizer_state(chunks, optimizers):
     state = {}
     names = named_parameters_global(chunks)
     for name, p in names:
         state[f"model.{name}"] = _global_view(p, p.data)
     state_keys = {}
-    if optimizer is not None:
+    owner = _optimizer_of(optimizers)
+    if owner:
         for name, p in names:
-            st = optimizer.state.get(p, {})
+            st = owner[id(p)].state.get(p, {})
             # "like-param" state is sharded like its parameter; other tensors (step counters) are small.
             state_keys[name] = {k: (("like-param" if v.shape == p.shape else tuple(v.shape)), v.dtype)
                                 if torch.is_tensor(v) else None for k, v in st.items()}
@@ -116,7 +127,8 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict) -
         shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed save
     dist.barrier()
     state, state_keys = _model_and_optimizer_state(chunks, optimizer)
-    state["optimizer_state_keys"] = pickle.dumps(state_keys)  # identical on DP replicas
+    for name, keys in state_keys.items():  # per parameter: identical on TP/DP replicas, so DCP keeps one
+        state[f"optimizer_state_keys.{name}"] = pickle.dumps(keys)
     state["extra"] = pickle.dumps(extra)
     state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
     dcp.save(state, checkpoint_id=partial)
@@ -147,15 +159,22 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     if not os.path.isdir(path):
         raise UserError(f"--load {root}: tracker names iteration {iteration} but {path} is missing")
 
-    meta = {"optimizer_state_keys": b"", "extra": b""}
+    meta = {"extra": b""}
     dcp.load(meta, checkpoint_id=path)
     extra = pickle.loads(meta["extra"])
-    if optimizer is not None and load_optim:
+    owner = _optimizer_of(optimizer)
+    if owner and load_optim:
         # Allocate state the optimizer has not created yet, so DCP can load into it in place.
-        saved_keys = pickle.loads(meta["optimizer_state_keys"])
-        for name, p in named_parameters_global(chunks):
-            st = optimizer.state[p]
-            for k, spec in saved_keys.get(name, {}).items():
+        names = named_parameters_global(chunks)
+        saved = {f"optimizer_state_keys.{name}": b"" for name, _ in names}
+        try:
+            dcp.load(saved, checkpoint_id=path)
+        except Exception as e:
+            raise UserError(f"--load {path}: no optimizer state for this model's parameters "
+                            f"({_first_line(e)}); use --no-load-optim to load the weights only") from None
+        for name, p in names:
+            st = owner[id(p)].state[p]
+            for k, spec in pickle.loads(saved[f"optimizer_state_keys.{name}"]).items():
                 if k in st:
                     continue
                 if spec is None:
@@ -173,7 +192,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         if k.startswith("optimizer.") and not torch.is_tensor(v):
             name, key = k[len("optimizer."):].rsplit(".", 1)
             p = dict(named_parameters_global(chunks))[name]
-            optimizer.state[p][key] = v
+            owner[id(p)].state[p][key] = v
     if load_rng:
         key = f"rng.rank{dist.get_rank()}"
         rng = {key: b""}

@@ -1,12 +1,32 @@
 """Data-parallel gradient reduction over a contiguous, bucketed gradient buffer.
 
-Every parameter's `.grad` is a view into one flat buffer, so autograd accumulates micro-batch gradients
-in place and a bucket is a contiguous slice that one all-reduce handles. Buckets hold parameters in
-reverse registration order, roughly the order backward produces their gradients; as soon as every
-parameter of a bucket has its final gradient for this step, the bucket's all-reduce starts
-asynchronously and overlaps the rest of the backward pass. `no_sync()` suppresses that during the
-first micro-batches of a step (gradient accumulation); `finish_grad_sync()` launches what is left and
-waits. Gradients are pre-scaled by 1/DP, so the reduced buffer holds the mean over data-parallel ranks.
+Every parameter's gradient lives in one flat buffer, so micro-batch gradients accumulate in place and a
+bucket is a contiguous slice that one collective handles. Buckets hold parameters in reverse
+registration order, roughly the order backward produces their gradients; as soon as every parameter of
+a bucket has its final gradient for this step, the bucket's reduction starts asynchronously and
+overlaps the rest of the backward pass. `no_sync()` suppresses that during the first micro-batches of a
+step (gradient accumulation); `finish_grad_sync()` launches what is left and waits. Gradients are
+pre-scaled by 1/DP, so the reduced buffer holds the mean over data-parallel ranks.
+
+Where a parameter's gradient lives (`p.main_grad` always names its slice of the buffer):
+- buffer dtype == parameter dtype (fp32 training, or bf16/fp16 grads in the model dtype): `p.grad` IS
+  that slice, and autograd accumulates into it directly;
+- buffer dtype != parameter dtype (`--accumulate-allreduce-grads-in-fp32` with bf16/fp16 params): a
+  post-accumulate hook adds each backward's low-precision `p.grad` into the fp32 `p.main_grad` and frees
+  `p.grad` (Megatron's scheme), so accumulation over micro-batches and the reduction are in fp32.
+
+With `use_distributed_optimizer=True` (ZeRO-1, see optim/distributed_optimizer.py):
+- each bucket is padded to a multiple of DP (x an alignment) and cut into DP equal contiguous ranges
+  that ignore parameter boundaries; data-parallel rank d owns range d of every bucket;
+- the bucket reduction is a reduce-scatter: afterwards only the owned range holds the DP mean (the rest
+  of the buffer still holds this rank's local gradients and must not be used);
+- the parameters' storage moves into one flat `param_buffer` with the same layout, so updated shards
+  can be all-gathered straight into the model weights, bucket by bucket (`start_param_sync`); with
+  `overlap_param_gather` those gathers run asynchronously and a forward pre-hook on every module waits
+  for the buckets of its own parameters, overlapping the gather with the next forward;
+- a tied embedding (`shared_embedding`) gets a bucket of its own: it then starts at offset 0 of an
+  identically sized bucket on the first and the last pipeline stage, so both copies are sharded the
+  same way and `allreduce_embedding_grads` may still run after the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -19,23 +39,56 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_po import parallel_state as ps
+from megatron_po.errors import ConfigError
+
+# Each rank's shard of a bucket is a multiple of this many elements (256-byte aligned in fp32).
+SHARD_ALIGNMENT = 64
+
+
+def reduce_scatter_single(output, input_, group, async_op):
+    # torch >= 2.10 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input_, group=group, async_op=async_op)
+
+
+def all_gather_single(output, input_, group, async_op):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input_, group=group, async_op=async_op)
 
 
 @dataclass
 class Bucket:
     start: int
-    end: int
+    end: int  # exclusive; includes the padding in distributed-optimizer mode
     params: list = field(default_factory=list)
     num_ready: int = 0
-    handle: object = None
+    handle: object = None  # the pending gradient reduction
+    gather_handle: object = None  # the pending parameter all-gather (distributed optimizer)
+
+    def shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        """[start, end) of the part of this bucket that data-parallel rank `dp_rank` owns."""
+        size = (self.end - self.start) // dp_size
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient to reduce/clip/step with: the DDP buffer slice when there is one, else `.grad`."""
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
 
 
 class DistributedDataParallel:
     def __init__(self, chunks: list[nn.Module], dp_group=None, bucket_size: int = 40_000_000,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False):
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather requires --use-distributed-optimizer")
         self.chunks = chunks
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
         seen, params = set(), []
         for chunk in chunks:
             for p in chunk.parameters():
@@ -44,25 +97,64 @@ class DistributedDataParallel:
                     params.append(p)
         self.params = params
         device = params[0].device if params else torch.device("cpu")
-        total = sum(p.numel() for p in params)
-        self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
 
         # Lay parameters out in reverse order, cutting a new bucket when one exceeds bucket_size.
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
+        self.param_range: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffers
+        pad_to = self.dp_size * SHARD_ALIGNMENT if use_distributed_optimizer else 1
         offset, bucket = 0, None
+
+        def close(bucket):
+            bucket.end = -(-bucket.end // pad_to) * pad_to if bucket.end > bucket.start else bucket.end
+            return bucket.end
+
         for p in reversed(params):
-            if bucket is None or offset - bucket.start >= bucket_size:
+            own_bucket = use_distributed_optimizer and getattr(p, "shared_embedding", False)
+            if bucket is None or offset - bucket.start >= bucket_size or own_bucket or (
+                    use_distributed_optimizer and getattr(bucket.params[-1], "shared_embedding", False)):
+                if bucket is not None:
+                    offset = close(bucket)
                 bucket = Bucket(start=offset, end=offset)
                 self.buckets.append(bucket)
             n = p.numel()
-            p.grad = self.grad_buffer[offset:offset + n].view_as(p)
+            self.param_range[id(p)] = (offset, offset + n)
             bucket.params.append(p)
             bucket.end = offset + n
             self._bucket_of[id(p)] = bucket
             offset += n
+        total = close(bucket) if bucket is not None else 0
+        self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
+
+        self._accumulates_into_main_grad: set[int] = set()
+        for p in params:
+            start, end = self.param_range[id(p)]
+            p.main_grad = self.grad_buffer[start:end].view_as(p)
+            if p.dtype == grad_dtype:
+                p.grad = p.main_grad  # autograd accumulates straight into the buffer
+            else:
+                p.grad = None
+                self._accumulates_into_main_grad.add(id(p))
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.sync_enabled = True
+
+        self.param_buffer = None
+        if use_distributed_optimizer:
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) > 1:
+                raise ConfigError("the distributed optimizer needs one parameter dtype, got "
+                                  f"{', '.join(sorted(map(str, dtypes)))}")
+            # Move every parameter's storage into one flat buffer laid out like the gradient buffer.
+            self.param_buffer = torch.zeros(total, dtype=params[0].dtype if params else torch.float32,
+                                            device=device)
+            with torch.no_grad():
+                for p in params:
+                    start, end = self.param_range[id(p)]
+                    view = self.param_buffer[start:end].view_as(p)
+                    view.copy_(p.data)
+                    p.data = view
+            if overlap_param_gather:
+                self._register_forward_pre_hooks()
 
     # -- gradient accumulation ------------------------------------------------------------------
 
@@ -76,6 +168,10 @@ class DistributedDataParallel:
             self.sync_enabled = previous
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if id(p) in self._accumulates_into_main_grad:
+            with torch.no_grad():
+                p.main_grad.add_(p.grad)  # low-precision grad of this backward into the fp32 buffer
+            p.grad = None
         if not self.sync_enabled or self.dp_size == 1:
             return
         bucket = self._bucket_of[id(p)]
@@ -88,7 +184,12 @@ class DistributedDataParallel:
             return
         view = self.grad_buffer[bucket.start:bucket.end]
         view.div_(self.dp_size)
-        bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
+        if self.use_distributed_optimizer:
+            start, end = bucket.shard(self.dp_rank, self.dp_size)
+            # In place: the owned range of the input receives the reduced values (safe on gloo and NCCL).
+            bucket.handle = reduce_scatter_single(self.grad_buffer[start:end], view, self.dp_group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets that backward did not complete (unused params), in order, then wait."""
@@ -102,8 +203,56 @@ class DistributedDataParallel:
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero_()
+        for p in self.params:
+            if id(p) in self._accumulates_into_main_grad:
+                p.grad = None
         for bucket in self.buckets:
             bucket.handle, bucket.num_ready = None, 0
+
+    # -- parameter all-gather (distributed optimizer) -------------------------------------------
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """[start, end) of `bucket` that this data-parallel rank owns (reduces, steps, gathers from)."""
+        return bucket.shard(self.dp_rank, self.dp_size)
+
+    def start_param_sync(self, async_op: bool | None = None) -> None:
+        """All-gather every bucket's owned ranges into the full parameters. Asynchronous when
+        `overlap_param_gather` (the forward pre-hooks wait, or `finish_param_sync`), else blocking."""
+        if not self.use_distributed_optimizer:
+            raise RuntimeError("start_param_sync: this DDP was built without use_distributed_optimizer")
+        self.finish_param_sync()
+        if self.dp_size == 1:
+            return
+        async_op = self.overlap_param_gather if async_op is None else async_op
+        # Issue in forward order (buckets are laid out backwards) so the first layers arrive first.
+        for bucket in reversed(self.buckets):
+            start, end = self.owned_range(bucket)
+            handle = all_gather_single(self.param_buffer[bucket.start:bucket.end], self.param_buffer[start:end],
+                                 self.dp_group, async_op=async_op)
+            bucket.gather_handle = handle if async_op else None
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (before reading the weights outside a forward)."""
+        for bucket in self.buckets:
+            self._wait_gather(bucket)
+
+    @staticmethod
+    def _wait_gather(bucket: Bucket) -> None:
+        if bucket.gather_handle is not None:
+            bucket.gather_handle.wait()
+            bucket.gather_handle = None
+
+    def _register_forward_pre_hooks(self) -> None:
+        def wait_for_own_params(module, _args):
+            for p in module.parameters(recurse=False):
+                bucket = self._bucket_of.get(id(p))
+                if bucket is not None:
+                    self._wait_gather(bucket)
+
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if any(True for _ in module.parameters(recurse=False)):
+                    module.register_forward_pre_hook(wait_for_own_params)
 
 
 def allreduce_sequence_parallel_grads(params) -> None:
@@ -111,7 +260,7 @@ def allreduce_sequence_parallel_grads(params) -> None:
     on each TP rank: sum their gradients over the TP group."""
     if ps.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False) and grad_of(p) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -127,14 +276,14 @@ def allreduce_embedding_grads(params) -> None:
     embedding (`embedding_copy`). Summing the two gradients keeps both copies equal after every step
     (synchronous methods only). The copies may sit on one rank (one stage, several chunks) or on the
     first and last pipeline ranks (the embedding group)."""
-    shared = [p for p in params if getattr(p, "shared_embedding", False) and p.grad is not None]
+    shared = [p for p in params if getattr(p, "shared_embedding", False) and grad_of(p) is not None]
     if not shared or not any(getattr(p, "embedding_copy", False) for p in shared) \
             and ps.get_pipeline_model_parallel_world_size() == 1:
         return
-    total = shared[0].grad.clone()
+    total = grad_of(shared[0]).clone()
     for p in shared[1:]:
-        total += p.grad
+        total += grad_of(p)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_embedding_group())
     for p in shared:
-        p.grad.copy_(total)
+        grad_of(p).copy_(total)

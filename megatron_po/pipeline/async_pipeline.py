@@ -172,12 +172,12 @@ class AsyncStage:
             p.grad = None
         self.steps[c] += 1
 
-    def runner(self, schedule: Schedule, transport, get_batch) -> StageRunner:
+    def runner(self, schedule: Schedule, transport, get_batch, on_loss=None) -> StageRunner:
         """The StageRunner of this rank for one training segment."""
         self.policy.use_schedule(schedule)
         return StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
                            get_batch=get_batch, loss_scale=1.0 / self.update_interval, policy=self.policy,
-                           step_fn=self.step)
+                           step_fn=self.step, on_loss=on_loss)
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
         """Forward only, live weights (the default policy; the runner skips policies in forward-only runs)."""
@@ -306,7 +306,8 @@ class AsyncPipelineRank:
 
     def __init__(self, cfg: Config, padded_vocab: int, method: str, num_chunks: int | None = None,
                  update_interval: int = 1, optimizer_name: str | None = None, optimizer_kwargs: dict | None = None,
-                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None, **policy_options):
+                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None,
+                 message_specs=None, **policy_options):
         D = ps.get_pipeline_model_parallel_world_size()
         v = num_chunks if num_chunks is not None else virtual_pipeline_size(cfg)
         check_async_config(cfg, method, D, v, update_interval)
@@ -319,8 +320,14 @@ class AsyncPipelineRank:
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
                                 tp_group=ps.get_tensor_model_parallel_group(), **policy_options)
-        self.transport = P2PTransport(D, v) if D > 1 else Mailbox()
+        self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
+
+    def restore_progress(self, microbatches_consumed: int) -> None:
+        """After loading a checkpoint (taken at a drain): continue the stream's global micro-batch ids
+        and each chunk's step count (the LR schedule's clock)."""
+        self.microbatches_consumed = microbatches_consumed
+        self.stage.steps = [microbatches_consumed // self.update_interval] * self.num_chunks
 
     @property
     def chunks(self) -> list:
@@ -329,12 +336,14 @@ class AsyncPipelineRank:
     def holds_loss(self) -> bool:
         return self.rank == self.num_stages - 1
 
-    def train_segment(self, get_batch, num_microbatches: int | None = None) -> list[float] | None:
+    def train_segment(self, get_batch, num_microbatches: int | None = None, on_loss=None) -> list[float] | None:
+        """Stream micro-batches through this rank and drain. `on_loss(mb, loss)` is called on the last
+        stage as each micro-batch's loss is computed (progress logging without draining)."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
-        runner = self.stage.runner(schedule, self.transport, get_batch)
+        runner = self.stage.runner(schedule, self.transport, get_batch, on_loss)
         run_rank(schedule, runner)
         self.microbatches_consumed += num_microbatches
         if not self.holds_loss():

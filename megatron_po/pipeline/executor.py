@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.models.gpt import masked_mean_loss
-from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, message_tag, virtual_stage
+from megatron_po.pipeline.schedules import (Backward, Forward, Schedule, Step, comm_of, message_tag, tag_period,
+                                             virtual_stage)
 
 # --------------------------------------------------------------------------------------------------
 # Transports
@@ -52,52 +53,82 @@ class Mailbox:
 
 
 class P2PTransport:
-    """Point-to-point between pipeline ranks. Each message is a header (shapes, dtype) and one flat
-    payload; tags come from `message_tag`, doubled to tell header from payload, so forward activations
-    and backward gradients never match each other even when both neighbours are the same rank (D=2)."""
+    """Point-to-point between pipeline ranks.
 
-    def __init__(self, num_stages: int, num_chunks: int):
+    Two protocols. With `message_specs` (key -> [(shape, dtype), ...], known to both sides, e.g. the
+    GPT activation [s, b, h]) a message is one flat payload, and the receiver posts its irecv ahead of
+    time (`prepost`, driven by `run_rank`'s look-ahead over the op list): a receive posted before the
+    data arrives costs one gloo hand-off instead of two round trips. Without specs (variable shapes)
+    each message is a header (shapes, dtype) followed by the payload.
+
+    Tags come from `message_tag` (micro-batch ids folded into half its period), doubled to tell header
+    from payload, so forward activations and backward gradients never match each other even when both
+    neighbours are the same rank (D=2)."""
+
+    def __init__(self, num_stages: int, num_chunks: int, message_specs=None):
         self.D, self.v = num_stages, num_chunks
+        self.specs = message_specs
         self.ranks = ps.get_pipeline_model_parallel_ranks()
         self.group = ps.get_pipeline_model_parallel_group()
         self.device = ps.get_device()
         self.pending: list = []  # (work, tensors kept alive until the send completes)
+        self.posted: dict = {}  # (peer, key) -> (irecv work, flat buffer, specs)
+        self._mb_period = tag_period(num_stages, num_chunks) // 2  # 2 * tag must stay below 2**32
 
     def _tag(self, key) -> int:
         kind, mb, dest_vs = key
-        return 2 * message_tag(kind, mb, dest_vs, self.v, self.D)
+        return 2 * message_tag(kind, mb % self._mb_period, dest_vs, self.v, self.D)
 
     def send(self, peer: int, key: tuple, tensors: list[torch.Tensor]) -> None:
-        dtype = tensors[0].dtype
-        header = [len(tensors), _DTYPES.index(dtype)]
-        for t in tensors:
-            assert t.dtype == dtype, "all tensors of one message share a dtype"
-            header += [t.dim(), *t.shape]
-        assert len(header) <= _HEADER, "message header too large"
-        head = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
-        payload = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
         tag, dst = self._tag(key), self.ranks[peer]
-        self.pending.append((dist.isend(head, dst, group=self.group, tag=tag), head))
+        if len(tensors) == 1:
+            payload = tensors[0].detach().reshape(-1).contiguous()
+        else:
+            payload = torch.cat([t.detach().reshape(-1) for t in tensors])
+        if self.specs is None:
+            dtype = tensors[0].dtype
+            header = [len(tensors), _DTYPES.index(dtype)]
+            for t in tensors:
+                assert t.dtype == dtype, "all tensors of one message share a dtype"
+                header += [t.dim(), *t.shape]
+            assert len(header) <= _HEADER, "message header too large"
+            head = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device)
+            self.pending.append((dist.isend(head, dst, group=self.group, tag=tag), head))
         self.pending.append((dist.isend(payload, dst, group=self.group, tag=tag + 1), payload))
         if len(self.pending) > 64:  # drop completed sends so long asynchronous runs don't accumulate
             self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
 
+    def prepost(self, peer: int, key: tuple) -> None:
+        """Post the irecv of a message this rank will need soon (agreed shapes only)."""
+        if self.specs is None or (peer, key) in self.posted:
+            return
+        specs = self.specs(key)
+        numel = sum(int(torch.Size(shape).numel()) for shape, _ in specs)
+        buf = torch.empty(numel, dtype=specs[0][1], device=self.device)
+        work = dist.irecv(buf, self.ranks[peer], group=self.group, tag=self._tag(key) + 1)
+        self.posted[(peer, key)] = (work, buf, specs)
+
     def recv(self, me: int, peer: int, key: tuple) -> list[torch.Tensor]:
-        tag, src = self._tag(key), self.ranks[peer]
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(head, src, group=self.group, tag=tag)
-        h = head.tolist()
-        n, dtype = h[0], _DTYPES[h[1]]
-        shapes, i = [], 2
-        for _ in range(n):
-            ndim = h[i]
-            shapes.append(tuple(h[i + 1:i + 1 + ndim]))
-            i += 1 + ndim
+        if self.specs is not None:
+            self.prepost(peer, key)
+            work, payload, specs = self.posted.pop((peer, key))
+            work.wait()
+            shapes = [shape for shape, _ in specs]
+        else:
+            tag, src = self._tag(key), self.ranks[peer]
+            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(head, src, group=self.group, tag=tag)
+            h = head.tolist()
+            n, dtype = h[0], _DTYPES[h[1]]
+            shapes, i = [], 2
+            for _ in range(n):
+                ndim = h[i]
+                shapes.append(tuple(h[i + 1:i + 1 + ndim]))
+                i += 1 + ndim
+            payload = torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype, device=self.device)
+            dist.recv(payload, src, group=self.group, tag=tag + 1)
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        payload = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-        dist.recv(payload, src, group=self.group, tag=tag + 1)
-        return [p.view(s) for p, s in zip(payload.split(sizes), shapes)]
+        return [t.view(s) for t, s in zip(payload.split(sizes), shapes)]
 
     def flush(self) -> None:
         for work, _ in self.pending:
@@ -146,6 +177,7 @@ class StageRunner:
     step_fn: object = None  # chunk -> None, for Step ops
     grad_sync: object = None  # (chunk, enabled: bool) -> None, DDP sync on a chunk's last backward
     forward_only: bool = False
+    on_loss: object = None  # (mb, detached loss) -> None, on the last virtual stage (progress logging)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
 
@@ -186,6 +218,8 @@ class StageRunner:
             if chunk.post_process:
                 loss = masked_mean_loss(out, batch["loss_mask"])
                 self.losses[mb] = loss.detach()
+                if self.on_loss is not None:
+                    self.on_loss(mb, self.losses[mb])
                 outputs = [loss * self.loss_scale]
         if not self.forward_only:
             self.policy.after_forward(mb, c)
@@ -239,13 +273,22 @@ def forward_only_ops(ops) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
+PREPOST_WINDOW = 4  # ops of look-ahead for posting receives (buffers alive: at most this many messages)
+
+
 def run_rank(schedule: Schedule, runner: StageRunner) -> None:
     """Distributed: this process runs its own rank's ops in order."""
     ops = schedule.ops[runner.rank]
     if runner.forward_only:
         ops = forward_only_ops(ops)
     sync_at = backwards_before_step(ops)
+    prepost = getattr(runner.transport, "prepost", None)
+    receives = [comm_of(op, runner.rank, runner.num_stages, runner.num_chunks)[0] for op in ops]
     for i, op in enumerate(ops):
+        if prepost is not None:  # post the receives of the next few ops before they are needed
+            for recv in receives[i:i + PREPOST_WINDOW + 1]:
+                if recv is not None:
+                    prepost(*recv)
         runner.run(op, sync_grads=i in sync_at)
     runner.transport.flush()
 
@@ -271,7 +314,8 @@ _SCHEDULE_CACHE: dict = {}
 _TRANSPORT: dict = {}
 
 
-def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False):
+def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False,
+                                 message_specs=None):
     """One synchronous iteration of this rank over `batches` (its micro-batches). Gradients end up in
     the DDP buffer (the DP reduce overlapping each chunk's last backward); the caller steps.
     Returns the mean micro-batch loss on the last pipeline stage, None elsewhere."""
@@ -282,14 +326,14 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
     key = (method, D, v, M)
     if key not in _SCHEDULE_CACHE:
         _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
-    if (D, v) not in _TRANSPORT:
-        _TRANSPORT[(D, v)] = P2PTransport(D, v) if D > 1 else Mailbox()
+    if (D, v, message_specs) not in _TRANSPORT:
+        _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
 
     def grad_sync(_chunk, enabled):
         ddp.sync_enabled = enabled
 
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
-                         transport=_TRANSPORT[(D, v)], get_batch=batches.__getitem__, loss_scale=1.0 / M,
+                         transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=1.0 / M,
                          grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only)
     run_rank(_SCHEDULE_CACHE[key], runner)
     if ddp is not None:

@@ -7,6 +7,10 @@ the final norm, output layer and loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, virtual_pipeline_size
 from megatron_po.errors import ConfigError
@@ -38,3 +42,23 @@ def build_pipeline_chunks(cfg: Config, padded_vocab: int) -> list[GPTModel]:
     return build_chunks_for_rank(cfg, padded_vocab, ps.get_pipeline_model_parallel_rank(),
                                  ps.get_pipeline_model_parallel_world_size(), virtual_pipeline_size(cfg),
                                  ps.get_device())
+
+
+@dataclass(frozen=True)
+class ActivationSpecs:
+    """What every message between GPT stages looks like: one [s, b, h] tensor (s split over TP ranks
+    under sequence parallelism), activations and their gradients alike. Both ends know it, so the
+    transport sends no shape header and can post receives early. Hashable: transports are cached."""
+
+    shape: tuple
+    dtype: torch.dtype = torch.float32
+
+    def __call__(self, key) -> list:
+        return [(self.shape, self.dtype)]
+
+
+def gpt_message_specs(cfg: Config, micro_batch_size: int) -> ActivationSpecs:
+    seq = cfg.model.seq_length
+    if cfg.parallel.sequence_parallel:
+        seq //= cfg.parallel.tensor_model_parallel_size
+    return ActivationSpecs((seq, micro_batch_size, cfg.model.hidden_size))

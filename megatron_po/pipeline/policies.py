@@ -33,7 +33,7 @@ from megatron_po.errors import ConfigError
 from megatron_po.pipeline.executor import WeightPolicy
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
 
-ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
+from megatron_po.config import ASYNC_METHODS  # noqa: E402  (the flag choices live in the config)
 
 # --------------------------------------------------------------------------------------------------
 # Quantities derived from the schedule

@@ -1,0 +1,244 @@
+"""The distributed optimizer (ZeRO-1, Megatron semantics): fp32 main params and optimizer state sharded
+over the data-parallel ranks, for every optimizer of the predictive family.
+
+Layout (built by `DistributedDataParallel(..., use_distributed_optimizer=True)`): every gradient bucket
+is padded and cut into DP equal contiguous ranges that ignore parameter boundaries; DP rank d owns range
+d of each bucket. Per step:
+  1. backward reduce-scatters each bucket as soon as its gradients are complete: the owned range of the
+     gradient buffer then holds the DP-mean gradient;
+  2. this rank unscales/checks/clips only its owned ranges (found-inf and the squared norm are summed
+     over the DP group and the model-parallel group, so each element is counted once);
+  3. the inner optimizer steps only this rank's fp32 main shard. It is built over flat views, one 1-D
+     tensor per (parameter ∩ owned range) piece, with the model's param groups, so any per-element
+     optimizer (Adam, AdamW, SGD/momentum/Nesterov, RMSprop, Adagrad, Lion) takes exactly the step
+     the unsharded one would take on those elements;
+  4. the updated shards are rounded into the model dtype and all-gathered into the model weights bucket
+     by bucket (`all_gather` into the flat parameter buffer), asynchronously with
+     `overlap_param_gather` (a forward pre-hook per module waits for its own bucket).
+
+Memory per parameter (Adam, bf16 params, fp32 grads): 2 (params) + 4 (grads) + 12/DP (fp32 main param,
+exp_avg, exp_avg_sq), Megatron's 6 + 12/DP. With fp32 model params the main shard is still a separate
+fp32 copy (8 + 12/DP instead of Megatron's 8 + 8/DP): it is what makes prediction copy-free.
+
+PipeOptim over sharded state: `predict_model_params(s)` computes Ŵ = W_main - s·lr·ΔW for this rank's
+shard from this rank's optimizer state, writes it into the model weights' owned ranges and all-gathers
+them exactly like updated shards; `restore_model_params()` is the normal main -> model copy + all-gather.
+The fp32 main shards are the cache: no full-size weight copy is made.
+
+Checkpoints: `state_dict()` holds this rank's shard (inner state of its pieces, its fp32 main shards, the
+loss scale) plus the layout it was cut with; `load_state_dict` accepts it under the same layout (same
+model, DP size, bucket size) only. Loading under another DP size needs re-sharding: gather every piece's
+state over DP into full per-parameter tensors (the unsharded optimizer's state, keyed by parameter
+name, as distributed/checkpoint.py stores it) and let each rank slice its new ranges back out, or save
+the pieces as flat-range shards of the global tensors (Megatron's `flattened_range`); neither is
+implemented here yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_po.distributed.ddp import DistributedDataParallel, all_gather_single
+from megatron_po.errors import ConfigError
+from megatron_po.optim.mixed_precision import MainParamsOptimizer, normalize_param_groups
+from megatron_po.optim.optimizers import PredictiveOptimizer
+
+
+@dataclass
+class ShardPiece:
+    """The part of one model parameter that lies in this rank's owned range of one bucket."""
+
+    param: Tensor  # the model parameter
+    bucket: int  # bucket index in the DDP
+    start: int  # [start, end) in the flat grad / param buffers
+    end: int
+    main: Tensor  # fp32 1-D view into the bucket's main shard: what the inner optimizer steps
+
+
+class DistributedOptimizer(MainParamsOptimizer):
+    """Megatron's distributed optimizer around a PredictiveOptimizer.
+
+    inner_optimizer_factory: called once with the shard pieces' groups (one per model param group, same
+        keys), returns a PredictiveOptimizer, e.g. `lambda groups: build_optimizer("adam", groups, lr=...)`.
+    model_param_groups: the model params (tensors or group dicts); all must be managed by `ddp`.
+    ddp: a DistributedDataParallel built with `use_distributed_optimizer=True`.
+    grad_scaler, clip_grad, model_parallel_group: as for MixedPrecisionOptimizer; found-inf and the grad
+        norm are summed over `ddp.dp_group` and then `model_parallel_group`.
+    """
+
+    def __init__(self, inner_optimizer_factory: Callable[[list[dict]], PredictiveOptimizer], model_param_groups,
+                 ddp: DistributedDataParallel, grad_scaler=None, clip_grad: float = 0.0,
+                 model_parallel_group=None, predict_chunk_numel: int = 1 << 20):
+        if not getattr(ddp, "use_distributed_optimizer", False):
+            raise ConfigError("the distributed optimizer needs DistributedDataParallel(..., "
+                              "use_distributed_optimizer=True) (its padded, sharded buffers)")
+        self.ddp = ddp
+        groups = normalize_param_groups(model_param_groups)
+        group_of: dict[int, int] = {}
+        for i, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) not in ddp.param_range:
+                    raise ConfigError("a parameter given to the distributed optimizer is not managed by its DDP")
+                if id(p) in group_of:
+                    raise ValueError("a parameter appears in more than one param group")
+                group_of[id(p)] = i
+
+        # fp32 main shard of every bucket: this rank's owned range, padding included (it stays 0).
+        self.main_shards: list[Tensor] = []
+        self.pieces: list[ShardPiece] = []
+        piece_groups: list[list[Tensor]] = [[] for _ in groups]
+        piece_of_main: list[list[ShardPiece]] = [[] for _ in groups]
+        for b, bucket in enumerate(ddp.buckets):
+            lo, hi = ddp.owned_range(bucket)
+            shard = ddp.param_buffer[lo:hi].detach().to(torch.float32, copy=True)
+            self.main_shards.append(shard)
+            for p in bucket.params:
+                p_start, p_end = ddp.param_range[id(p)]
+                start, end = max(p_start, lo), min(p_end, hi)
+                if start >= end or id(p) not in group_of:
+                    continue
+                piece = ShardPiece(p, b, start, end, shard[start - lo:end - lo])
+                self.pieces.append(piece)
+                piece_groups[group_of[id(p)]].append(piece.main)
+                piece_of_main[group_of[id(p)]].append(piece)
+        self._group_pieces = piece_of_main
+        main_groups = [{**g, "params": pieces} for g, pieces in zip(groups, piece_groups)]
+        if not any(main_groups[i]["params"] for i in range(len(groups))):
+            raise ConfigError(f"DP rank {ddp.dp_rank} owns no parameter elements: the model is too small "
+                              f"for {ddp.dp_size} data-parallel ranks")
+        self.optimizer = inner_optimizer_factory(main_groups)
+        if not isinstance(self.optimizer, PredictiveOptimizer):
+            raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
+        self.model_groups = [g["params"] for g in groups]
+        self.grad_scaler = grad_scaler
+        self.clip_grad = clip_grad
+        self.model_parallel_group = model_parallel_group
+        self.predict_chunk_numel = predict_chunk_numel
+        self._device = ddp.grad_buffer.device
+        self._shard_grads: list[Tensor] | None = None
+
+    # -- MainParamsOptimizer hooks --------------------------------------------------------------
+
+    def _before_weights_change(self):
+        self.ddp.finish_param_sync()
+
+    def _main_grads(self):
+        # After the reduce-scatter the owned range of the grad buffer holds the DP-mean gradient; use it
+        # in place when it is fp32, else as an fp32 copy of the shard.
+        ddp, shard_grads = self.ddp, []
+        for bucket in ddp.buckets:
+            lo, hi = ddp.owned_range(bucket)
+            g = ddp.grad_buffer[lo:hi]
+            shard_grads.append(g if g.dtype == torch.float32 else g.float())
+        for piece in self.pieces:
+            lo = ddp.owned_range(ddp.buckets[piece.bucket])[0]
+            piece.main.grad = shard_grads[piece.bucket][piece.start - lo:piece.end - lo]
+        self._shard_grads = shard_grads
+        return shard_grads
+
+    def _norm_pieces(self):
+        return [(piece.main.grad, piece.param) for piece in self.pieces if piece.main.grad is not None]
+
+    def _release_main_grads(self):
+        for piece in self.pieces:
+            piece.main.grad = None
+        self._shard_grads = None
+
+    def _write_owned_ranges(self) -> None:
+        """Round this rank's fp32 main shards into the model weights' owned ranges."""
+        ddp = self.ddp
+        for bucket, shard in zip(ddp.buckets, self.main_shards):
+            lo, hi = ddp.owned_range(bucket)
+            ddp.param_buffer[lo:hi].copy_(shard)
+
+    def _copy_main_to_model(self):
+        self._write_owned_ranges()
+        self.ddp.start_param_sync()  # asynchronous with overlap_param_gather
+
+    def _agreement_groups(self):
+        return [self.ddp.dp_group, self.model_parallel_group]
+
+    def _prediction_targets(self):
+        buf = self.ddp.param_buffer
+        return [[buf[piece.start:piece.end] for piece in pieces] for pieces in self._group_pieces]
+
+    # -- PipeOptim: predicted shards travel like updated shards ----------------------------------
+
+    @torch.no_grad()
+    def predict_model_params(self, steps, include_weight_decay: bool = False) -> None:
+        """Ŵ of this rank's shard from this rank's state, then all-gathered into the model weights."""
+        super().predict_model_params(steps, include_weight_decay)  # writes the owned ranges
+        self.ddp.start_param_sync(async_op=False)
+
+    @torch.no_grad()
+    def restore_model_params(self) -> None:
+        self._before_weights_change()
+        self._write_owned_ranges()
+        self.ddp.start_param_sync(async_op=False)
+
+    def finish_param_sync(self) -> None:
+        """Wait for overlapped all-gathers (before reading the weights outside a forward, e.g. to save)."""
+        self.ddp.finish_param_sync()
+
+    # -- inspection and checkpoints --------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_direction(self, include_weight_decay: bool = False) -> list[list[Tensor | None]]:
+        """Full ΔW per model param group aligned with the model params (fp32), all-gathered over DP:
+        collective, and a full-size fp32 temporary, so for inspection and tests, not the training loop.
+        Every DDP-managed parameter is stepped on every step, so either all entries are tensors or (before
+        the first step) all are None."""
+        if not self.has_state():
+            return [[None] * len(g) for g in self.model_groups]
+        ddp = self.ddp
+        full = torch.zeros(ddp.grad_buffer.numel(), dtype=torch.float32, device=self._device)
+        for pieces, directions in zip(self._group_pieces, self.optimizer.update_direction(include_weight_decay)):
+            for piece, d in zip(pieces, directions):
+                if d is not None:
+                    full[piece.start:piece.end].copy_(d)
+        if ddp.dp_size > 1:
+            for bucket in ddp.buckets:
+                lo, hi = ddp.owned_range(bucket)
+                all_gather_single(full[bucket.start:bucket.end], full[lo:hi].clone(), ddp.dp_group, async_op=False)
+        out = []
+        for params in self.model_groups:
+            row = []
+            for p in params:
+                start, end = ddp.param_range[id(p)]
+                row.append(full[start:end].view_as(p).clone())
+            out.append(row)
+        return out
+
+    def _layout(self) -> dict:
+        ddp = self.ddp
+        return {"dp_size": ddp.dp_size, "dp_rank": ddp.dp_rank,
+                "buckets": [(b.start, b.end) for b in ddp.buckets],
+                "pieces": [(piece.start, piece.end) for piece in self.pieces]}
+
+    def state_dict(self) -> dict:
+        """This rank's shard: inner optimizer state of its pieces, fp32 main shards, loss scale, layout."""
+        self.finish_param_sync()
+        return {"optimizer": self.optimizer.state_dict(), "main_shards": list(self.main_shards),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                "layout": self._layout()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load a shard saved under the same layout; the model weights are refreshed from it."""
+        saved, mine = state["layout"], self._layout()
+        if saved != mine:
+            what = (f"DP={saved['dp_size']} rank {saved['dp_rank']}" if saved["dp_size"] != mine["dp_size"]
+                    or saved["dp_rank"] != mine["dp_rank"] else "another bucket layout")
+            raise ConfigError(f"distributed optimizer state was saved under {what}; this run has "
+                              f"DP={mine['dp_size']} rank {mine['dp_rank']} with its own buckets: resharding "
+                              "optimizer state to another layout is not supported")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for shard, saved_shard in zip(self.main_shards, state["main_shards"]):
+            shard.copy_(saved_shard)
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.restore_model_params()

@@ -256,8 +256,9 @@ def normalize_param_groups(params) -> list[dict]:
     return [{**g, "params": list(g["params"])} for g in params]
 
 
-def _real_groups(groups) -> list:
-    return [g for g in groups if g is not None and (dist.is_initialized() and dist.get_world_size(g) > 1)]
+def _multi_rank_groups(groups) -> list:
+    """The given process groups that have something to reduce over (None = this process alone)."""
+    return [g for g in groups if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1]
 
 
 class MainParamsOptimizer:
@@ -318,18 +319,15 @@ class MainParamsOptimizer:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _all_reduce_max(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self._device)
-        for group in _real_groups(self._agreement_groups()):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item() > 0)
-
     def _unscale_and_check(self, grads: list[Tensor]) -> bool:
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         if grads:
             inv_scale = torch.full((1,), 1.0 / self.get_loss_scale(), dtype=torch.float32, device=self._device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
-        return self._all_reduce_max(bool(found.item() > 0))
+        # Every rank must skip together: a step on some ranks only would desynchronise the replicas.
+        for group in _multi_rank_groups(self._agreement_groups()):
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) main grads, each parameter counted once over the groups."""
@@ -339,7 +337,7 @@ class MainParamsOptimizer:
         else:
             sq = torch.zeros((), dtype=torch.float32, device=self._device)
         sq = sq.to(torch.float64)
-        for group in _real_groups(self._agreement_groups()):
+        for group in _multi_rank_groups(self._agreement_groups()):
             dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
 

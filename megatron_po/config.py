@@ -107,6 +107,20 @@ class TrainingConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    bf16: bool = _f(False, "bf16 model weights and activations; fp32 main params in the optimizer")
+    fp16: bool = _f(False, "fp16 model weights with dynamic loss scaling; fp32 main params")
+    accumulate_allreduce_grads_in_fp32: bool = _f(False, "accumulate and all-reduce gradients in fp32")
+    loss_scale: float | None = _f(None, "constant loss scale (fp16); default: dynamic")
+    initial_loss_scale: float = _f(2.0**32, "initial dynamic loss scale (fp16)")
+    min_loss_scale: float = _f(1.0, "minimum dynamic loss scale (fp16)")
+    loss_scale_window: int = _f(1000, "iterations without overflow before the loss scale grows (fp16)")
+    hysteresis: int = _f(2, "overflows tolerated before the loss scale shrinks (fp16)")
+    use_distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main params over DP (ZeRO-1)")
+    overlap_param_gather: bool = _f(False, "overlap the distributed optimizer's parameter all-gather with the forward")
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = _f(10, "log every this many iterations")
     metrics_file: str | None = _f(None, "append one JSON object per logged iteration to this file")
@@ -129,6 +143,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -325,8 +340,16 @@ def validate(cfg: Config, world_size: int) -> None:
         need(d.tokenizer_model is not None, "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
     if d.tokenizer_type == "NullTokenizer":
         need(d.vocab_size is not None and d.vocab_size > 0, "--tokenizer-type NullTokenizer needs --vocab-size")
+    pr = cfg.precision
+    from megatron_po.optim.mixed_precision import validate_precision_flags
+    validate_precision_flags(pr.bf16, pr.fp16, pr.accumulate_allreduce_grads_in_fp32, pr.loss_scale,
+                             pr.initial_loss_scale, pr.min_loss_scale, pr.loss_scale_window, pr.hysteresis,
+                             pr.use_distributed_optimizer, pr.overlap_param_gather)
     if p.pipeline_method in ASYNC_METHODS:
         meth, k = p.pipeline_method, p.async_update_interval
+        need(not (pr.bf16 or pr.fp16 or pr.use_distributed_optimizer),
+             f"--pipeline-method {meth} runs in fp32 with the plain optimizer for now: --bf16/--fp16/"
+             f"--use-distributed-optimizer are supported with the synchronous methods (gpipe, 1f1b)")
         need(k >= 1, f"--async-update-interval must be >= 1 (got {k})")
         need(m.untie_embeddings_and_output_weights,
              f"--pipeline-method {meth} is asynchronous: stages step independently, so tied input/output "

@@ -31,6 +31,9 @@ from megatron_po.errors import DataError, UserError
 from megatron_po.models.gpt import GPTModel
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import clip_grad_norm_
+from megatron_po.optim.distributed_optimizer import DistributedOptimizer
+from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
+                                               grad_buffer_dtype, model_dtype)
 from megatron_po.optim.lr_scheduler import lr_at, set_lr
 from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
 
@@ -123,7 +126,8 @@ def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False) -> torch.Tensor | None:
+def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
+                     grad_scale: float = 1.0) -> torch.Tensor | None:
     """Loss averaged over this rank's micro-batches; gradients accumulated into the DDP buffer.
 
     Every layout runs through the pipeline executor: without pipelining it runs the "none" schedule
@@ -133,7 +137,8 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False) -> t
     from megatron_po.pipeline.executor import synchronous_forward_backward
     from megatron_po.pipeline.partition import gpt_message_specs
     specs = gpt_message_specs(cfg, batches[0]["tokens"].shape[0])
-    return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only, specs)
+    return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only, specs,
+                                        grad_scale)
 
 
 def holds_loss() -> bool:
@@ -155,15 +160,39 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
 
 
 def train_step(cfg, chunks, ddp, optimizer, batches, lr: float):
+    """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
+    step was skipped for inf/NaN gradients)."""
+    wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
-    loss = forward_backward(cfg, chunks, ddp, batches)
+    loss = forward_backward(cfg, chunks, ddp, batches, grad_scale=optimizer.get_loss_scale() if wrapped else 1.0)
     ddp.finish_grad_sync()
     allreduce_sequence_parallel_grads(ddp.params)
     allreduce_embedding_grads(ddp.params)
-    grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
     set_lr(optimizer, lr)
+    if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
+        return loss, optimizer.step().grad_norm
+    grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
     optimizer.step()
     return loss, grad_norm
+
+
+def build_optimizer_for(cfg: Config, chunks, ddp):
+    """The plain predictive optimizer (fp32), or the wrapper holding fp32 main params: mixed precision,
+    and/or the distributed optimizer that shards them over data-parallel ranks."""
+    t, pr = cfg.training, cfg.precision
+
+    def inner(groups):
+        return build_optimizer(t.optimizer, groups, lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                               adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+
+    groups = param_groups(chunks, t.weight_decay)
+    scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
+                               pr.loss_scale_window, pr.hysteresis)
+    if pr.use_distributed_optimizer:
+        return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group())
+    if pr.bf16 or pr.fp16:
+        return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group())
+    return inner(groups)
 
 
 @torch.no_grad()
@@ -260,11 +289,14 @@ def pretrain(cfg: Config) -> dict:
         engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world))
         chunks, optimizer = engine.chunks, engine.stage.optimizers
     else:
-        chunks = build_model_chunks(cfg, padded_vocab)
-        ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size)
-        optimizer = build_optimizer(t.optimizer, param_groups(chunks, t.weight_decay), lr=t.lr,
-                                    weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                                    adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+        pr = cfg.precision
+        chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in build_model_chunks(cfg, padded_vocab)]
+        ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size,
+                                      grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
+                                                                   pr.accumulate_allreduce_grads_in_fp32),
+                                      use_distributed_optimizer=pr.use_distributed_optimizer,
+                                      overlap_param_gather=pr.overlap_param_gather)
+        optimizer = build_optimizer_for(cfg, chunks, ddp)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
                 f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
@@ -336,7 +368,8 @@ def pretrain(cfg: Config) -> dict:
             loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr)
             state.iteration += 1
             state.consumed_samples += gbs
-            progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm)
+            progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
+                                    optimizer.get_loss_scale() if cfg.precision.fp16 else None)
             stop = at_boundary()
             progress.flush()
             if stop:
@@ -413,11 +446,14 @@ class Progress:
         self.record: dict = {}  # the last logged record
         self.pending: dict | None = None  # logged, not yet written
         self.window_start, self.window_iters = time.perf_counter(), 0
-        self.loss_sum, self.loss_n = 0.0, 0
+        self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
 
-    def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float) -> None:
+    def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
+                       loss_scale: float | None = None) -> None:
+        """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t = self.cfg.training
         self.window_iters += 1
+        self.skipped += grad_norm is None
         if loss is not None:
             self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
             if not math.isfinite(loss):
@@ -430,13 +466,19 @@ class Progress:
         tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
         self.record = {"iteration": iteration, "lm_loss": self.loss_sum / max(self.loss_n, 1), "lr": lr,
                        "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec, "tflops_per_process": tflops,
-                       "consumed_samples": iteration * self.gbs}
+                       "consumed_samples": iteration * self.gbs, "skipped_iterations": self.skipped}
+        extra = ""
+        if loss_scale is not None:
+            self.record["loss_scale"] = loss_scale
+            extra = f" | loss scale {loss_scale:.1f} | skipped {self.skipped}"
         self.pending = self.record
+        norm = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
         self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {iteration * self.gbs} |"
-                              f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {grad_norm:.3f} |"
+                              f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {norm} |"
                               f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f} |"
-                              f" TFLOP/s per process {tflops:.4f}")
+                              f" TFLOP/s per process {tflops:.4f}{extra}")
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
+        self.skipped = 0
 
     def log_validation(self, iteration: int, val: float) -> None:
         rec = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}

@@ -302,3 +302,23 @@ def test_async_pipeoptim_resume_is_exact(corpus, tmp_path):
     resumed = run_layout(corpus, tmp_path, "second", 2, **flags, **{"--load": ckpt, "--save": ckpt})
     assert [r["lm_loss"] for r in first if "lm_loss" in r] == straight[:4]
     assert [r["lm_loss"] for r in resumed if "lm_loss" in r] == straight[4:]
+
+
+# ---- mixed precision and the distributed optimizer through the entry point -------------------------
+
+def test_bf16_distributed_optimizer_tracks_fp32(corpus, tmp_path):
+    """bf16 weights, fp32 grads and main params sharded over DP=2 (TP=2): the loss curve stays within
+    0.05 of the fp32 run's (bf16 rounding of weights and activations)."""
+    fp32 = run_layout(corpus, tmp_path, "fp32", 1)
+    bf16 = run_layout(corpus, tmp_path, "bf16", 4, **{"--tensor-model-parallel-size": 2, "--bf16": True,
+                                                     "--accumulate-allreduce-grads-in-fp32": True,
+                                                     "--use-distributed-optimizer": True})
+    assert_same_curve(fp32, bf16, tol=0.05)
+
+
+def test_fp16_with_loss_scaling_trains(corpus, tmp_path):
+    records = run_layout(corpus, tmp_path, "fp16", 2, **{"--pipeline-model-parallel-size": 2, "--fp16": True,
+                                                        "--initial-loss-scale": 2.0**20})
+    logged = [r for r in records if "lm_loss" in r]
+    assert all("loss_scale" in r for r in logged)
+    assert logged[-1]["lm_loss"] < logged[0]["lm_loss"] - 0.3

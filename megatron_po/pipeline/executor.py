@@ -315,9 +315,10 @@ _TRANSPORT: dict = {}
 
 
 def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False,
-                                 message_specs=None):
+                                 message_specs=None, grad_scale: float = 1.0):
     """One synchronous iteration of this rank over `batches` (its micro-batches). Gradients end up in
     the DDP buffer (the DP reduce overlapping each chunk's last backward); the caller steps.
+    `grad_scale` multiplies every micro-batch loss before backward (fp16 loss scaling).
     Returns the mean micro-batch loss on the last pipeline stage, None elsewhere."""
     from megatron_po.pipeline.schedules import build_schedule
     D, v, M = ps.get_pipeline_model_parallel_world_size(), len(chunks), len(batches)
@@ -333,7 +334,7 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
         ddp.sync_enabled = enabled
 
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
-                         transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=1.0 / M,
+                         transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=grad_scale / M,
                          grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only)
     run_rank(_SCHEDULE_CACHE[key], runner)
     if ddp is not None:

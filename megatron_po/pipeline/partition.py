@@ -61,4 +61,5 @@ def gpt_message_specs(cfg: Config, micro_batch_size: int) -> ActivationSpecs:
     seq = cfg.model.seq_length
     if cfg.parallel.sequence_parallel:
         seq //= cfg.parallel.tensor_model_parallel_size
-    return ActivationSpecs((seq, micro_batch_size, cfg.model.hidden_size))
+    dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float16 if cfg.precision.fp16 else torch.float32
+    return ActivationSpecs((seq, micro_batch_size, cfg.model.hidden_size), dtype)

@@ -347,9 +347,10 @@ def validate(cfg: Config, world_size: int) -> None:
                              pr.use_distributed_optimizer, pr.overlap_param_gather)
     if p.pipeline_method in ASYNC_METHODS:
         meth, k = p.pipeline_method, p.async_update_interval
-        need(not (pr.bf16 or pr.fp16 or pr.use_distributed_optimizer),
-             f"--pipeline-method {meth} runs in fp32 with the plain optimizer for now: --bf16/--fp16/"
-             f"--use-distributed-optimizer are supported with the synchronous methods (gpipe, 1f1b)")
+        need(not (pr.fp16 or pr.use_distributed_optimizer),
+             f"--pipeline-method {meth} supports fp32 and --bf16; --fp16 (a loss scale that may change between a "
+             f"micro-batch's forward and backward) and --use-distributed-optimizer are supported with the "
+             f"synchronous methods (gpipe, 1f1b) for now")
         need(k >= 1, f"--async-update-interval must be >= 1 (got {k})")
         need(m.untie_embeddings_and_output_weights,
              f"--pipeline-method {meth} is asynchronous: stages step independently, so tied input/output "

@@ -322,3 +322,14 @@ def test_fp16_with_loss_scaling_trains(corpus, tmp_path):
     logged = [r for r in records if "lm_loss" in r]
     assert all("loss_scale" in r for r in logged)
     assert logged[-1]["lm_loss"] < logged[0]["lm_loss"] - 0.3
+
+
+def test_bf16_pipeoptim_tracks_fp32_pipeoptim(corpus, tmp_path):
+    """Asynchronous PipeOptim with bf16 chunks and fp32 main params (prediction written straight into
+    the bf16 weights, restored from the main params: no extra copy) follows the fp32 run within 0.05."""
+    flags = dict(ASYNC, **{"--pipeline-method": "pipeoptim"})
+    fp32 = run_layout(corpus, tmp_path, "fp32", 2, **flags)
+    bf16 = run_layout(corpus, tmp_path, "bf16", 2, **flags, **{"--bf16": True})
+    a = [r["lm_loss"] for r in fp32 if "lm_loss" in r]
+    b = [r["lm_loss"] for r in bf16 if "lm_loss" in r]
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 0.05, (a, b)

@@ -130,7 +130,7 @@ class AsyncStage:
 
     def __init__(self, rank: int, num_stages: int, chunks: list, method: str, update_interval: int,
                  optimizer_name: str, optimizer_kwargs: dict, lr_fn: Callable[[int], float] | None,
-                 clip_grad: float = 0.0, dp_group=None, tp_group=None, **policy_options):
+                 clip_grad: float = 0.0, dp_group=None, tp_group=None, bf16: bool = False, **policy_options):
         self.rank, self.num_stages, self.chunks = rank, num_stages, chunks
         self.method, self.update_interval = method, update_interval
         kwargs = dict(optimizer_kwargs)
@@ -140,11 +140,22 @@ class AsyncStage:
             raise ConfigError("asynchronous training needs a learning rate: optimizer_kwargs['lr'] or lr_fn")
         lr = lr if lr is not None else lr_fn(0)
         self.lr_fn = lr_fn if lr_fn is not None else (lambda step: lr)
-        self.optimizers = [build_optimizer(optimizer_name, chunk_param_groups(c, weight_decay), lr,
-                                           weight_decay=weight_decay, **kwargs) for c in chunks]
         self.clip_grad = clip_grad
         self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+
+        def inner(groups):
+            return build_optimizer(optimizer_name, groups, lr, weight_decay=weight_decay, **kwargs)
+
+        if bf16:
+            # bf16 chunks, fp32 main params per chunk; inf/NaN checks and clipping stay stage-local (TP).
+            from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer
+            for c in chunks:
+                c.to(torch.bfloat16)
+            self.optimizers = [MixedPrecisionOptimizer(inner, chunk_param_groups(c, weight_decay), None, clip_grad,
+                                                       self.tp_group) for c in chunks]
+        else:
+            self.optimizers = [inner(chunk_param_groups(c, weight_decay)) for c in chunks]
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
         self.policy = build_policy(method, rank, chunks, self.optimizers,
@@ -161,6 +172,14 @@ class AsyncStage:
                 g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
+        opt = self.optimizers[c]
+        if hasattr(opt, "main_params"):  # mixed precision: unscale/inf-check/clip/step inside
+            set_lr(opt, self.lr_fn(self.steps[c]))
+            self.grad_norms[c] = opt.step().grad_norm
+            for p in params:
+                p.grad = None
+            self.steps[c] += 1
+            return
         if self.clip_grad > 0:
             self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
         else:
@@ -242,7 +261,8 @@ class AsyncEmulator:
         for r in range(num_stages):
             chunks = build_chunks_for_rank(cfg, padded_vocab, r, num_stages, num_chunks, ps.get_device())
             self.stages.append(AsyncStage(r, num_stages, chunks, method, update_interval, optimizer_name,
-                                          optimizer_kwargs, lr_fn, clip_grad, **policy_options))
+                                          optimizer_kwargs, lr_fn, clip_grad, bf16=cfg.precision.bf16,
+                                          **policy_options))
         self.microbatches_consumed = 0
 
     @property
@@ -319,7 +339,8 @@ class AsyncPipelineRank:
         chunks = build_chunks_for_rank(cfg, padded_vocab, self.rank, D, v, ps.get_device())
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
-                                tp_group=ps.get_tensor_model_parallel_group(), **policy_options)
+                                tp_group=ps.get_tensor_model_parallel_group(), bf16=cfg.precision.bf16,
+                                **policy_options)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
 

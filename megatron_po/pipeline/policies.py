@@ -309,7 +309,7 @@ class _PredictingPolicy(AsyncPolicy):
 
     def __init__(self, rank, chunks, optimizers, schedule=None):
         for opt in optimizers:
-            if not hasattr(opt, "predict"):
+            if not hasattr(opt, "predict") and not hasattr(opt, "predict_model_params"):
                 raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
                                   f"(megatron_po.optim), got {type(opt).__name__}")
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)
@@ -323,6 +323,12 @@ class _PredictingPolicy(AsyncPolicy):
         opt = self.optimizers[chunk]
         if steps == 0 or not opt.has_state():
             return
+        if hasattr(opt, "predict_model_params"):
+            # Mixed precision: the fp32 main params are the live weights already, so predict straight
+            # into the low-precision model weights and restore by the usual main -> model copy. No cache.
+            opt.predict_model_params(steps, include_weight_decay)
+            self.predicted[chunk] = True
+            return
         if self.cache[chunk] is None:
             self.cache[chunk] = _clone(self.params[chunk])
             self._note_copies(chunk)
@@ -333,7 +339,11 @@ class _PredictingPolicy(AsyncPolicy):
 
     def _restore(self, chunk: int) -> None:
         if self.predicted[chunk]:
-            _copy_into(self.params[chunk], self.cache[chunk])
+            opt = self.optimizers[chunk]
+            if hasattr(opt, "restore_model_params"):
+                opt.restore_model_params()
+            else:
+                _copy_into(self.params[chunk], self.cache[chunk])
             self.predicted[chunk] = False
 
 
@@ -346,8 +356,9 @@ class SpecTrainPolicy(_PredictingPolicy):
     def __init__(self, rank, chunks, optimizers, schedule=None):
         from megatron_po.optim import SGD
         for opt in optimizers:
-            ok = isinstance(opt, SGD) and all(g["momentum"] > 0 and not g["nesterov"] and
-                                              g["direction"] == "buffer" for g in opt.param_groups)
+            inner = getattr(opt, "optimizer", opt)  # the predictive optimizer inside a mixed-precision wrapper
+            ok = isinstance(inner, SGD) and all(g["momentum"] > 0 and not g["nesterov"] and
+                                                g["direction"] == "buffer" for g in inner.param_groups)
             if not ok:
                 raise ConfigError("spectrain predicts from the momentum buffer and needs SGD with momentum "
                                   f"(--optimizer sgd, --sgd-momentum > 0, no Nesterov); got {type(opt).__name__}")

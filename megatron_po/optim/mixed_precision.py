@@ -206,27 +206,16 @@ def predict_into(optimizer: PredictiveOptimizer, steps, targets: Sequence[Sequen
         positions, params, states = optimizer._stepped(group)
         if s == 0 or not params:
             continue
-        alpha = -s * group["lr"]
-        decay = include_weight_decay and optimizer.decoupled_weight_decay and group["weight_decay"] != 0
         for chunk in _chunks([p.numel() for p in params], chunk_numel):
             cparams, cstates = [params[i] for i in chunk], [states[i] for i in chunk]
             ctargets = [dsts[positions[i]] for i in chunk]
             same_dtype = all(t.dtype == p.dtype for t, p in zip(ctargets, cparams))
             # Compute Ŵ in the optimizer's precision and round once, when copying it out.
             dst = ctargets if same_dtype else [p.clone() for p in cparams]
-            if decay:
-                torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])  # Ŵ = W(1 - s·lr·λ) - s·lr·ΔW
-            d = optimizer._direction(group, cparams, cstates)
-            scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
-            if d.denominators is not None:
-                torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
-            elif scalars is None:
-                torch._foreach_add_(dst, d.numerators, alpha=alpha)
-            else:
-                torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars))
+            optimizer._extrapolate(group, cparams, cstates, dst, s, include_weight_decay)
             if not same_dtype:
                 torch._foreach_copy_(ctargets, dst)
-            del dst, d
+            del dst
 
 
 # --------------------------------------------------------------------------------------------------

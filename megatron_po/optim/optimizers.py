@@ -209,19 +209,25 @@ class PredictiveOptimizer(torch.optim.Optimizer):
                 # Compute Ŵ in the optimizer's precision and round once, when copying it out.
                 dst, copy_out = [p.clone() for p in params], True
 
-            alpha = -s * group["lr"]
-            if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
-                torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])  # Ŵ = W(1 - s·lr·λ) - s·lr·ΔW
-            d = self._direction(group, params, states)
-            scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
-            if d.denominators is not None:
-                torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
-            elif scalars is None:
-                torch._foreach_add_(dst, d.numerators, alpha=alpha)
-            else:
-                torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars))
+            self._extrapolate(group, params, states, dst, s, include_weight_decay)
             if copy_out:
                 torch._foreach_copy_([targets[i] for i in positions], dst)
+
+    def _extrapolate(self, group: dict, params: list, states: list, dst: list, steps: float,
+                     include_weight_decay: bool) -> None:
+        """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state; with decoupled decay
+        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass."""
+        alpha = -steps * group["lr"]
+        if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
+            torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])
+        d = self._direction(group, params, states)
+        scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
+        if d.denominators is not None:
+            torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
+        elif scalars is None:
+            torch._foreach_add_(dst, d.numerators, alpha=alpha)
+        else:
+            torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars))
 
 
 def _check_non_negative(**values: float) -> None:

@@ -135,6 +135,12 @@ class CheckpointConfig:
     save: str | None = _f(None, "checkpoint directory to save to")
     load: str | None = _f(None, "checkpoint directory to resume from (latest checkpoint)")
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
+    ckpt_step: int | None = _f(None, "load the checkpoint of this iteration instead of the latest")
+    keep_last: int | None = _f(None, "after each save, delete all but the newest N checkpoints (never the tracked one)")
+    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh optimizer, weights loaded)")
+    no_load_rng: bool = _f(False, "do not load the random generators' states")
+    finetune: bool = _f(False, "load the weights only: iteration and consumed samples restart at 0, "
+                               "optimizer and random states are not loaded")
 
 
 @dataclass
@@ -369,3 +375,15 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.checkpoint.save_interval is not None:
         need(cfg.checkpoint.save is not None, "--save-interval needs --save")
         need(cfg.checkpoint.save_interval >= 1, "--save-interval must be >= 1")
+    ck = cfg.checkpoint
+    if ck.keep_last is not None:
+        need(ck.save is not None, "--keep-last needs --save")
+        need(ck.keep_last >= 1, f"--keep-last must be >= 1 (got {ck.keep_last})")
+    for flag, given in [("--ckpt-step", ck.ckpt_step is not None), ("--finetune", ck.finetune),
+                        ("--no-load-optim", ck.no_load_optim), ("--no-load-rng", ck.no_load_rng)]:
+        need(not given or ck.load is not None, f"{flag} needs --load")
+    if ck.ckpt_step is not None:
+        need(ck.ckpt_step >= 0, f"--ckpt-step must be >= 0 (got {ck.ckpt_step})")
+    need(not (cfg.precision.use_distributed_optimizer and (ck.save or ck.load)),
+         "--save/--load with --use-distributed-optimizer are not supported yet (its optimizer state is sharded "
+         "over data-parallel ranks in flat ranges, not by parameter)")

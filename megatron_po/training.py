@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, validate
-from megatron_po.distributed.checkpoint import load_checkpoint, read_tracker, save_checkpoint
+from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import DataError, UserError
@@ -307,15 +307,24 @@ def pretrain(cfg: Config) -> dict:
 
     state = TrainState()
     ck = cfg.checkpoint
-    if ck.load and read_tracker(ck.load) is not None:
-        extra = load_checkpoint(ck.load, chunks, optimizer)
-        state = TrainState(**extra["train_state"])
-        if engine is not None:
-            engine.restore_progress(state.iteration * num_microbatches(cfg, world))
-        print_rank0(f"> resumed from {ck.load} at iteration {state.iteration}")
+    found = find_checkpoint(ck.load, ck.ckpt_step) if ck.load and os.path.isdir(ck.load) else None
+    if found is not None:
+        # --finetune: the weights only; the run starts over at iteration 0 with a fresh optimizer.
+        extra = load_checkpoint(ck.load, chunks, optimizer, step=found,
+                                load_optim=not (ck.no_load_optim or ck.finetune),
+                                load_rng=not (ck.no_load_rng or ck.finetune),
+                                policy=engine.stage.policy if engine is not None and not ck.finetune else None)
+        if not ck.finetune:
+            state = TrainState(**extra["train_state"])
+            if engine is not None:
+                engine.restore_progress(state.iteration * num_microbatches(cfg, world))
+        print_rank0(f"> {'finetuning from' if ck.finetune else 'resumed from'} {ck.load} iteration {found}; "
+                    f"continuing at iteration {state.iteration}")
     elif ck.load:
         if not os.path.isdir(ck.load) and ck.load != ck.save:
             raise UserError(f"--load {ck.load}: no such directory")
+        if ck.finetune or ck.ckpt_step is not None:
+            raise UserError(f"--{'finetune' if ck.finetune else 'ckpt-step'}: no checkpoint in {ck.load} to load")
         print_rank0(f"> no checkpoint in {ck.load} yet: starting from scratch")
 
     gbs = global_batch_size(cfg, world)
@@ -327,7 +336,9 @@ def pretrain(cfg: Config) -> dict:
 
     def save():
         save_checkpoint(ck.save, state.iteration, chunks, optimizer,
-                        {"train_state": vars(state).copy(), "config": cfg.to_dict()})
+                        {"train_state": vars(state).copy(), "config": cfg.to_dict(),
+                         "vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded_vocab},
+                        policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last)
         print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
 
     def evaluate_now() -> float | None:

@@ -183,6 +183,16 @@ class AsyncPolicy(WeightPolicy):
     def after_step(self, chunk: int) -> None:
         self.steps[chunk] += 1
 
+    def state_dict(self) -> dict:
+        """What a checkpoint taken at a drain must keep: the steps every chunk has taken (equal at a
+        drain) and, per live parameter, the extra weight versions held ({param: {key: tensor like it}}).
+        Nothing is in flight at a drain, so PipeDream's stash is empty and the predicting policies' cache
+        holds nothing the live weights do not: only 2BW keeps a version (its older one)."""
+        return {"steps": max(self.steps, default=0), "weights": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [state["steps"]] * len(self.chunks)
+
     def copies(self, chunk: int) -> int:
         """Full weight copies of `chunk` alive right now, the live weights included."""
         return 1
@@ -273,6 +283,22 @@ class PipeDream2BWPolicy(AsyncPolicy):
 
     def copies(self, chunk):
         return 1 if self.older[chunk] is None else 2
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["weights"] = {p: {"older": o} for params, older in zip(self.params, self.older) if older is not None
+                            for p, o in zip(params, older)}
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        weights = state["weights"]
+        for c, params in enumerate(self.params):
+            if all("older" in weights.get(p, {}) for p in params):
+                self.older[c] = [weights[p]["older"] for p in params]
+            elif self.steps[c] > 0:  # saved by another method: W(t-1) unknown, take W(t) as at the start
+                self.older[c] = _clone(params)
+            self._note_copies(c)
 
     def _swap_in(self, chunk: int, version: int) -> None:
         if version == self.steps[chunk]:

@@ -1,0 +1,201 @@
+"""Convert megatron_po checkpoints: consolidate to one safetensors file, export to / import from Hugging Face.
+
+    python tools/checkpoint_convert.py consolidate --load ckpt [--ckpt-step N] --out model.safetensors
+    python tools/checkpoint_convert.py export-hf   --load ckpt [--ckpt-step N] --out hf_dir
+    python tools/checkpoint_convert.py import-hf   --hf hf_dir --out ckpt [--make-vocab-size-divisible-by 128]
+
+All three run in ONE process without torch.distributed, whatever TP/PP/DP layout wrote the checkpoint:
+DCP stores global tensors, so each is assembled from every rank's shards on read.
+
+- consolidate: every parameter under its global name (`layers.3.attention.qkv.weight`, ...) plus a JSON
+  next to it (model.safetensors -> model.json) with the run's config, iteration and vocabulary sizes.
+- export-hf: `GPT2LMHeadModel` (LayerNorm + GELU + learned positions) or `LlamaForCausalLM` (RMSNorm +
+  SwiGLU + RoPE) as config.json + model.safetensors, loadable with `AutoModelForCausalLM.from_pretrained`
+  (see megatron_po/models/hf_export.py for the layout mapping). The tokenizer is not converted.
+- import-hf: a GPT-2 or Llama HF checkpoint (safetensors) as our checkpoint at iteration 0; train from
+  it with `--load OUT --finetune` and the model flags the tool prints.
+Bad input ends with one `error:` line and exit code 2.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
+
+if not __package__:  # run as `python tools/checkpoint_convert.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import dataclasses
+import json
+import pickle
+
+import torch
+
+from megatron_po.errors import ConfigError, DataError, UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in [("consolidate", "one safetensors file + JSON config"),
+                        ("export-hf", "a Hugging Face transformers model directory")]:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
+        p.add_argument("--ckpt-step", type=int, default=None, help="iteration to read (default: the latest)")
+        p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama directory into our checkpoint format")
+    p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (iteration 0)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary like the training run will (x --tensor-model-parallel-size)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size of the run that loads it (only the vocabulary padding depends on it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command](args)
+    except (UserError, ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading our checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def read_checkpoint(load: str, step: int | None, progress: bool = True):
+    """(weights {global name: tensor}, info dict) of a checkpoint, in this process alone."""
+    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    weights, extra, iteration = read_full_checkpoint(load, step, "model.", progress=progress)
+    config = extra.get("config")
+    if not config or "model" not in config:
+        raise UserError(f"--load {load}: the checkpoint carries no model config (not written by megatron_po?)")
+    padded = weights["embedding.word_embeddings.weight"].shape[0]
+    vocab = extra.get("vocab_size") or padded  # older checkpoints do not say: keep every row
+    info = {"iteration": iteration, "vocab_size": vocab, "padded_vocab_size": padded, "config": config}
+    return weights, info
+
+
+def consolidate(args) -> None:
+    from safetensors.torch import save_file
+    weights, info = read_checkpoint(args.load, args.ckpt_step, not args.no_progress)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, args.out,
+              metadata={"format": "pt", "iteration": str(info["iteration"])})
+    config_path = config_path_of(args.out)
+    with open(config_path, "w") as f:
+        json.dump(info, f, indent=2)
+    print(f"wrote {len(weights)} tensors of iteration {info['iteration']} to {args.out} (config: {config_path})")
+
+
+def config_path_of(safetensors_path: str) -> str:
+    """model.safetensors -> model.json (the JSON config written next to a consolidated file)."""
+    root, ext = os.path.splitext(safetensors_path)
+    return (root if ext == ".safetensors" else safetensors_path) + ".json"
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------------------
+
+
+def export_hf(args) -> None:
+    from safetensors.torch import save_file
+
+    from megatron_po.models.hf_export import hf_architecture, hf_config, to_hf
+    weights, info = read_checkpoint(args.load, args.ckpt_step, not args.no_progress)
+    model = info["config"]["model"]
+    hf_architecture(model)  # refuse unsupported combinations before writing anything
+    config = hf_config(model, info["vocab_size"])
+    state = to_hf(weights, model, info["vocab_size"])
+    os.makedirs(args.out, exist_ok=True)
+    config.save_pretrained(args.out)
+    save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    print(f"wrote {config.architectures[0]} (vocabulary {info['vocab_size']}, iteration {info['iteration']}) "
+          f"to {args.out}")
+
+
+def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, state dict) of an HF model directory (single or sharded safetensors)."""
+    from safetensors.torch import load_file
+    config_file = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_file):
+        raise UserError(f"--hf {hf_dir}: no config.json there")
+    with open(config_file) as f:
+        config = json.load(f)
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise UserError(f"--hf {hf_dir}: no model.safetensors (or model.safetensors.index.json); "
+                        "only safetensors checkpoints are read")
+    state = {}
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(hf_dir, name)))
+        except Exception as e:
+            raise UserError(f"--hf {hf_dir}: cannot read {name}: {e}") from None
+    return config, state
+
+
+def import_hf(args) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_po.config import Config, ModelConfig
+    from megatron_po.distributed.checkpoint import checkpoint_dir, publish
+    from megatron_po.models.hf_export import from_hf, model_config_from_hf
+    from megatron_po.tensor_parallel import pad_vocab_size
+    hf, hf_state = read_hf(args.hf)
+    model = dataclasses.asdict(ModelConfig(**model_config_from_hf(hf)))
+    model["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
+    vocab = hf["vocab_size"]
+    padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    weights = from_hf(hf_state, model, padded)
+    cfg = Config().to_dict()
+    cfg["model"] = model
+    cfg["data"]["vocab_size"] = vocab
+    extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
+             "padded_vocab_size": padded, "imported_from": os.path.abspath(args.hf)}
+    state = {f"model.{k}": v for k, v in weights.items()}
+    state["extra"] = pickle.dumps(extra)
+    os.makedirs(args.out, exist_ok=True)
+    partial = checkpoint_dir(args.out, 0) + ".partial"
+    import warnings
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(state, checkpoint_id=partial, no_dist=True)
+    publish(args.out, 0)
+    print(f"wrote {len(weights)} tensors to {checkpoint_dir(args.out, 0)}; train from it with\n"
+          f"  --load {args.out} --finetune {model_flags(model)}")
+
+
+def model_flags(model: dict) -> str:
+    """The command-line flags that build `model` (non-default values only)."""
+    from megatron_po.config import ModelConfig
+    default = dataclasses.asdict(ModelConfig())
+    flags = []
+    for k, v in model.items():
+        if v == default[k]:
+            continue
+        name = k.replace("_", "-")
+        if isinstance(v, bool):
+            flags.append(f"--{name}" if v else f"--no-{name}")
+        else:
+            flags.append(f"--{name} {v}")
+    return " ".join(flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

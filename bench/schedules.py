@@ -1,27 +1,44 @@
-"""Pipeline schedule throughput: our executor vs its simulated bound vs torch.distributed.pipelining.
+"""Pipeline schedule throughput: our executor vs its simulated bound vs torch.distributed.pipelining,
+and the cost of PipeOptim's weight prediction in the asynchronous pipeline.
 
-    python bench/schedules.py [--tf 0.02 --Ms 4 8 16 --reps 5 --skip-gpt --skip-synthetic]
+    python bench/schedules.py [--tf 0.02 --Ms 4 8 16 --reps 5 --skip-p2p --skip-synthetic --skip-gpt
+                               --skip-gpt-async --gpt-async-pp 2 --gpt-async-layers 4 8 --copies-pp 4]
 
 Every rank is a forked process in a gloo group (tests/dist_harness.py, one torch thread per rank).
-Three tables, measured in the same run, printed and written to bench/results/schedules.md:
+Four tables, measured in the same run, printed and written to bench/results/schedules.md:
 
 0. p2p cost per message on gloo (2 ranks, one [mbs, 16] fp32 tensor): one-way latency with the receiver
    already waiting (the simulator's t_p2p), the cost of a recv whose message was sent earlier (gloo only
-   moves the data once the receiver has posted its recv: a rendezvous round trip), and the send call;
-   raw gloo isend/recv next to our P2PTransport (a header message, then the payload).
-1. Synthetic stages, D=4: each virtual stage is an autograd Function that sleeps t_f in forward and
-   t_b = 2 t_f in backward on a [mbs, 16] tensor (sleep releases the GIL and the CPU, so 4 ranks run in
-   parallel on 2 cores). Throughput (micro-batches/s) over the ideal 1/(t_f+t_b) of one stage for our
-   gpipe, 1f1b, interleaved 1f1b (v=2, each chunk at half the cost) and the async no-flush stream,
-   next to the simulator's bound (nominal costs without and with the measured p2p cost; and with the
-   stage costs as measured in one process) and to torch's ScheduleGPipe / Schedule1F1B /
-   ScheduleInterleaved1F1B on identical stages. "ours" is the real code path:
-   `run_rank(build_schedule(...), StageRunner(..., P2PTransport))`. Two extra columns run bench-local
-   prototypes of a transport fix (`OneTripTransport`, `prepost_run_rank`; NOT product code) to show
-   what closes the gap. Async: steady-state throughput = (N2 - N1) / (T(N2) - T(N1)) for streams of
-   N1 = 2M and N2 = 4M micro-batches (fill and drain cancel), the bound is the same difference simulated.
+   moves the data once the receiver has posted its recv: a rendezvous round trip), the send call, and
+   the wait of a receive posted before the send; raw gloo isend/recv next to our P2PTransport with
+   agreed shapes (`message_specs`: one payload, no header, receives posted ahead) and with the header
+   protocol (no specs: a shape header, then the payload).
+1. Synthetic stages, D=4: each virtual stage is a tiny nn.Linear (an optimizer-visible parameter)
+   followed by an autograd Function that sleeps t_f in forward and t_b = 2 t_f in backward on a
+   [mbs, 16] tensor (sleep releases the GIL and the CPU, so 4 ranks run in parallel on 2 cores).
+   Throughput (micro-batches/s) over the ideal 1/(t_f+t_b) of one stage for our gpipe, 1f1b,
+   interleaved 1f1b (v=2, each chunk at half the cost) and the asynchronous no-flush stream, next to
+   the simulator's bound (nominal costs without and with the measured p2p cost; and with the stage
+   costs as measured in one process) and to torch's ScheduleGPipe / Schedule1F1B /
+   ScheduleInterleaved1F1B on identical stages. "ours" is the real code path with agreed shapes:
+   `run_rank(build_schedule(...), StageRunner(..., P2PTransport(D, v, ActivationSpecs((mbs, 16)))))`;
+   "ours, header protocol" is the same without specs. Async: `AsyncPipelineRank(cfg, ..., "pipeoptim",
+   update_interval=1, message_specs=...)` whose chunk builder is swapped for the sleeping stages
+   (Adam steps and PipeOptim's predict / restore run for real), and the bare schedule (`run_rank` of
+   the async op list, no optimizer); steady-state throughput from the times at which the last stage
+   computes the losses of micro-batches M and 3M of a segment of 4M: (3M - M) / (t(3M) - t(M)), the
+   middle half, away from fill and drain (the bound times the simulated segment the same way). Next
+   to it: torch's Schedule1F1B at the same M, measured side by side.
 2. The real tiny GPT at PP=2: tokens/s of one forward+backward iteration (no optimizer), ours
-   (`synchronous_forward_backward`) vs torch's Schedule1F1B / ScheduleGPipe on the same chunks.
+   (`synchronous_forward_backward` with `gpt_message_specs`, and with the header protocol) vs torch's
+   Schedule1F1B / ScheduleGPipe on the same chunks.
+3. The real tiny GPT, asynchronous (PP=2 by default, untied, 4 and 8 layers): tokens/s of segments of
+   `AsyncPipelineRank.train_segment` for async-naive, pipeoptim and pipedream (same schedule; they
+   differ in the weight policy), repetitions alternating, over the whole segment and in its steady
+   state; the time each rank spends in the weight policy's hooks (for PipeOptim: cache copy + predict
+   + restore) as a share of the time per micro-batch; the same costs measured in one process without
+   competition (the intrinsic prediction overhead per rank); and the weight copies per chunk from
+   `copies_per_chunk()` at PP=4.
 
 Times are medians of `--reps` repetitions after `--warmup` discarded ones. All variants of one table
 row run alternately in the same processes, so machine noise (this box is shared) hits them alike. A
@@ -32,7 +49,7 @@ the processes).
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import platform
 import statistics
@@ -47,6 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 # Imported once in the parent: the forked ranks inherit it.
+import torch._dynamo  # noqa: E402,F401  (model init imports it lazily, ~1 s; once here, not in every rank)
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                                           ScheduleInterleaved1F1B)
 
@@ -54,15 +72,23 @@ from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import Config, ModelConfig  # noqa: E402
 from megatron_po.models.gpt import masked_mean_loss  # noqa: E402
-from megatron_po.pipeline.executor import (_HEADER, P2PTransport, StageRunner,  # noqa: E402
-                                           backwards_before_step, run_rank, synchronous_forward_backward)
-from megatron_po.pipeline.partition import build_chunks_for_rank  # noqa: E402
-from megatron_po.pipeline.schedules import build_schedule, comm_of  # noqa: E402
+from megatron_po.pipeline import async_pipeline  # noqa: E402
+from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
+from megatron_po.pipeline.executor import (PREPOST_WINDOW, P2PTransport, StageRunner, run_rank,  # noqa: E402
+                                           synchronous_forward_backward)
+from megatron_po.pipeline.partition import ActivationSpecs, build_chunks_for_rank, gpt_message_specs  # noqa: E402
+from megatron_po.pipeline.schedules import Forward, build_schedule  # noqa: E402
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed, vocab_parallel_cross_entropy  # noqa: E402
 
 WIDTH = 16  # synthetic activations are [mbs, WIDTH]
-TIMEOUT = 900.0
+TIMEOUT = 1800.0
+
+
+def synthetic_specs(mbs: int) -> ActivationSpecs:
+    """The agreed shape of every synthetic message (activations and their gradients): [mbs, WIDTH] fp32.
+    ActivationSpecs is shape-agnostic (one tensor of a fixed shape per message), frozen and hashable."""
+    return ActivationSpecs((mbs, WIDTH))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,9 +115,22 @@ def median(xs):
     return statistics.median(xs)
 
 
+def accumulate(fn, acc: dict, key: str):
+    """fn, adding its wall time to acc[key] (and its CPU time to acc[key + "_cpu"]) at every call."""
+    def timed_fn(*args, **kwargs):
+        t, c = time.perf_counter(), time.thread_time()
+        out = fn(*args, **kwargs)
+        acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+        acc[key + "_cpu"] = acc.get(key + "_cpu", 0.0) + time.thread_time() - c
+        return out
+    return timed_fn
+
+
 # --------------------------------------------------------------------------------------------------
 # 0. p2p cost on gloo
 # --------------------------------------------------------------------------------------------------
+
+RAW, HEADER, AGREED = "raw gloo isend / recv", "ours, header protocol", "ours, agreed shapes"
 
 
 def p2p_costs(mbs: int, n: int):
@@ -103,12 +142,13 @@ def p2p_costs(mbs: int, n: int):
       the data only after the receiver posts its recv, a rendezvous round trip through the sender's
       gloo thread);
     - "send call": how long the send call blocks the sender;
-    - raw gloo with the irecv posted before the send: the wait after the data arrived.
+    - "posted ahead": the receive was posted before the send (raw irecv; ours `prepost`, as run_rank
+      does PREPOST_WINDOW ops ahead), the data arrived 5 ms ago: the wait.
     """
     r = dist.get_rank()
     group = ps.get_pipeline_model_parallel_group()
     x, buf = torch.randn(mbs, WIDTH), torch.empty(mbs, WIDTH)
-    transport = P2PTransport(2, 1)
+    transports = {HEADER: P2PTransport(2, 1), AGREED: P2PTransport(2, 1, synthetic_specs(mbs))}
     pending = []
 
     def raw_send(i):
@@ -117,16 +157,13 @@ def p2p_costs(mbs: int, n: int):
     def raw_recv(i):
         dist.recv(buf, 0, group=group, tag=i)
 
-    def ours_send(i):
-        transport.send(1, ("act", i, 1), [x])
-
-    def ours_recv(i):
-        transport.recv(1, 0, ("act", i, 1))
+    def ours(name):
+        t = transports[name]
+        return (lambda i: t.send(1, ("act", i, 1), [x])), (lambda i: t.recv(1, 0, ("act", i, 1)))
 
     out: dict[str, list] = {}
     i = 0
-    for name, send, recv in (("raw gloo isend / recv", raw_send, raw_recv),
-                             ("ours P2PTransport.send / recv", ours_send, ours_recv)):
+    for name, (send, recv) in ((RAW, (raw_send, raw_recv)), (AGREED, ours(AGREED)), (HEADER, ours(HEADER))):
         waiting, late, send_call = [], [], []
         for k in range(n + 5):
             i += 1
@@ -153,23 +190,37 @@ def p2p_costs(mbs: int, n: int):
         out[f"{name}: one-way latency, receiver waiting"] = waiting[5:]
         out[f"{name}: recv of a message sent 5 ms earlier"] = late[5:]
         out[f"{name}: send call"] = send_call[5:]
-    pre = []
-    for k in range(n):
-        i += 1
-        work = dist.irecv(buf, 0, group=group, tag=i) if r == 1 else None
-        dist.barrier()
-        if r == 0:
-            raw_send(i)
-            time.sleep(0.008)
-        else:
-            time.sleep(0.005)
-            t = time.perf_counter()
-            work.wait()
-            pre.append(time.perf_counter() - t)
-    out["raw gloo irecv posted before the send: wait after the data arrived"] = pre
+    agreed = transports[AGREED]
+    for name in (RAW, AGREED):
+        pre = []
+        for k in range(n):
+            i += 1
+            work = None
+            if r == 1:
+                if name == RAW:
+                    work = dist.irecv(buf, 0, group=group, tag=i)
+                else:
+                    agreed.prepost(0, ("act", i, 1))
+            dist.barrier()
+            if r == 0:
+                if name == RAW:
+                    raw_send(i)
+                else:
+                    agreed.send(1, ("act", i, 1), [x])
+                time.sleep(0.008)
+            else:
+                time.sleep(0.005)
+                t = time.perf_counter()
+                if name == RAW:
+                    work.wait()
+                else:
+                    agreed.recv(1, 0, ("act", i, 1))
+                pre.append(time.perf_counter() - t)
+        out[f"{name}: receive posted before the send, wait after the data arrived"] = pre
     for w in pending:
         w.wait()
-    transport.flush()
+    for t in transports.values():
+        t.flush()
     dist.barrier()
     return out
 
@@ -192,45 +243,71 @@ def merge_p2p(res) -> dict[str, list]:
 # --------------------------------------------------------------------------------------------------
 
 
+SLEPT = {"f": [], "b": []}  # how long each sleep of this process really took (s): the stage cost in the run
+
+
 class Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, t_f, t_b):
+        t = time.perf_counter()
         time.sleep(t_f)
+        SLEPT["f"].append(time.perf_counter() - t)
         ctx.t_b = t_b
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        t = time.perf_counter()
         time.sleep(ctx.t_b)
+        SLEPT["b"].append(time.perf_counter() - t)
         return grad.clone(), None, None
+
+
+def measure_sleeps(fn):
+    """Run fn; return (sum, count) of its forward and backward sleeps on this rank."""
+    for v in SLEPT.values():
+        v.clear()
+    fn()
+    return {k: (sum(v), len(v)) for k, v in SLEPT.items()}
+
+
+def mean_sleeps(per_rank_samples) -> tuple[float, float]:
+    """Mean forward and backward stage cost over all ranks and repetitions."""
+    out = []
+    for k in ("f", "b"):
+        total = sum(t for samples in per_rank_samples for t, _ in (s[k] for s in samples))
+        count = sum(c for samples in per_rank_samples for _, c in (s[k] for s in samples))
+        out.append(total / count)
+    return out[0], out[1]
 
 
 class SleepStage(nn.Module):
     """Satisfies StageRunner: `pre_process`/`post_process` and forward(input_ids, hidden_states, labels);
-    the last stage returns a per-token "loss" [b, s] = [mbs, WIDTH] when given labels."""
+    the last stage returns a per-token "loss" [b, s] = [mbs, WIDTH] when given labels. The nn.Linear
+    gives the asynchronous pipeline's optimizer and weight policy something to step and predict."""
 
     def __init__(self, t_f: float, t_b: float, pre_process: bool, post_process: bool):
         super().__init__()
         self.t_f, self.t_b = t_f, t_b
         self.pre_process, self.post_process = pre_process, post_process
-        self.weight = nn.Parameter(torch.ones(WIDTH))
+        self.proj = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, input_ids=None, hidden_states=None, labels=None):
         x = input_ids if self.pre_process else hidden_states
-        return Sleep.apply(x * self.weight, self.t_f, self.t_b)
+        return Sleep.apply(self.proj(x), self.t_f, self.t_b)
 
 
 class TorchSleepStage(SleepStage):
     """torch.pipelining passes one positional tensor."""
 
     def forward(self, x):
-        return Sleep.apply(x * self.weight, self.t_f, self.t_b)
+        return Sleep.apply(self.proj(x), self.t_f, self.t_b)
 
 
-def sleep_chunks(num_chunks, t_f, t_b, cls=SleepStage):
-    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    last = D * num_chunks - 1
-    return [cls(t_f / num_chunks, t_b / num_chunks, c * D + r == 0, c * D + r == last)
+def sleep_chunks(rank, num_stages, num_chunks, t_f, t_b, cls=SleepStage):
+    """The chunks of one rank; t_f, t_b are a whole stage's costs, split over its chunks."""
+    last = num_stages * num_chunks - 1
+    return [cls(t_f / num_chunks, t_b / num_chunks, c * num_stages + rank == 0, c * num_stages + rank == last)
             for c in range(num_chunks)]
 
 
@@ -240,127 +317,148 @@ def synthetic_batches(mbs):
     return lambda mb: batch
 
 
-# ---- bench-local prototypes of a transport fix (NOT the product code path; see the report) ----------
-
-
-class OneTripTransport(P2PTransport):
-    """Prototype. Remembers the shapes of the last message per (peer, kind, destination virtual stage) and
-    then posts the header's and the payload's irecv together, so a message costs one gloo rendezvous round
-    trip instead of two (header, then payload). `prepost` posts them before the op that needs them, so
-    gloo can push the data the moment the sender sends it (no round trip left on the critical path).
-    Shapes are checked against the header; the bench's shapes are static."""
-
-    def __init__(self, num_stages, num_chunks):
-        super().__init__(num_stages, num_chunks)
-        self.shapes: dict = {}
-        self.posted: dict = {}
-
-    def prepost(self, me, peer, key):
-        cache_key = (peer, key[0], key[2])
-        if key in self.posted or cache_key not in self.shapes:
-            return
-        dtype, shapes = self.shapes[cache_key]
-        tag, src = self._tag(key), self.ranks[peer]
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        sizes = [int(torch.Size(sh).numel()) for sh in shapes]
-        payload = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-        self.posted[key] = (dist.irecv(head, src, group=self.group, tag=tag),
-                            dist.irecv(payload, src, group=self.group, tag=tag + 1), head, payload, shapes, sizes)
-
-    def recv(self, me, peer, key):
-        self.prepost(me, peer, key)
-        if key not in self.posted:  # first message of this kind: the header path
-            out = super().recv(me, peer, key)
-            self.shapes[(peer, key[0], key[2])] = (out[0].dtype, [tuple(t.shape) for t in out])
-            return out
-        head_work, payload_work, head, payload, shapes, sizes = self.posted.pop(key)
-        head_work.wait()
-        payload_work.wait()
-        h = head.tolist()
-        assert h[0] == len(shapes) and h[2] == len(shapes[0]) and tuple(h[3:3 + h[2]]) == shapes[0], \
-            "message shape changed: the prototype only handles static shapes"
-        return [t.view(sh) for t, sh in zip(payload.split(sizes), shapes)]
-
-
-def prepost_run_rank(schedule, runner, lookahead):
-    """run_rank, but before each op the recvs of the next `lookahead` ops are posted (prototype)."""
-    ops = schedule.ops[runner.rank]
-    sync_at = backwards_before_step(ops)
-    recvs = [comm_of(op, runner.rank, schedule.num_stages, schedule.num_chunks)[0] for op in ops]
-    for i, op in enumerate(ops):
-        for j in range(i + 1, min(len(ops), i + 1 + lookahead)):
-            if recvs[j] is not None:
-                runner.transport.prepost(runner.rank, *recvs[j])
-        runner.run(op, sync_grads=i in sync_at)
-    runner.transport.flush()
-
-
-LOOKAHEAD = 4
-VARIANTS = ("ours", "ours_1trip", "ours_prepost")  # real path, prototype one-trip, prototype one-trip + prepost
-
-
-def ours_runners(method, num_chunks, t_f, t_b, mbs):
-    """{variant: n -> run one iteration of n micro-batches} on one set of sleeping chunks per variant."""
+def torch_schedule_on_sleep_stages(kind, num_chunks, M, t_f, t_b, mbs):
+    """torch's `kind` schedule on this rank's sleeping chunks; returns a function running one iteration."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    get_batch = synthetic_batches(mbs)
-    out = {}
-    for variant in VARIANTS:
-        chunks = sleep_chunks(num_chunks, t_f, t_b)
-        transport = P2PTransport(D, num_chunks) if variant == "ours" else OneTripTransport(D, num_chunks)
-
-        def run(n, chunks=chunks, transport=transport, variant=variant):
-            schedule = build_schedule(method, D, num_chunks, n)
-            runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport, get_batch=get_batch,
-                                 loss_scale=1.0 / n)
-            if variant == "ours_prepost":
-                prepost_run_rank(schedule, runner, LOOKAHEAD)
-            else:
-                run_rank(schedule, runner)  # the real driver
-
-        out[variant] = run
-    return out
-
-
-def synthetic_stream(lengths, t_f, t_b, mbs, warmup, reps):
-    """Async no-flush stream: every variant and every length, `warmup + reps` times, all alternating so
-    machine noise hits them alike. Returns {(variant, length): [(start, end)]}."""
-    runs = ours_runners("async", 1, t_f, t_b, mbs)
-    out = {(variant, n): [] for variant in VARIANTS for n in lengths}
-    for _ in range(warmup + reps):
-        for variant in VARIANTS:
-            for n in lengths:
-                out[(variant, n)].append(timed(lambda: runs[variant](n)))
-    return out
-
-
-def synthetic_pair(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
-    """Ours (and the prototypes) and torch's `kind` schedule on identical sleeping stages, repetitions
-    alternating. Returns {variant or "torch": [(start, end)]}."""
-    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    runs = ours_runners(method, num_chunks, t_f, t_b, mbs)
-    torch_chunks = sleep_chunks(num_chunks, t_f, t_b, TorchSleepStage)
+    chunks = sleep_chunks(r, D, num_chunks, t_f, t_b, TorchSleepStage)
     group = ps.get_pipeline_model_parallel_group()
     stages = [PipelineStage(chunk, c * D + r, D * num_chunks, torch.device("cpu"), group=group)
-              for c, chunk in enumerate(torch_chunks)]
+              for c, chunk in enumerate(chunks)]
     loss_fn = lambda out, target: out.mean()  # noqa: E731
     if kind == "interleaved":
-        torch_schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
+        schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
     else:
-        torch_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], M, loss_fn=loss_fn)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], M, loss_fn=loss_fn)
     x = torch.randn(M * mbs, WIDTH)
     target = torch.zeros(M * mbs, WIDTH)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
-    def run_torch():
-        torch_schedule.step(*((x,) if first else ()), target=target if last else None,
-                            losses=[] if last else None, return_outputs=False)
+    def run():
+        schedule.step(*((x,) if first else ()), target=target if last else None,
+                      losses=[] if last else None, return_outputs=False)
 
-    out = {name: [] for name in VARIANTS + ("torch",)}
-    for _ in range(warmup + reps):
-        for variant in VARIANTS:
-            out[variant].append(timed(lambda: runs[variant](M)))
+    return run
+
+
+def run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, specs):
+    """n -> one run of `method`'s schedule of n micro-batches through run_rank + StageRunner + P2PTransport
+    (the real driver) on this rank's sleeping chunks; no optimizer (Step ops are no-ops)."""
+    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    get_batch = synthetic_batches(mbs)
+    chunks = sleep_chunks(r, D, num_chunks, t_f, t_b)
+    transport = P2PTransport(D, num_chunks, specs)
+    schedules = {}
+
+    def run(n, on_loss=None):
+        if n not in schedules:
+            schedules[n] = build_schedule(method, D, num_chunks, n)
+        runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport, get_batch=get_batch,
+                             loss_scale=1.0 / n, on_loss=on_loss)
+        run_rank(schedules[n], runner)
+
+    return run
+
+
+SYNC_VARIANTS = ("ours", "header", "torch")
+
+
+def synthetic_sync(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
+    """Ours with agreed shapes, ours with the header protocol and torch's `kind` schedule on identical
+    sleeping stages, repetitions alternating. Returns {variant: [(start, end)]}."""
+    runs = {"ours": run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, synthetic_specs(mbs)),
+            "header": run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, None)}
+    run_torch = torch_schedule_on_sleep_stages(kind, num_chunks, M, t_f, t_b, mbs)
+    out = {name: [] for name in SYNC_VARIANTS}
+    out["slept"] = []  # stage costs as they happened in the `ours` runs
+    for i in range(warmup + reps):
+        for variant in ("ours", "header"):
+            sleeps = {}
+            out[variant].append(timed(lambda: sleeps.update(measure_sleeps(lambda: runs[variant](M)))))
+            if variant == "ours" and i >= warmup:
+                out["slept"].append(sleeps)
         out["torch"].append(timed(run_torch))
     return out
+
+
+@contextlib.contextmanager
+def sleeping_chunks_in_async_pipeline(t_f, t_b):
+    """AsyncPipelineRank builds its chunks with async_pipeline.build_chunks_for_rank; swap in the sleeping
+    stages for the duration (this process only: every rank is a forked child)."""
+    original = async_pipeline.build_chunks_for_rank
+
+    def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
+        return sleep_chunks(rank, num_stages, num_chunks, t_f, t_b)
+
+    async_pipeline.build_chunks_for_rank = build
+    try:
+        yield
+    finally:
+        async_pipeline.build_chunks_for_rank = original
+
+
+ASYNC_VARIANTS = ("pipeoptim", "pipeoptim_header", "schedule")
+ASYNC_LR = 1e-4
+
+
+def steady_window(M: int) -> tuple[int, int, int]:
+    """Segment length N and the window [a, b) of micro-batches whose losses time the steady state."""
+    return 4 * M, M, 3 * M
+
+
+def synthetic_async(M, t_f, t_b, mbs, warmup, reps):
+    """The no-flush stream on the sleeping stages, the variants alternating, and torch's Schedule1F1B at
+    M side by side:
+    - pipeoptim: AsyncPipelineRank(method="pipeoptim", k=1, Adam, agreed shapes) .train_segment(N);
+    - pipeoptim_header: the same without message specs (header protocol);
+    - schedule: run_rank of the async op list, no optimizer, no policy (agreed shapes).
+    Each segment has N = 4M micro-batches; the last stage records when each micro-batch's loss is
+    computed (the `on_loss` hook), and the steady-state rate is (b - a) / (t(b) - t(a)) over the middle
+    half, a = M, b = 3M, away from fill and drain. Returns ({variant: [rate]} on the last stage (empty
+    lists elsewhere), {variant or "torch": [(start, end)]}, pipeoptim copies_per_chunk())."""
+    D = ps.get_pipeline_model_parallel_world_size()
+    cfg = Config()
+    cfg.model.untie_embeddings_and_output_weights = True
+    get_batch = synthetic_batches(mbs)
+    with sleeping_chunks_in_async_pipeline(t_f, t_b):
+        ranks = {name: AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=1, optimizer_name="adam",
+                                         optimizer_kwargs={"lr": ASYNC_LR},
+                                         message_specs=synthetic_specs(mbs) if name == "pipeoptim" else None)
+                 for name in ("pipeoptim", "pipeoptim_header")}
+    assert all(isinstance(c, SleepStage) for c in ranks["pipeoptim"].chunks)
+    acc: dict = {}  # where the pipeoptim variant's time goes on this rank
+    po = ranks["pipeoptim"]
+    for obj, names, key in ((po.transport, ("send",), "send"), (po.transport, ("prepost",), "prepost"),
+                            (po.transport, ("recv",), "recv"), (po.stage, ("step",), "step"),
+                            (po.stage.policy, POLICY_HOOKS, "policy")):
+        for name in names:
+            setattr(obj, name, accumulate(getattr(obj, name), acc, key))
+    runs = {name: (lambda n, on_loss, rank=rank: rank.train_segment(get_batch, n, on_loss=on_loss))
+            for name, rank in ranks.items()}
+    runs["schedule"] = run_rank_on_sleep_stages("async", 1, t_f, t_b, mbs, synthetic_specs(mbs))
+    run_torch = torch_schedule_on_sleep_stages("1f1b", 1, M, t_f, t_b, mbs)
+    N, a, b = steady_window(M)
+    rates = {variant: [] for variant in ASYNC_VARIANTS}
+    spans = {variant: [] for variant in ASYNC_VARIANTS + ("torch",)}
+    slept = []  # stage costs as they happened in the pipeoptim runs
+    breakdown = []  # per pipeoptim segment: seconds in each instrumented part, and the segment
+    for i in range(warmup + reps):
+        for variant in ASYNC_VARIANTS:
+            acc.clear()
+            loss_times, sleeps = [], {}
+            on_loss = lambda mb, loss: loss_times.append(time.perf_counter())  # noqa: E731
+            spans[variant].append(timed(lambda: sleeps.update(measure_sleeps(lambda: runs[variant](N, on_loss)))))
+            if i >= warmup:
+                if variant == "pipeoptim":
+                    slept.append(sleeps)
+                    start, end = spans[variant][-1]
+                    breakdown.append(dict(acc, segment=end - start, sleep=sleeps["f"][0] + sleeps["b"][0],
+                                          sleeps=sleeps["f"][1] + sleeps["b"][1]))
+                if loss_times:
+                    assert len(loss_times) == N
+                    rates[variant].append((b - a) / (loss_times[b] - loss_times[a]))
+        spans["torch"].append(timed(run_torch))
+    assert D == 1 or ranks["pipeoptim"].stage.steps[0] > 0
+    return rates, spans, ranks["pipeoptim"].copies_per_chunk(), slept, breakdown
 
 
 def calibrate_stage_costs(t_f, t_b, mbs, n):
@@ -385,14 +483,17 @@ def bound(method, D, v, M, t_f_chunk, t_b_chunk, t_p2p):
     return M / simulate(build_schedule(method, D, v, M), t_f_chunk, t_b_chunk, t_p2p).makespan
 
 
-def async_bound(D, n1, n2, t_f, t_b, t_p2p):
-    """Simulated steady-state micro-batches/s of the async stream: the makespan difference of two lengths."""
-    spans = [simulate(build_schedule("async", D, 1, n), t_f, t_b, t_p2p).makespan for n in (n1, n2)]
-    return (n2 - n1) / (spans[1] - spans[0])
+def async_bound(D, M, t_f, t_b, t_p2p):
+    """Simulated steady-state micro-batches/s of the async stream, timed as the benchmark does: the end of
+    the last stage's forwards a and b (where the loss is computed) in a segment of N = 4M."""
+    N, a, b = steady_window(M)
+    timeline = simulate(build_schedule("async", D, 1, N), t_f, t_b, t_p2p)
+    end = {e.op.microbatch: e.end for e in timeline.events if e.rank == D - 1 and isinstance(e.op, Forward)}
+    return (b - a) / (end[b] - end[a])
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. Real tiny GPT at PP=2
+# 2. Real tiny GPT at PP=2, synchronous
 # --------------------------------------------------------------------------------------------------
 
 
@@ -411,10 +512,16 @@ def gpt_loss_fn(logits, target):
     return masked_mean_loss(per_token, target[..., 1])
 
 
-def gpt_bench(model_cfg, vocab, mbs, M, methods, warmup, reps):
-    model_parallel_seed(1234)
+def gpt_config(model_cfg) -> Config:
     cfg = Config()
     cfg.model = model_cfg
+    return cfg
+
+
+def gpt_bench(model_cfg, vocab, mbs, M, methods, warmup, reps):
+    model_parallel_seed(1234)
+    cfg = gpt_config(model_cfg)
+    specs = gpt_message_specs(cfg, mbs)
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     chunks = build_chunks_for_rank(cfg, vocab, r, D, 1)
     g = torch.Generator().manual_seed(0)
@@ -433,7 +540,7 @@ def gpt_bench(model_cfg, vocab, mbs, M, methods, warmup, reps):
 
     out = {}
     for method in methods:
-        ours, theirs = [], []
+        got = {"ours": [], "header": [], "torch": []}
         sched = torch_schedules[method]
 
         def run_theirs():
@@ -442,10 +549,118 @@ def gpt_bench(model_cfg, vocab, mbs, M, methods, warmup, reps):
 
         for _ in range(warmup + reps):
             zero()
-            ours.append(timed(lambda: synchronous_forward_backward(method, chunks, None, batches)))
+            got["ours"].append(timed(lambda: synchronous_forward_backward(method, chunks, None, batches,
+                                                                          message_specs=specs)))
             zero()
-            theirs.append(timed(run_theirs))
-        out[method] = (ours, theirs)
+            got["header"].append(timed(lambda: synchronous_forward_backward(method, chunks, None, batches)))
+            zero()
+            got["torch"].append(timed(run_theirs))
+        out[method] = got
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Real tiny GPT, asynchronous: PipeOptim's prediction overhead and weight copies
+# --------------------------------------------------------------------------------------------------
+
+POLICY_HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_step", "after_step")
+
+
+def instrument(rank: AsyncPipelineRank, acc: dict) -> None:
+    """Accumulate the wall and CPU time spent in the weight policy's hooks (acc["policy"], acc["policy_cpu"])
+    and in the optimizer step function (acc["step"], ...) of this rank. Wraps the instance's bound methods;
+    the library is untouched (StageRunner calls `policy.<hook>`, AsyncStage passes `self.step` as step_fn)."""
+    policy = rank.stage.policy
+    for hook in POLICY_HOOKS:
+        setattr(policy, hook, accumulate(getattr(policy, hook), acc, "policy"))
+    rank.stage.step = accumulate(rank.stage.step, acc, "step")
+
+
+def gpt_async_bench(model_cfg, vocab, mbs, n, methods, warmup, reps):
+    """Segments of n micro-batches through AsyncPipelineRank.train_segment (k=1, the training defaults:
+    AdamW, clip 1.0, agreed shapes) for each method, one AsyncPipelineRank per method built from the same
+    seed, repetitions alternating (ABC CBA ...). Returns per method: [(start, end)], per-segment policy
+    and step time of this rank, and copies_per_chunk()."""
+    cfg = gpt_config(model_cfg)
+    specs = gpt_message_specs(cfg, mbs)
+    g = torch.Generator().manual_seed(0)
+    pool = []
+    for _ in range(8):
+        tokens = torch.randint(0, vocab, (mbs, model_cfg.seq_length + 1), generator=g)
+        pool.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                     "loss_mask": torch.ones(mbs, model_cfg.seq_length)})
+    get_batch = lambda mb: pool[mb % len(pool)]  # noqa: E731
+    ranks, acc = {}, {}
+    for m in methods:
+        model_parallel_seed(1234)
+        ranks[m] = AsyncPipelineRank(cfg, vocab, m, update_interval=1, message_specs=specs)
+        acc[m] = {}
+        instrument(ranks[m], acc[m])
+    spans = {m: [] for m in methods}
+    times = {m: [] for m in methods}  # per segment: this rank's policy / step wall and CPU time, segment CPU
+    steady = {m: [] for m in methods}  # last stage: micro-batches/s between the losses of n/4 and 3n/4
+    a, b = n // 4, 3 * n // 4
+    for i in range(warmup + reps):
+        for m in (methods if i % 2 == 0 else methods[::-1]):
+            acc[m].update(policy=0.0, policy_cpu=0.0, step=0.0, step_cpu=0.0)
+            loss_times = []
+            on_loss = lambda mb, loss: loss_times.append(time.perf_counter())  # noqa: E731
+            cpu = time.thread_time()
+            spans[m].append(timed(lambda: ranks[m].train_segment(get_batch, n, on_loss=on_loss)))
+            times[m].append(dict(acc[m], cpu=time.thread_time() - cpu))
+            if loss_times:
+                steady[m].append((b - a) / (loss_times[b] - loss_times[a]))
+    copies = {m: ranks[m].copies_per_chunk() for m in methods}
+    return spans, times, copies, steady
+
+
+def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
+    """One process, no p2p: per pipeline rank r of a PP=num_stages split, the median cost of one
+    micro-batch's forward+backward of its chunk, of one AsyncStage.step (AdamW, clip 1.0) and of
+    PipeOptim's policy work around one forward with s = D-r-1 (copy the live weights into the cache,
+    predict, restore), plus that policy work split into its parts. Returns {r: {what: seconds}}."""
+    from megatron_po.pipeline.async_pipeline import AsyncStage, optimizer_kwargs_from_config
+    from megatron_po.pipeline.policies import _clone, _copy_into
+    cfg = gpt_config(model_cfg)
+    model_parallel_seed(1234)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (mbs, model_cfg.seq_length + 1), generator=g)
+    out = {}
+    for r in range(num_stages):
+        chunks = build_chunks_for_rank(cfg, vocab, r, num_stages, 1)
+        t = cfg.training
+        stage = AsyncStage(r, num_stages, chunks, "pipeoptim", 1, t.optimizer, optimizer_kwargs_from_config(t),
+                           None, t.clip_grad)
+        chunk, policy, opt = chunks[0], stage.policy, stage.optimizers[0]
+        params = [p for p in chunk.parameters()]
+        hidden = torch.randn(model_cfg.seq_length, mbs, model_cfg.hidden_size)
+        s = num_stages - r - 1
+
+        def forward_backward():
+            x = None if chunk.pre_process else hidden.clone().requires_grad_(True)
+            y = chunk(input_ids=tokens[:, :-1] if chunk.pre_process else None, hidden_states=x,
+                      labels=tokens[:, 1:] if chunk.post_process else None)
+            if chunk.post_process:
+                y.mean().backward()
+            else:
+                y.backward(torch.ones_like(y))
+
+        cache = _clone(params)
+        parts = {"forward+backward": forward_backward, "step": lambda: stage.step(0),
+                 "cache copy": lambda: _copy_into(cache, [p.data for p in params]),
+                 "predict": lambda: opt.predict(s), "restore": lambda: _copy_into(params, cache)}
+        times = {name: [] for name in parts}
+        for i in range(reps + 2):  # the order of one micro-batch: step, then the next forward's prediction
+            for name, fn in parts.items():
+                if s == 0 and name not in ("forward+backward", "step"):
+                    continue  # the last stage predicts nothing (s = 0)
+                c = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - c)
+        res = {name: median(ts[2:]) if ts else 0.0 for name, ts in times.items()}
+        res["policy"] = res["cache copy"] + res["predict"] + res["restore"]
+        res["params"] = sum(p.numel() for p in params)
+        out[r] = res
     return out
 
 
@@ -470,8 +685,16 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--p2p-samples", type=int, default=200)
     p.add_argument("--gpt-reps", type=int, default=9)
-    p.add_argument("--skip-gpt", action="store_true")
+    p.add_argument("--gpt-async-pp", type=int, default=2, help="PP of the timed asynchronous GPT runs")
+    p.add_argument("--gpt-async-layers", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--copies-pp", type=int, default=4, help="PP of the weight-copy count")
+    p.add_argument("--gpt-async-n", type=int, default=16, help="micro-batches per segment")
+    p.add_argument("--gpt-async-reps", type=int, default=11)
+    p.add_argument("--skip-p2p", action="store_true", help="(the simulator then uses --t-p2p)")
+    p.add_argument("--t-p2p", type=float, default=0.0005, help="t_p2p (s) for the bounds when --skip-p2p")
     p.add_argument("--skip-synthetic", action="store_true")
+    p.add_argument("--skip-gpt", action="store_true")
+    p.add_argument("--skip-gpt-async", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "schedules.md"))
     args = p.parse_args()
     assert args.reps >= 3, "median of at least 3 repetitions"
@@ -479,6 +702,8 @@ def main():
     t_b = 2 * t_f
     ideal = 1.0 / (t_f + t_b)
     lines: list[str] = []
+    started = time.perf_counter()
+    summary: dict = {"async": {}, "intrinsic": [], "cpu_share": {}, "e2e": {}, "copies": None}
 
     def emit(text=""):
         print(text, flush=True)
@@ -487,23 +712,32 @@ def main():
     emit(f"Command: `{' '.join(['python', 'bench/schedules.py'] + sys.argv[1:])}`")
     emit()
     emit(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.platform()}, "
-         f"load average at start {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+         f"load average at start {os.getloadavg()[0]:.2f} (1 min) / {os.getloadavg()[1]:.2f} (5 min), "
+         f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     emit()
     # ---- 0. p2p
-    res = run_distributed(p2p_costs, 2, pp=2, args=(args.mbs, args.p2p_samples), timeout=TIMEOUT)
-    p2p = merge_p2p(res)
-    emit(f"## 0. p2p cost per message on gloo: one [{args.mbs}, {WIDTH}] fp32 tensor, 2 ranks, "
-         f"{args.p2p_samples} samples each")
-    emit()
-    rows = []
-    for k, v in p2p.items():
-        q = statistics.quantiles([x * 1e6 for x in v], n=10)
-        rows.append([k, f"{median(v) * 1e6:.0f}", f"{q[0]:.0f}", f"{q[-1]:.0f}"])
-    emit(table(["what", "median us", "p10 us", "p90 us"], rows))
-    t_p2p = median(p2p["ours P2PTransport.send / recv: one-way latency, receiver waiting"])
-    emit()
-    emit(f"Simulator p2p cost used below: t_p2p = {t_p2p * 1e3:.3f} ms (ours, one-way, receiver waiting).")
-    emit()
+    t_p2p, t_p2p_header = args.t_p2p, None
+    if not args.skip_p2p:
+        res = run_distributed(p2p_costs, 2, pp=2, args=(args.mbs, args.p2p_samples), timeout=TIMEOUT)
+        p2p = merge_p2p(res)
+        emit(f"## 0. p2p cost per message on gloo: one [{args.mbs}, {WIDTH}] fp32 tensor, 2 ranks, "
+             f"{args.p2p_samples} samples each")
+        emit()
+        emit(f"`{AGREED}`: P2PTransport with `message_specs` (one payload, no header; `recv` posts the irecv "
+             f"itself unless `prepost` did, as run_rank does {PREPOST_WINDOW} ops ahead). `{HEADER}`: "
+             f"P2PTransport without specs (a 64-int64 shape header, then the payload).")
+        emit()
+        rows = []
+        for k, v in p2p.items():
+            q = statistics.quantiles([x * 1e6 for x in v], n=10)
+            rows.append([k, f"{median(v) * 1e6:.0f}", f"{q[0]:.0f}", f"{q[-1]:.0f}"])
+        emit(table(["what", "median us", "p10 us", "p90 us"], rows))
+        t_p2p = median(p2p[f"{AGREED}: one-way latency, receiver waiting"])
+        t_p2p_header = median(p2p[f"{HEADER}: one-way latency, receiver waiting"])
+        emit()
+        emit(f"Simulator p2p cost used below: t_p2p = {t_p2p * 1e3:.3f} ms (ours with agreed shapes, one-way, "
+             f"receiver waiting; the header protocol's is {t_p2p_header * 1e3:.3f} ms).")
+        emit()
 
     # ---- 1. synthetic
     if not args.skip_synthetic:
@@ -517,56 +751,100 @@ def main():
              f"{t_p2p * 1e3:.2f} ms. `bound cal`: simulator with the measured stage "
              f"costs (one process, no p2p: forward {cal[1][0] * 1e3:.2f} / backward {cal[1][1] * 1e3:.2f} ms, "
              f"v=2 chunk {cal[2][0] * 1e3:.2f} / {cal[2][1] * 1e3:.2f} ms; sleep overshoot and the cold CPU "
-             f"after a sleep) and t_p2p = {t_p2p * 1e3:.2f} ms (table 0).")
-        emit("- `ours`: run_rank + StageRunner + P2PTransport, the real code path. `torch`: ScheduleGPipe / "
-             "Schedule1F1B / ScheduleInterleaved1F1B (2 PipelineStages per rank) on the same stages.")
-        emit(f"- `proto 1-trip`, `proto prepost`: bench-local prototypes of a transport fix, not product code: "
-             f"header and payload irecv posted together from a shape cache (one gloo rendezvous per message "
-             f"instead of two); plus those irecvs posted {LOOKAHEAD} ops ahead of the op that needs them.")
-        emit(f"- async: steady-state throughput of the no-flush stream, (N2-N1) / (T(N2)-T(N1)), N1=2M, N2=4M "
-             f"(fill and drain cancel); no torch counterpart.")
+             f"after a sleep) and t_p2p = {t_p2p * 1e3:.2f} ms. `bound run`: the same with the stage costs as "
+             f"they happened in the `ours` runs of that row (mean duration of every forward and backward sleep on "
+             f"all ranks: under CPU contention a sleeping rank wakes late); `overshoot`: those means minus the "
+             f"nominal t_f, t_b per stage. No bound charges for optimizer steps.")
+        emit(f"- `ours`: run_rank + StageRunner + P2PTransport with agreed shapes "
+             f"(`ActivationSpecs(({args.mbs}, {WIDTH}))`: no header, receives posted {PREPOST_WINDOW} ops ahead), "
+             f"the real code path. `ours, header`: the same without message specs (header protocol). "
+             f"`torch`: ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (2 PipelineStages per rank) on "
+             f"the same stages.")
+        emit(f"- async rows: steady-state throughput of the no-flush stream: segments of N=4M micro-batches, "
+             f"the last stage notes when each micro-batch's loss is computed (`on_loss`), rate = (b-a) / "
+             f"(t(b)-t(a)) for a=M, b=3M (the middle half, away from fill and drain; the bounds time the "
+             f"simulated segment the same way). `AsyncPipelineRank pipeoptim`: "
+             f"`AsyncPipelineRank(..., \"pipeoptim\", update_interval=1, message_specs=...).train_segment`, its "
+             f"chunk builder swapped for the sleeping stages: a Step (Adam, lr {ASYNC_LR:g}, clip 1.0) after every "
+             f"backward and PipeOptim's predict / restore around every forward. `run_rank only`: the async op "
+             f"list without optimizer or policy. Their `torch` column is torch's Schedule1F1B at the same M "
+             f"(it has no no-flush schedule), measured side by side, and `ours/torch` compares the two.")
         emit()
         rows = []
+        async_copies = None
+        breakdowns = {}
         for M in args.Ms:
             for name, method, v, kind in [("gpipe", "gpipe", 1, "gpipe"), ("1f1b", "1f1b", 1, "1f1b"),
                                           ("interleaved 1f1b v=2", "1f1b", 2, "interleaved"),
-                                          ("async 1f1b", "async", 1, None)]:
+                                          ("async", "async", 1, None)]:
                 tf_cal, tb_cal = cal[v]
                 if method == "async":
-                    n1, n2 = 2 * M, 4 * M
-                    per_rank = run_distributed(synthetic_stream, D, pp=D, timeout=TIMEOUT,
-                                               args=([n1, n2], t_f, t_b, args.mbs, args.warmup, args.reps))
-                    got = {}
-                    for variant in VARIANTS:
-                        s1 = makespans([r[(variant, n1)] for r in per_rank], args.warmup)
-                        s2 = makespans([r[(variant, n2)] for r in per_rank], args.warmup)
-                        got[variant] = (n2 - n1) / (median(s2) - median(s1))
-                    b0 = async_bound(D, n1, n2, t_f, t_b, 0.0)
-                    bp = async_bound(D, n1, n2, t_f, t_b, t_p2p)
-                    bc = async_bound(D, n1, n2, tf_cal, tb_cal, t_p2p)
-                    label = f"{name} (N={n1}->{n2})"
+                    N, a, b = steady_window(M)
+                    per_rank = run_distributed(synthetic_async, D, pp=D, timeout=TIMEOUT,
+                                               args=(M, t_f, t_b, args.mbs, args.warmup, args.reps))
+                    async_copies = {r: res[2] for r, res in enumerate(per_rank)}
+                    breakdowns[M] = [res[4] for res in per_rank]
+                    got = {variant: median(per_rank[-1][0][variant]) for variant in ASYNC_VARIANTS}
+                    theirs = M / median(makespans([r[1]["torch"] for r in per_rank], args.warmup))
+                    b0 = async_bound(D, M, t_f, t_b, 0.0)
+                    bp = async_bound(D, M, t_f, t_b, t_p2p)
+                    bc = async_bound(D, M, tf_cal, tb_cal, t_p2p)
+                    tf_run, tb_run = mean_sleeps([r[3] for r in per_rank])
+                    br = async_bound(D, M, tf_run, tb_run, t_p2p)
+                    summary["async"][M] = (got["pipeoptim"] / ideal, got["pipeoptim"] / theirs, got["schedule"] / ideal)
+                    entries = [(f"async 1f1b, AsyncPipelineRank pipeoptim k=1 (N={N}, mb {a}..{b})",
+                                got["pipeoptim"], got["pipeoptim_header"]),
+                               (f"async 1f1b, run_rank only (N={N}, mb {a}..{b})", got["schedule"], None)]
                 else:
-                    per_rank = run_distributed(synthetic_pair, D, pp=D, timeout=TIMEOUT,
+                    per_rank = run_distributed(synthetic_sync, D, pp=D, timeout=TIMEOUT,
                                                args=(method, kind, v, M, t_f, t_b, args.mbs, args.warmup, args.reps))
-                    got = {k: M / median(makespans([r[k] for r in per_rank], args.warmup))
-                           for k in VARIANTS + ("torch",)}
+                    got = {k: M / median(makespans([r[k] for r in per_rank], args.warmup)) for k in SYNC_VARIANTS}
+                    theirs = got["torch"]
                     b0 = bound(method, D, v, M, t_f / v, t_b / v, 0.0)
                     bp = bound(method, D, v, M, t_f / v, t_b / v, t_p2p)
                     bc = bound(method, D, v, M, tf_cal, tb_cal, t_p2p)
-                    label = name
-                theirs = got.get("torch")
-                ours, theirs = got["ours"], got.get("torch")
-                row = [M, label, f"{b0 / ideal:.3f}", f"{bp / ideal:.3f}", f"{bc / ideal:.3f}", f"{ours / ideal:.3f}",
-                       f"{ours / bp:.3f}", f"{ours / bc:.3f}", "-" if theirs is None else f"{theirs / ideal:.3f}",
-                       "-" if theirs is None else f"{ours / theirs:.3f}x",
-                       f"{got['ours_1trip'] / ideal:.3f}", f"{got['ours_prepost'] / ideal:.3f}"]
-                rows.append(row)
-                print("  ", row, flush=True)
-        emit(table(["M", "schedule", "bound", "bound p2p", "bound cal", "ours", "ours/bound p2p", "ours/bound cal",
-                    "torch", "ours/torch", "proto 1-trip", "proto prepost"], rows))
+                    tf_run, tb_run = mean_sleeps([r["slept"] for r in per_rank])
+                    br = bound(method, D, v, M, tf_run, tb_run, t_p2p)
+                    entries = [(name, got["ours"], got["header"])]
+                for label, ours, header in entries:
+                    row = [M, label, f"{b0 / ideal:.3f}", f"{bp / ideal:.3f}", f"{bc / ideal:.3f}",
+                           f"{br / ideal:.3f}", f"{(tf_run * v - t_f) * 1e3:.2f} / {(tb_run * v - t_b) * 1e3:.2f}",
+                           f"{ours / ideal:.3f}", f"{ours / bp:.3f}", f"{ours / br:.3f}",
+                           "-" if header is None else f"{header / ideal:.3f}",
+                           f"{theirs / ideal:.3f}", f"{ours / theirs:.3f}x"]
+                    rows.append(row)
+                    print("  ", row, f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]",
+                          flush=True)
+        emit(table(["M", "schedule", "bound", "bound p2p", "bound cal", "bound run", "overshoot ms f / b", "ours",
+                    "ours/bound p2p", "ours/bound run", "ours, header", "torch", "ours/torch"], rows))
         emit()
+        if breakdowns:
+            M = max(breakdowns)
+            N = steady_window(M)[0]
+            emit(f"Where each rank's time goes in the async pipeoptim segments of M={M} (N={N} micro-batches, fill "
+                 f"and drain included), ms per micro-batch, median over the repetitions: `sleep` = the stage's "
+                 f"forward + backward sleeps (nominal {(t_f + t_b) * 1e3:g}), `recv` = inside P2PTransport.recv "
+                 f"(waiting for data, mostly fill and drain), `send`, `prepost` (posting receives ahead), `step` "
+                 f"(AsyncStage.step: clip, Adam), `policy` (PipeOptim predict / restore), `other` = the rest "
+                 f"(StageRunner, autograd, the Linear, the loss). CPU ms per micro-batch of the non-sleeping "
+                 f"parts in brackets.")
+            emit()
+            rows = []
+            parts = ("recv", "send", "prepost", "step", "policy")
+            for r, reps in enumerate(breakdowns[M]):
+                med = {k: median([x.get(k, 0.0) for x in reps]) / N * 1e3
+                       for k in ("segment", "sleep") + parts + tuple(f"{p}_cpu" for p in parts)}
+                other = med["segment"] - med["sleep"] - sum(med[p] for p in parts)
+                rows.append([r, f"{med['segment']:.2f}", f"{med['sleep']:.2f}"]
+                            + [f"{med[p]:.2f} ({med[p + '_cpu']:.2f})" for p in parts] + [f"{other:.2f}"])
+            emit(table(["rank", "segment", "sleep", "recv", "send", "prepost", "step", "policy", "other"], rows))
+            emit()
+        if async_copies is not None:
+            emit("Weight copies per chunk of the synthetic pipeoptim run (`copies_per_chunk()`, rank: copies): "
+                 + ", ".join(f"{r}: {c[0]}" for r, c in sorted(async_copies.items())))
+            emit()
 
-    # ---- 2. GPT
+    # ---- 2. GPT, synchronous
     if not args.skip_gpt:
         mc = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128,
                          hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True,
@@ -574,23 +852,170 @@ def main():
         vocab, mbs, M = 1024, 4, 8
         res = run_distributed(gpt_bench, 2, pp=2, timeout=TIMEOUT,
                               args=(mc, vocab, mbs, M, ["1f1b", "gpipe"], 2, args.gpt_reps))
-        emit(f"## 2. Tiny GPT, PP=2: {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_attention_heads} "
-             f"heads, seq {mc.seq_length}, vocab {vocab} (untied), micro-batch {mbs}, M={M}; forward+backward, "
-             f"no optimizer; 1 thread per rank; median of {args.gpt_reps} after 2 warm-up, ours and torch "
-             f"alternating in the same 2 processes")
+        emit(f"## 2. Tiny GPT, PP=2, synchronous: {mc.num_layers} layers, hidden {mc.hidden_size}, "
+             f"{mc.num_attention_heads} heads, seq {mc.seq_length}, vocab {vocab} (untied), micro-batch {mbs}, "
+             f"M={M}; forward+backward, no optimizer; 1 thread per rank; median of {args.gpt_reps} after 2 "
+             f"warm-up, the three variants alternating in the same 2 processes")
+        emit()
+        emit("`ours`: synchronous_forward_backward with `gpt_message_specs` (as training.forward_backward "
+             "calls it); `ours, header`: without specs.")
         emit()
         rows = []
         tokens = M * mbs * mc.seq_length
         for method in ["1f1b", "gpipe"]:
-            ours = makespans([r[method][0] for r in res], 2)
-            theirs = makespans([r[method][1] for r in res], 2)
-            to, tt = tokens / median(ours), tokens / median(theirs)
-            rows.append([method, f"{to:,.0f}", f"{tt:,.0f}", f"{to / tt:.3f}x",
-                         f"{median(ours) * 1e3:.0f} / {median(theirs) * 1e3:.0f}"])
-        emit(table(["schedule", "ours tokens/s", "torch.pipelining tokens/s", "ours/torch",
-                    "iteration ms ours / torch"], rows))
+            ms = {k: median(makespans([r[method][k] for r in res], 2)) for k in ("ours", "header", "torch")}
+            rows.append([method, f"{tokens / ms['ours']:,.0f}", f"{tokens / ms['header']:,.0f}",
+                         f"{tokens / ms['torch']:,.0f}", f"{ms['torch'] / ms['ours']:.3f}x",
+                         f"{ms['ours'] * 1e3:.0f} / {ms['header'] * 1e3:.0f} / {ms['torch'] * 1e3:.0f}"])
+            print("  ", rows[-1], flush=True)
+        emit(table(["schedule", "ours tokens/s", "ours, header tokens/s", "torch.pipelining tokens/s", "ours/torch",
+                    "iteration ms ours / header / torch"], rows))
         emit()
-    emit(f"load average at end {os.getloadavg()[0]:.2f}")
+
+    # ---- 3. GPT, asynchronous
+    if not args.skip_gpt_async:
+        P, n = args.gpt_async_pp, args.gpt_async_n
+        vocab, mbs = 1024, 4
+        methods = ["async-naive", "pipeoptim", "pipedream"]
+
+        def model(layers):
+            return ModelConfig(num_layers=layers, hidden_size=128, num_attention_heads=4, seq_length=128,
+                               hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True,
+                               make_vocab_size_divisible_by=128)
+
+        emit("## 3. Tiny GPT, asynchronous (k=1): PipeOptim's prediction overhead and weight copies")
+        emit()
+        emit(f"Hidden 128, 4 heads, seq 128, vocab {vocab} (untied), micro-batch {mbs}, no dropout; AdamW "
+             f"(lr 3e-4, wd 0.01), clip 1.0, agreed shapes (the training defaults); k=1, so every stage steps "
+             f"after every backward. Segments of {n} micro-batches through `AsyncPipelineRank.train_segment` "
+             f"(fill and drain included), one AsyncPipelineRank per method in the same processes (same "
+             f"initial weights), methods alternating ABC CBA ...; PP={P}: {P} processes with 1 thread each on "
+             f"{os.cpu_count()} cores{' (oversubscribed)' if P > (os.cpu_count() or 1) else ''}; median of "
+             f"{args.gpt_async_reps} after 1 warm-up segment each.")
+        emit("- `policy ms/mb`: wall time per micro-batch spent in the weight policy's hooks, per rank "
+             "(pipeoptim: copy the live weights to the cache + predict before each forward, restore after it; "
+             "pipedream: stash copies and swaps around the backward). `policy share`: that over the segment "
+             "time per micro-batch, on the rank where it is largest (wall / the same with CPU time: hook CPU "
+             "time over the rank's CPU time in the segment). `step ms/mb`: the AdamW step (clip, lr, step) "
+             "per micro-batch, rank 0. `tokens/s`: segment = n micro-batches over the whole segment (fill "
+             "and drain included); steady = between the losses of micro-batches n/4 and 3n/4 on the last "
+             "stage. `vs naive`: the extra time per micro-batch over async-naive, median over the paired "
+             "repetitions (each pair run back to back) [quartiles], for the segment / steady rates. `CPU vs "
+             "naive`: the same for each rank's CPU time in the segment (main thread), which other processes "
+             "on the machine disturb much less than the wall clock.")
+        emit()
+        header = ["PP", "layers", "method", "tokens/s segment / steady", "vs naive segment / steady",
+                  "CPU vs naive (rank 0 / 1 / ...)",
+                  "policy ms/mb (rank 0 / 1 / ...)", "policy share wall / CPU", "step ms/mb",
+                  "copies per chunk (rank 0 / 1 / ...)"]
+        rows = []
+
+        def paired(xs, ys):
+            """Median and quartiles of x/y - 1 over the pairs, as text."""
+            ratios = [x / y - 1 for x, y in zip(xs, ys)]
+            q = statistics.quantiles(ratios, n=4)
+            return f"{median(ratios) * 100:+.1f}% [{q[0] * 100:+.1f}, {q[2] * 100:+.1f}]"
+
+        for layers in args.gpt_async_layers:
+            mc = model(layers)
+            res = run_distributed(gpt_async_bench, P, pp=P, timeout=TIMEOUT,
+                                  args=(mc, vocab, mbs, n, methods, 1, args.gpt_async_reps))
+            warm = 1
+            tokens_per_mb = mbs * mc.seq_length
+            spans = {m: makespans([r[0][m] for r in res], warm) for m in methods}
+            steady = {m: res[-1][3][m][warm:] for m in methods}  # micro-batches/s, last stage
+            for m in methods:
+                per_mb = median(spans[m]) / n
+                pol = [median([t["policy"] for t in r[1][m][warm:]]) / n for r in res]
+                cpu_share = [median([t["policy_cpu"] / t["cpu"] for t in r[1][m][warm:]]) for r in res]
+                step0 = median([t["step"] for t in res[0][1][m][warm:]]) / n
+                vs = "-" if m == "async-naive" else (
+                    f"{paired(spans[m], spans['async-naive'])} / "
+                    f"{paired(steady['async-naive'], steady[m])}")  # time ratios: naive rate / method rate
+                cpu_vs = "-"
+                if m != "async-naive":
+                    extra = [median([x["cpu"] / y["cpu"] - 1
+                                     for x, y in zip(r[1][m][warm:], r[1]["async-naive"][warm:])]) for r in res]
+                    cpu_vs = " / ".join(f"{x * 100:+.1f}%" for x in extra)
+                if m == "pipeoptim":
+                    summary["cpu_share"][layers] = max(cpu_share)
+                    summary["e2e"][layers] = vs
+                rows.append([P, layers, m, f"{n * tokens_per_mb / median(spans[m]):,.0f} / "
+                             f"{median(steady[m]) * tokens_per_mb:,.0f}", vs, cpu_vs,
+                             " / ".join(f"{x * 1e3:.2f}" for x in pol),
+                             f"{max(pol) / per_mb * 100:.1f}% / {max(cpu_share) * 100:.1f}%", f"{step0 * 1e3:.2f}",
+                             " / ".join(str(r[2][m][0]) for r in res)])
+                print("  ", rows[-1], f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]",
+                      flush=True)
+        emit(table(header, rows))
+        emit()
+        emit(f"Intrinsic costs, one process, no p2p, no other rank competing (median of 20): per rank of the "
+             f"PP={P} split, one micro-batch's forward+backward of its chunk, one AsyncStage.step (AdamW, clip), and "
+             f"PipeOptim's work around one forward with s = D-r-1 (copy the live weights into the cache, predict "
+             f"Ŵ = W - s·lr·m̂/(√v̂+ε) in place, restore). `share` = policy / (forward+backward + step + policy): "
+             f"the prediction overhead as a fraction of the rank's time per step (k=1: one step per micro-batch).")
+        emit()
+        rows = []
+        for layers in args.gpt_async_layers:
+            costs = run_distributed(gpt_stage_costs, 1, timeout=TIMEOUT, args=(model(layers), vocab, mbs, P, 20))[0]
+            for r, c in sorted(costs.items()):
+                total = c["forward+backward"] + c["step"] + c["policy"]
+                summary["intrinsic"].append((layers, r, c["policy"] / total))
+                rows.append([layers, r, f"{c['params']:,}", f"{c['forward+backward'] * 1e3:.1f}",
+                             f"{c['step'] * 1e3:.2f}", f"{c['cache copy'] * 1e3:.2f} / {c['predict'] * 1e3:.2f} / "
+                             f"{c['restore'] * 1e3:.2f}", f"{c['policy'] * 1e3:.2f}",
+                             f"{c['policy'] / total * 100:.1f}%"])
+                print("  ", rows[-1], flush=True)
+        emit(table(["layers", "rank", "params", "fwd+bwd ms", "step ms", "cache copy / predict / restore ms",
+                    "policy ms", "share"], rows))
+        emit()
+        # Weight copies at a deeper pipeline: a count, not a timing, so oversubscribing the cores is harmless.
+        C = args.copies_pp
+        mc = model(2 * C)
+        res = run_distributed(gpt_async_bench, C, pp=C, timeout=TIMEOUT, args=(mc, vocab, mbs, 4 * C, methods, 1, 0))
+        emit(f"Weight copies per chunk at PP={C} ({2 * C} layers, one segment of {4 * C} micro-batches per method, "
+             f"`AsyncPipelineRank.copies_per_chunk()`: the most full copies held at once, live weights included):")
+        emit()
+        emit(table(["rank r"] + methods + ["D - r"],
+                   [[r] + [res[r][2][m][0] for m in methods] + [C - r] for r in range(C)]))
+        emit()
+        summary["copies"] = {m: [res[r][2][m][0] for r in range(C)] for m in methods}
+
+    # ---- targets
+    rows = []
+    if summary["async"]:
+        fr = summary["async"]
+        rows.append([f"async no-flush stream through AsyncPipelineRank pipeoptim, D={D}: fraction of ideal >= 0.95",
+                     ", ".join(f"M={M}: {v[0]:.3f}" for M, v in sorted(fr.items()))
+                     + " (bare schedule: " + ", ".join(f"{v[2]:.3f}" for M, v in sorted(fr.items())) + ")",
+                     "yes" if all(v[0] >= 0.95 for v in fr.values()) else "no"])
+        if 8 in fr:
+            rows.append(["async / torch Schedule1F1B at M=8 >= 1.3x", f"{fr[8][1]:.3f}x",
+                         "yes" if fr[8][1] >= 1.3 else "no"])
+    if summary["intrinsic"]:
+        worst = max(x[2] for x in summary["intrinsic"])
+        rows.append(["PipeOptim prediction overhead <= 3% of the step time (k=1: per micro-batch)",
+                     "intrinsic, predicting rank: " + ", ".join(f"{la} layers r{r}: {x * 100:.1f}%"
+                                                                for la, r, x in summary["intrinsic"] if x > 0)
+                     + "; in-run CPU share: " + ", ".join(f"{la} layers {x * 100:.1f}%"
+                                                          for la, x in summary["cpu_share"].items())
+                     + "; end to end vs async-naive (segment / steady): "
+                     + ", ".join(f"{la} layers {x}" for la, x in summary["e2e"].items()),
+                     "yes" if worst <= 0.03 else "no"])
+    if summary["copies"]:
+        c = summary["copies"]
+        depth = [len(c["pipedream"]) - r for r in range(len(c["pipedream"]))]
+        rows.append(["weight copies: PipeOptim <= 2, PipeDream D-r",
+                     f"pipeoptim {' / '.join(map(str, c['pipeoptim']))}, pipedream "
+                     f"{' / '.join(map(str, c['pipedream']))} (D-r {' / '.join(map(str, depth))})",
+                     "yes" if max(c["pipeoptim"]) <= 2 and c["pipedream"] == depth else "no"])
+    if rows:
+        emit("## Targets")
+        emit()
+        emit(table(["target", "measured", "met"], rows))
+        emit()
+    emit(f"load average at end {os.getloadavg()[0]:.2f} (1 min) / {os.getloadavg()[1]:.2f} (5 min); "
+         f"{(time.perf_counter() - started) / 60:.1f} minutes")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -15,3 +15,15 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A missing, corrupt or inconsistent data file (index, binary, tokenizer model)."""
+
+
+def run_cli(body, *args) -> int:
+    """Run a command-line tool's body: bad input prints one `error: ...` line to stderr and gives exit
+    code 2; anything else is a bug and keeps its traceback."""
+    import sys
+    try:
+        body(*args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -32,7 +32,7 @@ import pickle
 
 import torch
 
-from megatron_po.errors import ConfigError, DataError, UserError
+from megatron_po.errors import UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,12 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command](args)
-    except (UserError, ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli({"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command], args)
 
 
 # --------------------------------------------------------------------------------------------------

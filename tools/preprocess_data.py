@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from megatron_po.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megatron_po.data.tokenizer import build_tokenizer
-from megatron_po.errors import ConfigError, DataError, UserError
+from megatron_po.errors import ConfigError, DataError, run_cli
 
 # File extension -> Hugging Face `datasets` builder; compression suffixes are stripped first.
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
@@ -119,13 +119,7 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        preprocess(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(preprocess, build_parser().parse_args(argv))
 
 
 def preprocess(args):

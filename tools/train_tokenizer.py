@@ -22,7 +22,7 @@ import argparse
 
 from tqdm import tqdm
 
-from megatron_po.errors import ConfigError, DataError, UserError
+from megatron_po.errors import ConfigError, DataError, UserError, run_cli
 from tools.preprocess_data import iter_documents, load_input
 
 
@@ -67,13 +67,7 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        train(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(train, build_parser().parse_args(argv))
 
 
 def train(args):

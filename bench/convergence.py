@@ -415,8 +415,7 @@ class SyncPipeline:
     every stage: the semantics of `synchronous_forward_backward` + `training.train_step`."""
 
     def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
-        from megatron_po.optim import build_optimizer
-        from megatron_po.pipeline.async_pipeline import chunk_param_groups
+        from megatron_po.optim import build_optimizer, param_groups
         from megatron_po.pipeline.partition import build_chunks_for_rank
         from megatron_po.pipeline.schedules import build_schedule
         from megatron_po.tensor_parallel import model_parallel_seed
@@ -427,7 +426,7 @@ class SyncPipeline:
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
         wd = kw.pop("weight_decay")
-        self.opts = [build_optimizer(optimizer, chunk_param_groups(c, wd), lr_fn(0), weight_decay=wd, **kw)
+        self.opts = [build_optimizer(optimizer, param_groups([c], wd), lr_fn(0), weight_decay=wd, **kw)
                      for c in self.chunks]
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.schedule = build_schedule(name, D, 1, self.M)

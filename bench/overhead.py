@@ -29,9 +29,9 @@ from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import Config, ModelConfig  # noqa: E402
 from megatron_po.distributed.ddp import DistributedDataParallel  # noqa: E402
 from megatron_po.models.gpt import GPTModel  # noqa: E402
-from megatron_po.optim import build_optimizer  # noqa: E402
+from megatron_po.optim import build_optimizer, param_groups  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
-from megatron_po.training import gpt_flops_per_token, param_groups, train_step  # noqa: E402
+from megatron_po.training import gpt_flops_per_token, train_step  # noqa: E402
 
 
 # ---- the plain PyTorch baseline (nanoGPT-style, same math) ------------------------------------------

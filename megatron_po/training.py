@@ -29,7 +29,7 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import DataError, UserError
 from megatron_po.models.gpt import GPTModel
-from megatron_po.optim import build_optimizer
+from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
@@ -79,21 +79,6 @@ def build_model_chunks(cfg: Config, padded_vocab: int) -> list:
     model = GPTModel(cfg.model, padded_vocab, cfg.training.seed,
                      sequence_parallel=cfg.parallel.sequence_parallel).to(ps.get_device())
     return [model]
-
-
-def param_groups(chunks, weight_decay: float):
-    """Megatron's rule: no weight decay on biases and normalization weights (the 1-D params)."""
-    decay, no_decay, seen = [], [], set()
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            (no_decay if p.ndim == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
 
 
 def build_data(cfg: Config, tokenizer_vocab_size: int):

@@ -10,6 +10,7 @@ from megatron_po.optim.optimizers import (
     PredictiveOptimizer,
     RMSprop,
     build_optimizer,
+    param_groups,
 )
 
 __all__ = [
@@ -21,5 +22,5 @@ __all__ = [
     "Lion",
     "PredictiveOptimizer",
     "RMSprop",
-    "build_optimizer",
+    "build_optimizer", "param_groups",
 ]

@@ -44,7 +44,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
 from megatron_po.distributed.ddp import allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
-from megatron_po.optim import build_optimizer
+from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.pipeline.executor import Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, run_rank
@@ -80,17 +80,6 @@ def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad)
     return (optimizer_name or t.optimizer,
             optimizer_kwargs if optimizer_kwargs is not None else optimizer_kwargs_from_config(t),
             t.clip_grad if clip_grad is None else clip_grad)
-
-
-def chunk_param_groups(chunk: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's rule, as in training.param_groups: no weight decay on biases and norm weights (1-D)."""
-    params = chunk_parameters(chunk)
-    decay = [p for p in params if p.ndim > 1]
-    no_decay = [p for p in params if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
 
 
 def segment_schedule(num_stages: int, num_chunks: int, num_microbatches: int, update_interval: int,
@@ -152,10 +141,10 @@ class AsyncStage:
             from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer
             for c in chunks:
                 c.to(torch.bfloat16)
-            self.optimizers = [MixedPrecisionOptimizer(inner, chunk_param_groups(c, weight_decay), None, clip_grad,
+            self.optimizers = [MixedPrecisionOptimizer(inner, param_groups([c], weight_decay), None, clip_grad,
                                                        self.tp_group) for c in chunks]
         else:
-            self.optimizers = [inner(chunk_param_groups(c, weight_decay)) for c in chunks]
+            self.optimizers = [inner(param_groups([c], weight_decay)) for c in chunks]
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
         self.policy = build_policy(method, rank, chunks, self.optimizers,

@@ -449,3 +449,64 @@ def test_constructor_validation():
         SGD(make_params(), lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="beta1"):
         Adam(make_params(), lr=0.1, betas=(1.0, 0.999))
+
+
+# --- keeping the step's direction for the predictions until the next step ------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kept_direction_predicts_bitwise_like_rebuilt_direction(case):
+    """`keep_direction` only reuses what the step computed: every prediction (in place, into another
+    dtype, several per step, after steps that skip some parameters, after a state reload) and every step
+    is bitwise identical to an optimizer rebuilding ΔW from its state each time."""
+    fresh_params, kept_params = make_params(), make_params()
+    make = CASES[case][0]
+    fresh = make([{"params": fresh_params[:2]}, {"params": fresh_params[2:], "lr": 0.003}])
+    kept = make([{"params": kept_params[:2]}, {"params": kept_params[2:], "lr": 0.003}])
+    kept.keep_direction = True
+    skip = {2: (1,), 3: (0, 2)}  # some steps leave parameters without a gradient
+    for seed in range(6):
+        set_random_grads([fresh_params, kept_params], seed, skip=skip.get(seed, ()))
+        fresh.step()
+        kept.step()
+        assert all(torch.equal(a, b) for a, b in zip(fresh_params, kept_params))
+        for steps in (1.0, 2.5):  # two predictions between steps (k > 1, or interleaved chunks)
+            outs = []
+            for opt, params in ((fresh, fresh_params), (kept, kept_params)):
+                out = [[torch.empty_like(p, dtype=torch.bfloat16) for p in g["params"]] for g in opt.param_groups]
+                opt.predict(steps, out=out)
+                live = snapshot(params)
+                opt.predict(steps)
+                outs.append((out, snapshot(params)))
+                with torch.no_grad():
+                    for p, w in zip(params, live):
+                        p.copy_(w)
+            (out_f, inplace_f), (out_k, inplace_k) = outs
+            assert all(torch.equal(a, b) for ra, rb in zip(out_f, out_k) for a, b in zip(ra, rb))
+            assert all(torch.equal(a, b) for a, b in zip(inplace_f, inplace_k))
+        if seed == 3:  # a reload replaces the state: the kept directions must not outlive it
+            buf = io.BytesIO()
+            torch.save(fresh.state_dict(), buf)
+            buf.seek(0)
+            kept.load_state_dict(torch.load(buf))
+    assert kept._kept_direction, "the kept optimizer never kept anything"
+
+
+def test_kept_direction_is_dropped_by_forget_and_by_the_next_step():
+    params = make_params()
+    opt = Adam(params, lr=0.01)
+    opt.keep_direction = True
+    run_steps(opt, params, 0, 1)
+    first = dict(opt._kept_direction)
+    assert len(first) == len(params)
+    run_steps(opt, params, 1, 1)
+    assert all(opt._kept_direction[k][1] is not first[k][1] for k in first)  # new denominators
+    with torch.no_grad():  # a state change other than a step (e.g. an in-place checkpoint load)...
+        for state in opt.state.values():
+            state["exp_avg_sq"].mul_(4.0)
+    opt.forget_kept_direction()  # ...must be followed by this, after which ΔW is rebuilt from the state
+    live = snapshot(params)
+    direction = opt.update_direction()
+    opt.predict(1.0)
+    for p, w, d in zip(params, live, direction[0]):
+        torch.testing.assert_close(p.detach(), w - 0.01 * d, rtol=0, atol=1e-7)

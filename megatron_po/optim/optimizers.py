@@ -26,6 +26,14 @@ tensor per parameter is kept after each step:
 | Adagrad                                   | `last_grad`                            |
 | Lion                                      | `update_sign` (int8, 1 byte/element)   |
 
+Keeping the last direction (`keep_direction = True`, set by the predicting weight policies): the
+factored ΔW that a step already computed (Adam's √v̂ + ε, RMSprop's and Adagrad's denominators,
+Nesterov's g + μv) is kept per parameter until that parameter's next step, and every prediction in
+between reuses it instead of rebuilding it from the state. With k = 1 a pipeline stage predicts once per
+step, so this removes ΔW's whole cost from the prediction (for Adam three of its four passes over the
+weights), at the price of holding those denominators between steps (4 bytes per parameter for Adam;
+the step frees the old ones before allocating new ones, so the peak does not grow). Off by default.
+
 All parameter writes (step and predict) go through `param.data`, which does not bump the parameter's
 autograd version counter: in an asynchronous pipeline, micro-batches whose forward saved a weight are
 still in flight when that weight is stepped or swapped, and their backward must not fail.
@@ -88,8 +96,14 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     """
 
     decoupled_weight_decay = False
+    keep_direction = False  # see the module docstring; the predicting weight policies turn it on
 
-    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
+    def __init__(self, params: Iterable, defaults: dict):
+        self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)
+        super().__init__(params, defaults)
+
+    def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]):
+        """Apply one update; may return the factored ΔW it computed on the way (else None)."""
         raise NotImplementedError
 
     def _direction(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
@@ -110,8 +124,42 @@ class PredictiveOptimizer(torch.optim.Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             states = [self.state[p] for p in params]
-            self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
+            for state in states:  # free the old directions before the step allocates new ones
+                self._kept_direction.pop(id(state), None)
+            d = self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
+            if self.keep_direction and d is not None:
+                self._keep(states, d)
         return loss
+
+    def _keep(self, states: list[dict], d: _Direction) -> None:
+        """Remember each parameter's factor of ΔW `d` until that parameter's next step (keyed by its state)."""
+        for i, state in enumerate(states):
+            self._kept_direction[id(state)] = (d.numerators[i], None if d.denominators is None else d.denominators[i],
+                               None if d.divisors is None else d.divisors[i])
+
+    def _direction_now(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
+        """ΔW of `params`: the kept one when every parameter has it, else rebuilt from the state (and kept,
+        when keeping is on, for the predictions until the next step)."""
+        if self.keep_direction and self._kept_direction:
+            entries = [self._kept_direction.get(id(state)) for state in states]
+            if all(e is not None for e in entries):
+                numerators, denominators, divisors = zip(*entries)
+                return _Direction(list(numerators),
+                                  None if denominators[0] is None else list(denominators),
+                                  None if divisors[0] is None else list(divisors))
+        d = self._direction(group, params, states)
+        if self.keep_direction:
+            self._keep(states, d)
+        return d
+
+    def forget_kept_direction(self) -> None:
+        """Drop the kept directions: call after changing the state other than by `step()` (e.g. loading
+        a checkpoint into the state tensors in place)."""
+        self._kept_direction.clear()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.forget_kept_direction()  # new state: the kept directions describe the old one
+        super().load_state_dict(state_dict)
 
     def has_state(self) -> bool:
         """Whether any parameter has been stepped, i.e. whether there is a ΔW to predict with."""
@@ -220,7 +268,7 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         alpha = -steps * group["lr"]
         if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
             torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])
-        d = self._direction(group, params, states)
+        d = self._direction_now(group, params, states)
         scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
         if d.denominators is not None:
             torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
@@ -311,6 +359,11 @@ class SGD(PredictiveOptimizer):
             # without mutating p.grad.
             update = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
         torch._foreach_add_(params, update, alpha=-lr)
+        if momentum == 0:
+            return _Direction([s["last_grad"] for s in states])  # not `update`: p.grad may be zeroed in place
+        if group["nesterov"] or group["direction"] == "buffer":
+            return _Direction(update)  # what was applied; lookahead's direction is another one
+        return None
 
     def _direction(self, group, params, states):
         momentum = group["momentum"]
@@ -376,6 +429,7 @@ class Adam(PredictiveOptimizer):
         d = self._direction(group, params, states)
         step_sizes = [(lr / bias_correction1) * -1 for bias_correction1 in d.divisors]  # torch's rounding
         torch._foreach_addcdiv_(params, d.numerators, d.denominators, step_sizes)
+        return d
 
     def _direction(self, group, params, states):
         # The step's update is lr · m/(√v/√(1-β2^t) + ε) / (1-β1^t); factored as numerator m,
@@ -458,8 +512,9 @@ class RMSprop(PredictiveOptimizer):
             torch._foreach_mul_(buffers, momentum)
             torch._foreach_addcdiv_(buffers, grads, rms)
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
-        else:
-            torch._foreach_addcdiv_(params, grads, rms, value=-group["lr"])
+            return _Direction(buffers)
+        torch._foreach_addcdiv_(params, grads, rms, value=-group["lr"])
+        return _Direction([s["last_grad"] for s in states], rms)
 
     @staticmethod
     def _root_mean_square(group: dict, states: list[dict]) -> list[Tensor]:
@@ -517,12 +572,14 @@ class Adagrad(PredictiveOptimizer):
         if group["weight_decay"] != 0:
             grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
         _remember(states, "last_grad", grads)
-        minus_clr = [-group["lr"] / (1 + (_step_value(s["step"]) - 1) * group["lr_decay"]) for s in states]
+        lr_decay_factors = [1 + (_step_value(s["step"]) - 1) * group["lr_decay"] for s in states]
+        minus_clr = [-group["lr"] / f for f in lr_decay_factors]
         sums = [s["sum"] for s in states]
         torch._foreach_addcmul_(sums, grads, grads, value=1)
         std = torch._foreach_sqrt(sums)
         torch._foreach_add_(std, group["eps"])
         torch._foreach_addcdiv_(params, torch._foreach_mul(grads, minus_clr), std)
+        return _Direction([s["last_grad"] for s in states], std, lr_decay_factors)
 
     def _direction(self, group, params, states):
         std = torch._foreach_sqrt([s["sum"] for s in states])
@@ -566,6 +623,7 @@ class Lion(PredictiveOptimizer):
         torch._foreach_mul_(exp_avgs, beta2)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
         _remember(states, "update_sign", signs, dtype=torch.int8)
+        return _Direction([s["update_sign"] for s in states])
 
     def _direction(self, group, params, states):
         return _Direction([s["update_sign"] for s in states])

@@ -338,6 +338,10 @@ class _PredictingPolicy(AsyncPolicy):
             if not hasattr(opt, "predict") and not hasattr(opt, "predict_model_params"):
                 raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
                                   f"(megatron_po.optim), got {type(opt).__name__}")
+        for opt in optimizers:
+            # Predictions reuse the ΔW each step computed anyway (Adam's √v̂ + ε, ...) instead of
+            # rebuilding it from the optimizer state before every forward.
+            getattr(opt, "optimizer", opt).keep_direction = True
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)
         self.predicted = [False] * len(chunks)
         super().__init__(rank, chunks, optimizers, schedule)

@@ -46,13 +46,20 @@ def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, m
 
 
 def train_distributed(method, optimizer, v, k, segments, clip_grad=0.0, mbs=2, masked=True,
-                      sequence_parallel=False, **options):
+                      sequence_parallel=False, precision=None, on_rank=None, **options):
+    """`precision`: PrecisionConfig fields to set; `on_rank(rank)` is called on the AsyncPipelineRank
+    before training (to instrument it)."""
     model_parallel_seed(SEED)
     D = ps.get_pipeline_model_parallel_world_size()
     cfg = make_cfg(D * v)
     cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.parallel.ddp_bucket_size = 3000  # several buckets, shards cutting through parameters
+    for key, value in (precision or {}).items():
+        setattr(cfg.precision, key, value)
     rank = AsyncPipelineRank(cfg, VOCAB, method, v, k, optimizer, optimizer_kwargs(optimizer),
                              lr_fn_for(optimizer), clip_grad, **options)
+    if on_rank is not None:
+        on_rank(rank)
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = mbs // dp
 
@@ -144,6 +151,109 @@ def test_tp2_pp2_sequence_parallel_equals_emulator_with_clipping():
     assert weights.keys() == emu_weights.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], emu_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed optimizer and fp16
+# --------------------------------------------------------------------------------------------------
+
+
+def _with_and_without_distributed_optimizer(method, optimizer, k):
+    args = (method, optimizer, 1, k, (4, 4))
+    plain = train_distributed(*args, mbs=4, masked=False)
+    sharded = train_distributed(*args, mbs=4, masked=False, precision={"use_distributed_optimizer": True})
+    return plain, sharded
+
+
+@pytest.mark.parametrize("method,optimizer,k", [("pipeoptim", "adam", 1), ("spectrain", "sgd", 1),
+                                                ("pipedream-2bw", "adam", 2)])
+def test_pp2_dp2_distributed_optimizer_equals_plain_optimizer(method, optimizer, k):
+    """PP=2 x DP=2: each DP rank steps (and, for PipeOptim and SpecTrain, predicts from) its shard of the
+    fp32 main params and optimizer state, and the shards are all-gathered into the weights; 2BW swaps its
+    older version into the replicated weights as before. Tolerance 0 (bitwise): a reduce-scatter and an
+    all-reduce over two ranks both add a/2 + b/2, and the steps and predictions are per element, so only
+    the sharding differs (tests/test_distributed_optimizer.py shows the same for single steps)."""
+    for plain, sharded in run_distributed(_with_and_without_distributed_optimizer, 4, pp=2, args=(method, optimizer, k)):
+        if plain[0] is not None:  # the last stage holds the losses
+            torch.testing.assert_close(torch.tensor(sharded[0]), torch.tensor(plain[0]), rtol=0, atol=0)
+            assert sharded[1] == plain[1]
+        assert plain[2].keys() == sharded[2].keys()
+        for name in plain[2]:
+            torch.testing.assert_close(sharded[2][name], plain[2][name], rtol=0, atol=0, msg=name)
+
+
+FP16 = {"fp16": True, "use_distributed_optimizer": True, "initial_loss_scale": 2.0**12, "hysteresis": 1}
+FP16_CONSTANT = {"fp16": True, "use_distributed_optimizer": True, "loss_scale": 2.0**12}
+
+
+def _fp16_runs(inject_at):
+    """fp32; fp16; and fp16 with an inf injected into DP rank 1's shard of stage 0's gradient at that
+    stage's step `inject_at`, with the dynamic and with a constant loss scale. PipeOptim with momentum
+    SGD: unlike Adam's, its step is proportional to the gradient, so a wrongly scaled one would show."""
+    def inject(rank):
+        stage, opt = rank.stage, rank.stage.optimizers[0]
+        if rank.rank != 0 or ps.get_data_parallel_rank() != 1:
+            return
+        main_grads = opt._main_grads
+
+        def with_inf():
+            grads = main_grads()
+            if stage.steps[0] == inject_at:
+                grads[0][0] = float("inf")
+            return grads
+        opt._main_grads = with_inf
+
+    out = {}
+    for name, precision, on_rank in [("fp32", {}, None), ("fp16", FP16, None), ("inf", FP16, inject),
+                                     ("inf-constant", FP16_CONSTANT, inject)]:
+        stages = []
+
+        def instrument(rank):
+            stages.append(rank.stage)
+            if on_rank is not None:
+                on_rank(rank)
+        losses, _, weights, *_ = train_distributed("pipeoptim", "sgd", 1, 1, (8, 8), mbs=4, masked=False,
+                                                   precision=precision, on_rank=instrument)
+        stage = stages[0]
+        out[name] = (losses, weights, stage.skipped_steps, stage.steps,
+                     stage.optimizers[0].get_loss_scale() if precision else None)
+    return ps.get_pipeline_model_parallel_rank(), out
+
+
+def test_fp16_skips_an_inf_step_stage_locally_and_recovers():
+    """fp16 weights, fp32 main params sharded over DP, one dynamic loss scale per stage (hysteresis 1).
+
+    An inf in one DP rank's shard of stage 0's gradient skips that step on both DP ranks of stage 0 (the
+    found-inf is agreed over the stage's DP group) and halves stage 0's loss scale only; stage 1 steps
+    every time. Training goes on, with the two stages now at different scales: gradients cross between
+    them unscaled, so the run equals the same injection under a constant scale shared by both stages
+    (tolerance 0: the scales are powers of two, which scale fp16 values exactly here). The clean fp16
+    run stays within 0.005 of fp32's losses (fp16 weights and activations, 16 SGD steps; measured 6e-4)."""
+    inject_at = 5
+    for pp_rank, out in run_distributed(_fp16_runs, 4, pp=2, args=(inject_at,)):
+        fp32, fp16, inf, constant = out["fp32"], out["fp16"], out["inf"], out["inf-constant"]
+        assert fp16[2] == [0] and fp16[3] == [16] and fp16[4] == 2.0**12  # clean: no skips, scale kept
+        assert constant[2] == inf[2] and constant[4] == 2.0**12
+        if pp_rank == 0:
+            assert inf[2] == [1] and inf[3] == [16] and inf[4] == 2.0**11
+            assert any(not torch.equal(inf[1][n], fp16[1][n]) for n in fp16[1])  # the step was skipped
+        else:
+            assert inf[2] == [0] and inf[4] == 2.0**12
+            assert torch.isfinite(torch.tensor(inf[0])).all()
+            torch.testing.assert_close(torch.tensor(inf[0]), torch.tensor(constant[0]), rtol=0, atol=0)
+            torch.testing.assert_close(torch.tensor(fp16[0]), torch.tensor(fp32[0]), rtol=0, atol=0.005)
+        for n in inf[1]:
+            torch.testing.assert_close(inf[1][n], constant[1][n], rtol=0, atol=0, msg=n)
+
+
+def test_async_precision_flag_rules():
+    from megatron_po.config import parse_args, validate
+    from megatron_po.errors import ConfigError
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--pipeline-model-parallel-size",
+            "2", "--pipeline-method", "pipeoptim", "--untie-embeddings-and-output-weights"]
+    validate(parse_args(base + ["--fp16", "--use-distributed-optimizer"]), 4)
+    with pytest.raises(ConfigError, match="--overlap-param-gather applies to the synchronous methods"):
+        validate(parse_args(base + ["--use-distributed-optimizer", "--overlap-param-gather"]), 4)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def _prediction(name, steps_ahead, include_weight_decay):
                          [("adamw", [3.0, 1.0], True), ("sgd", 2.0, False), ("rmsprop", 1.0, False)])
 def test_sharded_prediction_equals_unsharded_bitwise(name, steps_ahead, include_weight_decay):
     for results in run_distributed(_prediction, 4, tp=2, args=(name, steps_ahead, include_weight_decay)):
-        (live_a, pred_a, back_a, loss_a), (live_b, pred_b, back_b, loss_b) = results[False], results[True]
+        (live_a, pred_a, _, loss_a), (live_b, pred_b, back_b, loss_b) = results[False], results[True]
         assert loss_a == loss_b
         moved = 0
         for n in live_a:
@@ -311,7 +311,7 @@ def _pipeline(sharded):
     groups = param_groups(p for c in chunks for p in c.parameters())
     opt = (DistributedOptimizer(factory("adam"), groups, ddp, model_parallel_group=ps.get_model_parallel_group())
            if sharded else factory("adam")(groups))
-    d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    d = ps.get_data_parallel_rank()
     for s in range(2):
         batch = make_batch(n=8, seed=s)
         mbs = [{k: v[i * 2:(i + 1) * 2] for k, v in batch.items()} for i in range(4)]

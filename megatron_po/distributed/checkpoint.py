@@ -9,6 +9,13 @@ state keys exist is saved as metadata so an optimizer that has not stepped yet c
 loading. Weight versions an asynchronous policy must keep across a drain (PipeDream-2BW's older
 version) are saved the same way (`policy.<param>.<key>`).
 
+The distributed optimizer (ZeRO-1) writes the same per-parameter tensors: its fp32 main params and
+per-element state live in flat ranges of a padded buffer that ignore parameter boundaries, and each
+rank writes the piece of each parameter it owns as DCP chunks of that parameter's global tensor at the
+piece's offset (`_FlatRange`: no gathering, no extra memory). Loading reads each rank's own ranges back,
+so sharded and unsharded runs and any DP (TP, PP, virtual pipeline) layouts load each other's
+checkpoints, optimizer state included.
+
 Keys in a checkpoint directory `iter_XXXXXXX/`:
   model.<name>                   weights (global shapes); the fp32 main params under mixed precision, so
                                  a bf16 run's checkpoint keeps full precision and loads into fp32 runs too
@@ -16,7 +23,8 @@ Keys in a checkpoint directory `iter_XXXXXXX/`:
   policy.<name>.<key>            async weight-policy versions; policy_steps = steps every chunk had taken
   extra                          pickled dict from the caller (train state, config, vocab sizes)
   layout, optimizer_type         pickled (tp, pp, dp, chunks per rank) and the inner optimizer's class
-  grad_scaler                    fp16 loss-scaler state
+  grad_scaler                    fp16 loss-scaler state (grad_scaler.stage<vs>: each virtual stage's own
+                                 in asynchronous training; another stage count takes the smallest scale)
   rng.rank<r>                    each rank's RNG states (restored only under the same layout)
 The vocabulary rows (padded to a multiple of --make-vocab-size-divisible-by x TP) are re-padded on load
 when the new layout pads differently.
@@ -37,6 +45,8 @@ model lacks, a different optimizer.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import pickle
 import re
@@ -105,7 +115,9 @@ def find_checkpoint(root: str, step: int | None = None) -> int | None:
 
 def named_parameters_global(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     """(global name, param) for this rank's parameters, without the last stage's tied-embedding copy
-    (it equals the first stage's embedding, which is saved)."""
+    (it equals the first stage's embedding, which is saved). Transformer Engine layers' parameters get
+    their local twins' names (te_layout.local_name), so either --transformer-impl loads the checkpoint."""
+    from megatron_po.models.te_layout import local_name
     out, seen = [], set()
     for chunk in chunks:
         offset = chunk.layer_offset
@@ -116,7 +128,7 @@ def named_parameters_global(chunks) -> list[tuple[str, torch.nn.Parameter]]:
             if getattr(p, "embedding_copy", False):
                 continue
             name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-            out.append((name, p))
+            out.append((local_name(name), p))
     return out
 
 
@@ -174,28 +186,44 @@ def _as_list(optimizers) -> list:
 
 
 class _Stepped:
-    """How one model parameter is stepped: by `inner` (a predictive optimizer), through `tensor` (the
-    parameter itself, or its fp32 main param when a mixed-precision wrapper holds one), in `group`."""
+    """How one model parameter is stepped: by `inner` (a predictive optimizer) in `group`, through
+    `tensor`: the parameter itself, or its fp32 main param when a mixed-precision wrapper holds one, or,
+    under the distributed optimizer, the 1-D fp32 main piece of it that this data-parallel rank owns
+    (`offset`: where that piece starts in the flattened parameter; `tensor` None: other ranks own all
+    of it). Its optimizer state is `inner.state[tensor]`, shaped like `tensor` where it is per element."""
 
-    __slots__ = ("wrapper", "inner", "tensor", "group")
+    __slots__ = ("wrapper", "inner", "tensor", "group", "offset")
 
-    def __init__(self, wrapper, inner, tensor, group):
-        self.wrapper, self.inner, self.tensor, self.group = wrapper, inner, tensor, group
+    def __init__(self, wrapper, inner, tensor, group, offset=None):
+        self.wrapper, self.inner, self.tensor, self.group, self.offset = wrapper, inner, tensor, group, offset
 
     @property
     def state(self) -> dict:
         return self.inner.state[self.tensor]
 
+    def view(self, p: torch.Tensor, t: torch.Tensor):
+        """`t` (the stepped tensor or one of its state tensors) as DCP should see it: per-element state
+        as (a piece of) the global parameter-shaped tensor, small state (step counters) whole."""
+        if t.shape != self.tensor.shape:
+            return t
+        return _global_view(p, t) if self.offset is None else _FlatRange(p, self.offset, t)
+
 
 def _stepped(optimizers) -> dict[int, _Stepped]:
-    """id(model param) -> _Stepped, for plain optimizers and mixed-precision wrappers (duck-typed:
-    `model_params`/`main_params` aligned lists and the inner optimizer as `.optimizer`)."""
+    """id(model param) -> _Stepped, for plain optimizers, mixed-precision wrappers (duck-typed:
+    `model_params`/`main_params` aligned lists and the inner optimizer as `.optimizer`) and the
+    distributed optimizer (`pieces` of its DDP's flat buffer, at most one per parameter and rank)."""
     out = {}
     for opt in _as_list(optimizers):
         if hasattr(opt, "pieces"):
-            raise UserError("checkpoints of --use-distributed-optimizer runs are not supported yet: its optimizer "
-                            "state is sharded over data-parallel ranks in flat ranges that do not map to "
-                            "parameter names")
+            inner, ranges = opt.optimizer, opt.ddp.param_range
+            for group, params in zip(inner.param_groups, opt.model_groups):
+                for p in params:
+                    out[id(p)] = _Stepped(opt, inner, None, group)
+            for piece in opt.pieces:
+                s = out[id(piece.param)]
+                s.tensor, s.offset = piece.main, piece.start - ranges[id(piece.param)][0]
+            continue
         wrapped = hasattr(opt, "main_params") and hasattr(opt, "model_params")
         inner = opt.optimizer if wrapped else opt
         pairs = zip(opt.model_params, opt.main_params) if wrapped else \
@@ -206,6 +234,71 @@ def _stepped(optimizers) -> dict[int, _Stepped]:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# Distributed-optimizer pieces as chunks of the global tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def _blocks(shape: tuple, a: int, b: int) -> list[tuple[int, tuple, tuple]]:
+    """(flat start, offsets, sizes) of rectangular blocks that together cover the row-major flat range
+    [a, b) of a tensor of `shape`, each contiguous in memory: a partial first row, full rows, a partial
+    last row, the partial rows split the same way one dimension down (at most 2·ndim − 1 blocks)."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [(a, (a,) if shape else (), (b - a,) if shape else ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-a // inner), b // inner  # the full rows are [first, last)
+
+    def in_row(row, lo, hi):
+        return [(row * inner + s, (row, *o), (1, *z)) for s, o, z in _blocks(shape[1:], lo, hi)]
+
+    if first > last:  # inside one row
+        return in_row(last, a - last * inner, b - last * inner)
+    out = in_row(first - 1, a - (first - 1) * inner, inner) if a < first * inner else []
+    if first < last:
+        out.append((first * inner, (first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
+    return out + (in_row(last, 0, b - last * inner) if last * inner < b else [])
+
+
+class _FlatRange:
+    """The elements [offset, offset + numel) of a parameter's flattened (TP-local) tensor, held by the
+    1-D `tensor` (a distributed-optimizer piece: fp32 main param or per-element state), as DCP chunks of
+    the *global* parameter-shaped tensor. The range splits into rectangular blocks (`_blocks`) that are
+    views of `tensor`, so DCP writes and reads them in place: no gather over data-parallel ranks, and the
+    checkpoint holds the same per-parameter tensors as an unsharded optimizer's (DCP reshards on load).
+
+    DCP finds tensors by chunk offset only for tensors, DTensors and ShardedTensors, so these entries
+    travel beside the state dict, through the planners of `_dcp_save` / `_dcp_load`."""
+
+    def __init__(self, p: torch.Tensor, offset: int, tensor: torch.Tensor):
+        self.param, self.offset, self.tensor = p, offset, tensor
+        self.shape = torch.Size(_global_shape(p))  # of the global tensor
+        shift = [0] * p.dim()
+        if _is_tp_shard(p):
+            shift[p.partition_dim] = ps.get_tensor_model_parallel_rank() * p.shape[p.partition_dim]
+        self.blocks = {}  # global offsets -> view of `tensor`
+        for start, offsets, sizes in _blocks(tuple(p.shape), offset, offset + tensor.numel()):
+            view = tensor[start - offset:start - offset + math.prod(sizes)].view(sizes)
+            self.blocks[torch.Size(o + d for o, d in zip(offsets, shift))] = view
+
+    def chunks(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.blocks.items()]
+
+    def write_items(self, fqn: str) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, size=self.shape,
+                                                      properties=TensorProperties.create_from_tensor(self.tensor)))
+                for chunk in self.chunks()]
+
+    def copy_from_local(self, local: torch.Tensor) -> None:
+        """Take this range's elements from `local`, a full TP-local parameter-shaped tensor."""
+        self.tensor.copy_(local.reshape(-1)[self.offset:self.offset + self.tensor.numel()])
+
+
 def _layout() -> tuple[int, int, int, int]:
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_data_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size() or 1)
@@ -214,27 +307,53 @@ def _layout() -> tuple[int, int, int, int]:
 def _model_and_optimizer_state(names, stepped: dict[int, _Stepped], with_optimizer: bool):
     """DCP entries of the weights and (`with_optimizer`) the optimizer state. The weights are the fp32
     main params when the optimizer holds them, so a checkpoint keeps full precision whatever the model
-    dtype, and loading writes them where the optimizer steps (the model copy follows)."""
+    dtype, and loading writes them where the optimizer steps (the model copy follows). Under the
+    distributed optimizer each rank contributes the pieces it owns (`_FlatRange` entries)."""
     state = {}
     for name, p in names:
-        state[f"model.{name}"] = _global_view(p, stepped[id(p)].tensor.data if id(p) in stepped else p.data)
+        s = stepped.get(id(p))
+        if s is None:
+            state[f"model.{name}"] = _global_view(p, p.data)
+        elif s.tensor is not None:
+            state[f"model.{name}"] = s.view(p, s.tensor.data)
     state_keys = {}
     if with_optimizer:
         for name, p in names:
-            if id(p) not in stepped:  # frozen: no optimizer state
+            s = stepped.get(id(p))
+            if s is None or s.tensor is None:  # frozen, or owned by other data-parallel ranks
                 continue
-            s = stepped[id(p)]
             st = s.inner.state.get(s.tensor, {})
             # "like-param" state is sharded like its parameter; other tensors (step counters) are small.
-            state_keys[name] = {k: (("like-param" if v.shape == p.shape else tuple(v.shape)), v.dtype)
+            state_keys[name] = {k: (("like-param" if v.shape == s.tensor.shape else tuple(v.shape)), v.dtype)
                                 if torch.is_tensor(v) else None for k, v in st.items()}
             for k, v in st.items():
-                state[f"optimizer.{name}.{k}"] = _global_view(p, v) if torch.is_tensor(v) else v
+                state[f"optimizer.{name}.{k}"] = s.view(p, v) if torch.is_tensor(v) else v
     return state, state_keys
 
 
-def _grad_scaler(optimizers):
-    return next((o.grad_scaler for o in _as_list(optimizers) if getattr(o, "grad_scaler", None) is not None), None)
+def _grad_scalers(optimizers) -> dict[str, object]:
+    """fp16 loss scalers by checkpoint key: `grad_scaler` for synchronous training (one scale, agreed
+    over all ranks); `grad_scaler.stage<vs>` per model chunk in asynchronous training, where every
+    virtual stage keeps its own scale."""
+    opts = [o for o in _as_list(optimizers) if getattr(o, "grad_scaler", None) is not None]
+    if not isinstance(optimizers, (list, tuple)):
+        return {"grad_scaler": opts[0].grad_scaler} if opts else {}
+    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    return {f"grad_scaler.stage{c * D + r}": o.grad_scaler for c, o in enumerate(optimizers) if o in opts}
+
+
+def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:
+    """Restore the loss scalers: the same key when it holds the same layers (same number of virtual
+    stages), else the most cautious (smallest) scale saved."""
+    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("grad_scaler")}
+    if not saved:
+        return
+    same_stages = saved_layout[1] * saved_layout[3] == _layout()[1] * _layout()[3]
+    for key, scaler in _grad_scalers(optimizers).items():
+        if key in saved and (key == "grad_scaler" or same_stages):
+            scaler.load_state_dict(saved[key])
+        else:
+            scaler.load_state_dict(min(saved.values(), key=lambda st: st["scale"]))
 
 
 def _policy_state(names, policy) -> dict:
@@ -254,7 +373,6 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
                     keep_last: int | None = None) -> str:
     """Write a checkpoint of this iteration; collective over all ranks. `policy`: the async weight
     policy of this rank (saved at a drain); `keep_last`: afterwards delete all but the newest N."""
-    import torch.distributed.checkpoint as dcp  # heavy import (~1-3 s): only when checkpointing
     final = checkpoint_dir(root, iteration)
     partial = final + ".partial"
     if dist.get_rank() == 0:
@@ -263,6 +381,9 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
             if leftover.endswith((".partial", ".deleting")):
                 shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
     dist.barrier()
+    for opt in _as_list(optimizer):  # overlapped parameter all-gathers still writing the weights
+        if hasattr(opt, "finish_param_sync"):
+            opt.finish_param_sync()
     names = named_parameters_global(chunks)
     stepped = _stepped(optimizer)
     state, state_keys = _model_and_optimizer_state(names, stepped, bool(stepped))
@@ -273,15 +394,15 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
                                                                    "lr": stepped[id(p)].group["lr"]})
     if stepped:  # the inner optimizer's class: its state does not depend on the precision wrapper
         state["optimizer_type"] = pickle.dumps(type(next(iter(stepped.values())).inner).__name__)
-    if _grad_scaler(optimizer) is not None:  # fp16 loss scale (agreed over ranks, so one copy)
-        state["grad_scaler"] = pickle.dumps(_grad_scaler(optimizer).state_dict())
+    for key, scaler in _grad_scalers(optimizer).items():  # fp16 loss scales
+        state[key] = pickle.dumps(scaler.state_dict())
     if policy is not None:
         state.update(_policy_state(names, policy))
         state["policy_steps"] = pickle.dumps(policy.state_dict()["steps"])
     state["extra"] = pickle.dumps(extra)
     state["layout"] = pickle.dumps(_layout())
     state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
-    dcp.save(state, checkpoint_id=partial)
+    _dcp_save(state, partial)
     _test_pause(iteration)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -395,7 +516,8 @@ def _agree(error: str | None, payload=None) -> tuple[str | None, list]:
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
 # so their row count may change with the layout. Loading re-pads them (rows beyond the tokenizer's
 # vocabulary are never produced as inputs or labels; new ones start at zero).
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight",
+                "encoder_embedding.word_embeddings.weight")  # NMT's separate source vocabulary
 
 
 def _repadded(name: str, saved: tuple, shape: tuple, vocab_size: int | None) -> bool:
@@ -449,8 +571,9 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
 
     # Small pickled entries first: extra, which optimizer state to allocate, RNG, policy step count.
     rng_key = f"rng.rank{dist.get_rank()}"
-    small = {"extra": b"", "layout": b"", "optimizer_type": b"", "grad_scaler": b"", "policy_steps": b"", rng_key: b""}
+    small = {"extra": b"", "layout": b"", "optimizer_type": b"", "policy_steps": b"", rng_key: b""}
     small.update({f"optimizer_state_keys.{n}": b"" for n, _ in names} if load_optim else {})
+    small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
     small = {k: v for k, v in small.items() if k in meta}
     _dcp_load(small, path)
     extra = pickle.loads(small["extra"])
@@ -479,9 +602,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             if id(p) not in stepped:
                 continue
             s = stepped[id(p)]
-            st = s.state
             saved = pickle.loads(small[f"optimizer_state_keys.{name}"])
             s.group["lr"] = saved["lr"]
+            if s.tensor is None:  # distributed optimizer: other data-parallel ranks own all of it
+                continue
+            st = s.state
             for k, spec in saved["keys"].items():
                 if k in st:
                     continue
@@ -491,10 +616,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
                     st[k] = torch.zeros_like(s.tensor, dtype=spec[1])
                 else:
                     st[k] = torch.zeros(spec[0], dtype=spec[1], device=s.tensor.device)
-        if "grad_scaler" in small and _grad_scaler(optimizer) is not None:
-            for opt in _as_list(optimizer):
-                if getattr(opt, "grad_scaler", None) is not None:
-                    opt.grad_scaler.load_state_dict(pickle.loads(small["grad_scaler"]))
+        _load_grad_scalers(optimizer, small, pickle.loads(small["layout"]))
     state, _ = _model_and_optimizer_state(names, stepped, load_optim)
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
@@ -507,13 +629,18 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     repad = _repad_buffers(state, names, meta)
     _dcp_load(state, path)
     for k, v in state.items():  # non-tensor values are returned, not filled in place
-        if k.startswith("optimizer.") and not torch.is_tensor(v):
+        if k.startswith("optimizer.") and not (torch.is_tensor(v) or isinstance(v, _FlatRange)):
             name, key = k[len("optimizer."):].rsplit(".", 1)
             stepped[id(dict(names)[name])].state[key] = v
-    for local, full, rows in repad:  # this rank's rows of the re-padded vocabulary
+    for target, full, rows in repad:  # this rank's rows of the re-padded vocabulary
+        local = torch.zeros_like(target.param, dtype=full.dtype) if isinstance(target, _FlatRange) else target
         n = max(0, min(local.shape[0], full.shape[0] - rows))
         local.zero_()
         local[:n].copy_(full[rows:rows + n])
+        if isinstance(target, _FlatRange):
+            target.copy_from_local(local)
+    for inner in {id(x.inner): x.inner for x in stepped.values()}.values():
+        inner.forget_kept_direction()  # ΔW kept from the last step describes the state before loading
     for wrapper in {id(x.wrapper): x.wrapper for x in stepped.values() if x.wrapper is not None}.values():
         wrapper.restore_model_params()  # the weights were loaded into its fp32 main params
     if repad and dist.get_rank() == 0:
@@ -535,7 +662,7 @@ def _repad_buffers(state: dict, names, meta) -> list:
     out = []
     params = dict(names)
     for key, value in list(state.items()):
-        if not torch.is_tensor(value) or key not in meta:
+        if not (torch.is_tensor(value) or isinstance(value, _FlatRange)) or key not in meta:
             continue
         name = next((n for n in VOCAB_PARAMS if key == f"model.{n}" or key.startswith((f"optimizer.{n}.",
                                                                                         f"policy.{n}."))), None)
@@ -543,25 +670,71 @@ def _repad_buffers(state: dict, names, meta) -> list:
         if name is None or name not in params or saved == tuple(value.shape):
             continue
         p = params[name]
-        local = value.to_local() if hasattr(value, "to_local") else value
-        full = torch.empty(saved, dtype=local.dtype, device=local.device)
+        local = value.to_local() if hasattr(value, "to_local") else value  # a tensor, or a piece of one
+        full = torch.empty(saved, dtype=value.tensor.dtype if isinstance(value, _FlatRange) else local.dtype,
+                           device=p.device)
         state[key] = full
-        out.append((local, full, ps.get_tensor_model_parallel_rank() * local.shape[0] if _is_tp_shard(p) else 0))
+        out.append((local, full, ps.get_tensor_model_parallel_rank() * p.shape[0] if _is_tp_shard(p) else 0))
     return out
 
 
+def _split_ranges(state: dict) -> tuple[dict, dict]:
+    """(the state DCP takes as is, the `_FlatRange` entries its planners must handle)."""
+    ranges = {k: v for k, v in state.items() if isinstance(v, _FlatRange)}
+    return {k: v for k, v in state.items() if k not in ranges}, ranges
+
+
+def _dcp_save(state: dict, path: str) -> None:
+    """dcp.save of `state`, `_FlatRange` entries written as chunks of their global tensors."""
+    import torch.distributed.checkpoint as dcp  # heavy import (~1-3 s): only when checkpointing
+
+    state, ranges = _split_ranges(state)
+
+    class Planner(dcp.DefaultSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            self.plan = dataclasses.replace(plan, items=plan.items + [item for fqn, r in ranges.items()
+                                                                      for item in r.write_items(fqn)])
+            return self.plan
+
+        def lookup_object(self, index):
+            return ranges[index.fqn].blocks[index.offset] if index.fqn in ranges else super().lookup_object(index)
+
+    dcp.save(state, checkpoint_id=path, planner=Planner())
+
+
 def _dcp_load(state: dict, path: str) -> None:
-    """dcp.load whose failures (DCP raises them on every rank, as a BaseException) become UserError."""
+    """dcp.load whose failures (DCP raises them on every rank, as a BaseException) become UserError.
+    Tensors are filled in place (`_FlatRange` entries: the blocks of their pieces); other values are
+    returned in `state`."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    plain, ranges = _split_ranges(state)
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items, meta = [], self.metadata.state_dict_metadata
+            for fqn, r in ranges.items():
+                if fqn not in meta:
+                    raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+                items += create_read_items_for_chunk_list(fqn, meta[fqn], r.chunks())
+            return dataclasses.replace(plan, items=plan.items + items)
+
+        def lookup_tensor(self, index):
+            return ranges[index.fqn].blocks[index.offset] if index.fqn in ranges else super().lookup_tensor(index)
+
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(plain, checkpoint_id=path, planner=Planner())
     except (Exception, CheckpointException) as e:
         raise UserError(f"--load {path}: cannot read the checkpoint: {_first_line(e)}") from None
+    state.update(plain)
 
 
 def _first_line(e: BaseException) -> str:
@@ -618,7 +791,6 @@ def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "mode
                          progress: bool = True) -> tuple[dict[str, torch.Tensor], dict, int]:
     """({name: full tensor} of the entries under `prefix`, extra, iteration) of a checkpoint, read in
     this process alone (DCP without a process group assembles each tensor from every rank's shards)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     if not os.path.isdir(root):
         raise UserError(f"--load {root}: no such directory")

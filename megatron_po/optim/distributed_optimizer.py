@@ -25,13 +25,13 @@ shard from this rank's optimizer state, writes it into the model weights' owned 
 them exactly like updated shards; `restore_model_params()` is the normal main -> model copy + all-gather.
 The fp32 main shards are the cache: no full-size weight copy is made.
 
-Checkpoints: `state_dict()` holds this rank's shard (inner state of its pieces, its fp32 main shards, the
-loss scale) plus the layout it was cut with; `load_state_dict` accepts it under the same layout (same
-model, DP size, bucket size) only. Loading under another DP size needs re-sharding: gather every piece's
-state over DP into full per-parameter tensors (the unsharded optimizer's state, keyed by parameter
-name, as distributed/checkpoint.py stores it) and let each rank slice its new ranges back out, or save
-the pieces as flat-range shards of the global tensors (Megatron's `flattened_range`); neither is
-implemented here yet.
+Checkpoints: distributed/checkpoint.py writes each rank's pieces straight into the per-parameter
+tensors an unsharded optimizer writes (`model.<name>` = the fp32 main param, `optimizer.<name>.<key>`),
+as DCP chunks at the pieces' offsets, without gathering; loading reads back each rank's own ranges, so
+checkpoints move between DP sizes, TP/PP layouts and the sharded and unsharded optimizers. The
+in-memory `state_dict()` here holds this rank's shard (inner state of its pieces, its fp32 main shards,
+the loss scale) plus the layout it was cut with, and `load_state_dict` accepts it under the same layout
+(same model, DP size, bucket size) only.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ class DistributedOptimizer(MainParamsOptimizer):
             what = (f"DP={saved['dp_size']} rank {saved['dp_rank']}" if saved["dp_size"] != mine["dp_size"]
                     or saved["dp_rank"] != mine["dp_rank"] else "another bucket layout")
             raise ConfigError(f"distributed optimizer state was saved under {what}; this run has "
-                              f"DP={mine['dp_size']} rank {mine['dp_rank']} with its own buckets: resharding "
-                              "optimizer state to another layout is not supported")
+                              f"DP={mine['dp_size']} rank {mine['dp_rank']} with its own buckets: for resharding "
+                              "to another layout save and load through distributed/checkpoint.py")
         self.optimizer.load_state_dict(state["optimizer"])
         for shard, saved_shard in zip(self.main_shards, state["main_shards"]):
             shard.copy_(saved_shard)

@@ -10,7 +10,9 @@ A step (`MainParamsOptimizer.step`, shared with the sharded optimizer in distrib
   2. unscale by 1/loss_scale and look for inf/NaN; the flag is agreed (MAX) over the given process
      groups: the model-parallel group in synchronous training, the stage's own TP group in async
      pipelines (plus the DP group when the state is sharded). A non-finite step is skipped on every
-     rank and reported (`StepResult.skipped`); with fp16 the loss scale then backs off;
+     rank and reported (`StepResult.skipped`); with fp16 the loss scale then backs off. Asynchronous
+     pipelines keep one scaler per model chunk, so the skip and the scale are stage-local there
+     (pipeline/async_pipeline.py);
   3. global grad norm, every parameter counted once (TP shards on every TP rank, replicated params on
      TP rank 0 only, the tied-embedding copy not at all), and clipping to `clip_grad`;
   4. the inner predictive optimizer steps the fp32 main params;
@@ -138,9 +140,10 @@ class DynamicGradScaler:
                 "hysteresis_tracker": self.hysteresis_tracker}
 
     def load_state_dict(self, state: dict) -> None:
+        """Also takes a ConstantGradScaler's state (the scale only): the trackers then start afresh."""
         self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.hysteresis_tracker = int(state["hysteresis_tracker"])
+        self.growth_tracker = int(state.get("growth_tracker", 0))
+        self.hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
 
 
 def build_grad_scaler(fp16: bool, loss_scale: float | None = None, initial_loss_scale: float = 2.0**32,

@@ -13,6 +13,23 @@ chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
 Each micro-batch's loss is scaled by 1/k, so a step applies the mean over its k micro-batches (and over
 DP after (a)).
 
+Precision and the distributed optimizer (`precision`, the config's PrecisionConfig). With --bf16/--fp16
+every chunk gets a MixedPrecisionOptimizer (fp32 main params; inf/NaN checks and clipping over the
+stage's TP group only: stage-local). With --use-distributed-optimizer every chunk gets its own DDP
+buffers and a DistributedOptimizer (ZeRO-1 over the DP group): (a) becomes a reduce-scatter launched by
+the chunk's last backward before the step, each DP rank steps its shard of the fp32 main params, and the
+updated shards are all-gathered into the weights. PipeOptim and SpecTrain then predict
+Ŵ = W_main − s·lr·ΔW for the own shard from the own state and all-gather the predicted shards the same
+way; the restore is the normal main → model copy, so no weight copy is made. PipeDream and 2BW work
+unchanged: they stash and swap the (full, replicated) model weights, never the sharded main params.
+Found-inf and the grad norm are agreed over DP and TP of the stage.
+
+fp16 loss scaling is per chunk (virtual stage): each has its own dynamic scale and skips its own steps
+on inf/NaN. So that stages with different scales compose, gradients cross stage boundaries unscaled, in
+fp32 (`_StageLossScaling`): the sender divides its input gradient by its own scale, the receiver
+multiplies by its own and rounds to fp16 for its backward; the chunk holding the loss scales the loss by
+its scale (it never steps between a micro-batch's forward and backward, so the scale is the same at both).
+
 Segments. Training runs the stream in segments of M micro-batches (`segment_schedule`): the schedule of
 M micro-batches with ids offset by the number already consumed, so batches, p2p tags and staleness use
 global ids. A segment ends with a drain (every micro-batch in flight finishes its backward and step),
@@ -41,12 +58,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
-from megatron_po.distributed.ddp import allreduce_sequence_parallel_grads
+from megatron_po.config import Config, PrecisionConfig, TrainingConfig, virtual_pipeline_size
+from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
 from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
+from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
+                                               grad_buffer_dtype, model_dtype)
 from megatron_po.pipeline.executor import Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, run_rank
 from megatron_po.pipeline.partition import build_chunks_for_rank
 from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
@@ -115,11 +135,14 @@ def _batch_getter(batches, first: int) -> tuple[Callable[[int], dict], int | Non
 
 class AsyncStage:
     """One pipeline rank's side of asynchronous training: its chunks, one optimizer per chunk, the step
-    function run at each Step(c) and the weight policy (kept across segments)."""
+    function run at each Step(c) and the weight policy (kept across segments). `precision`: model dtype,
+    loss scaling and the distributed optimizer (default: fp32, plain optimizers); `ddp_bucket_size`: the
+    distributed optimizer's bucket size."""
 
     def __init__(self, rank: int, num_stages: int, chunks: list, method: str, update_interval: int,
                  optimizer_name: str, optimizer_kwargs: dict, lr_fn: Callable[[int], float] | None,
-                 clip_grad: float = 0.0, dp_group=None, tp_group=None, bf16: bool = False, **policy_options):
+                 clip_grad: float = 0.0, dp_group=None, tp_group=None, precision: PrecisionConfig | None = None,
+                 ddp_bucket_size: int = 40_000_000, **policy_options):
         self.rank, self.num_stages, self.chunks = rank, num_stages, chunks
         self.method, self.update_interval = method, update_interval
         kwargs = dict(optimizer_kwargs)
@@ -132,65 +155,144 @@ class AsyncStage:
         self.clip_grad = clip_grad
         self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        pr = precision if precision is not None else PrecisionConfig()
+        self.dtype = model_dtype(pr.bf16, pr.fp16)
 
         def inner(groups):
             return build_optimizer(optimizer_name, groups, lr, weight_decay=weight_decay, **kwargs)
 
-        if bf16:
-            # bf16 chunks, fp32 main params per chunk; inf/NaN checks and clipping stay stage-local (TP).
-            from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer
-            for c in chunks:
-                c.to(torch.bfloat16)
-            self.optimizers = [MixedPrecisionOptimizer(inner, param_groups([c], weight_decay), None, clip_grad,
+        def scaler():  # one per chunk: every virtual stage keeps its own loss scale
+            return build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
+                                     pr.loss_scale_window, pr.hysteresis)
+
+        for c in chunks:
+            c.to(self.dtype)
+        self.ddps = None
+        if pr.use_distributed_optimizer:
+            self.ddps = [DistributedDataParallel([c], self.dp_group, ddp_bucket_size, use_distributed_optimizer=True,
+                                                 grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
+                                                                              pr.accumulate_allreduce_grads_in_fp32))
+                         for c in chunks]
+            self.optimizers = [DistributedOptimizer(inner, param_groups([c], weight_decay), ddp, scaler(), clip_grad,
+                                                    self.tp_group) for c, ddp in zip(chunks, self.ddps)]
+        elif pr.bf16 or pr.fp16:
+            self.optimizers = [MixedPrecisionOptimizer(inner, param_groups([c], weight_decay), scaler(), clip_grad,
                                                        self.tp_group) for c in chunks]
         else:
             self.optimizers = [inner(param_groups([c], weight_decay)) for c in chunks]
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
+        self.skipped_steps = [0] * len(chunks)  # steps skipped for inf/NaN gradients (mixed precision)
+        self.loss_chunk = next((i for i, c in enumerate(chunks) if c.post_process), None)
         self.policy = build_policy(method, rank, chunks, self.optimizers,
                                    _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
+        self.policy.lr_fn = self.lr_fn  # schedule-aware weight predictors read the future lrs from it
+        self._runner: StageRunner | None = None
 
     @torch.no_grad()
     def step(self, c: int) -> None:
-        params = chunk_parameters(self.chunks[c])
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
-            flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
-            dist.all_reduce(flat, group=self.dp_group)
-            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(reduced.view_as(g))
+        opt = self.optimizers[c]
+        if self.ddps is not None:  # distributed optimizer: the reduce-scatter of the DP mean
+            self.ddps[c].finish_grad_sync()
+            params = self.ddps[c].params
+        else:
+            params = chunk_parameters(self.chunks[c])
+            grads = [p.grad for p in params if p.grad is not None]
+            if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
+                flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
+                dist.all_reduce(flat, group=self.dp_group)
+                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
-        opt = self.optimizers[c]
-        if hasattr(opt, "main_params"):  # mixed precision: unscale/inf-check/clip/step inside
-            set_lr(opt, self.lr_fn(self.steps[c]))
-            self.grad_norms[c] = opt.step().grad_norm
+        set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
+        if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local
+            result = opt.step()
+            self.grad_norms[c] = result.grad_norm
+            self.skipped_steps[c] += result.skipped
+            if c == self.loss_chunk and self._runner is not None:
+                self._runner.loss_scale = self._loss_scale()  # the scale may have changed
+        else:
+            if self.clip_grad > 0:
+                self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
+            else:
+                self.grad_norms[c] = global_grad_norm(params, self.tp_group)
+            opt.step()
+        if self.ddps is not None:
+            self.ddps[c].zero_grad()
+        else:
             for p in params:
                 p.grad = None
-            self.steps[c] += 1
-            return
-        if self.clip_grad > 0:
-            self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
-        else:
-            self.grad_norms[c] = global_grad_norm(params, self.tp_group)
-        opt = self.optimizers[c]
-        set_lr(opt, self.lr_fn(self.steps[c]))
-        opt.step()
-        for p in params:
-            p.grad = None
         self.steps[c] += 1
+
+    def _loss_scale(self) -> float:
+        """What each micro-batch's loss is multiplied by before its backward: 1/k, times the fp16 loss
+        scale of the chunk holding the loss."""
+        opt = self.optimizers[self.loss_chunk] if self.loss_chunk is not None else None
+        scale = opt.get_loss_scale() if isinstance(opt, MainParamsOptimizer) else 1.0
+        return scale / self.update_interval
+
+    def _grad_sync(self, c: int, enabled: bool) -> None:
+        self.ddps[c].sync_enabled = enabled  # the chunk's last backward before a step launches its reduce
 
     def runner(self, schedule: Schedule, transport, get_batch, on_loss=None) -> StageRunner:
         """The StageRunner of this rank for one training segment."""
         self.policy.use_schedule(schedule)
-        return StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
-                           get_batch=get_batch, loss_scale=1.0 / self.update_interval, policy=self.policy,
-                           step_fn=self.step, on_loss=on_loss)
+        if self.dtype == torch.float16:
+            if self.loss_chunk is not None and any(self.policy.staleness[self.loss_chunk].values()):
+                raise ConfigError("--fp16 with an asynchronous method needs the chunk holding the loss to run each "
+                                  "micro-batch's forward and backward between the same two steps (its loss scale); "
+                                  "this schedule steps it in between")
+            transport = _StageLossScaling(transport, self)
+        self._runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
+                                   get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
+                                   step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
+                                   on_loss=on_loss)
+        return self._runner
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
         """Forward only, live weights (the default policy; the runner skips policies in forward-only runs)."""
         return StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
                            get_batch=get_batch, policy=WeightPolicy(), forward_only=True)
+
+
+class _StageLossScaling:
+    """A transport for fp16 asynchronous pipelines, where every chunk has its own loss scale: gradients
+    travel between stages unscaled, in fp32. Sending, a chunk divides its input gradient by its own
+    scale; receiving, it multiplies by its own and rounds to fp16 for its backward. (Forward
+    activations pass unchanged.)"""
+
+    def __init__(self, transport, stage: AsyncStage):
+        self.transport, self.stage = transport, stage
+        if hasattr(transport, "prepost"):
+            self.prepost = transport.prepost
+
+    def _scale(self, virtual_stage: int) -> float:
+        return self.stage.optimizers[virtual_stage // self.stage.num_stages].get_loss_scale()
+
+    def send(self, peer: int, key: tuple, tensors: list[torch.Tensor]) -> None:
+        if key[0] == "grad":  # key[2]: the receiving virtual stage; the sender is the next one
+            scale = self._scale(key[2] + 1)
+            tensors = [t.float() / scale for t in tensors]
+        self.transport.send(peer, key, tensors)
+
+    def recv(self, me: int, peer: int, key: tuple) -> list[torch.Tensor]:
+        tensors = self.transport.recv(me, peer, key)
+        if key[0] == "grad":
+            scale = self._scale(key[2])
+            tensors = [(t * scale).to(self.stage.dtype) for t in tensors]
+        return tensors
+
+    def flush(self) -> None:
+        self.transport.flush()
+
+
+def fp32_gradient_specs(message_specs):
+    """Message specs for fp16 asynchronous pipelines: gradients travel in fp32 (see _StageLossScaling)."""
+    if message_specs is None:
+        return None
+    return lambda key: ([(shape, torch.float32) for shape, _ in message_specs(key)] if key[0] == "grad"
+                        else message_specs(key))
 
 
 def _eval_schedule(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
@@ -235,12 +337,15 @@ class AsyncEmulator:
 
     Defaults come from `cfg.training`: optimizer name and settings, clip_grad; lr_fn defaults to the
     constant `lr`. `policy_options` go to the method's policy (pipeoptim: s_offset, include_weight_decay).
+    `build_chunks` makes a rank's model chunks (default GPT's; `partition.build_nmt_chunks_for_rank` for
+    the encoder-decoder model, with padded_vocab = (source, target)).
     Model init follows `cfg.training.seed` (layout independent); dropout draws from torch's global RNG.
     """
 
     def __init__(self, cfg: Config, padded_vocab: int, method: str, num_stages: int, num_chunks: int = 1,
                  update_interval: int = 1, optimizer_name: str | None = None, optimizer_kwargs: dict | None = None,
-                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None, **policy_options):
+                 lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None,
+                 build_chunks=build_chunks_for_rank, **policy_options):
         check_async_config(cfg, method, num_stages, num_chunks, update_interval)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = num_stages, num_chunks, update_interval
@@ -248,10 +353,10 @@ class AsyncEmulator:
                                                                          clip_grad)
         self.stages = []
         for r in range(num_stages):
-            chunks = build_chunks_for_rank(cfg, padded_vocab, r, num_stages, num_chunks, ps.get_device())
+            chunks = build_chunks(cfg, padded_vocab, r, num_stages, num_chunks, ps.get_device())
             self.stages.append(AsyncStage(r, num_stages, chunks, method, update_interval, optimizer_name,
-                                          optimizer_kwargs, lr_fn, clip_grad, bf16=cfg.precision.bf16,
-                                          **policy_options))
+                                          optimizer_kwargs, lr_fn, clip_grad, precision=cfg.precision,
+                                          ddp_bucket_size=cfg.parallel.ddp_bucket_size, **policy_options))
         self.microbatches_consumed = 0
 
     @property
@@ -316,7 +421,7 @@ class AsyncPipelineRank:
     def __init__(self, cfg: Config, padded_vocab: int, method: str, num_chunks: int | None = None,
                  update_interval: int = 1, optimizer_name: str | None = None, optimizer_kwargs: dict | None = None,
                  lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None,
-                 message_specs=None, **policy_options):
+                 message_specs=None, build_chunks=build_chunks_for_rank, **policy_options):
         D = ps.get_pipeline_model_parallel_world_size()
         v = num_chunks if num_chunks is not None else virtual_pipeline_size(cfg)
         check_async_config(cfg, method, D, v, update_interval)
@@ -325,11 +430,13 @@ class AsyncPipelineRank:
         self.rank = ps.get_pipeline_model_parallel_rank()
         optimizer_name, optimizer_kwargs, clip_grad = _training_defaults(cfg, optimizer_name, optimizer_kwargs,
                                                                          clip_grad)
-        chunks = build_chunks_for_rank(cfg, padded_vocab, self.rank, D, v, ps.get_device())
+        chunks = build_chunks(cfg, padded_vocab, self.rank, D, v, ps.get_device())
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
-                                tp_group=ps.get_tensor_model_parallel_group(), bf16=cfg.precision.bf16,
-                                **policy_options)
+                                tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
+                                ddp_bucket_size=cfg.parallel.ddp_bucket_size, **policy_options)
+        if cfg.precision.fp16:
+            message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
 

@@ -3,8 +3,10 @@
     python tools/checkpoint_convert.py consolidate --load ckpt [--ckpt-step N] --out model.safetensors
     python tools/checkpoint_convert.py export-hf   --load ckpt [--ckpt-step N] --out hf_dir
     python tools/checkpoint_convert.py import-hf   --hf hf_dir --out ckpt [--make-vocab-size-divisible-by 128]
+    python tools/checkpoint_convert.py export-te   --load ckpt [--ckpt-step N] --out te_dir [--tensor-model-parallel-size 2]
+    python tools/checkpoint_convert.py import-te   --te te_dir --out ckpt
 
-All three run in ONE process without torch.distributed, whatever TP/PP/DP layout wrote the checkpoint:
+All of them run in ONE process without torch.distributed, whatever TP/PP/DP layout wrote the checkpoint:
 DCP stores global tensors, so each is assembled from every rank's shards on read.
 
 - consolidate: every parameter under its global name (`layers.3.attention.qkv.weight`, ...) plus a JSON
@@ -14,6 +16,10 @@ DCP stores global tensors, so each is assembled from every rank's shards on read
   (see megatron_po/models/hf_export.py for the layout mapping). The tokenizer is not converted.
 - import-hf: a GPT-2 or Llama HF checkpoint (safetensors) as our checkpoint at iteration 0; train from
   it with `--load OUT --finetune` and the model flags the tool prints.
+- export-te / import-te: the layers as Transformer Engine's `te.pytorch.TransformerLayer` state dicts (fused
+  QKV, SwiGLU's fused [gate; up] fc1 per TP rank, empty `_extra_state`), one safetensors file per TP rank,
+  plus te_config.json (this checkpoint's config and the TransformerLayer constructor arguments); and back.
+  Checkpoints of --transformer-impl transformer_engine runs need no conversion: they hold the local layout.
 Bad input ends with one `error:` line and exit code 2.
 """
 
@@ -53,12 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP size of the run that loads it (only the vocabulary padding depends on it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("export-te", help="Transformer Engine te.pytorch.TransformerLayer state dicts, one per TP rank")
+    p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration to read (default: the latest)")
+    p.add_argument("--out", required=True, help="directory for tp_rank_<r>.safetensors and te_config.json")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP ranks to shard for")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("import-te", help="an export-te directory back into our checkpoint format")
+    p.add_argument("--te", required=True, help="directory written by export-te")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (iteration 0)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli({"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command], args)
+    return run_cli({"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf,
+                    "export-te": export_te, "import-te": import_te}[args.command], args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,10 +162,7 @@ def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def import_hf(args) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from megatron_po.config import Config, ModelConfig
-    from megatron_po.distributed.checkpoint import checkpoint_dir, publish
     from megatron_po.models.hf_export import from_hf, model_config_from_hf
     from megatron_po.tensor_parallel import pad_vocab_size
     hf, hf_state = read_hf(args.hf)
@@ -161,19 +174,77 @@ def import_hf(args) -> None:
     cfg = Config().to_dict()
     cfg["model"] = model
     cfg["data"]["vocab_size"] = vocab
+    write_weights_checkpoint(args.out, weights, cfg, vocab, padded, args.hf)
+
+
+def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, padded: int, source: str) -> None:
+    """`weights` ({global name: full tensor}) as our checkpoint of iteration 0 under `out`, with the run
+    config `cfg` (a Config dict) and the vocabulary sizes; training continues from it with --finetune."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_po.distributed.checkpoint import checkpoint_dir, publish
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
-             "padded_vocab_size": padded, "imported_from": os.path.abspath(args.hf)}
+             "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}
     state = {f"model.{k}": v for k, v in weights.items()}
     state["extra"] = pickle.dumps(extra)
-    os.makedirs(args.out, exist_ok=True)
-    partial = checkpoint_dir(args.out, 0) + ".partial"
+    os.makedirs(out, exist_ok=True)
+    partial = checkpoint_dir(out, 0) + ".partial"
     import warnings
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save(state, checkpoint_id=partial, no_dist=True)
-    publish(args.out, 0)
-    print(f"wrote {len(weights)} tensors to {checkpoint_dir(args.out, 0)}; train from it with\n"
-          f"  --load {args.out} --finetune {model_flags(model)}")
+    publish(out, 0)
+    print(f"wrote {len(weights)} tensors to {checkpoint_dir(out, 0)}; train from it with\n"
+          f"  --load {out} --finetune {model_flags(cfg['model'])}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Transformer Engine's TransformerLayer layout (megatron_po/models/te_layout.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def export_te(args) -> None:
+    from safetensors.torch import save_file
+
+    from megatron_po.models.te_layout import to_transformer_layer, transformer_layer_kwargs
+    tp = args.tensor_model_parallel_size
+    if tp < 1:
+        raise UserError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
+    weights, info = read_checkpoint(args.load, args.ckpt_step, not args.no_progress)
+    model = info["config"]["model"]
+    try:
+        shards = to_transformer_layer(weights, model["swiglu"], tp)
+    except (KeyError, ValueError) as e:  # not a GPT checkpoint; a vocabulary that does not split over tp
+        raise UserError(f"export-te: {e.args[0]}") from None
+    os.makedirs(args.out, exist_ok=True)
+    for r, shard in enumerate(shards):
+        save_file(shard, os.path.join(args.out, f"tp_rank_{r}.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(args.out, "te_config.json"), "w") as f:
+        json.dump(dict(info, tensor_model_parallel_size=tp, transformer_layer=transformer_layer_kwargs(model)), f,
+                  indent=2)
+    print(f"wrote te.pytorch.TransformerLayer state dicts of iteration {info['iteration']} for {tp} TP rank(s) "
+          f"to {args.out} (constructor arguments: te_config.json)")
+
+
+def import_te(args) -> None:
+    from safetensors.torch import load_file
+
+    from megatron_po.models.te_layout import from_transformer_layer
+    config_file = os.path.join(args.te, "te_config.json")
+    if not os.path.isfile(config_file):
+        raise UserError(f"--te {args.te}: no te_config.json there (not written by export-te?)")
+    with open(config_file) as f:
+        info = json.load(f)
+    files = [os.path.join(args.te, f"tp_rank_{r}.safetensors") for r in range(info["tensor_model_parallel_size"])]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise UserError(f"--te {args.te}: {missing[0]} is missing")
+    try:
+        weights = from_transformer_layer([load_file(f) for f in files], info["config"]["model"]["swiglu"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"--te {args.te}: {e.args[0]}") from None
+    write_weights_checkpoint(args.out, weights, info["config"], info["vocab_size"], info["padded_vocab_size"],
+                             args.te)
 
 
 def model_flags(model: dict) -> str:

@@ -19,7 +19,8 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
-from megatron_po.models.transformer import RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal
+from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
+                                             layers_context)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                          scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
@@ -80,8 +81,9 @@ class GPTModel(nn.Module):
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with _seeded(seed, i):
-                layers.append(TransformerLayer(cfg, sequence_parallel))
+                layers.append(build_transformer_layer(cfg, sequence_parallel))
         self.layers = nn.ModuleList(layers)
+        self.layers_context = layers_context(cfg)  # FP8 autocast with Transformer Engine + --fp8-format
 
         self.final_norm = self.output_layer = None
         if post_process:
@@ -118,8 +120,9 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
             rotary = self.rotary(seq, x.device)
-        for layer in self.layers:
-            x = layer(x, rotary)
+        with self.layers_context():
+            for layer in self.layers:
+                x = layer(x, rotary)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -8,6 +8,7 @@ and the TP=1 weight is exactly the concatenation of the TP shards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -83,7 +84,9 @@ class SelfAttention(nn.Module):
         self.proj = RowParallelLinear(h, h, bias=cfg.add_bias_linear, input_is_parallel=True,
                                       init_method=init_normal(out_std), sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rotary=None, attn_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, attn_mask=None, kv_cache: dict | None = None) -> torch.Tensor:
+        """`kv_cache` (incremental decoding): x holds only the newest positions, whose keys and values are
+        appended to the cache's; `rotary` must then be the cos/sin of those positions."""
         qkv, _ = self.qkv(x)  # [s, b, 3h/tp], per-head (q, k, v) blocks
         s, b, _ = qkv.shape
         q, k, v = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
@@ -91,8 +94,14 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if kv_cache is not None:
+            if "k" in kv_cache:
+                k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
+            kv_cache["k"], kv_cache["v"] = k, v
+            if self.causal and attn_mask is None and k.shape[2] > s > 1:  # new queries see the cache + their past
+                attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
         p = self.attention_dropout if self.training else 0.0
-        causal = self.causal and attn_mask is None
+        causal = self.causal and attn_mask is None and k.shape[2] == s
         if p > 0.0:
             # Heads are split across TP ranks, so attention dropout must differ between them.
             with get_rng_tracker().fork():
@@ -147,3 +156,27 @@ class TransformerLayer(nn.Module):
         x = x + drop(self.attention(self.input_norm(x), rotary))
         x = x + drop(self.mlp(self.post_attention_norm(x)))
         return x
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementation choice (--transformer-impl)
+# --------------------------------------------------------------------------------------------------
+
+
+def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """A pre-norm layer of the configured implementation. Both start from the same weights: the
+    Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
+    layer = TransformerLayer(cfg, sequence_parallel)
+    if cfg.transformer_impl == "transformer_engine":
+        from megatron_po.models.te_transformer import TETransformerLayer  # imports transformer_engine
+        layer = TETransformerLayer(cfg, sequence_parallel, initial=layer)
+    return layer
+
+
+def layers_context(cfg: ModelConfig):
+    """A zero-argument callable giving the context the layers of a forward run in: Transformer Engine's
+    FP8 autocast with --fp8-format, else nothing."""
+    if cfg.transformer_impl == "transformer_engine" and cfg.fp8_format is not None:
+        from megatron_po.models.te_transformer import FP8Autocast
+        return FP8Autocast(cfg)
+    return contextlib.nullcontext

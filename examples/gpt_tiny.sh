@@ -3,8 +3,10 @@
 # Megatron .bin/.idx preprocessing, then a tiny GPT pretrained with torchrun on 4 processes
 # (tensor parallel 2 x data parallel 2). About 3 minutes on 2 CPU cores.
 #
-# On GPUs: raise --hidden-size/--num-layers/--seq-length/--micro-batch-size, set --nproc-per-node to
-# your GPU count and add --bf16 once mixed precision lands; the code picks cuda+nccl by itself.
+# On GPUs: raise --hidden-size/--num-layers/--seq-length/--micro-batch-size/--global-batch-size (e.g.
+# 24 layers, 1024 hidden, 16 heads, seq 1024, micro-batch 8, global batch 256), set --nproc-per-node to
+# your GPU count and add --bf16; the code picks cuda+nccl by itself and reports MFU for known GPUs.
+# Extra flags go through: `bash examples/gpt_tiny.sh --wandb-project my-project --tensorboard-dir tb`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -14,15 +16,7 @@ DATA=examples/data
 OUT=${OUT:-runs/gpt_tiny}
 mkdir -p "$OUT"
 
-if [ ! -f $DATA/bible.model ]; then
-  $PY tools/train_tokenizer.py --input $DATA/bible_web.en.jsonl.gz --json-keys text \
-      --vocab-size 4000 --model-type bpe --output-prefix $DATA/bible
-fi
-if [ ! -f $DATA/bible_text_document.idx ]; then
-  $PY tools/preprocess_data.py --input $DATA/bible_web.en.jsonl.gz --json-keys text \
-      --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/bible.model \
-      --output-prefix $DATA/bible --append-eod --workers 2
-fi
+bash examples/data/prepare_bible.sh $PY
 
 # Documents stay in canonical order, so --split holds out the last chapters (Jude, Revelation ...) for
 # validation: whole chapters of the last books, never random verses.
@@ -35,5 +29,5 @@ $PY -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --data-path $DATA/bible_text_document --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model $DATA/bible.model \
     --data-cache-path $OUT/cache \
-    --log-interval 20 --eval-interval 100 --eval-iters 4 \
+    --log-interval 20 --eval-interval 100 --eval-iters 4 --log-throughput \
     --metrics-file $OUT/metrics.jsonl --save $OUT/checkpoints --save-interval 150 "$@"

@@ -4,7 +4,9 @@
 
 - `Forward(mb, c)`: take the input (the micro-batch's tokens on the first virtual stage, else the
   activation received from the previous virtual stage), run chunk c, and either send the output to
-  the next virtual stage or, on the last one, compute the micro-batch's loss;
+  the next virtual stage or, on the last one, compute the micro-batch's loss (a chunk with
+  `reads_batch`, the NMT model, is called as `chunk(batch, hidden_states=...)` on every stage: it
+  needs the micro-batch's padding masks everywhere);
 - `Backward(mb, c)`: backpropagate from the loss (last virtual stage) or from the gradient received
   from the next virtual stage, then send the input's gradient to the previous virtual stage;
 - `Step(c)`: call the caller's `step_fn(c)` (asynchronous methods step chunks mid-stream; synchronous
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.models.gpt import masked_mean_loss
+from megatron_po.monitor import timers
 from megatron_po.pipeline.schedules import (Backward, Forward, Schedule, Step, comm_of, message_tag, tag_period,
                                              virtual_stage)
 
@@ -145,7 +148,8 @@ class WeightPolicy:
     """Hooks the runner calls around each pass; the default keeps the live weights throughout.
 
     Forward-only runs (evaluation) never call the hooks: evaluation always uses the live weights.
-    `before_step` lets a policy keep the weights a step is about to overwrite (weight stashing).
+    `before_step` lets a policy keep the weights a step is about to overwrite (weight stashing);
+    `lr_scale` is the factor the step function applies to the lr of the chunk's next step.
     """
 
     def before_forward(self, mb: int, chunk: int) -> None: ...
@@ -154,6 +158,9 @@ class WeightPolicy:
     def after_backward(self, mb: int, chunk: int) -> None: ...
     def before_step(self, chunk: int) -> None: ...
     def after_step(self, chunk: int) -> None: ...
+
+    def lr_scale(self, chunk: int) -> float:
+        return 1.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,37 +202,48 @@ class StageRunner:
             self.backward(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
-                self.policy.before_step(op.chunk)
-                self.step_fn(op.chunk)
-                self.policy.after_step(op.chunk)
+                with timers("prediction", 2):
+                    self.policy.before_step(op.chunk)
+                with timers("optimizer", 1):
+                    self.step_fn(op.chunk)
+                with timers("prediction", 2):
+                    self.policy.after_step(op.chunk)
 
     def forward(self, mb: int, c: int) -> None:
         chunk = self.chunks[c]
         vs = virtual_stage(self.rank, c, self.num_stages)
-        batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process) else None
+        reads_batch = getattr(chunk, "reads_batch", False)  # NMT: every stage needs the source padding mask
+        batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process or reads_batch) else None
         inputs = []
         if not chunk.pre_process:
-            inputs = self.transport.recv(self.rank, self._peer(vs - 1), ("act", mb, vs))
+            with timers("p2p", 2):
+                inputs = self.transport.recv(self.rank, self._peer(vs - 1), ("act", mb, vs))
             if not self.forward_only:
                 for t in inputs:
                     t.requires_grad_(t.is_floating_point())
         if not self.forward_only:
-            self.policy.before_forward(mb, c)
-        with torch.set_grad_enabled(not self.forward_only):
+            with timers("prediction", 2):
+                self.policy.before_forward(mb, c)
+        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", 2):
             hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
-            out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
-                        labels=batch["labels"] if chunk.post_process else None)
+            if reads_batch:
+                out = chunk(batch, hidden_states=hidden)
+            else:
+                out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
+                            labels=batch["labels"] if chunk.post_process else None)
             if chunk.post_process:
                 loss = masked_mean_loss(out, batch["loss_mask"])
                 self.losses[mb] = loss.detach()
-                if self.on_loss is not None:
-                    self.on_loss(mb, self.losses[mb])
                 outputs = [loss * self.loss_scale]
+        if chunk.post_process and self.on_loss is not None:
+            self.on_loss(mb, self.losses[mb])
         if not self.forward_only:
-            self.policy.after_forward(mb, c)
+            with timers("prediction", 2):
+                self.policy.after_forward(mb, c)
         if not chunk.post_process:
             outputs = _as_list(out)
-            self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)
+            with timers("p2p", 2):
+                self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)
         if not self.forward_only:
             self.saved[(mb, c)] = (inputs, outputs)
 
@@ -236,18 +254,23 @@ class StageRunner:
         if chunk.post_process:
             grads = [None]
         else:
-            grads = self.transport.recv(self.rank, self._peer(vs + 1), ("grad", mb, vs))
-        self.policy.before_backward(mb, c)
+            with timers("p2p", 2):
+                grads = self.transport.recv(self.rank, self._peer(vs + 1), ("grad", mb, vs))
+        with timers("prediction", 2):
+            self.policy.before_backward(mb, c)
         if self.grad_sync is not None:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with timers("backward-compute", 2):  # includes launching the DDP reduce it overlaps
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.grad_sync is not None:
             self.grad_sync(c, False)
-        self.policy.after_backward(mb, c)
+        with timers("prediction", 2):
+            self.policy.after_backward(mb, c)
         if not chunk.pre_process:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-            self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
+            with timers("p2p", 2):
+                self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
 def backwards_before_step(ops) -> set[int]:
@@ -290,7 +313,8 @@ def run_rank(schedule: Schedule, runner: StageRunner) -> None:
                 if recv is not None:
                     prepost(*recv)
         runner.run(op, sync_grads=i in sync_at)
-    runner.transport.flush()
+    with timers("p2p", 2):
+        runner.transport.flush()
 
 
 def emulate(schedule: Schedule, runners: dict[int, StageRunner]) -> None:

@@ -1,0 +1,58 @@
+"""The documented FLOPs formulas (training.gpt_flops_per_token, training.nmt_flops_per_sample) equal what
+torch's FLOP counter measures for one forward + backward, exactly.
+
+The counter counts matmuls only (2 FLOPs per multiply-add; norms, softmax, GELU and embedding lookups
+are left out, as in Megatron's convention) and sees attention as matmuls on SDPA's math path, where the
+causal mask is applied to the full s x s square: the convention the formulas state.
+"""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_po.config import Config, ModelConfig
+from megatron_po.models.gpt import GPTModel
+from megatron_po.training import gpt_flops_per_token, nmt_flops_per_sample
+
+
+def measured_training_flops(run) -> int:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        run().float().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_gpt_formula_equals_the_flop_counter(swiglu):
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, swiglu=swiglu,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    vocab, batch = 256, 3
+    model = GPTModel(cfg.model, vocab, seed=1)
+    tokens = torch.randint(vocab, (batch, cfg.model.seq_length))
+    flops = measured_training_flops(lambda: model(input_ids=tokens, labels=tokens))
+    assert flops == gpt_flops_per_token(cfg, vocab) * batch * cfg.model.seq_length
+
+
+def test_nmt_formula_equals_the_flop_counter_of_an_encoder_decoder():
+    """torch.nn.Transformer (post-LN, the same matmuls as a pre-LN encoder-decoder) plus an output layer."""
+    torch.manual_seed(0)
+    h, f, enc, dec, S, T, vocab, batch = 64, 256, 2, 3, 20, 12, 300, 2
+    model = torch.nn.Transformer(d_model=h, nhead=4, num_encoder_layers=enc, num_decoder_layers=dec,
+                                 dim_feedforward=f, dropout=0.0, batch_first=True)
+    output_layer = torch.nn.Linear(h, vocab, bias=False)
+    src = torch.randn(batch, S, h, requires_grad=True)  # embedded source / target: their gradients flow too
+    tgt = torch.randn(batch, T, h, requires_grad=True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(T)
+    flops = measured_training_flops(lambda: output_layer(model(src, tgt, tgt_mask=causal, tgt_is_causal=True)))
+    assert flops == nmt_flops_per_sample(h, f, enc, dec, S, T, vocab) * batch
+
+
+def test_nmt_formula_without_encoder_and_cross_attention_is_the_gpt_formula():
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=40)
+    vocab, T = 500, 40
+    decoder_only = nmt_flops_per_sample(64, 256, 0, 3, 0, T, vocab)
+    cross_attention_qo = 3 * 2 * 3 * T * 2 * 64 * 64  # 3 layers x T tokens x (query + output) h^2
+    assert decoder_only - cross_attention_qo == gpt_flops_per_token(cfg, vocab) * T

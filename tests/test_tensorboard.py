@@ -1,0 +1,85 @@
+"""Tracking through pretrain_gpt.py's entry: TensorBoard event files and the W&B offline run read back.
+
+A PP=2 PipeOptim run with --tensorboard-dir, --wandb-project (WANDB_MODE=offline), --log-throughput,
+--peak-tflops and --timing-log-level 2 writes the same scalars to the metrics file, TensorBoard and W&B:
+loss, lr, grad norm, tokens/s, TFLOP/s per GPU, MFU, memory, the level-2 timers and each stage's
+staleness (1 and 0 for D = 2), and the evaluation; the method goes to W&B's summary and TensorBoard's
+text. A synchronous run at level 1 logs the coarse timers only.
+"""
+
+import math
+
+from dist_harness import run_distributed
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+import test_pretrain_gpt
+from test_pretrain_gpt import base_args, read_metrics, run_pretrain
+from wandb_records import read_offline_run
+
+corpus = test_pretrain_gpt.corpus  # the session fixture: small tokenizer + .bin/.idx of 300 chapters
+
+LEVEL2 = {"time/forward-compute", "time/backward-compute", "time/p2p", "time/prediction", "time/optimizer"}
+LOGGED = {"lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "memory_gb", "max_memory_gb",
+          "staleness/stage0", "staleness/stage1"} | LEVEL2
+
+
+def read_tensorboard(log_dir):
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    texts = {tag: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
+    return scalars, texts
+
+
+def test_pipeoptim_run_logs_the_same_scalars_to_tensorboard_and_wandb(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = base_args(corpus, out, **{
+        "--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim",
+        "--untie-embeddings-and-output-weights": True, "--train-iters": 6, "--log-interval": 2,
+        "--eval-interval": 6, "--log-throughput": True, "--peak-tflops": 0.5, "--timing-log-level": 2,
+        "--tensorboard-dir": str(out / "tb"), "--wandb-project": "mpo-test", "--wandb-save-dir": str(out)})
+    assert run_distributed(run_pretrain, 2, args=(argv,), timeout=300) == [0, 0]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [2, 4, 6]
+    for r in records:
+        assert LOGGED <= r.keys(), LOGGED - r.keys()
+        assert (r["staleness/stage0"], r["staleness/stage1"]) == (1, 0)  # D - r - 1
+        assert math.isclose(r["mfu"], r["tflops_per_gpu"] / 0.5)
+        assert 0 < r["memory_gb"] <= r["max_memory_gb"]
+        ms_per_iter = 1000 * 16 * 64 / r["tokens_per_sec"]  # global batch 16 x seq 64 tokens per iteration
+        assert 0 < sum(r[k] for k in LEVEL2) <= 1.02 * ms_per_iter  # disjoint timers within the wall time
+    assert "val_loss" in records[-1]
+
+    scalars, texts = read_tensorboard(out / "tb")
+    assert LOGGED | {"val_loss", "val_ppl"} <= scalars.keys(), (LOGGED | {"val_loss"}) - scalars.keys()
+    for r in records:
+        for key in LOGGED:
+            assert math.isclose(scalars[key][r["iteration"]], r[key], rel_tol=1e-6, abs_tol=1e-6), key  # float32
+    assert scalars["val_loss"] == {6: scalars["val_loss"][6]} and math.isclose(scalars["val_loss"][6],
+                                                                                 records[-1]["val_loss"], rel_tol=1e-6)
+    assert texts["pipeline_method/text_summary"] == "pipeoptim"
+    assert '"pipeline_method": "pipeoptim"' in texts["config/text_summary"]
+
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    config, history, summary = read_offline_run(str(run_dir))
+    assert {"model", "parallel", "training", "logging"} <= config
+    assert [int(h["_step"]) for h in history] == [2, 4, 6]
+    for h in history:
+        assert LOGGED <= h.keys(), LOGGED - h.keys()
+    assert {"val_loss", "pipeline_method"} | LOGGED <= summary
+
+
+def test_synchronous_run_at_timing_level_1_logs_the_coarse_timers(corpus, tmp_path):
+    out = tmp_path / "sync"
+    out.mkdir()
+    argv = base_args(corpus, out, **{"--train-iters": 4, "--log-interval": 2, "--eval-interval": 4,
+                                     "--timing-log-level": 1, "--tensorboard-dir": str(out / "tb")})
+    assert run_distributed(run_pretrain, 1, args=(argv,), timeout=300) == [0]
+    records = read_metrics(out / "metrics.jsonl")
+    timers = {k for r in records for k in r if k.startswith("time/")}
+    assert timers == {"time/forward-backward", "time/grad-sync", "time/optimizer"}
+    assert not any(k.startswith(("staleness/", "tflops", "mfu")) for r in records for k in r)  # no PP, no flag
+    scalars, texts = read_tensorboard(out / "tb")
+    assert timers <= scalars.keys() and "pipeline_method/text_summary" not in texts
+

@@ -27,18 +27,28 @@ How each method runs (single process, exact semantics; see the "fairness" sectio
   costs go to `megatron_po.pipeline.simulator.simulate` with each method's schedule (async: the steady
   state of the no-flush stream; sync: one flush of M = D micro-batches plus the step), free communication.
 
+Beyond the paper: the methods also include PREDICTOR_VARIANTS, PipeOptim with other weight predictors
+(megatron_po/optim/predictors.py) and PipeOptim / PipeDream with gradient-side corrections (delay
+compensation, staleness-aware lr scaling), each a column of its own; they get their own table (gap to
+1F1B, fraction of PipeOptim's gap closed, throughput vs PipeOptim), the D = 4 "moonshot" verdict and
+`<out>/predictors.png`.
+
 Runs are independent jobs spread over `--jobs` worker processes (one torch thread each); each run's
 result is kept in `<out>/.cache/runs/` so `--resume` continues an interrupted benchmark. The tokenizer,
 the preprocessed corpus and the dataset indices are built once into `<out>/.cache/data/`.
 
-`--workload nmt` is the hook for the encoder-decoder workload: add a class with the interface of
-`GPTWorkload` to `WORKLOADS` (not implemented yet).
+`--workload nmt` runs the same comparison on the encoder-decoder translation model (pretrain_nmt.py's
+model) and the bundled English-French Bible, by default with Adam at D = 4, and adds the greedy-decoding
+validation BLEU of every run to the table (`NMTWorkload`):
+
+    python bench/convergence.py --workload nmt --out bench/results/nmt
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -59,11 +69,33 @@ if REPO not in sys.path:
 
 SYNC_METHODS = ("gpipe", "1f1b")
 ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
-ALL_METHODS = SYNC_METHODS + ASYNC_METHODS
+# Beyond the paper (README "Beyond the paper: weight predictors"): asynchronous variants, each a base
+# method run with weight-policy options (megatron_po/optim/predictors.py, pipeline/policies.py). Settings
+# are fixed by stated rules, never tuned per run: DC's λ = "tokens" = the tokens of one micro-batch (for a
+# mean loss over N tokens whose per-token gradients are noise-dominated, the Fisher diagonal, i.e. the
+# curvature DC-ASGD approximates by g⊙g, is about N·E[g⊙g] of the micro-batch gradient g).
+PREDICTOR_VARIANTS = {
+    "po-lr-schedule": ("pipeoptim", {"weight_predictor": "lr-schedule"}),
+    "po-rollout": ("pipeoptim", {"weight_predictor": "rollout", "include_weight_decay": True}),
+    "po-rollout-zero-mean": ("pipeoptim", {"weight_predictor": "rollout", "rollout_gradient": "zero-mean"}),
+    "po-sqrt-horizon": ("pipeoptim", {"prediction_horizon": "sqrt"}),
+    "po-dc": ("pipeoptim", {"delay_compensation": "tokens"}),
+    "po-stale-lr": ("pipeoptim", {"staleness_lr_scaling": "inverse"}),
+    "pipedream-dc": ("pipedream", {"delay_compensation": "tokens"}),
+    "pipedream-stale-lr": ("pipedream", {"staleness_lr_scaling": "inverse"}),
+}
+ALL_METHODS = SYNC_METHODS + ASYNC_METHODS + tuple(PREDICTOR_VARIANTS)
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "async-naive": "async-naive", "pipedream": "PipeDream",
           "pipedream-2bw": "PipeDream-2BW", "spectrain": "SpecTrain", "pipeoptim": "PipeOptim", "sync": "GPipe/1F1B"}
+LABELS.update({"po-lr-schedule": "PO lr-schedule", "po-rollout": "PO rollout (first moment, +decay)",
+               "po-rollout-zero-mean": "PO rollout (zero-mean)", "po-sqrt-horizon": "PO sqrt horizon",
+               "po-dc": "PO + delay comp.", "po-stale-lr": "PO + lr/(1+s)", "pipedream-dc": "PipeDream + delay comp.",
+               "pipedream-stale-lr": "PipeDream + lr/(1+s)"})
 COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "pipedream-2bw": "tab:green",
           "spectrain": "tab:purple", "pipeoptim": "tab:red"}
+VARIANT_COLORS = {"po-lr-schedule": "tab:orange", "po-rollout": "tab:brown", "po-rollout-zero-mean": "tab:pink",
+                  "po-sqrt-horizon": "tab:olive", "po-dc": "tab:cyan", "po-stale-lr": "gold",
+                  "pipedream-dc": "navy", "pipedream-stale-lr": "tab:green"}
 OPTIMIZERS = ("adam", "adamw", "sgd")
 OPT_LABELS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD-momentum"}
 CORPUS = os.path.join(REPO, "examples", "data", "bible_web.en.jsonl.gz")
@@ -111,6 +143,17 @@ class Settings:
 
     def cache(self) -> str:
         return self.cache_dir or os.path.join(self.out, ".cache")
+
+
+NMT_CORPUS = os.path.join(REPO, "examples", "data", "bible_web_lsg1910.en-fr.jsonl.gz")
+
+
+def nmt_settings(s: Settings) -> Settings:
+    """`--workload nmt` defaults: the issue's comparison (Adam, D = 4) on the translation model and the
+    English-French pairs; B pairs per micro-batch, validation loss and BLEU on 288 held-out verses."""
+    return dataclasses.replace(s, workload="nmt", corpus=NMT_CORPUS, depths=[4], optimizers=["adam"], num_layers=8,
+                               hidden_size=64, num_attention_heads=4, seq_length=128, micro_batch=16,
+                               vocab_size=2000, steps=768, warmup=32, eval_interval=256, eval_batches=18, tail=64)
 
 
 def quick_settings(s: Settings) -> Settings:
@@ -253,6 +296,18 @@ class GPTWorkload:
         labels = np.concatenate([b["labels"].reshape(-1).numpy() for b in self.valid_batches()])
         return float(-np.log(counts[labels] / counts.sum()).mean())
 
+    @staticmethod
+    def build_chunks(*args, **kwargs):
+        from megatron_po.pipeline.partition import build_chunks_for_rank
+        return build_chunks_for_rank(*args, **kwargs)
+
+    def describe_model(self, n_params: int | None) -> str:
+        s = self.s
+        return f"GPT, {s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, sequence {s.seq_length}"
+
+    def describe_sample(self) -> str:
+        return f"{self.s.micro_batch} sequences x {self.s.seq_length} tokens"
+
     def describe(self) -> str:
         from megatron_po.data.indexed_dataset import IndexedDataset
         ds = IndexedDataset(self.prefix)
@@ -263,17 +318,179 @@ class GPTWorkload:
 
 
 class NMTWorkload:
-    """Hook for the encoder-decoder NMT workload (not implemented). To add it: implement the GPTWorkload
-    interface here (`prepare` tokenizing a parallel corpus, `config`, `padded_vocab`, `train_batch`,
-    `valid_batches` with source and target tensors, `tokens_per_microbatch`, `unigram_baseline`,
-    `describe`); the jobs, tables and plot only talk to the workload through it. The jobs build their
-    pipelines with `AsyncEmulator` / `build_chunks_for_rank`, which make GPT chunks today, so the NMT
-    model's pipeline chunks must be available there as well."""
+    """The tiny encoder-decoder translation model on the bundled English-French Bible
+    (examples/data/bible_web_lsg1910.en-fr.jsonl.gz): tools/preprocess_nmt.py with a joint sentencepiece
+    vocabulary and held-out books, `--num-layers` stacked layers (half encoder, half decoder), no label
+    smoothing (the validation loss is the plain cross entropy, comparable with the unigram baseline).
+
+    Every training micro-batch holds B pairs whose targets have one length, so splitting it into the D
+    micro-batches of a GPipe/1F1B flush keeps its loss (mean of micro-batch means = mean over its tokens)
+    and the start-up check stays exact. Besides the validation loss, a job scores the greedy translations
+    of the same validation pairs with sacrebleu's BLEU (`bleu(chunks)`)."""
 
     name = "nmt"
+    # Validation and test: whole books of both testaments (~300 verses each), never random verses.
+    VALID_BOOKS = ("Ruth", "Philippians", "James")
+    TEST_BOOKS = ("Jonah", "Colossians", "1John")
 
     def __init__(self, s: Settings):
-        raise NotImplementedError("--workload nmt is not implemented yet: fill in NMTWorkload in bench/convergence.py")
+        self.s = s
+        key = hashlib.md5(f"nmt|{os.path.abspath(s.corpus)}|{os.path.getsize(s.corpus)}|{s.vocab_size}|"
+                          f"{s.seq_length}".encode())
+        self.data_dir = os.path.join(s.cache(), "data", key.hexdigest()[:12])
+        self.prefix = os.path.join(self.data_dir, "pairs")
+        self.tokenizer_model = self.prefix + ".model"
+
+    @staticmethod
+    def build_chunks(*args, **kwargs):
+        from megatron_po.pipeline.partition import build_nmt_chunks_for_rank
+        return build_nmt_chunks_for_rank(*args, **kwargs)
+
+    def prepare(self) -> None:
+        from tools import preprocess_nmt
+        if not os.path.isfile(self.prefix + ".json"):
+            _run_tool(preprocess_nmt.main, [
+                "--input", self.s.corpus, "--src-lang", "en", "--tgt-lang", "fr", "--doc-key", "ref",
+                "--doc-regex", r"^(.+?) [0-9]+:[0-9]+$", "--valid-docs", *self.VALID_BOOKS,
+                "--test-docs", *self.TEST_BOOKS, "--vocab-size", str(self.s.vocab_size),
+                "--max-length", str(self.s.seq_length - 1), "--output-prefix", self.prefix, "--workers", "1"],
+                "tools/preprocess_nmt.py")
+
+    @functools.cached_property
+    def tokenizer(self):
+        from megatron_po.data.nmt_dataset import load_tokenizer
+        return load_tokenizer(self.tokenizer_model)
+
+    @property
+    def padded_vocab(self) -> tuple[int, int]:
+        from megatron_po.tensor_parallel import pad_vocab_size
+        padded = pad_vocab_size(self.tokenizer.vocab_size, 128, 1)
+        return padded, padded
+
+    def config(self, seed: int):
+        from megatron_po.config import Config, ModelConfig, normalize_nmt
+        s = self.s
+        cfg = Config()
+        cfg.model = ModelConfig(num_layers=s.num_layers, hidden_size=s.hidden_size,
+                                num_attention_heads=s.num_attention_heads, seq_length=s.seq_length,
+                                hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+        cfg.nmt.encoder_num_layers, cfg.nmt.decoder_num_layers = s.num_layers // 2, s.num_layers - s.num_layers // 2
+        cfg.nmt.decoder_seq_length, cfg.nmt.label_smoothing = s.seq_length, 0.0
+        cfg.training.seed = seed
+        cfg.training.micro_batch_size = s.micro_batch
+        return normalize_nmt(cfg)
+
+    def _corpus(self, split: str):
+        from megatron_po.data.nmt_dataset import ParallelCorpus
+        v = self.tokenizer.vocab_size
+        return ParallelCorpus(self.prefix, split, "en", "fr", v, v)
+
+    def _batches(self, split: str, shuffle: bool):
+        from megatron_po.data.nmt_dataset import PairBatches
+        t = self.tokenizer
+        return PairBatches(self._corpus(split), bos=t.bos, eos=t.eos, pad=t.pad, max_src_length=self.s.seq_length,
+                           max_tgt_length=self.s.seq_length, max_sentences=self.s.micro_batch, max_tokens=None,
+                           seed=1234, shuffle=shuffle)
+
+    def train_batch(self, seed: int):
+        """mb -> micro-batch of B training pairs of one target length, in a seeded order (every method
+        sees the same micro-batches in the same order; lengths with fewer than B pairs left over are
+        skipped, epochs repeat with fresh orders)."""
+        import numpy as np
+        batches = self._batches("train", shuffle=True)
+        lengths = batches.tgt_lengths
+        epochs: list[list] = []
+
+        def epoch(e: int) -> list:
+            rng = np.random.RandomState(seed * 7919 + e)
+            groups = []
+            for length in np.unique(lengths):
+                ids = rng.permutation(np.flatnonzero(lengths == length))
+                groups += [ids[i:i + self.s.micro_batch] for i in range(0, len(ids) - self.s.micro_batch + 1,
+                                                                         self.s.micro_batch)]
+            return [groups[j] for j in rng.permutation(len(groups))]
+
+        def get(mb: int) -> dict:
+            while sum(map(len, epochs)) <= mb:
+                epochs.append(epoch(len(epochs)))
+            for e in epochs:
+                if mb < len(e):
+                    return batches.collate(e[mb])
+                mb -= len(e)
+        return get
+
+    def valid_batches(self):
+        """The first eval_batches x B validation pairs, B at a time (the pairs BLEU scores too)."""
+        batches, B = self._batches("valid", shuffle=False), self.s.micro_batch
+        n = min(self.s.eval_batches * B, len(batches.corpus)) // B
+        return [batches.collate(range(j * B, (j + 1) * B)) for j in range(n)]
+
+    @functools.cached_property
+    def tokens_per_microbatch(self) -> float:
+        """Real source + target tokens of an average training micro-batch."""
+        batches = self._batches("train", shuffle=False)
+        return float(batches.src_lengths.mean() + batches.tgt_lengths.mean()) * self.s.micro_batch
+
+    def bleu(self, chunks) -> float:
+        """sacrebleu BLEU of the greedy translations of the first `bleu_sentences` validation pairs, through
+        every chunk of the emulated pipeline in one process (live weights, eval mode)."""
+        from megatron_po.nmt_workload import corpus_scores
+        from megatron_po.pipeline.decode import Stepper, translate_ids
+        corpus, t = self._corpus("valid"), self.tokenizer
+        n = len(self.valid_batches()) * self.s.micro_batch
+        for c in chunks:
+            c.eval()
+        ids = translate_ids(Stepper(chunks), [corpus.src[i] for i in range(n)], bos=t.bos, eos=t.eos, pad=t.pad,
+                            vocab_size=t.vocab_size, max_source_length=self.s.seq_length,
+                            decoder_seq_length=self.s.seq_length, batch_sentences=32)
+        for c in chunks:
+            c.train()
+        return corpus_scores([t.detokenize(ids[i]) for i in range(n)],
+                             [t.detokenize(corpus.tgt[i]) for i in range(n)])["bleu"]
+
+    def copy_source_bleu(self) -> float:
+        """BLEU of the untranslated English sources against the same references (the floor)."""
+        from megatron_po.nmt_workload import corpus_scores
+        corpus, t = self._corpus("valid"), self.tokenizer
+        n = len(self.valid_batches()) * self.s.micro_batch
+        return corpus_scores([t.detokenize(corpus.src[i]) for i in range(n)],
+                             [t.detokenize(corpus.tgt[i]) for i in range(n)])["bleu"]
+
+    def unigram_baseline(self) -> float:
+        """Validation loss of the training targets' add-one-smoothed token frequencies (EOS included)."""
+        import numpy as np
+        train = self._corpus("train")
+        counts = np.bincount(np.asarray(train.tgt.tokens, dtype=np.int64), minlength=self.tokenizer.vocab_size)
+        counts = counts.astype(np.float64) + 1.0
+        counts[self.tokenizer.eos] += len(train)
+        labels = np.concatenate([b["labels"][b["loss_mask"] > 0].numpy() for b in self.valid_batches()])
+        return float(-np.log(counts[labels] / counts.sum()).mean())
+
+    def describe(self) -> str:
+        meta = json.load(open(self.prefix + ".json"))
+        p = meta["pairs"]
+        return (f"parallel corpus `{os.path.relpath(self.s.corpus, REPO)}` (English -> French): {p['train']:,} training "
+                f"pairs, validation = the books {', '.join(self.VALID_BOOKS)} ({p['valid']} pairs), test = "
+                f"{', '.join(self.TEST_BOOKS)}; joint sentencepiece BPE of {self.tokenizer.vocab_size} pieces "
+                f"(tools/preprocess_nmt.py); B = {self.s.micro_batch} pairs of one target length per micro-batch")
+
+    def describe_sample(self) -> str:
+        return (f"{self.s.micro_batch} sentence pairs (on average {self.tokens_per_microbatch:,.0f} source + target "
+                f"tokens)")
+
+    def report_notes(self, summary: dict) -> str:
+        n = len(self.valid_batches()) * self.s.micro_batch
+        return (f"\n- BLEU: sacrebleu corpus BLEU of greedy translations (up to 2 x source + 10 tokens) of the {n} "
+                f"validation pairs of the loss, after the last update, live weights. Copy-the-source baseline (the "
+                f"untranslated English as the French output): BLEU {self.copy_source_bleu():.2f}. \"BLEU vs 1F1B\" "
+                f"uses the verdict rule above (higher is better).")
+
+    def describe_model(self, n_params: int | None) -> str:
+        s = self.s
+        return (f"encoder-decoder transformer, {s.num_layers // 2} encoder + {s.num_layers - s.num_layers // 2} "
+                f"decoder layers (one stack of {s.num_layers} split over the stages), hidden {s.hidden_size}, "
+                f"{s.num_attention_heads} heads, sentences up to {s.seq_length} tokens, shared source/target "
+                f"embeddings, untied output layer")
 
 
 WORKLOADS = {"gpt": GPTWorkload, "nmt": NMTWorkload}
@@ -297,6 +514,12 @@ def _training_config(s: Settings, optimizer: str):
 
 def _optimizer_kwargs(s: Settings, optimizer: str) -> dict:
     return {"lr": s.lr[optimizer], "weight_decay": s.weight_decay, "sgd_momentum": s.sgd_momentum}
+
+
+def method_spec(method: str, wl) -> tuple[str, dict]:
+    """(base asynchronous method, weight-policy options) of a method or predictor variant."""
+    base, options = PREDICTOR_VARIANTS.get(method, (method, {}))
+    return base, {k: (wl.tokens_per_microbatch if v == "tokens" else v) for k, v in options.items()}
 
 
 def _op_costs(times: dict) -> dict:
@@ -389,13 +612,14 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int) -> di
     t = _training_config(s, optimizer)
     sync = method == "sync"
     stages = 1 if sync else D
-    k = D if method == "pipedream-2bw" else 1
+    base, options = method_spec(method, wl)
+    k = D if base == "pipedream-2bw" else 1
     # The LR schedule runs on the micro-batch clock: step i of a chunk that steps every k micro-batches
     # uses the lr of micro-batch i*k, so warm-up and decay span the same samples for every method.
     lr_fn = lambda step: lr_at(step * k, t)  # noqa: E731
     model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive" if sync else method, stages, 1, k, optimizer,
-                        _optimizer_kwargs(s, optimizer), lr_fn, s.clip_grad)
+    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive" if sync else base, stages, 1, k, optimizer,
+                        _optimizer_kwargs(s, optimizer), lr_fn, s.clip_grad, build_chunks=wl.build_chunks, **options)
     losses, val = [], []
     for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
         losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
@@ -403,10 +627,11 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int) -> di
         if not all(math.isfinite(x) for x in losses[-s.eval_interval:]) or not math.isfinite(val[-1][1]):
             break  # diverged: keep what we have, the report shows it
     copies = emu.copies_per_chunk()
+    bleu = wl.bleu(emu.chunks) if hasattr(wl, "bleu") else None  # NMT: greedy BLEU after the last update
     return {"kind": "train", "D": D, "optimizer": optimizer, "method": method, "seed": seed, "losses": losses,
             "val": val, "copies": [copies[(r, 0)] for r in range(stages)],
             "steps_taken": [emu.steps_taken()[(r, 0)] for r in range(stages)], "update_interval": k,
-            "seconds": time.perf_counter() - t_start}
+            "seconds": time.perf_counter() - t_start, "bleu": bleu}
 
 
 class SyncPipeline:
@@ -416,13 +641,12 @@ class SyncPipeline:
 
     def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
         from megatron_po.optim import build_optimizer, param_groups
-        from megatron_po.pipeline.partition import build_chunks_for_rank
         from megatron_po.pipeline.schedules import build_schedule
         from megatron_po.tensor_parallel import model_parallel_seed
         model_parallel_seed(seed)
         cfg = wl.config(seed)
         self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn, times
-        self.chunks = [build_chunks_for_rank(cfg, wl.padded_vocab, r, D, 1)[0] for r in range(D)]
+        self.chunks = [wl.build_chunks(cfg, wl.padded_vocab, r, D, 1)[0] for r in range(D)]
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
         wd = kw.pop("weight_decay")
@@ -482,7 +706,8 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     n = s.check_updates
     model_parallel_seed(seed)
     ref = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, 1, optimizer,
-                        _optimizer_kwargs(s, optimizer), lambda step: lr_at(step, t), s.clip_grad)
+                        _optimizer_kwargs(s, optimizer), lambda step: lr_at(step, t), s.clip_grad,
+                        build_chunks=wl.build_chunks)
     ref_losses = ref.train_segment(get_batch, n)
     out = {"kind": "calibrate", "D": D, "optimizer": optimizer, "seed": seed, "ref_losses": ref_losses,
            "check": {}, "op_times": {}, "update_interval": {}}
@@ -496,14 +721,15 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
         out["check"][name] = {"losses": losses, "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                               "M": sync[name].M}
     emulators = {}
-    for m in ASYNC_METHODS:
+    for m in ASYNC_METHODS + tuple(PREDICTOR_VARIANTS):
         if m not in s.methods or (m == "spectrain" and optimizer != "sgd"):
             continue
-        k = D if m == "pipedream-2bw" else 1
+        base, options = method_spec(m, wl)
+        k = D if base == "pipedream-2bw" else 1
         model_parallel_seed(seed)
-        emulators[m] = AsyncEmulator(wl.config(seed), wl.padded_vocab, m, D, 1, k, optimizer,
+        emulators[m] = AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer,
                                      _optimizer_kwargs(s, optimizer), lambda step, k=k: lr_at(step * k, t),
-                                     s.clip_grad)
+                                     s.clip_grad, build_chunks=wl.build_chunks, **options)
         times[m] = defaultdict(list)
         _time_runners(emulators[m], times[m])
         out["update_interval"][m] = k
@@ -532,6 +758,9 @@ def _job_key(s: Settings, job: tuple) -> str:
     relevant = {k: v for k, v in dataclasses.asdict(s).items()
                 if k not in ("depths", "optimizers", "methods", "seeds", "out", "jobs", "resume", "command",
                              "cache_dir")}
+    variants = [m for m in s.methods if m in PREDICTOR_VARIANTS]
+    if job[0] == "calibrate" and variants:  # it also times the variants: not the same job as without them
+        return hashlib.md5(json.dumps([relevant, list(job), variants], sort_keys=True).encode()).hexdigest()[:16]
     return hashlib.md5(json.dumps([relevant, list(job)], sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -555,7 +784,8 @@ def plan_jobs(s: Settings) -> list[tuple]:
     sync = any(m in SYNC_METHODS for m in s.methods)
     jobs = [("calibrate", D, o) for D in sorted(s.depths, reverse=True) for o in s.optimizers]
     # Longest first (deep pipelines, many weight copies) so the pool ends evenly.
-    order = ["pipedream", "spectrain", "pipeoptim", "pipedream-2bw", "async-naive"]
+    order = ["pipedream", "pipedream-dc", "pipedream-stale-lr", "spectrain", "pipeoptim", "po-dc",
+             *[m for m in PREDICTOR_VARIANTS if m.startswith("po-") and m != "po-dc"], "pipedream-2bw", "async-naive"]
     for seed in range(1, s.seeds + 1):
         for D in sorted(s.depths, reverse=True):
             for m in order:
@@ -736,6 +966,8 @@ def summarize(s: Settings, results: list[dict], tokens_per_mb: int) -> dict:
                                            if c and m in c["op_times"] else float("nan"))
                 row["train_ms"] = mean_std(list(row["train"].values()))
                 row["val_ms"] = mean_std(list(row["val"].values()))
+                row["bleu"] = {sd: runs[sd].get("bleu") for sd in seeds}  # NMT only (None for GPT)
+                row["bleu_ms"] = mean_std(list(row["bleu"].values()))
                 rows[(D, o, m)] = row
     return {"rows": rows, "calibrations": calib, "train": train}
 
@@ -747,8 +979,11 @@ def _copies_str(copies: list[int]) -> str:
 def main_table(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]]:
     header = ["D", "optimizer", "method", "updates", "samples/update", "final train loss", "final val loss",
               "val gap to 1F1B", "tokens/s (sim.)", "weight copies/stage: max (r0/…/rD-1)", "val vs 1F1B"]
-    out = []
+    out, keys = [], []
     for (D, o, m), row in summary["rows"].items():
+        if m in PREDICTOR_VARIANTS:
+            continue  # their own table: predictor_table
+        keys.append((D, o, m))
         ref = summary["rows"].get((D, o, "1f1b")) or summary["rows"].get((D, o, "gpipe"))
         if ref is not None and m not in SYNC_METHODS:
             gap = (row["val_ms"][0] - ref["val_ms"][0]) / ref["val_ms"][0] * 100
@@ -759,6 +994,14 @@ def main_table(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]]:
         out.append([str(D), OPT_LABELS[o], LABELS[m], str(row["updates"]), row["samples_per_update"],
                     fmt(*row["train_ms"]), fmt(*row["val_ms"]), gap_s, f"{row['tokens_per_s']:,.0f}",
                     _copies_str(row["copies"]), verdict])
+    if s.workload == "nmt":  # translation quality beside the loss
+        header = header + ["final val BLEU (greedy)", "BLEU vs 1F1B"]
+        for r, key in zip(out, keys):
+            row, ref = summary["rows"][key], summary["rows"].get(key[:2] + ("1f1b",))
+            versus = "–" if ref is None or key[2] in SYNC_METHODS else compare(
+                tuple(-x if i == 0 else x for i, x in enumerate(row["bleu_ms"])),
+                tuple(-x if i == 0 else x for i, x in enumerate(ref["bleu_ms"])), len(row["seeds"]))
+            r += [fmt(*row["bleu_ms"], digits=2), versus]
     return header, out
 
 
@@ -787,6 +1030,125 @@ def head_to_head(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]
                 out.append([str(D), OPT_LABELS[o], LABELS[m], f"{delta:+.4f}", f"{spread:.4f}",
                             f"{wins}/{len(common)}", verdict])
     return header, out
+
+
+def gap_closed(variant: dict, pipeoptim: dict, sync: dict) -> float | None:
+    """Fraction of PipeOptim's gap to synchronous training (final val loss, means over seeds) that the
+    variant closes: 1 = reaches synchronous, 0 = PipeOptim's loss, < 0 = worse than PipeOptim. None when
+    PipeOptim has no real gap to close (its mean ± std overlaps the synchronous one)."""
+    if compare(pipeoptim["val_ms"], sync["val_ms"], len(pipeoptim["seeds"])) != "worse (real)":
+        return None
+    po_gap = pipeoptim["val_ms"][0] - sync["val_ms"][0]
+    return (po_gap - (variant["val_ms"][0] - sync["val_ms"][0])) / po_gap
+
+
+def predictor_table(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]]:
+    """PipeOptim and each predictor / gradient-side variant against synchronous 1F1B and PipeOptim."""
+    header = ["D", "optimizer", "method", "final val loss", "gap to 1F1B", "fraction of PipeOptim's gap closed",
+              "vs PipeOptim", "paired: seeds below PipeOptim", "tokens/s vs PipeOptim (sim.)", "weight copies/stage"]
+    rows, out = summary["rows"], []
+    for D in s.depths:
+        for o in s.optimizers:
+            po, sync = rows.get((D, o, "pipeoptim")), rows.get((D, o, "1f1b")) or rows.get((D, o, "gpipe"))
+            if po is None or sync is None:
+                continue
+            for m in ("pipeoptim", "pipedream", *PREDICTOR_VARIANTS):
+                row = rows.get((D, o, m))
+                if row is None:
+                    continue
+                gap = (row["val_ms"][0] - sync["val_ms"][0]) / sync["val_ms"][0] * 100
+                if m == "pipeoptim":
+                    closed, verdict, paired, speed = "0 (reference)", "–", "–", "1.00"
+                else:
+                    f = gap_closed(row, po, sync)
+                    closed = "n/a (no real PipeOptim gap)" if f is None else f"{f:+.0%}"
+                    verdict = compare(row["val_ms"], po["val_ms"], min(len(row["seeds"]), len(po["seeds"])))
+                    common = [sd for sd in row["seeds"] if sd in po["seeds"]]
+                    paired = f"{sum(1 for sd in common if row['val'][sd] < po['val'][sd])}/{len(common)}"
+                    speed = f"{row['tokens_per_s'] / po['tokens_per_s']:.2f}"
+                out.append([str(D), OPT_LABELS[o], LABELS[m], fmt(*row["val_ms"]), f"{gap:+.2f}%", closed, verdict,
+                            paired, speed, _copies_str(row["copies"])])
+    return header, out
+
+
+def moonshot_lines(s: Settings, summary: dict) -> list[str]:
+    """The issue's target: close >= half of PipeOptim's gap to synchronous 1F1B at D = 4 at no throughput
+    cost (simulated tokens/s within 2 % of PipeOptim's, the calibration's noise level)."""
+    rows, lines = summary["rows"], []
+    for o in s.optimizers:
+        po, sync = rows.get((4, o, "pipeoptim")), rows.get((4, o, "1f1b")) or rows.get((4, o, "gpipe"))
+        if po is None or sync is None:
+            continue
+        found = []
+        for m in PREDICTOR_VARIANTS:
+            row = rows.get((4, o, m))
+            f = None if row is None else gap_closed(row, po, sync)
+            if f is not None:
+                found.append((f, m, row["tokens_per_s"] / po["tokens_per_s"]))
+        if not found:
+            lines.append(f"- D=4, {OPT_LABELS[o]}: PipeOptim has no real gap to 1F1B here (or no variant ran): "
+                         "nothing to close.")
+            continue
+        f, m, speed = max(found)
+        met = f >= 0.5 and speed >= 0.98
+        lines.append(f"- D=4, {OPT_LABELS[o]}: best variant {LABELS[m]} closes {f:+.0%} of PipeOptim's gap "
+                     f"(simulated throughput {speed:.2f}x PipeOptim's): target {'MET' if met else 'not met'}.")
+    return lines
+
+
+def plot_predictors(s: Settings, summary: dict, path: str) -> str | None:
+    """Validation loss over training per (D, optimizer): synchronous, PipeOptim, PipeDream and the variants
+    (mean over seeds, band ±1 std)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = ["sync", "pipeoptim", "pipedream", *[m for m in PREDICTOR_VARIANTS if m in s.methods]]
+    train = summary["train"]
+    nrows, ncols = len(s.depths), len(s.optimizers)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    handles = {}
+    for i, D in enumerate(s.depths):
+        for j, o in enumerate(s.optimizers):
+            ax = axes[i][j]
+            lows, highs = [], []
+            for m in methods:
+                runs = train.get((0, o, "sync") if m == "sync" else (D, o, m), {})
+                nv = min((len(r["val"]) for r in runs.values()), default=0)
+                if not nv:
+                    continue
+                x = np.array([q[0] for q in next(iter(runs.values()))["val"][:nv]])
+                vals = np.array([[r["val"][q][1] for q in range(nv)] for r in runs.values()])
+                mean = vals.mean(0)
+                std = vals.std(0, ddof=1) if len(vals) > 1 else np.zeros(nv)
+                color = COLORS.get(m) or VARIANT_COLORS[m]
+                style = "-" if m in ("sync", "pipeoptim") or m.startswith("po-") else ":"
+                (h,) = ax.plot(x, mean, color=color, lw=1.3, ls=style, marker="o", ms=3, label=LABELS[m])
+                ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.08, lw=0)
+                handles[m] = h
+                lows.append(float(np.nanmin(mean - std)))
+                highs.append(float(np.nanmax(mean[1:] + std[1:])) if nv > 1 else float(mean[0]))
+            lows, highs = [v for v in lows if math.isfinite(v)], [v for v in highs if math.isfinite(v)]
+            if lows and highs and max(highs) > min(lows):  # the first evaluation may be far off: not scaled to
+                pad = 0.05 * (max(highs) - min(lows))
+                ax.set_ylim(min(lows) - pad, max(highs) + pad)
+            ax.set_title(f"D={D}, {OPT_LABELS[o]}")
+            ax.set_xlabel(f"micro-batches of B={s.micro_batch}")
+            ax.set_ylabel("validation loss")
+            ax.grid(alpha=0.3)
+    if not handles:
+        plt.close(fig)
+        return None
+    ncol = 2 * ncols
+    legend_rows = math.ceil(len(handles) / ncol)
+    fig.legend(handles=list(handles.values()), loc="lower center", ncol=ncol, frameon=False, fontsize="small")
+    fig.suptitle(f"{s.workload.upper()}: weight predictors and gradient-side variants vs PipeOptim and synchronous\n"
+                 f"(validation loss, mean over {s.seeds} seed(s), band ±1 std)")
+    fig.tight_layout(rect=(0, 0.035 * legend_rows * 2 / nrows, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -931,13 +1293,41 @@ def notes(s: Settings, summary: dict, unigram: float) -> str:
     return "\n".join(out)
 
 
+def predictor_section(s: Settings, summary: dict) -> str:
+    """The "Beyond the paper" section: empty unless a predictor variant ran."""
+    if not any(m in PREDICTOR_VARIANTS for m in s.methods):
+        return ""
+    header, table = predictor_table(s, summary)
+    spec = "\n".join(f"- {LABELS[m]}: `{base}` with {', '.join(f'{k}={v}' for k, v in opts.items())}"
+                     for m, (base, opts) in PREDICTOR_VARIANTS.items() if m in s.methods)
+    return f"""
+## Beyond the paper: weight predictors and gradient-side corrections
+
+Variants (policy options of `megatron_po/pipeline/policies.py`, predictors in `megatron_po/optim/predictors.py`;
+delay compensation's λ = "tokens" = the {s.micro_batch * s.seq_length} tokens of a micro-batch, a stated rule):
+{spec}
+
+"Fraction of PipeOptim's gap closed" = (gap_PipeOptim − gap_variant) / gap_PipeOptim on the mean final
+validation loss (1 = synchronous 1F1B reached, 0 = no better than PipeOptim, negative = worse); n/a where
+PipeOptim's own gap is within the seed spread. "vs PipeOptim" uses the verdict rule above (a difference is
+real only beyond std_a + std_b). Throughput: simulated tokens/s from the same calibration as PipeOptim's.
+
+{markdown_table(header, table) if table else "(needs PipeOptim, 1F1B and a variant)"}
+
+Moonshot (close at least half of PipeOptim's gap to 1F1B at D = 4 at no throughput cost):
+{chr(10).join(moonshot_lines(s, summary)) or "- (D = 4 not run)"}
+
+Curves: `predictors.png`.
+"""
+
+
 def write_report(s: Settings, wl, summary: dict, elapsed: float, load: tuple, png: str, reused: int = 0) -> str:
     import torch
     reused = f" ({reused} run(s) reused from an earlier invocation's cache, --resume)" if reused else ""
     rows = summary["rows"]
     header, table = main_table(s, summary)
     h2h_header, h2h = head_to_head(s, summary)
-    B, seq = s.micro_batch, s.seq_length
+    B = s.micro_batch
     calib = summary["calibrations"]
     check_lines = [f"- D={D}, {OPT_LABELS[o]} (seed 1, {s.check_updates} updates, M={D} micro-batches of "
                    f"{B // D}): max |loss difference| to the unpipelined reference: GPipe "
@@ -946,8 +1336,8 @@ def write_report(s: Settings, wl, summary: dict, elapsed: float, load: tuple, pn
     unigram = wl.unigram_baseline()
     n_params = None
     try:
-        from megatron_po.models.gpt import GPTModel
-        n_params = sum(p.numel() for p in GPTModel(wl.config(1).model, wl.padded_vocab, 1).parameters())
+        n_params = sum(p.numel() for c in wl.build_chunks(wl.config(1), wl.padded_vocab, 0, 1, 1)
+                       for p in c.parameters())
     except Exception:  # noqa: BLE001 (the count is informative only)
         pass
     lr = ", ".join(f"{OPT_LABELS[o]} {s.lr[o]:g}" for o in s.optimizers)
@@ -965,7 +1355,7 @@ at end {load[1]:.2f}; wall time {elapsed / 60:.1f} min with {s.jobs} worker proc
 ## Settings (identical for every method; never tuned per method)
 - Data: {wl.describe()}. Training samples shuffled by the seed, the same order for every method; validation
   = a fixed set of {s.eval_batches} x {B} sequences from the validation split, the same for every run.
-- Model: GPT, {s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, sequence {seq},
+- Model: {wl.describe_model(n_params)},
   untied input/output embeddings (required by the asynchronous methods), no dropout (every method sees the
   same function of the weights), {f"{n_params:,} parameters" if n_params else ""}; fp32. Layers split evenly
   over the D stages (D=8: one layer per stage; stage 0 also holds the embedding, the last stage the output layer).
@@ -975,7 +1365,7 @@ at end {load[1]:.2f}; wall time {elapsed / 60:.1f} min with {s.jobs} worker proc
   cosine decay to {s.min_lr_ratio:g} x peak after a linear warm-up of {s.warmup} micro-batches; weight decay
   {s.weight_decay} (L2 for Adam and SGD, decoupled for AdamW; not on biases and norms); Adam betas (0.9, 0.999), eps 1e-8; SGD momentum {s.sgd_momentum}.
 - Gradient clipping: {clipping}.
-- Length: {s.steps} micro-batches of B = {B} sequences x {seq} tokens = {s.steps * B * seq:,} training tokens
+- Length: {s.steps} micro-batches of B = {wl.describe_sample()} = {s.steps * wl.tokens_per_microbatch:,.0f} training tokens
   per run (every method sees exactly the same samples); evaluation every {s.eval_interval} micro-batches.
 
 ## How the comparison is made fair
@@ -1037,10 +1427,10 @@ at end {load[1]:.2f}; wall time {elapsed / 60:.1f} min with {s.jobs} worker proc
 ## Verdict
 
 {verdict_paragraph(s, summary) or "(PipeOptim not selected)"}
-
+{predictor_section(s, summary)}
 ## Notes
 
-{notes(s, summary, unigram)}
+{notes(s, summary, unigram)}{wl.report_notes(summary) if hasattr(wl, "report_notes") else ""}
 
 Curves: `{os.path.basename(png)}` (train loss as a moving mean, validation loss dashed; mean over seeds,
 band ±1 std; one panel per (D, optimizer)).
@@ -1069,6 +1459,8 @@ def run_benchmark(s: Settings, log=_print) -> dict:
     results, reused = run_jobs(s, jobs, log)
     summary = summarize(s, results, wl.tokens_per_microbatch)
     png = plot(s, summary, os.path.join(s.out, "convergence.png"))
+    if any(m in PREDICTOR_VARIANTS for m in s.methods):
+        plot_predictors(s, summary, os.path.join(s.out, "predictors.png"))
     elapsed = time.perf_counter() - start
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = write_report(s, wl, summary, elapsed, (load0, load1), png, reused)
@@ -1089,7 +1481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="micro-batches per run (default 256; --quick 32)")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     p.add_argument("--out", default=None, help="output directory (default bench/results)")
-    p.add_argument("--workload", default="gpt", choices=sorted(WORKLOADS), help="gpt (nmt: hook, not implemented)")
+    p.add_argument("--workload", default="gpt", choices=sorted(WORKLOADS),
+                   help="gpt, or nmt: the encoder-decoder translation model (defaults: Adam, D = 4; BLEU columns)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one torch thread each)")
     p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/.cache/runs")
     p.add_argument("--eval-interval", type=int, default=None, help="micro-batches between evaluations")
@@ -1101,6 +1494,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(argv=None) -> Settings:
     args = build_parser().parse_args(argv)
     s = Settings()
+    if args.workload == "nmt":
+        s = nmt_settings(s)
     if args.quick:
         s = quick_settings(s)
         s.seeds = 1

@@ -11,6 +11,11 @@ Launch: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_
 otherwise Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, first host of the node list, a port
 derived from the job id), so `srun python pretrain_gpt.py ...` works without torchrun; otherwise a
 single process.
+
+Faults: every process group (the world's and each new_group) gets `--distributed-timeout-minutes`, so a
+collective or receive that a live but stuck peer never completes fails instead of hanging. A
+heartbeat watchdog (`start_watchdog`, below) finds ranks that died (SIGKILL, OOM killer, lost node),
+which a blocked peer cannot tell from slow ones, and makes every rank exit with a line naming the lost one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import datetime
 import os
 import re
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +48,23 @@ def get_device() -> torch.device:
 
 def get_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def set_deterministic() -> None:
+    """`--deterministic`: the same seed and layout give bit-identical runs on GPUs too. Call before the
+    process group and any CUDA work exist. CPU runs (gloo) are deterministic without it.
+
+    - `torch.use_deterministic_algorithms(True)`: deterministic kernels where torch has a choice (e.g.
+      the embedding backward's index_add without atomics); an op without one raises instead of drifting;
+    - cuDNN deterministic, its autotuner off (`benchmark` would pick kernels by timing);
+    - `CUBLAS_WORKSPACE_CONFIG=:4096:8`, which cuBLAS needs for reproducible split-K GEMMs;
+    - `NCCL_ALGO=Ring` unless set: one reduction order for every message size (NCCL may otherwise pick
+      tree or ring by size and topology, and the sums round differently)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,6 +148,8 @@ class _State:
 
 
 _STATE: _State | None = None
+# Of the world group and every group built here (new_group would otherwise default to 30 minutes).
+_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
@@ -148,9 +175,11 @@ def check_topology(world_size: int, tp: int, pp: int) -> int:
 
 def init_distributed(timeout_minutes: float = 10.0, environ=None) -> LaunchEnv:
     """Start torch.distributed from the launch environment (idempotent)."""
+    global _TIMEOUT
     env = read_launch_env(environ)
     if dist.is_initialized():
         return env
+    _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
@@ -158,7 +187,7 @@ def init_distributed(timeout_minutes: float = 10.0, environ=None) -> LaunchEnv:
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=_TIMEOUT,
     )
     return env
 
@@ -178,33 +207,33 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for p in range(pp):
         for d in range(dp):
             ranks = [rank_of(t, d, p, tp, dp) for t in range(tp)]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=_TIMEOUT)
             if (d, p) == (my_dp, my_pp):
                 st.tp_group, st.tp_ranks = g, tuple(ranks)
     for p in range(pp):
         for t in range(tp):
             ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=_TIMEOUT)
             if (t, p) == (my_tp, my_pp):
                 st.dp_group, st.dp_ranks = g, tuple(ranks)
     for d in range(dp):
         for t in range(tp):
             ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=_TIMEOUT)
             if (t, d) == (my_tp, my_dp):
                 st.pp_group, st.pp_ranks = g, tuple(ranks)
             emb = sorted({ranks[0], ranks[-1]})
-            g = dist.new_group(emb)
+            g = dist.new_group(emb, timeout=_TIMEOUT)
             if (t, d) == (my_tp, my_dp):
                 st.embedding_group = g
     for d in range(dp):
         ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=_TIMEOUT)
         if d == my_dp:
             st.model_parallel_group = g
     for p in range(pp):
         ranks = [rank_of(t, d, p, tp, dp) for d in range(dp) for t in range(tp)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=_TIMEOUT)
         if p == my_pp:
             st.tp_dp_group = g
     _STATE = st
@@ -216,6 +245,7 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     global _STATE
+    stop_watchdog()
     _STATE = None
 
 
@@ -300,3 +330,192 @@ def is_pipeline_first_stage() -> bool:
 
 def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Lost ranks: heartbeat watchdog
+# --------------------------------------------------------------------------------------------------
+#
+# A rank that dies mid-iteration leaves its peers blocked in a receive or a collective. gloo notices a
+# closed connection at once, NCCL may not notice at all, and neither says which rank is gone, nor can a
+# rank blocked on a live peer tell that this peer is itself waiting on the dead one. So every rank runs
+# a thread that, every `interval` seconds, bumps its counter in the rendezvous store (the TCPStore at
+# MASTER_ADDR:MASTER_PORT: rank 0's under srun or a plain launch, torchrun's agent's under torchrun)
+# and watches the counter of the next rank in a ring. A counter that stands still for `lost_after`
+# seconds (half the distributed timeout, at most 60 s) while its rank has not said it finished means
+# that rank is dead: the watcher publishes a fault naming it. Every watchdog polls the fault key; a
+# rank whose main thread has not exited by itself `grace` seconds after a fault prints one line and
+# exits with FAULT_EXIT_CODE. A main thread that fails in communication waits for that verdict to name
+# the lost rank (`communication_failure`); one that fails otherwise publishes its own error
+# (`report_fault`), so its peers stop instead of waiting for the timeout. If the store itself is gone,
+# rank 0 (or the launcher) is: every rank stops within 2 x lost_after.
+#
+# Under torchrun its agent also notices a dead worker and terminates the others (SIGTERM) at once; its
+# summary names the failed rank. Under srun, `--kill-on-bad-exit=1` does the same for Slurm tasks. The
+# watchdog is what holds without either (and names the rank in any case).
+
+FAULT_EXIT_CODE = 1
+
+
+def describe_rank(rank: int) -> str:
+    """`rank 5 (pipeline stage 1, data-parallel rank 0, tensor-parallel rank 1)`."""
+    if _STATE is None:
+        return f"rank {rank}"
+    tp, dp, pp = coords_of(rank, _STATE.tp, _STATE.dp)
+    return f"rank {rank} (pipeline stage {pp}, data-parallel rank {dp}, tensor-parallel rank {tp})"
+
+
+class Watchdog:
+    """This rank's heartbeat thread and its view of the run's fault (see above)."""
+
+    def __init__(self, env: LaunchEnv, timeout: datetime.timedelta):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.lost_after = min(timeout.total_seconds() / 2, 60.0)
+        self.interval = max(0.5, self.lost_after / 10)
+        self.grace = 2 * self.interval  # for a main thread that is about to exit by itself
+        self.address = f"{env.master_addr}:{env.master_port}"
+        # Its own connection: the main thread may block on the default store (group creation).
+        client = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                               timeout=datetime.timedelta(seconds=max(5.0, 2 * self.interval)))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent store outlives restarts
+        self.store = dist.PrefixStore(f"megatron_po/watchdog/{attempt}/", client)
+        self.lock = threading.Lock()  # the main thread reports through the same connection
+        self.store.set(f"where/{self.rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
+        self.watched = (self.rank + 1) % self.world
+        self.fault: str | None = None
+        self.exit_at = 0.0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megatron_po-watchdog", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        count, changed = -1, time.monotonic()
+        while not self.stopped.wait(self.interval):
+            try:
+                with self.lock:
+                    self.store.add(f"beat/{self.rank}", 1)
+                    fault = self.store.get("fault").decode() if self.store.check(["fault"]) else None
+                    seen = self.store.add(f"beat/{self.watched}", 0)
+                    finished = self.store.check([f"done/{self.watched}"])
+                now = time.monotonic()
+                if seen != count:
+                    count, changed = seen, now
+                elif fault is None and not finished and now - changed >= self.lost_after:
+                    fault = self.publish(f"{self._where(self.watched)} is lost: no heartbeat for "
+                                         f"{now - changed:.0f} s")
+            except Exception as e:  # the store's host is gone: stop probing it (each failure logs)
+                self._observe(f"lost the rendezvous store at {self.address}: rank 0 (or the launcher "
+                              f"hosting it) is gone ({str(e).splitlines()[0]})", grace=self.lost_after)
+                while not self.stopped.wait(self.interval):
+                    self._observe(self.fault, grace=self.lost_after)
+                return
+            if fault is not None:
+                self._observe(fault, grace=self.grace)
+
+    def probe(self, ranks: list[int], window: float) -> list[int]:
+        """Those of `ranks` whose heartbeat does not move within `window` seconds (and are not done)."""
+        keys = [f"beat/{r}" for r in ranks]
+        with self.lock:
+            before = [self.store.add(k, 0) for k in keys]
+        time.sleep(window)
+        with self.lock:
+            return [r for r, k, b in zip(ranks, keys, before)
+                    if self.store.add(k, 0) == b and not self.store.check([f"done/{r}"])]
+
+    def _where(self, rank: int) -> str:
+        key = f"where/{rank}"
+        with self.lock:
+            where = self.store.get(key).decode() if self.store.check([key]) else "never started"
+        return f"{describe_rank(rank)}, {where},"
+
+    def publish(self, message: str) -> str:
+        """Make `message` the run's fault unless another is already; return the run's fault."""
+        with self.lock:
+            return self.store.compare_set("fault", "", message).decode()
+
+    def _observe(self, fault: str, grace: float) -> None:
+        """Note the run's fault (the first one seen counts, with its grace); exit once the grace is over."""
+        if self.fault is None:
+            self.fault, self.exit_at = fault, time.monotonic() + grace
+        elif time.monotonic() >= self.exit_at and not self.stopped.is_set():
+            print(f"error: {describe_rank(self.rank)} stops: {self.fault}", file=sys.stderr, flush=True)
+            os._exit(FAULT_EXIT_CODE)
+
+    def stop(self, finished: bool) -> None:
+        if finished:  # a rank done with training is not lost (said before its heartbeat stops)
+            try:
+                with self.lock:
+                    self.store.set(f"done/{self.rank}", "1")
+            except Exception:
+                pass
+        self.stopped.set()
+        self.thread.join()
+
+
+_WATCHDOG: Watchdog | None = None
+
+
+def start_watchdog(environ=None) -> None:
+    """Start this rank's heartbeat watchdog (after `initialize_model_parallel`; nothing to watch alone)."""
+    global _WATCHDOG
+    if _WATCHDOG is None and dist.is_initialized() and dist.get_world_size() > 1:
+        _WATCHDOG = Watchdog(read_launch_env(environ), _TIMEOUT)
+
+
+def stop_watchdog(finished: bool = True) -> None:
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        _WATCHDOG.stop(finished)
+        _WATCHDOG = None
+
+
+def report_fault(message: str) -> None:
+    """This rank stops with an error its peers may not share: publish it so they stop too."""
+    if _WATCHDOG is not None:
+        try:
+            _WATCHDOG.publish(f"{describe_rank(_WATCHDOG.rank)} {message}")
+        except Exception:
+            pass  # the store is gone too: the peers' watchdogs see that
+        stop_watchdog(finished=False)
+
+
+def is_communication_error(e: BaseException) -> bool:
+    """A failed collective, receive or store operation (a peer closed its connection, a timeout)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and (
+        "gloo" in text or "NCCL" in text or "Connection closed" in text or "Connection reset" in text))
+
+
+def communication_failure(e: BaseException) -> str | None:
+    """For a communication error: one line saying which rank was lost (if one was) and what failed here.
+    None for any other error.
+
+    A timeout means the peers were alive (a dead one would have been found by its heartbeat within
+    lost_after < the timeout) but one is stuck: say so at once and publish it, which also stops the
+    stuck rank. A closed connection usually means a direct peer died: probe the heartbeats of this rank's
+    groups for a few beats, then wait for the verdict (the ring watcher's lost_after covers the rest)."""
+    if not is_communication_error(e):
+        return None
+    # gloo's text is "[<source file>:<line>] <what>. <advice>": keep <what>
+    here = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0] if str(e) else type(e).__name__
+    me = describe_rank(dist.get_rank()) if dist.is_initialized() else "this rank"
+    if _WATCHDOG is None:
+        return f"{me}: communication failed: {here}"
+    if "timed out" not in here.lower():
+        peers = sorted({*_STATE.tp_ranks, *_STATE.dp_ranks, *_STATE.pp_ranks} - {_WATCHDOG.rank})
+        window = max(3.0, 3 * _WATCHDOG.interval)
+        try:
+            stalled = _WATCHDOG.probe(peers, window)
+            if stalled and _WATCHDOG.fault is None:
+                _WATCHDOG.publish(f"{_WATCHDOG._where(stalled[0])} is lost: no heartbeat for {window:.0f} s")
+        except Exception:
+            pass  # the store is gone: the watchdog reports that
+        deadline = time.monotonic() + _WATCHDOG.lost_after + 2 * _WATCHDOG.interval
+        while _WATCHDOG.fault is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    fault = _WATCHDOG.fault
+    if fault is None:  # nobody died: a peer is stuck, or this rank's link failed
+        report_fault(f"failed in communication: {here}")
+        return f"{me}: communication failed (no rank was lost: a stuck peer or a broken link): {here}"
+    stop_watchdog(finished=False)
+    return f"{me} stops: {fault}; here: {here}"

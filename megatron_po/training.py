@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint,
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import DataError, UserError
+from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.models.gpt import GPTModel
 from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_
@@ -57,6 +59,26 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
     mlp = (3 if m.swiglu else 2) * h * f
     per_layer = 2 * (4 * h * h + mlp + 2 * s * h)
     return 3.0 * (L * per_layer + 2 * h * vocab_size)
+
+
+def nmt_flops_per_sample(hidden_size: int, ffn_hidden_size: int, encoder_num_layers: int, decoder_num_layers: int,
+                         src_length: int, tgt_length: int, vocab_size: int, swiglu: bool = False) -> float:
+    """Training FLOPs of one (source, target) pair of an encoder-decoder transformer, the same dense
+    convention as `gpt_flops_per_token` (2 FLOPs per multiply-add, x 3 for forward + backward).
+
+    Encoder layer, per source token: QKV + output (4 h^2), MLP (2 h f or 3 h f), self-attention scores
+    + weighted values (2 S h, bidirectional: the full square is the real work).
+    Decoder layer, per target token: self-attention like the GPT layer (4 h^2 + 2 T h, full T x T square
+    although causal), cross-attention query + output (2 h^2) and scores + weighted values over the
+    source (2 S h), MLP; plus, per source token, the cross-attention key/value projection of the
+    encoder output (2 h^2). Output layer: h V per target token. With S = T, no encoder and no
+    cross-attention this is `gpt_flops_per_token` x T.
+    """
+    h, f, S, T = hidden_size, ffn_hidden_size, src_length, tgt_length
+    mlp = (3 if swiglu else 2) * h * f
+    encoder = encoder_num_layers * S * (4 * h * h + mlp + 2 * S * h)
+    decoder = decoder_num_layers * (T * (4 * h * h + 2 * T * h + 2 * h * h + 2 * S * h + mlp) + S * 2 * h * h)
+    return 3.0 * 2 * (encoder + decoder + T * h * vocab_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,22 +128,79 @@ def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
     return out
 
 
+class GPTWorkload:
+    """What the loop needs to know about the model and data it trains; `pretrain` talks to GPT through
+    this, and to the encoder-decoder translation model through `nmt_workload.NMTWorkload` (same methods).
+    Built before the process groups (`name` picks the config rules); `setup()` runs after them."""
+
+    name = "gpt"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        """Tokenizer and padded vocabulary (TP-dependent padding)."""
+        from megatron_po.data.tokenizer import build_tokenizer
+        d = self.cfg.data
+        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+        self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, self.cfg.model.make_vocab_size_divisible_by,
+                                           self.cfg.parallel.tensor_model_parallel_size)
+
+    def model_chunks(self) -> list:
+        return build_model_chunks(self.cfg, self.padded_vocab)
+
+    @staticmethod
+    def chunks_for_rank(cfg: Config, padded_vocab, rank: int, num_stages: int, num_chunks: int, device=None):
+        """Any pipeline rank's chunks (the asynchronous engine builds its own)."""
+        from megatron_po.pipeline.partition import build_chunks_for_rank
+        return build_chunks_for_rank(cfg, padded_vocab, rank, num_stages, num_chunks, device)
+
+    def data(self):
+        """(train, valid, test); real data is checked against the tokenizer's vocabulary."""
+        return build_data(self.cfg, self.tokenizer.vocab_size)
+
+    def microbatches(self, dataset, consumed_samples: int, num_mb: int, mbs: int) -> list[dict]:
+        return microbatches(dataset, consumed_samples, num_mb, mbs)
+
+    def message_specs(self, micro_batch_size: int):
+        """Shapes both ends of a pipeline message agree on (None: sent in a header)."""
+        from megatron_po.pipeline.partition import gpt_message_specs
+        return gpt_message_specs(self.cfg, micro_batch_size)
+
+    def eval_iters(self, valid) -> int:
+        """Global batches of validation data per evaluation."""
+        return self.cfg.training.eval_iters
+
+    def tokens_per_iteration(self, gbs: int) -> float:
+        return gbs * self.cfg.model.seq_length
+
+    def flops_per_iteration(self, gbs: int) -> float:
+        return gpt_flops_per_token(self.cfg, self.padded_vocab) * gbs * self.cfg.model.seq_length
+
+    def evaluate_extra(self, chunks, iteration: int) -> dict:
+        """Metrics beyond the validation loss, on the logging rank ({} elsewhere)."""
+        return {}
+
+    def checkpoint_extra(self) -> dict:
+        return {"vocab_size": self.tokenizer.vocab_size, "padded_vocab_size": self.padded_vocab}
+
+
 # --------------------------------------------------------------------------------------------------
 # One step
 # --------------------------------------------------------------------------------------------------
 
 
 def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
-                     grad_scale: float = 1.0) -> torch.Tensor | None:
+                     grad_scale: float = 1.0, workload=None) -> torch.Tensor | None:
     """Loss averaged over this rank's micro-batches; gradients accumulated into the DDP buffer.
 
     Every layout runs through the pipeline executor: without pipelining it runs the "none" schedule
     (F0 B0 F1 B1 ..., plain gradient accumulation with the DP sync on the last backward).
-    Returns the mean loss on the rank that holds it (None elsewhere).
+    Returns the mean loss on the rank that holds it (None elsewhere). `workload` defaults to GPT.
     """
     from megatron_po.pipeline.executor import synchronous_forward_backward
-    from megatron_po.pipeline.partition import gpt_message_specs
-    specs = gpt_message_specs(cfg, batches[0]["tokens"].shape[0])
+    workload = workload or GPTWorkload(cfg)
+    specs = workload.message_specs(next(iter(batches[0].values())).shape[0])  # dim 0 of any batch tensor
     return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only, specs,
                                         grad_scale)
 
@@ -144,21 +223,60 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
     return float(x) / ps.get_data_parallel_world_size()
 
 
-def train_step(cfg, chunks, ddp, optimizer, batches, lr: float):
+def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None):
     """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
     step was skipped for inf/NaN gradients)."""
     wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
-    loss = forward_backward(cfg, chunks, ddp, batches, grad_scale=optimizer.get_loss_scale() if wrapped else 1.0)
-    ddp.finish_grad_sync()
-    allreduce_sequence_parallel_grads(ddp.params)
-    allreduce_embedding_grads(ddp.params)
-    set_lr(optimizer, lr)
-    if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
-        return loss, optimizer.step().grad_norm
-    grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
-    optimizer.step()
+    with timers("forward-backward", 1):
+        loss = forward_backward(cfg, chunks, ddp, batches, grad_scale=optimizer.get_loss_scale() if wrapped else 1.0,
+                                workload=workload)
+    with timers("grad-sync", 1):  # what the last backwards' DP reduce did not overlap, + SP/embedding grads
+        ddp.finish_grad_sync()
+        allreduce_sequence_parallel_grads(ddp.params)
+        allreduce_embedding_grads(ddp.params)
+    with timers("optimizer", 1):
+        set_lr(optimizer, lr)
+        if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
+            return loss, optimizer.step().grad_norm
+        grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
+        if math.isfinite(grad_norm) or not cfg.training.check_for_nan_in_loss_and_grad:
+            optimizer.step()  # else the run stops (check_finite) with the weights of the last good step
     return loss, grad_norm
+
+
+class RankError(UserError):
+    """A stop that only this rank sees (the others are stopped through the watchdog): printed here, not
+    only on rank 0 as errors every rank raises alike are."""
+
+
+def last_checkpoint(save_dir: str | None) -> str:
+    """What a stop leaves behind, for its message (nothing is saved after a NaN/inf)."""
+    found = find_checkpoint(save_dir) if save_dir else None
+    return (f"nothing saved; the last good checkpoint is iteration {found} in {save_dir}" if found is not None
+            else "nothing saved")
+
+
+def check_finite(cfg, iteration: int, loss, grad_norm: float | None, ddp, save_dir: str | None) -> None:
+    """--check-for-nan-in-loss-and-grad (bf16/fp32; fp16's loss scaler skips such steps instead): a NaN/inf
+    gradient norm -- the same on every rank, agreed over the model-parallel group and equal across the
+    data-parallel replicas -- stops the run before the step (train_step held it back), so every rank
+    arrives here together and says which ranks and stages hold the non-finite loss or gradients."""
+    if not cfg.training.check_for_nan_in_loss_and_grad or cfg.precision.fp16:
+        return
+    if grad_norm is not None and math.isfinite(grad_norm):
+        return
+    mine = []
+    if loss is not None and not torch.isfinite(loss).all():
+        mine.append(f"lm loss {float(loss)}")
+    if not torch.isfinite(ddp.grad_buffer).all():
+        mine.append("non-finite gradients")
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    where = "; ".join(f"{ps.describe_rank(r)}: {', '.join(what)}" for r, what in enumerate(found) if what)
+    raise UserError(f"NaN/inf at iteration {iteration} (grad norm {grad_norm if grad_norm is not None else 'nan'}): "
+                    f"{where or 'no rank holds a non-finite value after the reduction'}; stopped before the "
+                    f"optimizer step, {last_checkpoint(save_dir)}")
 
 
 def build_optimizer_for(cfg: Config, chunks, ddp):
@@ -181,14 +299,15 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
 
 
 @torch.no_grad()
-def evaluate(cfg, chunks, ddp, valid, num_mb):
+def evaluate(cfg, chunks, ddp, valid, num_mb, workload=None):
+    workload = workload or GPTWorkload(cfg)
     for c in chunks:
         c.eval()
     losses = []
     gbs = global_batch_size(cfg, dist.get_world_size())
-    for k in range(cfg.training.eval_iters):
-        batches = microbatches(valid, k * gbs, num_mb, cfg.training.micro_batch_size)
-        loss = forward_backward(cfg, chunks, ddp, batches, forward_only=True)
+    for k in range(workload.eval_iters(valid)):
+        batches = workload.microbatches(valid, k * gbs, num_mb, cfg.training.micro_batch_size)
+        loss = forward_backward(cfg, chunks, ddp, batches, forward_only=True, workload=workload)
         losses.append(average_over_dp(loss) if holds_loss() else None)
     for c in chunks:
         c.train()
@@ -202,16 +321,42 @@ def evaluate(cfg, chunks, ddp, valid, num_mb):
 # --------------------------------------------------------------------------------------------------
 
 
+def truncate_metrics(path: str, iteration: int) -> None:
+    """Keep a metrics file to the records of iterations <= `iteration`, where a run resumes: a killed run
+    logged past its last checkpoint, and the resumed run logs those iterations again. A torn last line
+    (killed mid-write) goes too. The file then reads as one uninterrupted run."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and record.get("iteration", 0) <= iteration:
+            kept.append(line)
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 class Logger:
-    """Console line, `--metrics-file` JSON lines and W&B, from the rank that holds the loss."""
+    """Console line, `--metrics-file` JSON lines, W&B and TensorBoard, from the rank that holds the loss.
+    Every sink gets the same record; TensorBoard takes its numbers (keys such as `time/optimizer` and
+    `staleness/stage0` group into sections there and in W&B)."""
 
     def __init__(self, cfg: Config, active: bool):
         self.active = active
         self.metrics_file = None
         self.wandb = None
+        self.tensorboard = None
         if not active:
             return
         lc = cfg.logging
+        pipeline = cfg.parallel.pipeline_model_parallel_size > 1  # the method is what the run compares
         if lc.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(lc.metrics_file)), exist_ok=True)
             self.metrics_file = open(lc.metrics_file, "a")
@@ -219,6 +364,14 @@ class Logger:
             import wandb
             self.wandb = wandb.init(project=lc.wandb_project, name=lc.wandb_exp_name, entity=lc.wandb_entity,
                                     dir=lc.wandb_save_dir, config=cfg.to_dict())
+            if pipeline:
+                self.wandb.summary["pipeline_method"] = cfg.parallel.pipeline_method
+        if lc.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(lc.tensorboard_dir)
+            self.tensorboard.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
+            if pipeline:
+                self.tensorboard.add_text("pipeline_method", cfg.parallel.pipeline_method)
 
     def log(self, record: dict | None, line: str | None = None):
         if not self.active:
@@ -232,12 +385,18 @@ class Logger:
             self.metrics_file.flush()
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=record["iteration"])
+        if self.tensorboard:
+            for k, v in record.items():
+                if k != "iteration" and isinstance(v, (int, float)):
+                    self.tensorboard.add_scalar(k, v, record["iteration"])
 
     def close(self):
         if self.metrics_file:
             self.metrics_file.close()
         if self.wandb:
             self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 def print_rank0(msg: str):
@@ -250,52 +409,61 @@ def print_rank0(msg: str):
 # --------------------------------------------------------------------------------------------------
 
 
-def pretrain(cfg: Config) -> dict:
-    """Run training as configured; returns the last logged record (on the logging rank)."""
+def pretrain(cfg: Config, workload=None) -> dict:
+    """Run training as configured; returns the last logged record (on the logging rank).
+    `workload`: what is trained (default `GPTWorkload(cfg)`; pretrain_nmt.py passes an NMTWorkload)."""
+    workload = workload or GPTWorkload(cfg)
     env_world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    validate(cfg, env_world)
+    validate(cfg, env_world, workload.name)
+    if cfg.training.deterministic:
+        ps.set_deterministic()
     ps.init_distributed(cfg.parallel.distributed_timeout_minutes)
     world = dist.get_world_size()
-    validate(cfg, world)
+    validate(cfg, world, workload.name)
     p = cfg.parallel
     from megatron_po.config import virtual_pipeline_size
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
+    ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
     t = cfg.training
     torch.manual_seed(t.seed)
     model_parallel_seed(t.seed)
 
-    from megatron_po.data.tokenizer import build_tokenizer
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
-    padded_vocab = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
-                                  p.tensor_model_parallel_size)
+    workload.setup()
+    padded_vocab = workload.padded_vocab
     engine = ddp = None
     if is_async(cfg):
-        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world))
+        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world), workload)
         chunks, optimizer = engine.chunks, engine.stage.optimizers
     else:
         pr = cfg.precision
-        chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in build_model_chunks(cfg, padded_vocab)]
+        chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in workload.model_chunks()]
         ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size,
                                       grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                    pr.accumulate_allreduce_grads_in_fp32),
                                       use_distributed_optimizer=pr.use_distributed_optimizer,
                                       overlap_param_gather=pr.overlap_param_gather)
         optimizer = build_optimizer_for(cfg, chunks, ddp)
+        if cfg.model.transformer_impl == "transformer_engine":  # weights change only at steps, after a flush
+            from megatron_po.models.te_transformer import enable_fp8_weight_cache
+            enable_fp8_weight_cache(chunks)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
                 f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
 
     # Real data is checked against the tokenizer's vocabulary (a token id >= vocab size is an error).
-    train_ds, valid_ds, _ = build_data(cfg, tokenizer.vocab_size)
+    train_ds, valid_ds, _ = workload.data()
 
     state = TrainState()
     ck = cfg.checkpoint
-    found = find_checkpoint(ck.load, ck.ckpt_step) if ck.load and os.path.isdir(ck.load) else None
+    load_dir = ck.load
+    if load_dir is None and ck.save and find_checkpoint(ck.save) is not None:
+        load_dir = ck.save  # auto-resume: relaunching the same command continues from its last checkpoint
+    found = find_checkpoint(load_dir, ck.ckpt_step) if load_dir and os.path.isdir(load_dir) else None
     if found is not None:
         # --finetune: the weights only; the run starts over at iteration 0 with a fresh optimizer.
-        extra = load_checkpoint(ck.load, chunks, optimizer, step=found,
+        extra = load_checkpoint(load_dir, chunks, optimizer, step=found,
                                 load_optim=not (ck.no_load_optim or ck.finetune),
                                 load_rng=not (ck.no_load_rng or ck.finetune),
                                 policy=engine.stage.policy if engine is not None and not ck.finetune else None)
@@ -303,7 +471,7 @@ def pretrain(cfg: Config) -> dict:
             state = TrainState(**extra["train_state"])
             if engine is not None:
                 engine.restore_progress(state.iteration * num_microbatches(cfg, world))
-        print_rank0(f"> {'finetuning from' if ck.finetune else 'resumed from'} {ck.load} iteration {found}; "
+        print_rank0(f"> {'finetuning from' if ck.finetune else 'resumed from'} {load_dir} iteration {found}; "
                     f"continuing at iteration {state.iteration}")
     elif ck.load:
         if not os.path.isdir(ck.load) and ck.load != ck.save:
@@ -315,14 +483,16 @@ def pretrain(cfg: Config) -> dict:
     gbs = global_batch_size(cfg, world)
     num_mb = num_microbatches(cfg, world)
     mbs = t.micro_batch_size
-    flops_per_iter = gpt_flops_per_token(cfg, padded_vocab) * gbs * cfg.model.seq_length
+    flops_per_iter = workload.flops_per_iteration(gbs)
+    if dist.get_rank() == logging_rank() and cfg.logging.metrics_file:
+        truncate_metrics(cfg.logging.metrics_file, state.iteration)  # what a killed run logged past its checkpoint
     logger = Logger(cfg, dist.get_rank() == logging_rank())
-    progress = Progress(cfg, logger, gbs, flops_per_iter, world)
+    progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs))
 
     def save():
+        progress.flush()  # records up to the checkpoint are on disk before it is (a resume rewrites the rest)
         save_checkpoint(ck.save, state.iteration, chunks, optimizer,
-                        {"train_state": vars(state).copy(), "config": cfg.to_dict(),
-                         "vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded_vocab},
+                        {"train_state": vars(state).copy(), "config": cfg.to_dict(), **workload.checkpoint_extra()},
                         policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last)
         print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
 
@@ -330,10 +500,10 @@ def pretrain(cfg: Config) -> dict:
         if valid_ds is None:
             return None
         if engine is None:
-            return evaluate(cfg, chunks, ddp, valid_ds, num_mb)
+            return evaluate(cfg, chunks, ddp, valid_ds, num_mb, workload)
         losses = []
-        for k in range(t.eval_iters):
-            val = engine.evaluate(microbatches(valid_ds, k * gbs, num_mb, mbs))
+        for k in range(workload.eval_iters(valid_ds)):
+            val = engine.evaluate(workload.microbatches(valid_ds, k * gbs, num_mb, mbs))
             losses.append(average_over_dp(torch.tensor(val)) if holds_loss() else None)
         return sum(losses) / len(losses) if holds_loss() else None
 
@@ -343,8 +513,9 @@ def pretrain(cfg: Config) -> dict:
         it = state.iteration
         if it % t.eval_interval == 0 or it == t.train_iters:
             val = evaluate_now()
+            extra = workload.evaluate_extra(chunks, it)  # e.g. BLEU (every rank takes part)
             if val is not None:
-                progress.log_validation(it, val)
+                progress.log_validation(it, val, extra)
         saved = False
         if ck.save and ((ck.save_interval and it % ck.save_interval == 0) or it == t.train_iters):
             save()
@@ -360,13 +531,15 @@ def pretrain(cfg: Config) -> dict:
         # Synchronous: one global batch per iteration, a flush and a step at its end.
         while state.iteration < t.train_iters:
             lr = lr_at(state.iteration, t)
-            batches = microbatches(train_ds, state.consumed_samples, num_mb, mbs)
-            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr)
+            batches = workload.microbatches(train_ds, state.consumed_samples, num_mb, mbs)
+            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload)
+            check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
             state.iteration += 1
             state.consumed_samples += gbs
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
                                     optimizer.get_loss_scale() if cfg.precision.fp16 else None)
-            stop = at_boundary()
+            with progress.excluded():  # evaluation and checkpoints are not training time
+                stop = at_boundary()
             progress.flush()
             if stop:
                 break
@@ -377,12 +550,17 @@ def pretrain(cfg: Config) -> dict:
             """Micro-batch `mb` of the stream is micro-batch mb % M of global batch mb // M (same data
             order as synchronous training)."""
             g, m = divmod(mb, num_mb)
-            return microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
+            return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
 
         pending: dict[int, list] = {}
+        check_nan = t.check_for_nan_in_loss_and_grad and not cfg.precision.fp16  # fp16: the loss scaler skips
 
         def on_loss(mb: int, loss: torch.Tensor) -> None:
             g = mb // num_mb
+            if check_nan and not torch.isfinite(loss).all():  # before its backward
+                raise RankError(f"lm loss is {float(loss)} at iteration {g + 1} (micro-batch {mb}) on "
+                                f"{ps.describe_rank(dist.get_rank())}: stopped before its backward; "
+                                f"{last_checkpoint(ck.save)}")
             pending.setdefault(g, []).append(loss)
             if len(pending[g]) == num_mb:
                 mean = torch.stack(pending.pop(g)).mean()
@@ -394,7 +572,8 @@ def pretrain(cfg: Config) -> dict:
             engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss)
             state.consumed_samples += (stop - state.iteration) * gbs
             state.iteration = stop
-            stop = at_boundary()
+            with progress.excluded():  # evaluation and checkpoints are not training time
+                stop = at_boundary()
             progress.flush()
             if stop:
                 break
@@ -411,7 +590,7 @@ def next_boundary(iteration: int, cfg: Config) -> int:
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 
 
-def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int):
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None):
     """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
     batches), so warm-up and decay span the same samples as in synchronous training although a stage
     steps `microbatches_per_iteration / k` times per iteration."""
@@ -424,21 +603,39 @@ def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteratio
         kwargs["sgd_direction"] = p.pipeoptim_sgd_direction
     options = {}
     if p.pipeline_method == "pipeoptim":
-        options = dict(s_offset=p.pipeoptim_s_offset, include_weight_decay=p.pipeoptim_extrapolate_weight_decay)
-    from megatron_po.pipeline.partition import gpt_message_specs
+        options = dict(s_offset=p.pipeoptim_s_offset, include_weight_decay=p.pipeoptim_extrapolate_weight_decay,
+                       weight_predictor=p.weight_predictor, prediction_horizon=p.prediction_horizon,
+                       rollout_gradient=p.rollout_gradient)
+    if p.pipeline_method in ("pipedream", "pipeoptim"):
+        options.update(delay_compensation=p.delay_compensation_lambda,
+                       delay_compensation_adaptive=p.delay_compensation_adaptive)
+    options["staleness_lr_scaling"] = p.staleness_lr_scaling
+    workload = workload or GPTWorkload(cfg)
     return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
                              lr_fn=lambda step: lr_at(step // steps_per_iteration, t), clip_grad=t.clip_grad,
-                             message_specs=gpt_message_specs(cfg, t.micro_batch_size), **options)
+                             message_specs=workload.message_specs(t.micro_batch_size),
+                             build_chunks=workload.chunks_for_rank, **options)
 
 
 class Progress:
-    """Per-iteration bookkeeping on every rank; console, metrics file and W&B on the logging rank.
+    """Per-iteration bookkeeping on every rank; console, metrics file, W&B and TensorBoard on the logging
+    rank (tensor rank 0, data rank 0, last pipeline stage: the rank that holds the loss).
 
-    The console line is printed when an iteration is logged; its metrics record is written once the
-    iteration's evaluation (if any) is known, so `val_loss` joins the same JSON object."""
+    Each logged record holds the loss, lr, grad norm, loss scale (fp16), tokens/s, this process's memory
+    (`memory_gb`, `max_memory_gb`), with `--log-throughput` the model TFLOP/s per GPU (`tflops_per_gpu`,
+    FLOPs per iteration / time / world size) and, given a peak, `mfu`; with `--timing-log-level` the
+    logging rank's timers (`time/<name>`, ms per iteration); with pipelining the largest staleness of
+    each stage (`staleness/stage<r>`). Evaluation and checkpoints (`excluded()`) are not timed. The
+    console line is printed when an iteration is logged; its record is written once the iteration's
+    evaluation (if any) is known, so `val_loss` joins the same JSON object."""
 
-    def __init__(self, cfg: Config, logger: Logger, gbs: int, flops_per_iter: float, world: int):
+    def __init__(self, cfg: Config, logger: Logger, gbs: int, flops_per_iter: float, world: int,
+                 tokens_per_iter: float | None = None):
         self.cfg, self.logger, self.gbs, self.flops_per_iter, self.world = cfg, logger, gbs, flops_per_iter, world
+        self.tokens_per_iter = tokens_per_iter if tokens_per_iter is not None else gbs * cfg.model.seq_length
+        self.peak_tflops = device_peak_tflops(cfg.precision.bf16 or cfg.precision.fp16, cfg.logging.peak_tflops)
+        self.staleness = pipeline_staleness(cfg, world)
+        timers.configure(cfg.logging.timing_log_level)
         self.record: dict = {}  # the last logged record
         self.pending: dict | None = None  # logged, not yet written
         self.window_start, self.window_iters = time.perf_counter(), 0
@@ -447,38 +644,61 @@ class Progress:
     def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
                        loss_scale: float | None = None) -> None:
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
-        t = self.cfg.training
+        t, lc = self.cfg.training, self.cfg.logging
         self.window_iters += 1
         self.skipped += grad_norm is None
         if loss is not None:
             self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
-            if not math.isfinite(loss):
-                raise UserError(f"loss is {loss} at iteration {iteration} (rank {dist.get_rank()})")
-        if iteration % self.cfg.logging.log_interval != 0 and iteration != t.train_iters:
+            if not math.isfinite(loss) and t.check_for_nan_in_loss_and_grad and not self.cfg.precision.fp16:
+                raise RankError(f"lm loss is {loss} at iteration {iteration} on {ps.describe_rank(dist.get_rank())}")
+        if iteration % lc.log_interval != 0 and iteration != t.train_iters:
             return
         self.flush()
         sec_per_iter = (time.perf_counter() - self.window_start) / self.window_iters
-        tokens_per_sec = self.gbs * self.cfg.model.seq_length / sec_per_iter
-        tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
+        tokens_per_sec = self.tokens_per_iter / sec_per_iter
         self.record = {"iteration": iteration, "lm_loss": self.loss_sum / max(self.loss_n, 1), "lr": lr,
-                       "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec, "tflops_per_process": tflops,
+                       "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
                        "consumed_samples": iteration * self.gbs, "skipped_iterations": self.skipped}
         extra = ""
         if loss_scale is not None:
             self.record["loss_scale"] = loss_scale
-            extra = f" | loss scale {loss_scale:.1f} | skipped {self.skipped}"
+            extra += f" | loss scale {loss_scale:.1f} | skipped {self.skipped}"
+        if lc.log_throughput:
+            tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
+            self.record["tflops_per_gpu"] = tflops
+            extra += f" | TFLOP/s per GPU {tflops:.4f}"
+            if self.peak_tflops is not None:
+                self.record["mfu"] = tflops / self.peak_tflops
+                extra += f" | MFU {100 * self.record['mfu']:.1f}%"
+        self.record.update(memory_gb())
+        self.record.update(self.staleness)
+        times = {f"time/{name}": 1000 * sec / self.window_iters for name, sec in sorted(timers.pop().items())}
+        self.record.update(times)
         self.pending = self.record
         norm = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
         self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {iteration * self.gbs} |"
                               f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {norm} |"
-                              f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f} |"
-                              f" TFLOP/s per process {tflops:.4f}{extra}")
+                              f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f}{extra}")
+        if times:
+            self.logger.log(None, " time (ms/iter, this rank) | " + " | ".join(
+                f"{k[len('time/'):]} {v:.1f}" for k, v in times.items()))
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
         self.skipped = 0
 
-    def log_validation(self, iteration: int, val: float) -> None:
-        rec = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
-        self.logger.log(None, f" validation at iteration {iteration} | val loss {val:.4f} | val ppl {rec['val_ppl']:.2f}")
+    @contextmanager
+    def excluded(self):
+        """Evaluation and checkpoints inside are left out of the throughput and the timers."""
+        start = time.perf_counter()
+        with timers.paused():
+            yield
+        self.window_start += time.perf_counter() - start
+
+    def log_validation(self, iteration: int, val: float, extra: dict | None = None) -> None:
+        """`extra`: further validation metrics (NMT: `val_bleu`), logged beside the loss."""
+        rec = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **(extra or {})}
+        shown = "".join(f" | {k.removeprefix('val_').replace('_', ' ')} {v:.2f}" for k, v in (extra or {}).items())
+        self.logger.log(None, f" validation at iteration {iteration} | val loss {val:.4f} | val ppl {rec['val_ppl']:.2f}"
+                              f"{shown}")
         if self.pending is not None and self.pending["iteration"] == iteration:
             self.pending.update(rec)
         else:
@@ -492,19 +712,47 @@ class Progress:
             self.pending = None
 
 
-def run_main(cfg_or_argv, description: str = "megatron_po") -> int:
-    """Entry-point wrapper: bad input -> one `error:` line on stderr and exit code 2."""
+def pipeline_staleness(cfg: Config, world: int) -> dict[str, int]:
+    """`staleness/stage<r>`: the largest s(j) of stage r, the optimizer steps its chunks take between a
+    micro-batch's forward and backward, read off the run's op lists (0 for the synchronous methods,
+    D-r-1 for straight asynchronous 1F1B with k = 1). Empty without pipelining."""
+    from megatron_po.config import virtual_pipeline_size
+    from megatron_po.pipeline.schedules import build_schedule, staleness
+    p = cfg.parallel
+    D, v = p.pipeline_model_parallel_size, virtual_pipeline_size(cfg)
+    if D == 1 and v == 1:
+        return {}
+    if is_async(cfg):
+        from megatron_po.pipeline.async_pipeline import _probe_schedule  # long enough for the steady state
+        schedule = _probe_schedule(D, v, p.async_update_interval)
+    else:
+        schedule = build_schedule(p.pipeline_method, D, v, num_microbatches(cfg, world))
+    s = staleness(schedule)
+    return {f"staleness/stage{r}": max(max(s[(r, c)].values(), default=0) for c in range(v)) for r in range(D)}
+
+
+def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWorkload) -> int:
+    """Entry-point wrapper: bad input -> one `error:` line on stderr and exit code 2. `workload_cls`
+    (GPTWorkload, nmt_workload.NMTWorkload) is built from the parsed config."""
     import sys
 
     from megatron_po.config import parse_args
     try:
         cfg = parse_args(cfg_or_argv, description) if not isinstance(cfg_or_argv, Config) else cfg_or_argv
-        pretrain(cfg)
+        pretrain(cfg, workload_cls(cfg))
     except (UserError, DataError) as e:
+        ps.report_fault(f"stopped: {e}")  # should only this rank have raised it, the others stop too
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 or not dist.is_initialized():
+        if rank == 0 or not dist.is_initialized() or isinstance(e, RankError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        message = ps.communication_failure(e)  # a lost peer: one line naming it, not a traceback
+        if message is None:
+            ps.report_fault(f"failed: {type(e).__name__}: {e}")
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return ps.FAULT_EXIT_CODE
     finally:
         ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -79,6 +79,68 @@ def test_minuscule_benchmark_writes_report_and_plot(bench, tmp_path):
     assert "- D=2, Adam: PipeOptim vs 1F1B: " in text
 
 
-def test_nmt_workload_is_a_clear_hook(bench):
-    with pytest.raises(NotImplementedError, match="nmt"):
-        bench.build_workload(bench.Settings(workload="nmt"))
+def write_parallel_corpus(path, books, verses=40):
+    """Verse pairs {"ref", "en", "fr"} of a word-for-word toy language pair, in the named books."""
+    pairs = dict(zip("the light and darkness was upon face of deep waters spirit god said let there be".split(),
+                     "la lumière et ténèbres était sur face de abîme eaux esprit dieu dit que il soit".split()))
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for book in books:
+            for v in range(1, verses + 1):
+                words = [rng.choice(list(pairs)) for _ in range(rng.randint(3, 7))]
+                f.write(json.dumps({"ref": f"{book} 1:{v}", "en": " ".join(words).capitalize() + ".",
+                                    "fr": " ".join(pairs[w] for w in words).capitalize() + "."}) + "\n")
+
+
+def test_minuscule_nmt_benchmark_has_bleu_columns(bench, tmp_path):
+    """--workload nmt: the encoder-decoder model through the same jobs, with the BLEU columns; the
+    one-target-length micro-batches keep the GPipe/1F1B check exact."""
+    corpus = tmp_path / "pairs.jsonl"
+    write_parallel_corpus(corpus, ["Genesis", "Exodus", *bench.NMTWorkload.VALID_BOOKS, *bench.NMTWorkload.TEST_BOOKS])
+    s = bench.nmt_settings(bench.Settings())
+    s = bench.dataclasses.replace(s, depths=[2], methods=["1f1b", "pipeoptim"], seeds=1, steps=8,
+                                  out=str(tmp_path / "out"), jobs=1, num_layers=2, hidden_size=16,
+                                  num_attention_heads=2, seq_length=24, micro_batch=2, vocab_size=360,
+                                  corpus=str(corpus), warmup=2, eval_interval=4, eval_batches=2, tail=4,
+                                  check_updates=2, timing_rounds=1, command="pytest nmt")
+    result = bench.run_benchmark(s, log=lambda *_: None)
+    header, rows = result["table"]
+    assert header[-2:] == ["final val BLEU (greedy)", "BLEU vs 1F1B"]
+    by_method = {r[2]: dict(zip(header, r)) for r in rows}
+    assert set(by_method) == {"1F1B", "PipeOptim"}
+    for row in by_method.values():
+        assert " ± " in row["final val loss"] and " ± " in row["final val BLEU (greedy)"]
+        assert float(row["final val BLEU (greedy)"].split(" ± ")[0]) >= 0
+    check = result["summary"]["calibrations"][(2, "adam")]["check"]
+    assert check["1f1b"]["max_abs_diff"] < 1e-4 and check["gpipe"]["max_abs_diff"] < 1e-4
+    text = open(result["md"]).read()
+    assert "encoder-decoder transformer, 1 encoder + 1 decoder layers" in text
+    assert "Copy-the-source baseline" in text and "sentence pairs" in text
+
+
+def test_predictor_variants_get_their_table_and_plot(bench, tmp_path):
+    """Beyond the paper: predictor / gradient-side variants run as extra columns with their own table
+    (gap to 1F1B, fraction of PipeOptim's gap closed, throughput vs PipeOptim) and predictors.png."""
+    corpus = tmp_path / "corpus.jsonl.gz"
+    write_corpus(corpus)
+    s = bench.Settings(depths=[2], optimizers=["adam"], methods=["1f1b", "pipeoptim", "po-rollout", "pipedream-dc"],
+                       seeds=1, steps=8, out=str(tmp_path / "out"), jobs=1, num_layers=2, hidden_size=16,
+                       num_attention_heads=2, seq_length=16, micro_batch=2, vocab_size=120, corpus=str(corpus),
+                       split="90,10,0", warmup=2, eval_interval=4, eval_batches=1, tail=4, check_updates=1,
+                       timing_rounds=1, command="pytest predictors")
+    result = bench.run_benchmark(s, log=lambda *_: None)
+    assert {r[2] for r in result["table"][1]} == {"1F1B", "PipeOptim"}  # variants stay out of the main table
+    header, rows = bench.predictor_table(s, result["summary"])
+    by_method = {r[2]: dict(zip(header, r)) for r in rows}
+    assert set(by_method) == {"PipeOptim", "PO rollout (first moment, +decay)", "PipeDream + delay comp."}
+    assert by_method["PipeOptim"]["fraction of PipeOptim's gap closed"] == "0 (reference)"
+    assert by_method["PipeDream + delay comp."]["weight copies/stage"] == "2 (2/1)"  # PipeDream's stash
+    assert float(by_method["PO rollout (first moment, +decay)"]["tokens/s vs PipeOptim (sim.)"]) > 0
+    text = open(result["md"]).read()
+    assert "## Beyond the paper: weight predictors" in text and "Moonshot" in text
+    assert os.path.getsize(os.path.join(s.out, "predictors.png")) > 10_000
+    # The fraction closed: 1 at the synchronous loss, 0 at PipeOptim's, when PipeOptim's gap is real.
+    po = {"val_ms": (6.0, 0.01), "seeds": [1, 2]}
+    sync = {"val_ms": (5.0, 0.01), "seeds": [1, 2]}
+    assert bench.gap_closed({"val_ms": (5.5, 0.0)}, po, sync) == 0.5
+    assert bench.gap_closed({"val_ms": (5.5, 0.0)}, {"val_ms": (5.01, 0.01), "seeds": [1, 2]}, sync) is None

@@ -220,3 +220,50 @@ def test_check_token_ids_rejects_negative_ids(tmp_path):
     prefix = write(tmp_path / "d", [[1, 2], [-1]], [0, 1, 2], np.int32)
     with pytest.raises(DataError, match="document 1 has token id -1 at position 0"):
         check_token_ids(IndexedDataset(prefix), 100, "signed")
+
+
+# Any header values at all (random counts, codes, versions around the real ones): a clean DataError or a
+# dataset that reads back exactly what was written, never a crash, a huge allocation or garbage.
+headers = st.fixed_dictionaries({
+    "magic": st.sampled_from([b"MMIDIDX\x00\x00", b"MMIDIDX\x00\x01", b"\x00" * 9]),
+    "version": st.sampled_from([0, 1, 2, 2**64 - 1]),
+    "code": st.integers(min_value=0, max_value=255),
+    "sequences": st.one_of(st.integers(min_value=0, max_value=12), st.integers(min_value=0, max_value=2**64 - 1)),
+    "documents": st.one_of(st.integers(min_value=0, max_value=12), st.integers(min_value=0, max_value=2**64 - 1)),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(header=headers, case=st.integers(min_value=0, max_value=10**12))
+def test_random_index_headers_never_crash_or_lie(valid_dataset, header, case):
+    directory, idx, bin_bytes, sequences = valid_dataset
+    data = (header["magic"] + struct.pack("<QBQQ", header["version"], header["code"], header["sequences"],
+                                          header["documents"]) + idx[34:])
+    prefix = str(directory / f"header{case}")
+    open(prefix + ".idx", "wb").write(data)
+    open(prefix + ".bin", "wb").write(bin_bytes)
+    try:
+        ds = IndexedDataset(prefix)
+    except DataError as e:
+        assert "\n" not in str(e) and f"header{case}" in str(e)
+        return
+    assert [s.tolist() for s in ds] == sequences
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(min_value=0, max_value=200), tail=st.binary(max_size=8))
+def test_truncated_or_padded_bin_is_refused(valid_dataset, length, tail):
+    """The .bin must be exactly the bytes the .idx describes: shorter or longer is a DataError naming it."""
+    directory, idx, bin_bytes, sequences = valid_dataset
+    data = bin_bytes[:length] + tail
+    prefix = str(directory / f"bin{length}_{tail.hex()}")
+    open(prefix + ".idx", "wb").write(idx)
+    open(prefix + ".bin", "wb").write(data)
+    if len(data) == len(bin_bytes):
+        assert [s.tolist() for s in IndexedDataset(prefix)] == [
+            np.frombuffer(data, np.uint16)[sum(map(len, sequences[:i])):][:len(s)].tolist()
+            for i, s in enumerate(sequences)]
+        return
+    with pytest.raises(DataError, match=rf"bin{length}_{tail.hex()}\.bin: has {len(data)} bytes but .*describes "
+                                        rf"{len(bin_bytes)} bytes"):
+        IndexedDataset(prefix)

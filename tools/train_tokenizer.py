@@ -26,6 +26,11 @@ from megatron_po.errors import ConfigError, DataError, UserError, run_cli
 from tools.preprocess_data import iter_documents, load_input
 
 
+# The fixed special ids (tools/preprocess_nmt.py trains its models with the same ones).
+SPECIAL_TOKENS = dict(pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                      pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>")
+
+
 def split_long_line(line: str, max_bytes: int):
     """Cut a line into pieces of at most max_bytes UTF-8 bytes at spaces.
 
@@ -110,8 +115,7 @@ def train(args):
             max_sentence_length=args.max_sentence_length,
             input_sentence_size=args.input_sentence_size,
             shuffle_input_sentence=True,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-            pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+            **SPECIAL_TOKENS,
             user_defined_symbols=args.user_defined_symbols,
             num_threads=os.cpu_count() or 1,
             minloglevel=1,  # warnings and errors only; tqdm shows the reading progress

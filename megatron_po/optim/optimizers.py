@@ -97,6 +97,7 @@ class PredictiveOptimizer(torch.optim.Optimizer):
 
     decoupled_weight_decay = False
     keep_direction = False  # see the module docstring; the predicting weight policies turn it on
+    predictor = None  # optim/predictors.py WeightPredictor; None = PipeOptim's linear Ŵ = W - s·lr·ΔW
 
     def __init__(self, params: Iterable, defaults: dict):
         self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)
@@ -264,18 +265,29 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     def _extrapolate(self, group: dict, params: list, states: list, dst: list, steps: float,
                      include_weight_decay: bool) -> None:
         """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state; with decoupled decay
-        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass."""
-        alpha = -steps * group["lr"]
-        if include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0:
-            torch._foreach_mul_(dst, 1 + alpha * group["weight_decay"])
+        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass.
+
+        With a `predictor` (optim/predictors.py) the same pass applies its Ŵ = a·W - b·ΔW instead, b per
+        parameter (e.g. the LR schedule's future lrs, or a rollout of the optimizer's recurrences)."""
+        if self.predictor is None:
+            alpha = -steps * group["lr"]
+            decay = 1 + alpha * group["weight_decay"] if include_weight_decay and self.decoupled_weight_decay else 1
+            alphas = [alpha] * len(params)
+        else:
+            decay, coefficients = self.predictor.coefficients(self, group, states, steps, include_weight_decay)
+            alphas = [-b for b in coefficients]
+        if decay != 1:
+            torch._foreach_mul_(dst, decay)
         d = self._direction_now(group, params, states)
-        scalars = [alpha / x for x in d.divisors] if d.divisors is not None else None
+        scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
+        alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
         if d.denominators is not None:
-            torch._foreach_addcdiv_(dst, d.numerators, d.denominators, scalars if scalars is not None else alpha)
-        elif scalars is None:
+            value = scalars if scalars is not None else alpha if alpha is not None else alphas
+            torch._foreach_addcdiv_(dst, d.numerators, d.denominators, value)
+        elif scalars is None and alpha is not None:
             torch._foreach_add_(dst, d.numerators, alpha=alpha)
         else:
-            torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars))
+            torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars if scalars is not None else alphas))
 
 
 def _check_non_negative(**values: float) -> None:

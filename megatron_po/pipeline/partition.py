@@ -24,16 +24,33 @@ def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) 
     return num_layers // (num_stages * num_chunks)
 
 
+def chunk_placements(num_layers: int, rank: int, num_stages: int, num_chunks: int) -> list[dict]:
+    """Per model chunk of pipeline rank `rank`: its pre_process, post_process, layer_offset, num_layers."""
+    n = layers_per_virtual_stage(num_layers, num_stages, num_chunks)
+    last = num_stages * num_chunks - 1
+    vss = [c * num_stages + rank for c in range(num_chunks)]
+    return [dict(pre_process=vs == 0, post_process=vs == last, layer_offset=vs * n, num_layers=n) for vs in vss]
+
+
 def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages: int, num_chunks: int,
                           device=None) -> list[GPTModel]:
     """The v model chunks of pipeline rank `rank` (pure in the rank: the emulator builds every rank)."""
-    n = layers_per_virtual_stage(cfg.model.num_layers, num_stages, num_chunks)
-    last = num_stages * num_chunks - 1
     chunks = []
-    for c in range(num_chunks):
-        vs = c * num_stages + rank
-        chunk = GPTModel(cfg.model, padded_vocab, cfg.training.seed, pre_process=vs == 0, post_process=vs == last,
-                         layer_offset=vs * n, num_layers=n, sequence_parallel=cfg.parallel.sequence_parallel)
+    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks):
+        chunk = GPTModel(cfg.model, padded_vocab, cfg.training.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                         **placement)
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    return chunks
+
+
+def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: int, num_stages: int,
+                              num_chunks: int, device=None) -> list:
+    """The same for the encoder-decoder model: the stacked Le + Ld layers split evenly (models/nmt.py);
+    `padded_vocab` = (source, target) padded vocabulary sizes."""
+    from megatron_po.models.nmt import NMTModel
+    chunks = []
+    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks):
+        chunk = NMTModel(cfg.model, cfg.nmt, *padded_vocab, cfg.training.seed, **placement)
         chunks.append(chunk.to(device) if device is not None else chunk)
     return chunks
 

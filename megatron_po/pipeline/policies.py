@@ -16,6 +16,13 @@ its hooks around every pass and step (executor.py) and never knows which method 
 Every staleness a policy uses comes from the schedule's op list (`schedules.staleness`) or, for
 SpecTrain's backward, from the schedule's unit-cost timeline; nothing assumes D-r-1.
 
+Beyond the paper (options; defaults reproduce the methods above): PipeOptim's `weight_predictor`,
+`prediction_horizon`, `rollout_gradient` choose how far along ΔW it predicts (optim/predictors.py: the LR
+schedule's future lrs, a rollout of the optimizer's recurrences, a √s horizon), still one fused pass per
+forward; `delay_compensation` (PipeDream, PipeOptim) corrects each gradient toward the live weights,
+g + λ·g⊙g⊙(W_live − W_used), before the step; `staleness_lr_scaling` (every method) divides the lr of a
+step by a function of its gradients' staleness s(j), read from the schedule like everything else.
+
 How weights move: a micro-batch's forward saves the parameters themselves for its backward (autograd
 keeps references, not copies), so whatever the parameter storage holds when the backward runs is what
 the backward uses, while the activations come from the forward. All swaps therefore write the values in
@@ -30,10 +37,13 @@ from __future__ import annotations
 import torch
 
 from megatron_po.errors import ConfigError
+from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.executor import WeightPolicy
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
 
 from megatron_po.config import ASYNC_METHODS  # noqa: E402  (the flag choices live in the config)
+
+STALENESS_LR_SCALINGS = ("none", "inverse", "inverse-sqrt")
 
 # --------------------------------------------------------------------------------------------------
 # Quantities derived from the schedule
@@ -158,11 +168,17 @@ class AsyncPolicy(WeightPolicy):
     be global); policy state that must outlive a segment (2BW's older version, step counts) is kept.
     """
 
-    options: tuple[str, ...] = ()
+    options: tuple[str, ...] = ("staleness_lr_scaling",)
+    lr_fn = None  # lr_fn(i) = the base lr of a chunk's step i; set by the stage (schedule-aware predictors)
 
-    def __init__(self, rank: int, chunks, optimizers, schedule: Schedule | None = None):
+    def __init__(self, rank: int, chunks, optimizers, schedule: Schedule | None = None,
+                 staleness_lr_scaling: str = "none"):
         if len(optimizers) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(optimizers)} optimizers (one per chunk)")
+        if staleness_lr_scaling not in STALENESS_LR_SCALINGS:
+            raise ConfigError(f"unknown staleness lr scaling {staleness_lr_scaling!r}; valid: "
+                              f"{', '.join(STALENESS_LR_SCALINGS)}")
+        self.staleness_lr_scaling = staleness_lr_scaling
         self.rank = rank
         self.chunks = list(chunks)
         self.optimizers = list(optimizers)
@@ -171,6 +187,8 @@ class AsyncPolicy(WeightPolicy):
         self._max_copies = [1] * len(self.chunks)
         self.schedule = None
         self.staleness: dict[int, dict[int, int]] = {}
+        self._step_staleness: list[list[list[int]]] = [[] for _ in self.chunks]  # chunk -> step -> s of its mbs
+        self._segment_first_step = [0] * len(self.chunks)
         if schedule is not None:
             self.use_schedule(schedule)
 
@@ -179,6 +197,32 @@ class AsyncPolicy(WeightPolicy):
             raise ValueError(f"schedule has {schedule.num_chunks} chunks per rank, policy {len(self.chunks)}")
         self.schedule = schedule
         self.staleness = {c: s for (r, c), s in staleness(schedule).items() if r == self.rank}
+        # The micro-batches whose gradients each Step(c) of this segment applies: the backwards of chunk
+        # c since its previous step, in the op list.
+        self._step_staleness = [[] for _ in self.chunks]
+        pending: dict[int, list[int]] = {c: [] for c in range(len(self.chunks))}
+        for op in schedule.ops.get(self.rank, []):
+            if isinstance(op, Backward):
+                pending[op.chunk].append(self.staleness[op.chunk][op.microbatch])
+            elif isinstance(op, Step):
+                for c in (range(len(self.chunks)) if op.chunk is None else [op.chunk]):
+                    self._step_staleness[c].append(pending[c])
+                    pending[c] = []
+        self._segment_first_step = list(self.steps)
+
+    def gradient_staleness(self, chunk: int) -> list[int]:
+        """s(j) of each micro-batch whose gradient the chunk's next step applies (from the schedule)."""
+        return self._step_staleness[chunk][self.steps[chunk] - self._segment_first_step[chunk]]
+
+    def lr_scale(self, chunk: int) -> float:
+        """Factor on the lr of the chunk's next step (staleness-aware step scaling, `staleness_lr_scaling`):
+        the mean over the step's micro-batches of 1/(1+s) ("inverse", Zhang et al.'s staleness-aware
+        async SGD, lr/τ with τ = s+1 the gradient's age in steps) or 1/√(1+s) ("inverse-sqrt"); 1 for "none"."""
+        if self.staleness_lr_scaling == "none":
+            return 1.0
+        power = 1.0 if self.staleness_lr_scaling == "inverse" else 0.5
+        ages = self.gradient_staleness(chunk)
+        return sum((1 + s) ** -power for s in ages) / len(ages)
 
     def after_step(self, chunk: int) -> None:
         self.steps[chunk] += 1
@@ -209,7 +253,23 @@ class AsyncNaivePolicy(AsyncPolicy):
     """Forward on the live weights, backward on whatever is live then (newer): inconsistent and stale."""
 
 
-class PipeDreamPolicy(AsyncPolicy):
+class _DelayCompensating:
+    """Delay compensation's options for the policies that know the weights each forward ran on."""
+
+    def _set_delay_compensation(self, lam: float, adaptive: bool) -> None:
+        if not lam >= 0:
+            raise ConfigError(f"the delay-compensation lambda must be >= 0, got {lam!r}")
+        self.delay_compensation, self.delay_compensation_adaptive = float(lam), bool(adaptive)
+
+    def use_schedule(self, schedule):
+        k = update_interval_of(schedule)
+        if self.delay_compensation and k != 1:
+            raise ConfigError(f"delay compensation corrects each micro-batch's gradient with its own weight "
+                              f"difference, which needs one micro-batch per step (update interval k = 1, got {k})")
+        super().use_schedule(schedule)
+
+
+class PipeDreamPolicy(_DelayCompensating, AsyncPolicy):
     """Weight stashing: F(j) runs on the live weights and remembers their version (the chunk's step
     count); B(j) swaps that version in, computes the gradients, and swaps the live weights back.
 
@@ -219,10 +279,14 @@ class PipeDreamPolicy(AsyncPolicy):
     pipeline with k = 1). Update: W_{t+1} = W_t - η·U(∇f(W_{t-s})).
     """
 
-    def __init__(self, rank, chunks, optimizers, schedule=None):
+    options = AsyncPolicy.options + ("delay_compensation", "delay_compensation_adaptive")
+
+    def __init__(self, rank, chunks, optimizers, schedule=None, delay_compensation: float = 0.0,
+                 delay_compensation_adaptive: bool = False, **options):
         self.version_of: dict[tuple[int, int], int] = {}  # (mb, chunk) in flight -> version it saw
         self.stash: list[dict[int, list[torch.Tensor]]] = [{} for _ in chunks]  # chunk -> version -> W
-        super().__init__(rank, chunks, optimizers, schedule)
+        self._set_delay_compensation(delay_compensation, delay_compensation_adaptive)
+        super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def copies(self, chunk):
         return 1 + len(self.stash[chunk])
@@ -247,6 +311,9 @@ class PipeDreamPolicy(AsyncPolicy):
     def after_backward(self, mb, chunk):
         version = self.version_of.pop((mb, chunk))
         if version != self.steps[chunk]:
+            if self.delay_compensation:  # the stash slot holds the live weights while `version` is in
+                delay_compensate(self.params[chunk], self.stash[chunk][version], [p.data for p in self.params[chunk]],
+                                 self.delay_compensation, self.delay_compensation_adaptive)
             _swap(self.params[chunk], self.stash[chunk][version])
             if version not in self._in_flight_versions(chunk):
                 del self.stash[chunk][version]
@@ -263,10 +330,10 @@ class PipeDream2BWPolicy(AsyncPolicy):
     larger m, and any schedule that violates it is rejected (ConfigError).
     """
 
-    def __init__(self, rank, chunks, optimizers, schedule=None):
+    def __init__(self, rank, chunks, optimizers, schedule=None, **options):
         self.older: list[list[torch.Tensor] | None] = [None] * len(chunks)  # W(t-1) once t >= 1
         self.version_of: dict[tuple[int, int], int] = {}
-        super().__init__(rank, chunks, optimizers, schedule)
+        super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def use_schedule(self, schedule):
         m, D = update_interval_of(schedule), schedule.num_stages
@@ -333,7 +400,7 @@ class _PredictingPolicy(AsyncPolicy):
     chunk (allocated at the first prediction, reused after) and restoring them from it. Prediction is
     skipped (s treated as 0) while the optimizer has no state, i.e. before the chunk's first step."""
 
-    def __init__(self, rank, chunks, optimizers, schedule=None):
+    def __init__(self, rank, chunks, optimizers, schedule=None, **options):
         for opt in optimizers:
             if not hasattr(opt, "predict") and not hasattr(opt, "predict_model_params"):
                 raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
@@ -344,7 +411,7 @@ class _PredictingPolicy(AsyncPolicy):
             getattr(opt, "optimizer", opt).keep_direction = True
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)
         self.predicted = [False] * len(chunks)
-        super().__init__(rank, chunks, optimizers, schedule)
+        super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def copies(self, chunk):
         return 1 if self.cache[chunk] is None else 2
@@ -383,7 +450,7 @@ class SpecTrainPolicy(_PredictingPolicy):
     weights are restored after each pass. Momentum SGD only (megatron_po.optim.SGD, momentum > 0, not
     Nesterov, direction="buffer" so that ΔW is v)."""
 
-    def __init__(self, rank, chunks, optimizers, schedule=None):
+    def __init__(self, rank, chunks, optimizers, schedule=None, **options):
         from megatron_po.optim import SGD
         for opt in optimizers:
             inner = getattr(opt, "optimizer", opt)  # the predictive optimizer inside a mixed-precision wrapper
@@ -393,7 +460,7 @@ class SpecTrainPolicy(_PredictingPolicy):
                 raise ConfigError("spectrain predicts from the momentum buffer and needs SGD with momentum "
                                   f"(--optimizer sgd, --sgd-momentum > 0, no Nesterov); got {type(opt).__name__}")
         self.spectrain: dict[int, dict[int, tuple[int, int]]] = {}
-        super().__init__(rank, chunks, optimizers, schedule)
+        super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def use_schedule(self, schedule):
         super().use_schedule(schedule)
@@ -412,30 +479,82 @@ class SpecTrainPolicy(_PredictingPolicy):
         self._restore(chunk)
 
 
-class PipeOptimPolicy(_PredictingPolicy):
+class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
     """PipeOptim: F(j) runs on Ŵ = W - s·η·ΔW with s = s(j) + s_offset, ΔW the optimizer's own update
     direction (SGD's `direction` picks buffer or lookahead); the live weights are restored from the cache
     right after the forward, so B(j) and the step run on the live weights.
 
     s_offset: 0 = the paper (s = D-r-1 in the straight pipeline), 1 = the reference code (D-r).
     include_weight_decay: also extrapolate decoupled weight decay (AdamW, Lion); the paper does not.
+    weight_predictor, prediction_horizon, rollout_gradient: how far along ΔW to go (optim/predictors.py;
+        "linear" with the "full" horizon is the paper's s·η). They read the LR schedule from `lr_fn`.
+    delay_compensation: λ > 0 corrects each gradient toward the live weights before the step,
+        g + λ·g⊙g⊙(W_live − W_used) (DC-ASGD's first-order Taylor term), W_used = the predicted Ŵ_j its
+        forward ran on; `delay_compensation_adaptive` divides λ by the gradient's RMS per tensor (DC-ASGD-a's
+        normalisation, stateless). Ŵ_j is not recoverable from the live weights and the optimizer state
+        (it depends on the s steps taken since F(j)), so it is kept from F(j) to B(j) for every
+        micro-batch with s(j) > 0: up to s_max extra weight copies per chunk (D-r-1 in the straight
+        pipeline), PipeDream's memory, counted in `copies()`. Needs k = 1 (one gradient per step).
     """
 
-    options = ("s_offset", "include_weight_decay")
+    options = AsyncPolicy.options + ("s_offset", "include_weight_decay", "weight_predictor", "prediction_horizon",
+                                     "rollout_gradient", "delay_compensation", "delay_compensation_adaptive")
 
     def __init__(self, rank, chunks, optimizers, schedule=None, s_offset: int = 0,
-                 include_weight_decay: bool = False):
+                 include_weight_decay: bool = False, weight_predictor: str = "linear",
+                 prediction_horizon: str = "full", rollout_gradient: str = "first-moment",
+                 delay_compensation: float = 0.0, delay_compensation_adaptive: bool = False, **options):
         if not isinstance(s_offset, int) or s_offset < 0:
             raise ConfigError(f"pipeoptim s_offset must be an integer >= 0, got {s_offset!r}")
         self.s_offset = s_offset
         self.include_weight_decay = bool(include_weight_decay)
-        super().__init__(rank, chunks, optimizers, schedule)
+        inner = [getattr(opt, "optimizer", opt) for opt in optimizers]  # inside mixed-precision wrappers
+        self.predictors = [build_predictor(weight_predictor, prediction_horizon, rollout_gradient, o) for o in inner]
+        if (weight_predictor, prediction_horizon) != ("linear", "full"):  # else the optimizer's own linear path
+            for o, predictor in zip(inner, self.predictors):
+                o.predictor = predictor
+        self._set_delay_compensation(delay_compensation, delay_compensation_adaptive)
+        self.used: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, chunk) -> Ŵ its forward ran on (DC)
+        super().__init__(rank, chunks, optimizers, schedule, **options)
+
+    def copies(self, chunk):
+        return super().copies(chunk) + sum(1 for (_, c) in self.used if c == chunk)
 
     def before_forward(self, mb, chunk):
+        self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])
         self._predict(chunk, self.staleness[chunk][mb] + self.s_offset, self.include_weight_decay)
+        if self.delay_compensation and self.staleness[chunk][mb] > 0:
+            self.used[(mb, chunk)] = _clone(self.params[chunk])
+            self._note_copies(chunk)
 
     def after_forward(self, mb, chunk):
         self._restore(chunk)
+
+    def after_backward(self, mb, chunk):
+        used = self.used.pop((mb, chunk), None)
+        if used is not None:
+            live = [p.data for p in self.params[chunk]]
+            delay_compensate(self.params[chunk], live, used, self.delay_compensation,
+                             self.delay_compensation_adaptive)
+
+
+@torch.no_grad()
+def delay_compensate(params, live, used, lam: float, adaptive: bool = False) -> None:
+    """g ← g + λ·g⊙g⊙(W_live − W_used) for every parameter with a gradient (DC-ASGD, Zheng et al. 2017:
+    g⊙g is the diagonal outer-product approximation of the Hessian). `adaptive`: λ/RMS(g) per tensor.
+    One parameter-sized temporary at a time."""
+    for p, w_live, w_used in zip(params, live, used):
+        g = p.grad
+        if g is None:
+            continue
+        scale = lam
+        if adaptive:
+            rms = g.float().pow(2).mean().sqrt().item()
+            if rms == 0:
+                continue
+            scale = lam / rms
+        correction = (w_live - w_used).mul_(g)
+        g.addcmul_(correction, g, value=scale)
 
 
 POLICIES = {

@@ -1,0 +1,225 @@
+"""Every rule of `config.validate` (and of the precision flags it delegates to), one table row each.
+
+Each row is a command line and a world size that break exactly one rule, and words the one-line
+ConfigError must contain (the flags and the rule). `test_every_rule_has_a_row` reads the rule sites
+(`need(...)` calls and `raise ConfigError`) out of the source and fails when a rule has no row, so a
+new rule comes with its case.
+"""
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+
+from megatron_po import config
+from megatron_po.config import parse_args, validate
+from megatron_po.errors import ConfigError
+from megatron_po.optim import mixed_precision
+
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+
+# (id, world size, argv, words the error line must contain)
+RULES = [
+    # sizes and counts
+    ("tp>=1", 1, MOCK + ["--tensor-model-parallel-size", "0"], ["--tensor-model-parallel-size must be >= 1 (got 0)"]),
+    ("micro-batch>=1", 1, MOCK + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
+    ("global-batch>=1", 1, MOCK + ["--global-batch-size", "0"], ["--global-batch-size must be >= 1 (got 0)"]),
+    ("exit-interval>=1", 1, MOCK + ["--exit-interval", "0"], ["--exit-interval must be >= 1"]),
+    ("lr-decay-iters>=1", 1, MOCK + ["--lr-decay-iters", "0"], ["--lr-decay-iters must be >= 1"]),
+    ("ffn>=1", 1, MOCK + ["--ffn-hidden-size", "0"], ["--ffn-hidden-size must be >= 1"]),
+    ("ddp-bucket>=1", 1, MOCK + ["--ddp-bucket-size", "0"], ["--ddp-bucket-size must be >= 1"]),
+    ("eval-iters>=0", 1, MOCK + ["--eval-iters", "-1"], ["--eval-iters must be >= 0"]),
+    ("num-workers>=0", 1, MOCK + ["--num-workers", "-2"], ["--num-workers must be >= 0"]),
+    ("clip-grad>=0", 1, MOCK + ["--clip-grad", "-1"], ["--clip-grad must be >= 0"]),
+    ("s-offset>=0", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--pipeoptim-s-offset", "-1"],
+     ["--pipeoptim-s-offset must be >= 0"]),
+    ("timeout>0", 1, MOCK + ["--distributed-timeout-minutes", "0"], ["--distributed-timeout-minutes must be > 0"]),
+    ("adam-betas", 1, MOCK + ["--adam-beta2", "1.0"], ["--adam-beta2 (1.0)", "[0, 1)"]),
+    ("epsilons>0", 1, MOCK + ["--norm-epsilon", "0"], ["--norm-epsilon (0.0) must be > 0"]),
+    ("sgd-momentum", 1, MOCK + ["--sgd-momentum", "1.5"], ["--sgd-momentum must be in [0, 1)"]),
+    ("init-std>0", 1, MOCK + ["--init-method-std", "0"], ["--init-method-std must be > 0"]),
+    ("peak-tflops>0", 1, MOCK + ["--peak-tflops", "0"], ["--peak-tflops must be > 0"]),
+    ("wsd-iters-need-wsd", 1, MOCK + ["--lr-wsd-decay-iters", "5"],
+     ["--lr-wsd-decay-iters applies to --lr-decay-style wsd, not cosine"]),
+    ("pipeoptim-flags-need-pipeoptim", 1, MOCK + ["--pipeoptim-extrapolate-weight-decay"],
+     ["--pipeoptim-extrapolate-weight-decay apply to --pipeline-method pipeoptim, not 1f1b"]),
+    ("lookahead-needs-sgd", 1, MOCK + ["--pipeoptim-sgd-direction", "lookahead"],
+     ["--pipeoptim-sgd-direction lookahead applies to --optimizer sgd, not adamw"]),
+    # layout
+    ("world-vs-tp", 3, MOCK + ["--tensor-model-parallel-size", "2"],
+     ["world size 3 is not divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"]),
+    ("world-vs-tpxpp", 4, MOCK + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+     ["world size 4", "= 8"]),
+    ("hidden-vs-heads", 1, MOCK + ["--hidden-size", "100", "--num-attention-heads", "3"],
+     ["--hidden-size (100) is not divisible by --num-attention-heads (3)"]),
+    ("hidden-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--hidden-size", "33",
+                                "--num-attention-heads", "11"],
+     ["--hidden-size (33) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("heads-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--hidden-size", "96",
+                               "--num-attention-heads", "3"],
+     ["--num-attention-heads (3) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("ffn-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "63"],
+     ["MLP hidden size (63) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("rope-even-head-dim", 1, MOCK + ["--position-embedding-type", "rope", "--hidden-size", "12",
+                                      "--num-attention-heads", "4"], ["RoPE needs an even head dimension"]),
+    ("seq-vs-positions", 1, MOCK + ["--seq-length", "512", "--max-position-embeddings", "256"],
+     ["--seq-length (512) exceeds --max-position-embeddings (256)"]),
+    ("dropout-range", 1, MOCK + ["--hidden-dropout", "1.0"], ["dropout probabilities must be in [0, 1)"]),
+    ("sequence-parallel-seq", 2, MOCK + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                         "--seq-length", "63"], ["--sequence-parallel", "--seq-length (63)"]),
+    ("virtual-stage>=1", 2, MOCK + ["--pipeline-model-parallel-size", "2",
+                                    "--num-layers-per-virtual-pipeline-stage", "0"],
+     ["--num-layers-per-virtual-pipeline-stage must be >= 1"]),
+    ("layers-vs-stages-x-chunks", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                             "--num-layers-per-virtual-pipeline-stage", "3"],
+     ["--num-layers (4)", "--pipeline-model-parallel-size (2) x --num-layers-per-virtual-pipeline-stage (3)"]),
+    ("layers-vs-stages", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+     ["--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"]),
+    ("global-batch-vs-micro-x-dp", 2, MOCK + ["--micro-batch-size", "3", "--global-batch-size", "8"],
+     ["--global-batch-size (8) is not divisible by --micro-batch-size (3) x data-parallel size (2)"]),
+    ("interleaving-microbatches", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                             "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size",
+                                             "4", "--global-batch-size", "12"],
+     ["interleaved pipeline", "micro-batches (3", "--pipeline-model-parallel-size (2)"]),
+    # learning rate
+    ("min-lr<=lr", 1, MOCK + ["--lr", "0.1", "--min-lr", "1.0"], ["--min-lr (1.0) <= --lr (0.1)"]),
+    ("warmup>=0", 1, MOCK + ["--lr-warmup-iters", "-1"], ["--lr-warmup-iters must be >= 0"]),
+    # data and tokenizer
+    ("mock-needs-vocab", 1, ["--mock-data", "--tokenizer-type", "NullTokenizer"], ["--mock-data needs --vocab-size"]),
+    ("data-path-required", 1, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+     ["--data-path is required"]),
+    ("data-path-pairs", 1, ["--data-path", "0.3", "A", "0.7", "--tokenizer-model", "t.model"],
+     ["--data-path with several datasets takes weight/prefix pairs"]),
+    ("data-path-weight", 1, ["--data-path", "x", "A", "0.7", "B", "--tokenizer-model", "t.model"],
+     ["--data-path weight 'x' is not a number"]),
+    ("split-format", 1, ["--data-path", "A", "--tokenizer-model", "t.model", "--split", "a,b"], ["--split 'a,b'"]),
+    ("sentencepiece-needs-model", 1, ["--data-path", "A"],
+     ["--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"]),
+    ("null-tokenizer-needs-vocab", 1, ["--data-path", "A", "--tokenizer-type", "NullTokenizer"],
+     ["--tokenizer-type NullTokenizer needs --vocab-size"]),
+    # precision
+    ("fp16-xor-bf16", 1, MOCK + ["--fp16", "--bf16"], ["--fp16 and --bf16 are mutually exclusive"]),
+    ("loss-scale-needs-fp16", 1, MOCK + ["--loss-scale", "8"], ["--loss-scale 8.0 applies only to --fp16"]),
+    ("loss-scale>0", 1, MOCK + ["--fp16", "--loss-scale", "0"], ["--loss-scale must be > 0"]),
+    ("initial-loss-scale>0", 1, MOCK + ["--initial-loss-scale", "0"], ["--initial-loss-scale must be > 0"]),
+    ("min-loss-scale>0", 1, MOCK + ["--min-loss-scale", "0"], ["--min-loss-scale must be > 0"]),
+    ("min-vs-initial-loss-scale", 1, MOCK + ["--min-loss-scale", "8", "--initial-loss-scale", "4"],
+     ["--min-loss-scale (8.0) exceeds --initial-loss-scale (4.0)"]),
+    ("loss-scale-window>=1", 1, MOCK + ["--loss-scale-window", "0"], ["--loss-scale-window must be an integer >= 1"]),
+    ("hysteresis>=1", 1, MOCK + ["--hysteresis", "0"], ["--hysteresis must be an integer >= 1"]),
+    ("overlap-needs-distopt", 1, MOCK + ["--overlap-param-gather"],
+     ["--overlap-param-gather requires --use-distributed-optimizer"]),
+    # asynchronous methods
+    ("async-no-overlap-gather", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-distributed-optimizer",
+                                                "--overlap-param-gather"],
+     ["--overlap-param-gather applies to the synchronous methods", "--pipeline-method pipeoptim"]),
+    ("async-interval>=1", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-update-interval", "0"],
+     ["--async-update-interval must be >= 1"]),
+    ("async-needs-untied", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--pipeline-method", "pipeoptim"],
+     ["--pipeline-method pipeoptim is asynchronous", "--untie-embeddings-and-output-weights"]),
+    ("async-interval-divides-microbatches", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-update-interval",
+                                                            "3", "--global-batch-size", "8"],
+     ["--async-update-interval (3) must divide the micro-batches per iteration (2)"]),
+    ("spectrain-needs-sgd", 2, PP2_ASYNC + ["--pipeline-method", "spectrain"],
+     ["--pipeline-method spectrain", "--optimizer sgd", "--sgd-momentum > 0", "adamw"]),
+    ("spectrain-needs-momentum", 2, PP2_ASYNC + ["--pipeline-method", "spectrain", "--optimizer", "sgd",
+                                                 "--sgd-momentum", "0"], ["--pipeline-method spectrain"]),
+    ("2bw-interval>=stages", 2, PP2_ASYNC + ["--pipeline-method", "pipedream-2bw"],
+     ["--async-update-interval (1) must be >= --pipeline-model-parallel-size (2)"]),
+    ("predictor-flags-need-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream",
+                                                       "--weight-predictor", "rollout"],
+     ["--weight-predictor applies to --pipeline-method pipeoptim, not pipedream"]),
+    ("rollout-gradient-needs-rollout", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--rollout-gradient",
+                                                       "zero-mean"],
+     ["--rollout-gradient applies to --weight-predictor rollout"]),
+    ("rollout-optimizers", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--weight-predictor", "rollout",
+                                           "--optimizer", "lion"],
+     ["--weight-predictor rollout", "not --optimizer lion"]),
+    ("rollout-sgd-buffer", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--weight-predictor", "rollout",
+                                           "--optimizer", "sgd", "--pipeoptim-sgd-direction", "lookahead"],
+     ["--weight-predictor rollout with --optimizer sgd", "--pipeoptim-sgd-direction buffer"]),
+    ("delay-compensation>=0", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--delay-compensation-lambda", "-1"],
+     ["--delay-compensation-lambda must be >= 0"]),
+    ("delay-compensation-methods", 2, PP2_ASYNC + ["--pipeline-method", "async-naive", "--delay-compensation-lambda",
+                                                   "0.1"], ["--delay-compensation-lambda", "not async-naive"]),
+    ("delay-compensation-k1", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--delay-compensation-lambda", "0.1",
+                                              "--async-update-interval", "2", "--global-batch-size", "8"],
+     ["--async-update-interval 1 (got 2)"]),
+    ("delay-compensation-no-distopt", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--delay-compensation-lambda",
+                                                      "0.1", "--use-distributed-optimizer"],
+     ["--delay-compensation-lambda", "drop --use-distributed-optimizer"]),
+    ("adaptive-needs-lambda", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--delay-compensation-adaptive"],
+     ["--delay-compensation-adaptive needs --delay-compensation-lambda > 0"]),
+    ("async-flags-need-async", 1, MOCK + ["--staleness-lr-scaling", "inverse"],
+     ["--staleness-lr-scaling applies to asynchronous pipeline methods, not --pipeline-method 1f1b"]),
+    ("interval-needs-async", 1, MOCK + ["--async-update-interval", "2"],
+     ["--async-update-interval applies to asynchronous methods, not --pipeline-method 1f1b"]),
+    # checkpoints
+    ("save-interval-needs-save", 1, MOCK + ["--save-interval", "5"], ["--save-interval needs --save"]),
+    ("save-interval>=1", 1, MOCK + ["--save", "ck", "--save-interval", "0"], ["--save-interval must be >= 1"]),
+    ("keep-last-needs-save", 1, MOCK + ["--keep-last", "2"], ["--keep-last needs --save"]),
+    ("keep-last>=1", 1, MOCK + ["--save", "ck", "--keep-last", "0"], ["--keep-last must be >= 1"]),
+    ("ckpt-step-needs-load", 1, MOCK + ["--ckpt-step", "3"], ["--ckpt-step needs --load"]),
+    ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
+    ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
+    ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
+]
+
+
+def _raise_site(e: BaseException) -> tuple[str, int]:
+    """(function, line) of the innermost frame of validate / validate_precision_flags in the traceback."""
+    site, tb = None, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("validate", "validate_precision_flags"):
+            site = (tb.tb_frame.f_code.co_name, tb.tb_lineno)
+        tb = tb.tb_next
+    return site
+
+
+def _rule_sites() -> dict[tuple[str, int, int], str]:
+    """Every `need(...)` call and `raise ConfigError` of the two functions: (function, first line, last line)."""
+    sites = {}
+    for fn in (config.validate, mixed_precision.validate_precision_flags):
+        lines, first = inspect.getsourcelines(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        for helper in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "need"]:
+            helper.body = []  # need's own `raise ConfigError(msg)` is every rule's, not one
+        for node in ast.walk(tree):
+            is_need = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "need"
+            is_raise = isinstance(node, ast.Raise) and "ConfigError" in ast.unparse(node)
+            if is_need or is_raise:
+                key = (fn.__name__, first + node.lineno - 1, first + node.end_lineno - 1)
+                sites[key] = ast.unparse(node)[:100]
+    return sites
+
+
+def _broken_rule(world, argv) -> tuple[ConfigError, tuple[str, int]]:
+    with pytest.raises(ConfigError) as info:
+        validate(parse_args(argv), world)
+    return info.value, _raise_site(info.value)
+
+
+@pytest.mark.parametrize("world, argv, words", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_rule_gives_one_line_naming_flags(world, argv, words):
+    error, _ = _broken_rule(world, argv)
+    message = str(error)
+    assert "\n" not in message
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_every_rule_has_a_row():
+    hit = {_broken_rule(world, argv)[1] for _, world, argv, _ in RULES}
+    missing = [code for (fn, start, end), code in _rule_sites().items()
+               if not any(f == fn and start <= line <= end for f, line in hit)]
+    assert not missing, f"rules without a row in RULES: {missing}"
+
+
+def test_the_base_command_lines_are_valid():
+    """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings) passes."""
+    validate(parse_args(MOCK), 1)
+    validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
+    validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
+    validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)

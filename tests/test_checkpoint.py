@@ -226,6 +226,7 @@ DISTOPT = {"--use-distributed-optimizer": True, "--ddp-bucket-size": 3000}
 DISTOPT_RESUME = {
     "dp2": (2, {}),
     "dp2-bf16": (2, {"--bf16": True}),
+    "interleaved-pp2-dp2": (4, {"--pipeline-model-parallel-size": 2, "--num-layers-per-virtual-pipeline-stage": 1}),
     "pipeoptim-pp2-dp2": (4, {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim",
                               "--untie-embeddings-and-output-weights": True}),
     # Per-stage loss scales (grad_scaler.stage<vs>), after growing once (window 2) on both stages.

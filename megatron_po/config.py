@@ -583,6 +583,8 @@ def validate_nmt(cfg: Config) -> None:
                           "tools/preprocess_nmt.py (--mock-data is GPT only)")
     need(len(d.data_path) == 1, f"pretrain_nmt.py takes one --data-path PREFIX (tools/preprocess_nmt.py's "
                                 f"--output-prefix), got {len(d.data_path)} values")
+    need(d.split == DataConfig().split, f"--split ({d.split}) does not apply to pretrain_nmt.py: "
+                                        f"tools/preprocess_nmt.py splits the corpus by documents")
     need(d.tokenizer_type == "SentencePieceTokenizer",
          "pretrain_nmt.py needs --tokenizer-type SentencePieceTokenizer (it uses its <s>, </s> and <pad> ids)")
     need(n.src_lang != n.tgt_lang, f"--src-lang and --tgt-lang are both {n.src_lang!r}")

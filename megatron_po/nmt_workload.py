@@ -12,7 +12,7 @@ Pipeline messages vary in shape (batch and sentence lengths change per bucket), 
 their shapes in a header instead of agreeing on them up front.
 
 Evaluation: the validation loss covers the whole validation split (every bucket once per evaluation,
-the last iteration's group wrapping around); then the validation sources are greedily decoded through
+the last group wrapping around; at most --eval-iters groups of M x DP buckets); then the validation sources are greedily decoded through
 the pipeline (pipeline/decode.py; DP replicas decode different buckets) and scored with sacrebleu's
 corpus BLEU against the references, the detokenised target ids (the normalised reference text).
 """
@@ -38,6 +38,8 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> dict:
 
 
 class NMTWorkload:
+    """pretrain_nmt.py's workload (see the module docstring)."""
+
     name = "nmt"
     chunks_for_rank = staticmethod(build_nmt_chunks_for_rank)
 
@@ -85,8 +87,9 @@ class NMTWorkload:
         return None  # shapes change with every bucket: sent in a header
 
     def eval_iters(self, valid: PairBatches) -> int:
+        """Groups of M x DP validation buckets: the whole split, at most --eval-iters of them."""
         per_iteration = num_microbatches(self.cfg, dist.get_world_size()) * ps.get_data_parallel_world_size()
-        return math.ceil(len(valid) / per_iteration)
+        return min(self.cfg.training.eval_iters, math.ceil(len(valid) / per_iteration))
 
     def tokens_per_iteration(self, gbs: int) -> float:
         """Real (unpadded) source + target tokens of an average iteration."""

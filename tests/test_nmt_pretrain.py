@@ -155,6 +155,7 @@ def test_bad_flag_through_the_command_line_is_one_error_line(data, tmp_path):
 @pytest.mark.parametrize("flags,message", [
     ({"--tgt-tokenizer-model": "other.model"}, "error: --tgt-tokenizer-model gives the target its own vocabulary"),
     ({"--max-tokens": 32}, "error: --max-tokens (32) must hold one sentence of the longest allowed length"),
+    ({"--split": "90,5,5"}, "error: --split (90,5,5) does not apply to pretrain_nmt.py"),
     ({"--data-path": "/nonexistent/corpus"}, "error: indexed dataset '/nonexistent/corpus_train_en': missing"),
     ({"--encoder-num-layers": 2, "--pipeline-model-parallel-size": 2},
      "error: --encoder-num-layers + --decoder-num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"),

@@ -5,7 +5,7 @@
   lost rank, and leaves no process behind: at a random iteration, and right after posting a pipeline
   send on rank 0, which also hosts the rendezvous store. A rank stuck there instead (alive) makes its
   peers time out and say so, and is stopped too.
-- A run SIGKILLed at a random (seeded) iteration and relaunched with the same command resumes from its
+- A run SIGKILLed mid-iteration at a random (seeded) pipeline send and relaunched with the same command resumes from its
   last checkpoint (auto-resume from --save) and its metrics file then holds, iteration by iteration,
   exactly (bit for bit) the losses of an uninterrupted run: 1F1B and PipeOptim at PP=2.
 - A NaN loss or gradient stops a bf16/fp32 run before the optimizer step with one line naming the
@@ -198,10 +198,14 @@ def test_killed_run_relaunched_with_the_same_command_loses_nothing(tmp_path, met
 
     argv = tiny_args(str(tmp_path), **flags, **{"--save": str(tmp_path / "ckpt")})
     logs, tag = str(tmp_path / "logs"), uuid.uuid4().hex
-    kill_at = random.Random(method).randint(4, 10)
-    procs = launch(PRETRAIN, argv, 2, logs, tag)
-    wait_until(lambda: len(losses(tmp_path / "metrics.jsonl")) >= kill_at, procs, logs, f"iteration {kill_at}")
-    procs[1].send_signal(signal.SIGKILL)  # the last stage, which writes the metrics, mid-iteration
+    # The last stage (which writes the metrics) SIGKILLs itself right after posting its N-th gradient
+    # send: 4 per iteration, so mid-iteration 4..10. Killing it from here at a logged iteration instead
+    # raced the run's end on a fast machine (12 iterations take ~0.6 s).
+    kill_after_sends = random.Random(method).randint(4 * 4 - 2, 4 * 10 - 2)
+    procs = launch(inject_script(tmp_path), [PRETRAIN, *argv], 2, logs, tag,
+                   {"MEGATRON_PO_INJECT_RANK": "1", "MEGATRON_PO_INJECT": f"kill-after-sends:{kill_after_sends}"})
+    wait_until(lambda: procs[1].poll() is not None, procs, logs, "rank 1's death", ignore=(1,))
+    assert procs[1].returncode == -signal.SIGKILL, log_of(logs, 1)[-2000:]
     exited = exit_times(procs, time.time(), limit=90)
     assert procs[0].returncode == 1 and exited[0] <= 60 * TIMEOUT_MINUTES, log_of(logs, 0)[-2000:]
     killed_after = max(i for i, _ in losses(tmp_path / "metrics.jsonl"))

@@ -762,6 +762,9 @@ def _job_key(s: Settings, job: tuple) -> str:
     relevant = {k: v for k, v in dataclasses.asdict(s).items()
                 if k not in ("depths", "optimizers", "methods", "seeds", "out", "jobs", "resume", "command",
                              "cache_dir")}
+    # The corpus by its path inside the checkout, so a cache carries over between clones and worktrees.
+    if os.path.abspath(relevant["corpus"]).startswith(REPO + os.sep):
+        relevant["corpus"] = os.path.relpath(os.path.abspath(relevant["corpus"]), REPO)
     variants = [m for m in s.methods if m in PREDICTOR_VARIANTS]
     if job[0] == "calibrate" and variants:  # it also times the variants: not the same job as without them
         return hashlib.md5(json.dumps([relevant, list(job), variants], sort_keys=True).encode()).hexdigest()[:16]

@@ -13,7 +13,7 @@ Four tables, measured in the same run, printed and written to bench/results/sche
    the wait of a receive posted before the send; raw gloo isend/recv next to our P2PTransport with
    agreed shapes (`message_specs`: one payload, no header, receives posted ahead) and with the header
    protocol (no specs: a shape header, then the payload).
-1. Synthetic stages, D=4: each virtual stage is a tiny nn.Linear (an optimizer-visible parameter)
+1. Synthetic stages, D=4: each virtual stage is a tiny linear layer (an optimizer-visible parameter)
    followed by an autograd Function that sleeps t_f in forward and t_b = 2 t_f in backward on a
    [mbs, 16] tensor (sleep releases the GIL and the CPU, so 4 ranks run in parallel on 2 cores).
    Throughput (micro-batches/s) over the ideal 1/(t_f+t_b) of one stage for our gpipe, 1f1b,
@@ -49,7 +49,6 @@ the processes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -72,8 +71,8 @@ from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import Config, ModelConfig  # noqa: E402
 from megatron_po.models.gpt import masked_mean_loss  # noqa: E402
-from megatron_po.pipeline import async_pipeline  # noqa: E402
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
+from megatron_po.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
 from megatron_po.pipeline.executor import (PREPOST_WINDOW, P2PTransport, StageRunner, run_rank,  # noqa: E402
                                            synchronous_forward_backward)
 from megatron_po.pipeline.partition import ActivationSpecs, build_chunks_for_rank, gpt_message_specs  # noqa: E402
@@ -283,25 +282,26 @@ def mean_sleeps(per_rank_samples) -> tuple[float, float]:
 
 class SleepStage(nn.Module):
     """Satisfies StageRunner: `pre_process`/`post_process` and forward(input_ids, hidden_states, labels);
-    the last stage returns a per-token "loss" [b, s] = [mbs, WIDTH] when given labels. The nn.Linear
-    gives the asynchronous pipeline's optimizer and weight policy something to step and predict."""
+    the last stage returns a per-token "loss" [b, s] = [mbs, WIDTH] when given labels. The linear layer
+    (the models' own ColumnParallelLinear, TP = 1) gives the asynchronous pipeline's optimizer and weight
+    policy something to step and predict, the way they do it for the GPT."""
 
     def __init__(self, t_f: float, t_b: float, pre_process: bool, post_process: bool):
         super().__init__()
         self.t_f, self.t_b = t_f, t_b
         self.pre_process, self.post_process = pre_process, post_process
-        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.proj = ColumnParallelLinear(WIDTH, WIDTH)
 
     def forward(self, input_ids=None, hidden_states=None, labels=None):
         x = input_ids if self.pre_process else hidden_states
-        return Sleep.apply(self.proj(x), self.t_f, self.t_b)
+        return Sleep.apply(self.proj(x)[0], self.t_f, self.t_b)
 
 
 class TorchSleepStage(SleepStage):
     """torch.pipelining passes one positional tensor."""
 
     def forward(self, x):
-        return Sleep.apply(self.proj(x), self.t_f, self.t_b)
+        return Sleep.apply(self.proj(x)[0], self.t_f, self.t_b)
 
 
 def sleep_chunks(rank, num_stages, num_chunks, t_f, t_b, cls=SleepStage):
@@ -380,20 +380,11 @@ def synthetic_sync(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
     return out
 
 
-@contextlib.contextmanager
-def sleeping_chunks_in_async_pipeline(t_f, t_b):
-    """AsyncPipelineRank builds its chunks with async_pipeline.build_chunks_for_rank; swap in the sleeping
-    stages for the duration (this process only: every rank is a forked child)."""
-    original = async_pipeline.build_chunks_for_rank
-
+def sleeping_chunk_builder(t_f, t_b):
+    """A `build_chunks` for AsyncPipelineRank that makes the sleeping stages instead of GPT chunks."""
     def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
         return sleep_chunks(rank, num_stages, num_chunks, t_f, t_b)
-
-    async_pipeline.build_chunks_for_rank = build
-    try:
-        yield
-    finally:
-        async_pipeline.build_chunks_for_rank = original
+    return build
 
 
 ASYNC_VARIANTS = ("pipeoptim", "pipeoptim_header", "schedule")
@@ -419,11 +410,11 @@ def synthetic_async(M, t_f, t_b, mbs, warmup, reps):
     cfg = Config()
     cfg.model.untie_embeddings_and_output_weights = True
     get_batch = synthetic_batches(mbs)
-    with sleeping_chunks_in_async_pipeline(t_f, t_b):
-        ranks = {name: AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=1, optimizer_name="adam",
-                                         optimizer_kwargs={"lr": ASYNC_LR},
-                                         message_specs=synthetic_specs(mbs) if name == "pipeoptim" else None)
-                 for name in ("pipeoptim", "pipeoptim_header")}
+    ranks = {name: AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=1, optimizer_name="adam",
+                                     optimizer_kwargs={"lr": ASYNC_LR},
+                                     message_specs=synthetic_specs(mbs) if name == "pipeoptim" else None,
+                                     build_chunks=sleeping_chunk_builder(t_f, t_b))
+             for name in ("pipeoptim", "pipeoptim_header")}
     assert all(isinstance(c, SleepStage) for c in ranks["pipeoptim"].chunks)
     acc: dict = {}  # where the pipeoptim variant's time goes on this rank
     po = ranks["pipeoptim"]
@@ -617,10 +608,11 @@ def gpt_async_bench(model_cfg, vocab, mbs, n, methods, warmup, reps):
 def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
     """One process, no p2p: per pipeline rank r of a PP=num_stages split, the median cost of one
     micro-batch's forward+backward of its chunk, of one AsyncStage.step (AdamW, clip 1.0) and of
-    PipeOptim's policy work around one forward with s = D-r-1 (copy the live weights into the cache,
-    predict, restore), plus that policy work split into its parts. Returns {r: {what: seconds}}."""
+    PipeOptim's policy work around one forward with s = D-r-1: `predict` (the policy's `_predict`: Ŵ out
+    of place and the parameters pointed at it) and `restore` (pointed back), and the same with the
+    copy-based fallback the policy uses for modules it does not know (`copy:` cache copy + predict in
+    place, restore = copy back). Returns {r: {what: seconds}}."""
     from megatron_po.pipeline.async_pipeline import AsyncStage, optimizer_kwargs_from_config
-    from megatron_po.pipeline.policies import _clone, _copy_into
     cfg = gpt_config(model_cfg)
     model_parallel_seed(1234)
     g = torch.Generator().manual_seed(0)
@@ -631,8 +623,8 @@ def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
         t = cfg.training
         stage = AsyncStage(r, num_stages, chunks, "pipeoptim", 1, t.optimizer, optimizer_kwargs_from_config(t),
                            None, t.clip_grad)
-        chunk, policy, opt = chunks[0], stage.policy, stage.optimizers[0]
-        params = [p for p in chunk.parameters()]
+        chunk, policy = chunks[0], stage.policy
+        assert policy.swaps == [True]
         hidden = torch.randn(model_cfg.seq_length, mbs, model_cfg.hidden_size)
         s = num_stages - r - 1
 
@@ -645,21 +637,29 @@ def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
             else:
                 y.backward(torch.ones_like(y))
 
-        cache = _clone(params)
+        def mode(swaps):
+            def set_mode():
+                policy.swaps = [swaps]
+            return set_mode
+
+        # The order of one micro-batch: step, then the next forward's prediction (and its restore).
         parts = {"forward+backward": forward_backward, "step": lambda: stage.step(0),
-                 "cache copy": lambda: _copy_into(cache, [p.data for p in params]),
-                 "predict": lambda: opt.predict(s), "restore": lambda: _copy_into(params, cache)}
+                 "swap mode": mode(True), "predict": lambda: policy._predict(0, s),
+                 "restore": lambda: policy._restore(0),
+                 "copy mode": mode(False), "copy: predict": lambda: policy._predict(0, s),
+                 "copy: restore": lambda: policy._restore(0)}
         times = {name: [] for name in parts}
-        for i in range(reps + 2):  # the order of one micro-batch: step, then the next forward's prediction
+        for i in range(reps + 2):
             for name, fn in parts.items():
                 if s == 0 and name not in ("forward+backward", "step"):
                     continue  # the last stage predicts nothing (s = 0)
                 c = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - c)
-        res = {name: median(ts[2:]) if ts else 0.0 for name, ts in times.items()}
-        res["policy"] = res["cache copy"] + res["predict"] + res["restore"]
-        res["params"] = sum(p.numel() for p in params)
+        res = {name: median(ts[2:]) if ts else 0.0 for name, ts in times.items() if "mode" not in name}
+        res["policy"] = res["predict"] + res["restore"]
+        res["copy: policy"] = res["copy: predict"] + res["copy: restore"]
+        res["params"] = sum(p.numel() for p in chunk.parameters())
         out[r] = res
     return out
 
@@ -688,6 +688,8 @@ def main():
     p.add_argument("--gpt-async-pp", type=int, default=2, help="PP of the timed asynchronous GPT runs")
     p.add_argument("--gpt-async-layers", type=int, nargs="+", default=[4, 8])
     p.add_argument("--copies-pp", type=int, default=4, help="PP of the weight-copy count")
+    p.add_argument("--intrinsic-mbs", type=int, nargs="+", default=[8, 4],
+                   help="micro-batch sizes of the intrinsic prediction-cost table (8 = examples/gpt_tiny.sh)")
     p.add_argument("--gpt-async-n", type=int, default=16, help="micro-batches per segment")
     p.add_argument("--gpt-async-reps", type=int, default=11)
     p.add_argument("--skip-p2p", action="store_true", help="(the simulator then uses --t-p2p)")
@@ -951,23 +953,32 @@ def main():
         emit()
         emit(f"Intrinsic costs, one process, no p2p, no other rank competing (median of 20): per rank of the "
              f"PP={P} split, one micro-batch's forward+backward of its chunk, one AsyncStage.step (AdamW, clip), and "
-             f"PipeOptim's work around one forward with s = D-r-1 (copy the live weights into the cache, predict "
-             f"Ŵ = W - s·lr·m̂/(√v̂+ε) in place, restore). `share` = policy / (forward+backward + step + policy): "
-             f"the prediction overhead as a fraction of the rank's time per step (k=1: one step per micro-batch).")
+             f"PipeOptim's work around one forward with s = D-r-1: `predict` = the policy computing "
+             f"Ŵ = W - s·lr·m̂/(√v̂+ε) out of place in one foreach pass and pointing the parameters at it, "
+             f"`restore` = pointing them back (our layers save the parameters themselves for the backward, so "
+             f"the backward reads the live weights); `copy fallback` = the policy's path for modules it does not "
+             f"know (cache copy + predict in place / copy back). `share` = policy / (forward+backward + step + "
+             f"policy): the prediction overhead as a fraction of the rank's time per step (k=1: one step per "
+             f"micro-batch). Micro-batch 8 is `examples/gpt_tiny.sh`'s (the tiny GPT: 4 layers, hidden 128, "
+             f"seq 128); 4 is the timed runs' above.")
         emit()
         rows = []
         for layers in args.gpt_async_layers:
-            costs = run_distributed(gpt_stage_costs, 1, timeout=TIMEOUT, args=(model(layers), vocab, mbs, P, 20))[0]
-            for r, c in sorted(costs.items()):
-                total = c["forward+backward"] + c["step"] + c["policy"]
-                summary["intrinsic"].append((layers, r, c["policy"] / total))
-                rows.append([layers, r, f"{c['params']:,}", f"{c['forward+backward'] * 1e3:.1f}",
-                             f"{c['step'] * 1e3:.2f}", f"{c['cache copy'] * 1e3:.2f} / {c['predict'] * 1e3:.2f} / "
-                             f"{c['restore'] * 1e3:.2f}", f"{c['policy'] * 1e3:.2f}",
-                             f"{c['policy'] / total * 100:.1f}%"])
-                print("  ", rows[-1], flush=True)
-        emit(table(["layers", "rank", "params", "fwd+bwd ms", "step ms", "cache copy / predict / restore ms",
-                    "policy ms", "share"], rows))
+            for intrinsic_mbs in args.intrinsic_mbs:
+                costs = run_distributed(gpt_stage_costs, 1, timeout=TIMEOUT,
+                                        args=(model(layers), vocab, intrinsic_mbs, P, 20))[0]
+                for r, c in sorted(costs.items()):
+                    total = c["forward+backward"] + c["step"] + c["policy"]
+                    fallback = c["copy: policy"] / (c["forward+backward"] + c["step"] + c["copy: policy"])
+                    summary["intrinsic"].append((layers, intrinsic_mbs, r, c["policy"] / total, fallback))
+                    rows.append([layers, intrinsic_mbs, r, f"{c['params']:,}", f"{c['forward+backward'] * 1e3:.1f}",
+                                 f"{c['step'] * 1e3:.2f}", f"{c['predict'] * 1e3:.2f} / {c['restore'] * 1e3:.3f}",
+                                 f"{c['policy'] * 1e3:.2f}", f"{c['policy'] / total * 100:.1f}%",
+                                 f"{c['copy: predict'] * 1e3:.2f} / {c['copy: restore'] * 1e3:.2f}",
+                                 f"{fallback * 100:.1f}%"])
+                    print("  ", rows[-1], flush=True)
+        emit(table(["layers", "micro-batch", "rank", "params", "fwd+bwd ms", "step ms", "predict / restore ms",
+                    "policy ms", "share", "copy fallback: predict / restore ms", "fallback share"], rows))
         emit()
         # Weight copies at a deeper pipeline: a count, not a timing, so oversubscribing the cores is harmless.
         C = args.copies_pp
@@ -993,15 +1004,18 @@ def main():
             rows.append(["async / torch Schedule1F1B at M=8 >= 1.3x", f"{fr[8][1]:.3f}x",
                          "yes" if fr[8][1] >= 1.3 else "no"])
     if summary["intrinsic"]:
-        worst = max(x[2] for x in summary["intrinsic"])
+        tiny = [x for x in summary["intrinsic"] if x[0] == 4 and x[1] == 8 and x[3] > 0]  # gpt_tiny.sh's model
+        judged = tiny or [x for x in summary["intrinsic"] if x[3] > 0]
         rows.append(["PipeOptim prediction overhead <= 3% of the step time (k=1: per micro-batch)",
-                     "intrinsic, predicting rank: " + ", ".join(f"{la} layers r{r}: {x * 100:.1f}%"
-                                                                for la, r, x in summary["intrinsic"] if x > 0)
-                     + "; in-run CPU share: " + ", ".join(f"{la} layers {x * 100:.1f}%"
-                                                          for la, x in summary["cpu_share"].items())
-                     + "; end to end vs async-naive (segment / steady): "
+                     "intrinsic, predicting rank (layers / micro-batch): "
+                     + ", ".join(f"{la} / {mb} r{r}: {x * 100:.1f}%" for la, mb, r, x, _ in summary["intrinsic"]
+                                 if x > 0)
+                     + "; in-run CPU share (micro-batch 4): " + ", ".join(f"{la} layers {x * 100:.1f}%"
+                                                                          for la, x in summary["cpu_share"].items())
+                     + "; end to end vs async-naive (micro-batch 4, segment / steady): "
                      + ", ".join(f"{la} layers {x}" for la, x in summary["e2e"].items()),
-                     "yes" if worst <= 0.03 else "no"])
+                     ("yes" if max(x[3] for x in judged) <= 0.03 else "no")
+                     + (" (tiny GPT: 4 layers, micro-batch 8)" if tiny else "")])
     if summary["copies"]:
         c = summary["copies"]
         depth = [len(c["pipedream"]) - r for r in range(len(c["pipedream"]))]

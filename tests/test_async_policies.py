@@ -410,13 +410,15 @@ def test_pipeoptim_predicts_only_with_state_and_with_s_plus_offset():
         calls = {r: [] for r in range(4)}
         for st in emu.stages:
             opt = st.optimizers[0]
-            original = opt.predict
+            # The policy predicts out of place (`predicted`, pointer swaps) for these chunks; spy on both.
+            for name in ("predict", "predicted"):
+                original = getattr(opt, name)
 
-            def spy(steps, include_weight_decay=False, out=None, opt=opt, original=original, r=st.rank):
-                assert opt.has_state(), "predicted before the first step"
-                calls[r].append(steps)
-                return original(steps, include_weight_decay=include_weight_decay, out=out)
-            opt.predict = spy
+                def spy(steps, include_weight_decay=False, opt=opt, original=original, r=st.rank, **kw):
+                    assert opt.has_state(), "predicted before the first step"
+                    calls[r].append(steps)
+                    return original(steps, include_weight_decay=include_weight_decay, **kw)
+                setattr(opt, name, spy)
         recorders, initial = record(emu)
         emu.train_segment(get_batch, 10)
         s = staleness(async_one_f_one_b(4, 1, 10))
@@ -502,3 +504,55 @@ def test_policy_options_reach_the_policy():
     emu = emulator("pipeoptim", 2, 1, 1, s_offset=1, include_weight_decay=True)
     policy = emu.stages[0].policy
     assert isinstance(policy, PipeOptimPolicy) and policy.s_offset == 1 and policy.include_weight_decay
+
+
+# ---- pointer swaps vs copies -------------------------------------------------------------------------
+
+def _llama_style(cfg):
+    cfg.model.normalization, cfg.model.swiglu, cfg.model.position_embedding_type = "RMSNorm", True, "rope"
+    return cfg
+
+
+@pytest.mark.parametrize("method,optimizer,style,v", [("pipeoptim", "adam", "gpt2", 1),
+                                                      ("pipeoptim", "adamw", "llama", 2),
+                                                      ("spectrain", "sgd", "gpt2", 1)])
+def test_pointer_swaps_equal_copies_bit_for_bit(method, optimizer, style, v):
+    """The predicting policies point the parameters at Ŵ for a pass and back after it (our layers save the
+    parameters themselves for the backward); the copy-based fallback writes Ŵ in place and copies the live
+    weights back. Both must give the same losses and weights bit for bit, with several micro-batches in
+    flight (D=4), so the backwards of the swapping run read the live weights, never Ŵ."""
+    torch.set_num_threads(1)
+    results = []
+    for swaps in (True, False):
+        torch.manual_seed(0)
+        cfg = make_cfg(4 * v)
+        if style == "llama":
+            _llama_style(cfg)
+        kwargs = {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9}
+        emu = AsyncEmulator(cfg, VOCAB, method, 4, v, 1, optimizer, kwargs, lr_fn_for(optimizer), 0.0)
+        for st in emu.stages:
+            assert st.policy.swaps == [True] * v  # every module of our GPT chunks is known to allow it
+            st.policy.swaps = [swaps] * v
+        losses = emu.train_segment(get_batch, 8) + emu.train_segment(get_batch, 8)
+        copies = {st.rank: st.policy.copies_per_chunk() for st in emu.stages}
+        results.append((losses, emu.full_state_dict(), copies))
+    (losses_swap, weights_swap, copies_swap), (losses_copy, weights_copy, copies_copy) = results
+    assert losses_swap == losses_copy
+    assert weights_swap.keys() == weights_copy.keys()
+    assert all(torch.equal(weights_swap[k], weights_copy[k]) for k in weights_swap)
+    assert copies_swap == copies_copy  # live + Ŵ while predicted, on every rank that predicts
+    assert copies_swap[0] == {c: 2 for c in range(v)}
+
+
+def test_unknown_modules_fall_back_to_copies():
+    """A module whose autograd may save views or casts of its weights (F.linear saves weight.t(), Transformer
+    Engine keeps its own copies) makes the chunk use the copy-based prediction."""
+    from megatron_po.pipeline.policies import _backward_reads_parameters
+    cfg = make_cfg(2)
+    chunk = build_chunks_for_rank(cfg, VOCAB, 0, 2, 1)[0]
+    assert _backward_reads_parameters(chunk)
+    chunk.extra = torch.nn.Linear(4, 4)
+    assert not _backward_reads_parameters(chunk)
+    from megatron_po.optim import Adam
+    policy = PipeOptimPolicy(0, [chunk], [Adam(chunk.parameters(), lr=1e-3)], None)
+    assert policy.swaps == [False]

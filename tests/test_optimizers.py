@@ -276,6 +276,37 @@ def test_predict_is_w_minus_s_lr_direction(case, include_weight_decay):
             assert not torch.allclose(expected[0][0], live[0])
 
 
+@pytest.mark.parametrize("predictor", ["linear", "lr-schedule", "rollout"])
+@pytest.mark.parametrize("include_weight_decay", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_out_of_place_is_bitwise_the_in_place_prediction(case, include_weight_decay, predictor):
+    """`predicted()` (the pointer-swapping weight policies' path) returns exactly what `predict()` writes
+    in place, for the stepped parameters only, and leaves the weights alone."""
+    from megatron_po.optim.predictors import build_predictor
+    params = make_params()
+    opt = CASES[case][0]([{"params": params[:2]}, {"params": params[2:], "lr": 0.003}])
+    if predictor != "linear":
+        if predictor == "rollout":
+            from megatron_po.optim.predictors import check_rollout_supported
+            try:
+                check_rollout_supported(opt)
+            except ConfigError:
+                return  # the rollout predictor serves Adam, AdamW and SGD (buffer direction) only
+        opt.predictor = build_predictor(predictor, optimizer=opt)
+        opt.predictor.plan(lambda i: 0.01 / (1 + i), 3)
+    set_random_grads([params], 0, skip=(1,))  # parameter 1 gets no state
+    opt.step()
+    run_steps(opt, params, 1, 2, skip_schedule={1: (1,), 2: (1,)})
+    live = snapshot(params)
+    pairs = opt.predicted(2.5, include_weight_decay=include_weight_decay)
+    assert all(torch.equal(p, w) for p, w in zip(params, live))
+    assert [id(p) for p, _ in pairs] == [id(p) for i, p in enumerate(params) if i != 1]
+    opt.predict(2.5, include_weight_decay=include_weight_decay)
+    for p, w in pairs:
+        assert torch.equal(w, p.detach()) and w.data_ptr() != p.data_ptr()
+    assert opt.predicted(0.0) == []
+
+
 def test_predict_steps_per_group():
     params = make_params()
     opt = AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.01)

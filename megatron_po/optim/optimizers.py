@@ -262,10 +262,27 @@ class PredictiveOptimizer(torch.optim.Optimizer):
             if copy_out:
                 torch._foreach_copy_([targets[i] for i in positions], dst)
 
+    @torch.no_grad()
+    def predicted(self, steps: float, include_weight_decay: bool = False) -> list[tuple[Tensor, Tensor]]:
+        """Ŵ = W - steps·lr·ΔW (as `predict`) as new tensors, W untouched: [(parameter, Ŵ)] for the
+        parameters that have state. One fused out-of-place foreach pass per param group; for a weight
+        policy that points the parameters at Ŵ for a forward and back at W after it (no copies)."""
+        pairs = []
+        if steps == 0:
+            return pairs
+        for group in self.param_groups:
+            positions, params, states = self._stepped(group)
+            if params:
+                out = self._extrapolate(group, params, states, params, float(steps), include_weight_decay,
+                                        in_place=False)
+                pairs += [(group["params"][i], w) for i, w in zip(positions, out)]
+        return pairs
+
     def _extrapolate(self, group: dict, params: list, states: list, dst: list, steps: float,
-                     include_weight_decay: bool) -> None:
+                     include_weight_decay: bool, in_place: bool = True) -> list:
         """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state; with decoupled decay
-        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass.
+        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass. `in_place=False`: dst is
+        left alone and Ŵ returned as new tensors (the same pass, out of place); else dst is returned.
 
         With a `predictor` (optim/predictors.py) the same pass applies its Ŵ = a·W - b·ΔW instead, b per
         parameter (e.g. the LR schedule's future lrs, or a rollout of the optimizer's recurrences)."""
@@ -277,17 +294,28 @@ class PredictiveOptimizer(torch.optim.Optimizer):
             decay, coefficients = self.predictor.coefficients(self, group, states, steps, include_weight_decay)
             alphas = [-b for b in coefficients]
         if decay != 1:
-            torch._foreach_mul_(dst, decay)
+            if in_place:
+                torch._foreach_mul_(dst, decay)
+            else:
+                dst, in_place = torch._foreach_mul(dst, decay), True  # new tensors now: go on in place
         d = self._direction_now(group, params, states)
         scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
         alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
         if d.denominators is not None:
             value = scalars if scalars is not None else alpha if alpha is not None else alphas
+            if not in_place:
+                return torch._foreach_addcdiv(dst, d.numerators, d.denominators, value)
             torch._foreach_addcdiv_(dst, d.numerators, d.denominators, value)
         elif scalars is None and alpha is not None:
+            if not in_place:
+                return torch._foreach_add(dst, d.numerators, alpha=alpha)
             torch._foreach_add_(dst, d.numerators, alpha=alpha)
         else:
-            torch._foreach_add_(dst, torch._foreach_mul(d.numerators, scalars if scalars is not None else alphas))
+            terms = torch._foreach_mul(d.numerators, scalars if scalars is not None else alphas)
+            if not in_place:
+                return torch._foreach_add(dst, terms)
+            torch._foreach_add_(dst, terms)
+        return dst
 
 
 def _check_non_negative(**values: float) -> None:

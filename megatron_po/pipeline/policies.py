@@ -25,11 +25,14 @@ step by a function of its gradients' staleness s(j), read from the schedule like
 
 How weights move: a micro-batch's forward saves the parameters themselves for its backward (autograd
 keeps references, not copies), so whatever the parameter storage holds when the backward runs is what
-the backward uses, while the activations come from the forward. All swaps therefore write the values in
-place through `.data` under no_grad (views saved by in-flight micro-batches see them, and the parameters'
-autograd version counters are not bumped, so backwards of micro-batches in flight do not fail). Swapping
-two full copies goes parameter by parameter through a one-parameter scratch tensor, which is not
-counted as a weight copy.
+the backward uses, while the activations come from the forward. Stashing swaps therefore write the
+values in place through `.data` under no_grad (views saved by in-flight micro-batches see them, and the
+parameters' autograd version counters are not bumped, so backwards of micro-batches in flight do not
+fail). Swapping two full copies goes parameter by parameter through a one-parameter scratch tensor,
+which is not counted as a weight copy. The predicting policies (SpecTrain, PipeOptim) instead point each
+parameter at its predicted tensor for one pass and back after it, where every module of the chunk saves
+the parameter itself rather than a view of its storage (our layers do: `tensor_parallel.layers.linear`),
+and fall back to in-place writes with a cache otherwise; see `_PredictingPolicy`.
 """
 
 from __future__ import annotations
@@ -395,10 +398,32 @@ class PipeDream2BWPolicy(AsyncPolicy):
             _copy_into(self.older[chunk], [p.data for p in self.params[chunk]])
 
 
+def _backward_reads_parameters(chunk: torch.nn.Module) -> bool:
+    """Whether every module of the chunk that owns parameters is one whose autograd saves the parameters
+    themselves (not views of their storage) for the backward, so that pointing a parameter at other
+    storage for a forward and back before the backward makes the backward read the live weights: our
+    tensor-parallel linears (`tensor_parallel.layers.linear`), embeddings (whose backward reads no
+    weight) and torch's LayerNorm / RMSNorm. F.linear, for one, saves a transposed view instead."""
+    from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    known = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Embedding,
+             torch.nn.LayerNorm, torch.nn.RMSNorm)
+    return all(type(m) in known for m in chunk.modules() if next(m.parameters(recurse=False), None) is not None)
+
+
 class _PredictingPolicy(AsyncPolicy):
-    """Predict a chunk's weights in place from its optimizer, keeping the live weights in ONE cache per
-    chunk (allocated at the first prediction, reused after) and restoring them from it. Prediction is
-    skipped (s treated as 0) while the optimizer has no state, i.e. before the chunk's first step."""
+    """Predict a chunk's weights for a pass from its optimizer and go back to the live ones after it.
+
+    Two ways, picked per chunk at construction (bit-for-bit the same results):
+    - pointer swap, when the chunk's backward reads weights through the parameters themselves
+      (`_backward_reads_parameters`): Ŵ is computed out of place in one fused pass, each parameter is
+      pointed at its Ŵ (`p.data = Ŵ`) for the pass and back at its live tensor after it: no copy at all.
+      Passes in flight saved the parameters, not Ŵ, so their backwards read whatever the parameter holds
+      then (the live weights, or SpecTrain's backward prediction).
+    - copies, for any other module (e.g. Transformer Engine's, which may keep views or casts of the
+      weights): the live weights go to ONE cache per chunk (allocated at the first prediction, reused
+      after), Ŵ is written in place, and the live weights are copied back from the cache.
+    Prediction is skipped (s treated as 0) while the optimizer has no state, i.e. before the chunk's first
+    step."""
 
     def __init__(self, rank, chunks, optimizers, schedule=None, **options):
         for opt in optimizers:
@@ -409,12 +434,14 @@ class _PredictingPolicy(AsyncPolicy):
             # Predictions reuse the ΔW each step computed anyway (Adam's √v̂ + ε, ...) instead of
             # rebuilding it from the optimizer state before every forward.
             getattr(opt, "optimizer", opt).keep_direction = True
-        self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)
+        self.swaps = [_backward_reads_parameters(c) for c in chunks]
+        self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)  # copies: the live weights
+        self.live: list[list[tuple] | None] = [None] * len(chunks)  # swaps: (parameter, live tensor)
         self.predicted = [False] * len(chunks)
         super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def copies(self, chunk):
-        return 1 if self.cache[chunk] is None else 2
+        return 2 if self.cache[chunk] is not None or self.live[chunk] is not None else 1
 
     def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
         opt = self.optimizers[chunk]
@@ -426,19 +453,31 @@ class _PredictingPolicy(AsyncPolicy):
             opt.predict_model_params(steps, include_weight_decay)
             self.predicted[chunk] = True
             return
+        if self.swaps[chunk]:
+            pairs = opt.predicted(steps, include_weight_decay=include_weight_decay)
+            self.live[chunk] = [(p, p.data) for p, _ in pairs]
+            for p, w in pairs:
+                p.data = w if w.dtype == p.dtype else w.to(p.dtype)
+            self.predicted[chunk] = True
+            self._note_copies(chunk)
+            return
         if self.cache[chunk] is None:
             self.cache[chunk] = _clone(self.params[chunk])
-            self._note_copies(chunk)
         else:
             _copy_into(self.cache[chunk], [p.data for p in self.params[chunk]])
         opt.predict(steps, include_weight_decay=include_weight_decay)
         self.predicted[chunk] = True
+        self._note_copies(chunk)
 
     def _restore(self, chunk: int) -> None:
         if self.predicted[chunk]:
             opt = self.optimizers[chunk]
             if hasattr(opt, "restore_model_params"):
                 opt.restore_model_params()
+            elif self.swaps[chunk]:
+                for p, w in self.live[chunk]:
+                    p.data = w
+                self.live[chunk] = None
             else:
                 _copy_into(self.params[chunk], self.cache[chunk])
             self.predicted[chunk] = False

@@ -121,6 +121,34 @@ def _initialize_affine_weight_cpu(weight: torch.Tensor, full_shape: tuple[int, i
 # --------------------------------------------------------------------------------------------------
 
 
+class _Linear(torch.autograd.Function):
+    """F.linear whose backward reads the weight through the Parameter itself.
+
+    F.linear's own autograd saves `weight.t()`, a view of the storage the forward read. Saving the leaf
+    Parameter instead lets a weight policy point the parameter at other storage for a forward (PipeOptim's
+    predicted weights, `pipeline/policies.py`) and back before the backward, which then reads the live
+    weights; with the storage unchanged the results are F.linear's, bit for bit (tests/test_layers.py)."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias
+
+
+def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _Linear.apply(input_, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A ([output_size, input_size]) split along output_size over TP ranks.
 
@@ -172,7 +200,7 @@ class ColumnParallelLinear(nn.Module):
             # Replicated input; backward all-reduces the partial input grads.
             input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = F.linear(input_parallel, weight, bias)
+        output_parallel = linear(input_parallel, weight, bias)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         output_bias = self.bias if self.skip_bias_add else None
         return output, output_bias
@@ -222,7 +250,7 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = F.linear(input_parallel, self.weight)  # partial sums over this rank's rows
+        output_parallel = linear(input_parallel, self.weight)  # partial sums over this rank's rows
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

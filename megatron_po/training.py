@@ -553,6 +553,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
             return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
 
         pending: dict[int, list] = {}
+        skipped_steps_seen = [0]
         check_nan = t.check_for_nan_in_loss_and_grad and not cfg.precision.fp16  # fp16: the loss scaler skips
 
         def on_loss(mb: int, loss: torch.Tensor) -> None:
@@ -564,8 +565,15 @@ def pretrain(cfg: Config, workload=None) -> dict:
             pending.setdefault(g, []).append(loss)
             if len(pending[g]) == num_mb:
                 mean = torch.stack(pending.pop(g)).mean()
-                last_norm = next((n for n in reversed(engine.stage.grad_norms) if n is not None), float("nan"))
-                progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm)
+                stage = engine.stage
+                last_norm = next((n for n in reversed(stage.grad_norms) if n is not None), float("nan"))
+                # Steps are stage-local here: the iteration counts as skipped when this (the loss) stage
+                # skipped a step for inf/NaN gradients since the last one; fp16 logs this stage's scale.
+                skipped = sum(stage.skipped_steps)
+                if skipped > skipped_steps_seen[0]:
+                    last_norm, skipped_steps_seen[0] = None, skipped
+                scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
+                progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm, scale)
 
         while state.iteration < t.train_iters:
             stop = next_boundary(state.iteration, cfg)

@@ -324,6 +324,19 @@ def test_fp16_with_loss_scaling_trains(corpus, tmp_path):
     assert logged[-1]["lm_loss"] < logged[0]["lm_loss"] - 0.3
 
 
+def test_fp16_pipeoptim_logs_its_skipped_steps_and_loss_scale(corpus, tmp_path):
+    """Asynchronous fp16: the loss stage's overflowing steps (the default initial scale 2**32 overflows)
+    are skipped stage-locally and show in the log as skipped iterations, with the loss scale falling."""
+    records = run_layout(corpus, tmp_path, "fp16-async", 2, **dict(ASYNC, **{"--pipeline-method": "pipeoptim",
+                                                                          "--fp16": True, "--log-interval": 1}))
+    logged = [r for r in records if "lm_loss" in r]
+    assert len(logged) == 12 and all("loss_scale" in r for r in logged)
+    assert logged[0]["loss_scale"] < 2.0**32 and logged[-1]["loss_scale"] <= logged[0]["loss_scale"]
+    skipped = [r["skipped_iterations"] for r in logged]
+    assert skipped[0] == 1 and logged[0]["grad_norm"] is None  # the first steps overflow
+    assert 0 < sum(skipped) < 12 and logged[-1]["grad_norm"] is not None
+
+
 def test_bf16_pipeoptim_tracks_fp32_pipeoptim(corpus, tmp_path):
     """Asynchronous PipeOptim with bf16 chunks and fp32 main params (prediction written straight into
     the bf16 weights, restored from the main params: no extra copy) follows the fp32 run within 0.05."""

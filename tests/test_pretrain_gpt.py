@@ -346,3 +346,16 @@ def test_bf16_pipeoptim_tracks_fp32_pipeoptim(corpus, tmp_path):
     a = [r["lm_loss"] for r in fp32 if "lm_loss" in r]
     b = [r["lm_loss"] for r in bf16 if "lm_loss" in r]
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 0.05, (a, b)
+    # --accumulate-allreduce-grads-in-fp32 (gradients accumulated in an fp32 buffer): with one backward
+    # per step and one DP rank there is nothing to accumulate, so the run is bit for bit the bf16 one...
+    fp32_grads = run_layout(corpus, tmp_path, "bf16-fp32-grads", 2, **flags,
+                            **{"--bf16": True, "--accumulate-allreduce-grads-in-fp32": True})
+    assert [r["lm_loss"] for r in fp32_grads if "lm_loss" in r] == b
+    # ... and with k = 2 backwards per step it accumulates in fp32, not bf16: close to, not equal to, bf16's.
+    k2 = {"--async-update-interval": 2, "--bf16": True}
+    bf16_k2 = run_layout(corpus, tmp_path, "bf16-k2", 2, **flags, **k2)
+    fp32_k2 = run_layout(corpus, tmp_path, "bf16-fp32-grads-k2", 2, **flags, **k2,
+                         **{"--accumulate-allreduce-grads-in-fp32": True})
+    c = [r["lm_loss"] for r in bf16_k2 if "lm_loss" in r]
+    d = [r["lm_loss"] for r in fp32_k2 if "lm_loss" in r]
+    assert c != d and max(abs(x - y) for x, y in zip(c, d)) <= 0.05, (c, d)

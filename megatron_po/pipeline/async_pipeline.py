@@ -168,14 +168,19 @@ class AsyncStage:
         for c in chunks:
             c.to(self.dtype)
         self.ddps = None
-        if pr.use_distributed_optimizer:
-            self.ddps = [DistributedDataParallel([c], self.dp_group, ddp_bucket_size, use_distributed_optimizer=True,
+        mixed = pr.bf16 or pr.fp16
+        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32):
+            # A gradient buffer per chunk: the distributed optimizer reduce-scatters it; fp32 accumulation
+            # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`).
+            self.ddps = [DistributedDataParallel([c], self.dp_group, ddp_bucket_size,
+                                                 use_distributed_optimizer=pr.use_distributed_optimizer,
                                                  grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                               pr.accumulate_allreduce_grads_in_fp32))
                          for c in chunks]
+        if pr.use_distributed_optimizer:
             self.optimizers = [DistributedOptimizer(inner, param_groups([c], weight_decay), ddp, scaler(), clip_grad,
                                                     self.tp_group) for c, ddp in zip(chunks, self.ddps)]
-        elif pr.bf16 or pr.fp16:
+        elif mixed:
             self.optimizers = [MixedPrecisionOptimizer(inner, param_groups([c], weight_decay), scaler(), clip_grad,
                                                        self.tp_group) for c in chunks]
         else:
@@ -192,7 +197,7 @@ class AsyncStage:
     @torch.no_grad()
     def step(self, c: int) -> None:
         opt = self.optimizers[c]
-        if self.ddps is not None:  # distributed optimizer: the reduce-scatter of the DP mean
+        if self.ddps is not None:  # the DP mean: reduce-scatter (distributed optimizer) or all-reduce
             self.ddps[c].finish_grad_sync()
             params = self.ddps[c].params
         else:

@@ -67,10 +67,13 @@ def _step_value(step: Tensor) -> float:
     return step.item()
 
 
+_ONE = torch.tensor(1.0)  # made once: a tensor per step costs as much as the tiny add itself
+
+
 def _increment_steps(states: list[dict]) -> None:
     # Same as torch.optim: step counts are 0-dim float32 CPU tensors (so state_dicts look alike), and a
     # CPU scalar tensor with alpha picks the overload that does not re-wrap 1 into a tensor per element.
-    torch._foreach_add_([s["step"] for s in states], torch.tensor(1.0), alpha=1.0)
+    torch._foreach_add_([s["step"] for s in states], _ONE, alpha=1.0)
 
 
 def _remember(states: list[dict], key: str, tensors: list[Tensor], dtype: torch.dtype | None = None) -> None:

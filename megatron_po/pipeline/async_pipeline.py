@@ -185,6 +185,7 @@ class AsyncStage:
                                                        self.tp_group) for c in chunks]
         else:
             self.optimizers = [inner(param_groups([c], weight_decay)) for c in chunks]
+        self.params = [chunk_parameters(c) for c in chunks]  # listed once: a module walk per step adds up
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
         self.skipped_steps = [0] * len(chunks)  # steps skipped for inf/NaN gradients (mixed precision)
@@ -201,7 +202,7 @@ class AsyncStage:
             self.ddps[c].finish_grad_sync()
             params = self.ddps[c].params
         else:
-            params = chunk_parameters(self.chunks[c])
+            params = self.params[c]
             grads = [p.grad for p in params if p.grad is not None]
             if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
                 flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))

@@ -339,7 +339,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
     # NMT stacks the encoder and decoder layers (normalize_nmt); the pipeline splits their sum.
     layers_flag = "--encoder-num-layers + --decoder-num-layers" if workload == "nmt" else "--num-layers"
     for name, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        (layers_flag, m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                         ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
                         ("--log-interval", cfg.logging.log_interval), ("--eval-interval", t.eval_interval)]:

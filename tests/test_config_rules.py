@@ -1,24 +1,36 @@
-"""Every rule of `config.validate` (and of the precision flags it delegates to), one table row each.
+"""Every rule of `config.validate` (and of the validators it delegates to: precision flags, Transformer
+Engine, NMT), one table row each.
 
 Each row is a command line and a world size that break exactly one rule, and words the one-line
-ConfigError must contain (the flags and the rule). `test_every_rule_has_a_row` reads the rule sites
-(`need(...)` calls and `raise ConfigError`) out of the source and fails when a rule has no row, so a
-new rule comes with its case.
+ConfigError must contain (the flags and the rule). RULES are pretrain_gpt.py command lines; NMT_RULES are
+pretrain_nmt.py's, read as its workload reads them (`normalize_nmt`, then `validate(..., "nmt")`).
+`test_every_rule_has_a_row` reads the rule sites (`need(...)` calls, `raise ConfigError`, and the
+`import_te()` that raises when Transformer Engine cannot be used) out of the source and fails when a rule
+has no row, so a new rule comes with its case.
 """
 
 import ast
 import inspect
 import textwrap
 
+import fake_transformer_engine
 import pytest
 
 from megatron_po import config
-from megatron_po.config import parse_args, validate
+from megatron_po.config import normalize_nmt, parse_args, validate
 from megatron_po.errors import ConfigError
+from megatron_po.models import te_transformer
 from megatron_po.optim import mixed_precision
+
+VALIDATORS = (config.validate, mixed_precision.validate_precision_flags, config.validate_transformer_engine,
+              config.validate_nmt)
+RULE_CALLS = ("need", "import_te")  # import_te raises its own ConfigError when Transformer Engine is unusable
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+TE = ["--transformer-impl", "transformer_engine"]
+TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
+NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
 
 # (id, world size, argv, words the error line must contain)
 RULES = [
@@ -165,45 +177,102 @@ RULES = [
     ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
     ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
     ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
+    # Transformer Engine (the FP8 rules come before the import, so they hold without TE)
+    ("fp8-needs-te", 1, MOCK + ["--fp8-format", "hybrid"],
+     ["--fp8-format hybrid needs --transformer-impl transformer_engine"]),
+    ("fp8-amax-history>=1", 1, TE_FP8 + ["--fp8-amax-history-len", "0"],
+     ["--fp8-amax-history-len must be >= 1 (got 0)"]),
+    ("fp8-margin>=0", 1, TE_FP8 + ["--fp8-margin", "-1"], ["--fp8-margin must be >= 0 (got -1)"]),
+    ("fp8-sizes-by-16", 2, TE_FP8 + ["--tensor-model-parallel-size", "2", "--hidden-size", "48"],
+     ["--fp8-format needs --hidden-size (48) and the hidden and MLP sizes per TP rank (24, 96) divisible by 16"]),
+    ("fp8-tokens-by-8", 1, TE_FP8 + ["--seq-length", "6", "--micro-batch-size", "1"],
+     ["--fp8-format needs the tokens of a micro-batch per rank (6: sequence 6 x --micro-batch-size 1) divisible by 8"]),
+    ("te-importable", 1, MOCK + TE,
+     ["Transformer Engine requested but not usable: ", "--transformer-impl local runs without it"]),
 ]
+
+# (id, world size, pretrain_nmt.py argv, words the error line must contain)
+NMT_RULES = [
+    ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
+    ("layers>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "2"],
+     ["--encoder-num-layers (0) and --decoder-num-layers (2) must be >= 1"]),
+    ("layer-sum>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "0"],
+     ["--encoder-num-layers + --decoder-num-layers must be >= 1 (got 0)"]),
+    ("decoder-seq>=2", 1, NMT + ["--decoder-seq-length", "1"], ["--decoder-seq-length must be >= 2 (got 1)"]),
+    ("decoder-seq-vs-positions", 1, NMT + ["--max-position-embeddings", "128", "--decoder-seq-length", "200"],
+     ["--decoder-seq-length (200) exceeds --max-position-embeddings (128)"]),
+    ("no-sequence-parallel", 1, NMT + ["--sequence-parallel"],
+     ["--sequence-parallel is not supported by pretrain_nmt.py"]),
+    ("no-mock-data", 1, ["--mock-data", "--tokenizer-model", "t.model"],
+     ["pretrain_nmt.py needs a parallel corpus", "(--mock-data is GPT only)"]),
+    ("one-data-path", 1, ["--data-path", "0.5", "A", "0.5", "B", "--tokenizer-model", "t.model"],
+     ["pretrain_nmt.py takes one --data-path PREFIX", "got 4 values"]),
+    ("no-split", 1, NMT + ["--split", "90,5,5"], ["--split (90,5,5) does not apply to pretrain_nmt.py"]),
+    ("sentencepiece", 1, ["--data-path", "corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+     ["pretrain_nmt.py needs --tokenizer-type SentencePieceTokenizer"]),
+    ("languages-differ", 1, NMT + ["--tgt-lang", "en"], ["--src-lang and --tgt-lang are both 'en'"]),
+    ("tgt-tokenizer-needs-untied", 1, NMT + ["--tgt-tokenizer-model", "fr.model"],
+     ["--tgt-tokenizer-model", "add --untie-encoder-decoder-embeddings"]),
+    ("label-smoothing", 1, NMT + ["--label-smoothing", "1.0"], ["--label-smoothing must be in [0, 1) (got 1.0)"]),
+    ("max-tokens-holds-a-sentence", 1, NMT + ["--max-tokens", "100", "--decoder-seq-length", "130"],
+     ["--max-tokens (100) must hold one sentence", "max(--seq-length, --decoder-seq-length) = 130"]),
+    ("eval-bleu-sentences>=0", 1, NMT + ["--eval-bleu-sentences", "-1"],
+     ["--eval-bleu-sentences must be >= 0 (got -1)"]),
+]
+CASES = [(world, argv, words, "gpt") for _, world, argv, words in RULES] + \
+        [(world, argv, words, "nmt") for _, world, argv, words in NMT_RULES]
+CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
+
+
+@pytest.fixture(autouse=True)
+def no_visible_gpu(monkeypatch):
+    """`te-importable` fails on every machine: TE's import fails without TE, and with it no GPU is visible."""
+    monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: False)
 
 
 def _raise_site(e: BaseException) -> tuple[str, int]:
-    """(function, line) of the innermost frame of validate / validate_precision_flags in the traceback."""
+    """(function, line) of the innermost frame of one of the VALIDATORS in the traceback."""
+    names = {fn.__code__: fn.__name__ for fn in VALIDATORS}
     site, tb = None, e.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in ("validate", "validate_precision_flags"):
-            site = (tb.tb_frame.f_code.co_name, tb.tb_lineno)
+        if tb.tb_frame.f_code in names:
+            site = (names[tb.tb_frame.f_code], tb.tb_lineno)
         tb = tb.tb_next
     return site
 
 
 def _rule_sites() -> dict[tuple[str, int, int], str]:
-    """Every `need(...)` call and `raise ConfigError` of the two functions: (function, first line, last line)."""
+    """Every RULE_CALLS call and `raise ConfigError` of the VALIDATORS: (function, first line, last line)."""
     sites = {}
-    for fn in (config.validate, mixed_precision.validate_precision_flags):
+    for fn in VALIDATORS:
         lines, first = inspect.getsourcelines(fn)
         tree = ast.parse(textwrap.dedent("".join(lines)))
         for helper in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "need"]:
             helper.body = []  # need's own `raise ConfigError(msg)` is every rule's, not one
         for node in ast.walk(tree):
-            is_need = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "need"
+            is_rule_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RULE_CALLS
             is_raise = isinstance(node, ast.Raise) and "ConfigError" in ast.unparse(node)
-            if is_need or is_raise:
+            if is_rule_call or is_raise:
                 key = (fn.__name__, first + node.lineno - 1, first + node.end_lineno - 1)
                 sites[key] = ast.unparse(node)[:100]
     return sites
 
 
-def _broken_rule(world, argv) -> tuple[ConfigError, tuple[str, int]]:
+def _validate(argv, world, workload="gpt"):
+    """What pretrain_gpt.py / pretrain_nmt.py do with a command line before any process group exists."""
+    cfg = parse_args(argv)
+    validate(normalize_nmt(cfg) if workload == "nmt" else cfg, world, workload)
+
+
+def _broken_rule(world, argv, workload) -> tuple[ConfigError, tuple[str, int]]:
     with pytest.raises(ConfigError) as info:
-        validate(parse_args(argv), world)
+        _validate(argv, world, workload)
     return info.value, _raise_site(info.value)
 
 
-@pytest.mark.parametrize("world, argv, words", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
-def test_rule_gives_one_line_naming_flags(world, argv, words):
-    error, _ = _broken_rule(world, argv)
+@pytest.mark.parametrize("world, argv, words, workload", CASES, ids=CASE_IDS)
+def test_rule_gives_one_line_naming_flags(world, argv, words, workload):
+    error, _ = _broken_rule(world, argv, workload)
     message = str(error)
     assert "\n" not in message
     for w in words:
@@ -211,15 +280,26 @@ def test_rule_gives_one_line_naming_flags(world, argv, words):
 
 
 def test_every_rule_has_a_row():
-    hit = {_broken_rule(world, argv)[1] for _, world, argv, _ in RULES}
+    hit = {_broken_rule(world, argv, workload)[1] for world, argv, _, workload in CASES}
     missing = [code for (fn, start, end), code in _rule_sites().items()
                if not any(f == fn and start <= line <= end for f, line in hit)]
-    assert not missing, f"rules without a row in RULES: {missing}"
+    assert not missing, f"rules without a row in RULES / NMT_RULES: {missing}"
 
 
-def test_the_base_command_lines_are_valid():
-    """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings) passes."""
+def test_the_base_command_lines_are_valid(monkeypatch):
+    """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings; FP8 on a usable
+    Transformer Engine, here the fake one; an NMT corpus) passes."""
     validate(parse_args(MOCK), 1)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
     validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
     validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)
+    _validate(NMT, 1, "nmt")
+    _validate(NMT + ["--max-position-embeddings", "128", "--max-tokens", "128", "--tgt-tokenizer-model", "fr.model",
+                     "--untie-encoder-decoder-embeddings"], 1, "nmt")
+    fake_transformer_engine.install()
+    monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
+    try:
+        validate(parse_args(TE_FP8), 1)
+        validate(parse_args(TE_FP8 + ["--tensor-model-parallel-size", "2", "--hidden-size", "64"]), 2)
+    finally:
+        fake_transformer_engine.uninstall()

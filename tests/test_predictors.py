@@ -301,7 +301,6 @@ def test_delay_compensation_needs_one_micro_batch_per_step():
         emulator("pipeoptim", 2, 1, 2, "adam", delay_compensation=1.0)
 
 
-corpus = test_pretrain_gpt.corpus  # the session fixture: a small tokenizer and preprocessed corpus
 
 
 def test_predictor_flags_train_through_pretrain_with_tp2(corpus, tmp_path):

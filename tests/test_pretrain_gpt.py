@@ -6,7 +6,6 @@
 - Bad input ends with exit code 2 and one `error:` line, no traceback.
 """
 
-import gzip
 import json
 import os
 import shutil
@@ -18,26 +17,6 @@ from dist_harness import run_distributed
 from wandb_records import read_offline_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.join(ROOT, "examples", "data", "bible_web.en.jsonl.gz")
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """A small tokenizer and the first 300 chapters preprocessed to .bin/.idx."""
-    from tools import preprocess_data, train_tokenizer
-    d = tmp_path_factory.mktemp("corpus")
-    src = d / "bible300.jsonl"
-    with gzip.open(CORPUS, "rt") as f, open(src, "w") as out:
-        for i, line in enumerate(f):
-            if i == 300:
-                break
-            out.write(line)
-    assert train_tokenizer.main(["--input", str(src), "--json-keys", "text", "--vocab-size", "500",
-                                 "--output-prefix", str(d / "tok")]) == 0
-    assert preprocess_data.main(["--input", str(src), "--json-keys", "text", "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model", str(d / "tok.model"),
-                                 "--output-prefix", str(d / "bible"), "--append-eod", "--workers", "1"]) == 0
-    return {"prefix": str(d / "bible_text_document"), "model": str(d / "tok.model"), "dir": d}
 
 
 def base_args(corpus, out_dir, **overrides):

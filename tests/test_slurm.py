@@ -16,9 +16,7 @@ import sys
 import time
 
 import pytest
-import test_pretrain_gpt
 
-corpus = test_pretrain_gpt.corpus  # the session fixture: small tokenizer + .bin/.idx of 300 chapters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_LOCAL = os.path.join(ROOT, "tools", "slurm_local.sh")

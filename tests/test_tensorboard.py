@@ -11,11 +11,9 @@ import math
 
 from dist_harness import run_distributed
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-import test_pretrain_gpt
 from test_pretrain_gpt import base_args, read_metrics, run_pretrain
 from wandb_records import read_offline_run
 
-corpus = test_pretrain_gpt.corpus  # the session fixture: small tokenizer + .bin/.idx of 300 chapters
 
 LEVEL2 = {"time/forward-compute", "time/backward-compute", "time/p2p", "time/prediction", "time/optimizer"}
 LOGGED = {"lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "memory_gb", "max_memory_gb",

@@ -1103,6 +1103,15 @@ def moonshot_lines(s: Settings, summary: dict) -> list[str]:
     return lines
 
 
+def fit_ylim(ax, lows: list[float], highs: list[float]) -> None:
+    """Y range from the curves' finite lows and highs, padded by 5 % (left to matplotlib when empty)."""
+    lows = [v for v in lows if math.isfinite(v)]
+    highs = [v for v in highs if math.isfinite(v)]
+    if lows and highs and max(highs) > min(lows):
+        pad = 0.05 * (max(highs) - min(lows))
+        ax.set_ylim(min(lows) - pad, max(highs) + pad)
+
+
 def plot_predictors(s: Settings, summary: dict, path: str) -> str | None:
     """Validation loss over training per (D, optimizer): synchronous, PipeOptim, PipeDream and the variants
     (mean over seeds, band ±1 std)."""
@@ -1136,10 +1145,7 @@ def plot_predictors(s: Settings, summary: dict, path: str) -> str | None:
                 handles[m] = h
                 lows.append(float(np.nanmin(mean - std)))
                 highs.append(float(np.nanmax(mean[1:] + std[1:])) if nv > 1 else float(mean[0]))
-            lows, highs = [v for v in lows if math.isfinite(v)], [v for v in highs if math.isfinite(v)]
-            if lows and highs and max(highs) > min(lows):  # the first evaluation may be far off: not scaled to
-                pad = 0.05 * (max(highs) - min(lows))
-                ax.set_ylim(min(lows) - pad, max(highs) + pad)
+            fit_ylim(ax, lows, highs)  # highs skip the first evaluation: it may be far off
             ax.set_title(f"D={D}, {OPT_LABELS[o]}")
             ax.set_xlabel(f"micro-batches of B={s.micro_batch}")
             ax.set_ylabel("validation loss")
@@ -1218,11 +1224,7 @@ def plot(s: Settings, summary: dict, path: str) -> str:
                     lows.append(float(np.nanmin(vm - vs)))
                 lows.append(float(np.nanmin(mean - std)))
                 highs.append(float(mean[min(n - 1, max(0, n // 5))]))
-            lows = [v for v in lows if math.isfinite(v)]
-            highs = [v for v in highs if math.isfinite(v)]
-            if lows and highs and max(highs) > min(lows):
-                pad = 0.05 * (max(highs) - min(lows))
-                ax.set_ylim(min(lows) - pad, max(highs) + pad)
+            fit_ylim(ax, lows, highs)
             ax.set_title(f"D={D}, {OPT_LABELS[o]}")
             ax.set_xlabel(f"micro-batches of B={s.micro_batch} (samples / {s.micro_batch})")
             ax.set_ylabel("loss")
@@ -1331,7 +1333,6 @@ Curves: `predictors.png`.
 def write_report(s: Settings, wl, summary: dict, elapsed: float, load: tuple, png: str, reused: int = 0) -> str:
     import torch
     reused = f" ({reused} run(s) reused from an earlier invocation's cache, --resume)" if reused else ""
-    rows = summary["rows"]
     header, table = main_table(s, summary)
     h2h_header, h2h = head_to_head(s, summary)
     B = s.micro_batch

@@ -553,10 +553,11 @@ def pretrain(cfg: Config, workload=None) -> dict:
             return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
 
         pending: dict[int, list] = {}
-        skipped_steps_seen = [0]
+        skipped_steps_seen = 0  # the loss stage's skipped steps already reported
         check_nan = t.check_for_nan_in_loss_and_grad and not cfg.precision.fp16  # fp16: the loss scaler skips
 
         def on_loss(mb: int, loss: torch.Tensor) -> None:
+            nonlocal skipped_steps_seen
             g = mb // num_mb
             if check_nan and not torch.isfinite(loss).all():  # before its backward
                 raise RankError(f"lm loss is {float(loss)} at iteration {g + 1} (micro-batch {mb}) on "
@@ -570,8 +571,8 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 # Steps are stage-local here: the iteration counts as skipped when this (the loss) stage
                 # skipped a step for inf/NaN gradients since the last one; fp16 logs this stage's scale.
                 skipped = sum(stage.skipped_steps)
-                if skipped > skipped_steps_seen[0]:
-                    last_norm, skipped_steps_seen[0] = None, skipped
+                if skipped > skipped_steps_seen:
+                    last_norm, skipped_steps_seen = None, skipped
                 scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
                 progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm, scale)
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     print(schedule)
     print()
     print(timeline.table())
-    D, M = schedule.num_stages, schedule.num_microbatches
+    M = schedule.num_microbatches
     ideal = M * (args.t_forward + args.t_backward)
     print(f"ideal compute per rank {ideal:.4g}; bubble time / ideal = "
           f"{(timeline.makespan - ideal) / ideal if ideal else 0.0:.4f}")

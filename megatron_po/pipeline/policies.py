@@ -43,6 +43,7 @@ from megatron_po.errors import ConfigError
 from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.executor import WeightPolicy
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
+from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from megatron_po.config import ASYNC_METHODS  # noqa: E402  (the flag choices live in the config)
 
@@ -404,7 +405,6 @@ def _backward_reads_parameters(chunk: torch.nn.Module) -> bool:
     storage for a forward and back before the backward makes the backward read the live weights: our
     tensor-parallel linears (`tensor_parallel.layers.linear`), embeddings (whose backward reads no
     weight) and torch's LayerNorm / RMSNorm. F.linear, for one, saves a transposed view instead."""
-    from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     known = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Embedding,
              torch.nn.LayerNorm, torch.nn.RMSNorm)
     return all(type(m) in known for m in chunk.modules() if next(m.parameters(recurse=False), None) is not None)

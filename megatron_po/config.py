@@ -18,8 +18,10 @@ from typing import get_args, get_origin, get_type_hints
 from megatron_po.errors import ConfigError, UserError
 
 
-def _f(default, help: str, choices=None, nargs=None):
+def _f(default, help: str, choices=None, nargs=None, alias=None):
     meta = {"help": help}
+    if alias is not None:  # another spelling of the flag (of its --no- form for booleans that default to True)
+        meta["alias"] = alias
     if choices is not None:
         meta["choices"] = choices
     if nargs is not None:
@@ -35,18 +37,49 @@ class ModelConfig:
     hidden_size: int = _f(128, "transformer hidden size")
     ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden; 8/3 x hidden rounded for SwiGLU)")
     num_attention_heads: int = _f(4, "number of attention heads")
+    group_query_attention: bool = _f(False, "grouped-query attention: --num-query-groups key/value heads shared by "
+                                            "the query heads (1 = multi-query attention)")
+    num_query_groups: int = _f(1, "key/value heads with --group-query-attention (divides --num-attention-heads and "
+                                  "is divisible by --tensor-model-parallel-size)")
+    kv_channels: int | None = _f(None, "dimension of one attention head (default hidden / heads)")
+    qk_layernorm: bool = _f(False, "normalize each query and key head (--normalization, over the head dimension) "
+                                   "before RoPE and the dot product")
     seq_length: int = _f(128, "training sequence length")
     max_position_embeddings: int | None = _f(None, "size of the learned position table (default seq_length)")
-    position_embedding_type: str = _f("learned_absolute", "position encoding", choices=["learned_absolute", "rope"])
-    rotary_base: int = _f(10000, "RoPE base")
+    position_embedding_type: str = _f("learned_absolute", "position encoding",
+                                      choices=["learned_absolute", "rope", "none"])
+    add_position_embedding: bool = _f(True, "with --no-position-embedding no learned position table (Megatron's "
+                                            "Llama scripts pair it with --position-embedding-type rope)",
+                                      alias="--no-position-embedding")
+    rotary_base: int = _f(10000, "RoPE base (the theta of the frequencies base^(-2i/d))")
+    rotary_percent: float = _f(1.0, "RoPE rotates this fraction of each head's dimensions (the first ones); the "
+                                    "rest pass through")
     normalization: str = _f("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
+    apply_layernorm_1p: bool = _f(False, "zero-centered norm weights: the norms multiply by (1 + weight), weight "
+                                         "initialized to 0 (LayerNorm and RMSNorm)")
     swiglu: bool = _f(False, "SwiGLU MLP instead of GELU")
     untie_embeddings_and_output_weights: bool = _f(False, "separate output layer weights (required by async pipelines)")
     hidden_dropout: float = _f(0.1, "dropout on hidden states")
     attention_dropout: float = _f(0.1, "dropout on attention probabilities")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections get std/sqrt(2*layers)")
-    add_bias_linear: bool = _f(True, "biases in linear layers (--no-add-bias-linear to drop them)")
+    add_bias_linear: bool = _f(True, "no biases in the linear layers (also spelled --no-add-bias-linear)",
+                               alias="--disable-bias-linear")
+    attention_backend: str = _f("auto", "attention kernel: auto (PyTorch picks), local/unfused (explicit "
+                                        "softmax(QK^T)V, any device), flash/fused (flash / cuDNN kernels, CUDA)",
+                                choices=["auto", "flash", "fused", "unfused", "local"])
+    attention_softmax_in_fp32: bool = _f(False, "with --bf16/--fp16 compute attention (softmax included) in fp32")
+    use_mcore_models: bool = _f(False, "accepted for Megatron-LM scripts; no effect (one model implementation, "
+                                       "Megatron Core's layout)")
+    masked_softmax_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch (attention runs in one "
+                                           "scaled_dot_product_attention call)")
+    bias_gelu_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch")
+    bias_swiglu_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch")
+    bias_dropout_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch")
+    apply_rope_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch", alias="--no-rope-fusion")
+    persist_layer_norm: bool = _f(True, "no effect: CUDA kernel switch (persistent LayerNorm kernel)")
+    gradient_accumulation_fusion: bool = _f(True, "no effect: CUDA kernel-fusion switch (weight gradients are "
+                                                  "accumulated by autograd)")
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this x TP size")
     transformer_impl: str = _f("local", "transformer layers: local (PyTorch) or transformer_engine (NVIDIA "
                                         "Transformer Engine, GPUs; requirements-gpu.txt)",
@@ -240,20 +273,22 @@ def build_parser(description: str = "megatron_po") -> argparse.ArgumentParser:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_ = f.metadata.get("help", "")
             tp = _scalar_type(hints[f.name])
+            alias = [f.metadata["alias"]] if "alias" in f.metadata else []
             if tp is bool:
                 if default:
-                    group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false", help=help_)
+                    group.add_argument("--no-" + f.name.replace("_", "-"), *alias, dest=f.name, action="store_false",
+                                       help=help_)
                     # the positive spelling (Megatron accepts e.g. --check-for-nan-in-loss-and-grad): the default
                     group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
                 else:
-                    group.add_argument(flag, dest=f.name, action="store_true", help=help_)
+                    group.add_argument(flag, *alias, dest=f.name, action="store_true", help=help_)
                 continue
             kwargs = dict(dest=f.name, type=tp, default=default, help=help_)
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
             if "nargs" in f.metadata:
                 kwargs["nargs"] = f.metadata["nargs"]
-            group.add_argument(flag, **kwargs)
+            group.add_argument(flag, *alias, **kwargs)
     return parser
 
 
@@ -303,6 +338,16 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     if m.swiglu:  # keep the MLP's parameter count of a 4h GELU MLP, rounded to a multiple of 64
         return ((int(8 * m.hidden_size / 3) + 63) // 64) * 64
     return 4 * m.hidden_size
+
+
+def kv_channels(m: ModelConfig) -> int:
+    """Dimension of one attention head (Megatron's --kv-channels, default hidden / heads)."""
+    return m.kv_channels if m.kv_channels is not None else m.hidden_size // m.num_attention_heads
+
+
+def num_query_groups(m: ModelConfig) -> int:
+    """Key/value heads: --num-query-groups with --group-query-attention, else one per attention head."""
+    return m.num_query_groups if m.group_query_attention else m.num_attention_heads
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -377,17 +422,34 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
          f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
          f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
     dp = world_size // (tp * pp)
-    need(m.hidden_size % m.num_attention_heads == 0,
+    need(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
          f"--hidden-size ({m.hidden_size}) is not divisible by --num-attention-heads ({m.num_attention_heads})")
+    need(m.kv_channels is None or m.kv_channels >= 1, f"--kv-channels must be >= 1 (got {m.kv_channels})")
     need(m.hidden_size % tp == 0,
          f"--hidden-size ({m.hidden_size}) is not divisible by --tensor-model-parallel-size ({tp})")
     need(m.num_attention_heads % tp == 0,
          f"--num-attention-heads ({m.num_attention_heads}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if m.group_query_attention:
+        g = m.num_query_groups
+        need(g >= 1 and m.num_attention_heads % g == 0,
+             f"--num-query-groups ({g}) must divide --num-attention-heads ({m.num_attention_heads})")
+        need(g % tp == 0, f"--num-query-groups ({g}) is not divisible by --tensor-model-parallel-size ({tp}): each "
+                          f"TP rank holds whole key/value heads")
+    need(0.0 < m.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {m.rotary_percent})")
+    need(m.add_position_embedding or m.position_embedding_type != "learned_absolute",
+         "--no-position-embedding with --position-embedding-type learned_absolute: choose --position-embedding-type "
+         "rope or none")
+    need(m.attention_backend not in ("flash", "fused") or _cuda_device(),
+         f"--attention-backend {m.attention_backend} needs a CUDA device (its kernels are GPU-only); on CPU use "
+         f"auto, local or unfused")
     need(ffn_hidden_size(m) % tp == 0,
          f"the MLP hidden size ({ffn_hidden_size(m)}) is not divisible by --tensor-model-parallel-size ({tp})")
     if m.position_embedding_type == "rope":
-        need((m.hidden_size // m.num_attention_heads) % 2 == 0, "RoPE needs an even head dimension")
-    else:
+        rotary_dim = int(kv_channels(m) * m.rotary_percent)
+        need(rotary_dim >= 2 and rotary_dim % 2 == 0,
+             f"RoPE needs an even number of rotated dimensions: head dimension {kv_channels(m)} x --rotary-percent "
+             f"{m.rotary_percent} = {rotary_dim}")
+    elif m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         need(m.seq_length <= max_pos,
              f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({max_pos})")
@@ -514,6 +576,11 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         validate_nmt(cfg)
 
 
+def _cuda_device() -> bool:
+    from megatron_po.parallel_state import get_device  # the one place that picks the device
+    return get_device().type == "cuda"
+
+
 def validate_transformer_engine(cfg: Config, workload: str) -> None:
     """--transformer-impl and --fp8-*: flag rules, FP8's shape rules, and whether TE can be imported
     (one line on every rank before any process group exists, instead of a failure inside model build)."""
@@ -539,6 +606,8 @@ def validate_transformer_engine(cfg: Config, workload: str) -> None:
         need(tokens % 8 == 0, f"--fp8-format needs the tokens of a micro-batch per rank ({tokens}: sequence "
                               f"{seq} x --micro-batch-size {cfg.training.micro_batch_size}) divisible by 8")
     if m.transformer_impl == "transformer_engine":
+        need(not m.qk_layernorm, "--qk-layernorm is not wired into the Transformer Engine layer: use "
+                                 "--transformer-impl local")
         need(workload == "gpt", "--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only "
                                 "so far; the NMT model runs with --transformer-impl local")
         from megatron_po.models.te_transformer import import_te
@@ -577,6 +646,10 @@ def validate_nmt(cfg: Config) -> None:
         max_pos = m.max_position_embeddings or max(m.seq_length, n.decoder_seq_length)
         need(n.decoder_seq_length <= max_pos,
              f"--decoder-seq-length ({n.decoder_seq_length}) exceeds --max-position-embeddings ({max_pos})")
+    for flag, given in [("--group-query-attention", m.group_query_attention), ("--kv-channels", m.kv_channels),
+                        ("--qk-layernorm", m.qk_layernorm)]:
+        need(not given, f"{flag} applies to pretrain_gpt.py: the NMT model's cross-attention has one key/value "
+                        f"head per query head of dimension hidden / heads")
     need(not cfg.parallel.sequence_parallel,
          "--sequence-parallel is not supported by pretrain_nmt.py (sentence lengths vary per batch)")
     need(not d.mock_data, "pretrain_nmt.py needs a parallel corpus: --data-path PREFIX from "

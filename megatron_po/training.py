@@ -53,11 +53,14 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
     layer (h V). With f = 4h and no SwiGLU this is Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per
     token.
     """
-    from megatron_po.config import ffn_hidden_size
+    from megatron_po.config import ffn_hidden_size, kv_channels, num_query_groups
     m = cfg.model
     h, s, L, f = m.hidden_size, m.seq_length, m.num_layers, ffn_hidden_size(m)
     mlp = (3 if m.swiglu else 2) * h * f
-    per_layer = 2 * (4 * h * h + mlp + 2 * s * h)
+    # Attention with a = heads x head dim (h by default) and g = key/value groups x head dim (GQA): QKV h (a + 2g),
+    # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
+    a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
+    per_layer = 2 * (h * (a + 2 * g) + a * h + mlp + 2 * s * a)
     return 3.0 * (L * per_layer + 2 * h * vocab_size)
 
 

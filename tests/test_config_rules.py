@@ -75,7 +75,19 @@ RULES = [
     ("ffn-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "63"],
      ["MLP hidden size (63) is not divisible by --tensor-model-parallel-size (2)"]),
     ("rope-even-head-dim", 1, MOCK + ["--position-embedding-type", "rope", "--hidden-size", "12",
-                                      "--num-attention-heads", "4"], ["RoPE needs an even head dimension"]),
+                                      "--num-attention-heads", "4"], ["RoPE needs an even number of rotated dim"]),
+    ("rope-even-rotary-percent", 1, MOCK + ["--position-embedding-type", "rope", "--rotary-percent", "0.25",
+                                            "--kv-channels", "12"], ["head dimension 12 x --rotary-percent 0.25 = 3"]),
+    ("kv-channels>=1", 1, MOCK + ["--kv-channels", "0"], ["--kv-channels must be >= 1 (got 0)"]),
+    ("query-groups-divide-heads", 1, MOCK + ["--group-query-attention", "--num-query-groups", "3"],
+     ["--num-query-groups (3) must divide --num-attention-heads (4)"]),
+    ("query-groups-vs-tp", 2, MOCK + ["--group-query-attention", "--tensor-model-parallel-size", "2"],
+     ["--num-query-groups (1) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("rotary-percent-range", 1, MOCK + ["--rotary-percent", "1.5"], ["--rotary-percent must be in (0, 1] (got 1.5)"]),
+    ("no-position-embedding-learned", 1, MOCK + ["--no-position-embedding"],
+     ["--no-position-embedding with --position-embedding-type learned_absolute"]),
+    ("attention-backend-needs-cuda", 1, MOCK + ["--attention-backend", "flash"],
+     ["--attention-backend flash needs a CUDA device"]),
     ("seq-vs-positions", 1, MOCK + ["--seq-length", "512", "--max-position-embeddings", "256"],
      ["--seq-length (512) exceeds --max-position-embeddings (256)"]),
     ("dropout-range", 1, MOCK + ["--hidden-dropout", "1.0"], ["dropout probabilities must be in [0, 1)"]),
@@ -183,6 +195,7 @@ RULES = [
     ("fp8-amax-history>=1", 1, TE_FP8 + ["--fp8-amax-history-len", "0"],
      ["--fp8-amax-history-len must be >= 1 (got 0)"]),
     ("fp8-margin>=0", 1, TE_FP8 + ["--fp8-margin", "-1"], ["--fp8-margin must be >= 0 (got -1)"]),
+    ("te-no-qk-layernorm", 1, MOCK + TE + ["--qk-layernorm"], ["--qk-layernorm is not wired into the Transformer"]),
     ("fp8-sizes-by-16", 2, TE_FP8 + ["--tensor-model-parallel-size", "2", "--hidden-size", "48"],
      ["--fp8-format needs --hidden-size (48) and the hidden and MLP sizes per TP rank (24, 96) divisible by 16"]),
     ("fp8-tokens-by-8", 1, TE_FP8 + ["--seq-length", "6", "--micro-batch-size", "1"],
@@ -194,6 +207,7 @@ RULES = [
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
+    ("gpt-attention-options", 1, NMT + ["--group-query-attention"], ["--group-query-attention applies to pretrain_gpt.py"]),
     ("layers>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "2"],
      ["--encoder-num-layers (0) and --decoder-num-layers (2) must be >= 1"]),
     ("layer-sum>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "0"],
@@ -228,6 +242,7 @@ CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
 def no_visible_gpu(monkeypatch):
     """`te-importable` fails on every machine: TE's import fails without TE, and with it no GPU is visible."""
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: False)
+    monkeypatch.setattr(config, "_cuda_device", lambda: False)  # --attention-backend flash/fused need one
 
 
 def _raise_site(e: BaseException) -> tuple[str, int]:

@@ -20,7 +20,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
 from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
-                                             layers_context)
+                                             layers_context, rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                          scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
@@ -77,7 +77,7 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = self.tie_output
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, cfg.rotary_base)
+            self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with _seeded(seed, i):

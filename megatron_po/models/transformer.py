@@ -1,9 +1,11 @@
 """Tensor-parallel transformer blocks (pre-LayerNorm), shared by the GPT and NMT models.
 
 Activations are [seq, batch, hidden] as in Megatron, so sequence parallelism splits dim 0. Attention
-runs through `F.scaled_dot_product_attention`. The QKV projection's output rows are laid out per head
-(q_h, k_h, v_h for each head h), so a contiguous column-parallel split hands each TP rank whole heads
-and the TP=1 weight is exactly the concatenation of the TP shards.
+runs through `F.scaled_dot_product_attention` (--attention-backend picks its kernel). The QKV projection's
+output rows are laid out per key/value group, as Megatron Core's: for each group g the rows of its
+query heads, then k_g, then v_g ([groups, heads/groups + 2, head_dim]). Without --group-query-attention
+every head is its own group (q_h, k_h, v_h). A contiguous column-parallel split hands each TP rank whole
+groups, and the TP=1 weight is exactly the concatenation of the TP shards.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, ffn_hidden_size
+from megatron_po.config import ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 
 
@@ -26,9 +28,28 @@ def init_normal(std: float):
     return init_
 
 
+class ZeroCenteredNorm(nn.Module):
+    """LayerNorm or RMSNorm that scales by (1 + weight), the weight starting at 0 (--apply-layernorm-1p):
+    the same function as the plain norm with weight w + 1, stored centered on zero."""
+
+    def __init__(self, normalization: str, hidden: int, eps: float):
+        super().__init__()
+        self.normalization, self.eps = normalization, eps
+        self.weight = nn.Parameter(torch.zeros(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden)) if normalization == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "RMSNorm":
+            return F.rms_norm(x, (x.shape[-1],), 1 + self.weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), 1 + self.weight, self.bias, self.eps)
+
+
 def build_norm(cfg: ModelConfig, hidden: int, sequence_parallel: bool) -> nn.Module:
-    norm = (nn.RMSNorm(hidden, eps=cfg.norm_epsilon) if cfg.normalization == "RMSNorm"
-            else nn.LayerNorm(hidden, eps=cfg.norm_epsilon))
+    if cfg.apply_layernorm_1p:
+        norm = ZeroCenteredNorm(cfg.normalization, hidden, cfg.norm_epsilon)
+    else:
+        norm = (nn.RMSNorm(hidden, eps=cfg.norm_epsilon) if cfg.normalization == "RMSNorm"
+                else nn.LayerNorm(hidden, eps=cfg.norm_epsilon))
     for p in norm.parameters():
         # With sequence parallelism each TP rank sees a slice of the tokens, so the norm's (replicated)
         # gradients are partial sums that must be all-reduced over the TP group.
@@ -47,68 +68,119 @@ def dropout(x: torch.Tensor, p: float, training: bool, split_across_tp: bool) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half (GPT-NeoX / Llama) convention."""
+    """RoPE in the rotate-half (GPT-NeoX / Llama) convention over the first `rotary_dim` dimensions of a
+    head (Megatron's --rotary-percent x head dimension); `apply_rotary` passes the rest through."""
 
-    def __init__(self, head_dim: int, base: int):
+    def __init__(self, rotary_dim: int, base: int):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)  # [s, head_dim]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [s, rotary_dim]
         return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    return int(kv_channels(cfg) * cfg.rotary_percent)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, heads, head_dim]."""
+    """x: [s, b, heads, head_dim]; rotates the first cos.shape[-1] dimensions of each head."""
+    rot = cos.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    out = (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def split_qkv(qkv: torch.Tensor, local_groups: int, heads_per_group: int, head_dim: int):
+    """The QKV projection's output [s, b, groups x (heads_per_group + 2) x head_dim] (module docstring) ->
+    q [s, b, groups x heads_per_group, head_dim], k and v [s, b, groups, head_dim]."""
+    s, b, _ = qkv.shape
+    q, k, v = qkv.view(s, b, local_groups, (heads_per_group + 2) * head_dim).split(
+        [heads_per_group * head_dim, head_dim, head_dim], dim=-1)
+    return q.reshape(s, b, local_groups * heads_per_group, head_dim), k, v
+
+
+_SDPA_KERNELS = {"auto": None, "local": "MATH", "unfused": "MATH", "flash": "FLASH_ATTENTION",
+                 "fused": "CUDNN_ATTENTION"}
+
+
+def attention_kernel_context(backend: str):
+    """The SDPA kernel of --attention-backend: auto lets PyTorch pick; local and unfused run the math
+    kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config.validate refuses
+    them without a GPU)."""
+    kernel = _SDPA_KERNELS[backend]
+    if kernel is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, kernel))
 
 
 class SelfAttention(nn.Module):
+    """Multi-head, grouped-query (--group-query-attention) or multi-query (one group) self-attention."""
+
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, causal: bool = True):
         super().__init__()
         tp = ps.get_tensor_model_parallel_world_size()
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.num_local_heads = nh // tp
-        self.head_dim = h // nh
+        h, nh, groups = cfg.hidden_size, cfg.num_attention_heads, num_query_groups(cfg)
+        self.head_dim = kv_channels(cfg)
+        self.num_local_heads, self.num_local_groups = nh // tp, groups // tp
+        self.heads_per_group = nh // groups
         self.causal = causal
         self.attention_dropout = cfg.attention_dropout
+        self.attention_backend = cfg.attention_backend
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(h, 3 * h, bias=cfg.add_bias_linear, gather_output=False,
-                                        init_method=init_normal(cfg.init_method_std),
+        self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=cfg.add_bias_linear,
+                                        gather_output=False, init_method=init_normal(cfg.init_method_std),
                                         sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, bias=cfg.add_bias_linear, input_is_parallel=True,
+        self.proj = RowParallelLinear(nh * self.head_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,
                                       init_method=init_normal(out_std), sequence_parallel=sequence_parallel)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            # Shared by all heads, which are split over TP ranks: each rank's gradient is a partial sum, summed
+            # over the TP group like the norms under sequence parallelism.
+            self.q_norm = build_norm(cfg, self.head_dim, sequence_parallel=tp > 1)
+            self.k_norm = build_norm(cfg, self.head_dim, sequence_parallel=tp > 1)
 
     def forward(self, x: torch.Tensor, rotary=None, attn_mask=None, kv_cache: dict | None = None) -> torch.Tensor:
         """`kv_cache` (incremental decoding): x holds only the newest positions, whose keys and values are
         appended to the cache's; `rotary` must then be the cos/sin of those positions."""
-        qkv, _ = self.qkv(x)  # [s, b, 3h/tp], per-head (q, k, v) blocks
+        qkv, _ = self.qkv(x)  # [s, b, (heads + 2 groups) x head_dim / tp], per-group (q.., k, v) blocks
         s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
+        q, k, v = split_qkv(qkv, self.num_local_groups, self.heads_per_group, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or groups, s, head_dim]
         if kv_cache is not None:
             if "k" in kv_cache:
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
             kv_cache["k"], kv_cache["v"] = k, v
             if self.causal and attn_mask is None and k.shape[2] > s > 1:  # new queries see the cache + their past
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
+        if self.heads_per_group > 1:  # query head i reads key/value group i // heads_per_group
+            k, v = k.repeat_interleave(self.heads_per_group, dim=1), v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.attention_dropout if self.training else 0.0
         causal = self.causal and attn_mask is None and k.shape[2] == s
-        if p > 0.0:
-            # Heads are split across TP ranks, so attention dropout must differ between them.
-            with get_rng_tracker().fork():
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
+        dtype = q.dtype
+        if self.softmax_in_fp32:
+            q, k, v = q.float(), k.float(), v.float()
+        with attention_kernel_context(self.attention_backend):
+            if p > 0.0:
+                # Heads are split across TP ranks, so attention dropout must differ between them.
+                with get_rng_tracker().fork():
+                    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
+            else:
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
+        ctx = ctx.to(dtype).permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
         out, _ = self.proj(ctx)
         return out
 

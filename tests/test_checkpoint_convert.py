@@ -3,7 +3,10 @@
 - A GPT-2-style model (LayerNorm, GELU, learned positions, tied head, biases) trained with TP=2 and a
   Llama-style one (RMSNorm, SwiGLU, RoPE, untied head, no biases) trained with PP=2 are consolidated;
   our GPTModel built from the consolidated file and the exported `transformers` model give the same
-  logits on a batch (fp32, |delta| <= 1e-5; measured 0: the same ops in the same order).
+  logits on a batch (fp32, |delta| <= 1e-5; measured 0: the same ops in the same order). A Llama-3-style
+  one with grouped-query attention (4 heads, 2 key/value groups), --kv-channels 12 (not hidden / heads),
+  --apply-layernorm-1p and --rotary-base 500000, trained with TP=2 (one group per rank), exports to a
+  LlamaForCausalLM with num_key_value_heads 2 and head_dim 12 and the same logits.
 - import-hf round-trips exactly: every tensor of import(export(ckpt)) equals the checkpoint's (the
   padded vocabulary rows, which the export drops, come back as zeros), and re-exporting reproduces the
   HF tensors bit for bit. The imported checkpoint trains with --finetune.
@@ -24,6 +27,10 @@ ARCHS = {
     "llama": (2, {"--pipeline-model-parallel-size": 2, "--normalization": "RMSNorm", "--swiglu": True,
                   "--position-embedding-type": "rope", "--untie-embeddings-and-output-weights": True,
                   "--no-add-bias-linear": True}),
+    "llama-gqa": (2, {"--tensor-model-parallel-size": 2, "--normalization": "RMSNorm", "--swiglu": True,
+                      "--position-embedding-type": "rope", "--untie-embeddings-and-output-weights": True,
+                      "--disable-bias-linear": True, "--group-query-attention": True, "--num-query-groups": 2,
+                      "--kv-channels": 12, "--apply-layernorm-1p": True, "--rotary-base": 500000}),
 }
 
 
@@ -68,7 +75,9 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
 
     assert main(["export-hf", "--load", trained["ckpt"], "--out", str(d / "hf"), "--no-progress"]) == 0
     hf, loading = AutoModelForCausalLM.from_pretrained(str(d / "hf"), output_loading_info=True)
-    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[trained["arch"]]
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if trained["arch"] == "gpt2" else "LlamaForCausalLM")
+    if trained["arch"] == "llama-gqa":
+        assert (hf.config.num_attention_heads, hf.config.num_key_value_heads, hf.config.head_dim) == (4, 2, 12)
     assert not any(loading.values()), loading  # no missing, unexpected or mismatched tensors
     hf.eval()
     with torch.no_grad():
@@ -89,6 +98,8 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
     for k, w in weights.items():
         if k in ("embedding.word_embeddings.weight", "output_layer.weight"):  # vocabulary rows
             assert torch.equal(back[k][:101], w[:101]) and not back[k][101:].any(), k
+        elif "--apply-layernorm-1p" in trained["flags"] and k.endswith("norm.weight"):  # imported as plain weights
+            assert torch.equal(back[k], w + 1), k
         else:
             assert torch.equal(back[k], w), k
     assert main(["export-hf", "--load", str(d / "imported"), "--out", str(d / "hf2"), "--no-progress"]) == 0

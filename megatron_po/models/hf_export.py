@@ -8,9 +8,14 @@ Which HF architecture a model maps to is decided by its three structural choices
 anything else has no equivalent there and is refused (UserError).
 
 Layout differences handled here:
-- QKV: our fused projection's rows are laid out per head, (q_h, k_h, v_h) for each head h, so a
-  contiguous TP split hands out whole heads. GPT-2's `c_attn` is [all q | all k | all v]; Llama has
-  separate q/k/v projections.
+- QKV: our fused projection's rows are laid out per key/value group, (q heads of g, k_g, v_g) for each
+  group g (per head without GQA), so a contiguous TP split hands out whole groups. GPT-2's `c_attn` is
+  [all q | all k | all v]; Llama has separate q/k/v projections, k/v with `num_key_value_heads` heads
+  (grouped-query attention: query head i reads key/value head i // (heads / groups), in both).
+- --kv-channels is Llama's `head_dim`; GPT-2 has neither GQA nor a head size other than hidden / heads.
+- --apply-layernorm-1p stores norm weights as w - 1: exported as w + 1 (HF multiplies by the weight),
+  imported as plain weights (the imported model does not use --apply-layernorm-1p).
+- --qk-layernorm and --rotary-percent < 1 have no equivalent in either (refused).
 - GPT-2 uses Conv1D modules whose weights are stored transposed ([in, out]) relative to nn.Linear.
 - RoPE: ours is the rotate-half (GPT-NeoX) convention, which is what HF's Llama implements, so q/k rows
   need no permutation (the permutation in HF's own converter undoes Meta's interleaved convention).
@@ -26,6 +31,8 @@ Layout differences handled here:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_po.errors import UserError
@@ -34,12 +41,25 @@ GPT2 = "gpt2"
 LLAMA = "llama"
 
 
+def with_defaults(model: dict) -> dict:
+    """A saved `config["model"]` dict with the fields it predates at their defaults."""
+    from megatron_po.config import ModelConfig
+    return dict(dataclasses.asdict(ModelConfig()), **model)
+
+
 def hf_architecture(model: dict) -> str:
     """"gpt2" or "llama" for a saved `config["model"]` dict; UserError for other combinations."""
+    model = with_defaults(model)
     combo = (model["normalization"], "SwiGLU" if model["swiglu"] else "GELU", model["position_embedding_type"])
+    if model["qk_layernorm"]:
+        raise UserError("--qk-layernorm has no equivalent in GPT-2 or Llama: no Hugging Face export")
     if combo == ("LayerNorm", "GELU", "learned_absolute"):
+        if model["group_query_attention"] or _head_dim(model) * model["num_attention_heads"] != model["hidden_size"]:
+            raise UserError("GPT-2 has neither grouped-query attention nor --kv-channels other than hidden / heads")
         return GPT2
     if combo == ("RMSNorm", "SwiGLU", "rope"):
+        if model["rotary_percent"] != 1.0:
+            raise UserError(f"--rotary-percent {model['rotary_percent']}: Llama rotates whole heads")
         return LLAMA
     raise UserError(f"no Hugging Face equivalent for normalization={combo[0]}, MLP={combo[1]}, positions={combo[2]}: "
                     "export supports LayerNorm + GELU + learned_absolute (GPT-2) and RMSNorm + SwiGLU + rope (Llama)")
@@ -50,22 +70,36 @@ def ffn_size(model: dict) -> int:
     return ffn_hidden_size(ModelConfig(**model))
 
 
-def _split_qkv(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our per-head [(q_h, k_h, v_h) for h] rows -> (q, k, v), each [heads * head_dim, ...]."""
-    rest = w.shape[1:]
-    per_head = w.reshape(heads, 3, w.shape[0] // (3 * heads), *rest)
-    return tuple(per_head[:, i].reshape(-1, *rest).contiguous() for i in range(3))
+def _head_dim(model: dict) -> int:
+    from megatron_po.config import ModelConfig, kv_channels
+    return kv_channels(ModelConfig(**model))
 
 
-def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+def _groups(model: dict) -> int:
+    from megatron_po.config import ModelConfig, num_query_groups
+    return num_query_groups(ModelConfig(**model))
+
+
+def _split_qkv(w: torch.Tensor, groups: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our per-group [(q heads of g, k_g, v_g) for g] rows -> q [heads * head_dim, ...], k and v
+    [groups * head_dim, ...]."""
+    rest, per_group = w.shape[1:], heads // groups
+    blocks = w.reshape(groups, per_group + 2, w.shape[0] // (groups * (per_group + 2)), *rest)
+    q, k, v = blocks[:, :per_group], blocks[:, per_group], blocks[:, per_group + 1]
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     rest = q.shape[1:]
-    hd = q.shape[0] // heads
-    return torch.stack([t.reshape(heads, hd, *rest) for t in (q, k, v)], dim=1).reshape(3 * q.shape[0], *rest)
+    hd = k.shape[0] // groups
+    blocks = [q.reshape(groups, -1, hd, *rest), k.reshape(groups, 1, hd, *rest), v.reshape(groups, 1, hd, *rest)]
+    return torch.cat(blocks, dim=1).reshape(-1, *rest)
 
 
 def hf_config(model: dict, vocab_size: int):
     """The transformers config object of the architecture `model` maps to."""
     arch = hf_architecture(model)
+    model = with_defaults(model)
     tied = not model["untie_embeddings_and_output_weights"]
     if arch == GPT2:
         from transformers import GPT2Config
@@ -79,8 +113,8 @@ def hf_config(model: dict, vocab_size: int):
     from transformers import LlamaConfig
     h, nh = model["hidden_size"], model["num_attention_heads"]
     return LlamaConfig(vocab_size=vocab_size, hidden_size=h, intermediate_size=ffn_size(model),
-                       num_hidden_layers=model["num_layers"], num_attention_heads=nh, num_key_value_heads=nh,
-                       head_dim=h // nh, hidden_act="silu", max_position_embeddings=model["seq_length"],
+                       num_hidden_layers=model["num_layers"], num_attention_heads=nh, num_key_value_heads=_groups(model),
+                       head_dim=_head_dim(model), hidden_act="silu", max_position_embeddings=model["seq_length"],
                        rms_norm_eps=model["norm_epsilon"], initializer_range=model["init_method_std"],
                        rope_parameters={"rope_type": "default", "rope_theta": float(model["rotary_base"])},
                        attention_bias=model["add_bias_linear"], mlp_bias=model["add_bias_linear"],
@@ -91,10 +125,12 @@ def hf_config(model: dict, vocab_size: int):
 def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dict[str, torch.Tensor]:
     """Our consolidated weights (global names) -> the HF state dict (tied head omitted: HF ties it)."""
     arch = hf_architecture(model)
-    L, nh, h = model["num_layers"], model["num_attention_heads"], model["hidden_size"]
+    model = with_defaults(model)
+    L, nh, h, groups = model["num_layers"], model["num_attention_heads"], model["hidden_size"], _groups(model)
     bias = model["add_bias_linear"]
     tied = not model["untie_embeddings_and_output_weights"]
-    w = weights
+    # --apply-layernorm-1p stores w - 1: HF multiplies by the weight itself.
+    w = {k: v + 1 if model["apply_layernorm_1p"] and _is_norm_weight(k) else v for k, v in weights.items()}
     out = {}
     if arch == GPT2:
         def b(name, n):  # GPT-2 always has biases: a bias-free model exports zeros
@@ -108,8 +144,8 @@ def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dic
             out[g + "ln_2.weight"] = w[o + "post_attention_norm.weight"]
             out[g + "ln_2.bias"] = w[o + "post_attention_norm.bias"]
             # Conv1D stores [in, out]: transpose every projection.
-            out[g + "attn.c_attn.weight"] = torch.cat(_split_qkv(w[o + "attention.qkv.weight"], nh)).t()
-            out[g + "attn.c_attn.bias"] = (torch.cat(_split_qkv(w[o + "attention.qkv.bias"], nh)) if bias
+            out[g + "attn.c_attn.weight"] = torch.cat(_split_qkv(w[o + "attention.qkv.weight"], nh, nh)).t()
+            out[g + "attn.c_attn.bias"] = (torch.cat(_split_qkv(w[o + "attention.qkv.bias"], nh, nh)) if bias
                                            else b(None, 3 * h))
             out[g + "attn.c_proj.weight"] = w[o + "attention.proj.weight"].t()
             out[g + "attn.c_proj.bias"] = b(o + "attention.proj.bias", h)
@@ -125,7 +161,7 @@ def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dic
             out[g + "input_layernorm.weight"] = w[o + "input_norm.weight"]
             out[g + "post_attention_layernorm.weight"] = w[o + "post_attention_norm.weight"]
             for suffix in ("weight", "bias") if bias else ("weight",):
-                q, k, v = _split_qkv(w[o + "attention.qkv." + suffix], nh)
+                q, k, v = _split_qkv(w[o + "attention.qkv." + suffix], groups, nh)
                 out[g + "self_attn.q_proj." + suffix] = q
                 out[g + "self_attn.k_proj." + suffix] = k
                 out[g + "self_attn.v_proj." + suffix] = v
@@ -137,6 +173,10 @@ def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dic
     if not tied:
         out["lm_head.weight"] = w["output_layer.weight"][:vocab_size]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith(("input_norm.weight", "post_attention_norm.weight")) or name == "final_norm.weight"
 
 
 def model_config_from_hf(hf: dict) -> dict:
@@ -159,11 +199,10 @@ def model_config_from_hf(hf: dict) -> dict:
                     init_method_std=hf.get("initializer_range", 0.02), add_bias_linear=True)
     if kind == LLAMA:
         h, nh = hf["hidden_size"], hf["num_attention_heads"]
-        if hf.get("num_key_value_heads", nh) != nh:
-            raise UserError(f"grouped-query attention (num_key_value_heads={hf['num_key_value_heads']} != "
-                            f"num_attention_heads={nh}) is not supported")
-        if hf.get("head_dim", h // nh) != h // nh:
-            raise UserError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads is not supported")
+        kv_heads = hf.get("num_key_value_heads") or nh
+        head_dim = hf.get("head_dim") or h // nh
+        if nh % kv_heads != 0:
+            raise UserError(f"num_key_value_heads ({kv_heads}) does not divide num_attention_heads ({nh})")
         if hf.get("hidden_act", "silu") != "silu":
             raise UserError(f"Llama activation {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -175,7 +214,8 @@ def model_config_from_hf(hf: dict) -> dict:
         if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
             raise UserError("attention_bias and mlp_bias differ: --add-bias-linear covers both")
         return dict(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=nh,
-                    ffn_hidden_size=hf["intermediate_size"], seq_length=hf.get("max_position_embeddings", 2048),
+                    group_query_attention=kv_heads != nh, num_query_groups=kv_heads if kv_heads != nh else 1,
+                    kv_channels=None if head_dim * nh == h else head_dim, ffn_hidden_size=hf["intermediate_size"], seq_length=hf.get("max_position_embeddings", 2048),
                     position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
                     norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                     untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -188,7 +228,8 @@ def model_config_from_hf(hf: dict) -> dict:
 def from_hf(hf_state: dict[str, torch.Tensor], model: dict, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """HF state dict -> our global weights (vocabulary padded with zero rows)."""
     arch = hf_architecture(model)
-    L, nh = model["num_layers"], model["num_attention_heads"]
+    model = with_defaults(model)
+    L, nh, groups = model["num_layers"], model["num_attention_heads"], _groups(model)
     bias = model["add_bias_linear"]
     s = hf_state
 
@@ -228,7 +269,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], model: dict, padded_vocab_size: i
             for suffix in ("weight", "bias") if bias else ("weight",):
                 out[o + "attention.qkv." + suffix] = _join_qkv(need(g + "self_attn.q_proj." + suffix),
                                                                need(g + "self_attn.k_proj." + suffix),
-                                                               need(g + "self_attn.v_proj." + suffix), nh)
+                                                               need(g + "self_attn.v_proj." + suffix), groups)
                 out[o + "attention.proj." + suffix] = need(g + "self_attn.o_proj." + suffix)
                 out[o + "mlp.fc1_gate." + suffix] = need(g + "mlp.gate_proj." + suffix)
                 out[o + "mlp.fc1." + suffix] = need(g + "mlp.up_proj." + suffix)

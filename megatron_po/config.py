@@ -340,6 +340,11 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     return 4 * m.hidden_size
 
 
+def model_config_from_dict(model: dict) -> ModelConfig:
+    """A saved `config["model"]` dict as a ModelConfig; fields added after it was saved take their defaults."""
+    return ModelConfig(**model)
+
+
 def kv_channels(m: ModelConfig) -> int:
     """Dimension of one attention head (Megatron's --kv-channels, default hidden / heads)."""
     return m.kv_channels if m.kv_channels is not None else m.hidden_size // m.num_attention_heads

@@ -12,7 +12,9 @@ What it reproduces of Transformer Engine 2.20.2 (whose Python source it was writ
   `partition_stride`, `sequence_parallel` on norm weights and row-parallel biases);
 - the math of TE's modules, written with the same ops as megatron_po's local layers (so a TE model built
   from a local one must compute the same thing); GELU is the tanh approximation, swiglu silu(first half) *
-  second half; DotProductAttention forks the RNG tracker for dropout except under sequence parallelism;
+  second half; zero_centered_gamma norms scale by 1 + weight; DotProductAttention forks the RNG tracker
+  for dropout except under sequence parallelism, and with num_gqa_groups query head i reads key/value
+  head i // (heads / groups);
 - FP8 weight casting under `autocast(enabled=True)`: each GEMM multiplies by a cast of the weight (identity
   quantization) and the backward's input gradient multiplies by that cast, not by the live weight.
   is_first_microbatch=None casts into a fresh buffer; True re-casts into the module's cached workspace
@@ -168,10 +170,11 @@ class _Module(nn.Module):
             return reduce_scatter_to_sequence_parallel_region(partial)
         return reduce_from_tensor_model_parallel_region(partial)
 
-    def _norm_params(self, features, normalization, device):
+    def _norm_params(self, features, normalization, device, zero_centered_gamma=False):
         assert normalization in ("LayerNorm", "RMSNorm"), normalization
-        self.normalization = normalization
-        self.layer_norm_weight = nn.Parameter(torch.ones(features, device=device))
+        self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
+        self.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(features,
+                                                                                                 device=device))
         self.layer_norm_bias = nn.Parameter(torch.zeros(features, device=device)) if normalization == "LayerNorm" \
             else None
         for p in (self.layer_norm_weight, self.layer_norm_bias):
@@ -179,9 +182,10 @@ class _Module(nn.Module):
                 p.sequence_parallel = self.sequence_parallel
 
     def _norm(self, x):
+        weight = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
         if self.normalization == "RMSNorm":
-            return F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, self.layer_norm_bias, self.eps)
 
     def _register_split(self, kind, full, sizes, names, dim, init_method):
         """Parameters `<name>_<kind>` as views of the one buffer `full` (TE's parameters_split)."""
@@ -211,7 +215,7 @@ class LayerNormLinear(_Module):
         assert parallel_mode in (None, "column"), "Normalization does not support tensor-parallel distribution."
         self._parallel(tp_group, tp_size, sequence_parallel, parallel_mode)
         self.eps = eps
-        self._norm_params(in_features, normalization, device)
+        self._norm_params(in_features, normalization, device, zero_centered_gamma)
         tp = self.tp_size if parallel_mode == "column" else 1
         self.names, sizes = _split(parameters_split, out_features, tp)
         self._register_split("weight", torch.empty(sum(sizes), in_features, device=device), sizes, self.names, 0,
@@ -272,7 +276,7 @@ class LayerNormMLP(_Module):
         assert activation in ("gelu", "swiglu"), activation
         self._parallel(tp_group, tp_size, sequence_parallel, "column" if set_parallel_mode else None)
         self.eps, self.activation, self.set_parallel_mode = eps, activation, set_parallel_mode
-        self._norm_params(hidden_size, normalization, device)
+        self._norm_params(hidden_size, normalization, device, zero_centered_gamma)
         f = ffn_hidden_size // self.tp_size
         rows = 2 * f if activation == "swiglu" else f
         self.fc1_weight = nn.Parameter(torch.empty(rows, hidden_size, device=device))
@@ -323,6 +327,8 @@ class DotProductAttention(_Module):
         CALLS.append((type(self).__name__, None))
         s, b, h, d = query_layer.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
+        if k.shape[1] != h:  # grouped-query attention: query head i reads key/value group i // (h / groups)
+            k, v = k.repeat_interleave(h // k.shape[1], dim=1), v.repeat_interleave(h // k.shape[1], dim=1)
         p = self.attention_dropout if self.training else 0.0
         causal = self.attn_mask_type == "causal"
         if p > 0.0 and self.tracker is not None:

@@ -283,10 +283,17 @@ def test_layouts_round_trip(variant):
 
 # ---- the TE model ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", ["layernorm-gelu-bias", "rmsnorm-swiglu"])
+# Llama-3-style attention options on the TE path: 2 key/value groups, head dim 12 (not 32 / 4), half the
+# head dimensions rotated, zero-centered norm weights (TE's zero_centered_gamma).
+GQA_VARIANT = dict(VARIANTS["rmsnorm-swiglu"], group_query_attention=True, num_query_groups=2, kv_channels=12,
+                   rotary_percent=0.5, apply_layernorm_1p=True)
+
+
+@pytest.mark.parametrize("variant", ["layernorm-gelu-bias", "rmsnorm-swiglu", "rmsnorm-swiglu-gqa-1p"])
 def test_te_model_starts_from_and_computes_like_the_local_model(variant, fake_te):
     from megatron_po.distributed.checkpoint import named_parameters_global
-    kw = dict(VARIANTS[variant], position_embedding_type="rope" if "swiglu" in variant else "learned_absolute")
+    kw = dict(VARIANTS.get(variant, GQA_VARIANT),
+              position_embedding_type="rope" if "swiglu" in variant else "learned_absolute")
     local_model = GPTModel(tiny(**kw), 64, seed=4)
     te_model = GPTModel(tiny(transformer_impl="transformer_engine", **kw), 64, seed=4)
     ours, theirs = dict(named_parameters_global([local_model])), dict(named_parameters_global([te_model]))

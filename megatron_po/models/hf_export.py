@@ -43,8 +43,8 @@ LLAMA = "llama"
 
 def with_defaults(model: dict) -> dict:
     """A saved `config["model"]` dict with the fields it predates at their defaults."""
-    from megatron_po.config import ModelConfig
-    return dict(dataclasses.asdict(ModelConfig()), **model)
+    from megatron_po.config import model_config_from_dict
+    return dataclasses.asdict(model_config_from_dict(model))
 
 
 def hf_architecture(model: dict) -> str:

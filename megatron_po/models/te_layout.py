@@ -233,11 +233,12 @@ def transformer_layer_kwargs(model: dict) -> dict:
     `to_transformer_layer` for a model config `model` (a ModelConfig dict); add tp_group / tp_size and
     sequence_parallel for more than one TP rank. RoPE (if used) is passed to its forward as
     `rotary_pos_emb` (non-interleaved halves, like ours)."""
-    from types import SimpleNamespace
-
-    from megatron_po.config import ffn_hidden_size
-    return dict(hidden_size=model["hidden_size"], ffn_hidden_size=ffn_hidden_size(SimpleNamespace(**model)),
-                num_attention_heads=model["num_attention_heads"], layernorm_epsilon=model["norm_epsilon"],
+    from megatron_po.config import ffn_hidden_size, kv_channels, model_config_from_dict, num_query_groups
+    m = model_config_from_dict(model)
+    return dict(hidden_size=model["hidden_size"], ffn_hidden_size=ffn_hidden_size(m),
+                num_attention_heads=model["num_attention_heads"], num_gqa_groups=num_query_groups(m),
+                kv_channels=kv_channels(m), zero_centered_gamma=m.apply_layernorm_1p,
+                layernorm_epsilon=model["norm_epsilon"],
                 hidden_dropout=model["hidden_dropout"], attention_dropout=model["attention_dropout"],
                 normalization=model["normalization"], activation="swiglu" if model["swiglu"] else "gelu",
                 bias=model["add_bias_linear"], fuse_qkv_params=True, qkv_weight_interleaved=True,

@@ -49,15 +49,17 @@ SpecTrain's the forward's prediction; weight gradients never involve the weights
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, ffn_hidden_size
+from megatron_po.config import ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
 from megatron_po.errors import ConfigError
 from megatron_po.models.te_layout import layer_name_pairs
-from megatron_po.models.transformer import apply_rotary, dropout
+from megatron_po.models.transformer import apply_rotary, dropout, split_qkv
 from megatron_po.tensor_parallel import get_rng_tracker
 
 # --------------------------------------------------------------------------------------------------
@@ -86,6 +88,16 @@ def import_te():
     if not _gpu_visible():
         raise ConfigError(f"Transformer Engine requested but not usable: no CUDA device is visible{_HINT}")
     return te, recipe
+
+
+def te_attention_backend_env(backend: str) -> dict[str, str]:
+    """Transformer Engine's attention kernel choice for --attention-backend, as Megatron-LM sets it: the
+    NVTE_*_ATTN switches DotProductAttention reads (auto: TE decides; local: TE's unfused kernel)."""
+    on = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN",
+          "local": "NVTE_UNFUSED_ATTN"}.get(backend)
+    if on is None:
+        return {}
+    return {name: "1" if name == on else "0" for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
 
 
 def fp8_recipe(cfg: ModelConfig, recipe_module):
@@ -191,22 +203,24 @@ class TESelfAttention(nn.Module):
     def __init__(self, te, cfg: ModelConfig, sequence_parallel: bool, causal: bool = True):
         super().__init__()
         tp = ps.get_tensor_model_parallel_world_size()
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.num_local_heads, self.head_dim = nh // tp, h // nh
+        h, nh, groups, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, num_query_groups(cfg), kv_channels(cfg)
+        self.num_local_groups, self.heads_per_group = groups // tp, nh // groups
         parallel = _parallel_kwargs(sequence_parallel)
-        self.layernorm_qkv = te.LayerNormLinear(h, 3 * h, eps=cfg.norm_epsilon, bias=cfg.add_bias_linear,
-                                                normalization=cfg.normalization, parallel_mode="column",
+        os.environ.update(te_attention_backend_env(cfg.attention_backend))
+        self.layernorm_qkv = te.LayerNormLinear(h, (nh + 2 * groups) * self.head_dim, eps=cfg.norm_epsilon,
+                                                bias=cfg.add_bias_linear, normalization=cfg.normalization,
+                                                zero_centered_gamma=cfg.apply_layernorm_1p, parallel_mode="column",
                                                 init_method=_no_init, **parallel)
         self.core_attention = te.DotProductAttention(
-            nh, self.head_dim, attention_dropout=cfg.attention_dropout, qkv_format="sbhd",
+            nh, self.head_dim, num_gqa_groups=groups, attention_dropout=cfg.attention_dropout, qkv_format="sbhd",
             attn_mask_type="causal" if causal else "no_mask", sequence_parallel=sequence_parallel,
             tp_size=tp, tp_group=parallel["tp_group"], get_rng_state_tracker=get_rng_tracker)
-        self.proj = te.Linear(h, h, bias=cfg.add_bias_linear, parallel_mode="row", init_method=_no_init, **parallel)
+        self.proj = te.Linear(nh * self.head_dim, h, bias=cfg.add_bias_linear, parallel_mode="row", init_method=_no_init,
+                              **parallel)
 
     def forward(self, x: torch.Tensor, rotary=None, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [s, b, 3h/tp], whole sequence
-        s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.num_local_heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
+        qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [s, b, (nh + 2g) hd/tp], whole sequence
+        q, k, v = split_qkv(qkv, self.num_local_groups, self.heads_per_group, self.head_dim)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -223,7 +237,8 @@ class TESwiGLUMLP(nn.Module):
         h, f = cfg.hidden_size, ffn_hidden_size(cfg)
         parallel = _parallel_kwargs(sequence_parallel)
         self.fc1 = te.LayerNormLinear(h, 2 * f, eps=cfg.norm_epsilon, bias=cfg.add_bias_linear,
-                                      normalization=cfg.normalization, parallel_mode="column",
+                                      normalization=cfg.normalization, zero_centered_gamma=cfg.apply_layernorm_1p,
+                                      parallel_mode="column",
                                       parameters_split={"gate": f, "up": f}, init_method=_no_init, **parallel)
         self.fc2 = te.Linear(f, h, bias=cfg.add_bias_linear, parallel_mode="row", init_method=_no_init, **parallel)
 
@@ -264,6 +279,7 @@ class TETransformerLayer(nn.Module):
             parallel = _parallel_kwargs(sequence_parallel)
             self.layernorm_mlp = te.LayerNormMLP(cfg.hidden_size, ffn_hidden_size(cfg), eps=cfg.norm_epsilon,
                                                  bias=cfg.add_bias_linear, normalization=cfg.normalization,
+                                                 zero_centered_gamma=cfg.apply_layernorm_1p,
                                                  activation="gelu", set_parallel_mode=True, init_method=_no_init,
                                                  output_layer_init_method=_no_init, **parallel)
         self.fp8_weights = FP8WeightCache()

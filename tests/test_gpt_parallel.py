@@ -27,6 +27,14 @@ CONFIGS = {
                          hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
                          position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                          untie_embeddings_and_output_weights=True, add_bias_linear=False),
+    # Llama-3-style attention: 8 heads in 4 key/value groups (1 or 2 per TP rank), head dim 12, per-head
+    # q/k norms (replicated; their gradients summed over TP), zero-centered norms, RoPE on half of each head.
+    "llama-gqa": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=16,
+                             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8,
+                             position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                             untie_embeddings_and_output_weights=True, add_bias_linear=False,
+                             group_query_attention=True, num_query_groups=4, kv_channels=12, qk_layernorm=True,
+                             apply_layernorm_1p=True, rotary_percent=0.5),
 }
 
 

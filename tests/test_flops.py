@@ -22,12 +22,14 @@ def measured_training_flops(run) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
-def test_gpt_formula_equals_the_flop_counter(swiglu):
+@pytest.mark.parametrize("extra", [{}, {"swiglu": True},
+                                   {"group_query_attention": True, "num_query_groups": 2, "kv_channels": 24}],
+                         ids=["gelu", "swiglu", "gqa-kv-channels"])
+def test_gpt_formula_equals_the_flop_counter(extra):
     torch.manual_seed(0)
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, swiglu=swiglu,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                            hidden_dropout=0.0, attention_dropout=0.0, **extra)
     vocab, batch = 256, 3
     model = GPTModel(cfg.model, vocab, seed=1)
     tokens = torch.randint(vocab, (batch, cfg.model.seq_length))

@@ -64,7 +64,8 @@ def test_megatron_example_model_flags_parse_to_their_meaning():
 
 
 def test_help_describes_every_model_flag_and_the_no_ops():
-    helps = {a.dest: (a.option_strings, a.help) for a in build_parser()._actions if a.help not in (None, "==SUPPRESS==")}
+    helps = {a.dest: (a.option_strings, a.help) for a in build_parser()._actions
+             if a.help not in (None, "==SUPPRESS==")}
     for name in ModelConfig.__dataclass_fields__:
         assert name in helps and helps[name][1], name
     assert "no effect" in helps["use_mcore_models"][1]

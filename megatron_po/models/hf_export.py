@@ -113,9 +113,10 @@ def hf_config(model: dict, vocab_size: int):
     from transformers import LlamaConfig
     h, nh = model["hidden_size"], model["num_attention_heads"]
     return LlamaConfig(vocab_size=vocab_size, hidden_size=h, intermediate_size=ffn_size(model),
-                       num_hidden_layers=model["num_layers"], num_attention_heads=nh, num_key_value_heads=_groups(model),
-                       head_dim=_head_dim(model), hidden_act="silu", max_position_embeddings=model["seq_length"],
-                       rms_norm_eps=model["norm_epsilon"], initializer_range=model["init_method_std"],
+                       num_hidden_layers=model["num_layers"], num_attention_heads=nh,
+                       num_key_value_heads=_groups(model), head_dim=_head_dim(model), hidden_act="silu",
+                       max_position_embeddings=model["seq_length"], rms_norm_eps=model["norm_epsilon"],
+                       initializer_range=model["init_method_std"],
                        rope_parameters={"rope_type": "default", "rope_theta": float(model["rotary_base"])},
                        attention_bias=model["add_bias_linear"], mlp_bias=model["add_bias_linear"],
                        attention_dropout=model["attention_dropout"], tie_word_embeddings=tied,
@@ -215,7 +216,8 @@ def model_config_from_hf(hf: dict) -> dict:
             raise UserError("attention_bias and mlp_bias differ: --add-bias-linear covers both")
         return dict(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=nh,
                     group_query_attention=kv_heads != nh, num_query_groups=kv_heads if kv_heads != nh else 1,
-                    kv_channels=None if head_dim * nh == h else head_dim, ffn_hidden_size=hf["intermediate_size"], seq_length=hf.get("max_position_embeddings", 2048),
+                    kv_channels=None if head_dim * nh == h else head_dim, ffn_hidden_size=hf["intermediate_size"],
+                    seq_length=hf.get("max_position_embeddings", 2048),
                     position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
                     norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                     untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),

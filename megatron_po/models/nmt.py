@@ -42,7 +42,8 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig, NMTConfig
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
-from megatron_po.models.transformer import TransformerLayer, build_norm, dropout, init_normal
+from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
+                                             init_normal)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, get_rng_tracker,
                                          gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy)
 
@@ -60,6 +61,7 @@ class CrossAttention(nn.Module):
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_local_heads, self.head_dim = nh // tp, h // nh
         self.attention_dropout = cfg.attention_dropout
+        self.attention_backend = cfg.attention_backend
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.q = ColumnParallelLinear(h, h, bias=cfg.add_bias_linear, gather_output=False,
                                       init_method=init_normal(cfg.init_method_std))
@@ -84,11 +86,12 @@ class CrossAttention(nn.Module):
             if kv_cache is not None:
                 kv_cache["k"], kv_cache["v"] = k, v
         p = self.attention_dropout if self.training else 0.0
-        if p > 0.0:
-            with get_rng_tracker().fork():  # heads are split across TP ranks: dropout must differ
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        with attention_kernel_context(self.attention_backend, masked=True):
+            if p > 0.0:
+                with get_rng_tracker().fork():  # heads are split across TP ranks: dropout must differ
+                    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            else:
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         out, _ = self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim))
         return out
 

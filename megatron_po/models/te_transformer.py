@@ -215,8 +215,8 @@ class TESelfAttention(nn.Module):
             nh, self.head_dim, num_gqa_groups=groups, attention_dropout=cfg.attention_dropout, qkv_format="sbhd",
             attn_mask_type="causal" if causal else "no_mask", sequence_parallel=sequence_parallel,
             tp_size=tp, tp_group=parallel["tp_group"], get_rng_state_tracker=get_rng_tracker)
-        self.proj = te.Linear(nh * self.head_dim, h, bias=cfg.add_bias_linear, parallel_mode="row", init_method=_no_init,
-                              **parallel)
+        self.proj = te.Linear(nh * self.head_dim, h, bias=cfg.add_bias_linear, parallel_mode="row",
+                              init_method=_no_init, **parallel)
 
     def forward(self, x: torch.Tensor, rotary=None, is_first_microbatch: bool | None = None) -> torch.Tensor:
         qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [s, b, (nh + 2g) hd/tp], whole sequence

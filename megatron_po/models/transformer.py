@@ -110,12 +110,13 @@ _SDPA_KERNELS = {"auto": None, "local": "MATH", "unfused": "MATH", "flash": "FLA
                  "fused": "CUDNN_ATTENTION"}
 
 
-def attention_kernel_context(backend: str):
+def attention_kernel_context(backend: str, masked: bool = False):
     """The SDPA kernel of --attention-backend: auto lets PyTorch pick; local and unfused run the math
     kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config.validate refuses
-    them without a GPU)."""
+    them without a GPU). Those take no explicit mask, so attention with one (NMT padding, incremental
+    decoding) runs PyTorch's own choice under them."""
     kernel = _SDPA_KERNELS[backend]
-    if kernel is None:
+    if kernel is None or (masked and kernel != "MATH"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel(getattr(SDPBackend, kernel))
@@ -173,7 +174,7 @@ class SelfAttention(nn.Module):
         dtype = q.dtype
         if self.softmax_in_fp32:
             q, k, v = q.float(), k.float(), v.float()
-        with attention_kernel_context(self.attention_backend):
+        with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
             if p > 0.0:
                 # Heads are split across TP ranks, so attention dropout must differ between them.
                 with get_rng_tracker().fork():

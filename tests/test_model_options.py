@@ -7,18 +7,16 @@
   g = i // (heads / groups), q and k optionally normalized per head, RoPE on the first rotary_percent of
   each head. SelfAttention equals it for MHA, GQA and MQA (one group) at TP=1 (fp32, atol 1e-6).
 - Grouped-query attention trains the same under TP=2 x PP=2 as in one process: pretrain_gpt.py's loss
-  curve within 2e-3 (30 AdamW steps, as test_pretrain_gpt), and the asynchronous PipeOptim rank equals
-  the emulator at rtol 1e-5 / atol 1e-6 (as test_async_pipeline's TP case). Gradient equality under
+  curve within 2e-3 (30 AdamW steps, as test_pretrain_gpt). Every asynchronous method's PP=2 rank equals
+  the emulator bit for bit, and PipeDream under TP=2 x PP=2 with sequence parallelism at rtol 1e-5 /
+  atol 1e-6 (test_async_pipeline's cases run on a GQA model with q/k norms). Gradient equality under
   TP=2/4 with sequence parallelism is test_gpt_parallel's "llama-gqa" configuration.
 """
 
 import math
-from functools import partial
-
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import run_distributed
 from test_pretrain_gpt import assert_same_curve, run_layout
 
 from megatron_po.config import ModelConfig, build_parser, parse_args, validate
@@ -205,8 +203,9 @@ def test_gqa_tp2_pp2_pretrain_matches_single_process(corpus, tmp_path):
     assert_same_curve(single, parallel)
 
 
-def _with_gqa(fn, *args, **kwargs):
-    """Run a test_async_pipeline trainer on its model with GQA (4 heads, 2 groups), head dim 12, qk norms."""
+@pytest.fixture
+def gqa_async_model(monkeypatch):
+    """test_async_pipeline's trainers on their model with GQA (4 heads, 2 groups), head dim 12, q/k norms."""
     import test_async_pipeline
 
     def make_cfg(num_layers, tied=False, base=test_async_pipeline.make_cfg):
@@ -215,23 +214,20 @@ def _with_gqa(fn, *args, **kwargs):
         cfg.model.kv_channels, cfg.model.qk_layernorm = 12, True
         return cfg
 
-    test_async_pipeline.make_cfg = make_cfg
-    return fn(*args, **kwargs)
+    monkeypatch.setattr(test_async_pipeline, "make_cfg", make_cfg)  # the forked ranks inherit it
+    model = test_async_pipeline.make_cfg(2).model
+    assert model.group_query_attention and model.kv_channels == 12 and model.qk_layernorm
+    return test_async_pipeline
 
 
-def test_gqa_async_pipeoptim_tp2_pp2_equals_emulator():
-    from test_async_pipeline import train_distributed, train_emulator
-    emu_losses, emu_eval, emu_weights, _ = run_distributed(
-        partial(_with_gqa, train_emulator, clip_grad=0.05), 1, args=("pipeoptim", "sgd", 2, 1, 1, (4, 4)))[0]
-    results = run_distributed(partial(_with_gqa, train_distributed, clip_grad=0.05), 4, tp=2, pp=2,
-                              args=("pipeoptim", "sgd", 1, 1, (4, 4)))
-    assert "layers.0.attention.q_norm.weight" in emu_weights
-    assert emu_weights["layers.0.attention.qkv.weight"].shape == ((4 + 2 * 2) * 12, 32)
-    for r in (2, 3):
-        torch.testing.assert_close(torch.tensor(results[r][0]), torch.tensor(emu_losses), rtol=1e-5, atol=1e-6)
-        assert abs(results[r][1] - emu_eval) < 1e-5
-    weights = {**results[0][2], **results[2][2]}
-    assert weights.keys() == emu_weights.keys()
-    for name in weights:
-        torch.testing.assert_close(weights[name], emu_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+@pytest.mark.parametrize("method, optimizer, k", [("async-naive", "adam", 1), ("pipedream", "adam", 1),
+                                                  ("pipedream-2bw", "adam", 2), ("spectrain", "sgd", 1),
+                                                  ("pipeoptim", "adam", 1)])
+def test_gqa_async_methods_pp2_equal_emulator_bitwise(gqa_async_model, method, optimizer, k):
+    gqa_async_model.test_distributed_equals_emulator_bitwise(method, optimizer, 2, 1, k, (4, 6), {})
 
+
+def test_gqa_async_tp2_pp2_sequence_parallel_equals_emulator(gqa_async_model):
+    """PipeDream, TP=2 (one key/value group per rank) x PP=2, sequence parallel, clipping always active:
+    rtol 1e-5 / atol 1e-6 as test_async_pipeline's TP case."""
+    gqa_async_model.test_tp2_pp2_sequence_parallel_equals_emulator_with_clipping()

@@ -63,7 +63,7 @@ class ModelConfig:
     hidden_dropout: float = _f(0.1, "dropout on hidden states")
     attention_dropout: float = _f(0.1, "dropout on attention probabilities")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections get std/sqrt(2*layers)")
-    add_bias_linear: bool = _f(True, "no biases in the linear layers (also spelled --no-add-bias-linear)",
+    add_bias_linear: bool = _f(True, "no biases in the linear layers (QKV, attention output, MLP)",
                                alias="--disable-bias-linear")
     attention_backend: str = _f("auto", "attention kernel: auto (PyTorch picks), local/unfused (explicit "
                                         "softmax(QK^T)V, any device), flash/fused (flash / cuDNN kernels, CUDA)",

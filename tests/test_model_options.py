@@ -185,6 +185,15 @@ def test_attention_backends_and_fp32_softmax_compute_the_same_function():
     assert captured["dtype"] == torch.float32 and out.dtype == torch.bfloat16
 
 
+def test_attention_backend_on_transformer_engine_sets_megatrons_nvte_switches():
+    from megatron_po.models.te_transformer import te_attention_backend_env
+    assert te_attention_backend_env("auto") == {}
+    for backend, on in [("flash", "NVTE_FLASH_ATTN"), ("fused", "NVTE_FUSED_ATTN"), ("unfused", "NVTE_UNFUSED_ATTN"),
+                        ("local", "NVTE_UNFUSED_ATTN")]:
+        env = te_attention_backend_env(backend)
+        assert env[on] == "1" and sorted(env.values()) == ["0", "0", "1"], backend
+
+
 # ---- GQA under model parallelism ---------------------------------------------------------------------
 
 GQA_FLAGS = {"--num-attention-heads": 4, "--group-query-attention": True, "--num-query-groups": 2,

@@ -12,7 +12,8 @@ DCP stores global tensors, so each is assembled from every rank's shards on read
 - consolidate: every parameter under its global name (`layers.3.attention.qkv.weight`, ...) plus a JSON
   next to it (model.safetensors -> model.json) with the run's config, iteration and vocabulary sizes.
 - export-hf: `GPT2LMHeadModel` (LayerNorm + GELU + learned positions) or `LlamaForCausalLM` (RMSNorm +
-  SwiGLU + RoPE) as config.json + model.safetensors, loadable with `AutoModelForCausalLM.from_pretrained`
+  SwiGLU + RoPE; grouped-query attention as `num_key_value_heads`, --kv-channels as `head_dim`) as
+  config.json + model.safetensors, loadable with `AutoModelForCausalLM.from_pretrained`
   (see megatron_po/models/hf_export.py for the layout mapping). The tokenizer is not converted.
 - import-hf: a GPT-2 or Llama HF checkpoint (safetensors) as our checkpoint at iteration 0; train from
   it with `--load OUT --finetune` and the model flags the tool prints.

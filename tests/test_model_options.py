@@ -124,6 +124,22 @@ def test_attention_equals_its_closed_form(heads, groups, extra):
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_position_embedding_type_none_has_no_position_encoding():
+    """A run of one repeated token: without position encoding every position computes the same logits
+    (causal attention over identical keys and values returns that value); learned positions tell them apart."""
+    from megatron_po.models.gpt import GPTModel
+    ids = torch.full((1, 8), 5)
+    logits = {}
+    for kind in ("none", "learned_absolute"):
+        model = GPTModel(ModelConfig(position_embedding_type=kind, hidden_dropout=0.0, attention_dropout=0.0,
+                                     seq_length=8), 64, seed=0)
+        assert (model.embedding.position_embeddings is None) == (kind == "none") and model.rotary is None
+        with torch.no_grad():
+            logits[kind] = model(ids)[:, 0]  # [s, V]
+    torch.testing.assert_close(logits["none"], logits["none"][:1].expand(8, -1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits["learned_absolute"][0], logits["learned_absolute"][1], atol=1e-3)
+
+
 def test_rotary_percent_rotates_the_leading_dimensions_only():
     x = torch.randn(6, 2, 3, 16)
     cos, sin = RotaryEmbedding(8, 10000)(6, x.device)  # --rotary-percent 0.5 of head dimension 16

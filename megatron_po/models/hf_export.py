@@ -66,18 +66,18 @@ def hf_architecture(model: dict) -> str:
 
 
 def ffn_size(model: dict) -> int:
-    from megatron_po.config import ModelConfig, ffn_hidden_size
-    return ffn_hidden_size(ModelConfig(**model))
+    from megatron_po.config import ffn_hidden_size, model_config_from_dict
+    return ffn_hidden_size(model_config_from_dict(model))
 
 
 def _head_dim(model: dict) -> int:
-    from megatron_po.config import ModelConfig, kv_channels
-    return kv_channels(ModelConfig(**model))
+    from megatron_po.config import kv_channels, model_config_from_dict
+    return kv_channels(model_config_from_dict(model))
 
 
 def _groups(model: dict) -> int:
-    from megatron_po.config import ModelConfig, num_query_groups
-    return num_query_groups(ModelConfig(**model))
+    from megatron_po.config import model_config_from_dict, num_query_groups
+    return num_query_groups(model_config_from_dict(model))
 
 
 def _split_qkv(w: torch.Tensor, groups: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

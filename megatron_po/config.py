@@ -54,6 +54,8 @@ class ModelConfig:
     rotary_base: int = _f(10000, "RoPE base (the theta of the frequencies base^(-2i/d))")
     rotary_percent: float = _f(1.0, "RoPE rotates this fraction of each head's dimensions (the first ones); the "
                                     "rest pass through")
+    rotary_seq_len_interpolation_factor: int | None = _f(None, "RoPE position interpolation: positions are divided "
+                                                               "by this factor (HF Llama's linear rope scaling)")
     normalization: str = _f("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
     apply_layernorm_1p: bool = _f(False, "zero-centered norm weights: the norms multiply by (1 + weight), weight "
@@ -342,7 +344,7 @@ def ffn_hidden_size(m: ModelConfig) -> int:
 
 def model_config_from_dict(model: dict) -> ModelConfig:
     """A saved `config["model"]` dict as a ModelConfig; fields added after it was saved take their defaults."""
-    return ModelConfig(**model)
+    return ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
 
 
 def kv_channels(m: ModelConfig) -> int:
@@ -441,6 +443,8 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         need(g % tp == 0, f"--num-query-groups ({g}) is not divisible by --tensor-model-parallel-size ({tp}): each "
                           f"TP rank holds whole key/value heads")
     need(0.0 < m.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1] (got {m.rotary_percent})")
+    need(m.rotary_seq_len_interpolation_factor is None or m.rotary_seq_len_interpolation_factor >= 1,
+         f"--rotary-seq-len-interpolation-factor must be >= 1 (got {m.rotary_seq_len_interpolation_factor})")
     need(m.add_position_embedding or m.position_embedding_type != "learned_absolute",
          "--no-position-embedding with --position-embedding-type learned_absolute: choose --position-embedding-type "
          "rope or none")

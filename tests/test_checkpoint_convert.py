@@ -5,8 +5,9 @@
   our GPTModel built from the consolidated file and the exported `transformers` model give the same
   logits on a batch (fp32, |delta| <= 1e-5; measured 0: the same ops in the same order). A Llama-3-style
   one with grouped-query attention (4 heads, 2 key/value groups), --kv-channels 12 (not hidden / heads),
-  --apply-layernorm-1p and --rotary-base 500000, trained with TP=2 (one group per rank), exports to a
-  LlamaForCausalLM with num_key_value_heads 2 and head_dim 12 and the same logits.
+  --apply-layernorm-1p, --rotary-base 500000 and --rotary-seq-len-interpolation-factor 2 (HF's linear rope
+  scaling), trained with TP=2 (one group per rank), exports to a LlamaForCausalLM with num_key_value_heads
+  2 and head_dim 12 and the same logits.
 - import-hf round-trips exactly: every tensor of import(export(ckpt)) equals the checkpoint's (the
   padded vocabulary rows, which the export drops, come back as zeros), and re-exporting reproduces the
   HF tensors bit for bit. The imported checkpoint trains with --finetune.
@@ -30,7 +31,8 @@ ARCHS = {
     "llama-gqa": (2, {"--tensor-model-parallel-size": 2, "--normalization": "RMSNorm", "--swiglu": True,
                       "--position-embedding-type": "rope", "--untie-embeddings-and-output-weights": True,
                       "--disable-bias-linear": True, "--group-query-attention": True, "--num-query-groups": 2,
-                      "--kv-channels": 12, "--apply-layernorm-1p": True, "--rotary-base": 500000}),
+                      "--kv-channels": 12, "--apply-layernorm-1p": True, "--rotary-base": 500000,
+                      "--rotary-seq-len-interpolation-factor": 2}),
 }
 
 
@@ -78,6 +80,7 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
     assert type(hf).__name__ == ("GPT2LMHeadModel" if trained["arch"] == "gpt2" else "LlamaForCausalLM")
     if trained["arch"] == "llama-gqa":
         assert (hf.config.num_attention_heads, hf.config.num_key_value_heads, hf.config.head_dim) == (4, 2, 12)
+        assert hf.config.rope_parameters["rope_type"] == "linear" and hf.config.rope_parameters["factor"] == 2
     assert not any(loading.values()), loading  # no missing, unexpected or mismatched tensors
     hf.eval()
     with torch.no_grad():

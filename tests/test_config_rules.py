@@ -83,6 +83,8 @@ RULES = [
      ["--num-query-groups (3) must divide --num-attention-heads (4)"]),
     ("query-groups-vs-tp", 2, MOCK + ["--group-query-attention", "--tensor-model-parallel-size", "2"],
      ["--num-query-groups (1) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("rotary-interpolation>=1", 1, MOCK + ["--rotary-seq-len-interpolation-factor", "0"],
+     ["--rotary-seq-len-interpolation-factor must be >= 1 (got 0)"]),
     ("rotary-percent-range", 1, MOCK + ["--rotary-percent", "1.5"], ["--rotary-percent must be in (0, 1] (got 1.5)"]),
     ("no-position-embedding-learned", 1, MOCK + ["--no-position-embedding"],
      ["--no-position-embedding with --position-embedding-type learned_absolute"]),

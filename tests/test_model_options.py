@@ -140,7 +140,7 @@ def test_position_embedding_type_none_has_no_position_encoding():
     assert not torch.allclose(logits["learned_absolute"][0], logits["learned_absolute"][1], atol=1e-3)
 
 
-def test_rotary_percent_rotates_the_leading_dimensions_only():
+def test_rotary_percent_and_interpolation_closed_form():
     x = torch.randn(6, 2, 3, 16)
     cos, sin = RotaryEmbedding(8, 10000)(6, x.device)  # --rotary-percent 0.5 of head dimension 16
     out = apply_rotary(x, cos, sin)
@@ -152,6 +152,10 @@ def test_rotary_percent_rotates_the_leading_dimensions_only():
     a, b = x[..., :4], x[..., 4:8]
     torch.testing.assert_close(out[..., :4], a * angle.cos() - b * angle.sin())
     torch.testing.assert_close(out[..., 4:8], b * angle.cos() + a * angle.sin())
+    # --rotary-seq-len-interpolation-factor 2: position t turns as position t / 2 does (even t: exactly)
+    cos2, sin2 = RotaryEmbedding(8, 10000, interpolation_factor=2)(6, x.device)
+    torch.testing.assert_close(cos2[::2], cos[:3])
+    torch.testing.assert_close(sin2[::2], sin[:3])
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])

@@ -77,7 +77,7 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = self.tie_output
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base)
+            self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor)
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with _seeded(seed, i):

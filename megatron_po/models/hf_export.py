@@ -117,10 +117,18 @@ def hf_config(model: dict, vocab_size: int):
                        num_key_value_heads=_groups(model), head_dim=_head_dim(model), hidden_act="silu",
                        max_position_embeddings=model["seq_length"], rms_norm_eps=model["norm_epsilon"],
                        initializer_range=model["init_method_std"],
-                       rope_parameters={"rope_type": "default", "rope_theta": float(model["rotary_base"])},
+                       rope_parameters=_rope_parameters(model),
                        attention_bias=model["add_bias_linear"], mlp_bias=model["add_bias_linear"],
                        attention_dropout=model["attention_dropout"], tie_word_embeddings=tied,
                        bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"])
+
+
+def _rope_parameters(model: dict) -> dict:
+    """--rotary-base, and --rotary-seq-len-interpolation-factor as HF's "linear" scaling (positions / factor)."""
+    theta, factor = float(model["rotary_base"]), model["rotary_seq_len_interpolation_factor"]
+    if factor is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
 
 
 def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -207,8 +215,13 @@ def model_config_from_hf(hf: dict) -> dict:
         if hf.get("hidden_act", "silu") != "silu":
             raise UserError(f"Llama activation {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear"):
+            raise UserError(f"RoPE scaling {rope_type!r} is not supported (default and linear are)")
+        factor = rope.get("factor") if rope_type == "linear" else None
+        if factor is not None and float(factor) != int(factor):
+            raise UserError(f"linear RoPE scaling factor {factor} is not an integer "
+                            f"(--rotary-seq-len-interpolation-factor is)")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         if float(theta) != int(theta):
             raise UserError(f"rope_theta {theta} is not an integer (--rotary-base is)")
@@ -219,6 +232,7 @@ def model_config_from_hf(hf: dict) -> dict:
                     kv_channels=None if head_dim * nh == h else head_dim, ffn_hidden_size=hf["intermediate_size"],
                     seq_length=hf.get("max_position_embeddings", 2048),
                     position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
+                    rotary_seq_len_interpolation_factor=None if factor is None else int(factor),
                     norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                     untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
                     hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),

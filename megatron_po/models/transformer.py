@@ -69,15 +69,19 @@ def dropout(x: torch.Tensor, p: float, training: bool, split_across_tp: bool) ->
 
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half (GPT-NeoX / Llama) convention over the first `rotary_dim` dimensions of a
-    head (Megatron's --rotary-percent x head dimension); `apply_rotary` passes the rest through."""
+    head (Megatron's --rotary-percent x head dimension); `apply_rotary` passes the rest through. Positions
+    are divided by `interpolation_factor` (--rotary-seq-len-interpolation-factor)."""
 
-    def __init__(self, rotary_dim: int, base: int):
+    def __init__(self, rotary_dim: int, base: int, interpolation_factor: int | None = None):
         super().__init__()
+        self.interpolation_factor = interpolation_factor
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(seq_len, device=device, dtype=torch.float32)
+        if self.interpolation_factor is not None:
+            t = t / self.interpolation_factor
         freqs = torch.outer(t, self.inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)  # [s, rotary_dim]
         return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]

@@ -448,6 +448,8 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
     need(m.add_position_embedding or m.position_embedding_type != "learned_absolute",
          "--no-position-embedding with --position-embedding-type learned_absolute: choose --position-embedding-type "
          "rope or none")
+    need(m.attention_backend not in ("flash", "fused") or cfg.precision.bf16 or cfg.precision.fp16,
+         f"--attention-backend {m.attention_backend} runs half-precision kernels: add --bf16 or --fp16 (or use auto)")
     need(m.attention_backend not in ("flash", "fused") or _cuda_device(),
          f"--attention-backend {m.attention_backend} needs a CUDA device (its kernels are GPU-only); on CPU use "
          f"auto, local or unfused")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, validate
+from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
@@ -36,7 +36,8 @@ from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
-from megatron_po.optim.lr_scheduler import lr_at, set_lr
+from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
 
 # --------------------------------------------------------------------------------------------------
@@ -86,6 +87,17 @@ def nmt_flops_per_sample(hidden_size: int, ffn_hidden_size: int, encoder_num_lay
 # --------------------------------------------------------------------------------------------------
 
 
+def with_train_iters(cfg: Config, train_iters: int) -> Config:
+    """A copy of `cfg` whose --train-iters is the run's iteration count (from --train-samples, as Megatron
+    sets args.train_iters), so the loop, intervals and logs read one number."""
+    if train_iters == cfg.training.train_iters:
+        return cfg
+    import copy
+    cfg = copy.deepcopy(cfg)
+    cfg.training.train_iters = train_iters
+    return cfg
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -109,7 +121,7 @@ def build_data(cfg: Config, tokenizer_vocab_size: int):
     world = dist.get_world_size()
     gbs = global_batch_size(cfg, world)
     # Validation restarts from its first sample at every evaluation, so numbers compare across evals.
-    num_samples = (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs)
+    num_samples = (SampleSchedule(cfg, world).total_samples, t.eval_iters * gbs, t.eval_iters * gbs)
     train, valid, test = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, num_samples,
         cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data, vocab_size=tokenizer_vocab_size)
@@ -417,9 +429,11 @@ def pretrain(cfg: Config, workload=None) -> dict:
     validate(cfg, env_world, workload.name)
     if cfg.training.deterministic:
         ps.set_deterministic()
-    ps.init_distributed(cfg.parallel.distributed_timeout_minutes)
+    ps.init_distributed(cfg.parallel.distributed_timeout_minutes, backend=cfg.parallel.distributed_backend)
     world = dist.get_world_size()
     validate(cfg, world, workload.name)
+    schedule = SampleSchedule(cfg, world)  # batch, consumed samples and lr of every iteration
+    cfg = with_train_iters(cfg, schedule.train_iters)  # --train-samples -> iterations, as Megatron does
     p = cfg.parallel
     from megatron_po.config import virtual_pipeline_size
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -433,7 +447,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
     padded_vocab = workload.padded_vocab
     engine = ddp = None
     if is_async(cfg):
-        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world), workload)
+        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world), workload, schedule)
         chunks, optimizer = engine.chunks, engine.stage.optimizers
     else:
         pr = cfg.precision
@@ -487,7 +501,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
     if dist.get_rank() == logging_rank() and cfg.logging.metrics_file:
         truncate_metrics(cfg.logging.metrics_file, state.iteration)  # what a killed run logged past its checkpoint
     logger = Logger(cfg, dist.get_rank() == logging_rank())
-    progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs))
+    progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs), schedule)
 
     def save():
         progress.flush()  # records up to the checkpoint are on disk before it is (a resume rewrites the rest)
@@ -530,12 +544,14 @@ def pretrain(cfg: Config, workload=None) -> dict:
     if engine is None:
         # Synchronous: one global batch per iteration, a flush and a step at its end.
         while state.iteration < t.train_iters:
-            lr = lr_at(state.iteration, t)
-            batches = workload.microbatches(train_ds, state.consumed_samples, num_mb, mbs)
+            lr = schedule.lr_at(state.iteration)
+            # --rampup-batch-size: the iteration's own global batch, whole micro-batches on every DP rank
+            batches = workload.microbatches(train_ds, state.consumed_samples, schedule.num_microbatches(state.iteration),
+                                            mbs)
             loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload)
             check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
+            state.consumed_samples += schedule.batch(state.iteration)
             state.iteration += 1
-            state.consumed_samples += gbs
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
                                     optimizer.get_loss_scale() if cfg.precision.fp16 else None)
             with progress.excluded():  # evaluation and checkpoints are not training time
@@ -574,7 +590,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 if skipped > skipped_steps_seen:
                     last_norm, skipped_steps_seen = None, skipped
                 scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
-                progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm, scale)
+                progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
 
         while state.iteration < t.train_iters:
             stop = next_boundary(state.iteration, cfg)
@@ -599,13 +615,15 @@ def next_boundary(iteration: int, cfg: Config) -> int:
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 
 
-def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None):
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None,
+                       schedule: SampleSchedule | None = None):
     """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
     batches), so warm-up and decay span the same samples as in synchronous training although a stage
     steps `microbatches_per_iteration / k` times per iteration."""
     from megatron_po.pipeline.async_pipeline import AsyncPipelineRank, optimizer_kwargs_from_config
     p, t = cfg.parallel, cfg.training
-    k = p.async_update_interval
+    k = update_interval(cfg)
+    schedule = schedule or SampleSchedule(cfg, dist.get_world_size())
     steps_per_iteration = microbatches_per_iteration // k
     kwargs = optimizer_kwargs_from_config(t)
     if t.optimizer == "sgd":
@@ -621,7 +639,7 @@ def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteratio
     options["staleness_lr_scaling"] = p.staleness_lr_scaling
     workload = workload or GPTWorkload(cfg)
     return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
-                             lr_fn=lambda step: lr_at(step // steps_per_iteration, t), clip_grad=t.clip_grad,
+                             lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), clip_grad=t.clip_grad,
                              message_specs=workload.message_specs(t.micro_batch_size),
                              build_chunks=workload.chunks_for_rank, **options)
 
@@ -639,15 +657,17 @@ class Progress:
     evaluation (if any) is known, so `val_loss` joins the same JSON object."""
 
     def __init__(self, cfg: Config, logger: Logger, gbs: int, flops_per_iter: float, world: int,
-                 tokens_per_iter: float | None = None):
+                 tokens_per_iter: float | None = None, schedule: SampleSchedule | None = None):
         self.cfg, self.logger, self.gbs, self.flops_per_iter, self.world = cfg, logger, gbs, flops_per_iter, world
+        self.schedule = schedule  # --rampup-batch-size: iterations carry less than `gbs` samples
+        self.per_rank = ps.get_device().type != "cuda"  # "TFLOP/s per rank" on CPU (no GPU to count)
         self.tokens_per_iter = tokens_per_iter if tokens_per_iter is not None else gbs * cfg.model.seq_length
         self.peak_tflops = device_peak_tflops(cfg.precision.bf16 or cfg.precision.fp16, cfg.logging.peak_tflops)
         self.staleness = pipeline_staleness(cfg, world)
         timers.configure(cfg.logging.timing_log_level)
         self.record: dict = {}  # the last logged record
         self.pending: dict | None = None  # logged, not yet written
-        self.window_start, self.window_iters = time.perf_counter(), 0
+        self.window_start, self.window_iters, self.window_batches = time.perf_counter(), 0, 0.0
         self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
 
     def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
@@ -655,6 +675,8 @@ class Progress:
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
         self.window_iters += 1
+        # global batches' worth of samples (tokens and FLOPs scale with the samples of a ramp iteration)
+        self.window_batches += self.schedule.batch(iteration - 1) / self.gbs if self.schedule is not None else 1.0
         self.skipped += grad_norm is None
         if loss is not None:
             self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
@@ -663,19 +685,21 @@ class Progress:
         if iteration % lc.log_interval != 0 and iteration != t.train_iters:
             return
         self.flush()
-        sec_per_iter = (time.perf_counter() - self.window_start) / self.window_iters
-        tokens_per_sec = self.tokens_per_iter / sec_per_iter
+        elapsed = time.perf_counter() - self.window_start
+        sec_per_iter = elapsed / self.window_iters
+        tokens_per_sec = self.tokens_per_iter * self.window_batches / elapsed
+        consumed = self.schedule.consumed_before(iteration) if self.schedule is not None else iteration * self.gbs
         self.record = {"iteration": iteration, "lm_loss": self.loss_sum / max(self.loss_n, 1), "lr": lr,
                        "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                       "consumed_samples": iteration * self.gbs, "skipped_iterations": self.skipped}
+                       "consumed_samples": consumed, "skipped_iterations": self.skipped}
         extra = ""
         if loss_scale is not None:
             self.record["loss_scale"] = loss_scale
             extra += f" | loss scale {loss_scale:.1f} | skipped {self.skipped}"
         if lc.log_throughput:
-            tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
+            tflops = self.flops_per_iter * self.window_batches / elapsed / self.world / 1e12
             self.record["tflops_per_gpu"] = tflops
-            extra += f" | TFLOP/s per GPU {tflops:.4f}"
+            extra += f" | TFLOP/s per {'rank' if self.per_rank else 'GPU'} {tflops:.4f}"
             if self.peak_tflops is not None:
                 self.record["mfu"] = tflops / self.peak_tflops
                 extra += f" | MFU {100 * self.record['mfu']:.1f}%"
@@ -685,13 +709,14 @@ class Progress:
         self.record.update(times)
         self.pending = self.record
         norm = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
-        self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {iteration * self.gbs} |"
+        self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {consumed} |"
                               f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {norm} |"
                               f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f}{extra}")
         if times:
             self.logger.log(None, " time (ms/iter, this rank) | " + " | ".join(
                 f"{k[len('time/'):]} {v:.1f}" for k, v in times.items()))
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
+        self.window_batches = 0.0
         self.skipped = 0
 
     @contextmanager
@@ -733,7 +758,7 @@ def pipeline_staleness(cfg: Config, world: int) -> dict[str, int]:
         return {}
     if is_async(cfg):
         from megatron_po.pipeline.async_pipeline import _probe_schedule  # long enough for the steady state
-        schedule = _probe_schedule(D, v, p.async_update_interval)
+        schedule = _probe_schedule(D, v, update_interval(cfg))
     else:
         schedule = build_schedule(p.pipeline_method, D, v, num_microbatches(cfg, world))
     s = staleness(schedule)

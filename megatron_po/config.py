@@ -112,9 +112,9 @@ class DataConfig:
     num_workers: int = _f(0, "data loader worker processes")
     eod_mask_loss: bool = _f(False, "no loss on the position after an end-of-document token (Megatron: loss mask 0 "
                                     "where the input token is EOD)")
-    reset_position_ids: bool = _f(False, "position ids restart at 0 after every end-of-document token")
-    reset_attention_mask: bool = _f(False, "a token attends only to earlier tokens of its own document "
-                                           "(document-level causal mask)")
+    reset_position_ids: bool = _f(False, "position ids restart at 0 after every end-of-document token (not "
+                                         "implemented yet: refused with one line)")
+    reset_attention_mask: bool = _f(False, "document-level causal mask (not implemented yet: refused with one line)")
     no_create_attention_mask_in_dataloader: bool = _f(False, "accepted, no-op: the causal mask is never built in "
                                                              "the data loader here (made in attention)")
     tiktoken_pattern: str | None = _f(None, "TikTokenizer's regex (v1/v2): no TikTokenizer here, so a clear error")
@@ -142,7 +142,8 @@ class TrainingConfig:
     lr_wsd_decay_samples: int | None = _f(None, "WSD: samples of the final decay (with --train-samples)")
     lr_warmup_fraction: float | None = _f(None, "warm-up as a fraction of the decay span (instead of "
                                                 "--lr-warmup-iters/-samples)")
-    decoupled_lr: float | None = _f(None, "peak lr of the input embedding and output layer (same schedule shape)")
+    decoupled_lr: float | None = _f(None, "peak lr of the input embedding and output layer (not implemented yet: "
+                                          "refused with one line)")
     decoupled_min_lr: float | None = _f(None, "final lr of the input embedding and output layer (with --decoupled-lr)")
     weight_decay: float = _f(0.01, "weight decay (decoupled for AdamW/Lion, L2 otherwise); not on biases and norms")
     adam_beta1: float = _f(0.9, "Adam beta1")
@@ -655,6 +656,9 @@ def validate_megatron_switches(cfg: Config, workload: str) -> None:
         if not cond:
             raise ConfigError(msg)
 
+    for flag, given in [("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask),
+                        ("--decoupled-lr", t.decoupled_lr is not None)]:
+        need(not given, f"{flag} is not implemented here yet (parsed so that Megatron scripts name it): drop it")
     need(p.context_parallel_size == 1,
          f"--context-parallel-size {p.context_parallel_size}: context parallelism is not implemented here (only 1)")
     need(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,

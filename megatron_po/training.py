@@ -38,6 +38,7 @@ from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisi
                                                grad_buffer_dtype, model_dtype)
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.run_controls import RunControls, replica_sums
 from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
 
 # --------------------------------------------------------------------------------------------------
@@ -85,6 +86,34 @@ def nmt_flops_per_sample(hidden_size: int, ffn_hidden_size: int, encoder_num_lay
 # --------------------------------------------------------------------------------------------------
 # Set-up
 # --------------------------------------------------------------------------------------------------
+
+
+# Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
+NOT_CHECKPOINT_ARGS = ("hidden_dropout", "attention_dropout", "transformer_impl", "fp8_format", "fp8_margin",
+                       "fp8_amax_history_len", "fp8_amax_compute_algo")
+
+
+def apply_checkpoint_args(cfg: Config) -> Config:
+    """--use-checkpoint-args: a copy of `cfg` whose model-architecture flags are the ones saved in the checkpoint
+    --load names (read in this process alone, before any process group); without a checkpoint there the
+    given flags stay, as in Megatron."""
+    import copy
+    import dataclasses as dc
+
+    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    ck = cfg.checkpoint
+    if not os.path.isdir(ck.load) or find_checkpoint(ck.load, ck.ckpt_step) is None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"> --use-checkpoint-args: no checkpoint in {ck.load}; using the given flags", flush=True)
+        return cfg
+    _, extra, _ = read_full_checkpoint(ck.load, ck.ckpt_step, prefix="\0", progress=False)  # extra only
+    saved = extra.get("config", {}).get("model", {})
+    cfg = copy.deepcopy(cfg)
+    names = {f.name for f in dc.fields(cfg.model)}
+    for k, v in saved.items():
+        if k in names and k not in NOT_CHECKPOINT_ARGS:
+            setattr(cfg.model, k, v)
+    return cfg
 
 
 def with_train_iters(cfg: Config, train_iters: int) -> Config:
@@ -172,7 +201,11 @@ class GPTWorkload:
         return build_data(self.cfg, self.tokenizer.vocab_size)
 
     def microbatches(self, dataset, consumed_samples: int, num_mb: int, mbs: int) -> list[dict]:
-        return microbatches(dataset, consumed_samples, num_mb, mbs)
+        batches = microbatches(dataset, consumed_samples, num_mb, mbs)
+        if self.cfg.data.eod_mask_loss:  # Megatron: no loss where the input token is EOD
+            for b in batches:
+                b["loss_mask"] = b["loss_mask"].masked_fill(b["tokens"] == self.tokenizer.eod, 0.0)
+        return batches
 
     def message_specs(self, micro_batch_size: int):
         """Shapes both ends of a pipeline message agree on (None: sent in a header)."""
@@ -215,6 +248,17 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
     specs = workload.message_specs(next(iter(batches[0].values())).shape[0])  # dim 0 of any batch tensor
     return synchronous_forward_backward(cfg.parallel.pipeline_method, chunks, ddp, batches, forward_only, specs,
                                         grad_scale)
+
+
+def per_token_normalizer(batches: list[dict]) -> None:
+    """--calculate-per-token-loss: each micro-batch's loss becomes its summed token losses / (T / (M x DP)),
+    T the loss tokens of the whole global batch (all micro-batches, all DP ranks), so the mean over the M
+    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T."""
+    local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    normalizer = (local / (len(batches) * ps.get_data_parallel_world_size())).clamp(min=1e-12).float()
+    for b in batches:
+        b["loss_normalizer"] = normalizer
 
 
 def holds_loss() -> bool:
@@ -362,6 +406,7 @@ class Logger:
 
     def __init__(self, cfg: Config, active: bool):
         self.active = active
+        self.scalars_interval = cfg.logging.tensorboard_log_interval  # W&B / TensorBoard: every N-th iteration
         self.metrics_file = None
         self.wandb = None
         self.tensorboard = None
@@ -395,6 +440,8 @@ class Logger:
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
+        if record["iteration"] % self.scalars_interval != 0:
+            return
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=record["iteration"])
         if self.tensorboard:
@@ -425,6 +472,10 @@ def pretrain(cfg: Config, workload=None) -> dict:
     """Run training as configured; returns the last logged record (on the logging rank).
     `workload`: what is trained (default `GPTWorkload(cfg)`; pretrain_nmt.py passes an NMTWorkload)."""
     workload = workload or GPTWorkload(cfg)
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's _TRAIN_START_TIME
+    if cfg.checkpoint.use_checkpoint_args:
+        cfg = apply_checkpoint_args(cfg)
+        workload.cfg = cfg
     env_world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate(cfg, env_world, workload.name)
     if cfg.training.deterministic:
@@ -507,7 +558,8 @@ def pretrain(cfg: Config, workload=None) -> dict:
         progress.flush()  # records up to the checkpoint are on disk before it is (a resume rewrites the rest)
         save_checkpoint(ck.save, state.iteration, chunks, optimizer,
                         {"train_state": vars(state).copy(), "config": cfg.to_dict(), **workload.checkpoint_extra()},
-                        policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last)
+                        policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last,
+                        save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
         print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
 
     def evaluate_now() -> float | None:
@@ -539,22 +591,39 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 save()
             print_rank0(f"> exiting at iteration {it} (--exit-interval {t.exit_interval})")
             return True
+        if it < t.train_iters and controls.time_is_up():
+            if ck.save and not saved:
+                save()
+            print_rank0(f"> exiting at iteration {it} (--exit-duration-in-mins {t.exit_duration_in_mins})")
+            return True
         return False
 
+    controls = RunControls(cfg, start_time)  # --profile, --manual-gc, --exit-duration-in-mins, ...
+    lc = cfg.logging
     if engine is None:
         # Synchronous: one global batch per iteration, a flush and a step at its end.
         while state.iteration < t.train_iters:
+            controls.before_iteration(state.iteration + 1)
             lr = schedule.lr_at(state.iteration)
             # --rampup-batch-size: the iteration's own global batch, whole micro-batches on every DP rank
             batches = workload.microbatches(train_ds, state.consumed_samples, schedule.num_microbatches(state.iteration),
                                             mbs)
+            if t.calculate_per_token_loss:
+                per_token_normalizer(batches)
             loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload)
             check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
             state.consumed_samples += schedule.batch(state.iteration)
             state.iteration += 1
+            sums = {}
+            if (lc.log_params_norm or lc.log_num_zeros_in_grad) and progress.logs(state.iteration):
+                sums = replica_sums(ddp.params, ps.get_model_parallel_group())
+                sums = {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
-                                    optimizer.get_loss_scale() if cfg.precision.fp16 else None)
+                                    optimizer.get_loss_scale() if cfg.precision.fp16 else None, metrics=sums)
+            controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time
+                if progress.boundary(state.iteration):
+                    controls.around_boundary()
                 stop = at_boundary()
             progress.flush()
             if stop:
@@ -602,6 +671,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
             progress.flush()
             if stop:
                 break
+    controls.close()
     logger.close()
     return progress.record
 
@@ -670,8 +740,19 @@ class Progress:
         self.window_start, self.window_iters, self.window_batches = time.perf_counter(), 0, 0.0
         self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
 
+    def logs(self, iteration: int) -> bool:
+        """Whether iteration `iteration` (1-based) is logged."""
+        return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.training.train_iters
+
+    def boundary(self, iteration: int) -> bool:
+        """Whether an evaluation or checkpoint follows iteration `iteration` (--manual-gc collects there)."""
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        return iteration % t.eval_interval == 0 or iteration == t.train_iters or bool(
+            ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+
     def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
-                       loss_scale: float | None = None) -> None:
+                       loss_scale: float | None = None, metrics: dict | None = None) -> None:
+        """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad)."""
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
         self.window_iters += 1
@@ -682,7 +763,7 @@ class Progress:
             self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
             if not math.isfinite(loss) and t.check_for_nan_in_loss_and_grad and not self.cfg.precision.fp16:
                 raise RankError(f"lm loss is {loss} at iteration {iteration} on {ps.describe_rank(dist.get_rank())}")
-        if iteration % lc.log_interval != 0 and iteration != t.train_iters:
+        if not self.logs(iteration):
             return
         self.flush()
         elapsed = time.perf_counter() - self.window_start
@@ -703,6 +784,10 @@ class Progress:
             if self.peak_tflops is not None:
                 self.record["mfu"] = tflops / self.peak_tflops
                 extra += f" | MFU {100 * self.record['mfu']:.1f}%"
+        for k, v in (metrics or {}).items():
+            self.record[k] = v
+            extra_text = f"{v:.3f}" if isinstance(v, float) else str(v)
+            extra += f" | {k.replace('_', ' ')} {extra_text}"
         self.record.update(memory_gb())
         self.record.update(self.staleness)
         times = {f"time/{name}": 1000 * sec / self.window_iters for name, sec in sorted(timers.pop().items())}

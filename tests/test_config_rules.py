@@ -194,7 +194,7 @@ RULES = [
      ["--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples exclude each other"]),
     ("decoupled-min-needs-lr", 1, MOCK + ["--decoupled-min-lr", "1e-5"], ["--decoupled-min-lr needs --decoupled-lr"]),
     ("decoupled-order", 1, MOCK + ["--decoupled-lr", "1e-5", "--decoupled-min-lr", "1e-4"],
-     ["need 0 <= --decoupled-min-lr (0.0001) <= --decoupled-lr (1e-05)"]),
+     ["need 0 <= --decoupled-min-lr (0.0001) <= --decoupled-lr (1e-05)"]),  # checked before the not-yet rule
     ("rampup-positive", 1, MOCK + ["--rampup-batch-size", "0", "4", "10"], ["START >= 1, INCR >= 1, SAMPLES >= 0"]),
     ("rampup-reaches-gbs", 1, MOCK + ["--rampup-batch-size", "4", "8", "10", "--global-batch-size", "16"],
      ["--global-batch-size (16) must be START (4) plus a multiple of INCR (8)"]),
@@ -208,6 +208,7 @@ RULES = [
                                           "8", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
      ["--rampup-batch-size with an interleaved pipeline"]),
     # Megatron switches (validate_megatron_switches)
+    ("not-yet", 1, MOCK + ["--reset-attention-mask"], ["--reset-attention-mask is not implemented here yet"]),
     ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),
     ("exit-duration>0", 1, MOCK + ["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins must be > 0"]),
     ("manual-gc-interval>=0", 1, MOCK + ["--manual-gc", "--manual-gc-interval", "-1"],

@@ -133,3 +133,33 @@ def test_pipedream_2bw_defaults_update_interval_to_depth():
     cfg.parallel.pipeline_method = "pipeoptim"
     assert update_interval(cfg) == 1
     assert TrainingConfig().train_samples is None
+
+
+def _ramp_run(tmp_path, name, world, extra):
+    from dist_harness import run_distributed
+    from test_pretrain_gpt import read_metrics, run_pretrain
+    out = tmp_path / name
+    argv = MOCK + ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                   "--micro-batch-size", "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "20",
+                   "--train-iters", "8", "--lr", "3e-3", "--lr-warmup-fraction", "0.2", "--hidden-dropout", "0",
+                   "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
+                   "--make-vocab-size-divisible-by", "4", "--metrics-file", str(out / "m.jsonl")] + extra
+    assert run_distributed(run_pretrain, world, args=(argv,), timeout=300) == [0] * world
+    return read_metrics(out / "m.jsonl")
+
+
+def test_rampup_run_tp2_pp2_equals_one_process(tmp_path):
+    """TP=2 x PP=2 1F1B with a ramp (2, 4, then 6 micro-batches per iteration: batches 4, 8, 12) = one process (fp32, 2e-4)."""
+    one = _ramp_run(tmp_path, "one", 1, [])
+    four = _ramp_run(tmp_path, "four", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    cfg = parse_args(MOCK + ["--micro-batch-size", "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4",
+                             "20", "--train-iters", "8", "--lr", "3e-3", "--lr-warmup-fraction", "0.2"])
+    s = SampleSchedule(cfg, 1)
+    assert [s.batch(i) for i in range(8)] == [4, 4, 4, 8, 12, 12, 12, 12]
+    for rec in (one, four):
+        train = [r for r in rec if "lm_loss" in r]
+        assert [r["consumed_samples"] for r in train] == [s.consumed_before(i + 1) for i in range(8)]
+        assert [r["lr"] for r in train] == pytest.approx([s.lr_at(i) for i in range(8)], rel=1e-12)
+    a = [r["lm_loss"] for r in one if "lm_loss" in r]
+    b = [r["lm_loss"] for r in four if "lm_loss" in r]
+    assert b == pytest.approx(a, abs=2e-4)

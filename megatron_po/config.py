@@ -142,8 +142,8 @@ class TrainingConfig:
     lr_wsd_decay_samples: int | None = _f(None, "WSD: samples of the final decay (with --train-samples)")
     lr_warmup_fraction: float | None = _f(None, "warm-up as a fraction of the decay span (instead of "
                                                 "--lr-warmup-iters/-samples)")
-    decoupled_lr: float | None = _f(None, "peak lr of the input embedding and output layer (not implemented yet: "
-                                          "refused with one line)")
+    decoupled_lr: float | None = _f(None, "peak lr of the input embedding and output layer, same schedule shape "
+                                          "(synchronous methods)")
     decoupled_min_lr: float | None = _f(None, "final lr of the input embedding and output layer (with --decoupled-lr)")
     weight_decay: float = _f(0.01, "weight decay (decoupled for AdamW/Lion, L2 otherwise); not on biases and norms")
     adam_beta1: float = _f(0.9, "Adam beta1")
@@ -656,9 +656,11 @@ def validate_megatron_switches(cfg: Config, workload: str) -> None:
         if not cond:
             raise ConfigError(msg)
 
-    for flag, given in [("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask),
-                        ("--decoupled-lr", t.decoupled_lr is not None)]:
+    for flag, given in [("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask)]:
         need(not given, f"{flag} is not implemented here yet (parsed so that Megatron scripts name it): drop it")
+    need(t.decoupled_lr is None or cfg.parallel.pipeline_method not in ASYNC_METHODS,
+         f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
+         f"{cfg.parallel.pipeline_method}, whose stages build their own optimizers")
     need(p.context_parallel_size == 1,
          f"--context-parallel-size {p.context_parallel_size}: context parallelism is not implemented here (only 1)")
     need(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
@@ -687,7 +689,8 @@ def validate_megatron_switches(cfg: Config, workload: str) -> None:
     if workload == "nmt":
         for flag, given in [("--eod-mask-loss", d.eod_mask_loss), ("--reset-position-ids", d.reset_position_ids),
                             ("--reset-attention-mask", d.reset_attention_mask),
-                            ("--calculate-per-token-loss", t.calculate_per_token_loss)]:
+                            ("--calculate-per-token-loss", t.calculate_per_token_loss),
+                            ("--decoupled-lr", t.decoupled_lr is not None)]:
             need(not given, f"{flag} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py")
     for flag, given in [("--no-save-optim", ck.no_save_optim), ("--no-save-rng", ck.no_save_rng)]:
         need(not given or ck.save is not None, f"{flag} needs --save")

@@ -279,9 +279,10 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
     return float(x) / ps.get_data_parallel_world_size()
 
 
-def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None):
+def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, decoupled_lr: float | None = None):
     """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
-    step was skipped for inf/NaN gradients)."""
+    step was skipped for inf/NaN gradients). `decoupled_lr`: the lr of the "decoupled" groups
+    (--decoupled-lr: input embedding and output layer)."""
     wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
     with timers("forward-backward", 1):
@@ -293,6 +294,10 @@ def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None):
         allreduce_embedding_grads(ddp.params)
     with timers("optimizer", 1):
         set_lr(optimizer, lr)
+        if decoupled_lr is not None:
+            for group in optimizer.param_groups:
+                if group.get("decoupled"):
+                    group["lr"] = decoupled_lr
         if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
             return loss, optimizer.step().grad_norm
         grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
@@ -335,6 +340,25 @@ def check_finite(cfg, iteration: int, loss, grad_norm: float | None, ddp, save_d
                     f"optimizer step, {last_checkpoint(save_dir)}")
 
 
+def split_decoupled(groups: list[dict], chunks) -> list[dict]:
+    """--decoupled-lr: the input word embedding and output layer weights (Megatron's
+    is_embedding_or_output_parameter; the last stage's copy of a tied embedding too) in groups of their own,
+    marked "decoupled", each keeping its weight decay."""
+    ids = set()
+    for c in chunks:
+        if getattr(c, "embedding", None) is not None:
+            ids.add(id(c.embedding.word_embeddings.weight))
+        if getattr(c, "output_layer", None) is not None:
+            ids.add(id(c.output_layer.weight))
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in ids]
+        mine = [p for p in g["params"] if id(p) in ids]
+        out += [{**g, "params": rest}] if rest else []
+        out += [{**g, "params": mine, "decoupled": True}] if mine else []
+    return out
+
+
 def build_optimizer_for(cfg: Config, chunks, ddp):
     """The plain predictive optimizer (fp32), or the wrapper holding fp32 main params: mixed precision,
     and/or the distributed optimizer that shards them over data-parallel ranks."""
@@ -345,6 +369,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
                                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
 
     groups = param_groups(chunks, t.weight_decay)
+    if t.decoupled_lr is not None:
+        groups = split_decoupled(groups, chunks)
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                pr.loss_scale_window, pr.hysteresis)
     if pr.use_distributed_optimizer:
@@ -610,7 +636,8 @@ def pretrain(cfg: Config, workload=None) -> dict:
                                             mbs)
             if t.calculate_per_token_loss:
                 per_token_normalizer(batches)
-            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload)
+            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload,
+                                         schedule.decoupled_lr_at(state.iteration))
             check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
             state.consumed_samples += schedule.batch(state.iteration)
             state.iteration += 1

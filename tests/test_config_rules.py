@@ -209,6 +209,8 @@ RULES = [
      ["--rampup-batch-size with an interleaved pipeline"]),
     # Megatron switches (validate_megatron_switches)
     ("not-yet", 1, MOCK + ["--reset-attention-mask"], ["--reset-attention-mask is not implemented here yet"]),
+    ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
+     ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
     ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),
     ("exit-duration>0", 1, MOCK + ["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins must be > 0"]),
     ("manual-gc-interval>=0", 1, MOCK + ["--manual-gc", "--manual-gc-interval", "-1"],

@@ -57,8 +57,7 @@ def llama3_8b(data, out):
                   "--disable-bias-linear"]
     training_args = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "240",
                      "--lr-decay-samples", "232", "--lr-warmup-samples", "24", "--lr", "0.003", "--min-lr", "0.0002",
-                     # "--decoupled-lr", "5.0e-3", "--decoupled-min-lr", "4.5e-4",  (refused here: not implemented)
-                     "--lr-decay-style", "cosine",
+                     "--decoupled-lr", "5.0e-3", "--decoupled-min-lr", "4.5e-4", "--lr-decay-style", "cosine",
                      "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
                      "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss",
                      "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235"]

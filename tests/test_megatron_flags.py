@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from dist_harness import run_distributed
 
 from megatron_po.config import build_parser
@@ -91,3 +92,26 @@ def test_exit_duration_no_save_optim_and_checkpoint_args(tmp_path):
     assert _run(_base(tmp_path / "c", iters=2) + ["--load", ck, "--no-load-optim", "--use-checkpoint-args",
                                                   "--hidden-size", "64"]) == [0]
     assert _run(_base(tmp_path / "d", iters=2) + ["--load", ck, "--no-load-optim", "--hidden-size", "64"]) == [2]
+
+
+def test_decoupled_lr_drives_embedding_and_output_only(tmp_path):
+    """--decoupled-lr 0: the word embedding and output layer keep their initial values (a run at --lr 0 holds
+    them), every other weight moves; with a distributed optimizer over DP=2 too."""
+    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    common = ["--untie-embeddings-and-output-weights", "--train-iters", "2", "--weight-decay", "0.1"]
+    runs = {}
+    for name, world, extra in [("init", 1, ["--lr", "0", "--min-lr", "0"]),
+                               ("dec", 1, ["--decoupled-lr", "0"]),
+                               ("dec_dp2", 2, ["--decoupled-lr", "0", "--use-distributed-optimizer"])]:
+        out = tmp_path / name
+        assert _run(_base(out, iters=2) + common + extra + ["--save", str(out / "ck")], world) == [0] * world
+        runs[name], _, _ = read_full_checkpoint(str(out / "ck"), progress=False)
+    init = runs["init"]
+    decoupled = [k for k in init if "word_embeddings" in k or "output_layer" in k]
+    assert len(decoupled) == 2, decoupled
+    for name in ("dec", "dec_dp2"):
+        for k, v in runs[name].items():
+            if k in decoupled:
+                assert torch.equal(v, init[k]), (name, k)
+            elif v.ndim == 2:
+                assert not torch.equal(v, init[k]), (name, k)

@@ -112,9 +112,10 @@ class DataConfig:
     num_workers: int = _f(0, "data loader worker processes")
     eod_mask_loss: bool = _f(False, "no loss on the position after an end-of-document token (Megatron: loss mask 0 "
                                     "where the input token is EOD)")
-    reset_position_ids: bool = _f(False, "position ids restart at 0 after every end-of-document token (not "
-                                         "implemented yet: refused with one line)")
-    reset_attention_mask: bool = _f(False, "document-level causal mask (not implemented yet: refused with one line)")
+    reset_position_ids: bool = _f(False, "position ids (learned or RoPE) restart at 0 after every "
+                                         "end-of-document token")
+    reset_attention_mask: bool = _f(False, "document-level causal mask: a token attends only to the earlier tokens "
+                                           "of its own document")
     no_create_attention_mask_in_dataloader: bool = _f(False, "accepted, no-op: the causal mask is never built in "
                                                              "the data loader here (made in attention)")
     tiktoken_pattern: str | None = _f(None, "TikTokenizer's regex (v1/v2): no TikTokenizer here, so a clear error")
@@ -657,7 +658,9 @@ def validate_megatron_switches(cfg: Config, workload: str) -> None:
             raise ConfigError(msg)
 
     for flag, given in [("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask)]:
-        need(not given, f"{flag} is not implemented here yet (parsed so that Megatron scripts name it): drop it")
+        need(not given or cfg.model.transformer_impl == "local",
+             f"{flag} needs --transformer-impl local (the Transformer Engine layers take no per-document "
+             f"positions or mask here)")
     need(t.decoupled_lr is None or cfg.parallel.pipeline_method not in ASYNC_METHODS,
          f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
          f"{cfg.parallel.pipeline_method}, whose stages build their own optimizers")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
+from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
@@ -169,6 +170,15 @@ def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
     return out
 
 
+def reading_documents(cfg: Config, chunks: list) -> list:
+    """--reset-position-ids / --reset-attention-mask: every stage needs the micro-batch's document positions
+    (RoPE, the mask), so the executor hands each chunk the batch (`reads_batch`, as for NMT)."""
+    if cfg.data.reset_position_ids or cfg.data.reset_attention_mask:
+        for c in chunks:
+            c.reads_batch = True
+    return chunks
+
+
 class GPTWorkload:
     """What the loop needs to know about the model and data it trains; `pretrain` talks to GPT through
     this, and to the encoder-decoder translation model through `nmt_workload.NMTWorkload` (same methods).
@@ -188,13 +198,13 @@ class GPTWorkload:
                                            self.cfg.parallel.tensor_model_parallel_size)
 
     def model_chunks(self) -> list:
-        return build_model_chunks(self.cfg, self.padded_vocab)
+        return reading_documents(self.cfg, build_model_chunks(self.cfg, self.padded_vocab))
 
     @staticmethod
     def chunks_for_rank(cfg: Config, padded_vocab, rank: int, num_stages: int, num_chunks: int, device=None):
         """Any pipeline rank's chunks (the asynchronous engine builds its own)."""
         from megatron_po.pipeline.partition import build_chunks_for_rank
-        return build_chunks_for_rank(cfg, padded_vocab, rank, num_stages, num_chunks, device)
+        return reading_documents(cfg, build_chunks_for_rank(cfg, padded_vocab, rank, num_stages, num_chunks, device))
 
     def data(self):
         """(train, valid, test); real data is checked against the tokenizer's vocabulary."""
@@ -202,9 +212,11 @@ class GPTWorkload:
 
     def microbatches(self, dataset, consumed_samples: int, num_mb: int, mbs: int) -> list[dict]:
         batches = microbatches(dataset, consumed_samples, num_mb, mbs)
-        if self.cfg.data.eod_mask_loss:  # Megatron: no loss where the input token is EOD
-            for b in batches:
+        d = self.cfg.data
+        for b in batches:
+            if d.eod_mask_loss:  # Megatron: no loss where the input token is EOD
                 b["loss_mask"] = b["loss_mask"].masked_fill(b["tokens"] == self.tokenizer.eod, 0.0)
+            add_document_inputs(b, self.tokenizer.eod, d.reset_position_ids, d.reset_attention_mask)
         return batches
 
     def message_specs(self, micro_batch_size: int):

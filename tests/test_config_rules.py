@@ -208,7 +208,8 @@ RULES = [
                                           "8", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
      ["--rampup-batch-size with an interleaved pipeline"]),
     # Megatron switches (validate_megatron_switches)
-    ("not-yet", 1, MOCK + ["--reset-attention-mask"], ["--reset-attention-mask is not implemented here yet"]),
+    ("reset-needs-local", 1, MOCK + TE + ["--reset-attention-mask"],
+     ["--reset-attention-mask needs --transformer-impl local"]),
     ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
      ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
     ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),

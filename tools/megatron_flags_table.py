@@ -23,7 +23,7 @@ PROJECT_ONLY = {
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
          "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
-REFUSED = {"--reset-position-ids", "--reset-attention-mask", "--tiktoken-pattern"}
+REFUSED = {"--tiktoken-pattern"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 

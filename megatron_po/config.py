@@ -188,7 +188,8 @@ class PrecisionConfig:
     overlap_param_gather: bool = _f(False, "overlap the distributed optimizer's parameter all-gather with the forward")
     grad_reduce_in_bf16: bool = _f(False, "with --bf16: gradients reduced and accumulated in bf16 (this project's "
                                           "default with --bf16; refuses --accumulate-allreduce-grads-in-fp32)")
-    fp8_param_gather: bool = _f(False, "FP8 parameter all-gather (Transformer Engine FP8 weights on GPUs)")
+    fp8_param_gather: bool = _f(False, "FP8 parameter all-gather (Transformer Engine, GPUs): not implemented, "
+                                       "refused with one line")
 
 
 @dataclass
@@ -682,10 +683,15 @@ def validate_megatron_switches(cfg: Config, workload: str) -> None:
         need(torch.cuda.is_available(), "--distributed-backend nccl needs CUDA GPUs; on CPU use gloo (the default)")
     need(not (pr.grad_reduce_in_bf16 and pr.accumulate_allreduce_grads_in_fp32),
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other: give one")
-    need(not pr.fp8_param_gather or cfg.model.fp8_format is not None,
-         "--fp8-param-gather gathers FP8 weights: it needs --fp8-format (Transformer Engine FP8 on GPUs)")
+    need(not pr.fp8_param_gather,
+         "--fp8-param-gather (all-gather FP8 weights, Transformer Engine on GPUs) is not implemented here: the "
+         "distributed optimizer gathers the model-dtype weights; drop it")
     need(d.tiktoken_pattern is None,
          f"--tiktoken-pattern {d.tiktoken_pattern} configures TikTokenizer, which is not available here: drop it")
+    for flag, given in [("--log-params-norm", lg.log_params_norm), ("--log-num-zeros-in-grad", lg.log_num_zeros_in_grad)]:
+        need(not given or cfg.parallel.pipeline_method not in ASYNC_METHODS,
+             f"{flag} is logged by the synchronous methods (gpipe, 1f1b); --pipeline-method "
+             f"{cfg.parallel.pipeline_method} steps its stages at different times: drop it")
     need(not (t.calculate_per_token_loss and cfg.parallel.pipeline_method in ASYNC_METHODS),
          f"--calculate-per-token-loss normalizes by the loss tokens of a whole global batch, but "
          f"--pipeline-method {cfg.parallel.pipeline_method} steps on micro-batches as they stream: drop one")

@@ -4,11 +4,12 @@
   iteration, so all of them stop after the same one (synchronous methods; asynchronous ones at their next
   drain: evaluation, checkpoint, exit interval or the end).
 - `--manual-gc [--manual-gc-interval N]`: Python's automatic collector off (no pauses at random points of
-  a step, which stall the other ranks); `gc.collect()` every N iterations and around evaluation/checkpoints.
+  a step, which stall the other ranks); `gc.collect()` every N iterations (asynchronous methods: at drains)
+  and around evaluation/checkpoints.
 - `--empty-unused-memory-level`: release the CUDA caching allocator's unused blocks after each iteration
   (1) and after evaluation (2); nothing to release on CPU.
 - `--profile --profile-step-start S --profile-step-end E`: a torch.profiler trace of iterations S..E-1 on
-  rank 0, written as a Chrome/Perfetto JSON trace that TensorBoard's profiler plugin also reads
+  rank 0 (asynchronous methods: of the whole segments between drains that hold them), written as a Chrome/Perfetto JSON trace that TensorBoard's profiler plugin also reads
   (`<--tensorboard-dir or ./profile>/trace_rank0_iter<S>-<E>.json`).
 - `--log-params-norm`, `--log-num-zeros-in-grad`: the L2 norm of all parameters and the count of zero
   gradient entries of one model replica, each parameter counted once (TP shards on every TP rank,
@@ -42,10 +43,12 @@ class RunControls:
 
     # --- per iteration ---------------------------------------------------------------------------
 
-    def before_iteration(self, iteration: int) -> None:
-        """`iteration`: the 1-based number of the iteration about to run."""
+    def before_iteration(self, iteration: int, last: int | None = None) -> None:
+        """`iteration`: the 1-based number of the iteration about to run; `last`: the last one run before the
+        next call (an asynchronous segment runs iterations iteration..last without a drain)."""
         lc = self.lc
-        if lc.profile and iteration == lc.profile_step_start and dist.get_rank() == 0:
+        last = iteration if last is None else last
+        if lc.profile and iteration <= lc.profile_step_start <= last and dist.get_rank() == 0:
             from torch.profiler import ProfilerActivity, profile
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.profiler = profile(activities=activities, record_shapes=True)

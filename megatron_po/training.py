@@ -702,10 +702,13 @@ def pretrain(cfg: Config, workload=None) -> dict:
 
         while state.iteration < t.train_iters:
             stop = next_boundary(state.iteration, cfg)
+            controls.before_iteration(state.iteration + 1, last=stop)  # --profile: the segment holding its start
             engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss)
             state.consumed_samples += (stop - state.iteration) * gbs
             state.iteration = stop
+            controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time
+                controls.around_boundary()  # every segment ends at a drain
                 stop = at_boundary()
             progress.flush()
             if stop:

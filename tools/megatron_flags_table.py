@@ -23,7 +23,7 @@ PROJECT_ONLY = {
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
          "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
-REFUSED = {"--tiktoken-pattern"}
+REFUSED = {"--tiktoken-pattern", "--fp8-param-gather"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -44,7 +44,18 @@ Notes where our reading differs in detail:
   (`megatron_po/optim/sample_schedule.py`) and is refused with the asynchronous pipeline methods, which stream a
   fixed micro-batch count.
 - `--exit-duration-in-mins`: checked after every iteration (synchronous methods) or at every drain of an
-  asynchronous pipeline (evaluation, checkpoint, exit interval).
+  asynchronous pipeline (evaluation, checkpoint, exit interval); the ranks agree (all-reduce MAX) and save first.
+- `--overlap-grad-reduce`, `--overlap-p2p-communication`: always on here: each DDP bucket's reduction starts
+  asynchronously once its gradients are final, during the backward, and pipeline sends/receives are
+  non-blocking `isend`/pre-posted `irecv`s.
+- `--calculate-per-token-loss`, `--decoupled-lr`, `--log-params-norm`, `--log-num-zeros-in-grad`,
+  `--rampup-batch-size`: synchronous methods (gpipe, 1f1b); the asynchronous methods refuse them with one line.
+- `--reset-position-ids`, `--reset-attention-mask`: an EOD token ends its document (Megatron's rule); every
+  pipeline stage reads the micro-batch's document ids; `--transformer-impl local` only.
+- `--grad-reduce-in-bf16`: with `--bf16` gradients are reduced in bf16 by default here (Megatron defaults to
+  fp32 there); `--accumulate-allreduce-grads-in-fp32` asks for fp32.
+- `--use-checkpoint-args`: the model-architecture flags (the `model` section of the saved config, dropout and
+  the Transformer Engine/FP8 switches excepted) come from the checkpoint in `--load`.
 - `--tensorboard-log-interval`: scalars are written for logged iterations (`--log-interval`) that are
   multiples of it.
 - `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.json` (Chrome/Perfetto trace, also read by

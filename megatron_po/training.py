@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
+from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)

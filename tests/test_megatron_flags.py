@@ -129,3 +129,18 @@ def test_async_pipeline_runs_the_run_flags(tmp_path):
     assert _run(_base(out, iters=6) + flags, 2) == [0, 0]
     assert json.loads((out / "tb" / "trace_rank0_iter2-3.json").read_text())["traceEvents"]
     assert [r["iteration"] for r in _records(out)] == [1, 2, 3]  # stopped at the first drain (iteration 3)
+
+
+def test_per_token_loss_dp2_equals_one_process(tmp_path):
+    """--calculate-per-token-loss with --eod-mask-loss (micro-batches hold different numbers of loss tokens):
+    DP=2 equals one process (the token count is the whole global batch's), and the loss differs from the
+    mean of per-micro-batch means."""
+    base = _base(tmp_path / "x")[:-2] + ["--vocab-size", "6", "--eod-mask-loss"]  # many EODs
+    runs = {}
+    for name, world, extra in [("one", 1, ["--calculate-per-token-loss"]), ("dp2", 2, ["--calculate-per-token-loss"]),
+                               ("mean", 1, [])]:
+        out = tmp_path / name
+        assert _run(base + extra + ["--metrics-file", str(out / "m.jsonl")], world) == [0] * world
+        runs[name] = [r["lm_loss"] for r in _records(out)]
+    assert runs["dp2"] == pytest.approx(runs["one"], rel=1e-5)
+    assert runs["mean"][0] != pytest.approx(runs["one"][0], rel=1e-6)

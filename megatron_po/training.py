@@ -523,6 +523,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
     validate(cfg, world, workload.name)
     schedule = SampleSchedule(cfg, world)  # batch, consumed samples and lr of every iteration
     cfg = with_train_iters(cfg, schedule.train_iters)  # --train-samples -> iterations, as Megatron does
+    workload.cfg = cfg
     p = cfg.parallel
     from megatron_po.config import virtual_pipeline_size
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

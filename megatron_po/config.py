@@ -644,9 +644,11 @@ def validate_sample_schedule(cfg: Config, gbs: int, mbs_times_dp: int) -> None:
         need(meth not in ASYNC_METHODS,
              f"--rampup-batch-size changes the micro-batches per iteration, which --pipeline-method {meth} streams "
              f"at a fixed count (its update interval and staleness come from it): use gpipe or 1f1b")
-        need(virtual_pipeline_size(cfg) == 1,
-             "--rampup-batch-size with an interleaved pipeline: ramp batches need not divide into the pipeline "
-             "size's micro-batch groups; drop --num-layers-per-virtual-pipeline-stage")
+        pp = cfg.parallel.pipeline_model_parallel_size
+        need(virtual_pipeline_size(cfg) == 1 or ((start // mbs_times_dp) % pp == 0 and (incr // mbs_times_dp) % pp == 0),
+             f"--rampup-batch-size with an interleaved pipeline: every ramp batch must hold a multiple of "
+             f"--pipeline-model-parallel-size ({pp}) micro-batches, so START ({start}) and INCR ({incr}) must be "
+             f"multiples of {pp} x --micro-batch-size x data-parallel size ({pp * mbs_times_dp})")
 
 
 def validate_megatron_switches(cfg: Config, workload: str) -> None:

@@ -204,9 +204,9 @@ RULES = [
                                          "--global-batch-size", "8"],
      ["--rampup-batch-size changes the micro-batches per iteration", "pipeoptim"]),
     ("rampup-not-interleaved", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                          "--num-layers-per-virtual-pipeline-stage", "1", "--rampup-batch-size", "8",
-                                          "8", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
-     ["--rampup-batch-size with an interleaved pipeline"]),
+                                          "--num-layers-per-virtual-pipeline-stage", "1", "--rampup-batch-size", "2",
+                                          "2", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
+     ["--rampup-batch-size with an interleaved pipeline", "multiples of 2 x --micro-batch-size x data-parallel size (4)"]),
     # Megatron switches (validate_megatron_switches)
     ("reset-needs-local", 1, MOCK + TE + ["--reset-attention-mask"],
      ["--reset-attention-mask needs --transformer-impl local"]),

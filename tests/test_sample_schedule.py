@@ -149,17 +149,22 @@ def _ramp_run(tmp_path, name, world, extra):
 
 
 def test_rampup_run_tp2_pp2_equals_one_process(tmp_path):
-    """TP=2 x PP=2 1F1B with a ramp (2, 4, then 6 micro-batches per iteration: batches 4, 8, 12) = one process (fp32, 2e-4)."""
-    one = _ramp_run(tmp_path, "one", 1, [])
-    four = _ramp_run(tmp_path, "four", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    """TP=2 x PP=2 1F1B and interleaved PP=2 x 2 chunks with a ramp (2, 4, then 6 micro-batches per iteration:
+    batches 4, 8, 12) = one process (fp32, 2e-4)."""
+    layers4 = ["--num-layers", "4"]
+    one = _ramp_run(tmp_path, "one", 1, layers4)
+    four = _ramp_run(tmp_path, "four", 4, layers4 + ["--tensor-model-parallel-size", "2",
+                                                     "--pipeline-model-parallel-size", "2"])
+    interleaved = _ramp_run(tmp_path, "vpp", 2, layers4 + ["--pipeline-model-parallel-size", "2",
+                                                           "--num-layers-per-virtual-pipeline-stage", "1"])
     cfg = parse_args(MOCK + ["--micro-batch-size", "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4",
                              "20", "--train-iters", "8", "--lr", "3e-3", "--lr-warmup-fraction", "0.2"])
     s = SampleSchedule(cfg, 1)
     assert [s.batch(i) for i in range(8)] == [4, 4, 4, 8, 12, 12, 12, 12]
-    for rec in (one, four):
+    for rec in (one, four, interleaved):
         train = [r for r in rec if "lm_loss" in r]
         assert [r["consumed_samples"] for r in train] == [s.consumed_before(i + 1) for i in range(8)]
         assert [r["lr"] for r in train] == pytest.approx([s.lr_at(i) for i in range(8)], rel=1e-12)
     a = [r["lm_loss"] for r in one if "lm_loss" in r]
-    b = [r["lm_loss"] for r in four if "lm_loss" in r]
-    assert b == pytest.approx(a, abs=2e-4)
+    for run in (four, interleaved):
+        assert [r["lm_loss"] for r in run if "lm_loss" in r] == pytest.approx(a, abs=2e-4)

@@ -10,7 +10,7 @@
   (1) and after evaluation (2); nothing to release on CPU.
 - `--profile --profile-step-start S --profile-step-end E`: a torch.profiler trace of iterations S..E-1 on
   rank 0 (asynchronous methods: of the whole segments between drains that hold them), written as a Chrome/Perfetto JSON trace that TensorBoard's profiler plugin also reads
-  (`<--tensorboard-dir or ./profile>/trace_rank0_iter<S>-<E>.json`).
+  (`<--tensorboard-dir or ./profile>/trace_rank0_iter<S>-<E>.pt.trace.json`).
 - `--log-params-norm`, `--log-num-zeros-in-grad`: the L2 norm of all parameters and the count of zero
   gradient entries of one model replica, each parameter counted once (TP shards on every TP rank,
   TP-replicated parameters on TP rank 0, a tied embedding's copy not at all), summed over the
@@ -61,7 +61,7 @@ class RunControls:
             out = lc.tensorboard_dir or "profile"
             os.makedirs(out, exist_ok=True)
             self.profiler.export_chrome_trace(
-                os.path.join(out, f"trace_rank0_iter{lc.profile_step_start}-{lc.profile_step_end}.json"))
+                os.path.join(out, f"trace_rank0_iter{lc.profile_step_start}-{lc.profile_step_end}.pt.trace.json"))
             self.profiler = None
         if t.manual_gc and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
             gc.collect()

@@ -99,5 +99,5 @@ def test_llama3_8b_script_flags_tp2_dp2_sp_distopt(hf_corpus, tmp_path):
     argv = llama3_8b(hf_corpus, tmp_path)
     assert run_distributed(run_pretrain, 4, args=(argv,), timeout=600) == [0] * 4
     assert_loss_falls(tmp_path / "metrics.jsonl", 240 // 8)
-    traces = list((tmp_path / "tb").glob("trace_rank0_iter4-6.json"))
+    traces = list((tmp_path / "tb").glob("trace_rank0_iter4-6.pt.trace.json"))
     assert traces and "traceEvents" in json.loads(traces[0].read_text())

@@ -70,7 +70,7 @@ def test_run_flags_tp2_equals_one_process(tmp_path, capfd):
         out = tmp_path / name
         assert _run(_base(out) + flags + extra + ["--tensorboard-dir", str(out / "tb")], world) == [0] * world
         runs[name] = _records(out)
-        trace = json.loads((out / "tb" / "trace_rank0_iter2-3.json").read_text())
+        trace = json.loads((out / "tb" / "trace_rank0_iter2-3.pt.trace.json").read_text())
         assert trace["traceEvents"]
     assert "TFLOP/s per rank" in capfd.readouterr().out
     for key in ("lm_loss", "params_norm"):
@@ -127,7 +127,7 @@ def test_async_pipeline_runs_the_run_flags(tmp_path):
              "--tensorboard-dir", str(out / "tb"), "--reset-position-ids", "--reset-attention-mask",
              "--position-embedding-type", "rope", "--eval-interval", "3", "--exit-duration-in-mins", "1e-9"]
     assert _run(_base(out, iters=6) + flags, 2) == [0, 0]
-    assert json.loads((out / "tb" / "trace_rank0_iter2-3.json").read_text())["traceEvents"]
+    assert json.loads((out / "tb" / "trace_rank0_iter2-3.pt.trace.json").read_text())["traceEvents"]
     assert [r["iteration"] for r in _records(out)] == [1, 2, 3]  # stopped at the first drain (iteration 3)
 
 

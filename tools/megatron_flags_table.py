@@ -58,8 +58,8 @@ Notes where our reading differs in detail:
   the Transformer Engine/FP8 switches excepted) come from the checkpoint in `--load`.
 - `--tensorboard-log-interval`: scalars are written for logged iterations (`--log-interval`) that are
   multiples of it.
-- `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.json` (Chrome/Perfetto trace, also read by
-  TensorBoard's profiler plugin) under `--tensorboard-dir` (or `./profile`).
+- `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.pt.trace.json` (Chrome/Perfetto trace, also read by
+  the PyTorch TensorBoard profiler plugin, which reads `*.pt.trace.json`) under `--tensorboard-dir` (or `./profile`).
 
 | flag | Megatron-LM | what it does here |
 | --- | --- | --- |

@@ -103,7 +103,8 @@ class ParallelConfig:
     pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b) or asynchronous method",
                               choices=["gpipe", "1f1b", "async-naive", "pipedream", "pipedream-2bw", "spectrain",
                                        "pipeoptim"])
-    async_update_interval: int = _f(1, "asynchronous methods: a stage steps after every k of its backwards")
+    async_update_interval: int | None = _f(None, "asynchronous methods: a stage steps after every k of its backwards "
+                                                 "(default 1; pipedream-2bw: the pipeline depth D)")
     pipeoptim_s_offset: int = _f(0, "PipeOptim: added to the schedule's staleness s (0 = paper, 1 = reference code)")
     pipeoptim_sgd_direction: str = _f("buffer", "PipeOptim with SGD momentum: the direction extrapolated",
                                       choices=["buffer", "lookahead"])
@@ -124,6 +125,13 @@ class ParallelConfig:
     ddp_bucket_size: int = _f(40_000_000, "DDP gradient bucket size in elements")
     distributed_timeout_minutes: float = _f(10.0, "timeout of every collective and p2p operation; a dead rank is "
                                                   "detected (heartbeat) within half of it, at most 60 s")
+    context_parallel_size: int = _f(1, "context-parallel size: accepted as 1 only (no context parallelism here)")
+    overlap_grad_reduce: bool = _f(False, "Megatron's DP gradient-reduce overlap: always on here (each bucket's "
+                                          "reduce starts during the backward), so a documented no-op")
+    overlap_p2p_communication: bool = _f(False, "Megatron's p2p overlap: always on here (pipeline sends and receives "
+                                                "are posted asynchronously), so a documented no-op")
+    distributed_backend: str | None = _f(None, "torch.distributed backend (default: nccl on CUDA, gloo on CPU; nccl "
+                                               "needs CUDA)", choices=["nccl", "gloo"])
 
 
 @dataclass
@@ -137,6 +145,15 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "sentencepiece .model file")
     vocab_size: int | None = _f(None, "vocabulary size (NullTokenizer)")
     num_workers: int = _f(0, "data loader worker processes")
+    eod_mask_loss: bool = _f(False, "no loss on the position after an end-of-document token (Megatron: loss mask 0 "
+                                    "where the input token is EOD)")
+    reset_position_ids: bool = _f(False, "position ids (learned or RoPE) restart at 0 after every "
+                                         "end-of-document token")
+    reset_attention_mask: bool = _f(False, "document-level causal mask: a token attends only to the earlier tokens "
+                                           "of its own document")
+    no_create_attention_mask_in_dataloader: bool = _f(False, "accepted, no-op: the causal mask is never built in "
+                                                             "the data loader here (made in attention)")
+    tiktoken_pattern: str | None = _f(None, "TikTokenizer's regex (v1/v2): no TikTokenizer here, so a clear error")
 
 
 @dataclass
@@ -144,6 +161,10 @@ class TrainingConfig:
     micro_batch_size: int = _f(4, "samples per micro-batch")
     global_batch_size: int | None = _f(None, "samples per optimizer step (default micro_batch x DP)")
     train_iters: int = _f(100, "optimizer iterations")
+    train_samples: int | None = _f(None, "train on this many samples instead of --train-iters (iterations = "
+                                         "samples / global batch, after the ramp with --rampup-batch-size)")
+    rampup_batch_size: list | None = _f(None, "START INCR SAMPLES: the global batch grows from START by INCR "
+                                              "until it reaches --global-batch-size after SAMPLES samples", nargs=3)
     optimizer: str = _f("adamw", "optimizer",
                         choices=["adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion"])
     lr: float = _f(3e-4, "peak learning rate")
@@ -152,6 +173,14 @@ class TrainingConfig:
     lr_warmup_iters: int = _f(0, "linear warm-up iterations")
     lr_decay_iters: int | None = _f(None, "iterations of decay (default train_iters)")
     lr_wsd_decay_iters: int | None = _f(None, "WSD: iterations of the final decay (default 10%% of decay iters)")
+    lr_warmup_samples: int = _f(0, "linear warm-up samples (with --train-samples)")
+    lr_decay_samples: int | None = _f(None, "samples of decay (with --train-samples; default --train-samples)")
+    lr_wsd_decay_samples: int | None = _f(None, "WSD: samples of the final decay (with --train-samples)")
+    lr_warmup_fraction: float | None = _f(None, "warm-up as a fraction of the decay span (instead of "
+                                                "--lr-warmup-iters/-samples)")
+    decoupled_lr: float | None = _f(None, "peak lr of the input embedding and output layer, same schedule shape "
+                                          "(synchronous methods)")
+    decoupled_min_lr: float | None = _f(None, "final lr of the input embedding and output layer (with --decoupled-lr)")
     weight_decay: float = _f(0.01, "weight decay (decoupled for AdamW/Lion, L2 otherwise); not on biases and norms")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
@@ -162,6 +191,18 @@ class TrainingConfig:
     eval_interval: int = _f(1000, "evaluate every this many iterations")
     eval_iters: int = _f(10, "validation micro-batch groups per evaluation")
     exit_interval: int | None = _f(None, "stop (after saving, with --save) once the iteration is a multiple of this")
+    exit_duration_in_mins: float | None = _f(None, "stop (after saving, with --save) once training has run this "
+                                                   "many minutes (agreed by all ranks after an iteration)")
+    calculate_per_token_loss: bool = _f(False, "loss and gradients normalized by the global batch's loss tokens "
+                                               "(not averaged per micro-batch)")
+    manual_gc: bool = _f(False, "disable Python's automatic garbage collector; collect at --manual-gc-interval")
+    manual_gc_interval: int = _f(0, "with --manual-gc: gc.collect() every this many iterations (0: only at "
+                                    "evaluation and checkpoints)")
+    empty_unused_memory_level: int = _f(0, "release cached device memory: 1 after each iteration, 2 also after "
+                                           "evaluation (CUDA caching allocator; nothing to release on CPU)",
+                                        choices=[0, 1, 2])
+    cross_entropy_loss_fusion: bool = _f(False, "accepted: the vocab-parallel cross entropy is one function here "
+                                                "(same math as Megatron's fused kernel)")
     check_for_nan_in_loss_and_grad: bool = _f(True, "stop, naming the iteration, rank and stage, at a NaN/inf loss or "
                                                     "gradient (bf16/fp32) before the step; fp16 skips the step")
     deterministic: bool = _f(False, "bit-reproducible runs on GPUs: deterministic kernels (torch, cuDNN, cuBLAS "
@@ -180,6 +221,10 @@ class PrecisionConfig:
     hysteresis: int = _f(2, "overflows tolerated before the loss scale shrinks (fp16)")
     use_distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main params over DP (ZeRO-1)")
     overlap_param_gather: bool = _f(False, "overlap the distributed optimizer's parameter all-gather with the forward")
+    grad_reduce_in_bf16: bool = _f(False, "with --bf16: gradients reduced and accumulated in bf16 (this project's "
+                                          "default with --bf16; refuses --accumulate-allreduce-grads-in-fp32)")
+    fp8_param_gather: bool = _f(False, "FP8 parameter all-gather (Transformer Engine, GPUs): not implemented, "
+                                       "refused with one line")
 
 
 @dataclass
@@ -191,7 +236,14 @@ class LoggingConfig:
     wandb_entity: str | None = _f(None, "W&B entity")
     wandb_save_dir: str | None = _f(None, "W&B local directory")
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files (the same scalars as W&B) here")
-    log_throughput: bool = _f(False, "also log the model TFLOP/s per GPU and, with a known peak, MFU")
+    tensorboard_log_interval: int = _f(1, "write TensorBoard/W&B scalars on every this-many-th logged iteration")
+    log_params_norm: bool = _f(False, "log the L2 norm of all parameters (params_norm)")
+    log_num_zeros_in_grad: bool = _f(False, "log the number of zero gradient entries (num_zeros_in_grad)")
+    profile: bool = _f(False, "torch.profiler trace of iterations --profile-step-start..end (TensorBoard/Perfetto "
+                              "JSON under --tensorboard-dir or ./profile)")
+    profile_step_start: int = _f(10, "first profiled iteration")
+    profile_step_end: int = _f(12, "iteration where profiling stops")
+    log_throughput: bool = _f(False, "also log the model TFLOP/s per GPU (per rank on CPU) and, with a known peak, MFU")
     peak_tflops: float | None = _f(None, "peak dense TFLOP/s of one device for MFU (default: known GPUs by name)")
     timing_log_level: int = _f(0, "timers to log: 0 none, 1 forward-backward/grad-sync/optimizer, 2 also "
                                   "forward/backward compute, p2p and weight prediction", choices=[0, 1, 2])
@@ -201,6 +253,11 @@ class LoggingConfig:
 class CheckpointConfig:
     save: str | None = _f(None, "checkpoint directory to save to")
     load: str | None = _f(None, "checkpoint directory to resume from (latest checkpoint)")
+    ckpt_format: str = _f("torch_dist", "checkpoint format: torch_dist (torch.distributed.checkpoint), the only one",
+                          choices=["torch_dist"])
+    use_checkpoint_args: bool = _f(False, "take the model-architecture flags from the checkpoint in --load")
+    no_save_optim: bool = _f(False, "do not save the optimizer state (weights only; resume needs --no-load-optim)")
+    no_save_rng: bool = _f(False, "do not save the random generators' states")
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
     ckpt_step: int | None = _f(None, "load the checkpoint of this iteration instead of the latest")
     keep_last: int | None = _f(None, "after each save, delete all but the newest N checkpoints (never the tracked one)")
@@ -371,6 +428,25 @@ def global_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.training.global_batch_size or cfg.training.micro_batch_size * dp
 
 
+def update_interval(cfg: Config) -> int:
+    """--async-update-interval k, defaulted: D for pipedream-2bw (it needs m >= D), else 1."""
+    p = cfg.parallel
+    if p.async_update_interval is not None:
+        return p.async_update_interval
+    return p.pipeline_model_parallel_size if p.pipeline_method == "pipedream-2bw" else 1
+
+
+def rampup_batch_size(cfg: Config) -> tuple[int, int, int] | None:
+    """--rampup-batch-size START INCR SAMPLES as ints (None without it); ConfigError when not integers."""
+    r = cfg.training.rampup_batch_size
+    if r is None:
+        return None
+    try:
+        return tuple(int(x) for x in r)
+    except ValueError:
+        raise ConfigError(f"--rampup-batch-size takes three integers START INCR SAMPLES, got {' '.join(r)}") from None
+
+
 def virtual_pipeline_size(cfg: Config) -> int:
     """Model chunks per pipeline rank (1 without interleaving)."""
     p = cfg.parallel
@@ -490,6 +566,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
              f"--pipeline-model-parallel-size ({pp})")
     need(t.lr >= 0 and t.min_lr >= 0 and t.min_lr <= t.lr, f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     need(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+    validate_sample_schedule(cfg, gbs, t.micro_batch_size * dp)
     if d.mock_data:
         need(d.vocab_size is not None or d.tokenizer_model is not None,
              "--mock-data needs --vocab-size (with --tokenizer-type NullTokenizer) or --tokenizer-model")
@@ -518,7 +595,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                              pr.initial_loss_scale, pr.min_loss_scale, pr.loss_scale_window, pr.hysteresis,
                              pr.use_distributed_optimizer, pr.overlap_param_gather)
     if p.pipeline_method in ASYNC_METHODS:
-        meth, k = p.pipeline_method, p.async_update_interval
+        meth, k = p.pipeline_method, update_interval(cfg)
         need(not pr.overlap_param_gather,
              f"--overlap-param-gather applies to the synchronous methods: --pipeline-method {meth} swaps weights "
              f"(prediction, stashing) outside the forward, where a pending all-gather would still be writing them")
@@ -558,7 +635,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                  "--delay-compensation-lambda edits the gradients after the backward, which the distributed "
                  "optimizer has already reduce-scattered: drop --use-distributed-optimizer")
         need(not p.delay_compensation_adaptive or dc > 0, "--delay-compensation-adaptive needs --delay-compensation-lambda > 0")
-    elif p.async_update_interval != 1:
+    elif p.async_update_interval not in (None, 1):
         raise ConfigError(f"--async-update-interval applies to asynchronous methods, not --pipeline-method "
                           f"{p.pipeline_method} (synchronous methods step once per global batch)")
     if p.pipeline_method not in ASYNC_METHODS:
@@ -582,6 +659,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         need(not given or ck.load is not None, f"{flag} needs --load")
     if ck.ckpt_step is not None:
         need(ck.ckpt_step >= 0, f"--ckpt-step must be >= 0 (got {ck.ckpt_step})")
+    validate_megatron_switches(cfg, workload)
     validate_transformer_engine(cfg, workload)
     if workload == "nmt":
         validate_nmt(cfg)
@@ -590,6 +668,122 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
 def _cuda_device() -> bool:
     from megatron_po.parallel_state import get_device  # the one place that picks the device
     return get_device().type == "cuda"
+
+
+def validate_sample_schedule(cfg: Config, gbs: int, mbs_times_dp: int) -> None:
+    """Megatron's sample-based schedule flags: --train-samples and --lr-*-samples against their iteration
+    twins, --lr-warmup-fraction, --rampup-batch-size (batch steps that fit the micro-batch x DP grid)."""
+    t, dflt = cfg.training, TrainingConfig()
+
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    iter_flags = [("--lr-decay-iters", t.lr_decay_iters is not None), ("--lr-warmup-iters", t.lr_warmup_iters != 0),
+                  ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters is not None)]
+    sample_flags = [("--lr-decay-samples", t.lr_decay_samples is not None),
+                    ("--lr-warmup-samples", t.lr_warmup_samples != 0),
+                    ("--lr-wsd-decay-samples", t.lr_wsd_decay_samples is not None)]
+    if t.train_samples is not None:
+        need(t.train_samples >= 1, f"--train-samples must be >= 1 (got {t.train_samples})")
+        need(t.train_iters == dflt.train_iters, "--train-samples and --train-iters exclude each other: give one")
+        for flag, given in iter_flags:
+            need(not given, f"{flag} counts iterations: with --train-samples use its -samples twin")
+    else:
+        for flag, given in sample_flags:
+            need(not given, f"{flag} counts samples: it needs --train-samples (or use its -iters twin)")
+    for name, value in [("--lr-warmup-samples", t.lr_warmup_samples), ("--lr-decay-samples", t.lr_decay_samples),
+                        ("--lr-wsd-decay-samples", t.lr_wsd_decay_samples)]:
+        need(value is None or value >= 0, f"{name} must be >= 0 (got {value})")
+    need(t.lr_wsd_decay_samples is None or t.lr_decay_style == "wsd",
+         f"--lr-wsd-decay-samples applies to --lr-decay-style wsd, not {t.lr_decay_style}")
+    if t.lr_warmup_fraction is not None:
+        need(0 <= t.lr_warmup_fraction <= 1, f"--lr-warmup-fraction must be in [0, 1] (got {t.lr_warmup_fraction})")
+        need(t.lr_warmup_iters == 0 and t.lr_warmup_samples == 0,
+             "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples exclude each other: give one")
+    if t.decoupled_lr is not None or t.decoupled_min_lr is not None:
+        need(t.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+        low = t.decoupled_min_lr or 0.0
+        need(0 <= low <= t.decoupled_lr,
+             f"need 0 <= --decoupled-min-lr ({low}) <= --decoupled-lr ({t.decoupled_lr})")
+    ramp = rampup_batch_size(cfg)
+    if ramp is not None:
+        start, incr, samples = ramp
+        need(start >= 1 and incr >= 1 and samples >= 0,
+             f"--rampup-batch-size START INCR SAMPLES needs START >= 1, INCR >= 1, SAMPLES >= 0 (got {start} {incr} "
+             f"{samples})")
+        need(start <= gbs and (gbs - start) % incr == 0,
+             f"--rampup-batch-size: --global-batch-size ({gbs}) must be START ({start}) plus a multiple of "
+             f"INCR ({incr})")
+        need(start % mbs_times_dp == 0 and incr % mbs_times_dp == 0,
+             f"--rampup-batch-size: START ({start}) and INCR ({incr}) must be multiples of --micro-batch-size x "
+             f"data-parallel size ({mbs_times_dp}): every ramp batch is whole micro-batches on every DP rank")
+        meth = cfg.parallel.pipeline_method
+        need(meth not in ASYNC_METHODS,
+             f"--rampup-batch-size changes the micro-batches per iteration, which --pipeline-method {meth} streams "
+             f"at a fixed count (its update interval and staleness come from it): use gpipe or 1f1b")
+        pp = cfg.parallel.pipeline_model_parallel_size
+        need(virtual_pipeline_size(cfg) == 1 or ((start // mbs_times_dp) % pp == 0 and (incr // mbs_times_dp) % pp == 0),
+             f"--rampup-batch-size with an interleaved pipeline: every ramp batch must hold a multiple of "
+             f"--pipeline-model-parallel-size ({pp}) micro-batches, so START ({start}) and INCR ({incr}) must be "
+             f"multiples of {pp} x --micro-batch-size x data-parallel size ({pp * mbs_times_dp})")
+
+
+def validate_megatron_switches(cfg: Config, workload: str) -> None:
+    """Megatron flags accepted for its launch scripts: the ones with a meaning here and their rules, and the
+    GPU-only switches refused with one line where they have no meaning on this run."""
+    t, d, lg, pr, p, ck = cfg.training, cfg.data, cfg.logging, cfg.precision, cfg.parallel, cfg.checkpoint
+
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    for flag, given in [("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask)]:
+        need(not given or cfg.model.transformer_impl == "local",
+             f"{flag} needs --transformer-impl local (the Transformer Engine layers take no per-document "
+             f"positions or mask here)")
+    need(t.decoupled_lr is None or cfg.parallel.pipeline_method not in ASYNC_METHODS,
+         f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
+         f"{cfg.parallel.pipeline_method}, whose stages build their own optimizers")
+    need(p.context_parallel_size == 1,
+         f"--context-parallel-size {p.context_parallel_size}: context parallelism is not implemented here (only 1)")
+    need(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+         f"--exit-duration-in-mins must be > 0 (got {t.exit_duration_in_mins})")
+    need(t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0 (got {t.manual_gc_interval})")
+    need(t.manual_gc or t.manual_gc_interval == 0, "--manual-gc-interval needs --manual-gc")
+    need(lg.tensorboard_log_interval >= 1,
+         f"--tensorboard-log-interval must be >= 1 (got {lg.tensorboard_log_interval})")
+    if lg.profile:
+        need(1 <= lg.profile_step_start < lg.profile_step_end,
+             f"--profile needs 1 <= --profile-step-start ({lg.profile_step_start}) < --profile-step-end "
+             f"({lg.profile_step_end})")
+    need(not pr.grad_reduce_in_bf16 or pr.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    if p.distributed_backend == "nccl":
+        import torch
+        need(torch.cuda.is_available(), "--distributed-backend nccl needs CUDA GPUs; on CPU use gloo (the default)")
+    need(not (pr.grad_reduce_in_bf16 and pr.accumulate_allreduce_grads_in_fp32),
+         "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other: give one")
+    need(not pr.fp8_param_gather,
+         "--fp8-param-gather (all-gather FP8 weights, Transformer Engine on GPUs) is not implemented here: the "
+         "distributed optimizer gathers the model-dtype weights; drop it")
+    need(d.tiktoken_pattern is None,
+         f"--tiktoken-pattern {d.tiktoken_pattern} configures TikTokenizer, which is not available here: drop it")
+    for flag, given in [("--log-params-norm", lg.log_params_norm), ("--log-num-zeros-in-grad", lg.log_num_zeros_in_grad)]:
+        need(not given or cfg.parallel.pipeline_method not in ASYNC_METHODS,
+             f"{flag} is logged by the synchronous methods (gpipe, 1f1b); --pipeline-method "
+             f"{cfg.parallel.pipeline_method} steps its stages at different times: drop it")
+    need(not (t.calculate_per_token_loss and cfg.parallel.pipeline_method in ASYNC_METHODS),
+         f"--calculate-per-token-loss normalizes by the loss tokens of a whole global batch, but "
+         f"--pipeline-method {cfg.parallel.pipeline_method} steps on micro-batches as they stream: drop one")
+    if workload == "nmt":
+        for flag, given in [("--eod-mask-loss", d.eod_mask_loss), ("--reset-position-ids", d.reset_position_ids),
+                            ("--reset-attention-mask", d.reset_attention_mask),
+                            ("--calculate-per-token-loss", t.calculate_per_token_loss),
+                            ("--decoupled-lr", t.decoupled_lr is not None)]:
+            need(not given, f"{flag} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py")
+    for flag, given in [("--no-save-optim", ck.no_save_optim), ("--no-save-rng", ck.no_save_rng)]:
+        need(not given or ck.save is not None, f"{flag} needs --save")
+    need(not ck.use_checkpoint_args or ck.load is not None, "--use-checkpoint-args needs --load")
 
 
 def validate_transformer_engine(cfg: Config, workload: str) -> None:

@@ -173,8 +173,9 @@ def check_topology(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-def init_distributed(timeout_minutes: float = 10.0, environ=None) -> LaunchEnv:
-    """Start torch.distributed from the launch environment (idempotent)."""
+def init_distributed(timeout_minutes: float = 10.0, environ=None, backend: str | None = None) -> LaunchEnv:
+    """Start torch.distributed from the launch environment (idempotent); `backend` (--distributed-backend)
+    defaults to nccl on CUDA, gloo on CPU."""
     global _TIMEOUT
     env = read_launch_env(environ)
     if dist.is_initialized():
@@ -183,7 +184,7 @@ def init_distributed(timeout_minutes: float = 10.0, environ=None) -> LaunchEnv:
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend=get_backend(),
+        backend=backend or get_backend(),
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, validate
+from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
+from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
@@ -36,7 +37,9 @@ from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
-from megatron_po.optim.lr_scheduler import lr_at, set_lr
+from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.run_controls import RunControls, replica_sums
 from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
 
 # --------------------------------------------------------------------------------------------------
@@ -89,6 +92,45 @@ def nmt_flops_per_sample(hidden_size: int, ffn_hidden_size: int, encoder_num_lay
 # --------------------------------------------------------------------------------------------------
 
 
+# Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
+NOT_CHECKPOINT_ARGS = ("hidden_dropout", "attention_dropout", "transformer_impl", "fp8_format", "fp8_margin",
+                       "fp8_amax_history_len", "fp8_amax_compute_algo")
+
+
+def apply_checkpoint_args(cfg: Config) -> Config:
+    """--use-checkpoint-args: a copy of `cfg` whose model-architecture flags are the ones saved in the checkpoint
+    --load names (read in this process alone, before any process group); without a checkpoint there the
+    given flags stay, as in Megatron."""
+    import copy
+    import dataclasses as dc
+
+    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    ck = cfg.checkpoint
+    if not os.path.isdir(ck.load) or find_checkpoint(ck.load, ck.ckpt_step) is None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"> --use-checkpoint-args: no checkpoint in {ck.load}; using the given flags", flush=True)
+        return cfg
+    _, extra, _ = read_full_checkpoint(ck.load, ck.ckpt_step, prefix="\0", progress=False)  # extra only
+    saved = extra.get("config", {}).get("model", {})
+    cfg = copy.deepcopy(cfg)
+    names = {f.name for f in dc.fields(cfg.model)}
+    for k, v in saved.items():
+        if k in names and k not in NOT_CHECKPOINT_ARGS:
+            setattr(cfg.model, k, v)
+    return cfg
+
+
+def with_train_iters(cfg: Config, train_iters: int) -> Config:
+    """A copy of `cfg` whose --train-iters is the run's iteration count (from --train-samples, as Megatron
+    sets args.train_iters), so the loop, intervals and logs read one number."""
+    if train_iters == cfg.training.train_iters:
+        return cfg
+    import copy
+    cfg = copy.deepcopy(cfg)
+    cfg.training.train_iters = train_iters
+    return cfg
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -112,7 +154,7 @@ def build_data(cfg: Config, tokenizer_vocab_size: int):
     world = dist.get_world_size()
     gbs = global_batch_size(cfg, world)
     # Validation restarts from its first sample at every evaluation, so numbers compare across evals.
-    num_samples = (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs)
+    num_samples = (SampleSchedule(cfg, world).total_samples, t.eval_iters * gbs, t.eval_iters * gbs)
     train, valid, test = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, num_samples,
         cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data, vocab_size=tokenizer_vocab_size)
@@ -129,6 +171,15 @@ def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
         items = [dataset[i % len(dataset)] for i in range(start, start + mbs)]
         out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
     return out
+
+
+def reading_documents(cfg: Config, chunks: list) -> list:
+    """--reset-position-ids / --reset-attention-mask: every stage needs the micro-batch's document positions
+    (RoPE, the mask), so the executor hands each chunk the batch (`reads_batch`, as for NMT)."""
+    if cfg.data.reset_position_ids or cfg.data.reset_attention_mask:
+        for c in chunks:
+            c.reads_batch = True
+    return chunks
 
 
 class GPTWorkload:
@@ -150,20 +201,26 @@ class GPTWorkload:
                                            self.cfg.parallel.tensor_model_parallel_size)
 
     def model_chunks(self) -> list:
-        return build_model_chunks(self.cfg, self.padded_vocab)
+        return reading_documents(self.cfg, build_model_chunks(self.cfg, self.padded_vocab))
 
     @staticmethod
     def chunks_for_rank(cfg: Config, padded_vocab, rank: int, num_stages: int, num_chunks: int, device=None):
         """Any pipeline rank's chunks (the asynchronous engine builds its own)."""
         from megatron_po.pipeline.partition import build_chunks_for_rank
-        return build_chunks_for_rank(cfg, padded_vocab, rank, num_stages, num_chunks, device)
+        return reading_documents(cfg, build_chunks_for_rank(cfg, padded_vocab, rank, num_stages, num_chunks, device))
 
     def data(self):
         """(train, valid, test); real data is checked against the tokenizer's vocabulary."""
         return build_data(self.cfg, self.tokenizer.vocab_size)
 
     def microbatches(self, dataset, consumed_samples: int, num_mb: int, mbs: int) -> list[dict]:
-        return microbatches(dataset, consumed_samples, num_mb, mbs)
+        batches = microbatches(dataset, consumed_samples, num_mb, mbs)
+        d = self.cfg.data
+        for b in batches:
+            if d.eod_mask_loss:  # Megatron: no loss where the input token is EOD
+                b["loss_mask"] = b["loss_mask"].masked_fill(b["tokens"] == self.tokenizer.eod, 0.0)
+            add_document_inputs(b, self.tokenizer.eod, d.reset_position_ids, d.reset_attention_mask)
+        return batches
 
     def message_specs(self, micro_batch_size: int):
         """Shapes both ends of a pipeline message agree on (None: sent in a header)."""
@@ -208,6 +265,17 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
                                         grad_scale)
 
 
+def per_token_normalizer(batches: list[dict]) -> None:
+    """--calculate-per-token-loss: each micro-batch's loss becomes its summed token losses / (T / (M x DP)),
+    T the loss tokens of the whole global batch (all micro-batches, all DP ranks), so the mean over the M
+    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T."""
+    local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    normalizer = (local / (len(batches) * ps.get_data_parallel_world_size())).clamp(min=1e-12).float()
+    for b in batches:
+        b["loss_normalizer"] = normalizer
+
+
 def holds_loss() -> bool:
     return ps.is_pipeline_last_stage()
 
@@ -226,9 +294,10 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
     return float(x) / ps.get_data_parallel_world_size()
 
 
-def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None):
+def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, decoupled_lr: float | None = None):
     """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
-    step was skipped for inf/NaN gradients)."""
+    step was skipped for inf/NaN gradients). `decoupled_lr`: the lr of the "decoupled" groups
+    (--decoupled-lr: input embedding and output layer)."""
     wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
     with timers("forward-backward", 1):
@@ -240,6 +309,10 @@ def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None):
         allreduce_embedding_grads(ddp.params)
     with timers("optimizer", 1):
         set_lr(optimizer, lr)
+        if decoupled_lr is not None:
+            for group in optimizer.param_groups:
+                if group.get("decoupled"):
+                    group["lr"] = decoupled_lr
         if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
             return loss, optimizer.step().grad_norm
         grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
@@ -282,6 +355,25 @@ def check_finite(cfg, iteration: int, loss, grad_norm: float | None, ddp, save_d
                     f"optimizer step, {last_checkpoint(save_dir)}")
 
 
+def split_decoupled(groups: list[dict], chunks) -> list[dict]:
+    """--decoupled-lr: the input word embedding and output layer weights (Megatron's
+    is_embedding_or_output_parameter; the last stage's copy of a tied embedding too) in groups of their own,
+    marked "decoupled", each keeping its weight decay."""
+    ids = set()
+    for c in chunks:
+        if getattr(c, "embedding", None) is not None:
+            ids.add(id(c.embedding.word_embeddings.weight))
+        if getattr(c, "output_layer", None) is not None:
+            ids.add(id(c.output_layer.weight))
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in ids]
+        mine = [p for p in g["params"] if id(p) in ids]
+        out += [{**g, "params": rest}] if rest else []
+        out += [{**g, "params": mine, "decoupled": True}] if mine else []
+    return out
+
+
 def build_optimizer_for(cfg: Config, chunks, ddp):
     """The plain predictive optimizer (fp32), or the wrapper holding fp32 main params: mixed precision,
     and/or the distributed optimizer that shards them over data-parallel ranks."""
@@ -292,6 +384,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
                                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
 
     groups = param_groups(chunks, t.weight_decay)
+    if t.decoupled_lr is not None:
+        groups = split_decoupled(groups, chunks)
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                pr.loss_scale_window, pr.hysteresis)
     if pr.use_distributed_optimizer:
@@ -353,6 +447,7 @@ class Logger:
 
     def __init__(self, cfg: Config, active: bool):
         self.active = active
+        self.scalars_interval = cfg.logging.tensorboard_log_interval  # W&B / TensorBoard: every N-th iteration
         self.metrics_file = None
         self.wandb = None
         self.tensorboard = None
@@ -386,6 +481,8 @@ class Logger:
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
+        if record["iteration"] % self.scalars_interval != 0:
+            return
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=record["iteration"])
         if self.tensorboard:
@@ -416,13 +513,20 @@ def pretrain(cfg: Config, workload=None) -> dict:
     """Run training as configured; returns the last logged record (on the logging rank).
     `workload`: what is trained (default `GPTWorkload(cfg)`; pretrain_nmt.py passes an NMTWorkload)."""
     workload = workload or GPTWorkload(cfg)
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron's _TRAIN_START_TIME
+    if cfg.checkpoint.use_checkpoint_args:
+        cfg = apply_checkpoint_args(cfg)
+        workload.cfg = cfg
     env_world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate(cfg, env_world, workload.name)
     if cfg.training.deterministic:
         ps.set_deterministic()
-    ps.init_distributed(cfg.parallel.distributed_timeout_minutes)
+    ps.init_distributed(cfg.parallel.distributed_timeout_minutes, backend=cfg.parallel.distributed_backend)
     world = dist.get_world_size()
     validate(cfg, world, workload.name)
+    schedule = SampleSchedule(cfg, world)  # batch, consumed samples and lr of every iteration
+    cfg = with_train_iters(cfg, schedule.train_iters)  # --train-samples -> iterations, as Megatron does
+    workload.cfg = cfg
     p = cfg.parallel
     from megatron_po.config import virtual_pipeline_size
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -436,7 +540,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
     padded_vocab = workload.padded_vocab
     engine = ddp = None
     if is_async(cfg):
-        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world), workload)
+        engine = build_async_engine(cfg, padded_vocab, num_microbatches(cfg, world), workload, schedule)
         chunks, optimizer = engine.chunks, engine.stage.optimizers
     else:
         pr = cfg.precision
@@ -490,13 +594,14 @@ def pretrain(cfg: Config, workload=None) -> dict:
     if dist.get_rank() == logging_rank() and cfg.logging.metrics_file:
         truncate_metrics(cfg.logging.metrics_file, state.iteration)  # what a killed run logged past its checkpoint
     logger = Logger(cfg, dist.get_rank() == logging_rank())
-    progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs))
+    progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs), schedule)
 
     def save():
         progress.flush()  # records up to the checkpoint are on disk before it is (a resume rewrites the rest)
         save_checkpoint(ck.save, state.iteration, chunks, optimizer,
                         {"train_state": vars(state).copy(), "config": cfg.to_dict(), **workload.checkpoint_extra()},
-                        policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last)
+                        policy=engine.stage.policy if engine is not None else None, keep_last=ck.keep_last,
+                        save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
         print_rank0(f"> saved checkpoint at iteration {state.iteration} to {ck.save}")
 
     def evaluate_now() -> float | None:
@@ -528,20 +633,40 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 save()
             print_rank0(f"> exiting at iteration {it} (--exit-interval {t.exit_interval})")
             return True
+        if it < t.train_iters and controls.time_is_up():
+            if ck.save and not saved:
+                save()
+            print_rank0(f"> exiting at iteration {it} (--exit-duration-in-mins {t.exit_duration_in_mins})")
+            return True
         return False
 
+    controls = RunControls(cfg, start_time)  # --profile, --manual-gc, --exit-duration-in-mins, ...
+    lc = cfg.logging
     if engine is None:
         # Synchronous: one global batch per iteration, a flush and a step at its end.
         while state.iteration < t.train_iters:
-            lr = lr_at(state.iteration, t)
-            batches = workload.microbatches(train_ds, state.consumed_samples, num_mb, mbs)
-            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload)
+            controls.before_iteration(state.iteration + 1)
+            lr = schedule.lr_at(state.iteration)
+            # --rampup-batch-size: the iteration's own global batch, whole micro-batches on every DP rank
+            batches = workload.microbatches(train_ds, state.consumed_samples, schedule.num_microbatches(state.iteration),
+                                            mbs)
+            if t.calculate_per_token_loss:
+                per_token_normalizer(batches)
+            loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload,
+                                         schedule.decoupled_lr_at(state.iteration))
             check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
+            state.consumed_samples += schedule.batch(state.iteration)
             state.iteration += 1
-            state.consumed_samples += gbs
+            sums = {}
+            if (lc.log_params_norm or lc.log_num_zeros_in_grad) and progress.logs(state.iteration):
+                sums = replica_sums(ddp.params, ps.get_model_parallel_group())
+                sums = {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
-                                    optimizer.get_loss_scale() if cfg.precision.fp16 else None)
+                                    optimizer.get_loss_scale() if cfg.precision.fp16 else None, metrics=sums)
+            controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time
+                if progress.boundary(state.iteration):
+                    controls.around_boundary()
                 stop = at_boundary()
             progress.flush()
             if stop:
@@ -577,18 +702,22 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 if skipped > skipped_steps_seen:
                     last_norm, skipped_steps_seen = None, skipped
                 scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
-                progress.iteration_done(g + 1, average_over_dp(mean), lr_at(g, t), last_norm, scale)
+                progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
 
         while state.iteration < t.train_iters:
             stop = next_boundary(state.iteration, cfg)
+            controls.before_iteration(state.iteration + 1, last=stop)  # --profile: the segment holding its start
             engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss)
             state.consumed_samples += (stop - state.iteration) * gbs
             state.iteration = stop
+            controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time
+                controls.around_boundary()  # every segment ends at a drain
                 stop = at_boundary()
             progress.flush()
             if stop:
                 break
+    controls.close()
     logger.close()
     return progress.record
 
@@ -602,13 +731,15 @@ def next_boundary(iteration: int, cfg: Config) -> int:
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 
 
-def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None):
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None,
+                       schedule: SampleSchedule | None = None):
     """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
     batches), so warm-up and decay span the same samples as in synchronous training although a stage
     steps `microbatches_per_iteration / k` times per iteration."""
     from megatron_po.pipeline.async_pipeline import AsyncPipelineRank, optimizer_kwargs_from_config
     p, t = cfg.parallel, cfg.training
-    k = p.async_update_interval
+    k = update_interval(cfg)
+    schedule = schedule or SampleSchedule(cfg, dist.get_world_size())
     steps_per_iteration = microbatches_per_iteration // k
     kwargs = optimizer_kwargs_from_config(t)
     if t.optimizer == "sgd":
@@ -624,7 +755,7 @@ def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteratio
     options["staleness_lr_scaling"] = p.staleness_lr_scaling
     workload = workload or GPTWorkload(cfg)
     return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
-                             lr_fn=lambda step: lr_at(step // steps_per_iteration, t), clip_grad=t.clip_grad,
+                             lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), clip_grad=t.clip_grad,
                              message_specs=workload.message_specs(t.micro_batch_size),
                              build_chunks=workload.chunks_for_rank, **options)
 
@@ -642,59 +773,81 @@ class Progress:
     evaluation (if any) is known, so `val_loss` joins the same JSON object."""
 
     def __init__(self, cfg: Config, logger: Logger, gbs: int, flops_per_iter: float, world: int,
-                 tokens_per_iter: float | None = None):
+                 tokens_per_iter: float | None = None, schedule: SampleSchedule | None = None):
         self.cfg, self.logger, self.gbs, self.flops_per_iter, self.world = cfg, logger, gbs, flops_per_iter, world
+        self.schedule = schedule  # --rampup-batch-size: iterations carry less than `gbs` samples
+        self.per_rank = ps.get_device().type != "cuda"  # "TFLOP/s per rank" on CPU (no GPU to count)
         self.tokens_per_iter = tokens_per_iter if tokens_per_iter is not None else gbs * cfg.model.seq_length
         self.peak_tflops = device_peak_tflops(cfg.precision.bf16 or cfg.precision.fp16, cfg.logging.peak_tflops)
         self.staleness = pipeline_staleness(cfg, world)
         timers.configure(cfg.logging.timing_log_level)
         self.record: dict = {}  # the last logged record
         self.pending: dict | None = None  # logged, not yet written
-        self.window_start, self.window_iters = time.perf_counter(), 0
+        self.window_start, self.window_iters, self.window_batches = time.perf_counter(), 0, 0.0
         self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
 
+    def logs(self, iteration: int) -> bool:
+        """Whether iteration `iteration` (1-based) is logged."""
+        return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.training.train_iters
+
+    def boundary(self, iteration: int) -> bool:
+        """Whether an evaluation or checkpoint follows iteration `iteration` (--manual-gc collects there)."""
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        return iteration % t.eval_interval == 0 or iteration == t.train_iters or bool(
+            ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+
     def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
-                       loss_scale: float | None = None) -> None:
+                       loss_scale: float | None = None, metrics: dict | None = None) -> None:
+        """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad)."""
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
         self.window_iters += 1
+        # global batches' worth of samples (tokens and FLOPs scale with the samples of a ramp iteration)
+        self.window_batches += self.schedule.batch(iteration - 1) / self.gbs if self.schedule is not None else 1.0
         self.skipped += grad_norm is None
         if loss is not None:
             self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
             if not math.isfinite(loss) and t.check_for_nan_in_loss_and_grad and not self.cfg.precision.fp16:
                 raise RankError(f"lm loss is {loss} at iteration {iteration} on {ps.describe_rank(dist.get_rank())}")
-        if iteration % lc.log_interval != 0 and iteration != t.train_iters:
+        if not self.logs(iteration):
             return
         self.flush()
-        sec_per_iter = (time.perf_counter() - self.window_start) / self.window_iters
-        tokens_per_sec = self.tokens_per_iter / sec_per_iter
+        elapsed = time.perf_counter() - self.window_start
+        sec_per_iter = elapsed / self.window_iters
+        tokens_per_sec = self.tokens_per_iter * self.window_batches / elapsed
+        consumed = self.schedule.consumed_before(iteration) if self.schedule is not None else iteration * self.gbs
         self.record = {"iteration": iteration, "lm_loss": self.loss_sum / max(self.loss_n, 1), "lr": lr,
                        "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                       "consumed_samples": iteration * self.gbs, "skipped_iterations": self.skipped}
+                       "consumed_samples": consumed, "skipped_iterations": self.skipped}
         extra = ""
         if loss_scale is not None:
             self.record["loss_scale"] = loss_scale
             extra += f" | loss scale {loss_scale:.1f} | skipped {self.skipped}"
         if lc.log_throughput:
-            tflops = self.flops_per_iter / sec_per_iter / self.world / 1e12
+            tflops = self.flops_per_iter * self.window_batches / elapsed / self.world / 1e12
             self.record["tflops_per_gpu"] = tflops
-            extra += f" | TFLOP/s per GPU {tflops:.4f}"
+            extra += f" | TFLOP/s per {'rank' if self.per_rank else 'GPU'} {tflops:.4f}"
             if self.peak_tflops is not None:
                 self.record["mfu"] = tflops / self.peak_tflops
                 extra += f" | MFU {100 * self.record['mfu']:.1f}%"
+        for k, v in (metrics or {}).items():
+            self.record[k] = v
+            extra_text = f"{v:.3f}" if isinstance(v, float) else str(v)
+            extra += f" | {k.replace('_', ' ')} {extra_text}"
         self.record.update(memory_gb())
         self.record.update(self.staleness)
         times = {f"time/{name}": 1000 * sec / self.window_iters for name, sec in sorted(timers.pop().items())}
         self.record.update(times)
         self.pending = self.record
         norm = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
-        self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {iteration * self.gbs} |"
+        self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {consumed} |"
                               f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {norm} |"
                               f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f}{extra}")
         if times:
             self.logger.log(None, " time (ms/iter, this rank) | " + " | ".join(
                 f"{k[len('time/'):]} {v:.1f}" for k, v in times.items()))
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
+        self.window_batches = 0.0
         self.skipped = 0
 
     @contextmanager
@@ -736,7 +889,7 @@ def pipeline_staleness(cfg: Config, world: int) -> dict[str, int]:
         return {}
     if is_async(cfg):
         from megatron_po.pipeline.async_pipeline import _probe_schedule  # long enough for the steady state
-        schedule = _probe_schedule(D, v, p.async_update_interval)
+        schedule = _probe_schedule(D, v, update_interval(cfg))
     else:
         schedule = build_schedule(p.pipeline_method, D, v, num_microbatches(cfg, world))
     s = staleness(schedule)

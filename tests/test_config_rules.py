@@ -23,7 +23,7 @@ from megatron_po.models import te_transformer
 from megatron_po.optim import mixed_precision
 
 VALIDATORS = (config.validate, mixed_precision.validate_precision_flags, config.validate_transformer_engine,
-              config.validate_nmt)
+              config.validate_nmt, config.validate_sample_schedule, config.validate_megatron_switches)
 RULE_CALLS = ("need", "import_te")  # import_te raises its own ConfigError when Transformer Engine is unusable
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
@@ -154,7 +154,7 @@ RULES = [
      ["--pipeline-method spectrain", "--optimizer sgd", "--sgd-momentum > 0", "adamw"]),
     ("spectrain-needs-momentum", 2, PP2_ASYNC + ["--pipeline-method", "spectrain", "--optimizer", "sgd",
                                                  "--sgd-momentum", "0"], ["--pipeline-method spectrain"]),
-    ("2bw-interval>=stages", 2, PP2_ASYNC + ["--pipeline-method", "pipedream-2bw"],
+    ("2bw-interval>=stages", 2, PP2_ASYNC + ["--pipeline-method", "pipedream-2bw", "--async-update-interval", "1"],
      ["--async-update-interval (1) must be >= --pipeline-model-parallel-size (2)"]),
     ("predictor-flags-need-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream",
                                                        "--weight-predictor", "rollout"],
@@ -193,6 +193,62 @@ RULES = [
     ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
     ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
     ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
+    # Megatron's sample-counted schedule (validate_sample_schedule)
+    ("train-samples>=1", 1, MOCK + ["--train-samples", "0"], ["--train-samples must be >= 1 (got 0)"]),
+    ("train-samples-xor-iters", 1, MOCK + ["--train-samples", "10", "--train-iters", "5"],
+     ["--train-samples and --train-iters exclude each other"]),
+    ("train-samples-iter-flags", 1, MOCK + ["--train-samples", "10", "--lr-decay-iters", "5"],
+     ["--lr-decay-iters counts iterations: with --train-samples use its -samples twin"]),
+    ("sample-flags-need-train-samples", 1, MOCK + ["--lr-warmup-samples", "5"],
+     ["--lr-warmup-samples counts samples: it needs --train-samples"]),
+    ("lr-samples>=0", 1, MOCK + ["--train-samples", "10", "--lr-decay-samples", "-1"],
+     ["--lr-decay-samples must be >= 0 (got -1)"]),
+    ("wsd-samples-need-wsd", 1, MOCK + ["--train-samples", "10", "--lr-wsd-decay-samples", "5"],
+     ["--lr-wsd-decay-samples applies to --lr-decay-style wsd, not cosine"]),
+    ("warmup-fraction-range", 1, MOCK + ["--lr-warmup-fraction", "1.5"], ["--lr-warmup-fraction must be in [0, 1]"]),
+    ("warmup-fraction-xor", 1, MOCK + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+     ["--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples exclude each other"]),
+    ("decoupled-min-needs-lr", 1, MOCK + ["--decoupled-min-lr", "1e-5"], ["--decoupled-min-lr needs --decoupled-lr"]),
+    ("decoupled-order", 1, MOCK + ["--decoupled-lr", "1e-5", "--decoupled-min-lr", "1e-4"],
+     ["need 0 <= --decoupled-min-lr (0.0001) <= --decoupled-lr (1e-05)"]),  # checked before the not-yet rule
+    ("rampup-positive", 1, MOCK + ["--rampup-batch-size", "0", "4", "10"], ["START >= 1, INCR >= 1, SAMPLES >= 0"]),
+    ("rampup-reaches-gbs", 1, MOCK + ["--rampup-batch-size", "4", "8", "10", "--global-batch-size", "16"],
+     ["--global-batch-size (16) must be START (4) plus a multiple of INCR (8)"]),
+    ("rampup-whole-microbatches", 1, MOCK + ["--rampup-batch-size", "2", "2", "10", "--global-batch-size", "16"],
+     ["START (2) and INCR (2) must be multiples of --micro-batch-size x data-parallel size (4)"]),
+    ("rampup-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--rampup-batch-size", "4", "4", "10",
+                                         "--global-batch-size", "8"],
+     ["--rampup-batch-size changes the micro-batches per iteration", "pipeoptim"]),
+    ("rampup-not-interleaved", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                          "--num-layers-per-virtual-pipeline-stage", "1", "--rampup-batch-size", "2",
+                                          "2", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
+     ["--rampup-batch-size with an interleaved pipeline", "multiples of 2 x --micro-batch-size x data-parallel size (4)"]),
+    # Megatron switches (validate_megatron_switches)
+    ("reset-needs-local", 1, MOCK + TE + ["--reset-attention-mask"],
+     ["--reset-attention-mask needs --transformer-impl local"]),
+    ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
+     ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
+    ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),
+    ("exit-duration>0", 1, MOCK + ["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins must be > 0"]),
+    ("manual-gc-interval>=0", 1, MOCK + ["--manual-gc", "--manual-gc-interval", "-1"],
+     ["--manual-gc-interval must be >= 0"]),
+    ("manual-gc-interval-needs-gc", 1, MOCK + ["--manual-gc-interval", "5"], ["--manual-gc-interval needs --manual-gc"]),
+    ("tensorboard-interval>=1", 1, MOCK + ["--tensorboard-log-interval", "0"],
+     ["--tensorboard-log-interval must be >= 1"]),
+    ("profile-steps", 1, MOCK + ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+     ["--profile needs 1 <= --profile-step-start (5) < --profile-step-end (5)"]),
+    ("grad-reduce-bf16-needs-bf16", 1, MOCK + ["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16 needs --bf16"]),
+    ("nccl-needs-cuda", 1, MOCK + ["--distributed-backend", "nccl"], ["--distributed-backend nccl needs CUDA"]),
+    ("grad-reduce-bf16-vs-fp32", 1, MOCK + ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     ["--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict"]),
+    ("fp8-param-gather", 1, MOCK + ["--fp8-param-gather"], ["--fp8-param-gather", "not implemented here"]),
+    ("params-norm-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-params-norm"],
+     ["--log-params-norm is logged by the synchronous methods"]),
+    ("tiktoken-pattern", 1, MOCK + ["--tiktoken-pattern", "v2"], ["--tiktoken-pattern v2", "TikTokenizer"]),
+    ("per-token-loss-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--calculate-per-token-loss"],
+     ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
+    ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
+    ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
     # Transformer Engine (the FP8 rules come before the import, so they hold without TE)
     ("fp8-needs-te", 1, MOCK + ["--fp8-format", "hybrid"],
      ["--fp8-format hybrid needs --transformer-impl transformer_engine"]),
@@ -210,6 +266,7 @@ RULES = [
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
+    ("eod-mask-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
     ("gpt-attention-options", 1, NMT + ["--group-query-attention"],
      ["--group-query-attention applies to pretrain_gpt.py"]),

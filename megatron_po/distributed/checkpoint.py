@@ -370,9 +370,11 @@ def _policy_state(names, policy) -> dict:
 
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, policy=None,
-                    keep_last: int | None = None) -> str:
+                    keep_last: int | None = None, save_optim: bool = True, save_rng: bool = True) -> str:
     """Write a checkpoint of this iteration; collective over all ranks. `policy`: the async weight
-    policy of this rank (saved at a drain); `keep_last`: afterwards delete all but the newest N."""
+    policy of this rank (saved at a drain); `keep_last`: afterwards delete all but the newest N;
+    `save_optim`/`save_rng` False (--no-save-optim/--no-save-rng): leave the optimizer (and loss-scaler)
+    state or the random generators' states out."""
     final = checkpoint_dir(root, iteration)
     partial = final + ".partial"
     if dist.get_rank() == 0:
@@ -385,7 +387,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
         if hasattr(opt, "finish_param_sync"):
             opt.finish_param_sync()
     names = named_parameters_global(chunks)
-    stepped = _stepped(optimizer)
+    stepped = _stepped(optimizer) if save_optim else {}
     state, state_keys = _model_and_optimizer_state(names, stepped, bool(stepped))
     for name, p in names:  # per parameter: identical on TP/DP replicas, so DCP keeps one
         if name in state_keys:
@@ -394,14 +396,15 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
                                                                    "lr": stepped[id(p)].group["lr"]})
     if stepped:  # the inner optimizer's class: its state does not depend on the precision wrapper
         state["optimizer_type"] = pickle.dumps(type(next(iter(stepped.values())).inner).__name__)
-    for key, scaler in _grad_scalers(optimizer).items():  # fp16 loss scales
+    for key, scaler in (_grad_scalers(optimizer) if save_optim else {}).items():  # fp16 loss scales
         state[key] = pickle.dumps(scaler.state_dict())
     if policy is not None:
         state.update(_policy_state(names, policy))
         state["policy_steps"] = pickle.dumps(policy.state_dict()["steps"])
     state["extra"] = pickle.dumps(extra)
     state["layout"] = pickle.dumps(_layout())
-    state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
+    if save_rng:
+        state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
     _dcp_save(state, partial)
     _test_pause(iteration)
     dist.barrier()

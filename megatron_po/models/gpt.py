@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
+from megatron_po.data.document_masks import document_causal_mask
 from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
                                              layers_context, rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -46,11 +47,13 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings or cfg.seq_length, cfg.hidden_size)
             init_normal(cfg.init_method_std)(self.position_embeddings.weight)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
-            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = x + self.position_embeddings(pos)[None]
+            if position_ids is None:
+                x = x + self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+            else:  # --reset-position-ids: [b, s]
+                x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x)
@@ -108,21 +111,31 @@ class GPTModel(nn.Module):
                     self.output_layer.weight.shared_embedding = True
                     self.output_layer.weight.embedding_copy = True  # not counted twice in norms/checkpoints
 
-    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | dict | None = None, hidden_states: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes `input_ids` [b, s]; later stages take `hidden_states` [s, b, h].
+        With `reads_batch` set (--reset-position-ids / --reset-attention-mask) every stage is handed the
+        micro-batch dict instead, whose `position_ids` / `document_ids` [b, s] shape positions and mask.
 
         Returns hidden states [s, b, h] (not the last stage), per-token losses [b, s] (last stage with
         labels) or vocab-parallel logits [s, b, V/tp] (last stage without labels).
         """
-        x = self.embedding(input_ids) if self.pre_process else hidden_states
+        position_ids = attn_mask = None
+        if isinstance(input_ids, dict):
+            batch = input_ids
+            input_ids = batch["tokens"] if self.pre_process else None
+            labels = batch.get("labels") if self.post_process else None
+            position_ids = batch.get("position_ids")
+            if "document_ids" in batch:
+                attn_mask = document_causal_mask(batch["document_ids"])
+        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
-            rotary = self.rotary(seq, x.device)
+            rotary = self.rotary(seq, x.device, position_ids)
         with self.layers_context():
             for layer in self.layers:
-                x = layer(x, rotary)
+                x = layer(x, rotary) if attn_mask is None else layer(x, rotary, attn_mask)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -78,7 +78,12 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, device, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [s, 1, 1, head_dim]; with `position_ids` [b, s] (--reset-position-ids) [s, b, 1, head_dim]."""
+        if position_ids is not None:
+            freqs = position_ids.t().to(torch.float32)[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
         t = torch.arange(seq_len, device=device, dtype=torch.float32)
         if self.interpolation_factor is not None:
             t = t / self.interpolation_factor
@@ -228,9 +233,10 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
         self.mlp = MLP(cfg, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, attn_mask=None) -> torch.Tensor:
+        """`attn_mask` [b, 1, s, s] bool (--reset-attention-mask's document-level causal mask; None: causal)."""
         drop = lambda t: dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.attention(self.input_norm(x), rotary))
+        x = x + drop(self.attention(self.input_norm(x), rotary, attn_mask))
         x = x + drop(self.mlp(self.post_attention_norm(x)))
         return x
 

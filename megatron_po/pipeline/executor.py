@@ -232,7 +232,10 @@ class StageRunner:
                 out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
                             labels=batch["labels"] if chunk.post_process else None)
             if chunk.post_process:
-                loss = masked_mean_loss(out, batch["loss_mask"])
+                if "loss_normalizer" in batch:  # --calculate-per-token-loss: sum / the global batch's tokens
+                    loss = (out * batch["loss_mask"]).sum() / batch["loss_normalizer"]
+                else:
+                    loss = masked_mean_loss(out, batch["loss_mask"])
                 self.losses[mb] = loss.detach()
                 outputs = [loss * self.loss_scale]
         if chunk.post_process and self.on_loss is not None:

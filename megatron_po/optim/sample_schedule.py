@@ -1,0 +1,149 @@
+"""Megatron's sample-counted training schedule: the global batch of every iteration (--rampup-batch-size),
+how many iterations make the run (--train-iters or --train-samples), and the learning rate of every step
+(warm-up and decay spans in samples: --lr-*-iters x global batch, --lr-*-samples, --lr-warmup-fraction).
+
+Megatron's ramp rule: with `--rampup-batch-size START INCR SAMPLES` and global batch G, the batch of the
+iteration that starts after `c` consumed samples is G once c > SAMPLES, else
+`START + floor(c / (SAMPLES / ((G - START) / INCR))) * INCR`. With --train-samples N the run has as many
+ramp iterations as start at c <= min(SAMPLES, N), then (N - c) // G more (a partial last batch is dropped).
+
+The lr counts samples like Megatron's scheduler. Our one convention, kept from `lr_scheduler.lr_at` (to which
+this reduces exactly for a constant batch and iteration flags): during warm-up a step already uses the lr
+of the samples it completes, lr x (c + b) / W, so the first step does not run at lr 0; decay reads c.
+Being a pure function of the iteration, it also tells a predictor the future lrs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_po.config import Config, global_batch_size, rampup_batch_size
+
+
+class SampleSchedule:
+    """Batch sizes, consumed samples and lrs of every iteration of a run (`world`: its world size)."""
+
+    def __init__(self, cfg: Config, world: int):
+        t = cfg.training
+        self.t = t
+        self.gbs = global_batch_size(cfg, world)
+        dp = world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+        self.mbs_times_dp = t.micro_batch_size * dp
+        self.ramp = rampup_batch_size(cfg)
+        self._ramp_consumed = self._ramp_prefix()  # consumed samples before each ramp iteration, and after
+        self.train_iters = self._train_iters()
+        self._spans()
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def batch_at_consumed(self, consumed: int) -> int:
+        """Megatron's RampupBatchsizeNumMicroBatchesCalculator.update: the global batch after `consumed`."""
+        if self.ramp is None:
+            return self.gbs
+        start, incr, samples = self.ramp
+        increments = (self.gbs - start) // incr
+        if consumed > samples or increments == 0:
+            return self.gbs
+        per_increment = samples / increments
+        return start + int(consumed / per_increment) * incr
+
+    def _ramp_prefix(self) -> list[int]:
+        out = [0]
+        if self.ramp is None:
+            return out
+        while out[-1] <= self.ramp[2] and self.batch_at_consumed(out[-1]) < self.gbs:
+            out.append(out[-1] + self.batch_at_consumed(out[-1]))
+        return out
+
+    def consumed_before(self, iteration: int) -> int:
+        """Samples consumed by iterations 0..iteration-1."""
+        ramp = self._ramp_consumed
+        if iteration < len(ramp):
+            return ramp[iteration]
+        return ramp[-1] + (iteration - (len(ramp) - 1)) * self.gbs
+
+    def batch(self, iteration: int) -> int:
+        """Global batch (samples) of iteration `iteration` (0-based)."""
+        return self.batch_at_consumed(self.consumed_before(iteration))
+
+    def num_microbatches(self, iteration: int) -> int:
+        return self.batch(iteration) // self.mbs_times_dp
+
+    def _train_iters(self) -> int:
+        t = self.t
+        if t.train_samples is None:
+            return t.train_iters
+        if self.ramp is None:
+            return t.train_samples // self.gbs
+        # Megatron's update_train_iters: ramp iterations while consumed <= min(ramp samples, train samples).
+        iterations = consumed = 0
+        while consumed <= self.ramp[2] and consumed <= t.train_samples:
+            consumed += self.batch_at_consumed(consumed)
+            iterations += 1
+        if t.train_samples > consumed:
+            iterations += (t.train_samples - consumed) // self.gbs
+        return iterations
+
+    @property
+    def total_samples(self) -> int:
+        return self.consumed_before(self.train_iters)
+
+    # --- learning rate -------------------------------------------------------------------------------
+
+    def _spans(self) -> None:
+        """Warm-up, decay and WSD-decay spans in samples; `unit` is the sample count of one schedule step
+        (the global batch when the flags count iterations), used where lr_at rounds to whole steps."""
+        t, g = self.t, self.gbs
+        if t.train_samples is None:
+            self.unit = g
+            self.decay = (t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters) * g
+            warmup = t.lr_warmup_iters * g
+            wsd = t.lr_wsd_decay_iters * g if t.lr_wsd_decay_iters is not None else None
+        else:
+            self.unit = 1
+            self.decay = t.lr_decay_samples if t.lr_decay_samples is not None else t.train_samples
+            warmup = t.lr_warmup_samples
+            wsd = t.lr_wsd_decay_samples
+        self.warmup = t.lr_warmup_fraction * self.decay if t.lr_warmup_fraction is not None else warmup
+        if wsd is None:  # 10% of the decay span, whole steps
+            wsd = self.unit * max(1, int(self.decay - self.warmup) // (10 * self.unit))
+        self.wsd = wsd
+
+    def lr_at(self, iteration: int, peak: float | None = None, low: float | None = None) -> float:
+        """lr of the step that completes iteration `iteration` (0-based); `peak`/`low` replace --lr and
+        --min-lr (--decoupled-lr and --decoupled-min-lr follow the same shape)."""
+        return sample_lr(self.consumed_before(iteration), self.batch(iteration), self.t.lr_decay_style,
+                         self.t.lr if peak is None else peak, self.t.min_lr if low is None else low,
+                         self.warmup, self.decay, self.wsd, self.unit)
+
+    def decoupled_lr_at(self, iteration: int) -> float | None:
+        """--decoupled-lr's schedule for the input embedding and output layer (None without it)."""
+        t = self.t
+        if t.decoupled_lr is None:
+            return None
+        return self.lr_at(iteration, t.decoupled_lr, t.decoupled_min_lr if t.decoupled_min_lr is not None else 0.0)
+
+
+def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, warmup: float, decay: float,
+              wsd: float, unit: int = 1) -> float:
+    """The lr of a step of `batch` samples that starts after `consumed` samples (see the module notes)."""
+    if warmup > 0 and consumed < warmup:
+        return lr * min(1.0, (consumed + batch) / warmup)
+    if style == "constant":
+        return lr
+    if consumed >= decay:
+        return min_lr
+    if style == "wsd":
+        stable_end = decay - wsd
+        if consumed < stable_end:
+            return lr
+        return lr - (lr - min_lr) * (consumed - stable_end) / wsd
+    frac = (consumed - warmup) / max(unit, decay - warmup)
+    if style == "linear":
+        coeff = 1.0 - frac
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
+    else:
+        raise ValueError(f"unknown --lr-decay-style {style}")
+    return min_lr + coeff * (lr - min_lr)
+

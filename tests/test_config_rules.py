@@ -111,6 +111,10 @@ RULES = [
      ["--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"]),
     ("null-tokenizer-needs-vocab", 1, ["--data-path", "A", "--tokenizer-type", "NullTokenizer"],
      ["--tokenizer-type NullTokenizer needs --vocab-size"]),
+    ("gpt2-bpe-needs-files", 1, ["--data-path", "A", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"],
+     ["--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)"]),
+    ("mock-data-xor-data-path", 1, MOCK + ["--data-path", "A"],
+     ["--mock-data and --data-path A exclude each other"]),
     # precision
     ("fp16-xor-bf16", 1, MOCK + ["--fp16", "--bf16"], ["--fp16 and --bf16 are mutually exclusive"]),
     ("loss-scale-needs-fp16", 1, MOCK + ["--loss-scale", "8"], ["--loss-scale 8.0 applies only to --fp16"]),

@@ -202,3 +202,18 @@ def test_preprocess_flag_errors(byte_bpe, tmp_path, capsys):
     assert preprocess_data.main([*base, "--tokenizer-type", "NullTokenizer", "--vocab-size", "5",
                                  "--partitions", "0"]) == 2
     assert "--partitions must be >= 1 (got 0)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fixture", ["bpe_corpus", "hf_corpus"])
+def test_pretrain_on_gpt2_bpe_and_hf_data_loss_falls(fixture, request, tmp_path):
+    """pretrain_gpt.py's flags take the tokenizer (--vocab-file/--merge-file, or a HF directory) and train on
+    the data it wrote: vocabulary 1000, padded to 1024."""
+    from dist_harness import run_distributed
+    from test_pretrain_gpt import base_args, read_metrics, run_pretrain
+    data = request.getfixturevalue(fixture)
+    argv = base_args({"prefix": data["prefix"], "model": None}, tmp_path,
+                     **{"--train-iters": 12, "--log-interval": 1, "--eval-interval": 12, "--lr": 3e-3})
+    argv += data["args"]
+    assert run_distributed(run_pretrain, 1, args=(argv,), timeout=300) == [0]
+    losses = [r["lm_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "lm_loss" in r]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses

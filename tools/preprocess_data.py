@@ -164,6 +164,8 @@ def build_parser():
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (over all partitions)")
     p.add_argument("--partitions", type=int, default=1,
                    help="tokenize this many contiguous slices of the input in parallel, then concatenate them")
+    p.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted for Megatron's scripts: the input order is always kept, partitions or not")
     p.add_argument("--log-interval", type=int, default=1000, help="print throughput every N documents")
     return p
 

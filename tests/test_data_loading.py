@@ -120,3 +120,39 @@ def test_pretrain_with_workers_and_without_mmap_matches(corpus, tmp_path):
     assert losses(cyclic) != losses(plain)
     torch.testing.assert_close(losses(cyclic_dp2), losses(cyclic), rtol=0, atol=2e-3)
     assert losses(cyclic)[-1] < losses(cyclic)[0]
+
+
+def run_counting_restarts(argv):
+    """run_main, returning (exit code, worker-pool starts of each MicroBatchLoader built)."""
+    from megatron_po.data import data_loader
+    loaders = []
+    original = data_loader.MicroBatchLoader.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        loaders.append(self)
+
+    data_loader.MicroBatchLoader.__init__ = init
+    try:
+        return run_pretrain(argv), [loader.restarts for loader in loaders]
+    finally:
+        data_loader.MicroBatchLoader.__init__ = original
+
+
+def test_async_pipeline_with_workers_matches_and_streams(corpus, tmp_path):
+    """PipeOptim over PP=2 reads micro-batches one at a time as its stages stream them: with a worker the
+    losses are the same bit for bit, and the workers start once per segment (training) and evaluation."""
+    flags = {"--pipeline-model-parallel-size": 2, "--untie-embeddings-and-output-weights": True,
+             "--pipeline-method": "pipeoptim", "--train-iters": 8, "--log-interval": 1, "--eval-interval": 4,
+             "--lr-decay-iters": 8}
+    runs = {}
+    for workers in (0, 1):
+        out = tmp_path / f"w{workers}"
+        out.mkdir()
+        argv = base_args(corpus, out, **flags, **{"--num-workers": workers})
+        results = run_distributed(run_counting_restarts, 2, args=(argv,), timeout=300)
+        assert [code for code, _ in results] == [0, 0]
+        runs[workers] = (losses(read_metrics(out / "metrics.jsonl")), [r for _, r in results])
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 8
+    for train_restarts, valid_restarts in runs[1][1]:  # the train and valid loaders of each rank (no test split)
+        assert train_restarts <= 2 and valid_restarts <= 2 * 2  # 2 segments; 2 evaluations restart at 0

@@ -68,6 +68,7 @@ class MicroBatchLoader:
         self.stride = micro_batch_size * dp_size
         self.num_workers, self.dataloader_type, self.seed = num_workers, dataloader_type, seed
         self._iterator, self._next_start = None, None
+        self.restarts = 0  # worker pools started (one per jump in the stream; tests check it stays small)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -82,6 +83,7 @@ class MicroBatchLoader:
         if self.num_workers == 0:
             return default_collate([self.dataset[i] for i in self.indices(start)])
         if self._iterator is None or start != self._next_start:
+            self.restarts += 1
             self._iterator = iter(DataLoader(self.dataset, batch_sampler=_MicroBatchIndices(self, start),
                                              num_workers=self.num_workers, persistent_workers=False))
         self._next_start = start + self.stride

@@ -288,6 +288,10 @@ def parse_args(argv=None, description: str = "megatron_po") -> Config:
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
     values = vars(ns)
+    # Megatron's GPT-3 example passes --vocab-file and --merge-file without --tokenizer-type: GPT-2 BPE.
+    if values["tokenizer_type"] == "SentencePieceTokenizer" and values["tokenizer_model"] is None \
+            and values["vocab_file"] is not None and values["merge_file"] is not None:
+        values = dict(values, tokenizer_type="GPT2BPETokenizer")
     sections = {}
     for section, section_cls in _sections():
         sections[section] = section_cls(**{f.name: values[f.name] for f in dataclasses.fields(section_cls)})

@@ -166,6 +166,17 @@ def test_partition_error_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [src]
 
 
+def test_vocab_and_merge_files_alone_mean_gpt2_bpe():
+    """Megatron's GPT-3 example script gives --vocab-file and --merge-file without --tokenizer-type."""
+    from megatron_po.config import parse_args
+    cfg = parse_args(["--mock-data", "--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    assert parse_args(["--vocab-file", "v.json"]).data.tokenizer_type == "SentencePieceTokenizer"
+    explicit = parse_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "d", "--vocab-file", "v",
+                           "--merge-file", "m"])
+    assert explicit.data.tokenizer_type == "HuggingFaceTokenizer"
+
+
 def test_bad_tokenizer_flags_are_one_line_errors(byte_bpe, tmp_path):
     with pytest.raises(UserError, match="GPT2BPETokenizer needs --vocab-file .* and --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file="v.json")

@@ -156,3 +156,12 @@ def test_async_pipeline_with_workers_matches_and_streams(corpus, tmp_path):
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 8
     for train_restarts, valid_restarts in runs[1][1]:  # the train and valid loaders of each rank (no test split)
         assert train_restarts <= 2 and valid_restarts <= 2 * 2  # 2 segments; 2 evaluations restart at 0
+
+
+def test_split_in_quotes_as_megatrons_llama3_script_passes_it():
+    from megatron_po.data.gpt_dataset import parse_split
+    assert parse_split("'99,1,0'") == parse_split('"99,1,0"') == parse_split("99,1,0") == [0.99, 0.01, 0.0]
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+                      "--split", "'99,1,0'", "--no-mmap-bin-files", "--num-workers", "1"])
+    validate(cfg, 1)
+    assert cfg.data.mmap_bin_files is False and cfg.data.num_workers == 1

@@ -34,8 +34,9 @@ BLEND_MARGIN = 1.005
 
 
 def parse_split(split: str) -> list[float]:
-    """"969,30,1" (or "969/30/1") -> [0.969, 0.03, 0.001]: train/valid/test fractions, missing ones 0."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    """"969,30,1" (or "969/30/1") -> [0.969, 0.03, 0.001]: train/valid/test fractions, missing ones 0.
+    Quotes around it are dropped: Megatron's Llama-3 example script passes `--split '99,1,0'` quotes and all."""
+    parts = [p for p in split.strip().strip("'\"").replace("/", ",").split(",") if p.strip()]
     try:
         values = [float(p) for p in parts]
     except ValueError:

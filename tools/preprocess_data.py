@@ -149,7 +149,8 @@ def build_parser():
     p.add_argument("--input", nargs="+", required=True, help="input file(s): jsonl, json, txt, parquet (+ .gz etc.)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys (columns) to tokenize, one dataset each")
-    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                   help="Megatron's tokenizer names (docs/data.md)")
     p.add_argument("--tokenizer-model", default=None,
                    help="sentencepiece .model, or a Hugging Face tokenizer directory / tokenizer.json")
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")

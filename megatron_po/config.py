@@ -599,6 +599,9 @@ def validate_nmt(cfg: Config) -> None:
                                 f"--output-prefix), got {len(d.data_path)} values")
     need(d.split == DataConfig().split, f"--split ({d.split}) does not apply to pretrain_nmt.py: "
                                         f"tools/preprocess_nmt.py splits the corpus by documents")
+    need(d.num_workers == 0 and d.dataloader_type == "single",
+         f"--num-workers ({d.num_workers}) and --dataloader-type ({d.dataloader_type}) apply to pretrain_gpt.py: "
+         f"pretrain_nmt.py batches sentence pairs by tokens in the training process")
     need(d.tokenizer_type == "SentencePieceTokenizer",
          "pretrain_nmt.py needs --tokenizer-type SentencePieceTokenizer (it uses its <s>, </s> and <pad> ids)")
     need(n.src_lang != n.tgt_lang, f"--src-lang and --tgt-lang are both {n.src_lang!r}")

@@ -198,6 +198,8 @@ RULES = [
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
+    ("no-data-loader-workers", 1, NMT + ["--num-workers", "2"],
+     ["--num-workers (2) and --dataloader-type (single) apply to pretrain_gpt.py"]),
     ("layers>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "2"],
      ["--encoder-num-layers (0) and --decoder-num-layers (2) must be >= 1"]),
     ("layer-sum>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "0"],

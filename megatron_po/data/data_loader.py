@@ -26,23 +26,17 @@ from torch.utils.data._utils.collate import default_collate
 DATALOADER_TYPES = ("single", "cyclic")
 
 
-def sample_index(position: int, length: int, dataloader_type: str, seed: int) -> int:
-    """Which dataset sample stream position `position` reads."""
+def sample_index(position: int, length: int, dataloader_type: str, seed: int, orders: dict | None = None) -> int:
+    """Which dataset sample stream position `position` reads. `orders` caches cyclic passes' orders."""
     epoch, offset = divmod(position, length)
     if dataloader_type == "single":
         return offset
-    return int(epoch_permutation(length, seed, epoch)[offset])
-
-
-_permutations: dict = {}
-
-
-def epoch_permutation(length: int, seed: int, epoch: int) -> np.ndarray:
-    key = (length, seed, epoch)
-    if key not in _permutations:
-        _permutations.clear()  # one pass at a time is in use
-        _permutations[key] = np.random.default_rng([seed, epoch]).permutation(length)
-    return _permutations[key]
+    orders = {} if orders is None else orders
+    if epoch not in orders:
+        if len(orders) >= 2:  # a micro-batch spans at most two passes
+            orders.pop(next(iter(orders)))
+        orders[epoch] = np.random.default_rng([seed, epoch]).permutation(length)
+    return int(orders[epoch][offset])
 
 
 class _MicroBatchIndices:
@@ -68,6 +62,7 @@ class MicroBatchLoader:
         self.stride = micro_batch_size * dp_size
         self.num_workers, self.dataloader_type, self.seed = num_workers, dataloader_type, seed
         self._iterator, self._next_start = None, None
+        self._orders: dict = {}  # cyclic: pass -> sample order
         self.restarts = 0  # worker pools started (one per jump in the stream; tests check it stays small)
 
     def __len__(self) -> int:
@@ -75,7 +70,7 @@ class MicroBatchLoader:
 
     def indices(self, start: int) -> list[int]:
         first = start + self.dp_rank * self.micro_batch_size
-        return [sample_index(p, len(self.dataset), self.dataloader_type, self.seed)
+        return [sample_index(p, len(self.dataset), self.dataloader_type, self.seed, self._orders)
                 for p in range(first, first + self.micro_batch_size)]
 
     def microbatch(self, start: int) -> dict[str, torch.Tensor]:

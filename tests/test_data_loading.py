@@ -98,7 +98,7 @@ def test_mock_data_with_data_path_is_one_error():
 def _run(corpus, tmp_path, name, world, **flags):
     out = tmp_path / name
     out.mkdir()
-    argv = base_args(corpus, out, **{"--train-iters": 10, "--log-interval": 1, "--eval-interval": 5,
+    argv = base_args(corpus, out, **{"--train-iters": 6, "--log-interval": 1, "--eval-interval": 3,
                                      "--lr-warmup-iters": 1, **flags})
     assert run_distributed(run_pretrain, world, args=(argv,), timeout=300) == [0] * world
     return read_metrics(out / "metrics.jsonl")
@@ -113,7 +113,7 @@ def test_pretrain_with_workers_and_without_mmap_matches(corpus, tmp_path):
     order over DP=2 equals it over one process (fp32, tolerance 2e-3 for the reduction order)."""
     plain = _run(corpus, tmp_path, "plain", 1)
     workers = _run(corpus, tmp_path, "workers", 1, **{"--num-workers": 2, "--no-mmap-bin-files": True})
-    assert losses(plain) == losses(workers) and len(losses(plain)) == 10
+    assert losses(plain) == losses(workers) and len(losses(plain)) == 6
     assert losses(plain, "val_loss") == losses(workers, "val_loss")
     cyclic = _run(corpus, tmp_path, "cyclic", 1, **{"--dataloader-type": "cyclic"})
     cyclic_dp2 = _run(corpus, tmp_path, "cyclic_dp2", 2, **{"--dataloader-type": "cyclic", "--num-workers": 1})

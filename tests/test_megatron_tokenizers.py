@@ -197,6 +197,10 @@ def test_bad_tokenizer_flags_are_one_line_errors(byte_bpe, tmp_path):
     with pytest.raises(DataError, match="is not a loadable Hugging Face tokenizer") as info:
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "empty"))
     assert "\n" not in str(info.value)
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text("garbage")
+    with pytest.raises(DataError, match="'.*tokenizer.json' is not a loadable Hugging Face tokenizer: expected value"):
+        build_tokenizer("HuggingFaceTokenizer", str(garbage))
 
 
 def test_preprocess_flag_errors(byte_bpe, tmp_path, capsys):

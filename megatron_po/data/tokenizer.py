@@ -32,7 +32,8 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 GPT2_EOD = "<|endoftext|>"
 
 
-def _first_line(e: Exception) -> str:
+def _reason(e: Exception) -> str:
+    """The last line of an exception's message: what a library's error says went wrong."""
     return (str(e).strip().splitlines() or [type(e).__name__])[-1]
 
 
@@ -55,7 +56,7 @@ class SentencePieceTokenizer:
             self.sp.load(model_path)
         except (OSError, RuntimeError) as e:
             raise DataError(f"tokenizer model {model_path!r} is not a readable sentencepiece model: "
-                            f"{_first_line(e)}") from e
+                            f"{_reason(e)}") from e
         self.vocab_size = self.sp.get_piece_size()
         self.pad = self.sp.pad_id()
         self.bos = self.sp.bos_id()
@@ -70,7 +71,7 @@ class SentencePieceTokenizer:
 
 
 class GPTSentencePieceTokenizer(SentencePieceTokenizer):
-    pass
+    """Megatron's name for what SentencePieceTokenizer does here."""
 
 
 class Llama2Tokenizer(SentencePieceTokenizer):
@@ -111,7 +112,7 @@ class GPT2BPETokenizer:
             with open(vocab_file, encoding="utf-8") as f:
                 self.encoder = json.load(f)
         except (ValueError, UnicodeDecodeError) as e:
-            raise DataError(f"--vocab-file {vocab_file!r} is not a JSON vocabulary: {_first_line(e)}") from e
+            raise DataError(f"--vocab-file {vocab_file!r} is not a JSON vocabulary: {_reason(e)}") from e
         if not isinstance(self.encoder, dict):
             raise DataError(f"--vocab-file {vocab_file!r} is not a JSON object of token -> id")
         self.decoder = {i: token for token, i in self.encoder.items()}
@@ -180,17 +181,17 @@ class HuggingFaceTokenizer:
     def __init__(self, path: str):
         import transformers
 
+        if not (os.path.isdir(path) or os.path.isfile(path)):
+            raise DataError(f"--tokenizer-model {path!r} is neither a directory nor a tokenizer.json file "
+                            f"(HuggingFaceTokenizer loads local files only)")
         try:
             if os.path.isdir(path):
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-            elif os.path.isfile(path):
-                self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
             else:
-                raise DataError(f"--tokenizer-model {path!r} is neither a directory nor a tokenizer.json file "
-                                f"(HuggingFaceTokenizer loads local files only)")
-        except (OSError, ValueError, TypeError, KeyError) as e:
+                self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        except Exception as e:  # tokenizers raises bare Exceptions; whatever it is, the cause is the user's file
             raise DataError(f"--tokenizer-model {path!r} is not a loadable Hugging Face tokenizer: "
-                            f"{_first_line(e)}") from e
+                            f"{_reason(e)}") from e
         self.vocab_size = len(self.tokenizer)
 
         def special(token_id):

@@ -1,6 +1,6 @@
 """GPT2BPETokenizer (ours, plain Python) against transformers' GPT2Tokenizer (Rust) on the same files.
 
-    python bench/tokenizer_speed.py [--chapters 1000] [--vocab-size 8000] [--reps 3] [--out bench/results/tokenizer_speed.md]
+    python bench/tokenizer_speed.py [--chapters 1000] [--vocab-size 8000] [--reps 3] [--out FILE.md]
 
 Trains a byte-level BPE on the bundled corpus's first chapters (tools/train_tokenizer.py --model-type
 byte-bpe), then tokenizes the same chapters with both, one call per document, alternating `--reps` times

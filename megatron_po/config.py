@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import get_args, get_origin, get_type_hints
 
+from megatron_po.data.tokenizer import TOKENIZER_TYPES, tokenizer_flag_error
 from megatron_po.errors import ConfigError, UserError
 
 
@@ -140,11 +141,19 @@ class DataConfig:
     split: str = _f("969,30,1", "train,valid,test proportions of documents")
     mock_data: bool = _f(False, "synthetic random tokens instead of a corpus")
     data_cache_path: str | None = _f(None, "where to cache the dataset index files (default: next to the data)")
-    tokenizer_type: str = _f("SentencePieceTokenizer", "tokenizer",
-                             choices=["SentencePieceTokenizer", "NullTokenizer"])
-    tokenizer_model: str | None = _f(None, "sentencepiece .model file")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "tokenizer (Megatron's names; docs/data.md)",
+                             choices=TOKENIZER_TYPES)
+    tokenizer_model: str | None = _f(None, "sentencepiece .model file, or a Hugging Face tokenizer directory or "
+                                           "tokenizer.json (HuggingFaceTokenizer)")
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt")
     vocab_size: int | None = _f(None, "vocabulary size (NullTokenizer)")
-    num_workers: int = _f(0, "data loader worker processes")
+    num_workers: int = _f(0, "data loader worker processes preparing the next micro-batches in the background "
+                             "(0: in the training process); the order is the same for every value")
+    dataloader_type: str = _f("single", "sample order: single = the dataset's order once through, cyclic = "
+                                        "reshuffled every pass (seeded by --seed and the pass)",
+                              choices=["single", "cyclic"])
+    mmap_bin_files: bool = _f(True, "memory-map the .bin files (--no-mmap-bin-files: read them with file reads)")
     eod_mask_loss: bool = _f(False, "no loss on the position after an end-of-document token (Megatron: loss mask 0 "
                                     "where the input token is EOD)")
     reset_position_ids: bool = _f(False, "position ids (learned or RoPE) restart at 0 after every "
@@ -373,6 +382,10 @@ def parse_args(argv=None, description: str = "megatron_po") -> Config:
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
     values = vars(ns)
+    # Megatron's GPT-3 example passes --vocab-file and --merge-file without --tokenizer-type: GPT-2 BPE.
+    if values["tokenizer_type"] == "SentencePieceTokenizer" and values["tokenizer_model"] is None \
+            and values["vocab_file"] is not None and values["merge_file"] is not None:
+        values = dict(values, tokenizer_type="GPT2BPETokenizer")
     sections = {}
     for section, section_cls in _sections():
         sections[section] = section_cls(**{f.name: values[f.name] for f in dataclasses.fields(section_cls)})
@@ -568,7 +581,9 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
     need(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
     validate_sample_schedule(cfg, gbs, t.micro_batch_size * dp)
     if d.mock_data:
-        need(d.vocab_size is not None or d.tokenizer_model is not None,
+        need(not d.data_path, f"--mock-data and --data-path {' '.join(d.data_path)} exclude each other: drop "
+                              f"--mock-data to train on the data, or --data-path for synthetic tokens")
+        need(d.vocab_size is not None or d.tokenizer_model is not None or d.vocab_file is not None,
              "--mock-data needs --vocab-size (with --tokenizer-type NullTokenizer) or --tokenizer-model")
     else:
         need(len(d.data_path) > 0, "--data-path is required (or --mock-data for synthetic data)")
@@ -585,10 +600,9 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
             parse_split(d.split)
         except UserError as e:  # the data module's DataError: here a flag
             raise ConfigError(str(e)) from None
-    if d.tokenizer_type == "SentencePieceTokenizer" and not (d.mock_data and d.vocab_size):
-        need(d.tokenizer_model is not None, "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-    if d.tokenizer_type == "NullTokenizer":
-        need(d.vocab_size is not None and d.vocab_size > 0, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if not (d.tokenizer_type == "SentencePieceTokenizer" and d.mock_data and d.vocab_size):
+        error = tokenizer_flag_error(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+        need(error is None, error)
     pr = cfg.precision
     from megatron_po.optim.mixed_precision import validate_precision_flags
     validate_precision_flags(pr.bf16, pr.fp16, pr.accumulate_allreduce_grads_in_fp32, pr.loss_scale,
@@ -863,6 +877,9 @@ def validate_nmt(cfg: Config) -> None:
                                 f"--output-prefix), got {len(d.data_path)} values")
     need(d.split == DataConfig().split, f"--split ({d.split}) does not apply to pretrain_nmt.py: "
                                         f"tools/preprocess_nmt.py splits the corpus by documents")
+    need(d.num_workers == 0 and d.dataloader_type == "single",
+         f"--num-workers ({d.num_workers}) and --dataloader-type ({d.dataloader_type}) apply to pretrain_gpt.py: "
+         f"pretrain_nmt.py batches sentence pairs by tokens in the training process")
     need(d.tokenizer_type == "SentencePieceTokenizer",
          "pretrain_nmt.py needs --tokenizer-type SentencePieceTokenizer (it uses its <s>, </s> and <pad> ids)")
     need(n.src_lang != n.tgt_lang, f"--src-lang and --tgt-lang are both {n.src_lang!r}")

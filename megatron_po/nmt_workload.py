@@ -56,7 +56,8 @@ class NMTWorkload:
                                   for t in (self.src_tokenizer, self.tgt_tokenizer))
         # Open (and check) the corpus now: a missing or mismatched file fails before the model is built.
         self.corpora = {split: ParallelCorpus(d.data_path[0], split, n.src_lang, n.tgt_lang,
-                                              self.src_tokenizer.vocab_size, self.tgt_tokenizer.vocab_size)
+                                              self.src_tokenizer.vocab_size, self.tgt_tokenizer.vocab_size,
+                                              mmap=d.mmap_bin_files)
                         for split in ("train", "valid", "test")}
 
     def model_chunks(self) -> list:

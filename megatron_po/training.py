@@ -157,20 +157,23 @@ def build_data(cfg: Config, tokenizer_vocab_size: int):
     num_samples = (SampleSchedule(cfg, world).total_samples, t.eval_iters * gbs, t.eval_iters * gbs)
     train, valid, test = build_gpt_datasets(
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, num_samples,
-        cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data, vocab_size=tokenizer_vocab_size)
-    return train, valid, test
+        cache_dir=cfg.data.data_cache_path, mock=cfg.data.mock_data, vocab_size=tokenizer_vocab_size,
+        mmap_bin_files=cfg.data.mmap_bin_files)
+    from megatron_po.data.data_loader import MicroBatchLoader
+    return tuple(None if ds is None else MicroBatchLoader(
+        ds, t.micro_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+        cfg.data.num_workers, cfg.data.dataloader_type, t.seed) for ds in (train, valid, test))
 
 
 def microbatches(dataset, consumed_samples: int, num_mb: int, mbs: int):
-    """This DP rank's micro-batches of the global batch that starts at `consumed_samples`."""
+    """This DP rank's micro-batches of the global batch that starts at `consumed_samples` (`dataset`: a
+    data_loader.MicroBatchLoader, or a plain dataset read in order)."""
+    from megatron_po.data.data_loader import MicroBatchLoader
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    loader = dataset if isinstance(dataset, MicroBatchLoader) else MicroBatchLoader(dataset, mbs, d, dp)
     device = ps.get_device()
-    out = []
-    for m in range(num_mb):
-        start = consumed_samples + m * mbs * dp + d * mbs
-        items = [dataset[i % len(dataset)] for i in range(start, start + mbs)]
-        out.append({k: torch.stack([it[k] for it in items]).to(device) for k in items[0]})
-    return out
+    return [{k: v.to(device) for k, v in loader.microbatch(consumed_samples + m * mbs * dp).items()}
+            for m in range(num_mb)]
 
 
 def reading_documents(cfg: Config, chunks: list) -> list:
@@ -196,7 +199,7 @@ class GPTWorkload:
         """Tokenizer and padded vocabulary (TP-dependent padding)."""
         from megatron_po.data.tokenizer import build_tokenizer
         d = self.cfg.data
-        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
         self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, self.cfg.model.make_vocab_size_divisible_by,
                                            self.cfg.parallel.tensor_model_parallel_size)
 

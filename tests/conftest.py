@@ -14,21 +14,65 @@ CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
                       "bible_web.en.jsonl.gz")
 
 
+def write_chapters(path, count: int):
+    """The bundled corpus's first `count` chapters as a jsonl file (returns its path)."""
+    with gzip.open(CORPUS, "rt") as f, open(path, "w") as out:
+        for i, line in enumerate(f):
+            if i == count:
+                break
+            out.write(line)
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small tokenizer and the first 300 chapters preprocessed to .bin/.idx (one per test session, shared
     by every module that asks for it)."""
     from tools import preprocess_data, train_tokenizer
     d = tmp_path_factory.mktemp("corpus")
-    src = d / "bible300.jsonl"
-    with gzip.open(CORPUS, "rt") as f, open(src, "w") as out:
-        for i, line in enumerate(f):
-            if i == 300:
-                break
-            out.write(line)
+    src = write_chapters(d / "bible300.jsonl", 300)
     assert train_tokenizer.main(["--input", str(src), "--json-keys", "text", "--vocab-size", "500",
                                  "--output-prefix", str(d / "tok")]) == 0
     assert preprocess_data.main(["--input", str(src), "--json-keys", "text", "--tokenizer-type",
                                  "SentencePieceTokenizer", "--tokenizer-model", str(d / "tok.model"),
                                  "--output-prefix", str(d / "bible"), "--append-eod", "--workers", "1"]) == 0
     return {"prefix": str(d / "bible_text_document"), "model": str(d / "tok.model"), "dir": d}
+
+
+@pytest.fixture(scope="session")
+def byte_bpe(tmp_path_factory):
+    """A byte-level BPE (vocabulary 1000) trained on the first 300 chapters by tools/train_tokenizer.py: a
+    directory holding GPT-2's vocab.json/merges.txt and a Hugging Face tokenizer (tokenizer.json + config)."""
+    from tools import train_tokenizer
+    d = tmp_path_factory.mktemp("byte_bpe")
+    src = write_chapters(d / "bible300.jsonl", 300)
+    assert train_tokenizer.main(["--input", str(src), "--model-type", "byte-bpe", "--vocab-size", "1000",
+                                 "--output-prefix", str(d / "tok")]) == 0
+    return {"dir": d / "tok", "src": src}
+
+
+def _preprocess(src, prefix, tokenizer_args):
+    from tools import preprocess_data
+    assert preprocess_data.main(["--input", str(src), "--json-keys", "text", "--output-prefix", str(prefix),
+                                 "--append-eod", "--workers", "1", *tokenizer_args]) == 0
+    return str(prefix) + "_text_document"
+
+
+@pytest.fixture(scope="session")
+def bpe_corpus(byte_bpe):
+    """The 300 chapters preprocessed with GPT2BPETokenizer. `args`: the tokenizer flags pretrain_gpt.py needs."""
+    d = byte_bpe["dir"]
+    args = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(d / "vocab.json"),
+            "--merge-file", str(d / "merges.txt")]
+    return {"prefix": _preprocess(byte_bpe["src"], d.parent / "bpe", args), "vocab_file": str(d / "vocab.json"),
+            "merge_file": str(d / "merges.txt"), "args": args, "dir": d.parent}
+
+
+@pytest.fixture(scope="session")
+def hf_corpus(byte_bpe):
+    """The 300 chapters preprocessed with HuggingFaceTokenizer (BOS before, EOD after every document).
+    `args`: the tokenizer flags pretrain_gpt.py needs."""
+    d = byte_bpe["dir"]
+    args = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)]
+    return {"prefix": _preprocess(byte_bpe["src"], d.parent / "hf", args), "model": str(d), "args": args,
+            "dir": d.parent}

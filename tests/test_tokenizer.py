@@ -113,5 +113,5 @@ def test_bad_tokenizer_flags():
         build_tokenizer("SentencePieceTokenizer")
     with pytest.raises(UserError, match="needs --vocab-size"):
         build_tokenizer("NullTokenizer")
-    with pytest.raises(UserError, match="'GPT2BPETokenizer' is not one of"):
-        build_tokenizer("GPT2BPETokenizer")
+    with pytest.raises(UserError, match="'GPT3Tokenizer' is not one of"):
+        build_tokenizer("GPT3Tokenizer")

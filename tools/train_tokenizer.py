@@ -1,9 +1,14 @@
-"""Train a sentencepiece tokenizer (BPE or unigram) on local text files.
+"""Train a tokenizer (sentencepiece BPE or unigram, or GPT-2 style byte-level BPE) on local text files.
 
     python tools/train_tokenizer.py --input corpus.jsonl.gz --vocab-size 8000 --output-prefix tok/bible
 
 writes `tok/bible.model` and `tok/bible.vocab`. Ids 0-3 are fixed: <pad> 0, <unk> 1, <s> 2 (bos), </s> 3
 (eos, which doubles as the end-of-document token that tools/preprocess_data.py --append-eod appends).
+
+With `--model-type byte-bpe` (the `tokenizers` package) the output prefix is a directory that serves both
+Megatron's GPT2BPETokenizer (`--vocab-file DIR/vocab.json --merge-file DIR/merges.txt`) and its
+HuggingFaceTokenizer (`--tokenizer-model DIR`, or DIR/tokenizer.json): <|endoftext|> 0 (GPT-2's end of
+document, the HF eos), <|begin_of_text|> 1 (the HF bos, put in front of every text as Llama-3's tokenizer does).
 Inputs are read like tools/preprocess_data.py reads them (jsonl/json/txt/parquet through `datasets`,
 local files only) and streamed to sentencepiece through its iterator API, no temporary text file.
 """
@@ -53,13 +58,40 @@ def split_long_line(line: str, max_bytes: int):
         yield " ".join(piece)
 
 
+# byte-bpe special tokens, in id order: GPT-2's end of document, then a Llama-3 style begin-of-text.
+BYTE_BPE_EOD, BYTE_BPE_BOS = "<|endoftext|>", "<|begin_of_text|>"
+
+
+def train_byte_bpe(texts, vocab_size: int, directory: str) -> None:
+    """Byte-level BPE (GPT-2's pre-tokenizer and byte alphabet) saved as GPT-2 files and as a HF tokenizer."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    if vocab_size < 258:
+        raise ConfigError(f"--vocab-size must exceed the 256 byte tokens + 2 special tokens for byte-bpe "
+                          f"(got {vocab_size})")
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(texts, vocab_size=vocab_size, special_tokens=[BYTE_BPE_EOD, BYTE_BPE_BOS],
+                                show_progress=False)
+    os.makedirs(directory, exist_ok=True)
+    trainer.save_model(directory)  # vocab.json and merges.txt, GPT-2's format
+    tokenizer = trainer._tokenizer
+    bos = tokenizer.token_to_id(BYTE_BPE_BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BYTE_BPE_BOS} $A", pair=f"{BYTE_BPE_BOS} $A $B", special_tokens=[(BYTE_BPE_BOS, bos)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BYTE_BPE_BOS,
+                                         eos_token=BYTE_BPE_EOD).save_pretrained(directory)
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="input file(s): jsonl, json, txt, parquet (+ .gz etc.)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys (columns) holding the text")
     p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
+    p.add_argument("--model-type", choices=["bpe", "unigram", "byte-bpe"], default="bpe",
+                   help="sentencepiece bpe/unigram, or GPT-2 style byte-level BPE (vocab.json, merges.txt, HF files)")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes <prefix>.model and <prefix>.vocab (byte-bpe: the directory <prefix>/)")
     p.add_argument("--character-coverage", type=float, default=1.0,
                    help="fraction of characters the vocabulary covers (1.0: all; ~0.9995 for CJK)")
     p.add_argument("--max-sentence-length", type=int, default=4192,
@@ -105,6 +137,13 @@ def train(args):
         except UserError as e:
             input_errors.append(e)
 
+    if args.model_type == "byte-bpe":
+        train_byte_bpe(sentences(), args.vocab_size, args.output_prefix)
+        if input_errors:
+            raise input_errors[0]
+        print(f"wrote {args.output_prefix}/ (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json)",
+              file=sys.stderr)
+        return
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences(),

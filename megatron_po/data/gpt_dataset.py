@@ -34,8 +34,9 @@ BLEND_MARGIN = 1.005
 
 
 def parse_split(split: str) -> list[float]:
-    """"969,30,1" (or "969/30/1") -> [0.969, 0.03, 0.001]: train/valid/test fractions, missing ones 0."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    """"969,30,1" (or "969/30/1") -> [0.969, 0.03, 0.001]: train/valid/test fractions, missing ones 0.
+    Quotes around it are dropped: Megatron's Llama-3 example script passes `--split '99,1,0'` quotes and all."""
+    parts = [p for p in split.strip().strip("'\"").replace("/", ",").split(",") if p.strip()]
     try:
         values = [float(p) for p in parts]
     except ValueError:
@@ -277,11 +278,12 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
 
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                        num_samples: tuple[int, int, int], cache_dir: str | None = None, mock: bool = False,
-                       vocab_size: int | None = None):
+                       vocab_size: int | None = None, mmap_bin_files: bool = True):
     """(train, valid, test) datasets; a split with fraction 0 or 0 samples is None.
 
     Several prefixes are blended per split; without weights they are weighted by their token counts (all
     of each used, like one concatenated corpus). With vocab_size, every token id is checked to be below it.
+    mmap_bin_files=False reads the .bin files with file reads instead of memory maps (--no-mmap-bin-files).
     """
     if mock:
         if vocab_size is None:
@@ -292,7 +294,7 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
 
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    indexed = [IndexedDataset(prefix, mmap=mmap_bin_files) for prefix in prefixes]
     if vocab_size is not None:
         for prefix, ds in zip(prefixes, indexed):
             check_token_ids(ds, vocab_size, prefix)

@@ -116,11 +116,49 @@ def _check_arrays(idx_path, bin_path, dtype, lengths, pointers, document_indices
                             f"({document_indices[d]} -> {document_indices[d + 1]})")
 
 
-class IndexedDataset:
-    """Read-only view of `<path_prefix>.bin/.idx`; items are sequences (numpy arrays backed by the mmap)."""
+class BinFileTokens:
+    """A .bin's tokens read with positional file reads instead of a memory map (Megatron's
+    --no-mmap-bin-files, for file systems where mmap is slow or unsupported). Supports what the readers
+    use: len(tokens), tokens[i] and tokens[a:b] (a fresh array per read)."""
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path: str, dtype: np.dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.length = os.path.getsize(path) // self.dtype.itemsize
+        self._fd, self._pid = None, None
+
+    def _descriptor(self) -> int:
+        if self._pid != os.getpid():  # a DataLoader worker forked from us opens its own
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __del__(self):
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.length)
+            if step != 1:
+                raise IndexError("BinFileTokens reads contiguous ranges only")
+            count = max(0, stop - start)
+            data = os.pread(self._descriptor(), count * self.dtype.itemsize, start * self.dtype.itemsize)
+            return np.frombuffer(data, self.dtype)
+        i = int(key) + (self.length if int(key) < 0 else 0)
+        if not 0 <= i < self.length:
+            raise IndexError(f"token {key} out of range for {self.length} tokens in {self.path}")
+        return self[i:i + 1][0]
+
+
+class IndexedDataset:
+    """Read-only view of `<path_prefix>.bin/.idx`; items are sequences (numpy arrays backed by the mmap, or
+    read from the file when mmap=False)."""
+
+    def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = str(path_prefix)
+        self.mmap = mmap
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
         missing = [p for p in (idx_path, bin_path) if not os.path.isfile(p)]
         if missing:
@@ -141,6 +179,8 @@ class IndexedDataset:
         # np.memmap refuses empty files, and an empty dataset is valid.
         if os.path.getsize(bin_path) == 0:
             self.tokens = np.empty(0, self.dtype)
+        elif not mmap:
+            self.tokens = BinFileTokens(bin_path, self.dtype)
         else:
             self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", order="C")
         # `tokens` is every token of the .bin, flat: sequence i is tokens[sequence_starts[i]:][:length].
@@ -152,10 +192,10 @@ class IndexedDataset:
 
     # Pickle as the path (DataLoader workers under spawn), not as a copy of the memory-mapped arrays.
     def __getstate__(self):
-        return self.path_prefix
+        return self.path_prefix, self.mmap
 
-    def __setstate__(self, path_prefix):
-        self.__init__(path_prefix)
+    def __setstate__(self, state):
+        self.__init__(*state)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -51,9 +51,9 @@ class ParallelCorpus:
     """One split of a parallel corpus: source and target indexed datasets with the same sentence count."""
 
     def __init__(self, prefix: str, split: str, src_lang: str, tgt_lang: str, src_vocab_size: int,
-                 tgt_vocab_size: int):
-        self.src = IndexedDataset(split_prefix(prefix, split, src_lang))
-        self.tgt = IndexedDataset(split_prefix(prefix, split, tgt_lang))
+                 tgt_vocab_size: int, mmap: bool = True):
+        self.src = IndexedDataset(split_prefix(prefix, split, src_lang), mmap=mmap)
+        self.tgt = IndexedDataset(split_prefix(prefix, split, tgt_lang), mmap=mmap)
         if len(self.src) != len(self.tgt):
             raise DataError(f"{self.src.path_prefix} has {len(self.src)} sentences but {self.tgt.path_prefix} has "
                             f"{len(self.tgt)}: not a parallel corpus (preprocess both sides together with "

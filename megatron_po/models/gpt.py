@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
+from megatron_po.models.recompute import layer_groups, run_layers
 from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
                                              layers_context)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -83,6 +84,7 @@ class GPTModel(nn.Module):
             with _seeded(seed, i):
                 layers.append(build_transformer_layer(cfg, sequence_parallel))
         self.layers = nn.ModuleList(layers)
+        self.recompute_groups = layer_groups(cfg, n)  # --recompute-granularity full: checkpointed layer ranges
         self.layers_context = layers_context(cfg)  # FP8 autocast with Transformer Engine + --fp8-format
 
         self.final_norm = self.output_layer = None
@@ -121,8 +123,7 @@ class GPTModel(nn.Module):
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
             rotary = self.rotary(seq, x.device)
         with self.layers_context():
-            for layer in self.layers:
-                x = layer(x, rotary)
+            x = run_layers(self.layers, self.recompute_groups, x, rotary)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, ffn_hidden_size
+from megatron_po.config import ModelConfig, ffn_hidden_size, recompute_granularity
+from megatron_po.models.recompute import maybe_recompute
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 
 
@@ -77,6 +78,7 @@ class SelfAttention(nn.Module):
         self.head_dim = h // nh
         self.causal = causal
         self.attention_dropout = cfg.attention_dropout
+        self.recompute_core = recompute_granularity(cfg) == "selective"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, 3 * h, bias=cfg.add_bias_linear, gather_output=False,
                                         init_method=init_normal(cfg.init_method_std),
@@ -100,17 +102,20 @@ class SelfAttention(nn.Module):
             kv_cache["k"], kv_cache["v"] = k, v
             if self.causal and attn_mask is None and k.shape[2] > s > 1:  # new queries see the cache + their past
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
-        p = self.attention_dropout if self.training else 0.0
         causal = self.causal and attn_mask is None and k.shape[2] == s
-        if p > 0.0:
-            # Heads are split across TP ranks, so attention dropout must differ between them.
-            with get_rng_tracker().fork():
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
+        ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
         out, _ = self.proj(ctx)
         return out
+
+    def core_attention(self, q, k, v, attn_mask, causal: bool) -> torch.Tensor:
+        """softmax(QKᵀ/√d)V with dropout, [b, heads, s, head_dim]: what selective recomputation recomputes."""
+        p = self.attention_dropout if self.training else 0.0
+        if p > 0.0:
+            # Heads are split across TP ranks, so attention dropout must differ between them.
+            with get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
 
 
 class MLP(nn.Module):

@@ -42,6 +42,7 @@ import torch
 from megatron_po.errors import ConfigError
 from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.executor import WeightPolicy
+from megatron_po.pipeline.recompute_weights import RecomputeWeights
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
 from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -164,7 +165,7 @@ def check_untied(chunks) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class AsyncPolicy(WeightPolicy):
+class AsyncPolicy(RecomputeWeights, WeightPolicy):
     """Shared bookkeeping: the chunks' parameters, their optimizers, the steps each chunk has taken,
     the schedule's staleness for this rank, and the weight copies alive per chunk.
 
@@ -243,7 +244,7 @@ class AsyncPolicy(WeightPolicy):
 
     def copies(self, chunk: int) -> int:
         """Full weight copies of `chunk` alive right now, the live weights included."""
-        return 1
+        return 1 + self._recompute_copies(chunk)
 
     def _note_copies(self, chunk: int) -> None:
         self._max_copies[chunk] = max(self._max_copies[chunk], self.copies(chunk))
@@ -294,6 +295,9 @@ class PipeDreamPolicy(_DelayCompensating, AsyncPolicy):
 
     def copies(self, chunk):
         return 1 + len(self.stash[chunk])
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        return True  # B(j) swaps in the version F(j) ran on
 
     def _in_flight_versions(self, chunk: int) -> set[int]:
         return {v for (_, c), v in self.version_of.items() if c == chunk}
@@ -354,6 +358,9 @@ class PipeDream2BWPolicy(AsyncPolicy):
 
     def copies(self, chunk):
         return 1 if self.older[chunk] is None else 2
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        return True  # both passes of micro-batch j run on W(g-1)
 
     def state_dict(self):
         state = super().state_dict()
@@ -441,7 +448,8 @@ class _PredictingPolicy(AsyncPolicy):
         super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def copies(self, chunk):
-        return 2 if self.cache[chunk] is not None or self.live[chunk] is not None else 1
+        predicting = self.cache[chunk] is not None or self.live[chunk] is not None
+        return (2 if predicting else 1) + self._recompute_copies(chunk)
 
     def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
         opt = self.optimizers[chunk]
@@ -558,6 +566,10 @@ class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
 
     def copies(self, chunk):
         return super().copies(chunk) + sum(1 for (_, c) in self.used if c == chunk)
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        # F(j) predicts s(j) + s_offset steps ahead; B(j) runs on the live weights.
+        return self.staleness[chunk][mb] == 0 and self.s_offset == 0
 
     def before_forward(self, mb, chunk):
         self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])

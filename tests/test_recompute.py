@@ -1,0 +1,255 @@
+"""Activation recomputation (--recompute-*): what is recomputed, and that it changes nothing.
+
+A run with recomputation must give bitwise the same losses, gradients and weights as one without (CPU,
+fp32, dropout ON so the replay of both random streams is exercised), under every pipeline method:
+the synchronous ones (gpipe, 1f1b, interleaved 1f1b) through the executor's emulator, the asynchronous
+ones (async-naive, pipedream, pipedream-2bw, spectrain, pipeoptim) through the AsyncEmulator, where the
+weights change between a micro-batch's forward and backward and the policy must re-install the forward's
+weights around the recomputation. `test_without_the_policy_hook_recomputation_is_wrong` shows the
+comparison would catch a recomputation on the wrong weights. Tolerance: exact (torch.equal).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (model init imports it lazily, ~1 s: once here, not in forked ranks)
+from dist_harness import run_distributed
+from test_async_policies import LR, SEED, VOCAB, get_batch, lr_fn_for, make_cfg
+
+from megatron_po.models.gpt import GPTModel, masked_mean_loss
+from megatron_po.models.recompute import layer_groups
+from megatron_po.models.transformer import SelfAttention, TransformerLayer
+from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank
+from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
+from megatron_po.pipeline.partition import build_chunks_for_rank
+from megatron_po.pipeline.schedules import build_schedule
+from megatron_po.tensor_parallel import model_parallel_seed
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+SELECTIVE = dict(recompute_activations=True)
+NONE = {}
+GRANULARITIES = {"full-uniform": FULL, "full-block": BLOCK, "selective": SELECTIVE}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def with_recompute(cfg, recompute: dict, dropout: float = 0.1):
+    cfg.model = dataclasses.replace(cfg.model, hidden_dropout=dropout, attention_dropout=dropout, **recompute)
+    return cfg
+
+
+def assert_same(a, b, what):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            assert_same(a[k], b[k], f"{what}[{k}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), what
+    else:
+        assert a == b, what
+
+
+# ---- what is recomputed ----------------------------------------------------------------------------------
+
+def test_layer_groups_follow_megatron():
+    cfg = make_cfg(5).model
+    assert layer_groups(cfg, 5) == [(0, 5, False)]
+    assert layer_groups(dataclasses.replace(cfg, **SELECTIVE), 5) == [(0, 5, False)]
+    uniform = dataclasses.replace(cfg, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    assert layer_groups(uniform, 5) == [(0, 2, True), (2, 4, True), (4, 5, True)]  # last group shorter
+    block = dataclasses.replace(uniform, recompute_method="block")
+    assert layer_groups(block, 5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
+    assert layer_groups(block, 1) == [(0, 1, True)]  # N beyond the chunk: every layer
+    assert layer_groups(uniform, 0) == []
+
+
+def count_calls(module_type, method="forward"):
+    calls = []
+    original = getattr(module_type, method)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+    return calls, original, counted
+
+
+@pytest.mark.parametrize("name,recompute,module,method,train_calls", [
+    ("none", NONE, TransformerLayer, "forward", 3),
+    ("full-uniform-2", dict(FULL, recompute_num_layers=2), TransformerLayer, "forward", 6),
+    ("full-block-1", BLOCK, TransformerLayer, "forward", 4),
+    ("selective", SELECTIVE, SelfAttention, "core_attention", 6),
+    ("selective-granularity", dict(recompute_granularity="selective"), SelfAttention, "core_attention", 6),
+])
+def test_recomputed_parts_run_twice_in_training_once_in_eval(monkeypatch, name, recompute, module, method,
+                                                              train_calls):
+    model_parallel_seed(SEED)
+    cfg = with_recompute(make_cfg(3), recompute)
+    model = GPTModel(cfg.model, VOCAB, SEED)
+    calls, original, counted = count_calls(module, method)
+    monkeypatch.setattr(module, method, counted)
+    b = get_batch(0)
+    loss = masked_mean_loss(model(input_ids=b["tokens"], labels=b["labels"]), b["loss_mask"])
+    loss.backward()
+    assert len(calls) == train_calls
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=b["tokens"], labels=b["labels"])
+    assert len(calls) == 3  # evaluation never recomputes
+
+
+def single_model_run(recompute, rope=False):
+    model_parallel_seed(SEED)
+    cfg = with_recompute(make_cfg(3), recompute, dropout=0.2)
+    if rope:
+        cfg.model = dataclasses.replace(cfg.model, position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    model = GPTModel(cfg.model, VOCAB, SEED)
+    losses = []
+    for mb in range(2):
+        b = get_batch(mb)
+        loss = masked_mean_loss(model(input_ids=b["tokens"], labels=b["labels"]), b["loss_mask"])
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    return losses, grads, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_single_model_bitwise(granularity, rope):
+    """Losses, gradients and the random stream after the step are those of the run without it."""
+    assert_same(single_model_run(GRANULARITIES[granularity], rope), single_model_run(NONE, rope), granularity)
+
+
+# ---- synchronous pipelines (executor emulator) -----------------------------------------------------------
+
+def sync_pipeline_run(method, D, v, recompute, M=4):
+    model_parallel_seed(SEED)
+    cfg = with_recompute(make_cfg(2 * D * v), recompute)
+    mailbox, runners = Mailbox(), {}
+    for r in range(D):
+        runners[r] = StageRunner(rank=r, num_stages=D, chunks=build_chunks_for_rank(cfg, VOCAB, r, D, v),
+                                 transport=mailbox, get_batch=get_batch, loss_scale=1.0 / M)
+    emulate(build_schedule(method, D, v, M), runners)
+    losses = [runners[D - 1].losses[m] for m in range(M)]
+    grads = {(r, c, k): p.grad for r in range(D) for c, chunk in enumerate(runners[r].chunks)
+             for k, p in chunk.named_parameters()}
+    return losses, grads
+
+
+@pytest.mark.parametrize("method,D,v", [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 2, 2)],
+                         ids=["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("granularity", ["full-uniform", "selective"])
+def test_synchronous_pipelines_bitwise(method, D, v, granularity):
+    assert_same(sync_pipeline_run(method, D, v, GRANULARITIES[granularity]), sync_pipeline_run(method, D, v, NONE),
+                f"{method} {granularity}")
+
+
+# ---- asynchronous pipelines (AsyncEmulator): the policy re-installs the forward's weights ------------------
+
+ASYNC = {  # method: (optimizer, update interval k, policy options)
+    "async-naive": ("adam", 1, {}),
+    "pipedream": ("adam", 1, {}),
+    "pipedream-2bw": ("adam", 3, {}),
+    "spectrain": ("sgd", 1, {}),
+    "pipeoptim": ("adam", 1, {}),
+    "pipeoptim-s_offset1": ("adam", 1, {"s_offset": 1}),
+}
+
+
+def async_run(method, recompute, D=3, v=1, segment=9, policy_hook=True):
+    optimizer, k, options = ASYNC[method]
+    model_parallel_seed(SEED)
+    cfg = with_recompute(make_cfg(D * v), recompute)
+    kwargs = {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9}
+    emu = AsyncEmulator(cfg, VOCAB, method.split("-s_")[0], D, v, k, optimizer, kwargs, lr_fn_for(optimizer),
+                        0.0, **options)
+    grads = []
+    for stage in emu.stages:
+        if not policy_hook:
+            stage.policy.weights_for_recompute = lambda mb, chunk: None
+        step = stage.step
+
+        def recorded(c, stage=stage, step=step):  # every gradient a step applies, in order
+            grads.append((stage.rank, c, [p.grad.clone() for p in stage.params[c] if p.grad is not None]))
+            step(c)
+        stage.step = recorded
+    losses = emu.train_segment(get_batch, segment)
+    return losses, grads, emu.full_state_dict(), emu.copies_per_chunk()
+
+
+@pytest.mark.parametrize("method", list(ASYNC))
+@pytest.mark.parametrize("granularity", ["full-uniform", "selective"])
+def test_asynchronous_methods_bitwise(method, granularity):
+    losses, grads, weights, copies = async_run(method, GRANULARITIES[granularity])
+    ref_losses, ref_grads, ref_weights, ref_copies = async_run(method, NONE)
+    assert_same(losses, ref_losses, "losses")
+    assert_same(grads, ref_grads, "gradients")
+    assert_same(weights, ref_weights, "weights")
+    # Weights kept for recomputation: only where the backward runs on other weights than the forward,
+    # and never on the last stage (s = 0) unless PipeOptim predicts ahead anyway (s_offset 1).
+    keeps = granularity == "full-uniform" and method not in ("pipedream", "pipedream-2bw")
+    for (r, c), n in copies.items():
+        last_stage_keeps = method == "pipeoptim-s_offset1"
+        expect_more = keeps and (r < 2 or last_stage_keeps)
+        assert (n > ref_copies[(r, c)]) == expect_more, (r, c, n, ref_copies[(r, c)])
+
+
+def test_interleaved_pipeoptim_bitwise():
+    run = lambda recompute: async_run("pipeoptim", recompute, D=2, v=2, segment=8)  # noqa: E731
+    assert_same(run(BLOCK)[:3], run(NONE)[:3], "interleaved pipeoptim")  # losses, gradients, weights
+
+
+@pytest.mark.parametrize("method", ["pipeoptim", "spectrain", "async-naive"])
+def test_without_the_policy_hook_recomputation_is_wrong(method):
+    """Recomputing on the backward's weights (no hook) changes the gradients: the bitwise tests can fail."""
+    _, grads, _, _ = async_run(method, FULL, policy_hook=False)
+    _, ref_grads, _, _ = async_run(method, NONE)
+    with pytest.raises(AssertionError):
+        assert_same(grads, ref_grads, "gradients")
+
+
+# ---- distributed: TP=2 x PP=2 with sequence parallelism (TP-split dropout through the tracker) --------------
+
+def distributed_async(recompute):
+    model_parallel_seed(SEED)
+    cfg = with_recompute(make_cfg(2), recompute)
+    cfg.parallel.sequence_parallel = True
+    rank = AsyncPipelineRank(cfg, VOCAB, "pipeoptim", 1, 1, "adam", {"lr": LR["adam"], "weight_decay": 0.01},
+                             lr_fn_for("adam"), 0.0)
+    losses = rank.train_segment(get_batch, 6)
+    return losses, rank.full_state_dict()
+
+
+def both_runs():
+    return distributed_async(FULL), distributed_async(SELECTIVE), distributed_async(NONE)
+
+
+def test_tp2_pp2_pipeoptim_recompute_bitwise():
+    results = run_distributed(both_runs, 4, tp=2, pp=2)
+    for rank, (full, selective, none) in enumerate(results):
+        assert_same(full, none, f"rank {rank} full")
+        assert_same(selective, none, f"rank {rank} selective")
+    assert any(r[2][0] is not None for r in results)  # the last stage returned losses
+
+
+def test_recompute_needs_a_graph_only():
+    """No graph (evaluation, decoding): plain forward, same outputs."""
+    cfg = with_recompute(make_cfg(2), FULL)
+    model = GPTModel(cfg.model, VOCAB, SEED).eval()
+    plain = GPTModel(make_cfg(2).model, VOCAB, SEED).eval()
+    b = get_batch(0)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=b["tokens"]), plain(input_ids=b["tokens"]))

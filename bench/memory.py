@@ -15,6 +15,18 @@ duration of the step, 4/DP sharded); with fp32 params the distributed optimizer 
 shard apart from the weights (8 + 12/DP), which is what lets PipeOptim predict without a weight copy.
 
     python bench/memory.py [--hidden 128 --layers 4 --vocab 512]
+
+With --recompute: activation memory and step time of activation recomputation (--recompute-*) on the
+tiny GPT of examples/gpt_tiny.sh (4 layers, hidden 128, 4 heads, seq 128, micro-batch 8, vocab 4000), one
+process, fp32, for none / selective / full (uniform 1, uniform 2, block 2), at dropout 0 (the example's) and
+0.1 (Megatron's default). Activation memory is MEASURED: every tensor an op creates during the forward is
+tracked (TorchDispatchMode + weak references) and the storages still alive when the forward returns,
+i.e. what the autograd graph keeps for the backward (checkpointed inputs included), are added up; the
+peak is the most bytes alive at once over forward + backward (the recomputation's working set and the
+parameter gradients included). Step time: forward + backward, one thread, the modes interleaved
+repetition by repetition, median. Ratios are against `none` in the same run.
+
+    python bench/memory.py --recompute [--reps 7 --out bench/results/recompute.md]
 """
 
 from __future__ import annotations
@@ -27,8 +39,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the fork + gloo launcher the tests use
 
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import weakref  # noqa: E402
+
 import torch  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import ModelConfig  # noqa: E402
@@ -38,6 +58,7 @@ from megatron_po.optim import build_optimizer  # noqa: E402
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megatron_po.optim.memory import MEGATRON_BYTES_PER_PARAM, measure_training_memory  # noqa: E402
 from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
 
 SETTINGS = {  # name: (model dtype, grad buffer dtype)
     "bf16 params, fp32 grads": (torch.bfloat16, torch.float32),
@@ -72,12 +93,127 @@ def measure(cfg: ModelConfig, vocab: int, setting: str, distributed: bool) -> di
     return measure_training_memory(params, ddp, opt).per_param()
 
 
+# --------------------------------------------------------------------------------------------------
+# Activation recomputation: measured activation memory and step time
+# --------------------------------------------------------------------------------------------------
+
+RECOMPUTE_MODES = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full uniform 1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full uniform 2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full block 2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+}
+TINY_GPT = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128)  # examples/gpt_tiny.sh
+TINY_BATCH, TINY_VOCAB = 8, 4096  # --micro-batch-size 8; the example's 4000-token BPE padded to 128
+
+
+class LiveTensors(TorchDispatchMode):
+    """Bytes of the storages created by ops inside the mode that are still alive (views counted once),
+    and the most alive at once. Tensors made before the mode (parameters, the batch) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, list[int]] = {}  # data_ptr -> [tensors alive, nbytes]
+        self.live = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.storages[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.storages[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.storages:
+                    self.storages[ptr] = [0, t.untyped_storage().nbytes()]
+                    self.live += self.storages[ptr][1]
+                self.storages[ptr][0] += 1
+                weakref.finalize(t, self._release, ptr)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def recompute_step(model, tokens, measure: bool) -> tuple[float, int, int]:
+    """(seconds, bytes kept by the graph after the forward, peak bytes over forward + backward)."""
+    tracker = LiveTensors() if measure else None
+    start = time.perf_counter()
+    with tracker if measure else contextlib.nullcontext():
+        loss = masked_mean_loss(model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]),
+                                torch.ones(tokens.shape[0], tokens.shape[1] - 1))
+        kept = tracker.live if measure else 0
+        loss.backward()
+    seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return seconds, kept, tracker.peak if measure else 0
+
+
+def recompute_table(dropout: float, reps: int) -> list[dict]:
+    models, tokens = {}, torch.randint(0, TINY_VOCAB, (TINY_BATCH, TINY_GPT.seq_length + 1),
+                                       generator=torch.Generator().manual_seed(0))
+    for name, flags in RECOMPUTE_MODES.items():
+        model_parallel_seed(1)
+        cfg = dataclasses.replace(TINY_GPT, hidden_dropout=dropout, attention_dropout=dropout, **flags)
+        models[name] = GPTModel(cfg, TINY_VOCAB, seed=1)
+    rows = {name: {"mode": name, "times": []} for name in models}
+    for name, model in models.items():  # memory: one measured step each (deterministic)
+        _, rows[name]["kept"], rows[name]["peak"] = recompute_step(model, tokens, measure=True)
+    for name, model in models.items():
+        recompute_step(model, tokens, measure=False)  # warm-up
+    for _ in range(reps):  # time: the modes interleaved, so load changes hit them alike
+        for name, model in models.items():
+            rows[name]["times"].append(recompute_step(model, tokens, measure=False)[0])
+    for row in rows.values():
+        row["time"] = statistics.median(row["times"])
+    return list(rows.values())
+
+
+def recompute_main(args) -> None:
+    torch.set_num_threads(1)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    lines = ["# Activation recomputation on the tiny GPT (bench/memory.py --recompute)", "",
+             f"Command: `python bench/memory.py --recompute --reps {args.reps}`; GPT {TINY_GPT.num_layers} layers, "
+             f"hidden {TINY_GPT.hidden_size}, {TINY_GPT.num_attention_heads} heads, seq {TINY_GPT.seq_length}, "
+             f"micro-batch {TINY_BATCH}, vocab {TINY_VOCAB}, fp32, CPU, 1 thread, torch {torch.__version__}.",
+             f"Machine load before: `{load}`", "",
+             "Activation memory = bytes the autograd graph keeps when the forward returns (measured, see the "
+             "docstring); peak = most bytes alive over forward + backward (parameter gradients included). "
+             "Step = forward + backward, median of the interleaved repetitions.", ""]
+    for dropout in (0.0, 0.1):
+        rows = recompute_table(dropout, args.reps)
+        base = rows[0]
+        lines += [f"## dropout {dropout}", "",
+                  "| mode | activations (MiB) | vs none | peak (MiB) | vs none | step (ms) | vs none |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['mode']} | {r['kept'] / 2**20:.2f} | {r['kept'] / base['kept']:.2f} | "
+                         f"{r['peak'] / 2**20:.2f} | {r['peak'] / base['peak']:.2f} | {1e3 * r['time']:.1f} | "
+                         f"{r['time'] / base['time']:.2f} |")
+        lines.append("")
+    lines.append(f"Machine load after: `{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}`")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--recompute", action="store_true", help="activation recomputation table instead")
+    parser.add_argument("--reps", type=int, default=7, help="--recompute: timed steps per mode")
+    parser.add_argument("--out", help="--recompute: also write the table to this markdown file")
     args = parser.parse_args()
+    if args.recompute:
+        recompute_main(args)
+        return
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, seq_length=32,
                       hidden_dropout=0.0, attention_dropout=0.0)
     n = sum(p.numel() for p in GPTModel(cfg, args.vocab, seed=1).parameters())

@@ -11,12 +11,14 @@ comparison would catch a recomputation on the wrong weights. Tolerance: exact (t
 
 import dataclasses
 
+import fake_transformer_engine
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (model init imports it lazily, ~1 s: once here, not in forked ranks)
 from dist_harness import run_distributed
 from test_async_policies import LR, SEED, VOCAB, get_batch, lr_fn_for, make_cfg
 
+from megatron_po.models import te_transformer
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.recompute import layer_groups
 from megatron_po.models.transformer import SelfAttention, TransformerLayer
@@ -169,10 +171,13 @@ ASYNC = {  # method: (optimizer, update interval k, policy options)
 }
 
 
-def async_run(method, recompute, D=3, v=1, segment=9, policy_hook=True):
+def async_run(method, recompute, D=3, v=1, segment=9, policy_hook=True, impl="local", precision=None):
     optimizer, k, options = ASYNC[method]
     model_parallel_seed(SEED)
     cfg = with_recompute(make_cfg(D * v), recompute)
+    cfg.model.transformer_impl = impl
+    for key, value in (precision or {}).items():
+        setattr(cfg.precision, key, value)
     kwargs = {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9}
     emu = AsyncEmulator(cfg, VOCAB, method.split("-s_")[0], D, v, k, optimizer, kwargs, lr_fn_for(optimizer),
                         0.0, **options)
@@ -212,6 +217,14 @@ def test_interleaved_pipeoptim_bitwise():
     assert_same(run(BLOCK)[:3], run(NONE)[:3], "interleaved pipeoptim")  # losses, gradients, weights
 
 
+@pytest.mark.parametrize("precision", [dict(bf16=True), dict(bf16=True, use_distributed_optimizer=True)],
+                         ids=["bf16", "bf16-distributed-optimizer"])
+def test_pipeoptim_mixed_precision_bitwise(precision):
+    """Predictions written into the low-precision model weights (main params elsewhere): same result."""
+    run = lambda recompute: async_run("pipeoptim", recompute, precision=precision)[:3]  # noqa: E731
+    assert_same(run(FULL), run(NONE), f"pipeoptim {precision}")
+
+
 @pytest.mark.parametrize("method", ["pipeoptim", "spectrain", "async-naive"])
 def test_without_the_policy_hook_recomputation_is_wrong(method):
     """Recomputing on the backward's weights (no hook) changes the gradients: the bitwise tests can fail."""
@@ -219,6 +232,27 @@ def test_without_the_policy_hook_recomputation_is_wrong(method):
     _, ref_grads, _, _ = async_run(method, NONE)
     with pytest.raises(AssertionError):
         assert_same(grads, ref_grads, "gradients")
+
+
+# ---- Transformer Engine layers (tests/fake_transformer_engine.py): the policies' in-place weight path ------
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    fake_transformer_engine.install()
+    monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
+    yield fake_transformer_engine
+    fake_transformer_engine.uninstall()
+
+
+@pytest.mark.parametrize("granularity", ["full-uniform", "selective"])
+def test_transformer_engine_pipeoptim_bitwise(fake_te, granularity):
+    fake_te.CALLS.clear()
+    recomputed = async_run("pipeoptim", GRANULARITIES[granularity], impl="transformer_engine")
+    attention_calls = sum(1 for name, _ in fake_te.CALLS if name == "DotProductAttention")
+    fake_te.CALLS.clear()
+    plain = async_run("pipeoptim", NONE, impl="transformer_engine")
+    assert attention_calls == 2 * sum(1 for name, _ in fake_te.CALLS if name == "DotProductAttention")
+    assert_same(recomputed[:3], plain[:3], f"TE {granularity}")
 
 
 # ---- distributed: TP=2 x PP=2 with sequence parallelism (TP-split dropout through the tracker) --------------
@@ -253,3 +287,20 @@ def test_recompute_needs_a_graph_only():
     b = get_batch(0)
     with torch.no_grad():
         assert torch.equal(model(input_ids=b["tokens"]), plain(input_ids=b["tokens"]))
+
+
+# ---- end to end through pretrain_gpt.py's entry ---------------------------------------------------------------
+
+def test_pretrain_pipeoptim_with_recompute_logs_the_same_losses(corpus, tmp_path):
+    """PP=2 PipeOptim with dropout: --recompute-granularity full gives the very losses of the plain run."""
+    from test_pretrain_gpt import ASYNC as ASYNC_FLAGS, run_layout
+    flags = dict(ASYNC_FLAGS, **{"--pipeline-method": "pipeoptim", "--log-interval": 1, "--train-iters": 6,
+                                 "--eval-interval": 6, "--hidden-dropout": 0.1, "--attention-dropout": 0.1})
+    plain = run_layout(corpus, tmp_path, "plain", 2, **flags)
+    full = run_layout(corpus, tmp_path, "full", 2, **flags, **{"--recompute-granularity": "full",
+                                                                "--recompute-method": "uniform",
+                                                                "--recompute-num-layers": 1})
+    losses = [r["lm_loss"] for r in plain if "lm_loss" in r]
+    assert len(losses) == 6
+    assert [r["lm_loss"] for r in full if "lm_loss" in r] == losses
+    assert [r["val_loss"] for r in full if "val_loss" in r] == [r["val_loss"] for r in plain if "val_loss" in r]

@@ -36,14 +36,10 @@ def layer_groups(cfg: ModelConfig, num_layers: int) -> list[tuple[int, int, bool
     return [(i, i + 1, True) for i in range(block)] + ([(block, num_layers, False)] if block < num_layers else [])
 
 
-def recomputing() -> bool:
-    """Recompute only where a backward will run (training forwards build a graph; eval does not)."""
-    return torch.is_grad_enabled()
-
-
 def maybe_recompute(enabled: bool, function, *args, params=()):
-    """`function(*args)`, recomputed in the backward when `enabled` and a graph is being built."""
-    if enabled and recomputing():
+    """`function(*args)`, recomputed in the backward when `enabled` and a graph is being built (training
+    forwards; evaluation and decoding run under no_grad and keep nothing anyway)."""
+    if enabled and torch.is_grad_enabled():
         return checkpoint(function, *args, params=params)
     return function(*args)
 

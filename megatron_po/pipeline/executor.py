@@ -15,7 +15,9 @@
 It never knows which schedule produced the ops. What moves between stages goes through a transport:
 `P2PTransport` (torch.distributed isend / blocking recv, any number of tensors per message, shapes
 sent in a small header so variable-length batches work) or `Mailbox` (a dict, for the emulator). The
-weight-version policy of asynchronous methods is called around every forward and backward.
+weight-version policy of asynchronous methods is called around every forward and backward, and gives
+each forward the provider through which activation recomputation in its backward sees the forward's
+weights (`WeightPolicy.weights_for_recompute`, docs/recomputation.md).
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ class RecomputeWeights:
     """Mixin of the asynchronous weight policies (pipeline/policies.py). Needs `self.params` (per chunk),
     `self.staleness` (chunk -> mb -> s(j)) and `self._note_copies(chunk)`."""
 
+    _recompute_kept: dict[int, int] | None = None  # chunk -> elements of forward weights kept right now
+
+    def _kept_numel(self) -> dict[int, int]:
+        if self._recompute_kept is None:
+            self._recompute_kept = {}
+        return self._recompute_kept
+
     def _backward_sees_forward_weights(self, mb: int, chunk: int) -> bool:
         """Whether B(mb) runs on exactly the weights F(mb) ran on. Here (live weights at both passes):
         when the chunk took no step in between. Policies that predict or swap versions override it."""
@@ -40,7 +47,7 @@ class RecomputeWeights:
         with torch.no_grad():
             kept = [p.data.clone() for p in params]
         numel = sum(t.numel() for t in kept)
-        kept_numel = self.__dict__.setdefault("_recompute_kept", {})
+        kept_numel = self._kept_numel()
         kept_numel[chunk] = kept_numel.get(chunk, 0) + numel
         self._note_copies(chunk)
 
@@ -59,7 +66,7 @@ class RecomputeWeights:
 
     def _recompute_copies(self, chunk: int) -> int:
         """Forward weights kept for recomputation right now, in whole copies of the chunk (rounded up)."""
-        kept = self.__dict__.get("_recompute_kept", {}).get(chunk, 0)
+        kept = self._kept_numel().get(chunk, 0)
         total = sum(p.numel() for p in self.params[chunk])
         return -(-kept // total) if total else 0
 

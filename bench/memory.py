@@ -51,13 +51,17 @@ from dist_harness import run_distributed  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_po import parallel_state as ps  # noqa: E402
-from megatron_po.config import ModelConfig  # noqa: E402
+from megatron_po.config import ASYNC_METHODS, Config, ModelConfig  # noqa: E402
 from megatron_po.distributed.ddp import DistributedDataParallel  # noqa: E402
 from megatron_po.models.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megatron_po.optim import build_optimizer  # noqa: E402
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megatron_po.optim.memory import MEGATRON_BYTES_PER_PARAM, measure_training_memory  # noqa: E402
 from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from megatron_po.pipeline.async_pipeline import AsyncEmulator  # noqa: E402
+from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate  # noqa: E402
+from megatron_po.pipeline.partition import build_chunks_for_rank  # noqa: E402
+from megatron_po.pipeline.schedules import Step, build_schedule  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
 
 SETTINGS = {  # name: (model dtype, grad buffer dtype)
@@ -115,9 +119,11 @@ class LiveTensors(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.storages: dict[int, list[int]] = {}  # data_ptr -> [tensors alive, nbytes]
+        self.refs: dict = {}  # id -> weak reference whose callback releases its storage's count
         self.live = self.peak = 0
 
-    def _release(self, ptr: int) -> None:
+    def _release(self, ref, ptr: int) -> None:
+        del self.refs[id(ref)]
         entry = self.storages[ptr]
         entry[0] -= 1
         if entry[0] == 0:
@@ -133,7 +139,8 @@ class LiveTensors(TorchDispatchMode):
                     self.storages[ptr] = [0, t.untyped_storage().nbytes()]
                     self.live += self.storages[ptr][1]
                 self.storages[ptr][0] += 1
-                weakref.finalize(t, self._release, ptr)
+                ref = weakref.ref(t, lambda ref, ptr=ptr: self._release(ref, ptr))
+                self.refs[id(ref)] = ref
         self.peak = max(self.peak, self.live)
         return out
 
@@ -172,6 +179,75 @@ def recompute_table(dropout: float, reps: int) -> list[dict]:
     return list(rows.values())
 
 
+PIPELINE_METHODS = ("1f1b", "pipedream", "pipeoptim")
+PIPELINE_MODES = ("none", "selective", "full uniform 1")
+
+
+def pipeline_rank_peaks(method: str, flags: dict, D: int = 4, M: int = 8) -> tuple[list[int], dict]:
+    """Peak bytes alive per pipeline rank of what that rank's forward and backward ops create (activations
+    of the micro-batches in flight, messages, gradients, PipeOptim's Ŵ, weights kept for recomputation),
+    single-process emulator, D stages of one layer each, M micro-batches, dropout 0.1; and the weight
+    copies per chunk (asynchronous methods). Optimizer steps are not tracked (their state is not
+    activation memory)."""
+    model_parallel_seed(1)
+    cfg = Config()
+    cfg.model = dataclasses.replace(TINY_GPT, num_layers=D, untie_embeddings_and_output_weights=True, **flags)
+    cfg.training.seed = 1
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, TINY_VOCAB, (TINY_BATCH, cfg.model.seq_length + 1), generator=g) for _ in range(M)]
+    get_batch = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(TINY_BATCH, t.shape[1] - 1)}
+                 for t in batches]
+    trackers = [LiveTensors() for _ in range(D)]
+
+    def tracked(runner):
+        run = runner.run
+
+        def run_tracked(op, sync_grads=False):
+            if isinstance(op, Step):
+                return run(op, sync_grads)
+            with trackers[runner.rank]:
+                return run(op, sync_grads)
+        runner.run = run_tracked
+        return runner
+
+    copies = {}
+    if method in ASYNC_METHODS:
+        emu = AsyncEmulator(cfg, TINY_VOCAB, method, D, 1, 1, "adam", {"lr": 1e-4}, None, 0.0)
+        for stage in emu.stages:
+            make = stage.runner
+            stage.runner = lambda *a, make=make, **k: tracked(make(*a, **k))
+        emu.train_segment(get_batch)
+        copies = emu.copies_per_chunk()
+    else:
+        mailbox = Mailbox()
+        runners = {r: tracked(StageRunner(rank=r, num_stages=D, transport=mailbox, get_batch=get_batch.__getitem__,
+                                          chunks=build_chunks_for_rank(cfg, TINY_VOCAB, r, D, 1), loss_scale=1 / M))
+                   for r in range(D)}
+        emulate(build_schedule(method, D, 1, M), runners)
+    return [t.peak for t in trackers], copies
+
+
+def pipeline_table() -> list[str]:
+    lines = ["## Per pipeline rank: activations in flight vs weights kept for recomputation", "",
+             f"D = 4 stages of one layer (the tiny GPT's layers), M = 8 micro-batches, dropout 0.1, emulator; "
+             "peak MiB per rank of what its forward/backward ops create (activations in flight, messages, "
+             "gradients, PipeOptim's prediction, weights kept for recomputation); weight copies per chunk "
+             "(live included) for the asynchronous methods.", "",
+             "| method | recompute | peak MiB, ranks 0..3 | vs none | weight copies, ranks 0..3 |",
+             "|---|---|---|---|---|"]
+    for method in PIPELINE_METHODS:
+        base = None
+        for mode in PIPELINE_MODES:
+            peaks, copies = pipeline_rank_peaks(method, dict(RECOMPUTE_MODES[mode], hidden_dropout=0.1,
+                                                             attention_dropout=0.1))
+            base = base or peaks
+            mib = " / ".join(f"{p / 2**20:.1f}" for p in peaks)
+            ratio = " / ".join(f"{p / b:.2f}" for p, b in zip(peaks, base))
+            held = " / ".join(str(copies[(r, 0)]) for r in range(4)) if copies else "1 (synchronous)"
+            lines.append(f"| {method} | {mode} | {mib} | {ratio} | {held} |")
+    return lines + [""]
+
+
 def recompute_main(args) -> None:
     torch.set_num_threads(1)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -182,7 +258,10 @@ def recompute_main(args) -> None:
              f"Machine load before: `{load}`", "",
              "Activation memory = bytes the autograd graph keeps when the forward returns (measured, see the "
              "docstring); peak = most bytes alive over forward + backward (parameter gradients included). "
-             "Step = forward + backward, median of the interleaved repetitions.", ""]
+             "Step = forward + backward, median of the interleaved repetitions. The memory figures are "
+             "deterministic; the step times come from a shared machine under the load shown, so read their "
+             "ratios as indicative (one extra forward per recomputed layer is the expected cost: about "
+             "+1/3 of a step for full).", ""]
     for dropout in (0.0, 0.1):
         rows = recompute_table(dropout, args.reps)
         base = rows[0]
@@ -194,6 +273,7 @@ def recompute_main(args) -> None:
                          f"{r['peak'] / 2**20:.2f} | {r['peak'] / base['peak']:.2f} | {1e3 * r['time']:.1f} | "
                          f"{r['time'] / base['time']:.2f} |")
         lines.append("")
+    lines += pipeline_table()
     lines.append(f"Machine load after: `{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}`")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -304,3 +304,27 @@ def test_pretrain_pipeoptim_with_recompute_logs_the_same_losses(corpus, tmp_path
     assert len(losses) == 6
     assert [r["lm_loss"] for r in full if "lm_loss" in r] == losses
     assert [r["val_loss"] for r in full if "val_loss" in r] == [r["val_loss"] for r in plain if "val_loss" in r]
+
+
+# ---- the bench's measurement ---------------------------------------------------------------------------------
+
+def test_bench_tracker_counts_what_the_graph_keeps():
+    """bench/memory.py --recompute's LiveTensors: storages created inside and still alive, views once."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "memory.py")
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    x = torch.randn(1000, requires_grad=True)  # made before: not counted
+    tracker = memory.LiveTensors()
+    with tracker:
+        a = x * 2  # kept: sin saves its input
+        y = a.sin()
+        view = y[:10]  # same storage as y: counted once  # noqa: F841
+        tmp = torch.ones(1000)
+        del tmp, a  # a stays alive in the graph (saved by sin); tmp is freed
+    assert tracker.live == 2 * 4000
+    assert tracker.peak == 3 * 4000
+    del y, view
+    assert tracker.live == 0  # the graph died with y: nothing kept

@@ -291,10 +291,12 @@ def test_recompute_needs_a_graph_only():
 
 # ---- end to end through pretrain_gpt.py's entry ---------------------------------------------------------------
 
-def test_pretrain_pipeoptim_with_recompute_logs_the_same_losses(corpus, tmp_path):
-    """PP=2 PipeOptim with dropout: --recompute-granularity full gives the very losses of the plain run."""
+@pytest.mark.parametrize("method", ["1f1b", "pipeoptim"])
+def test_pretrain_with_recompute_logs_the_same_losses(corpus, tmp_path, method):
+    """PP=2 with dropout, through P2P and the training loop: --recompute-granularity full gives the very
+    losses of the plain run."""
     from test_pretrain_gpt import ASYNC as ASYNC_FLAGS, run_layout
-    flags = dict(ASYNC_FLAGS, **{"--pipeline-method": "pipeoptim", "--log-interval": 1, "--train-iters": 6,
+    flags = dict(ASYNC_FLAGS, **{"--pipeline-method": method, "--log-interval": 1, "--train-iters": 6,
                                  "--eval-interval": 6, "--hidden-dropout": 0.1, "--attention-dropout": 0.1})
     plain = run_layout(corpus, tmp_path, "plain", 2, **flags)
     full = run_layout(corpus, tmp_path, "full", 2, **flags, **{"--recompute-granularity": "full",
@@ -328,3 +330,30 @@ def test_bench_tracker_counts_what_the_graph_keeps():
     assert tracker.peak == 3 * 4000
     del y, view
     assert tracker.live == 0  # the graph died with y: nothing kept
+
+
+# ---- NMT: selective recomputation of the encoder and decoder self-attention cores ----------------------------
+
+def nmt_run(recompute, variant):
+    from test_nmt_model import SEED as NMT_SEED, VARIANTS, batches, make_cfg as nmt_cfg
+
+    from megatron_po.models.nmt import NMTModel
+    model_parallel_seed(NMT_SEED)
+    cfg = nmt_cfg(variant, **recompute)
+    cfg.model = dataclasses.replace(cfg.model, hidden_dropout=0.1, attention_dropout=0.1)
+    model = NMTModel(cfg.model, cfg.nmt, *VARIANTS[variant]["vocab"], NMT_SEED)
+    losses = []
+    for b in batches(VARIANTS[variant]["vocab"]):
+        loss = masked_mean_loss(model(b), b["loss_mask"])
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {k: p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", ["shared", "separate"])
+def test_nmt_selective_bitwise(monkeypatch, variant):
+    calls, original, counted = count_calls(SelfAttention, "core_attention")
+    monkeypatch.setattr(SelfAttention, "core_attention", counted)
+    recomputed = nmt_run(SELECTIVE, variant)
+    assert len(calls) == 2 * 4 * 4  # 4 self-attention layers (2 encoder, 2 decoder), 4 batches, twice each
+    assert_same(recomputed, nmt_run(NONE, variant), f"nmt {variant}")

@@ -11,14 +11,13 @@ comparison would catch a recomputation on the wrong weights. Tolerance: exact (t
 
 import dataclasses
 
-import fake_transformer_engine
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (model init imports it lazily, ~1 s: once here, not in forked ranks)
 from dist_harness import run_distributed
 from test_async_policies import LR, SEED, VOCAB, get_batch, lr_fn_for, make_cfg
+from test_transformer_engine import fake_te, one_thread  # noqa: F401  (fixtures: the fake TE; one thread, autouse)
 
-from megatron_po.models import te_transformer
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.recompute import layer_groups
 from megatron_po.models.transformer import SelfAttention, TransformerLayer
@@ -33,14 +32,6 @@ BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_n
 SELECTIVE = dict(recompute_activations=True)
 NONE = {}
 GRANULARITIES = {"full-uniform": FULL, "full-block": BLOCK, "selective": SELECTIVE}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def with_recompute(cfg, recompute: dict, dropout: float = 0.1):
@@ -235,14 +226,6 @@ def test_without_the_policy_hook_recomputation_is_wrong(method):
 
 
 # ---- Transformer Engine layers (tests/fake_transformer_engine.py): the policies' in-place weight path ------
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    fake_transformer_engine.install()
-    monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
-    yield fake_transformer_engine
-    fake_transformer_engine.uninstall()
-
 
 @pytest.mark.parametrize("granularity", ["full-uniform", "selective"])
 def test_transformer_engine_pipeoptim_bitwise(fake_te, granularity):

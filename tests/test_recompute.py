@@ -315,7 +315,7 @@ def test_bench_tracker_counts_what_the_graph_keeps():
     assert tracker.live == 0  # the graph died with y: nothing kept
 
 
-# ---- NMT: selective recomputation of the encoder and decoder self-attention cores ----------------------------
+# ---- NMT: selective recomputation of every attention core (encoder, decoder, cross-attention) -----------------
 
 def nmt_run(recompute, variant):
     from test_nmt_model import SEED as NMT_SEED, VARIANTS, batches, make_cfg as nmt_cfg
@@ -335,8 +335,12 @@ def nmt_run(recompute, variant):
 
 @pytest.mark.parametrize("variant", ["shared", "separate"])
 def test_nmt_selective_bitwise(monkeypatch, variant):
-    calls, original, counted = count_calls(SelfAttention, "core_attention")
+    from megatron_po.models.nmt import CrossAttention
+    calls, _, counted = count_calls(SelfAttention, "core_attention")
     monkeypatch.setattr(SelfAttention, "core_attention", counted)
+    cross_calls, _, cross_counted = count_calls(CrossAttention, "core_attention")
+    monkeypatch.setattr(CrossAttention, "core_attention", cross_counted)
     recomputed = nmt_run(SELECTIVE, variant)
     assert len(calls) == 2 * 4 * 4  # 4 self-attention layers (2 encoder, 2 decoder), 4 batches, twice each
+    assert len(cross_calls) == 2 * 2 * 4  # 2 decoder layers' cross-attention
     assert_same(recomputed, nmt_run(NONE, variant), f"nmt {variant}")

@@ -451,6 +451,11 @@ class _PredictingPolicy(AsyncPolicy):
         predicting = self.cache[chunk] is not None or self.live[chunk] is not None
         return (2 if predicting else 1) + self._recompute_copies(chunk)
 
+    def _backward_sees_forward_weights(self, mb, chunk):
+        # Asked right after before_forward: a forward on a prediction needs it back for a recomputation
+        # (PipeOptim's B(j) runs on the live weights); without prediction and step in between, live = live.
+        return self.staleness[chunk][mb] == 0 and not self.predicted[chunk]
+
     def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
         opt = self.optimizers[chunk]
         if steps == 0 or not opt.has_state():
@@ -513,6 +518,10 @@ class SpecTrainPolicy(_PredictingPolicy):
         super().use_schedule(schedule)
         self.spectrain = {c: s for (r, c), s in spectrain_staleness(schedule).items() if r == self.rank}
 
+    def _backward_sees_forward_weights(self, mb, chunk):
+        # With s(j) = 0 no step separates the passes, and s_f = s_b: B(j) predicts the very same weights.
+        return self.staleness[chunk][mb] == 0
+
     def before_forward(self, mb, chunk):
         self._predict(chunk, self.spectrain[chunk][mb][0])
 
@@ -566,10 +575,6 @@ class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
 
     def copies(self, chunk):
         return super().copies(chunk) + sum(1 for (_, c) in self.used if c == chunk)
-
-    def _backward_sees_forward_weights(self, mb, chunk):
-        # F(j) predicts s(j) + s_offset steps ahead; B(j) runs on the live weights.
-        return self.staleness[chunk][mb] == 0 and self.s_offset == 0
 
     def before_forward(self, mb, chunk):
         self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])

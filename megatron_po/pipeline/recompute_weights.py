@@ -33,8 +33,9 @@ class RecomputeWeights:
         return self._recompute_kept
 
     def _backward_sees_forward_weights(self, mb: int, chunk: int) -> bool:
-        """Whether B(mb) runs on exactly the weights F(mb) ran on. Here (live weights at both passes):
-        when the chunk took no step in between. Policies that predict or swap versions override it."""
+        """Whether B(mb) runs on exactly the weights F(mb) ran on; asked right after before_forward(mb,
+        chunk). Here (live weights at both passes): when the chunk took no step in between. Policies that
+        predict or swap versions override it (a new policy must, if its passes see other weights)."""
         return self.staleness[chunk][mb] == 0
 
     def weights_for_recompute(self, mb: int, chunk: int):

@@ -33,6 +33,10 @@ which is not counted as a weight copy. The predicting policies (SpecTrain, PipeO
 parameter at its predicted tensor for one pass and back after it, where every module of the chunk saves
 the parameter itself rather than a view of its storage (our layers do: `tensor_parallel.layers.linear`),
 and fall back to in-place writes with a cache otherwise; see `_PredictingPolicy`.
+
+Activation recomputation (--recompute-*) reruns parts of F(j) inside B(j) on the weights F(j) ran on:
+every policy says whether B(j) already runs on them or the forward's weights must be kept until then
+(`_backward_sees_forward_weights`; pipeline/recompute_weights.py, docs/recomputation.md).
 """
 
 from __future__ import annotations

@@ -65,6 +65,15 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = _f(False, "separate output layer weights (required by async pipelines)")
     hidden_dropout: float = _f(0.1, "dropout on hidden states")
     attention_dropout: float = _f(0.1, "dropout on attention probabilities")
+    recompute_granularity: str | None = _f(None, "activation recomputation: full (whole layers, see "
+                                           "--recompute-method) or selective (the attention core only)",
+                                           choices=["full", "selective"])
+    recompute_method: str | None = _f(None, "--recompute-granularity full: uniform (every group of "
+                                      "--recompute-num-layers layers) or block (the first --recompute-num-layers "
+                                      "layers of each model chunk)", choices=["uniform", "block"])
+    recompute_num_layers: int | None = _f(None, "--recompute-granularity full: layers per recomputed group "
+                                          "(uniform) or recomputed layers per model chunk (block)")
+    recompute_activations: bool = _f(False, "recompute the attention core (= --recompute-granularity selective)")
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections get std/sqrt(2*layers)")
     add_bias_linear: bool = _f(True, "no biases in the linear layers (QKV, attention output, MLP)",
                                alias="--disable-bias-linear")
@@ -427,6 +436,11 @@ def num_query_groups(m: ModelConfig) -> int:
     return m.num_query_groups if m.group_query_attention else m.num_attention_heads
 
 
+def recompute_granularity(m: ModelConfig) -> str | None:
+    """The activation recomputation in effect: --recompute-activations is Megatron's alias of selective."""
+    return "selective" if m.recompute_activations else m.recompute_granularity
+
+
 def data_parallel_size(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
 
@@ -554,6 +568,19 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         need(m.seq_length <= max_pos,
              f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings ({max_pos})")
     need(0 <= m.hidden_dropout < 1 and 0 <= m.attention_dropout < 1, "dropout probabilities must be in [0, 1)")
+    need(not (m.recompute_activations and m.recompute_granularity == "full"),
+         "--recompute-activations means --recompute-granularity selective, which contradicts "
+         "--recompute-granularity full: give one of them")
+    if recompute_granularity(m) == "full":
+        need(m.recompute_method is not None and m.recompute_num_layers is not None,
+             "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers")
+        need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+        need(workload == "gpt", "--recompute-granularity full is wired for GPT (pretrain_gpt.py) only so far; "
+                                "the NMT model takes --recompute-granularity selective")
+    else:
+        need(m.recompute_method is None and m.recompute_num_layers is None,
+             f"--recompute-method and --recompute-num-layers apply to --recompute-granularity full, not "
+             f"{recompute_granularity(m) or 'none'}")
     if p.sequence_parallel:
         need(m.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
@@ -824,6 +851,10 @@ def validate_transformer_engine(cfg: Config, workload: str) -> None:
         tokens = seq * cfg.training.micro_batch_size
         need(tokens % 8 == 0, f"--fp8-format needs the tokens of a micro-batch per rank ({tokens}: sequence "
                               f"{seq} x --micro-batch-size {cfg.training.micro_batch_size}) divisible by 8")
+        need(recompute_granularity(m) != "full",
+             "--recompute-granularity full with --fp8-format is not supported: the recomputation runs in the "
+             "backward, outside the FP8 autocast (Transformer Engine's own checkpoint would be needed); use "
+             "--recompute-granularity selective")
     if m.transformer_impl == "transformer_engine":
         need(not m.qk_layernorm, "--qk-layernorm is not wired into the Transformer Engine layer: use "
                                  "--transformer-impl local")

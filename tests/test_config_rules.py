@@ -95,6 +95,16 @@ RULES = [
     ("seq-vs-positions", 1, MOCK + ["--seq-length", "512", "--max-position-embeddings", "256"],
      ["--seq-length (512) exceeds --max-position-embeddings (256)"]),
     ("dropout-range", 1, MOCK + ["--hidden-dropout", "1.0"], ["dropout probabilities must be in [0, 1)"]),
+    # activation recomputation
+    ("recompute-activations-vs-full", 1, MOCK + ["--recompute-activations", "--recompute-granularity", "full"],
+     ["--recompute-activations means --recompute-granularity selective", "contradicts --recompute-granularity full"]),
+    ("recompute-full-needs-method", 1, MOCK + ["--recompute-granularity", "full", "--recompute-num-layers", "1"],
+     ["--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers"]),
+    ("recompute-num-layers>=1", 1, MOCK + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                           "--recompute-num-layers", "0"],
+     ["--recompute-num-layers must be >= 1 (got 0)"]),
+    ("recompute-method-needs-full", 1, MOCK + ["--recompute-activations", "--recompute-method", "block"],
+     ["--recompute-method and --recompute-num-layers apply to --recompute-granularity full, not selective"]),
     ("sequence-parallel-seq", 2, MOCK + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                          "--seq-length", "63"], ["--sequence-parallel", "--seq-length (63)"]),
     ("virtual-stage>=1", 2, MOCK + ["--pipeline-model-parallel-size", "2",
@@ -264,6 +274,9 @@ RULES = [
      ["--fp8-format needs --hidden-size (48) and the hidden and MLP sizes per TP rank (24, 96) divisible by 16"]),
     ("fp8-tokens-by-8", 1, TE_FP8 + ["--seq-length", "6", "--micro-batch-size", "1"],
      ["--fp8-format needs the tokens of a micro-batch per rank (6: sequence 6 x --micro-batch-size 1) divisible by 8"]),
+    ("fp8-no-full-recompute", 1, TE_FP8 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                           "--recompute-num-layers", "1"],
+     ["--recompute-granularity full with --fp8-format is not supported", "use --recompute-granularity selective"]),
     ("te-importable", 1, MOCK + TE,
      ["Transformer Engine requested but not usable: ", "--transformer-impl local runs without it"]),
 ]
@@ -271,6 +284,9 @@ RULES = [
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
     ("eod-mask-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
+    ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
+                                          "--recompute-num-layers", "1"],
+     ["--recompute-granularity full is wired for GPT (pretrain_gpt.py) only", "--recompute-granularity selective"]),
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
     ("gpt-attention-options", 1, NMT + ["--group-query-attention"],
      ["--group-query-attention applies to pretrain_gpt.py"]),

@@ -20,6 +20,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
 from megatron_po.data.document_masks import document_causal_mask
+from megatron_po.models.recompute import layer_groups, run_layers
 from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
                                              layers_context, rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -86,6 +87,7 @@ class GPTModel(nn.Module):
             with _seeded(seed, i):
                 layers.append(build_transformer_layer(cfg, sequence_parallel))
         self.layers = nn.ModuleList(layers)
+        self.recompute_groups = layer_groups(cfg, n)  # --recompute-granularity full: checkpointed layer ranges
         self.layers_context = layers_context(cfg)  # FP8 autocast with Transformer Engine + --fp8-format
 
         self.final_norm = self.output_layer = None
@@ -134,8 +136,8 @@ class GPTModel(nn.Module):
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
             rotary = self.rotary(seq, x.device, position_ids)
         with self.layers_context():
-            for layer in self.layers:
-                x = layer(x, rotary) if attn_mask is None else layer(x, rotary, attn_mask)
+            extra = () if attn_mask is None else (attn_mask,)
+            x = run_layers(self.layers, self.recompute_groups, x, rotary, *extra)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, NMTConfig
+from megatron_po.config import ModelConfig, NMTConfig, recompute_granularity
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
+from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
                                              init_normal)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, get_rng_tracker,
@@ -62,6 +63,7 @@ class CrossAttention(nn.Module):
         self.num_local_heads, self.head_dim = nh // tp, h // nh
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
+        self.recompute_core = recompute_granularity(cfg) == "selective"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.q = ColumnParallelLinear(h, h, bias=cfg.add_bias_linear, gather_output=False,
                                       init_method=init_normal(cfg.init_method_std))
@@ -85,15 +87,18 @@ class CrossAttention(nn.Module):
             k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             if kv_cache is not None:
                 kv_cache["k"], kv_cache["v"] = k, v
+        ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask)
+        out, _ = self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim))
+        return out
+
+    def core_attention(self, q, k, v, attn_mask) -> torch.Tensor:
+        """softmax(QKᵀ/√d)V over the source with dropout: what selective recomputation recomputes."""
         p = self.attention_dropout if self.training else 0.0
         with attention_kernel_context(self.attention_backend, masked=True):
             if p > 0.0:
                 with get_rng_tracker().fork():  # heads are split across TP ranks: dropout must differ
-                    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
-            else:
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        out, _ = self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim))
-        return out
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class EncoderLayer(TransformerLayer):

@@ -56,8 +56,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
+from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
+                                 recompute_granularity)
 from megatron_po.errors import ConfigError
+from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.te_layout import layer_name_pairs
 from megatron_po.models.transformer import apply_rotary, dropout, split_qkv
 from megatron_po.tensor_parallel import get_rng_tracker
@@ -217,6 +219,7 @@ class TESelfAttention(nn.Module):
             tp_size=tp, tp_group=parallel["tp_group"], get_rng_state_tracker=get_rng_tracker)
         self.proj = te.Linear(nh * self.head_dim, h, bias=cfg.add_bias_linear, parallel_mode="row",
                               init_method=_no_init, **parallel)
+        self.recompute_core = recompute_granularity(cfg) == "selective"
 
     def forward(self, x: torch.Tensor, rotary=None, is_first_microbatch: bool | None = None) -> torch.Tensor:
         qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [s, b, (nh + 2g) hd/tp], whole sequence
@@ -224,7 +227,7 @@ class TESelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        ctx = self.core_attention(q, k, v)  # [s, b, h/tp]
+        ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v)  # [s, b, h/tp]
         return self.proj(ctx, is_first_microbatch=is_first_microbatch)
 
 

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
+from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
+                                 recompute_granularity)
+from megatron_po.models.recompute import maybe_recompute
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 
 
@@ -145,6 +147,7 @@ class SelfAttention(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
+        self.recompute_core = recompute_granularity(cfg) == "selective"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=cfg.add_bias_linear,
                                         gather_output=False, init_method=init_normal(cfg.init_method_std),
@@ -176,10 +179,18 @@ class SelfAttention(nn.Module):
             kv_cache["k"], kv_cache["v"] = k, v
             if self.causal and attn_mask is None and k.shape[2] > s > 1:  # new queries see the cache + their past
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
+        causal = self.causal and attn_mask is None and k.shape[2] == s
+        ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
+        out, _ = self.proj(ctx)
+        return out
+
+    def core_attention(self, q, k, v, attn_mask, causal: bool) -> torch.Tensor:
+        """softmax(QKᵀ/√d)V with dropout, [b, heads, s, head_dim]: what selective recomputation recomputes
+        (the key/value groups are repeated in here, so a recomputed core keeps only the unrepeated ones)."""
         if self.heads_per_group > 1:  # query head i reads key/value group i // heads_per_group
             k, v = k.repeat_interleave(self.heads_per_group, dim=1), v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.attention_dropout if self.training else 0.0
-        causal = self.causal and attn_mask is None and k.shape[2] == s
         dtype = q.dtype
         if self.softmax_in_fp32:
             q, k, v = q.float(), k.float(), v.float()
@@ -190,9 +201,7 @@ class SelfAttention(nn.Module):
                     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
             else:
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
-        ctx = ctx.to(dtype).permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
-        out, _ = self.proj(ctx)
-        return out
+        return ctx.to(dtype)
 
 
 class MLP(nn.Module):

@@ -15,7 +15,9 @@
 It never knows which schedule produced the ops. What moves between stages goes through a transport:
 `P2PTransport` (torch.distributed isend / blocking recv, any number of tensors per message, shapes
 sent in a small header so variable-length batches work) or `Mailbox` (a dict, for the emulator). The
-weight-version policy of asynchronous methods is called around every forward and backward.
+weight-version policy of asynchronous methods is called around every forward and backward, and gives
+each forward the provider through which activation recomputation in its backward sees the forward's
+weights (`WeightPolicy.weights_for_recompute`, docs/recomputation.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_po.models.gpt import masked_mean_loss
 from megatron_po.monitor import timers
 from megatron_po.pipeline.schedules import (Backward, Forward, Schedule, Step, comm_of, message_tag, tag_period,
                                              virtual_stage)
+from megatron_po.tensor_parallel import recompute_weights
 
 # --------------------------------------------------------------------------------------------------
 # Transports
@@ -162,6 +165,12 @@ class WeightPolicy:
     def lr_scale(self, chunk: int) -> float:
         return 1.0
 
+    def weights_for_recompute(self, mb: int, chunk: int):
+        """The `tensor_parallel.recompute_weights` provider for the forward of (mb, chunk): how activation
+        recomputation inside its backward gets the weights this forward runs on. None: the backward's
+        weights are those already (synchronous methods change weights only after the flush)."""
+        return None
+
 
 # --------------------------------------------------------------------------------------------------
 # The runner
@@ -224,7 +233,8 @@ class StageRunner:
         if not self.forward_only:
             with timers("prediction", 2):
                 self.policy.before_forward(mb, c)
-        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", 2):
+        weights = None if self.forward_only else self.policy.weights_for_recompute(mb, c)
+        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", 2), recompute_weights(weights):
             hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
             if reads_batch:
                 out = chunk(batch, hidden_states=hidden)

@@ -33,6 +33,10 @@ which is not counted as a weight copy. The predicting policies (SpecTrain, PipeO
 parameter at its predicted tensor for one pass and back after it, where every module of the chunk saves
 the parameter itself rather than a view of its storage (our layers do: `tensor_parallel.layers.linear`),
 and fall back to in-place writes with a cache otherwise; see `_PredictingPolicy`.
+
+Activation recomputation (--recompute-*) reruns parts of F(j) inside B(j) on the weights F(j) ran on:
+every policy says whether B(j) already runs on them or the forward's weights must be kept until then
+(`_backward_sees_forward_weights`; pipeline/recompute_weights.py, docs/recomputation.md).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 from megatron_po.errors import ConfigError
 from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.executor import WeightPolicy
+from megatron_po.pipeline.recompute_weights import RecomputeWeights
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
 from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -164,7 +169,7 @@ def check_untied(chunks) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class AsyncPolicy(WeightPolicy):
+class AsyncPolicy(RecomputeWeights, WeightPolicy):
     """Shared bookkeeping: the chunks' parameters, their optimizers, the steps each chunk has taken,
     the schedule's staleness for this rank, and the weight copies alive per chunk.
 
@@ -243,7 +248,7 @@ class AsyncPolicy(WeightPolicy):
 
     def copies(self, chunk: int) -> int:
         """Full weight copies of `chunk` alive right now, the live weights included."""
-        return 1
+        return 1 + self._recompute_copies(chunk)
 
     def _note_copies(self, chunk: int) -> None:
         self._max_copies[chunk] = max(self._max_copies[chunk], self.copies(chunk))
@@ -294,6 +299,9 @@ class PipeDreamPolicy(_DelayCompensating, AsyncPolicy):
 
     def copies(self, chunk):
         return 1 + len(self.stash[chunk])
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        return True  # B(j) swaps in the version F(j) ran on
 
     def _in_flight_versions(self, chunk: int) -> set[int]:
         return {v for (_, c), v in self.version_of.items() if c == chunk}
@@ -354,6 +362,9 @@ class PipeDream2BWPolicy(AsyncPolicy):
 
     def copies(self, chunk):
         return 1 if self.older[chunk] is None else 2
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        return True  # both passes of micro-batch j run on W(g-1)
 
     def state_dict(self):
         state = super().state_dict()
@@ -441,7 +452,13 @@ class _PredictingPolicy(AsyncPolicy):
         super().__init__(rank, chunks, optimizers, schedule, **options)
 
     def copies(self, chunk):
-        return 2 if self.cache[chunk] is not None or self.live[chunk] is not None else 1
+        predicting = self.cache[chunk] is not None or self.live[chunk] is not None
+        return (2 if predicting else 1) + self._recompute_copies(chunk)
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        # Asked right after before_forward: a forward on a prediction needs it back for a recomputation
+        # (PipeOptim's B(j) runs on the live weights); without prediction and step in between, live = live.
+        return self.staleness[chunk][mb] == 0 and not self.predicted[chunk]
 
     def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
         opt = self.optimizers[chunk]
@@ -504,6 +521,10 @@ class SpecTrainPolicy(_PredictingPolicy):
     def use_schedule(self, schedule):
         super().use_schedule(schedule)
         self.spectrain = {c: s for (r, c), s in spectrain_staleness(schedule).items() if r == self.rank}
+
+    def _backward_sees_forward_weights(self, mb, chunk):
+        # With s(j) = 0 no step separates the passes, and s_f = s_b: B(j) predicts the very same weights.
+        return self.staleness[chunk][mb] == 0
 
     def before_forward(self, mb, chunk):
         self._predict(chunk, self.spectrain[chunk][mb][0])

@@ -125,27 +125,57 @@ def model_parallel_seed(seed: int) -> None:
     _RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + get_tensor_model_parallel_rank())
 
 
-def checkpoint(function, *args):
-    """Activation recomputation that replays BOTH random streams.
+# Who provides the weights a recomputation must see (the pipeline's weight policy, set per forward pass).
+_recompute_weights = None
+
+
+@contextlib.contextmanager
+def recompute_weights(provider):
+    """Install `provider` for the checkpointed regions whose FORWARD runs inside this block.
+
+    `provider(params)` is called once per region, in its forward, with the region's parameters (which
+    hold the weights that forward runs on); it returns None when the region's recomputation will see the
+    same weights anyway, else a zero-argument context-manager factory that installs those weights around
+    the recomputation. A pipeline whose weights change between a micro-batch's forward and its backward
+    (asynchronous methods, see pipeline/policies.py) provides one; None (the default) keeps the weights
+    that are live at the recomputation."""
+    global _recompute_weights
+    previous, _recompute_weights = _recompute_weights, provider
+    try:
+        yield
+    finally:
+        _recompute_weights = previous
+
+
+def checkpoint(function, *args, params=()):
+    """Activation recomputation that replays BOTH random streams and the forward's weights.
 
     torch.utils.checkpoint restores the default generators for the recomputation, but the tracker's
     states live outside torch: without help, a forked dropout would draw a new mask when recomputed
     and the gradient would belong to a different mask than the forward. We snapshot the tracker at
-    forward time, install the snapshot for the recomputation and put the current states back after."""
+    forward time, install the snapshot for the recomputation and put the current states back after.
+    `params`: the parameters `function` reads; the weights the forward ran on are re-installed for
+    the recomputation when a `recompute_weights` provider says they will have changed by then."""
     tracker = get_rng_tracker()
     snapshot: dict[str, torch.Tensor] = {}
+    provider = _recompute_weights
+    installed = []  # the region's context-manager factory from the provider, set in the forward
 
     @contextlib.contextmanager
     def forward_context():
         snapshot.update(tracker.get_states())
+        if provider is not None and params:
+            installed.append(provider(params))
         yield
 
     @contextlib.contextmanager
     def recompute_context():
         current = tracker.get_states()
         tracker.set_states(snapshot)
+        weights = installed[0] if installed and installed[0] is not None else contextlib.nullcontext
         try:
-            yield
+            with weights():
+                yield
         finally:
             tracker.set_states(current)
 

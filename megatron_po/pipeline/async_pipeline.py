@@ -33,7 +33,7 @@ its scale (it never steps between a micro-batch's forward and backward, so the s
 Segments. Training runs the stream in segments of M micro-batches (`segment_schedule`): the schedule of
 M micro-batches with ids offset by the number already consumed, so batches, p2p tags and staleness use
 global ids. A segment ends with a drain (every micro-batch in flight finishes its backward and step),
-which is needed before evaluation, checkpoints and the end of training. A drain does not change the
+which is needed before checkpoints and the end of training (evaluation is not: see below). A drain does not change the
 update semantics of the micro-batches already in flight: their forward ran where it would have run in
 the endless stream, and exactly the same backwards and steps of their stage separate it from their
 backward, so s(j), and with it PipeDream's stashed versions, 2BW's versions and PipeOptim's
@@ -43,6 +43,17 @@ weights than they would have without the drain. (SpecTrain's backward look-ahead
 a micro-batch's round trip ends on the timeline; during a drain fewer steps remain, so the schedule
 gives the last micro-batches a smaller s_b, which is what that stream really does.) M must be a
 multiple of k (a step always averages k micro-batches) and, with interleaving, of D.
+
+Evaluation without a drain. `train_segment(..., evaluations={N: fn})` calls fn() on every rank at its
+cut for N (`iteration_cuts`): just before the rank's first forward of a micro-batch >= N, i.e. when the
+rank has run every op that precedes the next iteration's micro-batches. There fn evaluates forward-only
+on the rank's live weights (`evaluate`, eval mode, no prediction, no gradients), micro-batches flowing
+stage to stage under ids far from the training ones, so no p2p tag or mailbox key is shared. No
+training op moves, and eval mode draws no random numbers, so the training trajectory is bit for bit the
+same whatever the evaluation interval. The value differs from a drained evaluation: stage r evaluates
+on the weights it holds at its cut (its steps up to micro-batch N - 1 - s, s its staleness), which is
+what the stream is at that moment. The emulator snapshots each rank's weights at the same cut and
+evaluates on the snapshots after the segment, so its values equal the distributed run's.
 
 `AsyncEmulator` runs all D ranks in one process (the research tool: exact per-op numerics of the
 distributed run, no process groups needed); `AsyncPipelineRank` is one rank of the distributed run.
@@ -67,10 +78,11 @@ from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
-from megatron_po.pipeline.executor import Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, run_rank
+from megatron_po.pipeline.executor import (Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, forward_only_ops,
+                                          run_rank)
 from megatron_po.pipeline.partition import build_chunks_for_rank
 from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
-from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
+from megatron_po.pipeline.schedules import Forward, Schedule, async_one_f_one_b, comm_of, gpipe
 
 # --------------------------------------------------------------------------------------------------
 # Configuration
@@ -126,6 +138,45 @@ def _batch_getter(batches, first: int) -> tuple[Callable[[int], dict], int | Non
         return batches, None
     batches = list(batches)
     return (lambda mb: batches[mb - first]), len(batches)
+
+
+EVAL_ID_OFFSET = 2**20  # evaluation micro-batch ids start this far past the cut's training ids (p2p tags, keys)
+
+
+def iteration_cuts(schedule: Schedule, first_new_microbatch: int) -> dict[int, int]:
+    """{rank: op index} where the stream is cut for an action between micro-batch ids below and from
+    `first_new_microbatch` on: each rank's first forward of a micro-batch >= it (len(ops) if none).
+    The cut must be consistent: every op before a rank's cut can run when each rank stops at its own cut
+    (no receive before a cut waits for a send after one); otherwise a ConfigError names the rank."""
+    D, v = schedule.num_stages, schedule.num_chunks
+    cuts = {r: next((i for i, op in enumerate(ops) if isinstance(op, Forward) and op.microbatch >= first_new_microbatch),
+                    len(ops)) for r, ops in schedule.ops.items()}
+    sent, position, progress = set(), {r: 0 for r in cuts}, True
+    while progress:  # run the prefixes as the deadlock checker runs whole schedules
+        progress = False
+        for r, ops in schedule.ops.items():
+            while position[r] < cuts[r]:
+                recv, send = comm_of(ops[position[r]], r, D, v)
+                if recv is not None and (r, recv[1]) not in sent:
+                    break
+                if send is not None:
+                    sent.add((send[0], send[1]))
+                position[r] += 1
+                progress = True
+    stuck = [r for r in cuts if position[r] < cuts[r]]
+    if stuck:
+        raise ConfigError(f"the asynchronous stream cannot stop before micro-batch {first_new_microbatch} on rank "
+                          f"{stuck[0]} without waiting for work after the cut of another rank (schedule "
+                          f"{schedule.name}, D={D}, v={v}): evaluate at a drain instead")
+    return cuts
+
+
+def _hooks_at_cuts(schedule: Schedule, actions: dict[int, Callable], rank: int) -> dict[int, Callable]:
+    """{op index: fn} for `run_rank`: each action at this rank's cut (several at one cut run in order)."""
+    hooks: dict[int, list] = {}
+    for n in sorted(actions):
+        hooks.setdefault(iteration_cuts(schedule, n)[rank], []).append(actions[n])
+    return {i: (lambda fns=fns: [fn() for fn in fns]) for i, fns in hooks.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,17 +421,36 @@ class AsyncEmulator:
         """Every model chunk, in virtual-stage order."""
         return [self.stages[r].chunks[c] for c in range(self.num_chunks) for r in range(self.num_stages)]
 
-    def train_segment(self, get_batch, num_microbatches: int | None = None) -> list[float]:
+    def train_segment(self, get_batch, num_microbatches: int | None = None,
+                      evaluations: dict[int, Callable[[], None]] | None = None) -> list[float]:
         """Stream `num_microbatches` micro-batches through the pipeline and drain it; returns each
         micro-batch's loss, in order. `get_batch` is a function of the global micro-batch id
-        (`microbatches_consumed + i`) or a list of this segment's batches."""
+        (`microbatches_consumed + i`) or a list of this segment's batches. `evaluations`: {N: fn}, fn()
+        (which calls `evaluate`) sees every rank's weights as they were at its cut for N, as in the
+        distributed run; the training stream is not changed by it."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
         mailbox = Mailbox()
         runners = {s.rank: s.runner(schedule, mailbox, get_batch) for s in self.stages}
-        emulate(schedule, runners)
+        snapshots: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+        def snapshot(n: int, stage: AsyncStage) -> Callable[[], None]:
+            def take():
+                snapshots[(n, stage.rank)] = [p.detach().clone() for params in stage.params for p in params]
+            return take
+        hooks = {s.rank: _hooks_at_cuts(schedule, {n: snapshot(n, s) for n in evaluations or {}}, s.rank)
+                 for s in self.stages}
+        emulate(schedule, runners, hooks)
+        for n in sorted(evaluations or {}):  # nothing in flight now: point the parameters at the snapshots
+            live = {}
+            for s in self.stages:
+                for p, w in zip((p for params in s.params for p in params), snapshots[(n, s.rank)]):
+                    live[p], p.data = p.data, w
+            evaluations[n]()
+            for p, w in live.items():
+                p.data = w
         self.microbatches_consumed += num_microbatches
         losses = runners[self.num_stages - 1].losses
         return [losses[first + i].item() for i in range(num_microbatches)]
@@ -445,6 +515,7 @@ class AsyncPipelineRank:
             message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
+        self._cut: int | None = None  # inside train_segment's evaluation at the cut for this micro-batch id
 
     def restore_progress(self, microbatches_consumed: int) -> None:
         """After loading a checkpoint (taken at a drain): continue the stream's global micro-batch ids
@@ -459,29 +530,52 @@ class AsyncPipelineRank:
     def holds_loss(self) -> bool:
         return self.rank == self.num_stages - 1
 
-    def train_segment(self, get_batch, num_microbatches: int | None = None, on_loss=None) -> list[float] | None:
+    def train_segment(self, get_batch, num_microbatches: int | None = None, on_loss=None,
+                      evaluations: dict[int, Callable[[], None]] | None = None) -> list[float] | None:
         """Stream micro-batches through this rank and drain. `on_loss(mb, loss)` is called on the last
-        stage as each micro-batch's loss is computed (progress logging without draining)."""
+        stage as each micro-batch's loss is computed (progress logging without draining).
+        `evaluations`: {N: fn}; fn() runs at this rank's cut for N (before its first forward of a
+        micro-batch >= N) and may call `evaluate`, which then runs between two training ops."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
         runner = self.stage.runner(schedule, self.transport, get_batch, on_loss)
-        run_rank(schedule, runner)
+
+        def at_cut(n: int, fn: Callable[[], None]) -> Callable[[], None]:
+            def run():
+                self._cut = n
+                try:
+                    fn()
+                finally:
+                    self._cut = None
+            return run
+        actions = {n: at_cut(n, fn) for n, fn in (evaluations or {}).items()}
+        run_rank(schedule, runner, _hooks_at_cuts(schedule, actions, self.rank))
         self.microbatches_consumed += num_microbatches
         if not self.holds_loss():
             return None
         return [runner.losses[first + i].item() for i in range(num_microbatches)]
 
     def evaluate(self, batches: Sequence[dict]) -> float | None:
+        """Mean loss over `batches` on this rank's live weights (None off the last stage). Called from an
+        evaluation of `train_segment`, it runs between two training ops: forwards only, under micro-batch
+        ids EVAL_ID_OFFSET past the cut's, and without waiting for the training sends still in flight."""
         batches = list(batches)
+        mid_stream = self._cut is not None
+        base = (self._cut if mid_stream else self.microbatches_consumed) + EVAL_ID_OFFSET
+        schedule = shift_microbatches(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), base)
+        runner = self.stage.eval_runner(self.transport, lambda mb: batches[mb - base])
         _set_train(self.chunks, False)
-        runner = self.stage.eval_runner(self.transport, batches.__getitem__)
-        run_rank(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), runner)
+        if mid_stream:
+            for op in forward_only_ops(schedule.ops[self.rank]):
+                runner.run(op)
+        else:
+            run_rank(schedule, runner)
         _set_train(self.chunks, True)
         if not self.holds_loss():
             return None
-        return torch.stack([runner.losses[i] for i in range(len(batches))]).mean().item()
+        return torch.stack([runner.losses[base + i] for i in range(len(batches))]).mean().item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under their global names, TP shards gathered into full tensors."""

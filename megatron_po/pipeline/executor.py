@@ -299,9 +299,11 @@ def forward_only_ops(ops) -> list:
 PREPOST_WINDOW = 4  # ops of look-ahead for posting receives (buffers alive: at most this many messages)
 
 
-def run_rank(schedule: Schedule, runner: StageRunner) -> None:
-    """Distributed: this process runs its own rank's ops in order."""
+def run_rank(schedule: Schedule, runner: StageRunner, before_op: dict | None = None) -> None:
+    """Distributed: this process runs its own rank's ops in order. `before_op`: {op index: fn()} run
+    just before that op (len(ops): after the last one), e.g. evaluation between two training ops."""
     ops = schedule.ops[runner.rank]
+    before_op = before_op or {}
     if runner.forward_only:
         ops = forward_only_ops(ops)
     sync_at = backwards_before_step(ops)
@@ -312,22 +314,33 @@ def run_rank(schedule: Schedule, runner: StageRunner) -> None:
             for recv in receives[i:i + PREPOST_WINDOW + 1]:
                 if recv is not None:
                     prepost(*recv)
+        if i in before_op:
+            before_op[i]()
         runner.run(op, sync_grads=i in sync_at)
+    if len(ops) in before_op:
+        before_op[len(ops)]()
     with timers("p2p", 2):
         runner.transport.flush()
 
 
-def emulate(schedule: Schedule, runners: dict[int, StageRunner]) -> None:
+def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict | None = None) -> None:
     """Single process: run every rank's ops in an order the dependencies allow (the one the deadlock
-    checker finds), with the same per-op code and numerics as the distributed run."""
+    checker finds), with the same per-op code and numerics as the distributed run. `before_op`:
+    {rank: {op index: fn()}}, as in `run_rank`."""
     from megatron_po.pipeline.schedules import Schedule as _S, execution_order
     sched = schedule
     if any(r.forward_only for r in runners.values()):
         sched = _S(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches,
                    {r: forward_only_ops(ops) for r, ops in schedule.ops.items()})
     sync_at = {r: backwards_before_step(ops) for r, ops in sched.ops.items()}
+    hooks = before_op or {}
     for r, i in execution_order(sched):
+        if i in hooks.get(r, {}):
+            hooks[r][i]()
         runners[r].run(sched.ops[r][i], sync_grads=i in sync_at[r])
+    for r, ops in sched.ops.items():
+        if len(ops) in hooks.get(r, {}):
+            hooks[r][len(ops)]()
 
 
 # --------------------------------------------------------------------------------------------------

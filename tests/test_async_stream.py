@@ -1,0 +1,105 @@
+"""Asynchronous pipelines at scale: evaluation inside the stream leaves training untouched.
+
+- Emulator: evaluating at the cuts before micro-batches 4, 8 and 12 gives bit for bit the losses and
+  final weights of the run without evaluation (PipeOptim, PipeDream, 2BW; straight and interleaved); the
+  values differ between cuts, and the one at the segment's end equals a drained evaluation after it.
+- Distributed PP=2 equals the emulator bit for bit, evaluation values included.
+- Through pretrain (PP=2 x DP=2): the loss curve is bitwise the same with --eval-interval 5 and 1000.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from test_async_pipeline import EVAL, optimizer_kwargs
+from test_async_policies import SEED, VOCAB, get_batch, lr_fn_for, make_cfg
+
+from megatron_po import parallel_state as ps
+from megatron_po.errors import ConfigError
+from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank, iteration_cuts, segment_schedule
+from megatron_po.pipeline.schedules import Forward, Schedule
+from megatron_po.tensor_parallel import model_parallel_seed
+
+EVAL_AT = (4, 8, 12)
+
+
+def emulate_with_evaluations(method, optimizer, D, v, k, n, eval_at=EVAL_AT, **options):
+    model_parallel_seed(SEED)
+    emu = AsyncEmulator(make_cfg(D * v), VOCAB, method, D, v, k, optimizer, optimizer_kwargs(optimizer),
+                        lr_fn_for(optimizer), **options)
+    evals = {}
+    evaluations = {at: (lambda at=at: evals.__setitem__(at, emu.evaluate(EVAL))) for at in eval_at}
+    losses = emu.train_segment(lambda mb: get_batch(mb), n, evaluations=evaluations)
+    evals["drained"] = emu.evaluate(EVAL)
+    return losses, evals, emu.full_state_dict()
+
+
+def distributed_with_evaluations(method, optimizer, v, k, n, eval_at=EVAL_AT, **options):
+    model_parallel_seed(SEED)
+    D = ps.get_pipeline_model_parallel_world_size()
+    rank = AsyncPipelineRank(make_cfg(D * v), VOCAB, method, v, k, optimizer, optimizer_kwargs(optimizer),
+                             lr_fn_for(optimizer), **options)
+    evals = {}
+    evaluations = {at: (lambda at=at: evals.__setitem__(at, rank.evaluate(EVAL))) for at in eval_at}
+    losses = rank.train_segment(lambda mb: get_batch(mb), n, evaluations=evaluations)
+    drained = rank.evaluate(EVAL)
+    if drained is not None:
+        evals["drained"] = drained
+    return losses, evals, rank.full_state_dict()
+
+
+CASES = [("pipeoptim", "adam", 3, 1, 1), ("pipedream", "adam", 3, 1, 1), ("pipedream-2bw", "adam", 2, 1, 2),
+         ("pipeoptim", "sgd", 2, 2, 1)]
+
+
+@pytest.mark.parametrize("method,optimizer,D,v,k", CASES, ids=[f"{c[0]}-D{c[2]}v{c[3]}" for c in CASES])
+def test_evaluation_in_the_stream_changes_nothing(method, optimizer, D, v, k):
+    def both():
+        plain = emulate_with_evaluations(method, optimizer, D, v, k, 12, eval_at=())
+        evaluated = emulate_with_evaluations(method, optimizer, D, v, k, 12)
+        return plain, evaluated
+    (losses, _, weights), (losses_e, evals, weights_e) = run_distributed(both, 1)[0]
+    assert losses == losses_e  # bit for bit
+    assert weights.keys() == weights_e.keys() and all(torch.equal(weights[n], weights_e[n]) for n in weights)
+    drained = evals.pop("drained")
+    assert sorted(evals) == list(EVAL_AT) and all(torch.isfinite(torch.tensor(x)) for x in evals.values())
+    assert evals[4] != evals[8]  # the weights moved in between
+    assert evals[12] == drained  # the cut at the end of the segment is the drained pipeline
+
+
+def test_distributed_in_stream_evaluation_equals_the_emulator():
+    emu = run_distributed(partial(emulate_with_evaluations, "pipeoptim", "adam", 2, 1, 1, 12), 1)[0]
+    results = run_distributed(partial(distributed_with_evaluations, "pipeoptim", "adam", 1, 1, 12), 2, pp=2)
+    losses, evals, _ = results[1]
+    assert losses == emu[0] and evals == emu[1]  # bit for bit (PP only, one thread)
+    assert results[0][1] == {4: None, 8: None, 12: None}  # the first stage takes part, the last one holds the loss
+
+
+def test_cuts_are_where_the_next_iteration_starts():
+    """Straight async 1F1B: rank r stops before F(N); it has run B(j) for j < N - (D-r-1), so exactly
+    one gradient (of micro-batch N - (D-r-1)) is on its way to it; a cut that would wait is refused."""
+    schedule = segment_schedule(3, 1, 12, 1)
+    cuts = iteration_cuts(schedule, 6)
+    for r, i in cuts.items():
+        assert schedule.ops[r][i] == Forward(6)
+    # rank 1 would need F(0) of rank 0 before its cut, which rank 0 runs after its own
+    bad = Schedule("made-up", 2, 1, 2, {0: [Forward(1), Forward(0)], 1: [Forward(0), Forward(1)]})
+    with pytest.raises(ConfigError, match="cannot stop before micro-batch 1"):
+        iteration_cuts(bad, 1)
+
+
+# ---- through pretrain: PP=2 x DP=2 ------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["pipeoptim", "pipedream"])
+def test_loss_curve_is_bitwise_the_same_whatever_the_eval_interval(corpus, tmp_path, method):
+    from test_pretrain_gpt import ASYNC, run_layout
+    flags = dict(ASYNC, **{"--pipeline-method": method, "--log-interval": 1, "--train-iters": 10})
+    often = run_layout(corpus, tmp_path, "often", 4, **dict(flags, **{"--eval-interval": 5}))
+    never = run_layout(corpus, tmp_path, "never", 4, **dict(flags, **{"--eval-interval": 1000}))
+    curve = lambda records: [r["lm_loss"] for r in records if "lm_loss" in r]  # noqa: E731
+    assert len(curve(often)) == 10 and curve(often) == curve(never)  # bit for bit
+    assert [r["iteration"] for r in often if "val_loss" in r] == [5, 10]
+    assert [r["iteration"] for r in never if "val_loss" in r] == [10]
+    five = next(r for r in often if r["iteration"] == 5)
+    assert "lm_loss" in five and "val_loss" in five  # the validation joins its iteration's record

@@ -612,7 +612,11 @@ def next_boundary(iteration: int, cfg: Config, eval_drains: bool = False) -> int
     """The next iteration after which an asynchronous pipeline must drain: checkpoint, exit or the end
     of training (and evaluation when `eval_drains`; otherwise it runs inside the stream)."""
     t, ck = cfg.training, cfg.checkpoint
-    intervals = ([t.eval_interval] if eval_drains else []) + ([ck.save_interval] if ck.save and ck.save_interval else []) \
+    # --async-drain-interval fixes the drains whether or not a run saves (its saves fall on drains);
+    # without it every save drains.
+    drains = [cfg.parallel.async_drain_interval] if cfg.parallel.async_drain_interval else \
+        ([ck.save_interval] if ck.save and ck.save_interval else [])
+    intervals = ([t.eval_interval] if eval_drains else []) + drains \
         + ([t.exit_interval] if t.exit_interval else [])
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 

@@ -103,3 +103,20 @@ def test_loss_curve_is_bitwise_the_same_whatever_the_eval_interval(corpus, tmp_p
     assert [r["iteration"] for r in never if "val_loss" in r] == [10]
     five = next(r for r in often if r["iteration"] == 5)
     assert "lm_loss" in five and "val_loss" in five  # the validation joins its iteration's record
+
+
+@pytest.mark.parametrize("method", ["pipeoptim", "pipedream"])
+def test_saves_leave_training_untouched_and_resume_exactly(corpus, tmp_path, method):
+    """With --async-drain-interval the drains are the same with and without --save-interval: the run that
+    saves (at 4 and 8, exiting at 8) has the loss curve of the run that never saves, bit for bit, and
+    the run resumed from its checkpoint continues that curve bit for bit."""
+    from test_pretrain_gpt import ASYNC, run_layout
+    flags = dict(ASYNC, **{"--pipeline-method": method, "--log-interval": 1, "--async-drain-interval": 4,
+                           "--eval-interval": 3})
+    curve = lambda records: [r["lm_loss"] for r in records if "lm_loss" in r]  # noqa: E731
+    straight = curve(run_layout(corpus, tmp_path, "straight", 4, **flags))
+    ckpt = str(tmp_path / "ckpt")
+    first = curve(run_layout(corpus, tmp_path, "first", 4, **flags, **{"--save": ckpt, "--save-interval": 4,
+                                                                       "--exit-interval": 8}))
+    resumed = curve(run_layout(corpus, tmp_path, "resumed", 4, **flags, **{"--load": ckpt}))
+    assert len(straight) == 12 and first == straight[:8] and resumed == straight[8:]  # bit for bit

@@ -168,6 +168,13 @@ RULES = [
      ["--staleness-lr-scaling applies to asynchronous pipeline methods, not --pipeline-method 1f1b"]),
     ("interval-needs-async", 1, MOCK + ["--async-update-interval", "2"],
      ["--async-update-interval applies to asynchronous methods, not --pipeline-method 1f1b"]),
+    ("drain-interval>=1", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-drain-interval", "0"],
+     ["--async-drain-interval must be >= 1 (got 0)"]),
+    ("save-on-drains", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-drain-interval", "4", "--save", "c",
+                                       "--save-interval", "6"],
+     ["--save-interval (6) must be a multiple of --async-drain-interval (4)"]),
+    ("drain-interval-needs-async", 1, MOCK + ["--async-drain-interval", "2"],
+     ["--async-drain-interval applies to asynchronous methods, not --pipeline-method 1f1b"]),
     # checkpoints
     ("save-interval-needs-save", 1, MOCK + ["--save-interval", "5"], ["--save-interval needs --save"]),
     ("save-interval>=1", 1, MOCK + ["--save", "ck", "--save-interval", "0"], ["--save-interval must be >= 1"]),

@@ -149,8 +149,9 @@ def iteration_cuts(schedule: Schedule, first_new_microbatch: int) -> dict[int, i
     The cut must be consistent: every op before a rank's cut can run when each rank stops at its own cut
     (no receive before a cut waits for a send after one); otherwise a ConfigError names the rank."""
     D, v = schedule.num_stages, schedule.num_chunks
-    cuts = {r: next((i for i, op in enumerate(ops) if isinstance(op, Forward) and op.microbatch >= first_new_microbatch),
-                    len(ops)) for r, ops in schedule.ops.items()}
+    n = first_new_microbatch
+    cuts = {r: next((i for i, op in enumerate(ops) if isinstance(op, Forward) and op.microbatch >= n), len(ops))
+            for r, ops in schedule.ops.items()}
     sent, position, progress = set(), {r: 0 for r in cuts}, True
     while progress:  # run the prefixes as the deadlock checker runs whole schedules
         progress = False

@@ -448,9 +448,10 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                              pr.use_distributed_optimizer, pr.overlap_param_gather)
     if p.pipeline_method in ASYNC_METHODS:
         meth, k = p.pipeline_method, p.async_update_interval
-        need(not pr.overlap_param_gather,
-             f"--overlap-param-gather applies to the synchronous methods: --pipeline-method {meth} swaps weights "
-             f"(prediction, stashing) outside the forward, where a pending all-gather would still be writing them")
+        need(not pr.overlap_param_gather or meth in ("pipeoptim", "spectrain"),
+             f"--overlap-param-gather applies to the synchronous methods, pipeoptim and spectrain: --pipeline-method "
+             f"{meth} swaps weights (stashing) outside the forward, where a pending all-gather would still be "
+             f"writing them")
         need(k >= 1, f"--async-update-interval must be >= 1 (got {k})")
         drain = p.async_drain_interval
         if drain is not None:

@@ -120,3 +120,110 @@ def test_saves_leave_training_untouched_and_resume_exactly(corpus, tmp_path, met
                                                                        "--exit-interval": 8}))
     resumed = curve(run_layout(corpus, tmp_path, "resumed", 4, **flags, **{"--load": ckpt}))
     assert len(straight) == 12 and first == straight[:8] and resumed == straight[8:]  # bit for bit
+
+
+# ---- asynchronous DP: bucketed gradient all-reduce issued from the backward ---------------------------
+
+def _record_dp_reduces(log, rank):
+    """Wrap each chunk's DDP: note every bucket launch and whether the step's finish_grad_sync made it."""
+    for ddp in rank.stage.ddps:
+        launch, finish, state = ddp._launch, ddp.finish_grad_sync, {"in_finish": False}
+
+        def recording_launch(bucket, launch=launch, state=state, ddp=ddp):
+            if bucket.handle is None:
+                log.append((ddp.buckets.index(bucket), len(ddp.buckets), state["in_finish"]))
+            launch(bucket)
+
+        def recording_finish(finish=finish, state=state):
+            state["in_finish"] = True
+            finish()
+            state["in_finish"] = False
+        ddp._launch, ddp.finish_grad_sync = recording_launch, recording_finish
+
+
+def dp_reduce_launches(method):
+    from test_async_pipeline import train_distributed
+    log = []
+    train_distributed(method, "sgd", 1, 1, (6,), mbs=4, on_rank=partial(_record_dp_reduces, log))
+    return log
+
+
+def test_async_dp_gradient_reduce_is_bucketed_and_issued_during_the_backward():
+    """PP=2 x DP=2, PipeOptim, plain fp32 optimizer (no distributed optimizer): every step all-reduces
+    the chunk's several buckets, each launched by the backward hooks (not by the step), once per bucket."""
+    results = run_distributed(partial(dp_reduce_launches, "pipeoptim"), 4, pp=2, timeout=240)
+    for log in results:
+        num_buckets = log[0][1]
+        assert num_buckets > 1  # bucket size 3000 elements
+        assert len(log) == 6 * num_buckets  # 6 steps (k = 1), each bucket once per step
+        assert not any(in_finish for _, _, in_finish in log)  # all issued from the backward hooks
+
+
+# ---- PipeOptim over ZeRO-1 shards: one packed all-gather per micro-batch ------------------------------
+
+def _count_gathers(precision, old_path=False):
+    """PP=2 x DP=2 PipeOptim (Adam, k = 1) with the distributed optimizer over 8 micro-batches: the
+    parameter all-gathers this rank issued, as (rounds = calls / buckets, bytes received, async)."""
+    from megatron_po.distributed import ddp as ddp_module
+    from test_async_pipeline import train_distributed
+    calls, stages = [], []
+    gather = ddp_module.all_gather_single
+
+    def counting(output, input_, group, async_op):
+        calls.append((output.numel() * output.element_size(), async_op))
+        return gather(output, input_, group, async_op)
+
+    def instrument(rank):
+        stages.append(rank.stage)
+        if old_path:  # the path before this change: predict, gather, restore by a gather
+            rank.stage.policy.gathers = [False]
+            for opt in rank.stage.optimizers:
+                opt.defer_param_gather = False
+    ddp_module.all_gather_single = counting
+    try:
+        losses, _, weights, *_ = train_distributed("pipeoptim", "adam", 1, 1, (8,), mbs=4, masked=False,
+                                                   precision=precision, on_rank=instrument)
+    finally:
+        ddp_module.all_gather_single = gather
+    buckets = len(stages[0].ddps[0].buckets)
+    return (ps.get_pipeline_model_parallel_rank(), len(calls) / buckets, sum(b for b, _ in calls),
+            all(a for _, a in calls), losses, weights)
+
+
+def _gather_counts():
+    plain = _count_gathers({"use_distributed_optimizer": True}, old_path=True)
+    new = _count_gathers({"use_distributed_optimizer": True})
+    overlapped = _count_gathers({"use_distributed_optimizer": True, "overlap_param_gather": True})
+    return plain, new, overlapped
+
+
+def test_pipeoptim_distributed_optimizer_gathers_once_per_microbatch():
+    """Stage 0 (s = 1) gathered 3 times per micro-batch (update, prediction, restore), each 1x its
+    parameters; now once, 2x (the updated and the predicted shards packed): 2/3 of the bytes; stage 1
+    (s = 0) once, 1x, as before. With --overlap-param-gather every gather is asynchronous. Losses and
+    weights are bitwise those of the old path (prediction and update per element, same shards)."""
+    for (pp_rank, rounds_before, bytes_before, _, losses_before, weights_before), \
+            (_, rounds, nbytes, _, losses, weights), (_, rounds_o, bytes_o, all_async, losses_o, weights_o) \
+            in run_distributed(_gather_counts, 4, pp=2, timeout=240):
+        assert rounds <= 8 and rounds_o == rounds and bytes_o == nbytes and all_async  # <= 1 per micro-batch
+        if pp_rank == 0:
+            # F0, F1 run before the first step (nothing to predict); F2..F7 predicted: 8 updates + 2 x 6
+            assert rounds_before == 8 + 2 * 6 and rounds == 8
+            assert nbytes * 20 == bytes_before * (6 * 2 + 2)  # 6 packed (2x) + the last 2 steps' plain (1x)
+        else:
+            assert rounds == rounds_before == 8 and nbytes == bytes_before
+        assert losses == losses_before == losses_o
+        assert all(torch.equal(weights[n], weights_before[n]) and torch.equal(weights_o[n], weights[n])
+                   for n in weights)
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+
+def test_async_run_at_timing_level_1_logs_forward_backward_communication_and_policy(corpus, tmp_path):
+    from test_pretrain_gpt import ASYNC, run_layout
+    records = run_layout(corpus, tmp_path, "timed", 4, **dict(ASYNC, **{
+        "--pipeline-method": "pipeoptim", "--train-iters": 4, "--eval-interval": 4, "--timing-log-level": 1}))
+    timed = [r for r in records if "lm_loss" in r]
+    assert timed and all({"time/forward-compute", "time/backward-compute", "time/p2p", "time/prediction",
+                          "time/optimizer", "time/grad-sync"} <= r.keys() for r in timed), timed[0].keys()
+    assert all(r["time/forward-compute"] > 0 and r["time/backward-compute"] > 0 for r in timed)

@@ -124,9 +124,9 @@ RULES = [
     ("overlap-needs-distopt", 1, MOCK + ["--overlap-param-gather"],
      ["--overlap-param-gather requires --use-distributed-optimizer"]),
     # asynchronous methods
-    ("async-no-overlap-gather", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-distributed-optimizer",
+    ("async-no-overlap-gather", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-distributed-optimizer",
                                                 "--overlap-param-gather"],
-     ["--overlap-param-gather applies to the synchronous methods", "--pipeline-method pipeoptim"]),
+     ["--overlap-param-gather applies to the synchronous methods, pipeoptim and spectrain", "--pipeline-method pipedream"]),
     ("async-interval>=1", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-update-interval", "0"],
      ["--async-update-interval must be >= 1"]),
     ("async-needs-untied", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--pipeline-method", "pipeoptim"],

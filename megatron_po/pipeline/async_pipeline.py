@@ -4,7 +4,10 @@ Every pipeline rank holds its model chunks, one optimizer per chunk and one weig
 (policies.py). Micro-batches stream through `async_one_f_one_b(D, v, M, k)`; after every k backwards of
 chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
 
-  (a) mean of chunk c's gradients over the data-parallel group (when it has more than one rank);
+  (a) mean of chunk c's gradients over the data-parallel group (when it has more than one rank): the
+      chunk's DDP buckets, each all-reduced (reduce-scattered with the distributed optimizer) from the
+      backward hooks of the last backward before the step as soon as it is complete; one flat
+      all-reduce at the step only under delay compensation, which edits gradients after each backward;
   (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
       counted once each over the TP group (DP replicas hold identical gradients after (a));
   (c) lr = lr_fn(i), i = the number of steps chunk c has taken so far;
@@ -18,9 +21,13 @@ every chunk gets a MixedPrecisionOptimizer (fp32 main params; inf/NaN checks and
 stage's TP group only: stage-local). With --use-distributed-optimizer every chunk gets its own DDP
 buffers and a DistributedOptimizer (ZeRO-1 over the DP group): (a) becomes a reduce-scatter launched by
 the chunk's last backward before the step, each DP rank steps its shard of the fp32 main params, and the
-updated shards are all-gathered into the weights. PipeOptim and SpecTrain then predict
-Ŵ = W_main − s·lr·ΔW for the own shard from the own state and all-gather the predicted shards the same
-way; the restore is the normal main → model copy, so no weight copy is made. PipeDream and 2BW work
+updated shards are all-gathered into the weights. PipeOptim and SpecTrain predict Ŵ = W_main − s·lr·ΔW
+for the own shard from the own state, into a separate full buffer per pass kind, and right after each
+step send the updated shard and the predicted shards of the passes before the next step in ONE packed
+all-gather per bucket (asynchronous with --overlap-param-gather: the forward pre-hooks wait); a pass
+on Ŵ points the parameters at that buffer and back after it, so the restore moves no data. At k = 1:
+one all-gather of 2× (PipeOptim; 3× SpecTrain) the shard per micro-batch, instead of three (update,
+prediction, restore) of 1× each (`policies._PredictingPolicy`). PipeDream and 2BW work
 unchanged: they stash and swap the (full, replicated) model weights, never the sharded main params.
 Found-inf and the grad norm are agreed over DP and TP of the stage.
 
@@ -72,6 +79,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, PrecisionConfig, TrainingConfig, virtual_pipeline_size
 from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
+from megatron_po.monitor import timers
 from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
@@ -221,11 +229,16 @@ class AsyncStage:
             c.to(self.dtype)
         self.ddps = None
         mixed = pr.bf16 or pr.fp16
-        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32):
+        # Delay compensation edits each gradient after its backward: the DP mean must wait for the step.
+        bucketed_dp = self.dp_group is not None and not policy_options.get("delay_compensation")
+        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32) or bucketed_dp:
             # A gradient buffer per chunk: the distributed optimizer reduce-scatters it; fp32 accumulation
-            # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`).
+            # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`);
+            # with DP > 1 its buckets are all-reduced as the chunk's last backward before a step fills
+            # them, overlapping that backward, as in synchronous training.
             self.ddps = [DistributedDataParallel([c], self.dp_group, ddp_bucket_size,
                                                  use_distributed_optimizer=pr.use_distributed_optimizer,
+                                                 overlap_param_gather=pr.overlap_param_gather,
                                                  grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                               pr.accumulate_allreduce_grads_in_fp32))
                          for c in chunks]
@@ -251,16 +264,18 @@ class AsyncStage:
     def step(self, c: int) -> None:
         opt = self.optimizers[c]
         if self.ddps is not None:  # the DP mean: reduce-scatter (distributed optimizer) or all-reduce
-            self.ddps[c].finish_grad_sync()
+            with timers("grad-sync", 1):  # what the last backward's bucketed reduces did not overlap
+                self.ddps[c].finish_grad_sync()
             params = self.ddps[c].params
         else:
             params = self.params[c]
             grads = [p.grad for p in params if p.grad is not None]
             if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
-                flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
-                dist.all_reduce(flat, group=self.dp_group)
-                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(reduced.view_as(g))
+                with timers("grad-sync", 1):
+                    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
+                    dist.all_reduce(flat, group=self.dp_group)
+                    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                        g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
@@ -282,6 +297,12 @@ class AsyncStage:
             for p in params:
                 p.grad = None
         self.steps[c] += 1
+
+    def finish_param_sync(self) -> None:
+        """Wait for the distributed optimizer's pending all-gathers (at a drain, before reading weights)."""
+        for opt in self.optimizers:
+            if hasattr(opt, "finish_param_sync"):
+                opt.finish_param_sync()
 
     def _loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward: 1/k, times the fp16 loss
@@ -305,7 +326,7 @@ class AsyncStage:
         self._runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
                                    get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
                                    step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
-                                   on_loss=on_loss)
+                                   on_loss=on_loss, detail_level=1)
         return self._runner
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
@@ -444,6 +465,8 @@ class AsyncEmulator:
         hooks = {s.rank: _hooks_at_cuts(schedule, {n: snapshot(n, s) for n in evaluations or {}}, s.rank)
                  for s in self.stages}
         emulate(schedule, runners, hooks)
+        for s in self.stages:
+            s.finish_param_sync()
         for n in sorted(evaluations or {}):  # nothing in flight now: point the parameters at the snapshots
             live = {}
             for s in self.stages:
@@ -553,6 +576,7 @@ class AsyncPipelineRank:
             return run
         actions = {n: at_cut(n, fn) for n, fn in (evaluations or {}).items()}
         run_rank(schedule, runner, _hooks_at_cuts(schedule, actions, self.rank))
+        self.stage.finish_param_sync()
         self.microbatches_consumed += num_microbatches
         if not self.holds_loss():
             return None

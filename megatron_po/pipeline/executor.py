@@ -185,6 +185,7 @@ class StageRunner:
     grad_sync: object = None  # (chunk, enabled: bool) -> None, DDP sync on a chunk's last backward
     forward_only: bool = False
     on_loss: object = None  # (mb, detached loss) -> None, on the last virtual stage (progress logging)
+    detail_level: int = 2  # --timing-log-level of the per-op timers (asynchronous runs: 1, they have no coarser)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
 
@@ -202,11 +203,11 @@ class StageRunner:
             self.backward(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
-                with timers("prediction", 2):
+                with timers("prediction", self.detail_level):
                     self.policy.before_step(op.chunk)
                 with timers("optimizer", 1):
                     self.step_fn(op.chunk)
-                with timers("prediction", 2):
+                with timers("prediction", self.detail_level):
                     self.policy.after_step(op.chunk)
 
     def forward(self, mb: int, c: int) -> None:
@@ -216,15 +217,15 @@ class StageRunner:
         batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process or reads_batch) else None
         inputs = []
         if not chunk.pre_process:
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 inputs = self.transport.recv(self.rank, self._peer(vs - 1), ("act", mb, vs))
             if not self.forward_only:
                 for t in inputs:
                     t.requires_grad_(t.is_floating_point())
         if not self.forward_only:
-            with timers("prediction", 2):
+            with timers("prediction", self.detail_level):
                 self.policy.before_forward(mb, c)
-        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", 2):
+        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", self.detail_level):
             hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
             if reads_batch:
                 out = chunk(batch, hidden_states=hidden)
@@ -238,11 +239,11 @@ class StageRunner:
         if chunk.post_process and self.on_loss is not None:
             self.on_loss(mb, self.losses[mb])
         if not self.forward_only:
-            with timers("prediction", 2):
+            with timers("prediction", self.detail_level):
                 self.policy.after_forward(mb, c)
         if not chunk.post_process:
             outputs = _as_list(out)
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)
         if not self.forward_only:
             self.saved[(mb, c)] = (inputs, outputs)
@@ -254,22 +255,22 @@ class StageRunner:
         if chunk.post_process:
             grads = [None]
         else:
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 grads = self.transport.recv(self.rank, self._peer(vs + 1), ("grad", mb, vs))
-        with timers("prediction", 2):
+        with timers("prediction", self.detail_level):
             self.policy.before_backward(mb, c)
         if self.grad_sync is not None:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        with timers("backward-compute", 2):  # includes launching the DDP reduce it overlaps
+        with timers("backward-compute", self.detail_level):  # includes launching the DDP reduce it overlaps
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.grad_sync is not None:
             self.grad_sync(c, False)
-        with timers("prediction", 2):
+        with timers("prediction", self.detail_level):
             self.policy.after_backward(mb, c)
         if not chunk.pre_process:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
@@ -319,7 +320,7 @@ def run_rank(schedule: Schedule, runner: StageRunner, before_op: dict | None = N
         runner.run(op, sync_grads=i in sync_at)
     if len(ops) in before_op:
         before_op[len(ops)]()
-    with timers("p2p", 2):
+    with timers("p2p", runner.detail_level):
         runner.transport.flush()
 
 

@@ -608,14 +608,18 @@ def pretrain(cfg: Config, workload=None) -> dict:
     return progress.record
 
 
+ASYNC_SEGMENT_ITERATIONS = 1000  # the longest asynchronous segment without --async-drain-interval
+
+
 def next_boundary(iteration: int, cfg: Config, eval_drains: bool = False) -> int:
     """The next iteration after which an asynchronous pipeline must drain: checkpoint, exit or the end
     of training (and evaluation when `eval_drains`; otherwise it runs inside the stream)."""
     t, ck = cfg.training, cfg.checkpoint
     # --async-drain-interval fixes the drains whether or not a run saves (its saves fall on drains);
-    # without it every save drains.
+    # without it every save drains, and so does every ASYNC_SEGMENT_ITERATIONS-th iteration (a segment's
+    # op lists are built whole: this bounds them, independently of --eval-interval).
     drains = [cfg.parallel.async_drain_interval] if cfg.parallel.async_drain_interval else \
-        ([ck.save_interval] if ck.save and ck.save_interval else [])
+        ([ck.save_interval] if ck.save and ck.save_interval else []) + [ASYNC_SEGMENT_ITERATIONS]
     intervals = ([t.eval_interval] if eval_drains else []) + drains \
         + ([t.exit_interval] if t.exit_interval else [])
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])

@@ -18,7 +18,7 @@ from test_async_policies import SEED, VOCAB, get_batch, lr_fn_for, make_cfg
 from megatron_po import parallel_state as ps
 from megatron_po.errors import ConfigError
 from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank, iteration_cuts, segment_schedule
-from megatron_po.pipeline.schedules import Forward, Schedule
+from megatron_po.pipeline.schedules import Backward, Forward, Schedule
 from megatron_po.tensor_parallel import model_parallel_seed
 
 EVAL_AT = (4, 8, 12)
@@ -80,13 +80,18 @@ def test_cuts_are_where_the_next_iteration_starts():
     """Straight async 1F1B: rank r stops before F(N); it has run B(j) for j < N - (D-r-1), so exactly
     one gradient (of micro-batch N - (D-r-1)) is on its way to it; a cut that would wait is refused."""
     schedule = segment_schedule(3, 1, 12, 1)
-    cuts = iteration_cuts(schedule, 6)
-    for r, i in cuts.items():
+    cuts = iteration_cuts(schedule, [6, 12])
+    for r, i in cuts[6].items():
         assert schedule.ops[r][i] == Forward(6)
+        done = schedule.ops[r][:i]
+        assert Backward(6 - (3 - r - 1) - 1) in done and Backward(6 - (3 - r - 1)) not in done
+    assert cuts[12] == {r: len(ops) for r, ops in schedule.ops.items()}  # after the last op: the drain
+    interleaved = segment_schedule(2, 2, 8, 1)
+    assert all(interleaved.ops[r][i] == Forward(4, 0) for r, i in iteration_cuts(interleaved, [4])[4].items())
     # rank 1 would need F(0) of rank 0 before its cut, which rank 0 runs after its own
     bad = Schedule("made-up", 2, 1, 2, {0: [Forward(1), Forward(0)], 1: [Forward(0), Forward(1)]})
     with pytest.raises(ConfigError, match="cannot stop before micro-batch 1"):
-        iteration_cuts(bad, 1)
+        iteration_cuts(bad, [1])
 
 
 # ---- through pretrain: PP=2 x DP=2 ------------------------------------------------------------------

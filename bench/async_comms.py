@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dist_harness import run_distributed  # noqa: E402

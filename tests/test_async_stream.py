@@ -17,7 +17,8 @@ from test_async_policies import SEED, VOCAB, get_batch, lr_fn_for, make_cfg
 
 from megatron_po import parallel_state as ps
 from megatron_po.errors import ConfigError
-from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank, iteration_cuts, segment_schedule
+from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank, segment_schedule
+from megatron_po.pipeline.cuts import iteration_cuts
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule
 from megatron_po.tensor_parallel import model_parallel_seed
 

@@ -115,6 +115,8 @@ class ParallelConfig:
                                        "pipeoptim"])
     async_update_interval: int | None = _f(None, "asynchronous methods: a stage steps after every k of its backwards "
                                                  "(default 1; pipedream-2bw: the pipeline depth D)")
+    async_drain_interval: int | None = _f(None, "asynchronous methods: drain the stream every this many iterations "
+                                          "(checkpoints are taken at drains); default: at every --save-interval")
     pipeoptim_s_offset: int = _f(0, "PipeOptim: added to the schedule's staleness s (0 = paper, 1 = reference code)")
     pipeoptim_sgd_direction: str = _f("buffer", "PipeOptim with SGD momentum: the direction extrapolated",
                                       choices=["buffer", "lookahead"])
@@ -637,10 +639,19 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                              pr.use_distributed_optimizer, pr.overlap_param_gather)
     if p.pipeline_method in ASYNC_METHODS:
         meth, k = p.pipeline_method, update_interval(cfg)
-        need(not pr.overlap_param_gather,
-             f"--overlap-param-gather applies to the synchronous methods: --pipeline-method {meth} swaps weights "
-             f"(prediction, stashing) outside the forward, where a pending all-gather would still be writing them")
+        need(not pr.overlap_param_gather or meth in ("pipeoptim", "spectrain"),
+             f"--overlap-param-gather applies to the synchronous methods, pipeoptim and spectrain: --pipeline-method "
+             f"{meth} swaps weights (stashing) outside the forward, where a pending all-gather would still be "
+             f"writing them")
         need(k >= 1, f"--async-update-interval must be >= 1 (got {k})")
+        drain = p.async_drain_interval
+        if drain is not None:
+            need(drain >= 1, f"--async-drain-interval must be >= 1 (got {drain})")
+            for flag, every in [("--save-interval", cfg.checkpoint.save_interval),
+                                ("--exit-interval", t.exit_interval)]:
+                need(every is None or every % drain == 0,
+                     f"{flag} ({every}) must be a multiple of --async-drain-interval ({drain}): an asynchronous "
+                     f"stream is checkpointed and left only where it drains")
         need(m.untie_embeddings_and_output_weights,
              f"--pipeline-method {meth} is asynchronous: stages step independently, so tied input/output "
              f"embeddings cannot stay equal; add --untie-embeddings-and-output-weights")
@@ -676,6 +687,9 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                  "--delay-compensation-lambda edits the gradients after the backward, which the distributed "
                  "optimizer has already reduce-scattered: drop --use-distributed-optimizer")
         need(not p.delay_compensation_adaptive or dc > 0, "--delay-compensation-adaptive needs --delay-compensation-lambda > 0")
+    elif p.async_drain_interval is not None:
+        raise ConfigError(f"--async-drain-interval applies to asynchronous methods, not --pipeline-method "
+                          f"{p.pipeline_method} (synchronous methods flush every iteration)")
     elif p.async_update_interval not in (None, 1):
         raise ConfigError(f"--async-update-interval applies to asynchronous methods, not --pipeline-method "
                           f"{p.pipeline_method} (synchronous methods step once per global batch)")

@@ -191,6 +191,7 @@ class GPTWorkload:
     Built before the process groups (`name` picks the config rules); `setup()` runs after them."""
 
     name = "gpt"
+    eval_in_stream = True  # asynchronous pipelines evaluate between training ops (no evaluate_extra to run)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -618,11 +619,15 @@ def pretrain(cfg: Config, workload=None) -> dict:
             losses.append(average_over_dp(torch.tensor(val)) if holds_loss() else None)
         return sum(losses) / len(losses) if holds_loss() else None
 
-    def at_boundary() -> bool:
-        """Evaluate / save / exit after the iteration just finished, as the intervals say. Returns
-        True when training must stop here (--exit-interval)."""
+    def eval_due(it: int) -> bool:
+        return it % t.eval_interval == 0 or it == t.train_iters
+
+    def at_boundary(evaluated: bool = False) -> bool:
+        """Evaluate / save / exit after the iteration just finished, as the intervals say (`evaluated`:
+        the asynchronous stream has evaluated it already). Returns True when training must stop here
+        (--exit-interval)."""
         it = state.iteration
-        if it % t.eval_interval == 0 or it == t.train_iters:
+        if eval_due(it) and not evaluated:
             val = evaluate_now()
             extra = workload.evaluate_extra(chunks, it)  # e.g. BLEU (every rank takes part)
             if val is not None:
@@ -707,16 +712,29 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
                 progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
 
+        in_stream = getattr(workload, "eval_in_stream", False)  # else (NMT BLEU decoding) drain to evaluate
+
+        def evaluate_in_stream(it: int):
+            def run():  # on every rank at its cut after iteration `it`: no training op moves
+                with progress.excluded():
+                    val = evaluate_now()
+                    if val is not None:
+                        progress.log_validation(it, val)
+            return run
+
         while state.iteration < t.train_iters:
-            stop = next_boundary(state.iteration, cfg)
+            stop = next_boundary(state.iteration, cfg, eval_drains=not in_stream)
             controls.before_iteration(state.iteration + 1, last=stop)  # --profile: the segment holding its start
-            engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss)
+            evaluations = {it * num_mb: evaluate_in_stream(it) for it in range(state.iteration + 1, stop + 1)
+                           if in_stream and eval_due(it)}
+            engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss,
+                                 evaluations=evaluations)
             state.consumed_samples += (stop - state.iteration) * gbs
             state.iteration = stop
             controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time
                 controls.around_boundary()  # every segment ends at a drain
-                stop = at_boundary()
+                stop = at_boundary(evaluated=in_stream)
             progress.flush()
             if stop:
                 break
@@ -725,11 +743,19 @@ def pretrain(cfg: Config, workload=None) -> dict:
     return progress.record
 
 
-def next_boundary(iteration: int, cfg: Config) -> int:
-    """The next iteration after which an asynchronous pipeline must drain: evaluation, checkpoint,
-    exit or the end of training."""
+ASYNC_SEGMENT_ITERATIONS = 1000  # the longest asynchronous segment without --async-drain-interval
+
+
+def next_boundary(iteration: int, cfg: Config, eval_drains: bool = False) -> int:
+    """The next iteration after which an asynchronous pipeline must drain: checkpoint, exit or the end
+    of training (and evaluation when `eval_drains`; otherwise it runs inside the stream)."""
     t, ck = cfg.training, cfg.checkpoint
-    intervals = [t.eval_interval] + ([ck.save_interval] if ck.save and ck.save_interval else []) \
+    # --async-drain-interval fixes the drains whether or not a run saves (its saves fall on drains);
+    # without it every save drains, and so does every ASYNC_SEGMENT_ITERATIONS-th iteration (a segment's
+    # op lists are built whole: this bounds them, independently of --eval-interval).
+    drains = [cfg.parallel.async_drain_interval] if cfg.parallel.async_drain_interval else \
+        ([ck.save_interval] if ck.save and ck.save_interval else []) + [ASYNC_SEGMENT_ITERATIONS]
+    intervals = ([t.eval_interval] if eval_drains else []) + drains \
         + ([t.exit_interval] if t.exit_interval else [])
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 

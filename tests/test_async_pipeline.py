@@ -252,8 +252,10 @@ def test_async_precision_flag_rules():
     base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--pipeline-model-parallel-size",
             "2", "--pipeline-method", "pipeoptim", "--untie-embeddings-and-output-weights"]
     validate(parse_args(base + ["--fp16", "--use-distributed-optimizer"]), 4)
-    with pytest.raises(ConfigError, match="--overlap-param-gather applies to the synchronous methods"):
-        validate(parse_args(base + ["--use-distributed-optimizer", "--overlap-param-gather"]), 4)
+    validate(parse_args(base + ["--use-distributed-optimizer", "--overlap-param-gather"]), 4)  # one packed gather
+    with pytest.raises(ConfigError, match="--overlap-param-gather applies to the synchronous methods, pipeoptim"):
+        validate(parse_args([a if a != "pipeoptim" else "pipedream" for a in base]
+                            + ["--use-distributed-optimizer", "--overlap-param-gather"]), 4)
 
 
 # --------------------------------------------------------------------------------------------------

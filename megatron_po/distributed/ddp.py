@@ -231,6 +231,28 @@ class DistributedDataParallel:
                                  self.dp_group, async_op=async_op)
             bucket.gather_handle = handle if async_op else None
 
+    def start_packed_param_sync(self, buffers: list[torch.Tensor], async_op: bool) -> None:
+        """ONE all-gather per bucket for several flat buffers laid out like `param_buffer` (the live
+        weights and predicted ones, asynchronous pipelines): this rank's owned ranges of all of them go
+        out packed in one message, and waiting (`_wait_gather`, the forward pre-hooks) unpacks each
+        rank's pieces into every buffer. One buffer: gathered in place, as `start_param_sync`."""
+        self.finish_param_sync()
+        if self.dp_size == 1 or not buffers:
+            return
+        for bucket in reversed(self.buckets):
+            start, end = self.owned_range(bucket)
+            if len(buffers) == 1:
+                buf = buffers[0]
+                handle = all_gather_single(buf[bucket.start:bucket.end], buf[start:end], self.dp_group, async_op)
+                bucket.gather_handle = handle if async_op else None
+                continue
+            packed = torch.cat([b[start:end] for b in buffers])
+            out = torch.empty(packed.numel() * self.dp_size, dtype=packed.dtype, device=packed.device)
+            handle = all_gather_single(out, packed, self.dp_group, async_op)
+            bucket.gather_handle = _PackedGather(handle, out, buffers, bucket, self.dp_size)
+            if not async_op:
+                self._wait_gather(bucket)
+
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather (before reading the weights outside a forward)."""
         for bucket in self.buckets:
@@ -253,6 +275,20 @@ class DistributedDataParallel:
             for module in chunk.modules():
                 if any(True for _ in module.parameters(recurse=False)):
                     module.register_forward_pre_hook(wait_for_own_params)
+
+
+class _PackedGather:
+    """A pending packed all-gather: `wait()` waits, then copies every rank's piece of every buffer home."""
+
+    def __init__(self, handle, out: torch.Tensor, buffers: list[torch.Tensor], bucket: Bucket, dp_size: int):
+        self.handle, self.out, self.buffers, self.bucket, self.dp_size = handle, out, buffers, bucket, dp_size
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        pieces = self.out.view(self.dp_size, len(self.buffers), -1)
+        for i, buf in enumerate(self.buffers):
+            buf[self.bucket.start:self.bucket.end].view(self.dp_size, -1).copy_(pieces[:, i])
 
 
 def allreduce_sequence_parallel_grads(params) -> None:

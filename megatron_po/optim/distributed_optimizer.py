@@ -120,6 +120,10 @@ class DistributedOptimizer(MainParamsOptimizer):
         self.predict_chunk_numel = predict_chunk_numel
         self._device = ddp.grad_buffer.device
         self._shard_grads: list[Tensor] | None = None
+        self.defer_param_gather = False  # see `start_gathers`
+        self._live_changed = False
+        self.predicted_buffers: dict[object, Tensor] = {}  # slot -> full flat buffer like ddp.param_buffer
+        self._predicted_pending: list[Tensor] = []
 
     # -- MainParamsOptimizer hooks --------------------------------------------------------------
 
@@ -157,13 +161,16 @@ class DistributedOptimizer(MainParamsOptimizer):
 
     def _copy_main_to_model(self):
         self._write_owned_ranges()
+        if self.defer_param_gather:  # asynchronous pipelines: gathered with the next predictions
+            self._live_changed = True
+            return
         self.ddp.start_param_sync()  # asynchronous with overlap_param_gather
 
     def _agreement_groups(self):
         return [self.ddp.dp_group, self.model_parallel_group]
 
-    def _prediction_targets(self):
-        buf = self.ddp.param_buffer
+    def _prediction_targets(self, buf: Tensor | None = None):
+        buf = self.ddp.param_buffer if buf is None else buf
         return [[buf[piece.start:piece.end] for piece in pieces] for pieces in self._group_pieces]
 
     # -- PipeOptim: predicted shards travel like updated shards ----------------------------------
@@ -182,7 +189,44 @@ class DistributedOptimizer(MainParamsOptimizer):
 
     def finish_param_sync(self) -> None:
         """Wait for overlapped all-gathers (before reading the weights outside a forward, e.g. to save)."""
+        if self._live_changed or self._predicted_pending:
+            self.start_gathers(async_op=False)
         self.ddp.finish_param_sync()
+
+    # -- asynchronous pipelines: one packed all-gather per micro-batch ---------------------------
+    # With `defer_param_gather` a step only writes the updated shard; the policy then predicts the
+    # shards of the passes before the next step into separate full buffers (`predict_shard`) and
+    # `start_gathers` sends the live and all predicted shards in ONE all-gather per bucket. A pass on
+    # predicted weights points the parameters at their buffer (`point_model_at`) and back after it: the
+    # restore moves no data.
+
+    def predicted_buffer(self, slot) -> Tensor:
+        if slot not in self.predicted_buffers:
+            self.predicted_buffers[slot] = torch.zeros_like(self.ddp.param_buffer)
+        return self.predicted_buffers[slot]
+
+    @torch.no_grad()
+    def predict_shard(self, slot, steps, include_weight_decay: bool = False) -> None:
+        """Ŵ of this rank's shard into the owned ranges of buffer `slot` (gathered by `start_gathers`)."""
+        from megatron_po.optim.mixed_precision import predict_into
+        buf = self.predicted_buffer(slot)
+        predict_into(self.optimizer, steps, self._prediction_targets(buf), include_weight_decay,
+                     self.predict_chunk_numel)
+        self._predicted_pending.append(buf)
+
+    def start_gathers(self, async_op: bool) -> None:
+        """One all-gather per bucket of everything changed since the last: the live shard (after a step)
+        and the predicted shards; waited for by the forward pre-hooks or `finish_param_sync`."""
+        buffers = ([self.ddp.param_buffer] if self._live_changed else []) + self._predicted_pending
+        self._live_changed, self._predicted_pending = False, []
+        self.ddp.start_packed_param_sync(buffers, async_op)
+
+    def point_model_at(self, slot=None) -> None:
+        """Point every parameter at its view of buffer `slot` (None: the live `ddp.param_buffer`)."""
+        buf = self.ddp.param_buffer if slot is None else self.predicted_buffers[slot]
+        for p in self.ddp.params:
+            start, end = self.ddp.param_range[id(p)]
+            p.data = buf[start:end].view_as(p)
 
     # -- inspection and checkpoints --------------------------------------------------------------
 

@@ -4,7 +4,10 @@ Every pipeline rank holds its model chunks, one optimizer per chunk and one weig
 (policies.py). Micro-batches stream through `async_one_f_one_b(D, v, M, k)`; after every k backwards of
 chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
 
-  (a) mean of chunk c's gradients over the data-parallel group (when it has more than one rank);
+  (a) mean of chunk c's gradients over the data-parallel group (when it has more than one rank): the
+      chunk's DDP buckets, each all-reduced (reduce-scattered with the distributed optimizer) from the
+      backward hooks of the last backward before the step as soon as it is complete; one flat
+      all-reduce at the step only under delay compensation, which edits gradients after each backward;
   (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
       counted once each over the TP group (DP replicas hold identical gradients after (a));
   (c) lr = lr_fn(i), i = the number of steps chunk c has taken so far;
@@ -18,9 +21,13 @@ every chunk gets a MixedPrecisionOptimizer (fp32 main params; inf/NaN checks and
 stage's TP group only: stage-local). With --use-distributed-optimizer every chunk gets its own DDP
 buffers and a DistributedOptimizer (ZeRO-1 over the DP group): (a) becomes a reduce-scatter launched by
 the chunk's last backward before the step, each DP rank steps its shard of the fp32 main params, and the
-updated shards are all-gathered into the weights. PipeOptim and SpecTrain then predict
-Ŵ = W_main − s·lr·ΔW for the own shard from the own state and all-gather the predicted shards the same
-way; the restore is the normal main → model copy, so no weight copy is made. PipeDream and 2BW work
+updated shards are all-gathered into the weights. PipeOptim and SpecTrain predict Ŵ = W_main − s·lr·ΔW
+for the own shard from the own state, into a separate full buffer per pass kind, and right after each
+step send the updated shard and the predicted shards of the passes before the next step in ONE packed
+all-gather per bucket (asynchronous with --overlap-param-gather: the forward pre-hooks wait); a pass
+on Ŵ points the parameters at that buffer and back after it, so the restore moves no data. At k = 1:
+one all-gather of 2× (PipeOptim; 3× SpecTrain) the shard per micro-batch, instead of three (update,
+prediction, restore) of 1× each (`policies._PredictingPolicy`). PipeDream and 2BW work
 unchanged: they stash and swap the (full, replicated) model weights, never the sharded main params.
 Found-inf and the grad norm are agreed over DP and TP of the stage.
 
@@ -33,7 +40,7 @@ its scale (it never steps between a micro-batch's forward and backward, so the s
 Segments. Training runs the stream in segments of M micro-batches (`segment_schedule`): the schedule of
 M micro-batches with ids offset by the number already consumed, so batches, p2p tags and staleness use
 global ids. A segment ends with a drain (every micro-batch in flight finishes its backward and step),
-which is needed before evaluation, checkpoints and the end of training. A drain does not change the
+which is needed before checkpoints and the end of training (evaluation is not: see below). A drain does not change the
 update semantics of the micro-batches already in flight: their forward ran where it would have run in
 the endless stream, and exactly the same backwards and steps of their stage separate it from their
 backward, so s(j), and with it PipeDream's stashed versions, 2BW's versions and PipeOptim's
@@ -43,6 +50,17 @@ weights than they would have without the drain. (SpecTrain's backward look-ahead
 a micro-batch's round trip ends on the timeline; during a drain fewer steps remain, so the schedule
 gives the last micro-batches a smaller s_b, which is what that stream really does.) M must be a
 multiple of k (a step always averages k micro-batches) and, with interleaving, of D.
+
+Evaluation without a drain. `train_segment(..., evaluations={N: fn})` calls fn() on every rank at its
+cut for N (`iteration_cuts`): just before the rank's first forward of a micro-batch >= N, i.e. when the
+rank has run every op that precedes the next iteration's micro-batches. There fn evaluates forward-only
+on the rank's live weights (`evaluate`, eval mode, no prediction, no gradients), micro-batches flowing
+stage to stage under ids far from the training ones, so no p2p tag or mailbox key is shared. No
+training op moves, and eval mode draws no random numbers, so the training trajectory is bit for bit the
+same whatever the evaluation interval. The value differs from a drained evaluation: stage r evaluates
+on the weights it holds at its cut (its steps up to micro-batch N - 1 - s, s its staleness), which is
+what the stream is at that moment. The emulator snapshots each rank's weights at the same cut and
+evaluates on the snapshots after the segment, so its values equal the distributed run's.
 
 `AsyncEmulator` runs all D ranks in one process (the research tool: exact per-op numerics of the
 distributed run, no process groups needed); `AsyncPipelineRank` is one rank of the distributed run.
@@ -61,13 +79,16 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, PrecisionConfig, TrainingConfig, virtual_pipeline_size
 from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
+from megatron_po.monitor import timers
 from megatron_po.optim import build_optimizer, param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
-from megatron_po.pipeline.executor import Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, run_rank
+from megatron_po.pipeline.cuts import EVAL_ID_OFFSET, hooks_at_cuts
+from megatron_po.pipeline.executor import (Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, forward_only_ops,
+                                          run_rank)
 from megatron_po.pipeline.partition import build_chunks_for_rank
 from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
 from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
@@ -169,11 +190,16 @@ class AsyncStage:
             c.to(self.dtype)
         self.ddps = None
         mixed = pr.bf16 or pr.fp16
-        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32):
+        # Delay compensation edits each gradient after its backward: the DP mean must wait for the step.
+        bucketed_dp = self.dp_group is not None and not policy_options.get("delay_compensation")
+        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32) or bucketed_dp:
             # A gradient buffer per chunk: the distributed optimizer reduce-scatters it; fp32 accumulation
-            # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`).
+            # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`);
+            # with DP > 1 its buckets are all-reduced as the chunk's last backward before a step fills
+            # them, overlapping that backward, as in synchronous training.
             self.ddps = [DistributedDataParallel([c], self.dp_group, ddp_bucket_size,
                                                  use_distributed_optimizer=pr.use_distributed_optimizer,
+                                                 overlap_param_gather=pr.overlap_param_gather,
                                                  grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                               pr.accumulate_allreduce_grads_in_fp32))
                          for c in chunks]
@@ -199,16 +225,18 @@ class AsyncStage:
     def step(self, c: int) -> None:
         opt = self.optimizers[c]
         if self.ddps is not None:  # the DP mean: reduce-scatter (distributed optimizer) or all-reduce
-            self.ddps[c].finish_grad_sync()
+            with timers("grad-sync", 1):  # what the last backward's bucketed reduces did not overlap
+                self.ddps[c].finish_grad_sync()
             params = self.ddps[c].params
         else:
             params = self.params[c]
             grads = [p.grad for p in params if p.grad is not None]
             if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
-                flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
-                dist.all_reduce(flat, group=self.dp_group)
-                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(reduced.view_as(g))
+                with timers("grad-sync", 1):
+                    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
+                    dist.all_reduce(flat, group=self.dp_group)
+                    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                        g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
@@ -230,6 +258,12 @@ class AsyncStage:
             for p in params:
                 p.grad = None
         self.steps[c] += 1
+
+    def finish_param_sync(self) -> None:
+        """Wait for the distributed optimizer's pending all-gathers (at a drain, before reading weights)."""
+        for opt in self.optimizers:
+            if hasattr(opt, "finish_param_sync"):
+                opt.finish_param_sync()
 
     def _loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward: 1/k, times the fp16 loss
@@ -253,7 +287,7 @@ class AsyncStage:
         self._runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
                                    get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
                                    step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
-                                   on_loss=on_loss)
+                                   on_loss=on_loss, detail_level=1)
         return self._runner
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
@@ -370,17 +404,38 @@ class AsyncEmulator:
         """Every model chunk, in virtual-stage order."""
         return [self.stages[r].chunks[c] for c in range(self.num_chunks) for r in range(self.num_stages)]
 
-    def train_segment(self, get_batch, num_microbatches: int | None = None) -> list[float]:
+    def train_segment(self, get_batch, num_microbatches: int | None = None,
+                      evaluations: dict[int, Callable[[], None]] | None = None) -> list[float]:
         """Stream `num_microbatches` micro-batches through the pipeline and drain it; returns each
         micro-batch's loss, in order. `get_batch` is a function of the global micro-batch id
-        (`microbatches_consumed + i`) or a list of this segment's batches."""
+        (`microbatches_consumed + i`) or a list of this segment's batches. `evaluations`: {N: fn}, fn()
+        (which calls `evaluate`) sees every rank's weights as they were at its cut for N, as in the
+        distributed run; the training stream is not changed by it."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
         mailbox = Mailbox()
         runners = {s.rank: s.runner(schedule, mailbox, get_batch) for s in self.stages}
-        emulate(schedule, runners)
+        snapshots: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+        def snapshot(n: int, stage: AsyncStage) -> Callable[[], None]:
+            def take():
+                snapshots[(n, stage.rank)] = [p.detach().clone() for params in stage.params for p in params]
+            return take
+        hooks = {s.rank: hooks_at_cuts(schedule, {n: snapshot(n, s) for n in evaluations or {}}, s.rank)
+                 for s in self.stages}
+        emulate(schedule, runners, hooks)
+        for s in self.stages:
+            s.finish_param_sync()
+        for n in sorted(evaluations or {}):  # nothing in flight now: point the parameters at the snapshots
+            live = {}
+            for s in self.stages:
+                for p, w in zip((p for params in s.params for p in params), snapshots[(n, s.rank)]):
+                    live[p], p.data = p.data, w
+            evaluations[n]()
+            for p, w in live.items():
+                p.data = w
         self.microbatches_consumed += num_microbatches
         losses = runners[self.num_stages - 1].losses
         return [losses[first + i].item() for i in range(num_microbatches)]
@@ -445,6 +500,7 @@ class AsyncPipelineRank:
             message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
         self.microbatches_consumed = 0
+        self._cut: int | None = None  # inside train_segment's evaluation at the cut for this micro-batch id
 
     def restore_progress(self, microbatches_consumed: int) -> None:
         """After loading a checkpoint (taken at a drain): continue the stream's global micro-batch ids
@@ -459,29 +515,53 @@ class AsyncPipelineRank:
     def holds_loss(self) -> bool:
         return self.rank == self.num_stages - 1
 
-    def train_segment(self, get_batch, num_microbatches: int | None = None, on_loss=None) -> list[float] | None:
+    def train_segment(self, get_batch, num_microbatches: int | None = None, on_loss=None,
+                      evaluations: dict[int, Callable[[], None]] | None = None) -> list[float] | None:
         """Stream micro-batches through this rank and drain. `on_loss(mb, loss)` is called on the last
-        stage as each micro-batch's loss is computed (progress logging without draining)."""
+        stage as each micro-batch's loss is computed (progress logging without draining).
+        `evaluations`: {N: fn}; fn() runs at this rank's cut for N (before its first forward of a
+        micro-batch >= N) and may call `evaluate`, which then runs between two training ops."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
         runner = self.stage.runner(schedule, self.transport, get_batch, on_loss)
-        run_rank(schedule, runner)
+
+        def at_cut(n: int, fn: Callable[[], None]) -> Callable[[], None]:
+            def run():
+                self._cut = n
+                try:
+                    fn()
+                finally:
+                    self._cut = None
+            return run
+        actions = {n: at_cut(n, fn) for n, fn in (evaluations or {}).items()}
+        run_rank(schedule, runner, hooks_at_cuts(schedule, actions, self.rank))
+        self.stage.finish_param_sync()
         self.microbatches_consumed += num_microbatches
         if not self.holds_loss():
             return None
         return [runner.losses[first + i].item() for i in range(num_microbatches)]
 
     def evaluate(self, batches: Sequence[dict]) -> float | None:
+        """Mean loss over `batches` on this rank's live weights (None off the last stage). Called from an
+        evaluation of `train_segment`, it runs between two training ops: forwards only, under micro-batch
+        ids EVAL_ID_OFFSET past the cut's, and without waiting for the training sends still in flight."""
         batches = list(batches)
+        mid_stream = self._cut is not None
+        base = (self._cut if mid_stream else self.microbatches_consumed) + EVAL_ID_OFFSET
+        schedule = shift_microbatches(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), base)
+        runner = self.stage.eval_runner(self.transport, lambda mb: batches[mb - base])
         _set_train(self.chunks, False)
-        runner = self.stage.eval_runner(self.transport, batches.__getitem__)
-        run_rank(_eval_schedule(self.num_stages, self.num_chunks, len(batches)), runner)
+        if mid_stream:
+            for op in forward_only_ops(schedule.ops[self.rank]):
+                runner.run(op)
+        else:
+            run_rank(schedule, runner)
         _set_train(self.chunks, True)
         if not self.holds_loss():
             return None
-        return torch.stack([runner.losses[i] for i in range(len(batches))]).mean().item()
+        return torch.stack([runner.losses[base + i] for i in range(len(batches))]).mean().item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under their global names, TP shards gathered into full tensors."""

@@ -194,6 +194,7 @@ class StageRunner:
     grad_sync: object = None  # (chunk, enabled: bool) -> None, DDP sync on a chunk's last backward
     forward_only: bool = False
     on_loss: object = None  # (mb, detached loss) -> None, on the last virtual stage (progress logging)
+    detail_level: int = 2  # --timing-log-level of the per-op timers (asynchronous runs: 1, they have no coarser)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
 
@@ -211,11 +212,11 @@ class StageRunner:
             self.backward(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
-                with timers("prediction", 2):
+                with timers("prediction", self.detail_level):
                     self.policy.before_step(op.chunk)
                 with timers("optimizer", 1):
                     self.step_fn(op.chunk)
-                with timers("prediction", 2):
+                with timers("prediction", self.detail_level):
                     self.policy.after_step(op.chunk)
 
     def forward(self, mb: int, c: int) -> None:
@@ -225,16 +226,16 @@ class StageRunner:
         batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process or reads_batch) else None
         inputs = []
         if not chunk.pre_process:
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 inputs = self.transport.recv(self.rank, self._peer(vs - 1), ("act", mb, vs))
             if not self.forward_only:
                 for t in inputs:
                     t.requires_grad_(t.is_floating_point())
         if not self.forward_only:
-            with timers("prediction", 2):
+            with timers("prediction", self.detail_level):
                 self.policy.before_forward(mb, c)
         weights = None if self.forward_only else self.policy.weights_for_recompute(mb, c)
-        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", 2), recompute_weights(weights):
+        with torch.set_grad_enabled(not self.forward_only), timers("forward-compute", self.detail_level), recompute_weights(weights):
             hidden = None if chunk.pre_process else (inputs[0] if len(inputs) == 1 else tuple(inputs))
             if reads_batch:
                 out = chunk(batch, hidden_states=hidden)
@@ -251,11 +252,11 @@ class StageRunner:
         if chunk.post_process and self.on_loss is not None:
             self.on_loss(mb, self.losses[mb])
         if not self.forward_only:
-            with timers("prediction", 2):
+            with timers("prediction", self.detail_level):
                 self.policy.after_forward(mb, c)
         if not chunk.post_process:
             outputs = _as_list(out)
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 self.transport.send(self._peer(vs + 1), ("act", mb, vs + 1), outputs)
         if not self.forward_only:
             self.saved[(mb, c)] = (inputs, outputs)
@@ -267,22 +268,22 @@ class StageRunner:
         if chunk.post_process:
             grads = [None]
         else:
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 grads = self.transport.recv(self.rank, self._peer(vs + 1), ("grad", mb, vs))
-        with timers("prediction", 2):
+        with timers("prediction", self.detail_level):
             self.policy.before_backward(mb, c)
         if self.grad_sync is not None:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        with timers("backward-compute", 2):  # includes launching the DDP reduce it overlaps
+        with timers("backward-compute", self.detail_level):  # includes launching the DDP reduce it overlaps
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.grad_sync is not None:
             self.grad_sync(c, False)
-        with timers("prediction", 2):
+        with timers("prediction", self.detail_level):
             self.policy.after_backward(mb, c)
         if not chunk.pre_process:
             in_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-            with timers("p2p", 2):
+            with timers("p2p", self.detail_level):
                 self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
@@ -312,9 +313,11 @@ def forward_only_ops(ops) -> list:
 PREPOST_WINDOW = 4  # ops of look-ahead for posting receives (buffers alive: at most this many messages)
 
 
-def run_rank(schedule: Schedule, runner: StageRunner) -> None:
-    """Distributed: this process runs its own rank's ops in order."""
+def run_rank(schedule: Schedule, runner: StageRunner, before_op: dict | None = None) -> None:
+    """Distributed: this process runs its own rank's ops in order. `before_op`: {op index: fn()} run
+    just before that op (len(ops): after the last one), e.g. evaluation between two training ops."""
     ops = schedule.ops[runner.rank]
+    before_op = before_op or {}
     if runner.forward_only:
         ops = forward_only_ops(ops)
     sync_at = backwards_before_step(ops)
@@ -325,22 +328,33 @@ def run_rank(schedule: Schedule, runner: StageRunner) -> None:
             for recv in receives[i:i + PREPOST_WINDOW + 1]:
                 if recv is not None:
                     prepost(*recv)
+        if i in before_op:
+            before_op[i]()
         runner.run(op, sync_grads=i in sync_at)
-    with timers("p2p", 2):
+    if len(ops) in before_op:
+        before_op[len(ops)]()
+    with timers("p2p", runner.detail_level):
         runner.transport.flush()
 
 
-def emulate(schedule: Schedule, runners: dict[int, StageRunner]) -> None:
+def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict | None = None) -> None:
     """Single process: run every rank's ops in an order the dependencies allow (the one the deadlock
-    checker finds), with the same per-op code and numerics as the distributed run."""
+    checker finds), with the same per-op code and numerics as the distributed run. `before_op`:
+    {rank: {op index: fn()}}, as in `run_rank`."""
     from megatron_po.pipeline.schedules import Schedule as _S, execution_order
     sched = schedule
     if any(r.forward_only for r in runners.values()):
         sched = _S(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches,
                    {r: forward_only_ops(ops) for r, ops in schedule.ops.items()})
     sync_at = {r: backwards_before_step(ops) for r, ops in sched.ops.items()}
+    hooks = before_op or {}
     for r, i in execution_order(sched):
+        if i in hooks.get(r, {}):
+            hooks[r][i]()
         runners[r].run(sched.ops[r][i], sync_grads=i in sync_at[r])
+    for r, ops in sched.ops.items():
+        if len(ops) in hooks.get(r, {}):
+            hooks[r][len(ops)]()
 
 
 # --------------------------------------------------------------------------------------------------

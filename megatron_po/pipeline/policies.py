@@ -449,19 +449,83 @@ class _PredictingPolicy(AsyncPolicy):
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)  # copies: the live weights
         self.live: list[list[tuple] | None] = [None] * len(chunks)  # swaps: (parameter, live tensor)
         self.predicted = [False] * len(chunks)
+        # Distributed optimizer with pointer swaps: one packed all-gather per micro-batch (`_gathered`).
+        self.gathers = [hasattr(opt, "predict_shard") and swap for opt, swap in zip(optimizers, self.swaps)]
+        for opt, gathers in zip(optimizers, self.gathers):
+            if gathers:
+                opt.defer_param_gather = True
+        self.prefetched: dict[tuple[str, int, int], str] = {}  # (pass, mb, chunk) -> its gathered buffer
+        self._passes_between_steps: list[list[list]] = [[] for _ in chunks]
         super().__init__(rank, chunks, optimizers, schedule, **options)
 
+    def use_schedule(self, schedule):
+        super().use_schedule(schedule)
+        # Per chunk: the forwards and backwards between its i-th and (i+1)-th step of this segment.
+        between = [[[]] for _ in self.chunks]
+        for op in schedule.ops.get(self.rank, []):
+            if isinstance(op, Step):
+                for c in (range(len(self.chunks)) if op.chunk is None else [op.chunk]):
+                    between[c].append([])
+            else:
+                between[op.chunk][-1].append(op)
+        self._passes_between_steps = between
+
+    def prefetch_passes(self, chunk: int, ops: list) -> list[tuple[str, int, float, bool]]:
+        """(pass "F"/"B", mb, steps, include_weight_decay) of the predicted passes among `ops` (a chunk's
+        passes up to its next step) whose shards a step gathers with the updated weights."""
+        return []
+
+    def after_step(self, chunk):
+        super().after_step(chunk)
+        if not self.gathers[chunk]:
+            return
+        opt = self.optimizers[chunk]
+        i = self.steps[chunk] - self._segment_first_step[chunk]
+        ops = self._passes_between_steps[chunk][i] if i < len(self._passes_between_steps[chunk]) else []
+        for kind, mb, steps, include_wd in self.prefetch_passes(chunk, ops):
+            if steps != 0 and opt.has_state():
+                opt.predict_shard(kind, steps, include_wd)
+                self.prefetched[(kind, mb, chunk)] = kind
+        opt.start_gathers(async_op=opt.ddp.overlap_param_gather)  # the live shard and the predicted ones
+
+    def _gathered(self, chunk: int, key: tuple[str, int], steps: float, include_weight_decay: bool) -> None:
+        """Point the chunk at Ŵ for pass `key` = (kind, mb): gathered with the last step's update, or now
+        (one all-gather, the live shard too if it changed)."""
+        opt = self.optimizers[chunk]
+        slot = self.prefetched.pop((*key, chunk), None)
+        if slot is None:
+            if steps == 0 or not opt.has_state():
+                return
+            slot = key[0]
+            opt.predict_shard(slot, steps, include_weight_decay)
+            opt.start_gathers(async_op=opt.ddp.overlap_param_gather)
+        opt.point_model_at(slot)
+        self.predicted[chunk] = True
+        self._note_copies(chunk)
+
+    def _wait_for_live(self, chunk: int) -> None:
+        """A backward reads the weights outside any forward pre-hook: wait for a pending all-gather."""
+        if self.gathers[chunk]:
+            self.optimizers[chunk].finish_param_sync()
+
     def copies(self, chunk):
-        predicting = self.cache[chunk] is not None or self.live[chunk] is not None
-        return (2 if predicting else 1) + self._recompute_copies(chunk)
+        if self.gathers[chunk]:
+            held = 1 + len(self.optimizers[chunk].predicted_buffers)
+        else:
+            held = 2 if self.cache[chunk] is not None or self.live[chunk] is not None else 1
+        return held + self._recompute_copies(chunk)
 
     def _backward_sees_forward_weights(self, mb, chunk):
         # Asked right after before_forward: a forward on a prediction needs it back for a recomputation
         # (PipeOptim's B(j) runs on the live weights); without prediction and step in between, live = live.
         return self.staleness[chunk][mb] == 0 and not self.predicted[chunk]
 
-    def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False) -> None:
+    def _predict(self, chunk: int, steps: float, include_weight_decay: bool = False,
+                 key: tuple[str, int] | None = None) -> None:
         opt = self.optimizers[chunk]
+        if self.gathers[chunk]:
+            self._gathered(chunk, key, steps, include_weight_decay)
+            return
         if steps == 0 or not opt.has_state():
             return
         if hasattr(opt, "predict_model_params"):
@@ -489,7 +553,9 @@ class _PredictingPolicy(AsyncPolicy):
     def _restore(self, chunk: int) -> None:
         if self.predicted[chunk]:
             opt = self.optimizers[chunk]
-            if hasattr(opt, "restore_model_params"):
+            if self.gathers[chunk]:
+                opt.point_model_at(None)
+            elif hasattr(opt, "restore_model_params"):
                 opt.restore_model_params()
             elif self.swaps[chunk]:
                 for p, w in self.live[chunk]:
@@ -526,14 +592,21 @@ class SpecTrainPolicy(_PredictingPolicy):
         # With s(j) = 0 no step separates the passes, and s_f = s_b: B(j) predicts the very same weights.
         return self.staleness[chunk][mb] == 0
 
+    def prefetch_passes(self, chunk, ops):
+        f = next((op.microbatch for op in ops if isinstance(op, Forward)), None)
+        b = next((op.microbatch for op in ops if isinstance(op, Backward)), None)
+        return ([("F", f, self.spectrain[chunk][f][0], False)] if f is not None else []) + \
+            ([("B", b, self.spectrain[chunk][b][1], False)] if b is not None else [])
+
     def before_forward(self, mb, chunk):
-        self._predict(chunk, self.spectrain[chunk][mb][0])
+        self._predict(chunk, self.spectrain[chunk][mb][0], key=("F", mb))
 
     def after_forward(self, mb, chunk):
         self._restore(chunk)
 
     def before_backward(self, mb, chunk):
-        self._predict(chunk, self.spectrain[chunk][mb][1])
+        self._wait_for_live(chunk)
+        self._predict(chunk, self.spectrain[chunk][mb][1], key=("B", mb))
 
     def after_backward(self, mb, chunk):
         self._restore(chunk)
@@ -580,9 +653,19 @@ class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
     def copies(self, chunk):
         return super().copies(chunk) + sum(1 for (_, c) in self.used if c == chunk)
 
+    def prefetch_passes(self, chunk, ops):
+        f = next((op.microbatch for op in ops if isinstance(op, Forward)), None)
+        if f is None:
+            return []
+        self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])  # as before_forward would
+        return [("F", f, self.staleness[chunk][f] + self.s_offset, self.include_weight_decay)]
+
+    def before_backward(self, mb, chunk):
+        self._wait_for_live(chunk)
+
     def before_forward(self, mb, chunk):
         self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])
-        self._predict(chunk, self.staleness[chunk][mb] + self.s_offset, self.include_weight_decay)
+        self._predict(chunk, self.staleness[chunk][mb] + self.s_offset, self.include_weight_decay, key=("F", mb))
         if self.delay_compensation and self.staleness[chunk][mb] > 0:
             self.used[(mb, chunk)] = _clone(self.params[chunk])
             self._note_copies(chunk)

@@ -1,0 +1,247 @@
+"""Communication of asynchronous pipelines under data parallelism (issue: async comms overlap).
+
+    python bench/async_comms.py [--reps 5 --n 32 --layers 4 --bulk 2000000 --t-f 0.02]
+
+Two tables, every variant of a table alternating in the same forked gloo processes (tests/dist_harness.py,
+one torch thread per rank), written to bench/results/async_comms.md with the command, the settings and
+the load average (this box is shared: read ratios, not absolute numbers):
+
+1. Tiny GPT, PP=2 x DP=2, PipeOptim (AdamW, k = 1): tokens/s of `AsyncPipelineRank.train_segment` over
+   n micro-batches with the plain optimizer (DP all-reduce of bucketed gradients from the backward), the
+   distributed optimizer as it was before (the old path: after each step an all-gather of the updated
+   weights, then per predicted forward one all-gather of Ŵ and one to restore), and the distributed
+   optimizer now (one packed all-gather per micro-batch: updated + predicted shards; restore a pointer
+   swap), each also with --overlap-param-gather. Next to it the parameter all-gather calls and bytes per
+   micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
+2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
+   fp32 parameter whose gradient the step must average over DP): PipeOptim micro-batches/s per pipeline
+   at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
+   backward hooks (now) and with all buckets reduced at the step (as before, `grad_sync` disabled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from dist_harness import run_distributed  # noqa: E402
+from megatron_po import parallel_state as ps  # noqa: E402
+from megatron_po.config import ModelConfig  # noqa: E402
+from megatron_po.distributed import ddp as ddp_module  # noqa: E402
+from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
+from megatron_po.pipeline.partition import ActivationSpecs, gpt_message_specs  # noqa: E402
+from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
+from schedules import WIDTH, SleepStage, gpt_config, synthetic_batches, timed  # noqa: E402
+
+TIMEOUT = 1800.0
+GPT_VARIANTS = ("plain", "distopt-before", "distopt", "distopt-overlap")
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _makespans(results, variants):
+    """Per variant: the median over repetitions of max(end) - min(start) over ranks."""
+    out = {}
+    for v in variants:
+        reps = len(results[0][v])
+        out[v] = _median([max(r[v][i][1] for r in results) - min(r[v][i][0] for r in results) for i in range(reps)])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Tiny GPT, PP=2 x DP=2
+# --------------------------------------------------------------------------------------------------
+
+
+def _old_gather_path(rank: AsyncPipelineRank) -> None:
+    rank.stage.policy.gathers = [False] * len(rank.chunks)
+    for opt in rank.stage.optimizers:
+        opt.defer_param_gather = False
+
+
+def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps):
+    """Returns ({variant: [(start, end)]}, {variant: (gather calls, bytes) per micro-batch}, pp rank)."""
+    cfg = gpt_config(model_cfg)
+    specs = gpt_message_specs(cfg, mbs // ps.get_data_parallel_world_size())
+    g = torch.Generator().manual_seed(0)
+    pool = []
+    for _ in range(8):
+        tokens = torch.randint(0, vocab, (mbs // ps.get_data_parallel_world_size(), model_cfg.seq_length + 1),
+                               generator=g)
+        pool.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                     "loss_mask": torch.ones(tokens.shape[0], model_cfg.seq_length)})
+    get_batch = lambda mb: pool[mb % len(pool)]  # noqa: E731
+    ranks = {}
+    for v in GPT_VARIANTS:
+        cfg.precision.use_distributed_optimizer = v != "plain"
+        cfg.precision.overlap_param_gather = v == "distopt-overlap"
+        model_parallel_seed(1234)
+        ranks[v] = AsyncPipelineRank(cfg, vocab, "pipeoptim", update_interval=1, message_specs=specs)
+        if v == "distopt-before":
+            _old_gather_path(ranks[v])
+    gather, counted = ddp_module.all_gather_single, []
+
+    def counting(output, input_, group, async_op):
+        counted.append(output.numel() * output.element_size())
+        return gather(output, input_, group, async_op)
+    ddp_module.all_gather_single = counting
+    spans = {v: [] for v in GPT_VARIANTS}
+    comm = {}
+    try:
+        for i in range(warmup + reps):
+            for v in (GPT_VARIANTS if i % 2 == 0 else GPT_VARIANTS[::-1]):
+                counted.clear()
+                spans[v].append(timed(lambda: ranks[v].train_segment(get_batch, n)))
+                if i >= warmup:  # steady: the optimizer has state from the first segment on
+                    comm[v] = (len(counted) / len(ranks[v].stage.ddps[0].buckets) / n if ranks[v].stage.ddps
+                               else 0.0, sum(counted) / n)
+    finally:
+        ddp_module.all_gather_single = gather
+    return spans, comm, ps.get_pipeline_model_parallel_rank()
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Synthetic stages with a real gradient volume
+# --------------------------------------------------------------------------------------------------
+
+
+class _Bulk(torch.autograd.Function):
+    """Identity on the activation; the bulk parameter's gradient is a constant (a real gradient volume
+    for the DP reduce, no compute to speak of)."""
+
+    @staticmethod
+    def forward(ctx, x, bulk):
+        ctx.shape = bulk.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.shape, 1e-3)
+
+
+class BulkSleepStage(SleepStage):
+    def __init__(self, t_f, t_b, pre_process, post_process, bulk):
+        super().__init__(t_f, t_b, pre_process, post_process)
+        self.bulk = nn.Parameter(torch.zeros(bulk))
+
+    def forward(self, input_ids=None, hidden_states=None, labels=None):
+        return _Bulk.apply(super().forward(input_ids, hidden_states, labels), self.bulk)
+
+
+def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
+    """PipeOptim on the sleeping stages with a bulk parameter; variants: reduce from the backward hooks
+    ("overlapped") and at the step ("at-step"). Returns {variant: [(start, end)]}."""
+    from megatron_po.config import Config
+
+    def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
+        return [BulkSleepStage(t_f, t_b, rank == 0, rank == num_stages - 1, bulk)]
+    variants = ("overlapped", "at-step")
+    ranks = {}
+    for v in variants:
+        cfg = Config()
+        cfg.model.untie_embeddings_and_output_weights = True
+        cfg.parallel.ddp_bucket_size = bulk // 4  # several buckets
+        model_parallel_seed(1234)
+        ranks[v] = AsyncPipelineRank(cfg, 16, "pipeoptim", update_interval=1, optimizer_name="adam",
+                                     optimizer_kwargs={"lr": 1e-4}, message_specs=ActivationSpecs((mbs, WIDTH)),
+                                     build_chunks=build)
+        if v == "at-step" and ranks[v].stage.ddps is not None:
+            ranks[v].stage._grad_sync = lambda c, enabled, s=ranks[v].stage: setattr(s.ddps[c], "sync_enabled", False)
+    get_batch = synthetic_batches(mbs)
+    spans = {v: [] for v in variants}
+    for i in range(warmup + reps):
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            spans[v].append(timed(lambda: ranks[v].train_segment(get_batch, n)))
+    for v in variants:
+        spans[v] = spans[v][warmup:]
+    return spans
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--n", type=int, default=32, help="micro-batches per segment")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--mbs", type=int, default=4, help="micro-batch size (split over DP)")
+    p.add_argument("--bulk", type=int, default=2_000_000, help="synthetic stages: gradient elements per stage")
+    p.add_argument("--t-f", type=float, default=0.02, help="synthetic stages: forward seconds (backward 2x)")
+    p.add_argument("--skip-gpt", action="store_true")
+    p.add_argument("--skip-synthetic", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "async_comms.md"))
+    args = p.parse_args()
+    lines = []
+
+    def emit(s=""):
+        print(s, flush=True)
+        lines.append(s)
+    emit("# Asynchronous pipelines under data parallelism: communication")
+    emit()
+    emit(f"command: `python bench/async_comms.py {' '.join(sys.argv[1:])}`  ")
+    emit(f"machine: {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo, one thread per rank; "
+         f"load average at start {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min)")
+    emit()
+    if not args.skip_gpt:
+        mc = ModelConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, seq_length=64,
+                         max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                         untie_embeddings_and_output_weights=True)
+        vocab = 256
+        res = run_distributed(gpt_dp_bench, 4, pp=2, timeout=TIMEOUT,
+                              args=(mc, vocab, args.mbs, args.n, args.warmup, args.reps))
+        spans = [{v: r[0][v][args.warmup:] for v in GPT_VARIANTS} for r in res]
+        span = _makespans(spans, GPT_VARIANTS)
+        tokens = args.n * args.mbs * mc.seq_length
+        stage0 = next(r[1] for r in res if r[2] == 0)
+        stage1 = next(r[1] for r in res if r[2] == 1)
+        emit(f"## 1. Tiny GPT ({args.layers} layers, hidden 64, seq 64), PP=2 x DP=2, PipeOptim AdamW k=1, "
+             f"{args.n} micro-batches of {args.mbs} per segment, median of {args.reps}")
+        emit()
+        emit("| variant | tokens/s | vs plain | stage 0 gathers / mb | stage 0 bytes / mb | stage 1 gathers / mb "
+             "| stage 1 bytes / mb |")
+        emit("|---|---|---|---|---|---|---|")
+        for v in GPT_VARIANTS:
+            emit(f"| {v} | {tokens / span[v]:.0f} | {span['plain'] / span[v]:.3f} | {stage0[v][0]:.2f} | "
+                 f"{stage0[v][1]:.0f} | {stage1[v][0]:.2f} | {stage1[v][1]:.0f} |")
+        emit()
+    if not args.skip_synthetic:
+        t_f, t_b = args.t_f, 2 * args.t_f
+        dp1 = run_distributed(synthetic_dp_bench, 2, pp=2, timeout=TIMEOUT,
+                              args=(t_f, t_b, args.mbs, args.bulk, args.n, args.warmup, args.reps))
+        dp2 = run_distributed(synthetic_dp_bench, 4, pp=2, timeout=TIMEOUT,
+                              args=(t_f, t_b, args.mbs, args.bulk, args.n, args.warmup, args.reps))
+        variants = ("overlapped", "at-step")
+        s1, s2 = _makespans(dp1, variants), _makespans(dp2, variants)
+        emit(f"## 2. Synthetic stages, PP=2, t_f={t_f * 1000:.0f} ms, t_b={t_b * 1000:.0f} ms, "
+             f"{args.bulk} fp32 gradient elements per stage ({args.bulk * 4 / 1e6:.0f} MB), PipeOptim Adam k=1, "
+             f"{args.n} micro-batches per segment, median of {args.reps}")
+        emit()
+        emit("| DP reduce | DP=1 mb/s per pipeline | DP=2 mb/s per pipeline | DP=2 / DP=1 |")
+        emit("|---|---|---|---|")
+        for v in variants:
+            emit(f"| {v} | {args.n / s1[v]:.2f} | {args.n / s2[v]:.2f} | {s1[v] / s2[v]:.3f} |")
+        emit()
+    emit(f"load average at end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min); "
+         f"finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,8 @@ MODEL_PARALLEL_ARGS, DATA_ARGS, EVAL_AND_LOGGING_ARGS); LLAMA3_8B copies example
 (MODEL_ARGS, TRAINING_ARGS + DDP_ARGS, MODEL_PARALLEL_ARGS, the real-data DATA_ARGS_LIST, EVAL_AND_LOGGING_ARGS).
 Changed: sizes (layers, hidden, heads, sequence, batches, iterations/samples, intervals, vocab), the parallel
 layout (GPT-3: TP=2 x PP=2; Llama-3: TP=2 x DP=2 + sequence parallel + distributed optimizer) and paths;
-dropped: the FP8 block (DTYPE_ARGS; no FP8 on CPU). `--fp16` stays (fp16 runs on CPU here).
+dropped: the FP8 block (DTYPE_ARGS; no FP8 on CPU); Llama-3's `--attention-backend fused` (cuDNN, CUDA only) is
+auto here. `--fp16` stays (fp16 runs on CPU here).
 
 Each runs on 4 CPU processes on the bundled corpus preprocessed with the scripts' tokenizers (GPT-2 BPE with
 --vocab-file/--merge-file; a Hugging Face tokenizer directory) and its loss falls.
@@ -53,7 +54,8 @@ def llama3_8b(data, out):
                   "--kv-channels", "16", "--seq-length", "64", "--max-position-embeddings", "64",
                   "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
                   "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
-                  "--attention-backend", "fused", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+                  "--attention-backend", "auto",  # script: fused (cuDNN kernels, CUDA only; a clear error on CPU)
+                  "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
                   "--disable-bias-linear"]
     training_args = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "240",
                      "--lr-decay-samples", "232", "--lr-warmup-samples", "24", "--lr", "0.003", "--min-lr", "0.0002",
@@ -64,9 +66,9 @@ def llama3_8b(data, out):
     ddp_args = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     model_parallel_args = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1", "--sequence-parallel"]
     data_args = ["--data-path", data["prefix"], "--tokenizer-type", "HuggingFaceTokenizer",
-                 "--tokenizer-model", data["tokenizer_model"], "--data-cache-path", str(out / "cache"),
+                 "--tokenizer-model", data["model"], "--data-cache-path", str(out / "cache"),
                  "--split", "99,1,0", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
-                 "--num-workers", "1", "--vocab-size", str(data["vocab_size"])]
+                 "--num-workers", "1", "--vocab-size", str(hf_vocab_size(data["model"]))]
     eval_and_logging_args = ["--log-interval", "1", "--eval-iters", "2", "--eval-interval", "15",
                              "--save-interval", "1000", "--log-throughput", "--profile", "--profile-step-start", "4",
                              "--profile-step-end", "6", "--ckpt-format", "torch_dist",
@@ -74,6 +76,11 @@ def llama3_8b(data, out):
                              "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb")]
     return (model_args + training_args + ddp_args + model_parallel_args + data_args + eval_and_logging_args
             + ["--metrics-file", str(out / "metrics.jsonl")])
+
+
+def hf_vocab_size(tokenizer_dir):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json").get_vocab_size()
 
 
 def losses(path):

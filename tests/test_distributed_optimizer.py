@@ -262,8 +262,12 @@ def test_bf16_sharded_equals_mixed_precision_and_uses_6_plus_12_over_dp_bytes():
         (hist_a, params_a, mem_a, _, _, n, largest), (hist_b, params_b, mem_b, peak, live, *_) = out[False], out[True]
         for (loss_a, norm_a), (loss_b, norm_b) in zip(hist_a, hist_b):
             assert loss_a == pytest.approx(loss_b, rel=1e-6) and norm_a == pytest.approx(norm_b, rel=1e-5)
+        # Clipping: the sharded global grad norm sums per-shard squares, then across ranks, so its last fp32
+        # bits (measured: 1e-7 relative) and the clip factor differ from the unsharded sum's; that moves
+        # some bf16 weights by a rounding step after 3 Adam steps at lr 1e-2 on some CPUs (without clipping
+        # the two are bitwise equal). Tolerance: one bf16 ulp relative, and a tenth of an lr-sized step.
         for k in params_a:
-            torch.testing.assert_close(params_b[k], params_a[k], rtol=0, atol=0, msg=k)
+            torch.testing.assert_close(params_b[k], params_a[k], rtol=2**-7, atol=1e-3, msg=k)
         # Megatron's table: 18 bytes/param unsharded, 6 + 12/DP sharded (bf16 params, fp32 grads, Adam);
         # the slack covers bucket padding and Adam's 4-byte step counters.
         assert 18.0 <= mem_a["total"] < 18.01

@@ -120,12 +120,14 @@ def test_decoupled_lr_drives_embedding_and_output_only(tmp_path):
 def test_async_pipeline_runs_the_run_flags(tmp_path):
     """PipeOptim on PP=2: --profile traces the segment holding the profiled iterations, --manual-gc and the
     document flags (every stage reads the batch) run through the asynchronous engine, and
-    --exit-duration-in-mins stops it at the next drain."""
+    --exit-duration-in-mins stops it at the next drain (evaluation runs inside the stream; --async-drain-interval
+    fixes the drains)."""
     out = tmp_path / "a"
     flags = ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights", "--pipeline-method",
              "pipeoptim", "--manual-gc", "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
              "--tensorboard-dir", str(out / "tb"), "--reset-position-ids", "--reset-attention-mask",
-             "--position-embedding-type", "rope", "--eval-interval", "3", "--exit-duration-in-mins", "1e-9"]
+             "--position-embedding-type", "rope", "--eval-interval", "3", "--async-drain-interval", "3",
+             "--exit-duration-in-mins", "1e-9"]
     assert _run(_base(out, iters=6) + flags, 2) == [0, 0]
     assert json.loads((out / "tb" / "trace_rank0_iter2-3.pt.trace.json").read_text())["traceEvents"]
     assert [r["iteration"] for r in _records(out)] == [1, 2, 3]  # stopped at the first drain (iteration 3)

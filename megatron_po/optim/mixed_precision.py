@@ -311,24 +311,31 @@ class MainParamsOptimizer:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _unscale_and_check(self, grads: list[Tensor]) -> bool:
+    def _unscale_and_agree(self, grads: list[Tensor]) -> tuple[bool, float]:
+        """Unscale the main grads, then agree on found-inf and the global grad norm in one all-reduce per
+        group: an asynchronous stage at k = 1 steps after every micro-batch, and every collective is a
+        point where its data-parallel replicas wait for each other."""
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         if grads:
             inv_scale = torch.full((1,), 1.0 / self.get_loss_scale(), dtype=torch.float32, device=self._device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
-        # Every rank must skip together: a step on some ranks only would desynchronise the replicas.
+        # Every rank must skip together: a step on some ranks only would desynchronise the replicas. The
+        # flags are summed with the squares (any non-zero sum = some rank found inf/NaN).
+        stats = torch.stack([found[0].to(torch.float64), self._local_grad_sq()])
         for group in _multi_rank_groups(self._agreement_groups()):
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item() > 0)
+            dist.all_reduce(stats, group=group)
+        return bool(stats[0] > 0), float(stats[1].sqrt())
+
+    def _local_grad_sq(self) -> Tensor:
+        """Sum of squares (float64) of this rank's main grads that count toward the global norm."""
+        grads = [g for g, p in self._norm_pieces() if counts_toward_norm(p)]
+        if grads:
+            return torch.stack(torch._foreach_norm(grads, 2.0)).square().sum().to(torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=self._device)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) main grads, each parameter counted once over the groups."""
-        grads = [g for g, p in self._norm_pieces() if counts_toward_norm(p)]
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads, 2.0)).square().sum()
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=self._device)
-        sq = sq.to(torch.float64)
+        sq = self._local_grad_sq()
         for group in _multi_rank_groups(self._agreement_groups()):
             dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
@@ -340,13 +347,12 @@ class MainParamsOptimizer:
             raise ValueError(f"{type(self).__name__}.step does not take a closure")
         self._before_weights_change()
         grads = self._main_grads()
-        found_inf = self._unscale_and_check(grads)
+        found_inf, norm = self._unscale_and_agree(grads)
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
         if found_inf:
             self._release_main_grads()
             return StepResult(True, None)
-        norm = self.grad_norm()
         if self.clip_grad > 0 and norm > self.clip_grad:
             torch._foreach_mul_([g for g, _ in self._norm_pieces()], self.clip_grad / (norm + 1e-6))
         self.optimizer.step()

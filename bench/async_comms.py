@@ -14,7 +14,7 @@ the load average (this box is shared: read ratios, not absolute numbers):
    swap), each also with --overlap-param-gather. Next to it the parameter all-gather calls and bytes per
    micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
 2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
-   fp32 parameter whose gradient the step must average over DP): PipeOptim micro-batches/s per pipeline
+   fp32 gradient in 4 parameters, which the step must average over DP): PipeOptim micro-batches/s per pipeline
    at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
    backward hooks (now) and with all buckets reduced at the step (as before, `grad_sync` disabled).
 """
@@ -119,6 +119,9 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps):
 # --------------------------------------------------------------------------------------------------
 
 
+BULK_PIECES = 4
+
+
 class _Bulk(torch.autograd.Function):
     """Identity on the activation; the bulk parameter's gradient is a constant (a real gradient volume
     for the DP reduce, no compute to speak of)."""
@@ -134,12 +137,18 @@ class _Bulk(torch.autograd.Function):
 
 
 class BulkSleepStage(SleepStage):
+    """The gradient volume comes as BULK_PIECES parameters (a real stage has many), so the DP buckets
+    fill one by one as the backward runs instead of all at its end."""
+
     def __init__(self, t_f, t_b, pre_process, post_process, bulk):
         super().__init__(t_f, t_b, pre_process, post_process)
-        self.bulk = nn.Parameter(torch.zeros(bulk))
+        self.bulk = nn.ParameterList(nn.Parameter(torch.zeros(bulk // BULK_PIECES)) for _ in range(BULK_PIECES))
 
     def forward(self, input_ids=None, hidden_states=None, labels=None):
-        return _Bulk.apply(super().forward(input_ids, hidden_states, labels), self.bulk)
+        x = super().forward(input_ids, hidden_states, labels)
+        for piece in self.bulk:
+            x = _Bulk.apply(x, piece)
+        return x
 
 
 def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):

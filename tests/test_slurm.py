@@ -91,6 +91,9 @@ def test_sbatch_scripts_train_and_requeue_resumes(slurm_env, corpus, tmp_path):
     # A requeue (what Slurm does after a preemption or node failure) reruns the same job script; Slurm
     # holds requeued jobs for a while (BeginTime), so release it now.
     subprocess.run(["scontrol", "requeue", trun_job], env=slurm_env, check=True)
+    # slurmd revokes the finished run's credential with one-second granularity; a relaunch within that
+    # second is killed as "Job credential revoked" (seen under load), so release it 2 s later.
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={trun_job}", "StartTime=now"], env=slurm_env, check=True)
 
     assert wait(slurm_env, srun_job, srun_log)[:2] == ("COMPLETED", "0:0"), open(srun_log).read()[-3000:]

@@ -45,49 +45,69 @@ def validate_run_flags(cfg) -> None:
              f"from this run's own; save the finetuned run to another directory")
 
 
+def launcher_rank() -> int:
+    """This process's rank as its launcher numbered it (torchrun's RANK, Slurm's SLURM_PROCID; 0 alone),
+    readable before any process group exists."""
+    for name in ("RANK", "SLURM_PROCID"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------
 # fp16: bounded skipping
 # --------------------------------------------------------------------------------------------------
 
 
 class SkipGuard:
-    """Counts consecutive skipped steps and stops a hopeless fp16 run (see the module docstring).
+    """Counts consecutive skipped steps and stops a hopeless run (see the module docstring).
 
-    `after_step` is called on every rank after every step with values every rank agrees on (`skipped`:
-    found-inf is agreed by all-reduce; `scale`: the loss scale the step ran with, equal everywhere since
-    every scaler saw the same found-inf history). Only when a step was skipped at the floor do the ranks
-    agree, in one extra all-reduce, whether any of them holds a non-finite loss; so every rank raises at the
-    same point and rank 0 prints the line."""
+    Synchronous methods (`after_step`): called on every rank after every step with values every rank
+    agrees on (`skipped`: found-inf is agreed by all-reduce; `scale`: the loss scale the step ran with,
+    equal everywhere since every scaler saw the same found-inf history). Only when a step was skipped at the
+    floor do the ranks agree, in one extra all-reduce, whether any of them holds a non-finite loss; so every
+    rank raises at the same point and rank 0 prints the line.
 
-    def __init__(self, cfg, stage: str = ""):
+    Asynchronous methods (`after_iteration`): steps are stage-local, so the loss stage checks its own
+    (a non-finite loss makes every stage's gradients non-finite) and raises `error_cls` (training's
+    RankError: printed there, the other ranks stopped by the watchdog)."""
+
+    def __init__(self, cfg):
         pr = cfg.precision
         self.max_skipped = pr.max_skipped_steps
         self.check_loss = cfg.training.check_for_nan_in_loss_and_grad and pr.fp16
         self.floor = pr.loss_scale if pr.loss_scale is not None else pr.min_loss_scale
         self.consecutive = 0
-        self.stage = stage  # "" (synchronous) or the stage that counts (asynchronous: stage-local steps)
 
-    def at_floor(self, scale: float) -> bool:
-        return scale <= self.floor
+    def _check(self, iteration: int, scale: float | None, loss_bad, where, error_cls, suffix: str = "") -> None:
+        """`loss_bad()`: whether the loss is non-finite (agreed where needed); called only at the floor."""
+        if self.check_loss and scale is not None and scale <= self.floor and loss_bad():
+            raise error_cls(f"fp16: the loss is NaN/inf at iteration {iteration}{suffix} with the loss scale at its "
+                            f"floor ({scale:g}): a lower scale cannot help a non-finite loss; stopped, {where()}")
+        if self.max_skipped and self.consecutive >= self.max_skipped:
+            raise error_cls(f"{self.consecutive} consecutive steps skipped for inf/NaN gradients up to iteration "
+                            f"{iteration}{suffix} (--max-skipped-steps {self.max_skipped}; loss scale "
+                            f"{f'{scale:g}' if scale is not None else 'none'}): stopped, {where()}")
 
-    def after_step(self, iteration: int, skipped: bool, scale: float | None, loss_nonfinite, where: str,
+    def after_step(self, iteration: int, skipped: bool, scale: float | None, loss_nonfinite: bool, where,
                    agree=None) -> None:
         """`loss_nonfinite`: this rank's loss is NaN/inf (False where no loss is held); `agree(flag) ->
-        bool`: the any-rank reduction (None: this rank's own flag); `where`: the last checkpoint, for the
-        message."""
+        bool`: the any-rank reduction (None: this rank's flag alone); `where()`: the last checkpoint, for
+        the message."""
         self.consecutive = self.consecutive + 1 if skipped else 0
-        if not skipped:
-            return
-        if self.check_loss and scale is not None and self.at_floor(scale):
-            bad = agree(loss_nonfinite) if agree is not None else bool(loss_nonfinite)
-            if bad:
-                raise UserError(f"fp16: the loss is NaN/inf at iteration {iteration}{self.stage} with the loss "
-                                f"scale at its floor ({scale:g}): a lower scale cannot help a non-finite loss; "
-                                f"stopped, {where}")
-        if self.max_skipped and self.consecutive >= self.max_skipped:
-            raise UserError(f"{self.consecutive} consecutive steps skipped for inf/NaN gradients up to iteration "
-                            f"{iteration}{self.stage} (--max-skipped-steps {self.max_skipped}; loss scale "
-                            f"{scale if scale is not None else 'none'}): stopped, {where}")
+        if skipped:
+            self._check(iteration, scale, lambda: agree(loss_nonfinite) if agree else bool(loss_nonfinite), where,
+                        UserError)
+
+    def after_iteration(self, iteration: int, consecutive: int, skipped: bool, scale: float | None,
+                        loss_nonfinite: bool, where, error_cls, stage: str) -> None:
+        """The loss stage of an asynchronous run, once per iteration: `consecutive` (its optimizer's count
+        of skipped steps in a row), `skipped` (any step skipped since the last call)."""
+        self.consecutive = consecutive
+        if skipped:
+            self._check(iteration, scale, lambda: loss_nonfinite, where, error_cls, f" on {stage}")
 
 
 def any_rank(flag: bool) -> bool:

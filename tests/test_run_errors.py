@@ -110,6 +110,47 @@ def test_skip_guard_counts_consecutive_steps_only():
         unbounded.after_step(1, True, 8.0, False, lambda: "", agree)
 
 
+# `python inject.py pretrain_gpt.py ...`: on rank 1 every micro-batch loss from the N-th on is NaN
+INJECT = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+if os.environ.get("SLURM_PROCID") == "1":
+    import megatron_po.pipeline.executor as executor
+    loss_fn, count, n = executor.masked_mean_loss, [0], int(os.environ["NAN_FROM"])
+    def nan_loss(*args):
+        count[0] += 1
+        loss = loss_fn(*args)
+        return loss * float("nan") if count[0] >= n else loss
+    executor.masked_mean_loss = nan_loss
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_fp16_nan_loss_in_an_asynchronous_pipeline_stops_at_the_floor(tmp_path):
+    """PipeOptim, PP=2, fp16 (steps are stage-local): NaN losses from iteration 4 on; the loss stage's scale
+    falls 4 -> 2 -> 1 within that iteration (a step per micro-batch) and it stops there with one line; rank 0
+    is stopped by its watchdog. Before the issue the run skipped every step and exited 0."""
+    from rank_launcher import launch, tagged_processes
+    import uuid
+    logs, tag = str(tmp_path / "logs"), uuid.uuid4().hex
+    argv = tiny_args(str(tmp_path), **{"--pipeline-model-parallel-size": 2, "--train-iters": 8,
+                                       "--untie-embeddings-and-output-weights": True, "--pipeline-method": "pipeoptim",
+                                       "--fp16": True, "--initial-loss-scale": 4, "--hysteresis": 1,
+                                       "--distributed-timeout-minutes": 0.5})
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    procs = launch(str(script), [os.path.join(ROOT, "pretrain_gpt.py"), *argv], 2, logs, tag, {"NAN_FROM": "13"})
+    codes = [p.wait(timeout=240) for p in procs]
+    log = [open(os.path.join(logs, f"rank{r}.log")).read() for r in range(2)]
+    assert codes == [1, 2], log
+    mine = [ln for ln in log[1].splitlines() if ln.startswith("error: ")]
+    assert mine == ["error: fp16: the loss is NaN/inf at iteration 4 on rank 1 (pipeline stage 1, data-parallel "
+                    "rank 0, tensor-parallel rank 0) with the loss scale at its floor (1): a lower scale cannot "
+                    "help a non-finite loss; stopped, nothing saved"], log[1][-2000:]
+    assert tagged_processes(tag) == []
+
+
 # ---- 6. --finetune relaunched resumes -------------------------------------------------------------
 
 def test_relaunched_finetune_resumes_from_save(tmp_path):

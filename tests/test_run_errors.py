@@ -341,7 +341,8 @@ def test_preprocessing_names_the_line_of_invalid_json(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "1 2"}\n{"text": "3"\n{"text": "4"}\n')
     assert preprocess_data.main(["--input", str(bad), *out]) == 2
-    assert _last_error(capsys) == f"error: input file '{bad}', line 2: invalid JSON: Expecting ',' delimiter (column 13)"
+    assert _last_error(capsys) == (f"error: input file '{bad}', line 2: invalid JSON: Expecting ',' delimiter "
+                                   f"(column 13)")
     compressed = tmp_path / "bad.jsonl.gz"
     with gzip.open(compressed, "wt") as f:
         f.write('{"text": "1 2"}\n\n{"text": 3 4}\n')

@@ -110,6 +110,21 @@ def test_skip_guard_counts_consecutive_steps_only():
         unbounded.after_step(1, True, 8.0, False, lambda: "", agree)
 
 
+def test_skip_guard_of_an_asynchronous_loss_stage():
+    """Asynchronous methods: the loss stage's optimizer counts its skipped steps in a row (steps, several per
+    iteration at --async-update-interval 1); the guard stops at the bound with the caller's error class."""
+    from megatron_po.run_rules import SkipGuard
+
+    class StageStop(Exception):
+        pass
+    guard = SkipGuard(parse_args(MOCK + ["--fp16", "--max-skipped-steps", "8"]))
+    guard.after_iteration(1, 7, True, 2.0**20, False, lambda: "nothing saved", StageStop, "rank 1")
+    guard.after_iteration(2, 0, False, 2.0**20, True, lambda: "nothing saved", StageStop, "rank 1")  # clean
+    with pytest.raises(StageStop, match=r"^8 consecutive steps skipped for inf/NaN gradients up to iteration 3 on "
+                                        r"rank 1 \(--max-skipped-steps 8; loss scale 1.04858e\+06\)"):
+        guard.after_iteration(3, 8, True, 2.0**20, False, lambda: "nothing saved", StageStop, "rank 1")
+
+
 # `python inject.py pretrain_gpt.py ...`: on rank 1 every micro-batch loss from the N-th on is NaN
 INJECT = """
 import os, runpy, sys

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import get_args, get_origin, get_type_hints
 
@@ -239,6 +241,8 @@ class PrecisionConfig:
     min_loss_scale: float = _f(1.0, "minimum dynamic loss scale (fp16)")
     loss_scale_window: int = _f(1000, "iterations without overflow before the loss scale grows (fp16)")
     hysteresis: int = _f(2, "overflows tolerated before the loss scale shrinks (fp16)")
+    max_skipped_steps: int = _f(100, "stop (exit 2) after this many consecutive steps skipped for inf/NaN "
+                                     "gradients (fp16/bf16 main-params optimizers; 0: no bound)")
     use_distributed_optimizer: bool = _f(False, "shard optimizer state and fp32 main params over DP (ZeRO-1)")
     overlap_param_gather: bool = _f(False, "overlap the distributed optimizer's parameter all-gather with the forward")
     grad_reduce_in_bf16: bool = _f(False, "with --bf16: gradients reduced and accumulated in bf16 (this project's "
@@ -344,6 +348,9 @@ def _scalar_type(tp):
 
 def build_parser(description: str = "megatron_po") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    # argparse takes "-1e-3" for an option (its negative-number pattern has no exponent) and says "expected
+    # one argument": every negative number reaches the validators, whose line names the rule it breaks.
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
     for section, section_cls in _sections():
         group = parser.add_argument_group(section)
         hints = get_type_hints(section_cls)
@@ -514,6 +521,9 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         need(value >= 0, f"{name} must be >= 0 (got {value})")
     need(p.distributed_timeout_minutes > 0,
          f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})")
+    need(math.isfinite(p.distributed_timeout_minutes),
+         f"--distributed-timeout-minutes must be finite (got {p.distributed_timeout_minutes}); large values "
+         f"such as 1e6 are accepted")
     need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
          f"--adam-beta1 ({t.adam_beta1}) and --adam-beta2 ({t.adam_beta2}) must be in [0, 1)")
     need(t.adam_eps > 0 and m.norm_epsilon > 0,
@@ -616,16 +626,10 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
              "--mock-data needs --vocab-size (with --tokenizer-type NullTokenizer) or --tokenizer-model")
     else:
         need(len(d.data_path) > 0, "--data-path is required (or --mock-data for synthetic data)")
-        if len(d.data_path) > 1:
-            need(len(d.data_path) % 2 == 0,
-                 "--data-path with several datasets takes weight/prefix pairs: '0.3 A 0.7 B'")
-            for w in d.data_path[::2]:
-                try:
-                    float(w)
-                except ValueError:
-                    raise ConfigError(f"--data-path weight {w!r} is not a number ('0.3 A 0.7 B')") from None
-        from megatron_po.data.gpt_dataset import parse_split
+        # Megatron's forms: 'A', '0.3 A 0.7 B' (weighted), 'A B' (unweighted: weighted by size).
+        from megatron_po.data.gpt_dataset import parse_data_path, parse_split
         try:
+            parse_data_path(d.data_path)
             parse_split(d.split)
         except UserError as e:  # the data module's DataError: here a flag
             raise ConfigError(str(e)) from None
@@ -714,6 +718,8 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
         need(not given or ck.load is not None, f"{flag} needs --load")
     if ck.ckpt_step is not None:
         need(ck.ckpt_step >= 0, f"--ckpt-step must be >= 0 (got {ck.ckpt_step})")
+    from megatron_po.run_rules import validate_run_flags
+    validate_run_flags(cfg)  # --seed range, --max-skipped-steps, --finetune vs --save
     validate_megatron_switches(cfg, workload)
     validate_transformer_engine(cfg, workload)
     if workload == "nmt":

@@ -29,7 +29,7 @@ from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
-from megatron_po.errors import DataError, UserError
+from megatron_po.errors import ConfigError, DataError, UserError
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.models.gpt import GPTModel
 from megatron_po.optim import build_optimizer, param_groups
@@ -40,6 +40,8 @@ from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisi
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_controls import RunControls, replica_sums
+from megatron_po.run_rules import (SkipGuard, any_rank, check_resume_iteration, launcher_rank, load_plan,
+                                   loss_is_nonfinite, no_validation_warning)
 from megatron_po.tensor_parallel import model_parallel_seed, pad_vocab_size
 
 # --------------------------------------------------------------------------------------------------
@@ -565,30 +567,36 @@ def pretrain(cfg: Config, workload=None) -> dict:
 
     # Real data is checked against the tokenizer's vocabulary (a token id >= vocab size is an error).
     train_ds, valid_ds, _ = workload.data()
+    warning = no_validation_warning(cfg, valid_ds)  # e.g. --split 100,0,0: evaluation would silently not run
+    if warning:
+        print_rank0(warning)
 
     state = TrainState()
     ck = cfg.checkpoint
-    load_dir = ck.load
-    if load_dir is None and ck.save and find_checkpoint(ck.save) is not None:
-        load_dir = ck.save  # auto-resume: relaunching the same command continues from its last checkpoint
-    found = find_checkpoint(load_dir, ck.ckpt_step) if load_dir and os.path.isdir(load_dir) else None
+    # Auto-resume: relaunching the same command continues from the last checkpoint in --save (a --finetune
+    # run too: --finetune applies only while --save holds none of this run's checkpoints).
+    load_dir, finetune, ckpt_step = load_plan(ck, find_checkpoint)
+    found = find_checkpoint(load_dir, ckpt_step) if load_dir and os.path.isdir(load_dir) else None
     if found is not None:
         # --finetune: the weights only; the run starts over at iteration 0 with a fresh optimizer.
         extra = load_checkpoint(load_dir, chunks, optimizer, step=found,
-                                load_optim=not (ck.no_load_optim or ck.finetune),
-                                load_rng=not (ck.no_load_rng or ck.finetune),
-                                policy=engine.stage.policy if engine is not None and not ck.finetune else None)
-        if not ck.finetune:
+                                load_optim=not (ck.no_load_optim or finetune),
+                                load_rng=not (ck.no_load_rng or finetune),
+                                policy=engine.stage.policy if engine is not None and not finetune else None)
+        if not finetune:
             state = TrainState(**extra["train_state"])
+            done = check_resume_iteration(state.iteration, t.train_iters, load_dir)  # past it: one line, exit 2
+            if done:
+                print_rank0(done)
             if engine is not None:
                 engine.restore_progress(state.iteration * num_microbatches(cfg, world))
-        print_rank0(f"> {'finetuning from' if ck.finetune else 'resumed from'} {load_dir} iteration {found}; "
+        print_rank0(f"> {'finetuning from' if finetune else 'resumed from'} {load_dir} iteration {found}; "
                     f"continuing at iteration {state.iteration}")
     elif ck.load:
         if not os.path.isdir(ck.load) and ck.load != ck.save:
             raise UserError(f"--load {ck.load}: no such directory")
-        if ck.finetune or ck.ckpt_step is not None:
-            raise UserError(f"--{'finetune' if ck.finetune else 'ckpt-step'}: no checkpoint in {ck.load} to load")
+        if finetune or ckpt_step is not None:
+            raise UserError(f"--{'finetune' if finetune else 'ckpt-step'}: no checkpoint in {ck.load} to load")
         print_rank0(f"> no checkpoint in {ck.load} yet: starting from scratch")
 
     gbs = global_batch_size(cfg, world)
@@ -649,6 +657,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
         return False
 
     controls = RunControls(cfg, start_time)  # --profile, --manual-gc, --exit-duration-in-mins, ...
+    guard = SkipGuard(cfg)  # --max-skipped-steps; fp16: a NaN loss at the loss scale's floor stops the run
     lc = cfg.logging
     if engine is None:
         # Synchronous: one global batch per iteration, a flush and a step at its end.
@@ -660,9 +669,12 @@ def pretrain(cfg: Config, workload=None) -> dict:
                                             mbs)
             if t.calculate_per_token_loss:
                 per_token_normalizer(batches)
+            scale = optimizer.get_loss_scale() if cfg.precision.fp16 else None  # the scale this step runs with
             loss, grad_norm = train_step(cfg, chunks, ddp, optimizer, batches, lr, workload,
                                          schedule.decoupled_lr_at(state.iteration))
             check_finite(cfg, state.iteration + 1, loss, grad_norm, ddp, ck.save)
+            guard.after_step(state.iteration + 1, grad_norm is None, scale, loss_is_nonfinite(loss),
+                             lambda: last_checkpoint(ck.save), any_rank)  # fp16: bounded skipping
             state.consumed_samples += schedule.batch(state.iteration)
             state.iteration += 1
             sums = {}
@@ -707,9 +719,13 @@ def pretrain(cfg: Config, workload=None) -> dict:
                 # Steps are stage-local here: the iteration counts as skipped when this (the loss) stage
                 # skipped a step for inf/NaN gradients since the last one; fp16 logs this stage's scale.
                 skipped = sum(stage.skipped_steps)
-                if skipped > skipped_steps_seen:
+                skipped_now = skipped > skipped_steps_seen
+                if skipped_now:
                     last_norm, skipped_steps_seen = None, skipped
                 scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
+                guard.after_iteration(g + 1, max(stage.consecutive_skipped), skipped_now, scale,
+                                      loss_is_nonfinite(mean), lambda: last_checkpoint(ck.save), RankError,
+                                      ps.describe_rank(dist.get_rank()))
                 progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
 
         in_stream = getattr(workload, "eval_in_stream", False)  # else (NMT BLEU decoding) drain to evaluate
@@ -937,7 +953,10 @@ def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWork
     except (UserError, DataError) as e:
         ps.report_fault(f"stopped: {e}")  # should only this rank have raised it, the others stop too
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 or not dist.is_initialized() or isinstance(e, RankError):
+        # A config error comes before the process group, alike on every rank: rank 0 (by the launcher's
+        # RANK) prints it, so torchrun's output holds it once; every rank exits 2.
+        said_by_rank0 = isinstance(e, ConfigError) and launcher_rank() != 0
+        if not said_by_rank0 and (rank == 0 or not dist.is_initialized() or isinstance(e, RankError)):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:

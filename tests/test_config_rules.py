@@ -16,14 +16,15 @@ import textwrap
 import fake_transformer_engine
 import pytest
 
-from megatron_po import config
+from megatron_po import config, run_rules
 from megatron_po.config import normalize_nmt, parse_args, validate
 from megatron_po.errors import ConfigError
 from megatron_po.models import te_transformer
 from megatron_po.optim import mixed_precision
 
 VALIDATORS = (config.validate, mixed_precision.validate_precision_flags, config.validate_transformer_engine,
-              config.validate_nmt, config.validate_sample_schedule, config.validate_megatron_switches)
+              config.validate_nmt, config.validate_sample_schedule, config.validate_megatron_switches,
+              run_rules.validate_run_flags)
 RULE_CALLS = ("need", "import_te")  # import_te raises its own ConfigError when Transformer Engine is unusable
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
@@ -48,6 +49,14 @@ RULES = [
     ("s-offset>=0", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--pipeoptim-s-offset", "-1"],
      ["--pipeoptim-s-offset must be >= 0"]),
     ("timeout>0", 1, MOCK + ["--distributed-timeout-minutes", "0"], ["--distributed-timeout-minutes must be > 0"]),
+    ("timeout-finite", 1, MOCK + ["--distributed-timeout-minutes", "inf"],
+     ["--distributed-timeout-minutes must be finite (got inf)"]),
+    ("seed>=0", 1, MOCK + ["--seed", "-1"], ["--seed must be in [0, 4294967296) (got -1)"]),
+    ("seed-per-stage<2**32", 2, PP2_ASYNC + ["--seed", str(2**32 - 100)],
+     ["--seed must be in [0, 4294967196) (got 4294967196)", "seed + 100 x s", "--pipeline-model-parallel-size 2"]),
+    ("max-skipped-steps>=0", 1, MOCK + ["--max-skipped-steps", "-1"], ["--max-skipped-steps must be >= 0 (got -1"]),
+    ("finetune-save-is-load", 1, MOCK + ["--finetune", "--load", "ck", "--save", "ck"],
+     ["--finetune with --save equal to --load (ck)"]),
     ("adam-betas", 1, MOCK + ["--adam-beta2", "1.0"], ["--adam-beta2 (1.0)", "[0, 1)"]),
     ("epsilons>0", 1, MOCK + ["--norm-epsilon", "0"], ["--norm-epsilon (0.0) must be > 0"]),
     ("sgd-momentum", 1, MOCK + ["--sgd-momentum", "1.5"], ["--sgd-momentum must be in [0, 1)"]),
@@ -129,9 +138,11 @@ RULES = [
     ("data-path-required", 1, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
      ["--data-path is required"]),
     ("data-path-pairs", 1, ["--data-path", "0.3", "A", "0.7", "--tokenizer-model", "t.model"],
-     ["--data-path with several datasets takes weight/prefix pairs"]),
+     ["--data-path 0.3 A 0.7: weights and prefixes must alternate"]),
     ("data-path-weight", 1, ["--data-path", "x", "A", "0.7", "B", "--tokenizer-model", "t.model"],
-     ["--data-path weight 'x' is not a number"]),
+     ["--data-path x A 0.7 B: weight 'x' is not a number"]),
+    ("data-path-weights-finite", 1, ["--data-path", "inf", "A", "0.7", "B", "--tokenizer-model", "t.model"],
+     ["--data-path weights [inf, 0.7] must be non-negative with a positive sum"]),
     ("split-format", 1, ["--data-path", "A", "--tokenizer-model", "t.model", "--split", "a,b"], ["--split 'a,b'"]),
     ("sentencepiece-needs-model", 1, ["--data-path", "A"],
      ["--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"]),
@@ -399,6 +410,7 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
     validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
     validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)
+    validate(parse_args(["--data-path", "A", "B", "--tokenizer-model", "t.model"]), 1)  # unweighted, as Megatron
     _validate(NMT, 1, "nmt")
     _validate(NMT + ["--max-position-embeddings", "128", "--max-tokens", "128", "--tgt-tokenizer-model", "fr.model",
                      "--untie-encoder-decoder-embeddings"], 1, "nmt")

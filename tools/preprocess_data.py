@@ -25,7 +25,9 @@ if not __package__:  # run as `python tools/preprocess_data.py`: make the repo r
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
+import io
 import itertools
+import json
 import multiprocessing
 import time
 
@@ -44,6 +46,58 @@ COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 CHUNK_SIZE = 32
 
 
+def _open_text(path: str):
+    """The file as text, decompressed by its suffix (None for a compression this environment cannot read)."""
+    import bz2
+    import gzip
+    import lzma
+    openers = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    suffix = os.path.splitext(path.lower())[1]
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            return None
+        return io.TextIOWrapper(zstandard.open(path, "rb"), encoding="utf-8", errors="replace")
+    return openers.get(suffix, open)(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _is_empty(path: str) -> bool:
+    """No characters but white space (after decompression)."""
+    f = _open_text(path)
+    if f is None:
+        return False
+    with f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    """Where a JSON/JSON-lines file stops parsing, as "line N: invalid JSON: <reason>" (None if it parses:
+    the builder failed on something else). A file that parses whole (a JSON array) counts as valid."""
+    f = _open_text(path)
+    if f is None:
+        return None
+    with f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole:
+        if text.lstrip().startswith("["):  # one JSON document: its own error has the line
+            return f"line {whole.lineno}: invalid JSON: {whole.msg} (column {whole.colno})"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number}: invalid JSON: {e.msg} (column {e.colno})"
+    return None
+
+
 def load_input(path: str, keys: list[str]):
     """Open one input file as a `datasets.Dataset` and check it has every key in `keys`."""
     import datasets
@@ -57,9 +111,14 @@ def load_input(path: str, keys: list[str]):
     if builder is None:
         raise DataError(f"input file {path!r}: unsupported extension; expected one of "
                         f"{', '.join(BUILDERS)} (optionally compressed with {', '.join(COMPRESSION_SUFFIXES)})")
+    if builder != "parquet" and _is_empty(path):
+        raise DataError(f"empty input file {path!r}")  # datasets would say "StopIteration"
     try:
         dataset = datasets.load_dataset(builder, data_files=[os.path.abspath(path)], split="train")
     except Exception as e:  # whatever the builder trips on, the cause is the user's file
+        where = _first_bad_json_line(path) if builder == "json" else None
+        if where is not None:  # the builder's message names no line
+            raise DataError(f"input file {path!r}, {where}") from e
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(f"input file {path!r} cannot be read as {builder}: {reason}") from e
     for key in keys:

@@ -95,6 +95,9 @@ def count_lines(path: str) -> int:
 def read_aligned_text(src_path: str, tgt_path: str, counts: dict) -> list[Pair]:
     """Two line-aligned files; a line empty in both ends a document; one empty side drops the pair."""
     n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
+    for path, n in ((src_path, n_src), (tgt_path, n_tgt)):
+        if n == 0:
+            raise DataError(f"empty input file {path!r}")
     if n_src != n_tgt:
         raise DataError(f"misaligned parallel files: {src_path} has {n_src} lines but {tgt_path} has {n_tgt} "
                         f"lines (line i of one must translate line i of the other)")

@@ -264,10 +264,21 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         raise DataError("--data-path is empty: give a dataset prefix (or weights and prefixes)")
     if len(data_path) == 1:
         return list(data_path), None
-    try:
-        weights = [float(w) for w in data_path[0::2]]
-    except ValueError:
-        return list(data_path), None  # prefixes only
+    def number(w):
+        try:
+            return float(w)
+        except ValueError:
+            return None
+
+    parsed = [number(w) for w in data_path[0::2]]
+    if any(w is None for w in parsed):
+        # prefixes only (Megatron weights them by size); Megatron also refuses weights on some prefixes only
+        if len(data_path) % 2 == 0 and any(w is not None for w in parsed):
+            bad = next(w for w, n in zip(data_path[0::2], parsed) if n is None)
+            raise DataError(f"--data-path {' '.join(data_path)}: weight {bad!r} is not a number; give a weight "
+                            f"before every prefix ('0.3 A 0.7 B') or none ('A B')")
+        return list(data_path), None
+    weights = parsed
     if len(data_path) % 2:
         raise DataError(f"--data-path {' '.join(data_path)}: weights and prefixes must alternate "
                         f"(weight1 prefix1 weight2 prefix2 ...), got an odd number of values")

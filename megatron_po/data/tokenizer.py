@@ -37,7 +37,9 @@ def _reason(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[-1]
 
 
-def _need_file(path: str, flag: str) -> None:
+def _need_file(path: str, flag: str, hint: str = "") -> None:
+    if os.path.isdir(path):  # "does not exist" would send the user looking for a file that is there
+        raise DataError(f"{flag} {path!r} is a directory, not a file{hint}")
     if not os.path.isfile(path):
         raise DataError(f"{flag} {path!r} does not exist")
 
@@ -48,8 +50,8 @@ class SentencePieceTokenizer:
     def __init__(self, model_path: str):
         import sentencepiece as spm
 
-        if not os.path.isfile(model_path):
-            raise DataError(f"tokenizer model {model_path!r} does not exist")
+        _need_file(model_path, "tokenizer model", " (SentencePieceTokenizer reads a .model file; a Hugging Face "
+                                                    "tokenizer directory needs --tokenizer-type HuggingFaceTokenizer)")
         self.model_path = model_path
         self.sp = spm.SentencePieceProcessor()
         try:

@@ -215,6 +215,7 @@ class AsyncStage:
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step
         self.skipped_steps = [0] * len(chunks)  # steps skipped for inf/NaN gradients (mixed precision)
+        self.consecutive_skipped = [0] * len(chunks)  # of them in a row, up to the last step (--max-skipped-steps)
         self.loss_chunk = next((i for i, c in enumerate(chunks) if c.post_process), None)
         self.policy = build_policy(method, rank, chunks, self.optimizers,
                                    _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
@@ -244,6 +245,7 @@ class AsyncStage:
             result = opt.step()
             self.grad_norms[c] = result.grad_norm
             self.skipped_steps[c] += result.skipped
+            self.consecutive_skipped[c] = self.consecutive_skipped[c] + 1 if result.skipped else 0
             if c == self.loss_chunk and self._runner is not None:
                 self._runner.loss_scale = self._loss_scale()  # the scale may have changed
         else:

@@ -98,6 +98,8 @@ CASES = [
     ("pipedream-2bw", "adam", 2, 2, 2, (4, 6), {}),
     ("spectrain", "sgd", 2, 2, 1, (4, 6), {}),
     ("pipeoptim", "adamw", 2, 2, 1, (4, 6), {"include_weight_decay": True}),
+    ("pipeoptim", "muon", 4, 1, 1, (8, 8), {}),  # Muon's ΔW (its orthogonalised update) drives the prediction
+    ("pipedream-2bw", "muon", 2, 2, 2, (4, 6), {}),
 ]
 
 

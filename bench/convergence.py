@@ -130,7 +130,7 @@ class Settings:
     split: str = "969,30,1"
     cache_dir: str | None = None  # default <out>/.cache
     # optimisation, identical for every method
-    lr: dict = field(default_factory=lambda: {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.1, "muon": 1e-3})  # Muon: 0.2·√max(m,n) scale, AdamW lr
+    lr: dict = field(default_factory=lambda: {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.1, "muon": 1e-3})
     min_lr_ratio: float = 0.1
     warmup: int = 16  # micro-batches
     weight_decay: float = 0.01

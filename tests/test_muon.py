@@ -258,3 +258,24 @@ def test_distributed_optimizer_dp2_equals_unsharded(dtype):
             torch.testing.assert_close(out[True][name], out[False][name], rtol=0, atol=0, msg=f"rank {r} {name}")
         for a, b in zip(out[(True, "dw")], out[(False, "dw")]):
             torch.testing.assert_close(a, b.float(), rtol=0, atol=0)
+
+
+def test_distributed_optimizer_tp2_dp2_equals_unsharded():
+    """TP=2 x DP=2: the DP gather of a bucket, then the TP gather of the matrix; bitwise as above."""
+    for r, out in enumerate(run_distributed(_distopt_run, 4, tp=2, args=(torch.float32, 2))):
+        for name in out[False]:
+            torch.testing.assert_close(out[True][name], out[False][name], rtol=0, atol=0, msg=f"rank {r} {name}")
+
+
+def test_flags_reach_the_optimizer():
+    from megatron_po.config import parse_args
+    from megatron_po.training import build_optimizer_for
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--optimizer", "muon",
+                      "--muon-momentum", "0.9", "--no-muon-use-nesterov", "--muon-num-ns-steps", "3",
+                      "--muon-scale-mode", "shape_scaling", "--muon-extra-scale-factor", "1.0", "--adam-beta1", "0.8"])
+    opt = build_optimizer_for(cfg, [Toy()], None)
+    assert isinstance(opt, Muon)
+    (hidden,) = [g for g in opt.param_groups if g["use_muon"]]
+    assert (hidden["momentum"], hidden["nesterov"], hidden["num_ns_steps"], hidden["scale_mode"],
+            hidden["extra_scale_factor"], hidden["betas"]) == (0.9, False, 3, "shape_scaling", 1.0, (0.8, 0.999))
+    assert len(hidden["params"]) == 2

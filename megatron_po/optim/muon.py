@@ -26,8 +26,8 @@ from ΔW unless `include_weight_decay`, as for AdamW.
 
 Whole matrices. The orthogonalisation of a matrix is not the concatenation of its shards' ones, so:
 - tensor parallelism: a column- (row-) parallel weight's U is all-gathered over the TP group along its
-  partition dim, orthogonalised whole on every TP rank, and each keeps its own slice. Gathered fused
-  weights (QKV, SwiGLU's two halves) come out with their rows in another order than the TP=1 weight;
+  partition dim, orthogonalised whole on every TP rank, and each keeps its own slice. The gathered fused
+  QKV weight comes out with its rows in another order than the TP=1 weight;
   orthogonalisation commutes with permuting rows or columns (O(PUQ) = P·O(U)·Q), so that is exact.
 - distributed optimizer (ZeRO-1): a DP rank owns contiguous ranges of each bucket that cut through
   matrices. `attach_shards` (called by the wrappers) says where each inner parameter's piece lies in its

@@ -131,7 +131,8 @@ def test_update_direction_and_prediction_closed_form():
             p.grad = _grads(model, s)[n]
         opt.step()
     params = dict(model.named_parameters())
-    directions = {id(p): d for g, row in zip(opt.param_groups, opt.update_direction()) for p, d in zip(g["params"], row)}
+    directions = {id(p): d for g, row in zip(opt.param_groups, opt.update_direction())
+                  for p, d in zip(g["params"], row)}
     for name in ("up.weight", "down.weight"):  # ΔW is what the last step subtracted (decay apart), over lr
         p = params[name]
         torch.testing.assert_close(directions[id(p)], (before[name] * (1 - LR * WD) - p.detach()) / LR, **TOL)

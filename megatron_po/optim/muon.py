@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_po import parallel_state as ps
-from megatron_po.optim.optimizers import AdamW, PredictiveOptimizer, _check_betas, _check_non_negative, _Direction, \
-    _remember
+from megatron_po.optim.optimizers import (AdamW, PredictiveOptimizer, _check_betas, _check_non_negative, _Direction,
+                                          _remember, param_groups)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
@@ -110,7 +110,6 @@ def muon_param_groups(groups: list[dict], chunks) -> list[dict]:
 def optimizer_param_groups(name: str, chunks, weight_decay: float) -> list[dict]:
     """The param groups `build_optimizer(name, ...)` expects for these model chunks: Megatron's decay /
     no-decay split, and for "muon" also the hidden-matrix / AdamW split."""
-    from megatron_po.optim.optimizers import param_groups
     groups = param_groups(chunks, weight_decay)
     return muon_param_groups(groups, chunks) if name == "muon" else groups
 
@@ -158,7 +157,8 @@ class Muon(AdamW):
         self._shards = {id(inner): (model, start, end) for inner, model, start, end in shards}
         self._ddp = ddp
         if len(model_groups) != len(self.param_groups):
-            raise ValueError(f"attach_shards: {len(model_groups)} model groups for {len(self.param_groups)} param groups")
+            raise ValueError(f"attach_shards: {len(model_groups)} model groups for "
+                             f"{len(self.param_groups)} param groups")
         self._muon_model_ids = [{id(p) for p in g["params"]} if g.get("use_muon") else set() for g in model_groups]
 
     # -- the Muon step ---------------------------------------------------------------------------

@@ -1192,7 +1192,7 @@ def plot(s: Settings, summary: dict, path: str) -> str:
 
     train = summary["train"]
     nrows, ncols = len(s.depths), len(s.optimizers)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(10.4, 5.2 * ncols), 4.0 * nrows), squeeze=False)
     window = max(1, s.eval_interval // 4)
     handles = {}
     for i, D in enumerate(s.depths):
@@ -1236,11 +1236,11 @@ def plot(s: Settings, summary: dict, path: str) -> str:
     from matplotlib.lines import Line2D
     extra = [Line2D([], [], color="k", lw=1.2, label=f"train (moving mean, {window} micro-batches)"),
              Line2D([], [], color="k", lw=1.2, ls="--", marker="o", ms=3, label="validation")]
-    fig.legend(handles=list(handles.values()) + extra, loc="lower center", ncol=min(8, len(handles) + 2),
-               frameon=False)
+    fig.legend(handles=list(handles.values()) + extra, loc="lower center",  # one panel: two legend rows
+               ncol=min(8 if ncols > 1 else 4, len(handles) + 2), frameon=False)
     fig.suptitle(f"{s.workload.upper()} convergence: mean over {s.seeds} seed(s), band = ±1 std "
                  f"(GPipe/1F1B = the same synchronous run at every D)")
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.05 if ncols > 1 else 0.1, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

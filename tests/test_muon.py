@@ -161,6 +161,8 @@ def test_bad_muon_settings_raise():
         build_optimizer("muon", groups_of(model), lr=LR, muon_num_ns_steps=0)
     with pytest.raises(ConfigError, match="scale mode"):
         build_optimizer("muon", groups_of(model), lr=LR, muon_scale_mode="nope")
+    with pytest.raises(ConfigError, match="use_muon"):  # not silently AdamW for everything
+        build_optimizer("muon", model.parameters(), lr=LR)
     assert all("use_muon" not in g for g in optimizer_param_groups("adamw", [model], WD))
     assert muon_param_groups(optimizer_param_groups("adamw", [model], WD), [model]) == groups_of(model)
 

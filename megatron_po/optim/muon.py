@@ -149,6 +149,14 @@ class Muon(AdamW):
         self._muon_model_ids: list[set[int]] = []  # per param group: ids of its model params
         self._group_index, self._group_params = 0, []
 
+    def add_param_group(self, param_group: dict) -> None:
+        # A group without the key would silently train every parameter with AdamW (a plain tensor list
+        # cannot say which weights are hidden matrices): refuse it.
+        if not isinstance(param_group, dict) or "use_muon" not in param_group:
+            raise ValueError("Muon needs param groups saying which parameters are hidden matrices (key "
+                             "'use_muon'): build them with optim.muon.optimizer_param_groups('muon', chunks, wd)")
+        super().add_param_group(param_group)
+
     def attach_shards(self, shards: list[tuple[Tensor, Tensor, int, int]], model_groups: list[dict],
                       ddp=None) -> None:
         """Called by the wrappers holding main params: (inner param, model param, start, end) for every

@@ -96,8 +96,11 @@ COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "
 VARIANT_COLORS = {"po-lr-schedule": "tab:orange", "po-rollout": "tab:brown", "po-rollout-zero-mean": "tab:pink",
                   "po-sqrt-horizon": "tab:olive", "po-dc": "tab:cyan", "po-stale-lr": "gold",
                   "pipedream-dc": "navy", "pipedream-stale-lr": "tab:green"}
-OPTIMIZERS = ("adam", "adamw", "sgd")
-OPT_LABELS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD-momentum"}
+OPTIMIZERS = ("adam", "adamw", "sgd", "muon")
+MUON_NOTE = ("\n- Muon (optim/muon.py): hidden weight matrices by momentum 0.95 (Nesterov) + 5 Newton-Schulz steps, "
+             "update scale 0.2·sqrt(max(rows, cols)) (AdamW's lr and decoupled weight decay carry over); embeddings, "
+             "output layer, norms and biases by AdamW.")
+OPT_LABELS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD-momentum", "muon": "Muon"}
 CORPUS = os.path.join(REPO, "examples", "data", "bible_web.en.jsonl.gz")
 
 # --------------------------------------------------------------------------------------------------
@@ -108,7 +111,7 @@ CORPUS = os.path.join(REPO, "examples", "data", "bible_web.en.jsonl.gz")
 @dataclass
 class Settings:
     depths: list = field(default_factory=lambda: [4, 8])
-    optimizers: list = field(default_factory=lambda: list(OPTIMIZERS))
+    optimizers: list = field(default_factory=lambda: ["adam", "adamw", "sgd"])
     methods: list = field(default_factory=lambda: list(ALL_METHODS))
     seeds: int = 3
     steps: int = 256  # micro-batches of B samples streamed per run (= updates at k = 1)
@@ -127,7 +130,7 @@ class Settings:
     split: str = "969,30,1"
     cache_dir: str | None = None  # default <out>/.cache
     # optimisation, identical for every method
-    lr: dict = field(default_factory=lambda: {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.1})
+    lr: dict = field(default_factory=lambda: {"adam": 1e-3, "adamw": 1e-3, "sgd": 0.1, "muon": 1e-3})
     min_lr_ratio: float = 0.1
     warmup: int = 16  # micro-batches
     weight_decay: float = 0.01
@@ -644,7 +647,8 @@ class SyncPipeline:
     every stage: the semantics of `synchronous_forward_backward` + `training.train_step`."""
 
     def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
-        from megatron_po.optim import build_optimizer, param_groups
+        from megatron_po.optim import build_optimizer
+        from megatron_po.optim.muon import optimizer_param_groups
         from megatron_po.pipeline.schedules import build_schedule
         from megatron_po.tensor_parallel import model_parallel_seed
         model_parallel_seed(seed)
@@ -654,7 +658,7 @@ class SyncPipeline:
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
         wd = kw.pop("weight_decay")
-        self.opts = [build_optimizer(optimizer, param_groups([c], wd), lr_fn(0), weight_decay=wd, **kw)
+        self.opts = [build_optimizer(optimizer, optimizer_param_groups(optimizer, [c], wd), lr_fn(0), weight_decay=wd, **kw)
                      for c in self.chunks]
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.schedule = build_schedule(name, D, 1, self.M)
@@ -1188,7 +1192,7 @@ def plot(s: Settings, summary: dict, path: str) -> str:
 
     train = summary["train"]
     nrows, ncols = len(s.depths), len(s.optimizers)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(10.4, 5.2 * ncols), 4.0 * nrows), squeeze=False)
     window = max(1, s.eval_interval // 4)
     handles = {}
     for i, D in enumerate(s.depths):
@@ -1232,11 +1236,11 @@ def plot(s: Settings, summary: dict, path: str) -> str:
     from matplotlib.lines import Line2D
     extra = [Line2D([], [], color="k", lw=1.2, label=f"train (moving mean, {window} micro-batches)"),
              Line2D([], [], color="k", lw=1.2, ls="--", marker="o", ms=3, label="validation")]
-    fig.legend(handles=list(handles.values()) + extra, loc="lower center", ncol=min(8, len(handles) + 2),
-               frameon=False)
+    fig.legend(handles=list(handles.values()) + extra, loc="lower center",  # one panel: two legend rows
+               ncol=min(8 if ncols > 1 else 4, len(handles) + 2), frameon=False)
     fig.suptitle(f"{s.workload.upper()} convergence: mean over {s.seeds} seed(s), band = ±1 std "
                  f"(GPipe/1F1B = the same synchronous run at every D)")
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.05 if ncols > 1 else 0.1, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -1371,7 +1375,7 @@ at end {load[1]:.2f}; wall time {elapsed / 60:.1f} min with {s.jobs} worker proc
 - Optimizers: {", ".join(OPT_LABELS[o] for o in s.optimizers)}; peak lr {lr} (Adam/AdamW as in
   `examples/gpt_tiny.sh`, SGD-momentum the common 0.1; the same for all methods, not tuned per method);
   cosine decay to {s.min_lr_ratio:g} x peak after a linear warm-up of {s.warmup} micro-batches; weight decay
-  {s.weight_decay} (L2 for Adam and SGD, decoupled for AdamW; not on biases and norms); Adam betas (0.9, 0.999), eps 1e-8; SGD momentum {s.sgd_momentum}.
+  {s.weight_decay} (L2 for Adam and SGD, decoupled for AdamW; not on biases and norms); Adam betas (0.9, 0.999), eps 1e-8; SGD momentum {s.sgd_momentum}.{MUON_NOTE if "muon" in s.optimizers else ""}
 - Gradient clipping: {clipping}.
 - Length: {s.steps} micro-batches of B = {wl.describe_sample()} = {s.steps * wl.tokens_per_microbatch:,.0f} training tokens
   per run (every method sees exactly the same samples); evaluation every {s.eval_interval} micro-batches.

@@ -188,7 +188,7 @@ class TrainingConfig:
     rampup_batch_size: list | None = _f(None, "START INCR SAMPLES: the global batch grows from START by INCR "
                                               "until it reaches --global-batch-size after SAMPLES samples", nargs=3)
     optimizer: str = _f("adamw", "optimizer",
-                        choices=["adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion"])
+                        choices=["adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon"])
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(0.0, "learning rate at the end of decay")
     lr_decay_style: str = _f("cosine", "learning-rate decay", choices=["constant", "linear", "cosine", "wsd"])
@@ -208,6 +208,15 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
     sgd_momentum: float = _f(0.9, "SGD momentum")
+    muon_momentum: float = _f(0.95, "Muon: momentum of the hidden weight matrices")
+    muon_use_nesterov: bool = _f(True, "Muon: Nesterov momentum (--no-muon-use-nesterov: plain momentum)")
+    muon_num_ns_steps: int = _f(5, "Muon: Newton-Schulz iterations of the orthogonalisation")
+    muon_scale_mode: str = _f("spectral", "Muon: update scale of a rows x cols matrix: spectral sqrt(max(rows, "
+                                          "cols)), unit_rms_norm sqrt(rows/cols), shape_scaling sqrt(max(1, "
+                                          "rows/cols))", choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_extra_scale_factor: float = _f(0.2, "Muon: factor on the scale; 0.2 with spectral = Moonshot's "
+                                             "0.2*sqrt(max(rows, cols)): AdamW's lr and weight decay carry over "
+                                             "(Megatron's default: 1.0)")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm (0 disables)")
     seed: int = _f(1234, "random seed")
     eval_interval: int = _f(1000, "evaluate every this many iterations")
@@ -529,6 +538,9 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
     need(t.adam_eps > 0 and m.norm_epsilon > 0,
          f"--adam-eps ({t.adam_eps}) and --norm-epsilon ({m.norm_epsilon}) must be > 0")
     need(0 <= t.sgd_momentum < 1, f"--sgd-momentum must be in [0, 1) (got {t.sgd_momentum})")
+    need(0 <= t.muon_momentum < 1 and t.muon_num_ns_steps >= 1 and t.muon_extra_scale_factor > 0,
+         f"--muon-momentum ({t.muon_momentum}) must be in [0, 1), --muon-num-ns-steps ({t.muon_num_ns_steps}) "
+         f">= 1 and --muon-extra-scale-factor ({t.muon_extra_scale_factor}) > 0")
     need(m.init_method_std > 0, f"--init-method-std must be > 0 (got {m.init_method_std})")
     need(t.lr_wsd_decay_iters is None or t.lr_decay_style == "wsd",
          f"--lr-wsd-decay-iters applies to --lr-decay-style wsd, not {t.lr_decay_style}")

@@ -32,7 +32,8 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
 from megatron_po.errors import ConfigError, DataError, UserError
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.models.gpt import GPTModel
-from megatron_po.optim import build_optimizer, param_groups
+from megatron_po.optim import build_optimizer
+from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
@@ -387,9 +388,10 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
 
     def inner(groups):
         return build_optimizer(t.optimizer, groups, lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                               adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+                               adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
+                               **muon_kwargs(t))
 
-    groups = param_groups(chunks, t.weight_decay)
+    groups = optimizer_param_groups(t.optimizer, chunks, t.weight_decay)
     if t.decoupled_lr is not None:
         groups = split_decoupled(groups, chunks)
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,

@@ -98,6 +98,8 @@ CASES = [
     ("pipedream-2bw", "adam", 2, 2, 2, (4, 6), {}),
     ("spectrain", "sgd", 2, 2, 1, (4, 6), {}),
     ("pipeoptim", "adamw", 2, 2, 1, (4, 6), {"include_weight_decay": True}),
+    ("pipeoptim", "muon", 4, 1, 1, (8, 8), {}),  # Muon's ΔW (its orthogonalised update) drives the prediction
+    ("pipedream-2bw", "muon", 2, 2, 2, (4, 6), {}),
 ]
 
 
@@ -166,13 +168,14 @@ def _with_and_without_distributed_optimizer(method, optimizer, k):
 
 
 @pytest.mark.parametrize("method,optimizer,k", [("pipeoptim", "adam", 1), ("spectrain", "sgd", 1),
-                                                ("pipedream-2bw", "adam", 2)])
+                                                ("pipedream-2bw", "adam", 2), ("pipeoptim", "muon", 1)])
 def test_pp2_dp2_distributed_optimizer_equals_plain_optimizer(method, optimizer, k):
     """PP=2 x DP=2: each DP rank steps (and, for PipeOptim and SpecTrain, predicts from) its shard of the
     fp32 main params and optimizer state, and the shards are all-gathered into the weights; 2BW swaps its
     older version into the replicated weights as before. Tolerance 0 (bitwise): a reduce-scatter and an
     all-reduce over two ranks both add a/2 + b/2, and the steps and predictions are per element, so only
-    the sharding differs (tests/test_distributed_optimizer.py shows the same for single steps)."""
+    the sharding differs (tests/test_distributed_optimizer.py shows the same for single steps). Muon's step
+    is not per element: each DP rank gathers the whole matrices' U first (tests/test_muon.py), then it is."""
     for plain, sharded in run_distributed(_with_and_without_distributed_optimizer, 4, pp=2, args=(method, optimizer, k)):
         if plain[0] is not None:  # the last stage holds the losses
             torch.testing.assert_close(torch.tensor(sharded[0]), torch.tensor(plain[0]), rtol=0, atol=0)

@@ -34,6 +34,8 @@ import torch
 from megatron_po.config import Config, ModelConfig
 from megatron_po.errors import ConfigError
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
+from megatron_po.optim import build_optimizer
+from megatron_po.optim.muon import optimizer_param_groups
 from megatron_po.pipeline.async_pipeline import AsyncEmulator, segment_schedule
 from megatron_po.pipeline.executor import Mailbox, StageRunner, WeightPolicy
 from megatron_po.pipeline.partition import build_chunks_for_rank
@@ -43,7 +45,7 @@ from megatron_po.pipeline.schedules import async_one_f_one_b, staleness
 VOCAB = 64
 SEED = 5
 RTOL, ATOL = 1e-4, 1e-5
-LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1}
+LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1, "muon": 1e-2}
 
 
 def make_cfg(num_layers, tied=False):
@@ -176,6 +178,9 @@ def torch_optimizer(name, model, lr, weight_decay):
         return torch.optim.Adam(groups, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
+    if name == "muon":  # no torch counterpart; its own steps are checked against the formula in test_muon.py
+        return build_optimizer("muon", optimizer_param_groups("muon", [model], weight_decay), lr,
+                               weight_decay=weight_decay)
     return torch.optim.SGD(groups, lr=lr, momentum=0.9)
 
 
@@ -208,7 +213,7 @@ def replay(method, optimizer, weight_decay, rank, chunk_id, events, chunk0, spec
     opt = torch_optimizer(optimizer, model, lr_fn(0), weight_decay)
     history = [snapshot(params)]
     counts = step_counts(events)
-    decoupled = optimizer == "adamw"
+    decoupled = optimizer in ("adamw", "muon")
 
     def predicted(t, s):
         """W_t - s·η·ΔW, with η·ΔW the last step's displacement (without decoupled decay)."""
@@ -295,6 +300,7 @@ CASES = [
     ("pipeoptim", "adam", 3, 2, 1, (6, 6), {}),
     ("pipeoptim", "adamw", 4, 1, 2, (8, 8), {"include_weight_decay": True}),
     ("pipeoptim", "adamw", 3, 2, 1, (6, 6), {}),
+    ("pipeoptim", "muon", 4, 1, 1, (8, 8), {"include_weight_decay": True}),
 ]
 
 
@@ -303,7 +309,7 @@ CASES = [
                               for c in CASES])
 def test_updates_follow_the_method_formula(method, optimizer, D, v, k, segments, options):
     torch.set_num_threads(1)
-    weight_decay = 0.1 if optimizer == "adamw" else 0.01  # large enough that extrapolating it shows
+    weight_decay = 0.1 if optimizer in ("adamw", "muon") else 0.01  # large enough that extrapolating it shows
     emu = emulator(method, D, v, k, optimizer, weight_decay, **options)
     recorders, initial = record(emu)
     spectrain = {}

@@ -226,6 +226,7 @@ DISTOPT = {"--use-distributed-optimizer": True, "--ddp-bucket-size": 3000}
 DISTOPT_RESUME = {
     "dp2": (2, {}),
     "dp2-bf16": (2, {"--bf16": True}),
+    "muon-dp2": (2, {"--optimizer": "muon"}),  # momentum and muon_update shards; the U gather on resume
     "interleaved-pp2-dp2": (4, {"--pipeline-model-parallel-size": 2, "--num-layers-per-virtual-pipeline-stage": 1}),
     "pipeoptim-pp2-dp2": (4, {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim",
                               "--untie-embeddings-and-output-weights": True}),

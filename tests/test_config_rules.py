@@ -60,6 +60,8 @@ RULES = [
     ("adam-betas", 1, MOCK + ["--adam-beta2", "1.0"], ["--adam-beta2 (1.0)", "[0, 1)"]),
     ("epsilons>0", 1, MOCK + ["--norm-epsilon", "0"], ["--norm-epsilon (0.0) must be > 0"]),
     ("sgd-momentum", 1, MOCK + ["--sgd-momentum", "1.5"], ["--sgd-momentum must be in [0, 1)"]),
+    ("muon-settings", 1, MOCK + ["--optimizer", "muon", "--muon-num-ns-steps", "0"],
+     ["--muon-num-ns-steps (0)", ">= 1", "--muon-momentum", "--muon-extra-scale-factor"]),
     ("init-std>0", 1, MOCK + ["--init-method-std", "0"], ["--init-method-std must be > 0"]),
     ("peak-tflops>0", 1, MOCK + ["--peak-tflops", "0"], ["--peak-tflops must be > 0"]),
     ("wsd-iters-need-wsd", 1, MOCK + ["--lr-wsd-decay-iters", "5"],

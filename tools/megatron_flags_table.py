@@ -59,6 +59,11 @@ Notes where our reading differs in detail:
   the Transformer Engine/FP8 switches excepted) come from the checkpoint in `--load`.
 - `--tensorboard-log-interval`: scalars are written for logged iterations (`--log-interval`) that are
   multiples of it.
+- `--muon-*`: Megatron's names and scale modes; defaults differ: `--muon-extra-scale-factor` 0.2 (Megatron 1.0:
+  with `spectral` that is Moonshot's 0.2·√max(rows, cols), so AdamW's lr carries over), `--muon-momentum` 0.95
+  (Megatron 0.9) and Nesterov on (Megatron's `--muon-use-nesterov` is off unless given; both spellings are
+  accepted here). The fused QKV weight is orthogonalised whole (Megatron splits it unless `--muon-no-split-qkv`;
+  not offered here). See docs/optimizers.md.
 - `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.pt.trace.json` (Chrome/Perfetto trace, also read by
   the PyTorch TensorBoard profiler plugin, which reads `*.pt.trace.json`) under `--tensorboard-dir` (or `./profile`).
 

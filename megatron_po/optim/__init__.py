@@ -12,6 +12,7 @@ from megatron_po.optim.optimizers import (
     build_optimizer,
     param_groups,
 )
+from megatron_po.optim.muon import Muon, optimizer_param_groups
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -20,7 +21,8 @@ __all__ = [
     "Adam",
     "AdamW",
     "Lion",
+    "Muon",
     "PredictiveOptimizer",
     "RMSprop",
-    "build_optimizer", "param_groups",
+    "build_optimizer", "param_groups", "optimizer_param_groups",
 ]

@@ -113,6 +113,10 @@ class DistributedOptimizer(MainParamsOptimizer):
         self.optimizer = inner_optimizer_factory(main_groups)
         if not isinstance(self.optimizer, PredictiveOptimizer):
             raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
+        attach = getattr(self.optimizer, "attach_shards", None)
+        if attach is not None:  # Muon orthogonalises whole matrices: it gathers its pieces' buckets (optim/muon.py)
+            attach([(piece.main, piece.param, piece.start - ddp.param_range[id(piece.param)][0],
+                     piece.end - ddp.param_range[id(piece.param)][0]) for piece in self.pieces], groups, ddp)
         self.model_groups = [g["params"] for g in groups]
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad

@@ -407,6 +407,9 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
         self.optimizer = inner_optimizer_factory(main_groups)
         if not isinstance(self.optimizer, PredictiveOptimizer):
             raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
+        attach = getattr(self.optimizer, "attach_shards", None)
+        if attach is not None:  # an optimizer stepping whole matrices (Muon) needs the model params' layout
+            attach([(m, p, 0, p.numel()) for p, m in zip(self.model_params, self.main_params)], groups)
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group

@@ -679,7 +679,7 @@ class Lion(PredictiveOptimizer):
                 state["update_sign"] = state["update_sign"].to(torch.int8)
 
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon")
 
 
 def build_optimizer(
@@ -694,6 +694,11 @@ def build_optimizer(
     sgd_direction: str = "buffer",
     lion_beta1: float = 0.9,
     lion_beta2: float = 0.99,
+    muon_momentum: float = 0.95,
+    muon_use_nesterov: bool = True,
+    muon_num_ns_steps: int = 5,
+    muon_scale_mode: str = "spectral",
+    muon_extra_scale_factor: float = 0.2,
 ) -> PredictiveOptimizer:
     """The optimizer named by `--optimizer`, from Megatron-style flag values.
 
@@ -701,6 +706,8 @@ def build_optimizer(
     PipeOptim paper (Megatron-LM's own "adam" applies decoupled decay, i.e. is "adamw" here).
     "sgd" uses momentum `sgd_momentum` (Megatron's default 0.9; 0 gives plain SGD), "nesterov" the same
     with Nesterov momentum. RMSprop and Adagrad use torch's defaults for their other settings.
+    "muon" (optim/muon.py) needs groups from `muon.optimizer_param_groups` (the use_muon split); its AdamW
+    part uses the adam_* values.
     Bad values raise ConfigError.
     """
     try:
@@ -718,6 +725,12 @@ def build_optimizer(
             return Adagrad(params, lr, weight_decay=weight_decay)
         if name == "lion":
             return Lion(params, lr, betas=(lion_beta1, lion_beta2), weight_decay=weight_decay)
+        if name == "muon":
+            from megatron_po.optim.muon import Muon  # muon.py builds on this module
+            return Muon(params, lr, momentum=muon_momentum, nesterov=muon_use_nesterov,
+                        num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
+                        extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2), eps=adam_eps,
+                        weight_decay=weight_decay)
     except ValueError as e:
         raise ConfigError(f"--optimizer {name}: {e}") from e
     raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")

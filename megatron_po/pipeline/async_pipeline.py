@@ -80,7 +80,8 @@ from megatron_po.config import Config, PrecisionConfig, TrainingConfig, virtual_
 from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads
 from megatron_po.errors import ConfigError
 from megatron_po.monitor import timers
-from megatron_po.optim import build_optimizer, param_groups
+from megatron_po.optim import build_optimizer
+from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.lr_scheduler import set_lr
@@ -112,7 +113,7 @@ def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: in
 def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
     """`build_optimizer` keyword arguments from the training flags."""
     return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum, **muon_kwargs(t))
 
 
 def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad) -> tuple[str, dict, float]:
@@ -186,6 +187,9 @@ class AsyncStage:
             return build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                      pr.loss_scale_window, pr.hysteresis)
 
+        def groups(chunk):  # Megatron's decay split; Muon also splits hidden matrices from the rest
+            return optimizer_param_groups(optimizer_name, [chunk], weight_decay)
+
         for c in chunks:
             c.to(self.dtype)
         self.ddps = None
@@ -204,13 +208,13 @@ class AsyncStage:
                                                                               pr.accumulate_allreduce_grads_in_fp32))
                          for c in chunks]
         if pr.use_distributed_optimizer:
-            self.optimizers = [DistributedOptimizer(inner, param_groups([c], weight_decay), ddp, scaler(), clip_grad,
+            self.optimizers = [DistributedOptimizer(inner, groups(c), ddp, scaler(), clip_grad,
                                                     self.tp_group) for c, ddp in zip(chunks, self.ddps)]
         elif mixed:
-            self.optimizers = [MixedPrecisionOptimizer(inner, param_groups([c], weight_decay), scaler(), clip_grad,
+            self.optimizers = [MixedPrecisionOptimizer(inner, groups(c), scaler(), clip_grad,
                                                        self.tp_group) for c in chunks]
         else:
-            self.optimizers = [inner(param_groups([c], weight_decay)) for c in chunks]
+            self.optimizers = [inner(groups(c)) for c in chunks]
         self.params = [chunk_parameters(c) for c in chunks]  # listed once: a module walk per step adds up
         self.steps = [0] * len(chunks)
         self.grad_norms: list[float | None] = [None] * len(chunks)  # before clipping, at the last step

@@ -240,6 +240,9 @@ class AsyncStage:
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
+        ef = self.policy.error_feedback  # --async-error-feedback (pipeline/error_feedback.py), or None
+        if ef is not None:
+            ef.begin(c)
         if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local
             result = opt.step()
             self.grad_norms[c] = result.grad_norm
@@ -252,6 +255,8 @@ class AsyncStage:
             else:
                 self.grad_norms[c] = global_grad_norm(params, self.tp_group)
             opt.step()
+        if ef is not None:
+            ef.end(c, self.policy.gradient_delay(c))
         if self.ddps is not None:
             self.ddps[c].zero_grad()
         else:

@@ -12,6 +12,8 @@ from megatron_po.optim.optimizers import (
     build_optimizer,
     param_groups,
 )
+from megatron_po.optim.nadamw import NAdamW
+from megatron_po.optim.nag import NAG
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -20,6 +22,8 @@ __all__ = [
     "Adam",
     "AdamW",
     "Lion",
+    "NAdamW",
+    "NAG",
     "PredictiveOptimizer",
     "RMSprop",
     "build_optimizer", "param_groups",

@@ -90,6 +90,7 @@ from megatron_po.pipeline.cuts import EVAL_ID_OFFSET, hooks_at_cuts
 from megatron_po.pipeline.executor import (Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, forward_only_ops,
                                           run_rank)
 from megatron_po.pipeline.partition import build_chunks_for_rank
+from megatron_po.pipeline.pipenag import PipeNAGPolicy  # noqa: F401  (registers --pipeline-method pipenag)
 from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
 from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
 
@@ -112,7 +113,7 @@ def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: in
 def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
     """`build_optimizer` keyword arguments from the training flags."""
     return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum)
+                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum, nadam_momentum_decay=t.nadam_momentum_decay)
 
 
 def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad) -> tuple[str, dict, float]:

@@ -241,7 +241,7 @@ class AsyncStage:
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
-        ef = self.policy.error_feedback  # --async-error-feedback (pipeline/error_feedback.py), or None
+        ef = getattr(self.policy, "error_feedback", None)  # --async-error-feedback (error_feedback.py)
         if ef is not None:
             ef.begin(c)
         if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local

@@ -12,6 +12,11 @@ its hooks around every pass and step (executor.py) and never knows which method 
 | pipedream-2bw  | W(g-1), g = steps before B(j)   | W(g-1) (the older version)      | 2                    |
 | spectrain      | W - s_f·η·v (momentum buffer)   | W - s_b·η·v                     | 2 (live + cache)     |
 | pipeoptim      | W - s·η·ΔW, s = s(j) + s_offset | live                            | 2 (live + cache)     |
+| pipenag        | w + γ(w − w_prev) at F(j)       | the same look-ahead point       | s_max + 2            |
+
+(pipenag lives in pipenag.py, which registers itself in POLICIES. Every method also takes
+`error_feedback` (--async-error-feedback, error_feedback.py): the stage corrects each step by
+−s·(u_t − u_{t−1}) with s = `gradient_delay(chunk)`, which each policy answers from the schedule.)
 
 Every staleness a policy uses comes from the schedule's op list (`schedules.staleness`) or, for
 SpecTrain's backward, from the schedule's unit-cost timeline; nothing assumes D-r-1.

@@ -39,6 +39,9 @@ RUNS = {
     "2bw-adamw-ef": ("adamw", "pipedream-2bw", {}, {"error_feedback": True}),
     "pipedream-adamw-ef": ("adamw", "pipedream", {}, {"error_feedback": True}),
 }
+# the asynchronous row each one should beat (same pipeline method, or the method the recipe replaces)
+BASELINE = {"recipe": "pipedream-adamw", "recipe-psi-scaled": "pipedream-adamw", "pipenag": "pipedream-adamw",
+            "2bw-adamw-ef": "2bw-adamw", "pipedream-adamw-ef": "pipedream-adamw"}
 LABELS = {"sync-adamw": "sync AdamW (GPipe/1F1B)", "pipedream-adamw": "PipeDream AdamW",
           "2bw-adamw": "PipeDream-2BW AdamW", "recipe": "recipe: PipeDream + NAdamW β1=0.99 (ψ=0.004)",
           "recipe-psi-scaled": "recipe, ψ scaled to the run", "pipenag": "PipeNAG (pipenag + nag)",
@@ -93,16 +96,23 @@ def main(argv=None) -> int:
     for label in a.runs:
         vals = [cv._final_val(r, s.steps) for r in results if r["label"] == label]
         ref[label] = cv.mean_std(vals)
+    def verdict(label, other):
+        if label == other or other not in ref:
+            return ""
+        return f"{ref[label][0] - ref[other][0]:+.3f}, {cv.compare(ref[label], ref[other], a.seeds)}"
+
     for label in a.runs:
-        verdict = "" if label == "sync-adamw" or "sync-adamw" not in ref else cv.compare(ref[label], ref["sync-adamw"],
-                                                                                         a.seeds)
-        rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict} |")
+        base = BASELINE.get(label)
+        rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict(label, 'sync-adamw')} | "
+                    f"{LABELS[base] + ': ' + verdict(label, base) if base else ''} |")
     load = os.getloadavg()
     lines = ["# Delay-robust asynchronous training, D = 4", "", f"Command: `{s.command}`  ",
-             f"Seeds: {a.seeds}; {s.steps} micro-batches of B = {s.micro_batch}; lr {s.lr}; "
+             f"Seeds: {a.seeds}; {s.steps} micro-batches of B = {s.micro_batch}; peak lr "
+             f"{ {k: round(v, 6) for k, v in s.lr.items()} }; "
              f"wall {(time.perf_counter() - start) / 60:.1f} min; load average at the end "
              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (2 shared cores).", "",
-             "| run | final validation loss (mean ± std) | vs sync AdamW |", "|---|---|---|", *rows, "",
+             "| run | final validation loss (mean ± std) | vs sync AdamW | vs its asynchronous baseline |",
+             "|---|---|---|---|", *rows, "",
              "Verdicts: a difference is real only when the mean ± std intervals do not overlap "
              "(bench/convergence.py's rule). Details of each rule: docs/delay_robust.md."]
     os.makedirs(a.out, exist_ok=True)

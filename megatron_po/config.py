@@ -114,7 +114,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "split LayerNorm/dropout activations along the sequence over TP ranks")
     pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b) or asynchronous method",
                               choices=["gpipe", "1f1b", "async-naive", "pipedream", "pipedream-2bw", "spectrain",
-                                       "pipeoptim"])
+                                       "pipeoptim", "pipenag"])
     async_update_interval: int | None = _f(None, "asynchronous methods: a stage steps after every k of its backwards "
                                                  "(default 1; pipedream-2bw: the pipeline depth D)")
     async_drain_interval: int | None = _f(None, "asynchronous methods: drain the stream every this many iterations "
@@ -136,6 +136,8 @@ class ParallelConfig:
     staleness_lr_scaling: str = _f("none", "asynchronous methods: divide the lr of a step whose gradient is s steps "
                                    "stale by 1+s (inverse) or √(1+s) (inverse-sqrt)",
                                    choices=["none", "inverse", "inverse-sqrt"])
+    async_error_feedback: bool = _f(False, "asynchronous methods: error-feedback correction of delayed updates, "
+                                           "x ← x − u_t − s·(u_t − u_{t−1}) (Zmushko et al. 2026 at s = 1)")
     ddp_bucket_size: int = _f(40_000_000, "DDP gradient bucket size in elements")
     distributed_timeout_minutes: float = _f(10.0, "timeout of every collective and p2p operation; a dead rank is "
                                                   "detected (heartbeat) within half of it, at most 60 s")
@@ -188,7 +190,8 @@ class TrainingConfig:
     rampup_batch_size: list | None = _f(None, "START INCR SAMPLES: the global batch grows from START by INCR "
                                               "until it reaches --global-batch-size after SAMPLES samples", nargs=3)
     optimizer: str = _f("adamw", "optimizer",
-                        choices=["adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon"])
+                        choices=["adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon", "nadamw",
+                                 "nag"])
     lr: float = _f(3e-4, "peak learning rate")
     min_lr: float = _f(0.0, "learning rate at the end of decay")
     lr_decay_style: str = _f("cosine", "learning-rate decay", choices=["constant", "linear", "cosine", "wsd"])
@@ -207,7 +210,8 @@ class TrainingConfig:
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.999, "Adam beta2")
     adam_eps: float = _f(1e-8, "Adam epsilon")
-    sgd_momentum: float = _f(0.9, "SGD momentum")
+    sgd_momentum: float = _f(0.9, "SGD momentum (also nag's γ)")
+    nadam_momentum_decay: float = _f(4e-3, "nadamw: torch NAdam's momentum_decay ψ, μ_t = β1(1 - 0.96^(tψ)/2)")
     muon_momentum: float = _f(0.95, "Muon: momentum of the hidden weight matrices")
     muon_use_nesterov: bool = _f(True, "Muon: Nesterov momentum (--no-muon-use-nesterov: plain momentum)")
     muon_num_ns_steps: int = _f(5, "Muon: Newton-Schulz iterations of the orthogonalisation")
@@ -424,7 +428,7 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 # --------------------------------------------------------------------------------------------------
 
 
-ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
+ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim", "pipenag")
 
 
 def is_async(cfg: "Config") -> bool:
@@ -541,6 +545,7 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
     need(0 <= t.muon_momentum < 1 and t.muon_num_ns_steps >= 1 and t.muon_extra_scale_factor > 0,
          f"--muon-momentum ({t.muon_momentum}) must be in [0, 1), --muon-num-ns-steps ({t.muon_num_ns_steps}) "
          f">= 1 and --muon-extra-scale-factor ({t.muon_extra_scale_factor}) > 0")
+    need(t.nadam_momentum_decay >= 0, f"--nadam-momentum-decay must be >= 0 (got {t.nadam_momentum_decay})")
     need(m.init_method_std > 0, f"--init-method-std must be > 0 (got {m.init_method_std})")
     need(t.lr_wsd_decay_iters is None or t.lr_decay_style == "wsd",
          f"--lr-wsd-decay-iters applies to --lr-decay-style wsd, not {t.lr_decay_style}")
@@ -676,6 +681,15 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
             need(t.optimizer == "sgd" and t.sgd_momentum > 0,
                  f"--pipeline-method spectrain predicts from the momentum buffer: it needs --optimizer sgd with "
                  f"--sgd-momentum > 0 (got --optimizer {t.optimizer})")
+        if meth == "pipenag":
+            need(t.optimizer == "nag", f"--pipeline-method pipenag runs the paper's Nesterov step: it needs "
+                                       f"--optimizer nag (got --optimizer {t.optimizer})")
+            need(not (pr.bf16 or pr.fp16 or pr.use_distributed_optimizer),
+                 "--pipeline-method pipenag keeps look-ahead points of fp32 weights: drop --bf16/--fp16/"
+                 "--use-distributed-optimizer")
+        need(not p.async_error_feedback or not (pr.bf16 or pr.fp16 or pr.use_distributed_optimizer),
+             "--async-error-feedback reads each update off fp32 model weights: drop --bf16/--fp16/"
+             "--use-distributed-optimizer")
         if meth == "pipedream-2bw":
             need(k >= pp, f"--pipeline-method pipedream-2bw accumulates m >= D micro-batches per update: "
                           f"--async-update-interval ({k}) must be >= --pipeline-model-parallel-size ({pp})")
@@ -715,7 +729,8 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
                             ("--rollout-gradient", p.rollout_gradient != "first-moment"),
                             ("--delay-compensation-lambda", p.delay_compensation_lambda != 0),
                             ("--delay-compensation-adaptive", p.delay_compensation_adaptive),
-                            ("--staleness-lr-scaling", p.staleness_lr_scaling != "none")]:
+                            ("--staleness-lr-scaling", p.staleness_lr_scaling != "none"),
+                            ("--async-error-feedback", p.async_error_feedback)]:
             need(not given, f"{flag} applies to asynchronous pipeline methods, not --pipeline-method "
                             f"{p.pipeline_method}")
     if cfg.checkpoint.save_interval is not None:

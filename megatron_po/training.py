@@ -389,7 +389,7 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     def inner(groups):
         return build_optimizer(t.optimizer, groups, lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
-                               **muon_kwargs(t))
+                               **muon_kwargs(t), nadam_momentum_decay=t.nadam_momentum_decay)
 
     groups = optimizer_param_groups(t.optimizer, chunks, t.weight_decay)
     if t.decoupled_lr is not None:
@@ -800,6 +800,7 @@ def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteratio
         options.update(delay_compensation=p.delay_compensation_lambda,
                        delay_compensation_adaptive=p.delay_compensation_adaptive)
     options["staleness_lr_scaling"] = p.staleness_lr_scaling
+    options["error_feedback"] = p.async_error_feedback
     workload = workload or GPTWorkload(cfg)
     return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
                              lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), clip_grad=t.clip_grad,

@@ -124,7 +124,7 @@ def flat_directions(opt):
 
 # ---- equivalence with the plain optimizer, TP=2 composed --------------------------------------------
 
-OPTIMIZERS = ["adam", "adamw", "sgd", "lion"]  # sgd = momentum 0.9 (build_optimizer's default)
+OPTIMIZERS = ["adam", "adamw", "sgd", "lion", "nadamw", "nag"]  # sgd = momentum 0.9 (build_optimizer's default)
 
 
 def _equivalence(with_clipping, steps=2):

@@ -13,6 +13,8 @@ from megatron_po.optim.optimizers import (
     param_groups,
 )
 from megatron_po.optim.muon import Muon, optimizer_param_groups
+from megatron_po.optim.nadamw import NAdamW
+from megatron_po.optim.nag import NAG
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -22,6 +24,8 @@ __all__ = [
     "AdamW",
     "Lion",
     "Muon",
+    "NAdamW",
+    "NAG",
     "PredictiveOptimizer",
     "RMSprop",
     "build_optimizer", "param_groups", "optimizer_param_groups",

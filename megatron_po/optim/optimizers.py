@@ -679,7 +679,7 @@ class Lion(PredictiveOptimizer):
                 state["update_sign"] = state["update_sign"].to(torch.int8)
 
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon", "nadamw", "nag")
 
 
 def build_optimizer(
@@ -699,6 +699,7 @@ def build_optimizer(
     muon_num_ns_steps: int = 5,
     muon_scale_mode: str = "spectral",
     muon_extra_scale_factor: float = 0.2,
+    nadam_momentum_decay: float = 4e-3,
 ) -> PredictiveOptimizer:
     """The optimizer named by `--optimizer`, from Megatron-style flag values.
 
@@ -731,6 +732,13 @@ def build_optimizer(
                         num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
                         extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2), eps=adam_eps,
                         weight_decay=weight_decay)
+        if name == "nadamw":  # optim/nadamw.py; imported here because it builds on this module
+            from megatron_po.optim.nadamw import NAdamW
+            return NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
+                          momentum_decay=nadam_momentum_decay)
+        if name == "nag":  # optim/nag.py: PipeNAG's dampened Nesterov step, momentum --sgd-momentum
+            from megatron_po.optim.nag import NAG
+            return NAG(params, lr, momentum=sgd_momentum, weight_decay=weight_decay)
     except ValueError as e:
         raise ConfigError(f"--optimizer {name}: {e}") from e
     raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")

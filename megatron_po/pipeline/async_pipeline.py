@@ -91,6 +91,7 @@ from megatron_po.pipeline.cuts import EVAL_ID_OFFSET, hooks_at_cuts
 from megatron_po.pipeline.executor import (Mailbox, P2PTransport, StageRunner, WeightPolicy, emulate, forward_only_ops,
                                           run_rank)
 from megatron_po.pipeline.partition import build_chunks_for_rank
+from megatron_po.pipeline.pipenag import PipeNAGPolicy  # noqa: F401  (registers --pipeline-method pipenag)
 from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
 from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
 
@@ -113,7 +114,8 @@ def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: in
 def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
     """`build_optimizer` keyword arguments from the training flags."""
     return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum, **muon_kwargs(t))
+                adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum, **muon_kwargs(t),
+                nadam_momentum_decay=t.nadam_momentum_decay)
 
 
 def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad) -> tuple[str, dict, float]:
@@ -245,6 +247,9 @@ class AsyncStage:
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
+        ef = getattr(self.policy, "error_feedback", None)  # --async-error-feedback (error_feedback.py)
+        if ef is not None:
+            ef.begin(c)
         if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local
             result = opt.step()
             self.grad_norms[c] = result.grad_norm
@@ -258,6 +263,8 @@ class AsyncStage:
             else:
                 self.grad_norms[c] = global_grad_norm(params, self.tp_group)
             opt.step()
+        if ef is not None:
+            ef.end(c, self.policy.gradient_delay(c))
         if self.ddps is not None:
             self.ddps[c].zero_grad()
         else:

@@ -12,6 +12,11 @@ its hooks around every pass and step (executor.py) and never knows which method 
 | pipedream-2bw  | W(g-1), g = steps before B(j)   | W(g-1) (the older version)      | 2                    |
 | spectrain      | W - s_f·η·v (momentum buffer)   | W - s_b·η·v                     | 2 (live + cache)     |
 | pipeoptim      | W - s·η·ΔW, s = s(j) + s_offset | live                            | 2 (live + cache)     |
+| pipenag        | w + γ(w − w_prev) at F(j)       | the same look-ahead point       | s_max + 2            |
+
+(pipenag lives in pipenag.py, which registers itself in POLICIES. Every method also takes
+`error_feedback` (--async-error-feedback, error_feedback.py): the stage corrects each step by
+−s·(u_t − u_{t−1}) with s = `gradient_delay(chunk)`, which each policy answers from the schedule.)
 
 Every staleness a policy uses comes from the schedule's op list (`schedules.staleness`) or, for
 SpecTrain's backward, from the schedule's unit-cost timeline; nothing assumes D-r-1.
@@ -45,6 +50,7 @@ import torch
 
 from megatron_po.errors import ConfigError
 from megatron_po.optim.predictors import build_predictor
+from megatron_po.pipeline.error_feedback import ErrorFeedback
 from megatron_po.pipeline.executor import WeightPolicy
 from megatron_po.pipeline.recompute_weights import RecomputeWeights
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
@@ -177,11 +183,11 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
     be global); policy state that must outlive a segment (2BW's older version, step counts) is kept.
     """
 
-    options: tuple[str, ...] = ("staleness_lr_scaling",)
+    options: tuple[str, ...] = ("staleness_lr_scaling", "error_feedback")
     lr_fn = None  # lr_fn(i) = the base lr of a chunk's step i; set by the stage (schedule-aware predictors)
 
     def __init__(self, rank: int, chunks, optimizers, schedule: Schedule | None = None,
-                 staleness_lr_scaling: str = "none"):
+                 staleness_lr_scaling: str = "none", error_feedback: bool = False):
         if len(optimizers) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(optimizers)} optimizers (one per chunk)")
         if staleness_lr_scaling not in STALENESS_LR_SCALINGS:
@@ -198,6 +204,8 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
         self.staleness: dict[int, dict[int, int]] = {}
         self._step_staleness: list[list[list[int]]] = [[] for _ in self.chunks]  # chunk -> step -> s of its mbs
         self._segment_first_step = [0] * len(self.chunks)
+        # --async-error-feedback: the stage applies it around each optimizer step with `gradient_delay`
+        self.error_feedback = ErrorFeedback(self.params) if error_feedback else None
         if schedule is not None:
             self.use_schedule(schedule)
 
@@ -233,6 +241,12 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
         ages = self.gradient_staleness(chunk)
         return sum((1 + s) ** -power for s in ages) / len(ages)
 
+    def gradient_delay(self, chunk: int) -> float:
+        """Steps between the weights the chunk's next step's gradients were taken at and the weights it
+        updates (error feedback's s): the mean s(j) of the step's micro-batches, from the schedule."""
+        ages = self.gradient_staleness(chunk)
+        return sum(ages) / len(ages)
+
     def after_step(self, chunk: int) -> None:
         self.steps[chunk] += 1
 
@@ -241,10 +255,13 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
         drain) and, per live parameter, the extra weight versions held ({param: {key: tensor like it}}).
         Nothing is in flight at a drain, so PipeDream's stash is empty and the predicting policies' cache
         holds nothing the live weights do not: only 2BW keeps a version (its older one)."""
-        return {"steps": max(self.steps, default=0), "weights": {}}
+        weights = self.error_feedback.state_dict() if self.error_feedback is not None else {}
+        return {"steps": max(self.steps, default=0), "weights": weights}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [state["steps"]] * len(self.chunks)
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict(state["weights"])
 
     def copies(self, chunk: int) -> int:
         """Full weight copies of `chunk` alive right now, the live weights included."""
@@ -363,13 +380,17 @@ class PipeDream2BWPolicy(AsyncPolicy):
     def copies(self, chunk):
         return 1 if self.older[chunk] is None else 2
 
+    def gradient_delay(self, chunk):
+        return 1 if self.steps[chunk] > 0 else 0  # W(t-1) every step, W(0) itself at the first
+
     def _backward_sees_forward_weights(self, mb, chunk):
         return True  # both passes of micro-batch j run on W(g-1)
 
     def state_dict(self):
         state = super().state_dict()
-        state["weights"] = {p: {"older": o} for params, older in zip(self.params, self.older) if older is not None
-                            for p, o in zip(params, older)}
+        for params, older in zip(self.params, self.older):
+            for p, o in zip(params, older if older is not None else []):
+                state["weights"].setdefault(p, {})["older"] = o
         return state
 
     def load_state_dict(self, state):

@@ -444,7 +444,11 @@ class _SaveGuard:
         if isinstance(e, CheckpointException) and not all(isinstance(x, OSError)
                                                           for x, _ in getattr(e, "failures", {}).values()):
             return False
-        self.error = f"rank {dist.get_rank()}: {_os_error_line(e)}"
+        failures = getattr(e, "failures", None)  # DCP's: {failing rank: (exception, traceback)}
+        rank = dist.get_rank()
+        if failures:
+            rank, (e, _) = sorted(failures.items())[0]
+        self.error = f"rank {rank}: {_os_error_line(e)}"
         return True
 
     def agree(self) -> None:
@@ -461,10 +465,7 @@ class _SaveGuard:
 
 
 def _os_error_line(e: BaseException) -> str:
-    """`[Errno 28] No space left on device: '<file>'` of an OSError, possibly wrapped by DCP."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        e = sorted(failures.items())[0][1][0]
+    """`[Errno 28] No space left on device: '<file>'` of an OSError."""
     if isinstance(e, OSError):
         where = f": '{e.filename}'" if e.filename else ""
         return f"[Errno {e.errno}] {e.strerror or e}{where}" if e.errno else f"{e}{where}"

@@ -247,3 +247,10 @@ def test_a_flipped_byte_fails_the_load_naming_the_file(tmp_path):
     results = run_distributed(run_capturing, 2, args=(argv + ["--no-verify-checkpoint"],), timeout=180)
     assert [code for code, _, _ in results] == [0, 0], results
     assert f"resumed from {ckpt} iteration 2" in results[0][1]
+
+
+def test_the_parent_death_signal_is_armed_only_under_torchrun():
+    from megatron_po.distributed import launcher_death
+    assert not launcher_death.under_torchrun({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"})
+    assert launcher_death.under_torchrun({"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0"})
+    assert launcher_death.arm({"SLURM_PROCID": "0"}) is False  # srun / plain python: nothing armed

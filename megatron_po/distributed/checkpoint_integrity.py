@@ -113,7 +113,11 @@ def verify_share(path: str, rank: int = 0, world: int = 1) -> str | None:
         size = os.path.getsize(f)
         if size != want.get("bytes"):
             return f"{f} is corrupt: {size} bytes, {MANIFEST} says {want.get('bytes')}"
-        if sha256_file(f) != want.get("sha256"):
+        try:
+            digest = sha256_file(f)
+        except OSError as e:
+            return f"{f} cannot be read ([Errno {e.errno}] {e.strerror})"
+        if digest != want.get("sha256"):
             return (f"{f} is corrupt: its SHA-256 differs from the one in {MANIFEST} written at save "
                     f"(use --no-verify-checkpoint to load it anyway)")
     return None
@@ -126,7 +130,15 @@ def has_manifest(path: str) -> bool:
 def checksum_checkpoint(path: str, rank: int = 0, world: int = 1) -> None:
     """Collective (over `world` ranks when > 1): hash every file of the written checkpoint `path` (each
     rank its share) and write the manifest on rank 0."""
-    shares = _gather(hash_share(path, rank, world), world)
+    try:
+        mine = hash_share(path, rank, world)
+    except OSError as e:  # still take part in the gather, or the other ranks would wait in it forever
+        mine = e
+    shares = _gather(mine, world)
+    if isinstance(mine, OSError):
+        raise mine
+    if any(isinstance(share, OSError) for share in shares):
+        return  # the failing rank raises; the caller's agreement stops every rank
     if rank == 0:
         digests = {}
         for share in shares:

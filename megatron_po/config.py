@@ -302,6 +302,8 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "do not load the random generators' states")
     finetune: bool = _f(False, "load the weights only: iteration and consumed samples restart at 0, "
                                "optimizer and random states are not loaded")
+    no_verify_checkpoint: bool = _f(False, "load without checking the checkpoint's files against its checksums.json "
+                                           "(saves one read of the checkpoint at SHA-256 speed)")
 
 
 @dataclass

@@ -27,3 +27,10 @@ def run_cli(body, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+class SaveError(Exception):
+    """Writing a checkpoint failed in the environment (disk full, read-only mount, I/O error). Not bad
+    input, so not a UserError: entry points print its message as one line and exit with code 1. Every
+    rank raises it with the same message (the ranks agree on the failure), after the failed save's
+    `.partial` directory was removed; the last good checkpoint is untouched."""

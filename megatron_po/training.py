@@ -26,10 +26,11 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
 from megatron_po.data.document_masks import add_document_inputs
+from megatron_po.distributed import launcher_death, save_lock
 from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
-from megatron_po.errors import ConfigError, DataError, UserError
+from megatron_po.errors import ConfigError, DataError, SaveError, UserError
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.models.gpt import GPTModel
 from megatron_po.optim import build_optimizer
@@ -40,6 +41,7 @@ from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisi
                                                grad_buffer_dtype, model_dtype)
 from megatron_po.optim.lr_scheduler import set_lr
 from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.output_paths import prepare_outputs
 from megatron_po.run_controls import RunControls, replica_sums
 from megatron_po.run_rules import (SkipGuard, any_rank, check_resume_iteration, launcher_rank, load_plan,
                                    loss_is_nonfinite, no_validation_warning)
@@ -540,6 +542,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
     ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
+    prepare_outputs(cfg, log=print_rank0)  # writable output paths, the --save lock: before any model or resume
     t = cfg.training
     torch.manual_seed(t.seed)
     model_parallel_seed(t.seed)
@@ -584,7 +587,8 @@ def pretrain(cfg: Config, workload=None) -> dict:
         extra = load_checkpoint(load_dir, chunks, optimizer, step=found,
                                 load_optim=not (ck.no_load_optim or finetune),
                                 load_rng=not (ck.no_load_rng or finetune),
-                                policy=engine.stage.policy if engine is not None and not finetune else None)
+                                policy=engine.stage.policy if engine is not None and not finetune else None,
+                                verify=not ck.no_verify_checkpoint)
         if not finetune:
             state = TrainState(**extra["train_state"])
             done = check_resume_iteration(state.iteration, t.train_iters, load_dir)  # past it: one line, exit 2
@@ -951,8 +955,13 @@ def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWork
 
     from megatron_po.config import parse_args
     try:
+        launcher_death.arm()  # under torchrun: die with the launcher, never save after it
         cfg = parse_args(cfg_or_argv, description) if not isinstance(cfg_or_argv, Config) else cfg_or_argv
         pretrain(cfg, workload_cls(cfg))
+    except SaveError as e:  # every rank raises it alike (a full or read-only disk): one line, exit 1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except (UserError, DataError) as e:
         ps.report_fault(f"stopped: {e}")  # should only this rank have raised it, the others stop too
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -970,6 +979,7 @@ def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWork
         print(f"error: {message}", file=sys.stderr, flush=True)
         return ps.FAULT_EXIT_CODE
     finally:
+        save_lock.release()
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -417,8 +417,11 @@ BAD_LOADS = {
     "extra-params": (1, {"--num-layers": 1, "--pipeline-model-parallel-size": 1}, None, ["layers.1.", "lacks"]),
     "truncated-shard": (2, {}, lambda d: truncate(os.path.join(d, "__1_0.distcp")), ["__1_0.distcp", "truncated"]),
     "truncated-metadata": (2, {}, lambda d: truncate(os.path.join(d, ".metadata")), [".metadata", "corrupt"]),
-    # Same size, garbled start: only the ranks that read that file notice; DCP shares the failure.
-    "garbled-shard": (2, {}, lambda d: garble(os.path.join(d, "__1_0.distcp")), ["cannot read the checkpoint"]),
+    # Same size, garbled start: its checksum names it (the rank verifying that file; the ranks agree) ...
+    "garbled-shard": (2, {}, lambda d: garble(os.path.join(d, "__1_0.distcp")), ["__1_0.distcp", "corrupt", "SHA-256"]),
+    # ... and without the check only the ranks that read it notice; DCP shares the failure.
+    "garbled-shard-unverified": (2, {"--no-verify-checkpoint": True}, lambda d: garble(os.path.join(d, "__1_0.distcp")),
+                                 ["cannot read the checkpoint"]),
     "other-optimizer": (2, {"--optimizer": "sgd"}, None, ["SGD", "--no-load-optim"]),
 }
 

@@ -5,6 +5,7 @@
     python tools/checkpoint_convert.py import-hf   --hf hf_dir --out ckpt [--make-vocab-size-divisible-by 128]
     python tools/checkpoint_convert.py export-te   --load ckpt [--ckpt-step N] --out te_dir [--tensor-model-parallel-size 2]
     python tools/checkpoint_convert.py import-te   --te te_dir --out ckpt
+    python tools/checkpoint_convert.py verify      CKPT [--ckpt-step N]
 
 All of them run in ONE process without torch.distributed, whatever TP/PP/DP layout wrote the checkpoint:
 DCP stores global tensors, so each is assembled from every rank's shards on read.
@@ -21,6 +22,8 @@ DCP stores global tensors, so each is assembled from every rank's shards on read
   QKV, SwiGLU's fused [gate; up] fc1 per TP rank, empty `_extra_state`), one safetensors file per TP rank,
   plus te_config.json (this checkpoint's config and the TransformerLayer constructor arguments); and back.
   Checkpoints of --transformer-impl transformer_engine runs need no conversion: they hold the local layout.
+- verify: every file of a checkpoint against its checksums.json (CKPT: a --save directory, its latest
+  or --ckpt-step checkpoint, or one iter_N directory); exit 0, or 2 with one line naming the bad file.
 Bad input ends with one `error:` line and exit code 2.
 """
 
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ckpt-step", type=int, default=None, help="iteration to read (default: the latest)")
         p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("verify", help="check a checkpoint's files against its checksums.json")
+    p.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_N directory")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration to verify (default: the latest)")
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama directory into our checkpoint format")
     p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="checkpoint directory to write (iteration 0)")
@@ -72,10 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def verify(args) -> None:
+    """`verify CKPT`: one `path: N files OK` line, or UserError naming the first bad file."""
+    from megatron_po.distributed.checkpoint import checkpoint_dir, find_checkpoint
+    from megatron_po.distributed.checkpoint_integrity import read_manifest, verify_checkpoint
+    path = args.ckpt
+    if not os.path.isdir(path):
+        raise UserError(f"{path}: no such directory")
+    if not os.path.exists(os.path.join(path, ".metadata")):  # a --save directory
+        iteration = find_checkpoint(path, args.ckpt_step)
+        if iteration is None:
+            raise UserError(f"{path}: no checkpoint there")
+        path = checkpoint_dir(path, iteration)
+    problem = verify_checkpoint(path)
+    if problem:
+        raise UserError(problem)
+    print(f"{path}: {len(read_manifest(path))} files match checksums.json")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return run_cli({"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf,
-                    "export-te": export_te, "import-te": import_te}[args.command], args)
+                    "export-te": export_te, "import-te": import_te, "verify": verify}[args.command], args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,6 +208,7 @@ def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, pad
     import torch.distributed.checkpoint as dcp
 
     from megatron_po.distributed.checkpoint import checkpoint_dir, publish
+    from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
              "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}
     state = {f"model.{k}": v for k, v in weights.items()}
@@ -194,6 +219,7 @@ def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, pad
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save(state, checkpoint_id=partial, no_dist=True)
+    checksum_checkpoint(partial)  # checksums.json, verified when training loads it
     publish(out, 0)
     print(f"wrote {len(weights)} tensors to {checkpoint_dir(out, 0)}; train from it with\n"
           f"  --load {out} --finetune {model_flags(cfg['model'])}")

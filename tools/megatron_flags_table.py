@@ -19,7 +19,7 @@ PROJECT_ONLY = {
     "--sgd-momentum", "--metrics-file", "--peak-tflops", "--keep-last", "--ckpt-step", "--transformer-impl",
     "--encoder-num-layers", "--decoder-num-layers", "--decoder-seq-length", "--src-lang", "--tgt-lang",
     "--tgt-tokenizer-model", "--untie-encoder-decoder-embeddings", "--max-tokens", "--label-smoothing",
-    "--eval-bleu-sentences", "--no-add-bias-linear",
+    "--eval-bleu-sentences", "--no-add-bias-linear", "--no-verify-checkpoint",
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",

@@ -34,7 +34,9 @@ Atomicity: all ranks write into `iter_XXXXXXX.partial/`; after a barrier rank 0 
 `os.replace`). A crash at any point leaves the previous checkpoint and tracker untouched; leftovers of a
 crashed save are removed by the next save. Rotation (`keep_last`) runs only after the tracker names the
 new checkpoint, and renames a directory away before deleting it so a half-deleted one never looks
-complete.
+complete. Before the rename the ranks write `checksums.json` (checkpoint_integrity.py), verified on load.
+A save that fails in the environment (disk full, read-only) stops every rank with one SaveError line
+naming the path and the OS error, after removing its own `.partial` (docs/checkpoint_reliability.md).
 
 Loading checks the checkpoint before reading it, on every rank, and the ranks agree on the outcome
 (one all-gather) so a problem only some ranks can see fails all of them with the same one-line
@@ -57,7 +59,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.errors import UserError
+from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint, has_manifest, verify_share
+from megatron_po.errors import SaveError, UserError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -377,12 +380,15 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
     state or the random generators' states out."""
     final = checkpoint_dir(root, iteration)
     partial = final + ".partial"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        for leftover in os.listdir(root):  # of crashed saves or rotations: saves are never concurrent
-            if leftover.endswith((".partial", ".deleting")):
-                shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
-    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    guard = _SaveGuard(root, iteration, partial)
+    with guard:
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for leftover in os.listdir(root):  # of crashed saves or rotations: saves are never concurrent
+                if leftover.endswith((".partial", ".deleting")):
+                    shutil.rmtree(os.path.join(root, leftover), ignore_errors=True)
+    guard.agree()  # also the barrier: the leftovers are gone before anyone writes
     for opt in _as_list(optimizer):  # overlapped parameter all-gathers still writing the weights
         if hasattr(opt, "finish_param_sync"):
             opt.finish_param_sync()
@@ -405,13 +411,72 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
     state["layout"] = pickle.dumps(_layout())
     if save_rng:
         state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
-    _dcp_save(state, partial)
+    with guard:
+        _dcp_save(state, partial)
+    guard.agree()
+    with guard:  # every rank hashes its share of the files; rank 0 writes checksums.json into .partial
+        checksum_checkpoint(partial, rank, world)
     _test_pause(iteration)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        publish(root, iteration, keep_last)
-    dist.barrier()
+    guard.agree()
+    with guard:
+        if rank == 0:
+            publish(root, iteration, keep_last)
+    guard.agree()
     return final
+
+
+class _SaveGuard:
+    """Failures of a save's steps: `with guard:` records an OSError (or DCP's CheckpointException, which
+    wraps the failing rank's) of this rank; `agree()` -- collective, and a barrier -- makes every rank
+    raise the same one-line SaveError when any rank failed, after rank 0 removed this save's `.partial`
+    (a full disk is not kept full for the next try). Anything else keeps its traceback (a bug)."""
+
+    def __init__(self, root: str, iteration: int, partial: str):
+        self.root, self.iteration, self.partial, self.error = root, iteration, partial, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        from torch.distributed.checkpoint.api import CheckpointException
+        if e is None or not isinstance(e, (OSError, CheckpointException)):
+            return False
+        if isinstance(e, CheckpointException) and not all(isinstance(x, OSError)
+                                                          for x, _ in getattr(e, "failures", {}).values()):
+            return False
+        failures = getattr(e, "failures", None)  # DCP's: {failing rank: (exception, traceback)}
+        rank = dist.get_rank()
+        if failures:
+            rank, (e, _) = sorted(failures.items())[0]
+        self.error = f"rank {rank}: {_os_error_line(e)}"
+        return True
+
+    def agree(self) -> None:
+        error, _ = _agree(self.error)
+        if error is None:
+            return
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        last = read_tracker_quietly(self.root)
+        kept = (f"the last good checkpoint, iteration {last}, is untouched" if last is not None
+                else "no earlier checkpoint exists")
+        raise SaveError(f"saving checkpoint iteration {self.iteration} to {self.root} failed ({error}); "
+                        f"removed {self.partial}; {kept}")
+
+
+def _os_error_line(e: BaseException) -> str:
+    """`[Errno 28] No space left on device: '<file>'` of an OSError."""
+    if isinstance(e, OSError):
+        where = f": '{e.filename}'" if e.filename else ""
+        return f"[Errno {e.errno}] {e.strerror or e}{where}" if e.errno else f"{e}{where}"
+    return _first_line(e)
+
+
+def read_tracker_quietly(root: str) -> int | None:
+    try:
+        return find_checkpoint(root)
+    except (UserError, OSError):
+        return None
 
 
 def publish(root: str, iteration: int, keep_last: int | None = None) -> None:
@@ -547,9 +612,11 @@ def _check_fits(md, names, stepped: dict, load_optim: bool, vocab_size: int | No
 
 
 def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_rng: bool = True,
-                    step: int | None = None, policy=None) -> dict:
+                    step: int | None = None, policy=None, verify: bool = True) -> dict:
     """Load checkpoint `step` (default: the tracker's) under `root` into the model (and optimizer, and
-    the async weight `policy`); return its `extra`. Collective over all ranks."""
+    the async weight `policy`); return its `extra`. Collective over all ranks. `verify` (not
+    --no-verify-checkpoint): check every file against the checkpoint's checksums.json first, each rank
+    a share of them."""
     iteration = find_checkpoint(root, step) if os.path.isdir(root) else None
     if iteration is None:
         raise UserError(f"--load {root}: no checkpoint there" if os.path.isdir(root)
@@ -562,11 +629,16 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         md = read_metadata(path)  # its messages name the bad file
         if "extra" not in md.state_dict_metadata:
             error = f"{where}: not a megatron_po checkpoint (no 'extra' entry)"
+        elif verify:
+            error = verify_share(path, dist.get_rank(), dist.get_world_size())
     except UserError as e:
         error = str(e)
     error, _ = _agree(error)
     if error:
         raise UserError(error)
+    if verify and dist.get_rank() == 0 and not has_manifest(path):
+        print(f"> {path} has no checksums.json (saved before checksums were written): loaded unverified",
+              flush=True)
     meta = md.state_dict_metadata
     names = named_parameters_for_load(chunks)
     stepped = _stepped(optimizer)

@@ -13,7 +13,8 @@ B = 8, cosine lr with warm-up, weight decay 0.01, no clipping). Rows, all with t
   50,000-step run ends: the short run otherwise tests a different optimizer, ASYNC_OPTIMIZERS.md);
 - PipeNAG as written (`pipenag` + `nag`, γ = 0.9, lr = the SGD-momentum lr / (1 − γ) = 1.0, the same
   effective step as bench/convergence.py's SGD-momentum runs; not tuned);
-- error feedback: 2BW AdamW + EF (the paper's s = 1 rule), PipeDream AdamW + EF (our s-step rule).
+- error feedback: 2BW AdamW + EF (the paper's s = 1 rule), PipeDream AdamW + EF (our s-step rule);
+- Muon (`--runs sync-muon 2bw-muon 2bw-muon-ef`): sync Muon, 2BW-Muon and 2BW-Muon + EF (the paper's pairing).
 """
 
 from __future__ import annotations
@@ -38,15 +39,19 @@ RUNS = {
     "pipenag": ("nag", "pipenag", {}, {}),
     "2bw-adamw-ef": ("adamw", "pipedream-2bw", {}, {"error_feedback": True}),
     "pipedream-adamw-ef": ("adamw", "pipedream", {}, {"error_feedback": True}),
+    "sync-muon": ("muon", "sync", {}, {}),
+    "2bw-muon": ("muon", "pipedream-2bw", {}, {}),
+    "2bw-muon-ef": ("muon", "pipedream-2bw", {}, {"error_feedback": True}),
 }
 # the asynchronous row each one should beat (same pipeline method, or the method the recipe replaces)
 BASELINE = {"recipe": "pipedream-adamw", "recipe-psi-scaled": "pipedream-adamw", "pipenag": "pipedream-adamw",
-            "2bw-adamw-ef": "2bw-adamw", "pipedream-adamw-ef": "pipedream-adamw"}
+            "2bw-adamw-ef": "2bw-adamw", "pipedream-adamw-ef": "pipedream-adamw", "2bw-muon-ef": "2bw-muon"}
 LABELS = {"sync-adamw": "sync AdamW (GPipe/1F1B)", "pipedream-adamw": "PipeDream AdamW",
           "2bw-adamw": "PipeDream-2BW AdamW", "recipe": "recipe: PipeDream + NAdamW β1=0.99 (ψ=0.004)",
           "recipe-psi-scaled": "recipe, ψ scaled to the run", "pipenag": "PipeNAG (pipenag + nag)",
           "2bw-adamw-ef": "PipeDream-2BW AdamW + EF (s=1, paper)",
-          "pipedream-adamw-ef": "PipeDream AdamW + EF (s-step, ours)"}
+          "pipedream-adamw-ef": "PipeDream AdamW + EF (s-step, ours)", "sync-muon": "sync Muon (GPipe/1F1B)",
+          "2bw-muon": "PipeDream-2BW Muon", "2bw-muon-ef": "PipeDream-2BW Muon + EF (s=1, paper)"}
 
 
 def train(s: cv.Settings, label: str, seed: int) -> dict:
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
 
     for label in a.runs:
         base = BASELINE.get(label)
-        rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict(label, 'sync-adamw')} | "
+        rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict(label, 'sync-muon' if RUNS[label][0] == 'muon' else 'sync-adamw')} | "
                     f"{LABELS[base] + ': ' + verdict(label, base) if base else ''} |")
     load = os.getloadavg()
     lines = ["# Delay-robust asynchronous training, D = 4", "", f"Command: `{s.command}`  ",
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
              f"{ {k: round(v, 6) for k, v in s.lr.items()} }; "
              f"wall {(time.perf_counter() - start) / 60:.1f} min; load average at the end "
              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (2 shared cores).", "",
-             "| run | final validation loss (mean ± std) | vs sync AdamW | vs its asynchronous baseline |",
+             "| run | final validation loss (mean ± std) | vs sync, same optimizer | vs its asynchronous baseline |",
              "|---|---|---|---|", *rows, "",
              "Verdicts: a difference is real only when the mean ± std intervals do not overlap "
              "(bench/convergence.py's rule). Details of each rule: docs/delay_robust.md."]

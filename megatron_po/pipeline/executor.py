@@ -9,6 +9,9 @@
   needs the micro-batch's padding masks everywhere);
 - `Backward(mb, c)`: backpropagate from the loss (last virtual stage) or from the gradient received
   from the next virtual stage, then send the input's gradient to the previous virtual stage;
+- `BackwardInput(mb, c)` / `BackwardWeight(mb, c)` (zero-bubble schedules): the same backward with the
+  linear layers' weight gradients queued (`tensor_parallel/weight_grads.py`) and the input gradient sent
+  at once; the later W op runs the queued weight gradients (no forward or graph re-run);
 - `Step(c)`: call the caller's `step_fn(c)` (asynchronous methods step chunks mid-stream; synchronous
   training steps after the schedule, so its `Step(None)` is left to the caller).
 
@@ -30,9 +33,9 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.models.gpt import masked_mean_loss
 from megatron_po.monitor import timers
-from megatron_po.pipeline.schedules import (Backward, Forward, Schedule, Step, comm_of, message_tag, tag_period,
-                                             virtual_stage)
-from megatron_po.tensor_parallel import recompute_weights
+from megatron_po.pipeline.schedules import (GRADIENT_DONE, Backward, BackwardInput, BackwardWeight, Forward, Schedule,
+                                             Step, comm_of, message_tag, tag_period, virtual_stage)
+from megatron_po.tensor_parallel import recompute_weights, weight_grads
 
 # --------------------------------------------------------------------------------------------------
 # Transports
@@ -197,6 +200,7 @@ class StageRunner:
     detail_level: int = 2  # --timing-log-level of the per-op timers (asynchronous runs: 1, they have no coarser)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
+    deferred: dict = field(default_factory=dict)  # (mb, chunk) -> weight-gradient closures from BackwardInput
 
     @property
     def num_chunks(self) -> int:
@@ -210,6 +214,10 @@ class StageRunner:
             self.forward(op.microbatch, op.chunk)
         elif isinstance(op, Backward):
             self.backward(op.microbatch, op.chunk, sync_grads)
+        elif isinstance(op, BackwardInput):
+            self.backward(op.microbatch, op.chunk, split=True)
+        elif isinstance(op, BackwardWeight):
+            self.backward_weight(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
                 with timers("prediction", self.detail_level):
@@ -261,7 +269,9 @@ class StageRunner:
         if not self.forward_only:
             self.saved[(mb, c)] = (inputs, outputs)
 
-    def backward(self, mb: int, c: int, sync_grads: bool = False) -> None:
+    def backward(self, mb: int, c: int, sync_grads: bool = False, split: bool = False) -> None:
+        """Fused backward, or (split=True) the B op of zero bubble: the linear weight gradients are
+        queued for `backward_weight`, whose DDP sync decides; B never starts a reduction."""
         chunk = self.chunks[c]
         vs = virtual_stage(self.rank, c, self.num_stages)
         inputs, outputs = self.saved.pop((mb, c))
@@ -276,7 +286,12 @@ class StageRunner:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         with timers("backward-compute", self.detail_level):  # includes launching the DDP reduce it overlaps
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if split:
+                with weight_grads.defer_weight_grads() as queue:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self.deferred[(mb, c)] = queue
+            else:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.grad_sync is not None:
             self.grad_sync(c, False)
         with timers("prediction", self.detail_level):
@@ -287,12 +302,25 @@ class StageRunner:
                 self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
+    def backward_weight(self, mb: int, c: int, sync_grads: bool = False) -> None:
+        """The W op: accumulate the weight gradients `backward(split=True)` queued for (mb, c)."""
+        queue = self.deferred.pop((mb, c))
+        if self.grad_sync is not None:
+            self.grad_sync(c, sync_grads)
+        with timers("backward-compute", self.detail_level):
+            weight_grads.apply_weight_grads(queue)
+        if self.grad_sync is not None:
+            self.grad_sync(c, False)
+
+
 def backwards_before_step(ops) -> set[int]:
-    """Indices of the Backward ops whose gradients complete a step: the last backward of chunk c
-    before a Step(c) or Step(None). The DDP reduce of that chunk overlaps exactly these backwards."""
+    """Indices of the ops whose gradients complete a step: the last Backward (zero bubble: the last
+    BackwardWeight) of chunk c before a Step(c) or Step(None). The DDP reduce of that chunk overlaps
+    exactly these ops (parameters whose gradient a split backward completes at B, e.g. norms, are
+    reduced at `finish_grad_sync` instead)."""
     out, last = set(), {}
     for i, op in enumerate(ops):
-        if isinstance(op, Backward):
+        if isinstance(op, GRADIENT_DONE):
             last[op.chunk] = i
         elif isinstance(op, Step):
             chunks = list(last) if op.chunk is None else [op.chunk]

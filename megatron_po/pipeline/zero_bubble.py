@@ -1,0 +1,116 @@
+"""Zero-bubble pipeline schedules (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"), as pure functions.
+
+Each backward is split in two ops (schedules.py): `BackwardInput` (B) computes the gradient w.r.t. the
+stage input and sends it upstream at once; `BackwardWeight` (W) computes the weight gradients later,
+from what B left (saved inputs and output gradients, no forward re-run). W has no dependency on any
+other rank, so a schedule can put it wherever a rank would otherwise wait: B's round trip through the
+pipeline gets shorter (no W on the critical path) and the W passes fill the bubbles.
+
+- `zb_h1` (ZB-H1, and its interleaved form for v > 1, the paper's ZB1P as in torch.distributed.pipelining's
+  ScheduleInterleavedZeroBubble): 1F1B's warm-up and steady one-forward-one-backward, with rank r
+  delaying its W passes by r steady steps. Peak in-flight micro-batches (forward run, W not yet) is D on
+  every rank (1F1B's peak, on rank 0). Bubble about (D-1)(t_F + t_B - t_W) instead of 1F1B's
+  (D-1)(t_F + t_B + t_W).
+- `zb_h2` (ZB-H2, v = 1): up to 2D-1 micro-batches in flight on every rank (the paper's peak), so rank
+  r runs 2(D-r)-1 forwards while the first gradient makes its round trip, and W passes deferred whenever
+  a B or F can run (the tail fills with Ws). The op order comes from a list-scheduling pass on unit costs
+  (t_F = t_B = t_W): at every free moment a rank runs a ready B, else a ready F under its in-flight cap,
+  else its oldest pending W. Under a flush no schedule beats M(t_F+t_B+t_W) + (D-1)t_F (the last rank
+  cannot start earlier); ZB-H2 reaches it at D=4, M=8 for t_W <= t_F (simulator, tests), ZB-H1 only at
+  t_F = t_B = t_W. (The paper's "zero" also removes that start-up ramp by overlapping the optimizer step
+  with the next iteration, which a synchronous flush here does not do.)
+
+Every function validates its sizes and returns a `Schedule` that `check_schedule` accepts
+(tests/test_zero_bubble.py proves it for D in 2..8, M in D..4D).
+"""
+
+from __future__ import annotations
+
+from megatron_po.errors import ConfigError
+from megatron_po.pipeline.schedules import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step,
+                                            _check_interleaved, _check_sizes, _interleaved_order)
+
+
+def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (v = 1) / interleaved ZB-H1 (v > 1, needs M % D == 0 like interleaved 1F1B).
+
+    Rank r: w = (v-1)*D + (D-1-r) warm-up forwards (torch's `_get_warmup_ops` with factor 1), then
+    (F, B) pairs and the cool-down Bs, in interleaved 1F1B's micro-batch/chunk order; from the r-th
+    backward on, each B is followed by the oldest pending W; the remaining Ws close the iteration."""
+    _check_sizes(num_stages, num_chunks, num_microbatches)
+    _check_interleaved(num_stages, num_chunks, num_microbatches, "zb-h1")
+    D, v, M = num_stages, num_chunks, num_microbatches
+    forwards = _interleaved_order(D, v, M, forward=True)
+    backwards = _interleaved_order(D, v, M, forward=False)
+    n = len(forwards)
+    ops: dict[int, list[Op]] = {}
+    for r in range(D):
+        warmup = min((v - 1) * D + (D - 1 - r), n)
+        rank_ops: list[Op] = [Forward(*f) for f in forwards[:warmup]]
+        num_w = 0
+        for i in range(n):
+            if warmup + i < n:
+                rank_ops.append(Forward(*forwards[warmup + i]))
+            rank_ops.append(BackwardInput(*backwards[i]))
+            if i >= r:  # the first r backwards go without W: their gradients reach rank 0 sooner
+                rank_ops.append(BackwardWeight(*backwards[num_w]))
+                num_w += 1
+        rank_ops += [BackwardWeight(*b) for b in backwards[num_w:]]
+        ops[r] = rank_ops + [Step(None)]
+    return Schedule("zb-h1", D, v, M, ops)
+
+
+def greedy_zero_bubble(num_stages: int, num_microbatches: int, max_in_flight: list[int], name: str
+                       ) -> Schedule:
+    """v = 1 list scheduling on unit costs: a free rank runs a ready B, else a ready F if fewer than
+    `max_in_flight[r]` micro-batches are in flight (forward run, W not yet), else its oldest pending W,
+    else waits for the next message. Messages arrive when their sender's op ends (no p2p cost)."""
+    D, M = num_stages, num_microbatches
+    if len(max_in_flight) != D or min(max_in_flight) < 1:
+        raise ConfigError(f"{name}: max_in_flight needs D={D} values >= 1, got {max_in_flight}")
+    act_ready: dict[int, dict[int, int]] = {r: {} for r in range(D)}  # arrival of mb's activation
+    act_ready[0] = {mb: 0 for mb in range(M)}  # rank 0 reads its micro-batches itself
+    grad_ready: dict[int, dict[int, int]] = {r: {} for r in range(D)}  # arrival of mb's output gradient
+    next_f, next_b, in_flight = [0] * D, [0] * D, [0] * D
+    pending_w: list[list[int]] = [[] for _ in range(D)]
+    ops: dict[int, list[Op]] = {r: [] for r in range(D)}
+    t = 0
+    while any(len(ops[r]) < 3 * M for r in range(D)):
+        if t > 10 * (M + D):  # cannot happen for caps >= 1: the last rank always progresses
+            raise RuntimeError(f"{name}: list scheduling made no progress (D={D}, M={M})")
+        # Unit time steps: what a rank decides at t sees only messages sent by ops that ended by t.
+        for r in range(D):
+            mb_b, mb_f = next_b[r], next_f[r]
+            b_ok = mb_b < mb_f and (r == D - 1 or grad_ready[r].get(mb_b, t + 1) <= t)
+            f_ok = mb_f < M and in_flight[r] < max_in_flight[r] and act_ready[r].get(mb_f, t + 1) <= t
+            if b_ok:
+                ops[r].append(BackwardInput(mb_b))
+                next_b[r] += 1
+                pending_w[r].append(mb_b)
+                if r > 0:
+                    grad_ready[r - 1][mb_b] = t + 1
+            elif f_ok:
+                ops[r].append(Forward(mb_f))
+                next_f[r] += 1
+                in_flight[r] += 1
+                if r < D - 1:
+                    act_ready[r + 1][mb_f] = t + 1
+            elif pending_w[r]:
+                ops[r].append(BackwardWeight(pending_w[r].pop(0)))
+                in_flight[r] -= 1
+        t += 1
+    return Schedule(name, D, 1, M, {r: ops[r] + [Step(None)] for r in range(D)})
+
+
+def zb_h2(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """ZB-H2 (v = 1): every rank keeps up to 2D-1 micro-batches in flight (the paper's peak), covering the
+    first gradient's round trip with forwards; W passes fill every other gap."""
+    _check_sizes(num_stages, num_chunks, num_microbatches)
+    if num_chunks != 1:
+        raise ConfigError(f"zb-h2 needs num_chunks == 1, got num_chunks={num_chunks} (use zb-h1 for "
+                          "interleaved zero bubble)")
+    D = num_stages
+    return greedy_zero_bubble(D, num_microbatches, [2 * D - 1] * D, "zb-h2")
+
+
+ZB_SCHEDULES = {"zb-h1": zb_h1, "zb-h2": zb_h2}

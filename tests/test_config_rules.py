@@ -122,7 +122,8 @@ RULES = [
                                              "4", "--global-batch-size", "12"],
      ["interleaved pipeline", "micro-batches (3", "--pipeline-model-parallel-size (2)"]),
     ("zb-h2-one-chunk", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                   "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-method", "zb-h2"],
+                                   "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-method", "zb-h2",
+                                   "--micro-batch-size", "1", "--global-batch-size", "4"],
      ["--pipeline-method zb-h2 runs one model chunk per rank", "zb-h1"]),
     # learning rate
     ("min-lr<=lr", 1, MOCK + ["--lr", "0.1", "--min-lr", "1.0"], ["--min-lr (1.0) <= --lr (0.1)"]),

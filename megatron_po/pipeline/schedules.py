@@ -467,7 +467,7 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
         missing = sorted(expected - done_backward)
         if missing:
             mb, c = missing[0]
-            raise ValueError(f"{name}: rank {r} never completes {op_label(Backward(mb, c), v)} "
+            raise ValueError(f"{name}: rank {r} never runs {op_label(Backward(mb, c), v)} "
                              f"({len(missing)} (mb, chunk) backwards missing)")
         lost = [c for c, ok in stepped_after_last_backward.items() if not ok]
         if lost:

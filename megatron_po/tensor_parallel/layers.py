@@ -135,7 +135,9 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, input_, weight, bias):
         ctx.save_for_backward(input_, weight)
         ctx.has_bias = bias is not None
-        ctx.bias = bias  # a leaf parameter (no reference cycle): the deferred W op accumulates into it
+        # The deferred W op (weight_grads.py) accumulates into these very tensors: a saved tensor unpacked
+        # under activation recomputation is an alias with its own gradient, not the Parameter.
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(input_, weight, bias)
 
     @staticmethod
@@ -146,8 +148,9 @@ class _Linear(torch.autograd.Function):
         bias = ctx.bias if need_b else None
         # Zero-bubble B op: leave the weight gradient to the W op (weight_grads.py). Only for leaf
         # parameters, whose gradient can be accumulated on its own once this graph is freed.
-        if weight_grads.deferring() and need_w and weight.grad_fn is None and (bias is None or bias.grad_fn is None):
-            weight_grads.defer(functools.partial(_Linear._weight_grads, input_, grad_output, weight, bias))
+        if (weight_grads.deferring() and need_w and ctx.weight.grad_fn is None
+                and (bias is None or bias.grad_fn is None)):
+            weight_grads.defer(functools.partial(_Linear._weight_grads, input_, grad_output, ctx.weight, bias))
             return grad_input, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1])) if need_w else None

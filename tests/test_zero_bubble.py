@@ -140,3 +140,13 @@ def test_emulator_equals_distributed_executor(method, D, v):
 def test_recompute_under_zero_bubble_bitwise(method, D, v, granularity):
     assert_same(sync_pipeline_run(method, D, v, GRANULARITIES[granularity]), sync_pipeline_run(method, D, v, NONE),
                 f"{method} {granularity}")
+
+
+def test_simulate_schedule_tool_reports_every_schedule(capsys):
+    from tools import simulate_schedule
+    simulate_schedule.main(["--pipeline-method", "all", "--num-stages", "4", "--num-microbatches", "8",
+                            "--t-forward", "20", "--t-backward", "40", "--t-weight", "20"])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb-h1", "zb-h2", "async"}
+    assert rows["zb-h1"][2:4] == ["540", "0.1111"] and rows["zb-h1"][5:] == ["4", "4", "4", "4"]
+    assert rows["1f1b"][2] == "660" and rows["1f1b"][5:] == ["4", "3", "2", "1"]

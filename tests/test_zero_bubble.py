@@ -150,3 +150,27 @@ def test_simulate_schedule_tool_reports_every_schedule(capsys):
     assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb-h1", "zb-h2", "async"}
     assert rows["zb-h1"][2:4] == ["540", "0.1111"] and rows["zb-h1"][5:] == ["4", "4", "4", "4"]
     assert rows["1f1b"][2] == "660" and rows["1f1b"][5:] == ["4", "3", "2", "1"]
+
+
+# ---- end to end: pretrain_gpt's training loop -------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [{"--pipeline-method": "zb-h1"},
+                                   {"--pipeline-method": "zb-h2", "--use-distributed-optimizer": True}],
+                         ids=["zb-h1-ddp", "zb-h2-zero1"])
+def test_training_pp2_dp2_matches_single_process(corpus, tmp_path, flags):
+    """The whole training loop (DDP / ZeRO-1 reduction after the last W, clipping, Adam, evaluation) at
+    PP=2 x DP=2 follows the single-process loss curve (tolerance 2e-3, test_pretrain_gpt's)."""
+    from test_pretrain_gpt import assert_same_curve, run_layout
+    single = run_layout(corpus, tmp_path, "single", 1)
+    piped = run_layout(corpus, tmp_path, "zb", 4, **{"--pipeline-model-parallel-size": 2, **flags})
+    assert_same_curve(single, piped)
+
+
+def test_training_bf16_fp32_grads_zero_bubble_tracks_1f1b(corpus, tmp_path):
+    """bf16 with fp32 gradient accumulation (the DDP hook adds each W's bf16 gradient into main_grad):
+    ZB-H1 and 1F1B give the same curve up to bf16 summation-order noise (tolerance 2e-2)."""
+    from test_pretrain_gpt import assert_same_curve, run_layout
+    flags = {"--pipeline-model-parallel-size": 2, "--bf16": True, "--accumulate-allreduce-grads-in-fp32": True}
+    ref = run_layout(corpus, tmp_path, "1f1b", 2, **flags)
+    zb = run_layout(corpus, tmp_path, "zb", 2, **{**flags, "--pipeline-method": "zb-h1"})
+    assert_same_curve(ref, zb, tol=2e-2)

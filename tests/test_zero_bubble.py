@@ -19,19 +19,19 @@ from megatron_po.errors import ConfigError
 from megatron_po.pipeline.schedules import (BackwardInput, BackwardWeight, DeadlockError, Forward, Schedule, Step,
                                             build_schedule, check_schedule, one_f_one_b)
 from megatron_po.pipeline.simulator import simulate
-from megatron_po.pipeline.zero_bubble import zb_h1, zb_h2
+from megatron_po.pipeline.zero_bubble import zb_h1, zb_h2, zb_v
 from megatron_po.tensor_parallel import weight_grads
 from megatron_po.tensor_parallel.layers import linear
 
 # (name, builder, chunks per rank)
-SCHEDULES = [("zb-h1", zb_h1, 1), ("zb-h1-interleaved", zb_h1, 2), ("zb-h2", zb_h2, 1)]
+SCHEDULES = [("zb-h1", zb_h1, 1), ("zb-h1-interleaved", zb_h1, 2), ("zb-h2", zb_h2, 1), ("zb-v", zb_v, 2)]
 
 
 @pytest.mark.parametrize("name,builder,v", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 @pytest.mark.parametrize("D", [2, 3, 4, 8])
 def test_invariants_and_deadlock_freedom(name, builder, v, D):
     for M in range(D, 4 * D + 1):
-        if v > 1 and M % D:
+        if name == "zb-h1-interleaved" and M % D:  # ZB-V list-schedules any M
             with pytest.raises(ConfigError, match="num_microbatches % num_stages == 0"):
                 builder(D, v, M)
             continue
@@ -45,6 +45,9 @@ def test_invariants_and_deadlock_freedom(name, builder, v, D):
             assert max(stats.peak_activations.values()) == min(D, M)
         if name == "zb-h2":
             assert max(stats.peak_activations.values()) <= 2 * D - 1
+        if name == "zb-v":  # 2D half-size chunk activations: 1F1B's peak of D whole-stage ones
+            assert max(stats.peak_activations.values()) <= 2 * D
+            assert s.placement == "v"
 
 
 def test_checker_rejects_w_before_b_and_deadlock():
@@ -64,6 +67,8 @@ def test_checker_rejects_w_before_b_and_deadlock():
 def test_zb_h2_rejects_chunks_and_build_schedule_names():
     with pytest.raises(ConfigError, match="zb-h2 needs num_chunks == 1"):
         zb_h2(4, 2, 8)
+    with pytest.raises(ConfigError, match="zb-v needs num_chunks == 2"):
+        zb_v(4, 1, 8)
     assert build_schedule("zb-h1", 4, 2, 8).name == "zb-h1"
     with pytest.raises(ConfigError, match="only applies to the async schedule"):
         build_schedule("zb-h2", 4, 1, 8, update_interval=2)
@@ -79,6 +84,8 @@ def test_simulated_bubbles_match_the_paper():
     assert simulate(zb_h2(D, 1, M), t, t, t_weight=t).makespan == ideal + (D - 1) * t
     assert simulate(zb_h2(D, 1, M), t, t, t_weight=t / 2).makespan == M * 2.5 * t + (D - 1) * t
     assert simulate(zb_h1(D, 1, M), t, t, t_weight=t / 2).makespan > M * 2.5 * t + (D - 1) * t
+    # ZB-V (chunks at half cost) is within one chunk-forward (t/2) of the flush minimum for v = 2.
+    assert simulate(zb_v(D, 2, M), t / 2, t / 2, t_weight=t / 2).makespan == ideal + (D - 1) * t / 2 + t / 2
     # A fused Backward costs t_backward + t_weight: 1F1B is unchanged by splitting the cost.
     assert simulate(one_f_one_b(D, 1, M), t, t, t_weight=t).makespan == ideal + (D - 1) * 3 * t
 
@@ -122,10 +129,70 @@ def test_zero_bubble_tp2_pp2_matches_single_process():
                             ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize("method,D,v", [("zb-h1", 4, 1), ("zb-h2", 2, 1), ("zb-h1", 2, 2)])
+def test_v_placement_routes_messages_down_and_back_up():
+    from megatron_po.pipeline.partition import chunk_placements
+    from megatron_po.pipeline.schedules import comm_of
+    D = 4
+    assert [p["layer_offset"] for r in range(D) for p in chunk_placements(16, r, D, 2, "v")] == [
+        0, 14, 2, 12, 4, 10, 6, 8]
+    assert chunk_placements(16, 0, D, 2, "v")[1]["post_process"]
+    # The last forward of chunk 0 (rank D-1) feeds chunk 1 on the same rank; rank 0's chunk 1 is the loss.
+    assert comm_of(Forward(0, 0), D - 1, D, 2, "v") == ((D - 2, ("act", 0, D - 1)), (D - 1, ("act", 0, D)))
+    assert comm_of(Forward(0, 1), 0, D, 2, "v") == ((1, ("act", 0, 2 * D - 1)), None)
+
+
+def v_pipeline_run(method, v):
+    """pipeline_run with the config naming the method, so the chunks are placed as its schedule needs."""
+    import test_pipeline_parallel as tpp
+    make_cfg = tpp.make_cfg
+    def cfg_for(name):
+        cfg = make_cfg(name)
+        cfg.parallel.pipeline_method = method
+        return cfg
+    tpp.make_cfg = cfg_for  # forked rank: the patch dies with the process
+    return pipeline_run("llama", method, v)
+
+
+def v_emulated_run(method, D, v):
+    """test_pipeline_parallel.emulated_run with the chunks placed for `method` (ZB-V: the loss on rank 0)."""
+    from test_gpt_parallel import SEED, VOCAB
+    from test_pipeline_parallel import M, global_grads, make_cfg, microbatches
+
+    from megatron_po.distributed.ddp import allreduce_embedding_grads
+    from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
+    from megatron_po.pipeline.partition import build_chunks_for_rank
+    from megatron_po.pipeline.schedules import placement_of
+    from megatron_po.tensor_parallel import model_parallel_seed
+    model_parallel_seed(SEED)
+    cfg = make_cfg("llama")
+    cfg.parallel.pipeline_method = method
+    mbs, mailbox, runners = microbatches(), Mailbox(), {}
+    for r in range(D):
+        runners[r] = StageRunner(rank=r, num_stages=D, chunks=build_chunks_for_rank(cfg, VOCAB, r, D, v),
+                                 transport=mailbox, get_batch=mbs.__getitem__, loss_scale=1.0 / M,
+                                 placement=placement_of(method))
+    emulate(build_schedule(method, D, v, M), runners)
+    all_chunks = [c for r in range(D) for c in runners[r].chunks]
+    allreduce_embedding_grads([p for c in all_chunks for p in c.parameters()])
+    losses = next(runner.losses for runner in runners.values() if runner.losses)
+    return torch.stack([losses[m] for m in range(M)]).mean().item(), global_grads(all_chunks)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zb_v_matches_unpipelined(pp):
+    ref_loss, ref_grads = reference("llama")
+    check_against_reference(run_distributed(v_pipeline_run, pp, pp=pp, args=("zb-v", 2)), ref_loss, ref_grads)
+
+
+def test_zb_v_pp2_dp2_matches_single_process():
+    ref_loss, ref_grads = reference("llama", n=2 * 4)
+    check_against_reference(run_distributed(v_pipeline_run, 4, pp=2, args=("zb-v", 2)), ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("method,D,v", [("zb-h1", 4, 1), ("zb-h2", 2, 1), ("zb-h1", 2, 2), ("zb-v", 4, 2)])
 def test_emulator_equals_distributed_executor(method, D, v):
-    emu_loss, emu_grads = run_distributed(emulated_run, 1, args=("llama", method, D, v))[0]
-    results = run_distributed(pipeline_run, D, pp=D, args=("llama", method, v))
+    emu_loss, emu_grads = run_distributed(v_emulated_run, 1, args=(method, D, v))[0]
+    results = run_distributed(v_pipeline_run, D, pp=D, args=(method, v))
     assert [r[0] for r in results if r[0] is not None][0] == emu_loss
     merged = {}
     for _, g in results:
@@ -174,3 +241,14 @@ def test_training_bf16_fp32_grads_zero_bubble_tracks_1f1b(corpus, tmp_path):
     ref = run_layout(corpus, tmp_path, "1f1b", 2, **flags)
     zb = run_layout(corpus, tmp_path, "zb", 2, **{**flags, "--pipeline-method": "zb-h1"})
     assert_same_curve(ref, zb, tol=2e-2)
+
+
+def test_training_zb_v_pp2_dp2_matches_single_process(corpus, tmp_path):
+    """ZB-V through the training loop (the V placement of the chunks, rank 0 holding embedding and loss,
+    a rank's chunk-0 output handed to its own chunk 1) follows the untied single-process curve."""
+    from test_pretrain_gpt import assert_same_curve, run_layout
+    untied = {"--untie-embeddings-and-output-weights": True, "--num-layers": 4}
+    single = run_layout(corpus, tmp_path, "single", 1, **untied)
+    piped = run_layout(corpus, tmp_path, "zbv", 4, **untied, **{
+        "--pipeline-model-parallel-size": 2, "--pipeline-method": "zb-v", "--num-layers-per-virtual-pipeline-stage": 1})
+    assert_same_curve(single, piped)

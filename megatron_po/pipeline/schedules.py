@@ -85,6 +85,7 @@ class Schedule:
     num_chunks: int  # v
     num_microbatches: int  # M
     ops: dict[int, list[Op]] = field(default_factory=dict)  # rank -> ops in execution order
+    placement: str = "interleaved"  # how (rank, chunk) maps to virtual stages: see `virtual_stage`
 
     def __str__(self) -> str:
         labels = {r: [op_label(op, self.num_chunks) for op in ops] for r, ops in self.ops.items()}
@@ -100,18 +101,37 @@ class Schedule:
 # --------------------------------------------------------------------------------------------------
 
 
-def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
+PLACEMENTS = ("interleaved", "v")
+
+
+def placement_of(method: str) -> str:
+    """The chunk placement a pipeline method needs: "v" for ZB-V, else Megatron's interleaving."""
+    return "v" if method == "zb-v" else "interleaved"
+
+
+def loss_rank(method: str, num_stages: int) -> int:
+    """The pipeline rank holding the last virtual stage (the loss): rank 0 under ZB-V, else D-1."""
+    return 0 if placement_of(method) == "v" else num_stages - 1
+
+
+def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = "interleaved") -> int:
+    """"interleaved" (Megatron): vs = chunk*D + rank. "v" (ZB-V, 2 chunks): chunk 0 goes down the ranks
+    (vs = rank), chunk 1 comes back up (vs = 2D-1-rank), so rank 0 holds the first and the last stage."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * num_stages - 1 - rank
     return chunk * num_stages + rank
 
 
-def rank_chunk_of(vs: int, num_stages: int) -> tuple[int, int]:
+def rank_chunk_of(vs: int, num_stages: int, placement: str = "interleaved") -> tuple[int, int]:
+    if placement == "v":
+        return (vs, 0) if vs < num_stages else (2 * num_stages - 1 - vs, 1)
     return vs % num_stages, vs // num_stages
 
 
 MessageKey = tuple  # ("act" | "grad", microbatch, destination virtual stage)
 
 
-def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int
+def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int, placement: str = "interleaved"
             ) -> tuple[tuple[int, MessageKey] | None, tuple[int, MessageKey] | None]:
     """(recv_from, send_to) of `op` run on `rank`; each is `(peer_rank, key)` or None.
 
@@ -120,15 +140,16 @@ def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int
     """
     if isinstance(op, (Step, BackwardWeight)):
         return None, None
-    vs = virtual_stage(rank, op.chunk, num_stages)
+    vs = virtual_stage(rank, op.chunk, num_stages, placement)
     last = num_stages * num_chunks - 1
     mb = op.microbatch
+    peer = lambda x: rank_chunk_of(x, num_stages, placement)[0]  # noqa: E731
     if isinstance(op, Forward):
-        recv = (rank_chunk_of(vs - 1, num_stages)[0], ("act", mb, vs)) if vs > 0 else None
-        send = (rank_chunk_of(vs + 1, num_stages)[0], ("act", mb, vs + 1)) if vs < last else None
+        recv = (peer(vs - 1), ("act", mb, vs)) if vs > 0 else None
+        send = (peer(vs + 1), ("act", mb, vs + 1)) if vs < last else None
     else:
-        recv = (rank_chunk_of(vs + 1, num_stages)[0], ("grad", mb, vs)) if vs < last else None
-        send = (rank_chunk_of(vs - 1, num_stages)[0], ("grad", mb, vs - 1)) if vs > 0 else None
+        recv = (peer(vs + 1), ("grad", mb, vs)) if vs < last else None
+        send = (peer(vs - 1), ("grad", mb, vs - 1)) if vs > 0 else None
     return recv, send
 
 
@@ -373,7 +394,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         for r in range(D):
             while position[r] < len(ops[r]):
                 op = ops[r][position[r]]
-                recv, send = comm_of(op, r, D, v)
+                recv, send = comm_of(op, r, D, v, schedule.placement)
                 if recv is not None:
                     if (r, recv[1]) not in sent:
                         break
@@ -391,7 +412,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         lines = []
         for r in stuck:
             op = ops[r][position[r]]
-            src, key = comm_of(op, r, D, v)[0]
+            src, key = comm_of(op, r, D, v, schedule.placement)[0]
             lines.append(f"rank {r} at op #{position[r]} {op_label(op, v)} waits for {key[0]} of "
                          f"micro-batch {key[1]} (virtual stage {key[2]}) from rank {src}")
         raise DeadlockError(f"{schedule.name} D={D} v={v} M={schedule.num_microbatches} deadlocks: "
@@ -474,7 +495,7 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
             raise ValueError(f"{name}: rank {r} has no Step after the last backward of chunk(s) {lost}: "
                              "their gradients are never applied")
     order = execution_order(schedule)
-    num_messages = sum(comm_of(schedule.ops[r][i], r, D, v)[1] is not None for r, i in order)
+    num_messages = sum(comm_of(schedule.ops[r][i], r, D, v, schedule.placement)[1] is not None for r, i in order)
     per_rank = {r: len(ops) for r, ops in schedule.ops.items()}
     return ScheduleStats(peak, per_rank, sum(per_rank.values()), num_messages)
 

@@ -87,12 +87,12 @@ def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float
     # known by the time its consumer is reached.
     for r, i in execution_order(schedule):
         op = schedule.ops[r][i]
-        recv, send = comm_of(op, r, D, v)
+        recv, send = comm_of(op, r, D, v, schedule.placement)
         start = rank_free[r] if recv is None else max(rank_free[r], arrival.pop((r, recv[1])))
         if isinstance(op, Step):
             duration = t_step
         else:
-            vs = virtual_stage(r, op.chunk, D)
+            vs = virtual_stage(r, op.chunk, D, schedule.placement)
             if isinstance(op, Forward):
                 duration = t_f[vs]
             elif isinstance(op, BackwardInput):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from megatron_po.errors import ConfigError
 from megatron_po.pipeline.schedules import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step,
-                                            _check_interleaved, _check_sizes, _interleaved_order)
+                                            _check_interleaved, _check_sizes, _interleaved_order, virtual_stage)
 
 
 def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
@@ -60,46 +60,59 @@ def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     return Schedule("zb-h1", D, v, M, ops)
 
 
-def greedy_zero_bubble(num_stages: int, num_microbatches: int, max_in_flight: list[int], name: str
-                       ) -> Schedule:
-    """v = 1 list scheduling on unit costs: a free rank runs a ready B, else a ready F if fewer than
-    `max_in_flight[r]` micro-batches are in flight (forward run, W not yet), else its oldest pending W,
-    else waits for the next message. Messages arrive when their sender's op ends (no p2p cost)."""
-    D, M = num_stages, num_microbatches
+def greedy_zero_bubble(num_stages: int, num_microbatches: int, max_in_flight: list[int], name: str,
+                       num_chunks: int = 1, placement: str = "interleaved") -> Schedule:
+    """List scheduling on unit costs (t_F = t_B = t_W, no p2p cost): at every time step each rank runs
+    a ready B (its deepest virtual stage first), else a ready F if fewer than `max_in_flight[r]`
+    (micro-batch, chunk) pairs are in flight on it (forward run, W not yet; the deepest chunk first),
+    else its oldest pending W, else idles. Each (rank, chunk) runs its Fs and its Bs in micro-batch order.
+    The op lists are a valid execution by construction: they cannot deadlock."""
+    D, v, M = num_stages, num_chunks, num_microbatches
     if len(max_in_flight) != D or min(max_in_flight) < 1:
         raise ConfigError(f"{name}: max_in_flight needs D={D} values >= 1, got {max_in_flight}")
-    act_ready: dict[int, dict[int, int]] = {r: {} for r in range(D)}  # arrival of mb's activation
-    act_ready[0] = {mb: 0 for mb in range(M)}  # rank 0 reads its micro-batches itself
-    grad_ready: dict[int, dict[int, int]] = {r: {} for r in range(D)}  # arrival of mb's output gradient
-    next_f, next_b, in_flight = [0] * D, [0] * D, [0] * D
-    pending_w: list[list[int]] = [[] for _ in range(D)]
+    last = D * v - 1
+    vs_of = {(r, c): virtual_stage(r, c, D, placement) for r in range(D) for c in range(v)}
+    # arrival[(kind, vs)][mb]: time the input of vs for mb is available (activation / output gradient)
+    arrival: dict[tuple[str, int], dict[int, int]] = {(k, vs): {} for k in ("act", "grad") for vs in range(D * v)}
+    arrival[("act", 0)] = {mb: 0 for mb in range(M)}  # the first stage reads its micro-batches itself
+    next_f = {key: 0 for key in vs_of}
+    next_b = {key: 0 for key in vs_of}
+    in_flight = [0] * D
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(D)]
     ops: dict[int, list[Op]] = {r: [] for r in range(D)}
+    by_depth = {r: sorted(range(v), key=lambda c: -vs_of[(r, c)]) for r in range(D)}
     t = 0
-    while any(len(ops[r]) < 3 * M for r in range(D)):
-        if t > 10 * (M + D):  # cannot happen for caps >= 1: the last rank always progresses
-            raise RuntimeError(f"{name}: list scheduling made no progress (D={D}, M={M})")
-        # Unit time steps: what a rank decides at t sees only messages sent by ops that ended by t.
+    while any(len(ops[r]) < 3 * M * v for r in range(D)):
+        if t > 10 * (M * v + D * v):  # cannot happen for caps >= 1: the last virtual stage always progresses
+            raise RuntimeError(f"{name}: list scheduling made no progress (D={D}, v={v}, M={M})")
         for r in range(D):
-            mb_b, mb_f = next_b[r], next_f[r]
-            b_ok = mb_b < mb_f and (r == D - 1 or grad_ready[r].get(mb_b, t + 1) <= t)
-            f_ok = mb_f < M and in_flight[r] < max_in_flight[r] and act_ready[r].get(mb_f, t + 1) <= t
-            if b_ok:
-                ops[r].append(BackwardInput(mb_b))
-                next_b[r] += 1
-                pending_w[r].append(mb_b)
-                if r > 0:
-                    grad_ready[r - 1][mb_b] = t + 1
-            elif f_ok:
-                ops[r].append(Forward(mb_f))
-                next_f[r] += 1
-                in_flight[r] += 1
-                if r < D - 1:
-                    act_ready[r + 1][mb_f] = t + 1
-            elif pending_w[r]:
-                ops[r].append(BackwardWeight(pending_w[r].pop(0)))
+            chosen = None
+            for c in by_depth[r]:  # B first: it unblocks the previous stage
+                vs, mb = vs_of[(r, c)], next_b[(r, c)]
+                if mb < next_f[(r, c)] and (vs == last or arrival[("grad", vs)].get(mb, t + 1) <= t):
+                    chosen = BackwardInput(mb, c)
+                    next_b[(r, c)] += 1
+                    pending_w[r].append((mb, c))
+                    if vs > 0:
+                        arrival[("grad", vs - 1)][mb] = t + 1
+                    break
+            if chosen is None and in_flight[r] < max_in_flight[r]:
+                for c in by_depth[r]:
+                    vs, mb = vs_of[(r, c)], next_f[(r, c)]
+                    if mb < M and arrival[("act", vs)].get(mb, t + 1) <= t:
+                        chosen = Forward(mb, c)
+                        next_f[(r, c)] += 1
+                        in_flight[r] += 1
+                        if vs < last:
+                            arrival[("act", vs + 1)][mb] = t + 1
+                        break
+            if chosen is None and pending_w[r]:
+                chosen = BackwardWeight(*pending_w[r].pop(0))
                 in_flight[r] -= 1
+            if chosen is not None:
+                ops[r].append(chosen)
         t += 1
-    return Schedule(name, D, 1, M, {r: ops[r] + [Step(None)] for r in range(D)})
+    return Schedule(name, D, v, M, {r: ops[r] + [Step(None)] for r in range(D)}, placement)
 
 
 def zb_h2(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
@@ -113,4 +126,15 @@ def zb_h2(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     return greedy_zero_bubble(D, num_microbatches, [2 * D - 1] * D, "zb-h2")
 
 
-ZB_SCHEDULES = {"zb-h1": zb_h1, "zb-h2": zb_h2}
+def zb_v(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """ZB-V: 2 chunks per rank in a V (chunk 0 = virtual stage r, chunk 1 = 2D-1-r: rank 0 holds the
+    embedding and the loss), list-scheduled on unit costs with at most 2D (micro-batch, chunk) pairs in
+    flight per rank: 1F1B's peak of D whole-stage activations, as in the paper."""
+    _check_sizes(num_stages, num_chunks, num_microbatches)
+    if num_chunks != 2:
+        raise ConfigError(f"zb-v needs num_chunks == 2 (a V over the ranks), got num_chunks={num_chunks}")
+    D = num_stages
+    return greedy_zero_bubble(D, num_microbatches, [2 * D] * D, "zb-v", num_chunks=2, placement="v")
+
+
+ZB_SCHEDULES = {"zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v}

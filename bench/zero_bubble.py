@@ -43,13 +43,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,  # noqa: E402
-                                          ScheduleInterleavedZeroBubble)
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
 from megatron_po.pipeline.partition import ActivationSpecs  # noqa: E402
-from megatron_po.pipeline.schedules import build_schedule, check_schedule  # noqa: E402
+from megatron_po.pipeline.schedules import build_schedule, check_schedule, placement_of, virtual_stage  # noqa: E402
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 from megatron_po.tensor_parallel import weight_grads  # noqa: E402
 
@@ -107,9 +107,10 @@ class TorchZBSleepStage(ZBSleepStage):
         return self.compute(x)
 
 
-def chunks_of(rank, D, v, t_f, t_b, t_w, cls=ZBSleepStage):
+def chunks_of(rank, D, v, t_f, t_b, t_w, cls=ZBSleepStage, placement="interleaved"):
     last = D * v - 1
-    return [cls(t_f / v, t_b / v, t_w / v, c * D + rank == 0, c * D + rank == last) for c in range(v)]
+    vss = [virtual_stage(rank, c, D, placement) for c in range(v)]
+    return [cls(t_f / v, t_b / v, t_w / v, vs == 0, vs == last) for vs in vss]
 
 
 def timed(fn):
@@ -125,25 +126,29 @@ def run_variants(method, torch_kind, v, M, t_f, t_b, t_w, mbs, warmup, reps):
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     x = torch.randn(mbs, WIDTH)
     batch = {"tokens": x, "labels": torch.zeros(mbs, WIDTH, dtype=torch.long), "loss_mask": torch.ones(mbs, WIDTH)}
-    chunks = chunks_of(r, D, v, t_f, t_b, t_w)
+    placement = placement_of(method)
+    chunks = chunks_of(r, D, v, t_f, t_b, t_w, placement=placement)
     transport = P2PTransport(D, v, ActivationSpecs((mbs, WIDTH)))
     schedule = build_schedule(method, D, v, M)
 
     def ours():
         runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport,
-                             get_batch=lambda mb: batch, loss_scale=1.0 / M)
+                             get_batch=lambda mb: batch, loss_scale=1.0 / M, placement=placement)
         run_rank(schedule, runner)
 
     run_torch = None
     if torch_kind is not None:
-        tchunks = chunks_of(r, D, v, t_f, t_b, t_w, TorchZBSleepStage)
+        tchunks = chunks_of(r, D, v, t_f, t_b, t_w, TorchZBSleepStage, placement)
         group = ps.get_pipeline_model_parallel_group()
-        stages = [PipelineStage(c, i * D + r, D * v, torch.device("cpu"), group=group) for i, c in enumerate(tchunks)]
+        stages = [PipelineStage(c, virtual_stage(r, i, D, placement), D * v, torch.device("cpu"), group=group)
+                  for i, c in enumerate(tchunks)]
         loss_fn = lambda out, target: out.mean()  # noqa: E731
         if torch_kind == "1f1b":
             tsched = Schedule1F1B(stages[0], M, loss_fn=loss_fn)
         elif torch_kind == "interleaved":
             tsched = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
+        elif torch_kind == "zbv":
+            tsched = ScheduleZBVZeroBubble(stages, M, loss_fn=loss_fn)
         else:
             tsched = ScheduleInterleavedZeroBubble(stages, M, loss_fn=loss_fn)
         xs, target = torch.randn(M * mbs, WIDTH), torch.zeros(M * mbs, WIDTH)
@@ -172,6 +177,7 @@ ROWS = [  # (label, our method, v, torch schedule)
     ("zb-h1", "zb-h1", 1, "zb"),
     ("interleaved zb-h1 v=2", "zb-h1", 2, "zb"),
     ("zb-h2", "zb-h2", 1, None),
+    ("zb-v (2 chunks, V)", "zb-v", 2, "zbv"),
 ]
 
 
@@ -199,7 +205,8 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
          f"{t_f * 1e3:g} ms, t_B={t_b * 1e3:g} ms, t_W={t_w * 1e3:g} ms (v=2: each chunk at half), [{mbs}, {WIDTH}] "
          f"activations; median of {reps} after {warmup} warm-up. Fractions are of the ideal "
          f"1/(t_f+t_B+t_W) = {1 / (t_f + t_b + t_w):.2f} micro-batches/s. torch: Schedule1F1B, "
-         f"ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (v=1: ZB-H1; v=2: interleaved ZB1P).")
+         f"ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (v=1: ZB-H1; v=2: interleaved ZB1P), "
+         f"ScheduleZBVZeroBubble (ZB-V).")
     emit()
     ideal = 1.0 / (t_f + t_b + t_w)
     rows, summary = [], {}

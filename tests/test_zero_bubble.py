@@ -214,7 +214,7 @@ def test_simulate_schedule_tool_reports_every_schedule(capsys):
     simulate_schedule.main(["--pipeline-method", "all", "--num-stages", "4", "--num-microbatches", "8",
                             "--t-forward", "20", "--t-backward", "40", "--t-weight", "20"])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb-h1", "zb-h2", "async"}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb-h1", "zb-h2", "zb-v", "async"}
     assert rows["zb-h1"][2:4] == ["540", "0.1111"] and rows["zb-h1"][5:] == ["4", "4", "4", "4"]
     assert rows["1f1b"][2] == "660" and rows["1f1b"][5:] == ["4", "3", "2", "1"]
 

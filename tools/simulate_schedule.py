@@ -31,11 +31,12 @@ from megatron_po.pipeline.simulator import plot_timeline, simulate
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pipeline-method", choices=["none", "gpipe", "1f1b", "async", "zb-h1", "zb-h2", "all"],
+    p.add_argument("--pipeline-method", choices=["none", "gpipe", "1f1b", "async", "zb-h1", "zb-h2", "zb-v", "all"],
                    default="1f1b",
                    help="1f1b with --num-chunks > 1 is Megatron's interleaved 1F1B; async streams "
                         "micro-batches without a flush and steps each chunk every --update-interval backwards; "
-                        "zb-h1 / zb-h2: zero bubble (zb-h1 with --num-chunks > 1: interleaved); all: a table")
+                        "zb-h1 / zb-h2 / zb-v: zero bubble (zb-h1 with --num-chunks > 1: interleaved; zb-v: "
+                        "--num-chunks 2 in a V); all: a table")
     p.add_argument("--num-stages", type=int, default=4, help="pipeline ranks D")
     p.add_argument("--num-chunks", type=int, default=1, help="model chunks per rank v (virtual pipeline size)")
     p.add_argument("--num-microbatches", type=int, default=8, help="micro-batches M")
@@ -62,7 +63,8 @@ def _simulate(args, method: str, num_chunks: int):
     return schedule, timeline
 
 
-ALL = [("gpipe", 1), ("1f1b", 1), ("1f1b", None), ("zb-h1", 1), ("zb-h1", None), ("zb-h2", 1), ("async", 1)]
+ALL = [("gpipe", 1), ("1f1b", 1), ("1f1b", None), ("zb-h1", 1), ("zb-h1", None), ("zb-h2", 1), ("zb-v", 2),
+       ("async", 1)]
 
 
 def table_of_all(args) -> str:
@@ -79,7 +81,7 @@ def table_of_all(args) -> str:
         except ConfigError as e:  # e.g. interleaving needs M % D == 0
             lines.append(f"{method:<22} {v:>2}  skipped: {e}")
             continue
-        name = ("interleaved-" if v > 1 and method != "1f1b" else "") + schedule.name
+        name = ("interleaved-" if v > 1 and method == "zb-h1" else "") + schedule.name
         peaks = " ".join(str(tl.peak_activations[r]) for r in sorted(tl.peak_activations))
         lines.append(f"{name:<22} {v:>2} {tl.makespan:>9.4g} {tl.bubble_fraction:>7.4f} "
                      f"{(tl.makespan - ideal) / ideal:>11.4f}  {peaks}")

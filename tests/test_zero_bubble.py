@@ -202,10 +202,27 @@ def test_emulator_equals_distributed_executor(method, D, v):
         torch.testing.assert_close(merged[k], emu_grads[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.parametrize("method,D,v", [("zb-h1", 2, 1), ("zb-h1", 2, 2), ("zb-h2", 2, 1)])
+def zb_recompute_run(method, D, v, recompute):
+    """test_recompute.sync_pipeline_run, with the chunks placed as `method` needs (ZB-V's V)."""
+    import test_recompute as tr
+    from megatron_po.pipeline.schedules import placement_of
+    make_cfg, runner = tr.make_cfg, tr.StageRunner
+    def cfg_for(n):
+        cfg = make_cfg(n)
+        cfg.parallel.pipeline_method = method
+        return cfg
+    tr.make_cfg = cfg_for
+    tr.StageRunner = lambda **kw: runner(placement=placement_of(method), **kw)
+    try:
+        return sync_pipeline_run(method, D, v, recompute)
+    finally:
+        tr.make_cfg, tr.StageRunner = make_cfg, runner
+
+
+@pytest.mark.parametrize("method,D,v", [("zb-h1", 2, 1), ("zb-h1", 2, 2), ("zb-h2", 2, 1), ("zb-v", 2, 2)])
 @pytest.mark.parametrize("granularity", ["full-uniform", "selective"])
 def test_recompute_under_zero_bubble_bitwise(method, D, v, granularity):
-    assert_same(sync_pipeline_run(method, D, v, GRANULARITIES[granularity]), sync_pipeline_run(method, D, v, NONE),
+    assert_same(zb_recompute_run(method, D, v, GRANULARITIES[granularity]), zb_recompute_run(method, D, v, NONE),
                 f"{method} {granularity}")
 
 

@@ -2,7 +2,10 @@
 and the cost of PipeOptim's weight prediction in the asynchronous pipeline.
 
     python bench/schedules.py [--tf 0.02 --Ms 4 8 16 --reps 5 --skip-p2p --skip-synthetic --skip-gpt
-                               --skip-gpt-async --gpt-async-pp 2 --gpt-async-layers 4 8 --copies-pp 4]
+                               --skip-gpt-async --gpt-async-pp 2 --gpt-async-layers 4 8 --copies-pp 4 --skip-zb]
+
+Unless `--skip-zb`, it ends with bench/zero_bubble.py's table (zero-bubble schedules next to 1F1B,
+interleaved, async PipeOptim and torch's ScheduleInterleavedZeroBubble; bench/results/zero_bubble.md).
 
 Every rank is a forked process in a gloo group (tests/dist_harness.py, one torch thread per rank).
 Four tables, measured in the same run, printed and written to bench/results/schedules.md:
@@ -697,6 +700,8 @@ def main():
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--skip-gpt", action="store_true")
     p.add_argument("--skip-gpt-async", action="store_true")
+    p.add_argument("--skip-zb", action="store_true",
+                   help="skip bench/zero_bubble.py (zero-bubble schedules, written to bench/results/zero_bubble.md)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "schedules.md"))
     args = p.parse_args()
     assert args.reps >= 3, "median of at least 3 repetitions"
@@ -1034,6 +1039,11 @@ def main():
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"\nwritten to {args.out}")
+    if not args.skip_zb:  # D=4, M=8, t_f = t_B = t_W = 20 ms: issue 19's setting, its own results file
+        from zero_bubble import run_zero_bubble
+        run_zero_bubble(reps=args.reps, warmup=args.warmup, mbs=args.mbs,
+                        out_path=os.path.join(ROOT, "bench", "results", "zero_bubble.md"),
+                        command=f"python bench/schedules.py {' '.join(sys.argv[1:])} (its zero-bubble part)")
 
 
 if __name__ == "__main__":

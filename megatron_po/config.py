@@ -112,9 +112,10 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual stage (interleaved pipeline)")
     sequence_parallel: bool = _f(False, "split LayerNorm/dropout activations along the sequence over TP ranks")
-    pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b) or asynchronous method",
+    pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b, zero-bubble zb-h1, zb-h2, zb-v) or "
+                              "asynchronous method",
                               choices=["gpipe", "1f1b", "async-naive", "pipedream", "pipedream-2bw", "spectrain",
-                                       "pipeoptim", "pipenag"])
+                                       "pipeoptim", "pipenag", "zb-h1", "zb-h2", "zb-v"])
     async_update_interval: int | None = _f(None, "asynchronous methods: a stage steps after every k of its backwards "
                                                  "(default 1; pipedream-2bw: the pipeline depth D)")
     async_drain_interval: int | None = _f(None, "asynchronous methods: drain the stream every this many iterations "
@@ -635,6 +636,16 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
              f"interleaved pipeline (--num-layers-per-virtual-pipeline-stage) needs the number of micro-batches "
              f"({num_mb} = --global-batch-size / (--micro-batch-size x DP)) divisible by "
              f"--pipeline-model-parallel-size ({pp})")
+        need(p.pipeline_method != "zb-h2",
+             "--pipeline-method zb-h2 runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage "
+             "or use zb-h1 (interleaved zero bubble)")
+    if p.pipeline_method == "zb-v":
+        need(virtual_pipeline_size(cfg) == 2,
+             f"--pipeline-method zb-v runs 2 model chunks per rank (a V): set --num-layers-per-virtual-pipeline-stage "
+             f"to --num-layers / (2 x --pipeline-model-parallel-size) = {m.num_layers / (2 * pp):g}")
+        need(m.untie_embeddings_and_output_weights,
+             "--pipeline-method zb-v puts the embedding and the output layer on rank 0's two chunks: it needs "
+             "--untie-embeddings-and-output-weights")
     need(t.lr >= 0 and t.min_lr >= 0 and t.min_lr <= t.lr, f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     need(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
     validate_sample_schedule(cfg, gbs, t.micro_batch_size * dp)

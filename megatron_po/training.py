@@ -285,12 +285,16 @@ def per_token_normalizer(batches: list[dict]) -> None:
         b["loss_normalizer"] = normalizer
 
 
-def holds_loss() -> bool:
-    return ps.is_pipeline_last_stage()
+def holds_loss(cfg: Config) -> bool:
+    """This rank computes the loss: the last pipeline rank (ZB-V: rank 0, schedules.loss_rank)."""
+    from megatron_po.pipeline.schedules import loss_rank
+    D = ps.get_pipeline_model_parallel_world_size()
+    return ps.get_pipeline_model_parallel_rank() == loss_rank(cfg.parallel.pipeline_method, D)
 
 
-def logging_rank() -> int:
-    return ps.rank_of(0, 0, ps.get_pipeline_model_parallel_world_size() - 1,
+def logging_rank(cfg: Config) -> int:
+    from megatron_po.pipeline.schedules import loss_rank
+    return ps.rank_of(0, 0, loss_rank(cfg.parallel.pipeline_method, ps.get_pipeline_model_parallel_world_size()),
                       ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
 
 
@@ -415,10 +419,10 @@ def evaluate(cfg, chunks, ddp, valid, num_mb, workload=None):
     for k in range(workload.eval_iters(valid)):
         batches = workload.microbatches(valid, k * gbs, num_mb, cfg.training.micro_batch_size)
         loss = forward_backward(cfg, chunks, ddp, batches, forward_only=True, workload=workload)
-        losses.append(average_over_dp(loss) if holds_loss() else None)
+        losses.append(average_over_dp(loss) if holds_loss(cfg) else None)
     for c in chunks:
         c.train()
-    if not holds_loss():
+    if not holds_loss(cfg):
         return None
     return sum(losses) / len(losses)
 
@@ -609,9 +613,9 @@ def pretrain(cfg: Config, workload=None) -> dict:
     num_mb = num_microbatches(cfg, world)
     mbs = t.micro_batch_size
     flops_per_iter = workload.flops_per_iteration(gbs)
-    if dist.get_rank() == logging_rank() and cfg.logging.metrics_file:
+    if dist.get_rank() == logging_rank(cfg) and cfg.logging.metrics_file:
         truncate_metrics(cfg.logging.metrics_file, state.iteration)  # what a killed run logged past its checkpoint
-    logger = Logger(cfg, dist.get_rank() == logging_rank())
+    logger = Logger(cfg, dist.get_rank() == logging_rank(cfg))
     progress = Progress(cfg, logger, gbs, flops_per_iter, world, workload.tokens_per_iteration(gbs), schedule)
 
     def save():
@@ -630,8 +634,8 @@ def pretrain(cfg: Config, workload=None) -> dict:
         losses = []
         for k in range(workload.eval_iters(valid_ds)):
             val = engine.evaluate(workload.microbatches(valid_ds, k * gbs, num_mb, mbs))
-            losses.append(average_over_dp(torch.tensor(val)) if holds_loss() else None)
-        return sum(losses) / len(losses) if holds_loss() else None
+            losses.append(average_over_dp(torch.tensor(val)) if holds_loss(cfg) else None)
+        return sum(losses) / len(losses) if holds_loss(cfg) else None
 
     def eval_due(it: int) -> bool:
         return it % t.eval_interval == 0 or it == t.train_iters
@@ -687,7 +691,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
             if (lc.log_params_norm or lc.log_num_zeros_in_grad) and progress.logs(state.iteration):
                 sums = replica_sums(ddp.params, ps.get_model_parallel_group())
                 sums = {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
-            progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss() else None, lr, grad_norm,
+            progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss(cfg) else None, lr, grad_norm,
                                     optimizer.get_loss_scale() if cfg.precision.fp16 else None, metrics=sums)
             controls.after_iteration(state.iteration)
             with progress.excluded():  # evaluation and checkpoints are not training time

@@ -168,6 +168,8 @@ class DistributedDataParallel:
             self.sync_enabled = previous
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is None:  # a zero-bubble B op left this weight's gradient to its W op (weight_grads.py)
+            return
         if id(p) in self._accumulates_into_main_grad:
             with torch.no_grad():
                 p.main_grad.add_(p.grad)  # low-precision grad of this backward into the fp32 buffer

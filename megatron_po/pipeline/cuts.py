@@ -35,7 +35,7 @@ def iteration_cuts(schedule: Schedule, first_new_microbatches) -> dict[int, dict
             if isinstance(op, Forward) and op.microbatch > top:
                 top = op.microbatch
                 reach.append((top, i))
-            recv, send = comm_of(op, r, D, v)
+            recv, send = comm_of(op, r, D, v, schedule.placement)
             if recv is not None:
                 recvs[(r, recv[1])] = (r, i)
             if send is not None:

@@ -9,6 +9,9 @@
   needs the micro-batch's padding masks everywhere);
 - `Backward(mb, c)`: backpropagate from the loss (last virtual stage) or from the gradient received
   from the next virtual stage, then send the input's gradient to the previous virtual stage;
+- `BackwardInput(mb, c)` / `BackwardWeight(mb, c)` (zero-bubble schedules): the same backward with the
+  linear layers' weight gradients queued (`tensor_parallel/weight_grads.py`) and the input gradient sent
+  at once; the later W op runs the queued weight gradients (no forward or graph re-run);
 - `Step(c)`: call the caller's `step_fn(c)` (asynchronous methods step chunks mid-stream; synchronous
   training steps after the schedule, so its `Step(None)` is left to the caller).
 
@@ -30,9 +33,9 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.models.gpt import masked_mean_loss
 from megatron_po.monitor import timers
-from megatron_po.pipeline.schedules import (Backward, Forward, Schedule, Step, comm_of, message_tag, tag_period,
-                                             virtual_stage)
-from megatron_po.tensor_parallel import recompute_weights
+from megatron_po.pipeline.schedules import (GRADIENT_DONE, Backward, BackwardInput, BackwardWeight, Forward, Schedule,
+                                             Step, comm_of, message_tag, rank_chunk_of, tag_period, virtual_stage)
+from megatron_po.tensor_parallel import recompute_weights, weight_grads
 
 # --------------------------------------------------------------------------------------------------
 # Transports
@@ -79,6 +82,9 @@ class P2PTransport:
         self.device = ps.get_device()
         self.pending: list = []  # (work, tensors kept alive until the send completes)
         self.posted: dict = {}  # (peer, key) -> (irecv work, flat buffer, specs)
+        # ZB-V's "v" placement hands an activation (gradient) between two chunks of the same rank.
+        self.me = ps.get_pipeline_model_parallel_rank()
+        self.local: dict = {}  # key -> tensors sent to this rank itself
         self._mb_period = tag_period(num_stages, num_chunks) // 2  # 2 * tag must stay below 2**32
 
     def _tag(self, key) -> int:
@@ -86,6 +92,9 @@ class P2PTransport:
         return 2 * message_tag(kind, mb % self._mb_period, dest_vs, self.v, self.D)
 
     def send(self, peer: int, key: tuple, tensors: list[torch.Tensor]) -> None:
+        if peer == self.me:
+            self.local[key] = [t.detach().clone() for t in tensors]
+            return
         tag, dst = self._tag(key), self.ranks[peer]
         if len(tensors) == 1:
             payload = tensors[0].detach().reshape(-1).contiguous()
@@ -106,7 +115,7 @@ class P2PTransport:
 
     def prepost(self, peer: int, key: tuple) -> None:
         """Post the irecv of a message this rank will need soon (agreed shapes only)."""
-        if self.specs is None or (peer, key) in self.posted:
+        if self.specs is None or (peer, key) in self.posted or peer == self.me:
             return
         specs = self.specs(key)
         numel = sum(int(torch.Size(shape).numel()) for shape, _ in specs)
@@ -115,6 +124,8 @@ class P2PTransport:
         self.posted[(peer, key)] = (work, buf, specs)
 
     def recv(self, me: int, peer: int, key: tuple) -> list[torch.Tensor]:
+        if peer == self.me:
+            return self.local.pop(key)
         if self.specs is not None:
             self.prepost(peer, key)
             work, payload, specs = self.posted.pop((peer, key))
@@ -197,19 +208,25 @@ class StageRunner:
     detail_level: int = 2  # --timing-log-level of the per-op timers (asynchronous runs: 1, they have no coarser)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (inputs, outputs) kept for backward
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
+    deferred: dict = field(default_factory=dict)  # (mb, chunk) -> weight-gradient closures from BackwardInput
+    placement: str = "interleaved"  # the schedule's chunk placement (ZB-V: "v")
 
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
 
     def _peer(self, vs: int) -> int:
-        return vs % self.num_stages
+        return rank_chunk_of(vs, self.num_stages, self.placement)[0]
 
     def run(self, op, sync_grads: bool = False) -> None:
         if isinstance(op, Forward):
             self.forward(op.microbatch, op.chunk)
         elif isinstance(op, Backward):
             self.backward(op.microbatch, op.chunk, sync_grads)
+        elif isinstance(op, BackwardInput):
+            self.backward(op.microbatch, op.chunk, split=True)
+        elif isinstance(op, BackwardWeight):
+            self.backward_weight(op.microbatch, op.chunk, sync_grads)
         elif isinstance(op, Step):
             if self.step_fn is not None:
                 with timers("prediction", self.detail_level):
@@ -221,7 +238,7 @@ class StageRunner:
 
     def forward(self, mb: int, c: int) -> None:
         chunk = self.chunks[c]
-        vs = virtual_stage(self.rank, c, self.num_stages)
+        vs = virtual_stage(self.rank, c, self.num_stages, self.placement)
         reads_batch = getattr(chunk, "reads_batch", False)  # NMT: every stage needs the source padding mask
         batch = self.get_batch(mb) if (chunk.pre_process or chunk.post_process or reads_batch) else None
         inputs = []
@@ -261,9 +278,11 @@ class StageRunner:
         if not self.forward_only:
             self.saved[(mb, c)] = (inputs, outputs)
 
-    def backward(self, mb: int, c: int, sync_grads: bool = False) -> None:
+    def backward(self, mb: int, c: int, sync_grads: bool = False, split: bool = False) -> None:
+        """Fused backward, or (split=True) the B op of zero bubble: the linear weight gradients are
+        queued for `backward_weight`, whose DDP sync decides; B never starts a reduction."""
         chunk = self.chunks[c]
-        vs = virtual_stage(self.rank, c, self.num_stages)
+        vs = virtual_stage(self.rank, c, self.num_stages, self.placement)
         inputs, outputs = self.saved.pop((mb, c))
         if chunk.post_process:
             grads = [None]
@@ -276,7 +295,12 @@ class StageRunner:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         with timers("backward-compute", self.detail_level):  # includes launching the DDP reduce it overlaps
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if split:
+                with weight_grads.defer_weight_grads() as queue:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self.deferred[(mb, c)] = queue
+            else:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.grad_sync is not None:
             self.grad_sync(c, False)
         with timers("prediction", self.detail_level):
@@ -287,12 +311,25 @@ class StageRunner:
                 self.transport.send(self._peer(vs - 1), ("grad", mb, vs - 1), in_grads)
 
 
+    def backward_weight(self, mb: int, c: int, sync_grads: bool = False) -> None:
+        """The W op: accumulate the weight gradients `backward(split=True)` queued for (mb, c)."""
+        queue = self.deferred.pop((mb, c))
+        if self.grad_sync is not None:
+            self.grad_sync(c, sync_grads)
+        with timers("backward-compute", self.detail_level):
+            weight_grads.apply_weight_grads(queue)
+        if self.grad_sync is not None:
+            self.grad_sync(c, False)
+
+
 def backwards_before_step(ops) -> set[int]:
-    """Indices of the Backward ops whose gradients complete a step: the last backward of chunk c
-    before a Step(c) or Step(None). The DDP reduce of that chunk overlaps exactly these backwards."""
+    """Indices of the ops whose gradients complete a step: the last Backward (zero bubble: the last
+    BackwardWeight) of chunk c before a Step(c) or Step(None). The DDP reduce of that chunk overlaps
+    exactly these ops (parameters whose gradient a split backward completes at B, e.g. norms, are
+    reduced at `finish_grad_sync` instead)."""
     out, last = set(), {}
     for i, op in enumerate(ops):
-        if isinstance(op, Backward):
+        if isinstance(op, GRADIENT_DONE):
             last[op.chunk] = i
         elif isinstance(op, Step):
             chunks = list(last) if op.chunk is None else [op.chunk]
@@ -322,7 +359,10 @@ def run_rank(schedule: Schedule, runner: StageRunner, before_op: dict | None = N
         ops = forward_only_ops(ops)
     sync_at = backwards_before_step(ops)
     prepost = getattr(runner.transport, "prepost", None)
-    receives = [comm_of(op, runner.rank, runner.num_stages, runner.num_chunks)[0] for op in ops]
+    if runner.placement != schedule.placement:
+        raise ValueError(f"schedule {schedule.name} places chunks {schedule.placement!r}, the runner "
+                         f"{runner.placement!r}")
+    receives = [comm_of(op, runner.rank, runner.num_stages, runner.num_chunks, schedule.placement)[0] for op in ops]
     for i, op in enumerate(ops):
         if prepost is not None:  # post the receives of the next few ops before they are needed
             for recv in receives[i:i + PREPOST_WINDOW + 1]:
@@ -345,7 +385,10 @@ def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict
     sched = schedule
     if any(r.forward_only for r in runners.values()):
         sched = _S(schedule.name, schedule.num_stages, schedule.num_chunks, schedule.num_microbatches,
-                   {r: forward_only_ops(ops) for r, ops in schedule.ops.items()})
+                   {r: forward_only_ops(ops) for r, ops in schedule.ops.items()}, schedule.placement)
+    wrong = [r for r, runner in runners.items() if runner.placement != schedule.placement]
+    if wrong:
+        raise ValueError(f"schedule {schedule.name} places chunks {schedule.placement!r}; runners {wrong} do not")
     sync_at = {r: backwards_before_step(ops) for r, ops in sched.ops.items()}
     hooks = before_op or {}
     for r, i in execution_order(sched):
@@ -386,7 +429,8 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
 
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
                          transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=grad_scale / M,
-                         grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only)
+                         grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only,
+                         placement=_SCHEDULE_CACHE[key].placement)
     run_rank(_SCHEDULE_CACHE[key], runner)
     if ddp is not None:
         ddp.sync_enabled = True

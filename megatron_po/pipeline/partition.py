@@ -1,6 +1,7 @@
 """Split the GPT layers over D pipeline ranks x v model chunks.
 
-Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering) holds the contiguous layers
+Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering; ZB-V's "v" placement:
+`schedules.virtual_stage`) holds the contiguous layers
 `[vs*n, (vs+1)*n)` with `n = L / (D*v)`; virtual stage 0 also holds the embedding and the last one
 the final norm, output layer and loss.
 """
@@ -15,6 +16,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, virtual_pipeline_size
 from megatron_po.errors import ConfigError
 from megatron_po.models.gpt import GPTModel
+from megatron_po.pipeline.schedules import placement_of, virtual_stage
 
 
 def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) -> int:
@@ -24,11 +26,13 @@ def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) 
     return num_layers // (num_stages * num_chunks)
 
 
-def chunk_placements(num_layers: int, rank: int, num_stages: int, num_chunks: int) -> list[dict]:
-    """Per model chunk of pipeline rank `rank`: its pre_process, post_process, layer_offset, num_layers."""
+def chunk_placements(num_layers: int, rank: int, num_stages: int, num_chunks: int,
+                     placement: str = "interleaved") -> list[dict]:
+    """Per model chunk of pipeline rank `rank`: its pre_process, post_process, layer_offset, num_layers.
+    `placement` "v" (ZB-V): chunk 0 is virtual stage `rank`, chunk 1 is 2D-1-rank (schedules.virtual_stage)."""
     n = layers_per_virtual_stage(num_layers, num_stages, num_chunks)
     last = num_stages * num_chunks - 1
-    vss = [c * num_stages + rank for c in range(num_chunks)]
+    vss = [virtual_stage(rank, c, num_stages, placement) for c in range(num_chunks)]
     return [dict(pre_process=vs == 0, post_process=vs == last, layer_offset=vs * n, num_layers=n) for vs in vss]
 
 
@@ -36,7 +40,8 @@ def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages:
                           device=None) -> list[GPTModel]:
     """The v model chunks of pipeline rank `rank` (pure in the rank: the emulator builds every rank)."""
     chunks = []
-    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks):
+    where = placement_of(cfg.parallel.pipeline_method)
+    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
         chunk = GPTModel(cfg.model, padded_vocab, cfg.training.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                          **placement)
         chunks.append(chunk.to(device) if device is not None else chunk)
@@ -49,7 +54,8 @@ def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: 
     `padded_vocab` = (source, target) padded vocabulary sizes."""
     from megatron_po.models.nmt import NMTModel
     chunks = []
-    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks):
+    where = placement_of(cfg.parallel.pipeline_method)
+    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
         chunk = NMTModel(cfg.model, cfg.nmt, *padded_vocab, cfg.training.seed, **placement)
         chunks.append(chunk.to(device) if device is not None else chunk)
     return chunks

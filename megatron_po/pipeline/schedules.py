@@ -13,7 +13,9 @@ stage 0 holds the embedding, virtual stage v*D-1 (rank D-1, chunk v-1) holds the
 Communication is implied by the ops, never listed: `Forward(mb, c)` on rank r receives the activation
 of virtual stage vs-1 (unless vs is the first) and sends one to vs+1 (unless vs is the last);
 `Backward(mb, c)` receives the gradient from vs+1 (unless vs holds the loss) and sends one to vs-1
-(unless vs is the first). The executor posts sends as isend (never blocking) and receives blocking;
+(unless vs is the first). Zero-bubble schedules (zero_bubble.py) split it: `BackwardInput(mb, c)`
+communicates exactly as `Backward` and computes the gradient w.r.t. the stage input; `BackwardWeight(mb, c)`
+(later, no communication) computes the weight gradients from what BackwardInput left. The executor posts sends as isend (never blocking) and receives blocking;
 `check_schedule` simulates exactly these semantics to prove a schedule cannot deadlock.
 """
 
@@ -42,6 +44,20 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class BackwardInput:
+    """B of zero-bubble pipelining: gradient w.r.t. the stage input only (sent upstream at once)."""
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """W of zero-bubble pipelining: the weight gradients of a micro-batch whose BackwardInput ran."""
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
 class Step:
     """Optimizer step. `chunk=None`: all chunks of the rank, after the data-parallel gradient sync
     (the synchronous end of an iteration). `chunk=c`: only chunk c (asynchronous methods)."""
@@ -49,14 +65,16 @@ class Step:
     chunk: int | None = None
 
 
-Op = Union[Forward, Backward, Step]
+Op = Union[Forward, Backward, BackwardInput, BackwardWeight, Step]
+BACKWARD_TO_INPUT = (Backward, BackwardInput)  # ops that receive/send gradients
+GRADIENT_DONE = (Backward, BackwardWeight)  # ops after which a micro-batch's weight gradient is complete
 
 
 def op_label(op: Op, num_chunks: int) -> str:
     """`F3.1` = forward of micro-batch 3 on chunk 1; `B3` when v = 1; `S` = Step(None); `S.1` = Step(1)."""
     if isinstance(op, Step):
         return "S" if op.chunk is None or num_chunks == 1 else f"S.{op.chunk}"
-    letter = "F" if isinstance(op, Forward) else "B"
+    letter = {Forward: "F", Backward: "B", BackwardInput: "B", BackwardWeight: "W"}[type(op)]
     return f"{letter}{op.microbatch}" if num_chunks == 1 else f"{letter}{op.microbatch}.{op.chunk}"
 
 
@@ -67,6 +85,7 @@ class Schedule:
     num_chunks: int  # v
     num_microbatches: int  # M
     ops: dict[int, list[Op]] = field(default_factory=dict)  # rank -> ops in execution order
+    placement: str = "interleaved"  # how (rank, chunk) maps to virtual stages: see `virtual_stage`
 
     def __str__(self) -> str:
         labels = {r: [op_label(op, self.num_chunks) for op in ops] for r, ops in self.ops.items()}
@@ -82,35 +101,55 @@ class Schedule:
 # --------------------------------------------------------------------------------------------------
 
 
-def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
+PLACEMENTS = ("interleaved", "v")
+
+
+def placement_of(method: str) -> str:
+    """The chunk placement a pipeline method needs: "v" for ZB-V, else Megatron's interleaving."""
+    return "v" if method == "zb-v" else "interleaved"
+
+
+def loss_rank(method: str, num_stages: int) -> int:
+    """The pipeline rank holding the last virtual stage (the loss): rank 0 under ZB-V, else D-1."""
+    return 0 if placement_of(method) == "v" else num_stages - 1
+
+
+def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = "interleaved") -> int:
+    """"interleaved" (Megatron): vs = chunk*D + rank. "v" (ZB-V, 2 chunks): chunk 0 goes down the ranks
+    (vs = rank), chunk 1 comes back up (vs = 2D-1-rank), so rank 0 holds the first and the last stage."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * num_stages - 1 - rank
     return chunk * num_stages + rank
 
 
-def rank_chunk_of(vs: int, num_stages: int) -> tuple[int, int]:
+def rank_chunk_of(vs: int, num_stages: int, placement: str = "interleaved") -> tuple[int, int]:
+    if placement == "v":
+        return (vs, 0) if vs < num_stages else (2 * num_stages - 1 - vs, 1)
     return vs % num_stages, vs // num_stages
 
 
 MessageKey = tuple  # ("act" | "grad", microbatch, destination virtual stage)
 
 
-def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int
+def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int, placement: str = "interleaved"
             ) -> tuple[tuple[int, MessageKey] | None, tuple[int, MessageKey] | None]:
     """(recv_from, send_to) of `op` run on `rank`; each is `(peer_rank, key)` or None.
 
     key = ("act", mb, dest_vs) for a forward activation, ("grad", mb, dest_vs) for a backward gradient;
     dest_vs is the virtual stage that consumes the message, so the receiver's key equals the sender's.
     """
-    if isinstance(op, Step):
+    if isinstance(op, (Step, BackwardWeight)):
         return None, None
-    vs = virtual_stage(rank, op.chunk, num_stages)
+    vs = virtual_stage(rank, op.chunk, num_stages, placement)
     last = num_stages * num_chunks - 1
     mb = op.microbatch
+    peer = lambda x: rank_chunk_of(x, num_stages, placement)[0]  # noqa: E731
     if isinstance(op, Forward):
-        recv = (rank_chunk_of(vs - 1, num_stages)[0], ("act", mb, vs)) if vs > 0 else None
-        send = (rank_chunk_of(vs + 1, num_stages)[0], ("act", mb, vs + 1)) if vs < last else None
+        recv = (peer(vs - 1), ("act", mb, vs)) if vs > 0 else None
+        send = (peer(vs + 1), ("act", mb, vs + 1)) if vs < last else None
     else:
-        recv = (rank_chunk_of(vs + 1, num_stages)[0], ("grad", mb, vs)) if vs < last else None
-        send = (rank_chunk_of(vs - 1, num_stages)[0], ("grad", mb, vs - 1)) if vs > 0 else None
+        recv = (peer(vs + 1), ("grad", mb, vs)) if vs < last else None
+        send = (peer(vs - 1), ("grad", mb, vs - 1)) if vs > 0 else None
     return recv, send
 
 
@@ -310,8 +349,13 @@ def build_schedule(method: str, num_stages: int, num_chunks: int, num_microbatch
                    update_interval: int = 1) -> Schedule:
     """The schedule for a method name; "1f1b" with num_chunks > 1 means interleaved-1f1b.
     `update_interval` (k) only applies to "async"."""
-    if method not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {method!r}; valid: {', '.join(SCHEDULES)}")
+    # zero_bubble.py builds on this module's ops and helpers, so its table is imported here, late.
+    from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
+    if method in ZB_SCHEDULES and update_interval == 1:
+        return ZB_SCHEDULES[method](num_stages, num_chunks, num_microbatches)
+    if method not in SCHEDULES and method not in ZB_SCHEDULES:
+        valid = ", ".join([*SCHEDULES, *ZB_SCHEDULES])
+        raise ConfigError(f"unknown pipeline schedule {method!r}; valid: {valid}")
     if method == "1f1b" and num_chunks > 1:
         method = "interleaved-1f1b"
     if method == "async":
@@ -350,7 +394,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         for r in range(D):
             while position[r] < len(ops[r]):
                 op = ops[r][position[r]]
-                recv, send = comm_of(op, r, D, v)
+                recv, send = comm_of(op, r, D, v, schedule.placement)
                 if recv is not None:
                     if (r, recv[1]) not in sent:
                         break
@@ -368,7 +412,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         lines = []
         for r in stuck:
             op = ops[r][position[r]]
-            src, key = comm_of(op, r, D, v)[0]
+            src, key = comm_of(op, r, D, v, schedule.placement)[0]
             lines.append(f"rank {r} at op #{position[r]} {op_label(op, v)} waits for {key[0]} of "
                          f"micro-batch {key[1]} (virtual stage {key[2]}) from rank {src}")
         raise DeadlockError(f"{schedule.name} D={D} v={v} M={schedule.num_microbatches} deadlocks: "
@@ -380,7 +424,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 
 @dataclass
 class ScheduleStats:
-    peak_activations: dict[int, int]  # rank -> max number of forwards whose backward has not run yet
+    peak_activations: dict[int, int]  # rank -> max forwards whose backward (split: W) has not run yet
     ops_per_rank: dict[int, int]
     total_ops: int
     num_messages: int  # p2p sends implied by the ops
@@ -391,7 +435,7 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
 
     - ranks are exactly 0..D-1; chunks are in 0..v-1;
     - on every rank each (mb, chunk) for mb < M, chunk < v appears exactly once as Forward and once as
-      Backward, the Forward first;
+      Backward (or once as BackwardInput and then once as BackwardWeight), the Forward first;
     - every chunk's gradient is stepped: after the last Backward of a chunk comes a Step of that chunk
       or Step(None) (asynchronous schedules step per chunk; synchronous ones end with Step(None));
     - every input is produced by the neighbouring virtual stage and the ranks cannot deadlock
@@ -406,7 +450,8 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
     peak: dict[int, int] = {}
     for r, ops in schedule.ops.items():
         done_forward: set[tuple[int, int]] = set()
-        done_backward: set[tuple[int, int]] = set()
+        done_input: set[tuple[int, int]] = set()  # BackwardInput run, BackwardWeight not yet
+        done_backward: set[tuple[int, int]] = set()  # weight gradient complete (Backward or BackwardWeight)
         stepped_after_last_backward = {c: True for c in range(v)}
         alive = peak[r] = 0
         for op in ops:
@@ -425,14 +470,21 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
                 done_forward.add(key)
                 alive += 1
                 peak[r] = max(peak[r], alive)
-            else:
-                if key not in done_forward:
-                    raise ValueError(f"{name}: rank {r} runs {op_label(op, v)} before its forward")
-                if key in done_backward:
-                    raise ValueError(f"{name}: rank {r} runs {op_label(op, v)} twice")
-                done_backward.add(key)
-                alive -= 1
-                stepped_after_last_backward[op.chunk] = False
+                continue
+            if key not in done_forward:
+                raise ValueError(f"{name}: rank {r} runs {op_label(op, v)} before its forward")
+            if key in done_backward or (key in done_input and not isinstance(op, BackwardWeight)):
+                raise ValueError(f"{name}: rank {r} runs {op_label(op, v)} twice")
+            if isinstance(op, BackwardInput):
+                done_input.add(key)
+                continue
+            if isinstance(op, BackwardWeight):
+                if key not in done_input:
+                    raise ValueError(f"{name}: rank {r} runs {op_label(op, v)} before its BackwardInput")
+                done_input.remove(key)
+            done_backward.add(key)
+            alive -= 1  # activations (and saved output gradients) are freed once the weight gradient is done
+            stepped_after_last_backward[op.chunk] = False
         missing = sorted(expected - done_backward)
         if missing:
             mb, c = missing[0]
@@ -443,7 +495,7 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
             raise ValueError(f"{name}: rank {r} has no Step after the last backward of chunk(s) {lost}: "
                              "their gradients are never applied")
     order = execution_order(schedule)
-    num_messages = sum(comm_of(schedule.ops[r][i], r, D, v)[1] is not None for r, i in order)
+    num_messages = sum(comm_of(schedule.ops[r][i], r, D, v, schedule.placement)[1] is not None for r, i in order)
     per_rank = {r: len(ops) for r, ops in schedule.ops.items()}
     return ScheduleStats(peak, per_rank, sum(per_rank.values()), num_messages)
 
@@ -465,7 +517,7 @@ def staleness(schedule: Schedule) -> dict[tuple[int, int], dict[int, int]]:
                     steps[c] += 1
             elif isinstance(op, Forward):
                 at_forward[(op.microbatch, op.chunk)] = steps[op.chunk]
-            else:
+            elif isinstance(op, GRADIENT_DONE):
                 result[(r, op.chunk)][op.microbatch] = (
                     steps[op.chunk] - at_forward[(op.microbatch, op.chunk)])
     return result

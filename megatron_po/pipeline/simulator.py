@@ -5,6 +5,10 @@ arrived (the sender's finish + t_p2p); sends never block (the executor's isend).
 stage: a scalar (every virtual stage the same) or a list of D*v values indexed by `c*D + r`. A model
 split into v chunks per rank therefore costs t/v per chunk when a whole stage costs t.
 
+Zero-bubble ops (zero_bubble.py): `BackwardInput` costs t_backward, `BackwardWeight` costs t_weight, and
+a fused `Backward` costs t_backward + t_weight (t_weight defaults to 0, so callers that give the whole
+backward as t_backward are unchanged).
+
 Bubble fraction = 1 - (sum of busy time over ranks) / (D * makespan): the share of rank-time spent idle.
 """
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from megatron_po.errors import ConfigError
-from megatron_po.pipeline.schedules import (Forward, Op, Schedule, Step, check_schedule, comm_of,
+from megatron_po.pipeline.schedules import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step, check_schedule, comm_of,
                                             execution_order, op_label, virtual_stage)
 
 Cost = Union[float, Sequence[float]]
@@ -35,7 +39,7 @@ class Timeline:
     makespan: float
     busy: dict[int, float]  # rank -> time spent computing
     bubble_fraction: float
-    peak_activations: dict[int, int]  # rank -> max forwards whose backward has not run yet
+    peak_activations: dict[int, int]  # rank -> max forwards whose backward (split: W) has not run yet
 
     def table(self, events: bool = False) -> str:
         """Per-rank summary (and, with events=True, every op with its start and end)."""
@@ -65,12 +69,14 @@ def _per_virtual_stage(cost: Cost, name: str, num_virtual_stages: int) -> list[f
 
 
 def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float = 0.0,
-             t_step: float = 0.0) -> Timeline:
-    """Run `schedule` on an idealised machine; `t_step` is the cost of any Step op."""
+             t_step: float = 0.0, t_weight: Cost = 0.0) -> Timeline:
+    """Run `schedule` on an idealised machine; `t_step` is the cost of any Step op, `t_weight` that of a
+    BackwardWeight (a fused Backward costs t_backward + t_weight)."""
     stats = check_schedule(schedule)
     D, v = schedule.num_stages, schedule.num_chunks
     t_f = _per_virtual_stage(t_forward, "t_forward", D * v)
     t_b = _per_virtual_stage(t_backward, "t_backward", D * v)
+    t_w = _per_virtual_stage(t_weight, "t_weight", D * v)
     if t_p2p < 0 or t_step < 0:
         raise ConfigError(f"t_p2p and t_step must be >= 0, got t_p2p={t_p2p}, t_step={t_step}")
 
@@ -81,13 +87,20 @@ def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float
     # known by the time its consumer is reached.
     for r, i in execution_order(schedule):
         op = schedule.ops[r][i]
-        recv, send = comm_of(op, r, D, v)
+        recv, send = comm_of(op, r, D, v, schedule.placement)
         start = rank_free[r] if recv is None else max(rank_free[r], arrival.pop((r, recv[1])))
         if isinstance(op, Step):
             duration = t_step
         else:
-            vs = virtual_stage(r, op.chunk, D)
-            duration = t_f[vs] if isinstance(op, Forward) else t_b[vs]
+            vs = virtual_stage(r, op.chunk, D, schedule.placement)
+            if isinstance(op, Forward):
+                duration = t_f[vs]
+            elif isinstance(op, BackwardInput):
+                duration = t_b[vs]
+            elif isinstance(op, BackwardWeight):
+                duration = t_w[vs]
+            else:
+                duration = t_b[vs] + t_w[vs]
         end = start + duration
         if send is not None:
             arrival[(send[0], send[1])] = end + t_p2p
@@ -103,8 +116,8 @@ def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float
 
 
 def plot_timeline(timeline: Timeline, path: str, title: str | None = None) -> str:
-    """Gantt chart, one row per rank (rank 0 on top): forwards blue, backwards orange (darker for
-    later chunks), steps grey; the micro-batch number is printed in each box. Returns `path`."""
+    """Gantt chart, one row per rank (rank 0 on top): forwards blue, backwards (split: input backwards)
+    orange, weight backwards green (darker for later chunks), steps grey; the micro-batch number is printed in each box. Returns `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +132,8 @@ def plot_timeline(timeline: Timeline, path: str, title: str | None = None) -> st
     fig, ax = plt.subplots(figsize=(width, 0.55 * D + 1.6))
     forward_colors = plt.get_cmap("Blues")
     backward_colors = plt.get_cmap("Oranges")
+    weight_colors = plt.get_cmap("Greens")
+    has_weight = any(isinstance(op, BackwardWeight) for ops in s.ops.values() for op in ops)
 
     def shade(cmap, chunk):  # chunk 0 light, chunk v-1 dark
         return cmap(0.45 + 0.4 * (chunk / (v - 1) if v > 1 else 0.0))
@@ -137,7 +152,8 @@ def plot_timeline(timeline: Timeline, path: str, title: str | None = None) -> st
             else:  # a free step: draw a marker so it stays visible
                 ax.plot([e.start, e.start], [y - 0.4, y + 0.4], color="0.6", linewidth=1.5)
             continue
-        cmap = forward_colors if isinstance(e.op, Forward) else backward_colors
+        cmap = (forward_colors if isinstance(e.op, Forward) else
+                weight_colors if isinstance(e.op, BackwardWeight) else backward_colors)
         ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=shade(cmap, e.op.chunk),
                 edgecolor="black", linewidth=0.4)
         ax.text((e.start + e.end) / 2, y, str(e.op.microbatch), ha="center", va="center", fontsize=fontsize)
@@ -151,7 +167,9 @@ def plot_timeline(timeline: Timeline, path: str, title: str | None = None) -> st
     for c in range(v):
         suffix = f" chunk {c}" if v > 1 else ""
         handles += [Patch(color=shade(forward_colors, c), label=f"forward{suffix}"),
-                    Patch(color=shade(backward_colors, c), label=f"backward{suffix}")]
+                    Patch(color=shade(backward_colors, c), label=f"{'input ' if has_weight else ''}backward{suffix}")]
+        if has_weight:
+            handles.append(Patch(color=shade(weight_colors, c), label=f"weight backward{suffix}"))
     handles.append(Patch(color="0.6", label="optimizer step"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if D < 3 else -0.18),
               ncol=min(len(handles), 7), fontsize=8, frameon=False)

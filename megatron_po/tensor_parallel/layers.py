@@ -33,6 +33,7 @@ Parameter attributes (read by grad-norm, optimizer, DDP and checkpoint code):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron_po.tensor_parallel import weight_grads
 from megatron_po.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     divide,
@@ -133,16 +135,37 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, input_, weight, bias):
         ctx.save_for_backward(input_, weight)
         ctx.has_bias = bias is not None
+        # The deferred W op (weight_grads.py) accumulates into these very tensors: a saved tensor unpacked
+        # under activation recomputation is an alias with its own gradient, not the Parameter.
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(input_, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        bias = ctx.bias if need_b else None
+        # Zero-bubble B op: leave the weight gradient to the W op (weight_grads.py). Only for leaf
+        # parameters, whose gradient can be accumulated on its own once this graph is freed.
+        if (weight_grads.deferring() and need_w and ctx.weight.grad_fn is None
+                and (bias is None or bias.grad_fn is None)):
+            weight_grads.defer(functools.partial(_Linear._weight_grads, input_, grad_output, ctx.weight, bias))
+            return grad_input, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1])) if need_w else None
+        grad_bias = grad_2d.sum(0) if need_b else None
         return grad_input, grad_weight, grad_bias
+
+    @staticmethod
+    def _weight_grads(input_, grad_output, weight, bias):
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        out = []
+        if weight is not None:
+            out.append((weight, grad_2d.t().mm(input_.reshape(-1, input_.shape[-1]))))
+        if bias is not None:
+            out.append((bias, grad_2d.sum(0)))
+        return out
 
 
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -100,11 +100,17 @@ CASES = [
     ("pipeoptim", "adamw", 2, 2, 1, (4, 6), {"include_weight_decay": True}),
     ("pipeoptim", "muon", 4, 1, 1, (8, 8), {}),  # Muon's ΔW (its orthogonalised update) drives the prediction
     ("pipedream-2bw", "muon", 2, 2, 2, (4, 6), {}),
+    ("pipenag", "nag", 4, 1, 1, (8, 8), {}),  # PipeNAG and error feedback (tests/test_delay_robust.py: rules)
+    ("pipenag", "nag", 2, 2, 1, (4, 6), {}),
+    ("pipedream-2bw", "adam", 4, 1, 4, (8, 8), {"error_feedback": True}),
+    ("pipedream", "nadamw", 2, 2, 1, (4, 6), {"error_feedback": True}),
+    ("pipeoptim", "nadamw", 3, 1, 1, (6, 6), {"error_feedback": True}),
 ]
 
 
 @pytest.mark.parametrize("method,optimizer,D,v,k,segments,options", CASES,
-                         ids=[f"{c[0]}-D{c[2]}v{c[3]}k{c[4]}" for c in CASES])
+                         ids=[f"{c[0]}-{c[1]}-D{c[2]}v{c[3]}k{c[4]}{'-ef' if c[6].get('error_feedback') else ''}"
+                              for c in CASES])
 def test_distributed_equals_emulator_bitwise(method, optimizer, D, v, k, segments, options):
     emu_losses, emu_eval, emu_weights, emu_copies = run_distributed(
         partial(train_emulator, **options), 1, args=(method, optimizer, D, v, k, segments))[0]

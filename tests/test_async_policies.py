@@ -45,7 +45,7 @@ from megatron_po.pipeline.schedules import async_one_f_one_b, staleness
 VOCAB = 64
 SEED = 5
 RTOL, ATOL = 1e-4, 1e-5
-LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1, "muon": 1e-2}
+LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 0.1, "muon": 1e-2, "nag": 0.1, "nadamw": 1e-2}
 
 
 def make_cfg(num_layers, tied=False):

@@ -2,27 +2,21 @@
 
 Closed forms: each rule's update on random states (or on a recorded emulator run) equals its formula,
 written here independently of the implementation. Distributed: the distributed run equals the
-single-process emulator bit for bit (same harness as tests/test_async_pipeline.py).
+single-process emulator bit for bit: the PipeNAG and error-feedback rows of tests/test_async_pipeline.py.
 Tolerances: optimizer-vs-torch comparisons are bitwise; formula-vs-implementation in fp32 at rtol 1e-5 /
 atol 1e-6 on random states (the formula is evaluated in float64, or with other float op orders); replays
 of recorded runs at rtol 1e-4 / atol 1e-5 as in tests/test_async_policies.py.
 """
 
-from functools import partial
-
 import pytest
 import torch
-from dist_harness import run_distributed
-from test_async_pipeline import merge, train_distributed, train_emulator
-from test_async_policies import LR, emulator, lr_fn_for, record, step_counts
+from test_async_policies import emulator, lr_fn_for, record, step_counts
 
 from megatron_po.config import parse_args, validate
 from megatron_po.errors import ConfigError
 from megatron_po.optim import NAG, NAdamW, build_optimizer
 from megatron_po.pipeline.error_feedback import ErrorFeedback
 
-LR.setdefault("nag", 0.1)
-LR.setdefault("nadamw", 1e-2)
 SHAPES = [(5, 3), (7,), (2, 3, 4)]
 
 
@@ -244,28 +238,7 @@ def test_pipenag_needs_nag():
 # ---------------------------------------------------------------------------------------------- distributed
 
 
-CASES = [
-    ("pipenag", "nag", 4, 1, 1, (8, 8), {}),
-    ("pipenag", "nag", 2, 2, 1, (4, 6), {}),
-    ("pipedream-2bw", "adam", 4, 1, 4, (8, 8), {"error_feedback": True}),
-    ("pipedream", "nadamw", 2, 2, 1, (4, 6), {"error_feedback": True}),
-    ("pipeoptim", "nadamw", 3, 1, 1, (6, 6), {"error_feedback": True}),
-]
-
-
-@pytest.mark.parametrize("method,optimizer,D,v,k,segments,options", CASES,
-                         ids=[f"{c[0]}-{c[1]}-D{c[2]}v{c[3]}k{c[4]}{'-ef' if c[6] else ''}" for c in CASES])
-def test_distributed_equals_emulator_bitwise(method, optimizer, D, v, k, segments, options):
-    emu_losses, emu_eval, emu_weights, emu_copies = run_distributed(
-        partial(train_emulator, **options), 1, args=(method, optimizer, D, v, k, segments))[0]
-    results = run_distributed(partial(train_distributed, **options), D, pp=D, args=(method, optimizer, v, k, segments))
-    assert results[D - 1][0] == emu_losses
-    assert results[D - 1][1] == emu_eval
-    weights, copies = merge(results)
-    assert weights.keys() == emu_weights.keys()
-    for name in weights:
-        assert torch.equal(weights[name], emu_weights[name]), name
-    assert copies == emu_copies
+# distributed run = emulator, bitwise: PipeNAG and error-feedback rows of test_async_pipeline.CASES
 
 
 # ---------------------------------------------------------------------------------------------- flags

@@ -270,10 +270,16 @@ def test_async_methods_train_through_pretrain(corpus, tmp_path, method):
     assert [r["iteration"] for r in records if "val_loss" in r] == [6, 12]
 
 
-def test_async_pipeoptim_resume_is_exact(corpus, tmp_path):
+@pytest.mark.parametrize("method_flags", [
+    {"--pipeline-method": "pipeoptim"},
+    # error feedback's u_{t-1} is checkpointed with the policy; 2BW's first step after the resume has delay 1,
+    # so it uses the loaded u_{t-1} (PipeDream's first steps after a drain have s = 0 and would not notice)
+    {"--pipeline-method": "pipedream-2bw", "--async-update-interval": 2, "--async-error-feedback": True},
+], ids=["pipeoptim", "2bw-error-feedback"])
+def test_async_resume_is_exact(corpus, tmp_path, method_flags):
     """Drain, save, exit, load, continue: the losses equal those of the uninterrupted run, bit for bit.
     Checkpoints are taken at drain points, so both runs drain at the same iterations (every save)."""
-    flags = dict(ASYNC, **{"--pipeline-method": "pipeoptim", "--log-interval": 1, "--save-interval": 4})
+    flags = dict(ASYNC, **method_flags, **{"--log-interval": 1, "--save-interval": 4})
     straight = [r["lm_loss"] for r in run_layout(corpus, tmp_path, "straight", 2, **flags,
                                                  **{"--save": str(tmp_path / "straight_ckpt")}) if "lm_loss" in r]
     ckpt = str(tmp_path / "ckpt")

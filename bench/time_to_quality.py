@@ -49,7 +49,7 @@ def settings_from_args(argv=None):
     s = tr.study_settings(a.quick)
     grid = {o: list(v) for o, v in tr.LR_GRID.items()}
     if a.quick:
-        grid = {o: v[:2] for o, v in grid.items()}
+        grid = {o: v[1:3] for o, v in grid.items()}
     for item in a.lr_grid or []:
         o, _, v = item.partition("=")
         if o not in tr.LR_GRID:

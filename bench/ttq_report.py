@@ -403,6 +403,12 @@ reference (stricter: it makes 2D times more updates than 1F1B at M = 2D) is show
 - NMT: not run in this study.
 
 ## Notes
+- How the horizon was chosen (one synchronous AdamW run each, seed 1, before the study): convergence.py's 256
+  micro-batches end at 5.17-5.28 (lr 1e-3), 0.7 nat below the unigram loss; 1,024 micro-batches end at 4.50
+  (M = 1, lr 1e-3) and 4.95 (M = 8, lr 2e-3; 5.24 at 4e-3); a 2,048-micro-batch run (M = 1, lr 2e-3) passes
+  4.94 / 4.62 / 4.35 at 256 / 512 / 1,024 and ends at 4.15. 1,024 is the shortest power of two at which the
+  practical synchronous run (1F1B at M = 2D = 8) also ends about 1 nat below the unigram loss, not only
+  the equal-updates reference; each run costs about 40 s on one thread.
 - Simulated time, free communication, stages in parallel. Synchronous, M micro-batches of B per update: one
   flush of the schedule's op list (`megatron_po.pipeline.simulator.simulate`) + the slowest stage's
   optimizer step (not overlapped with the next flush). Op costs per micro-batch of B = the calibration's

@@ -48,8 +48,8 @@ OPTIMIZERS = ("adamw", "muon")
 # The optimizer a method trains with in an optimizer's panel (PipeNAG is its own optimizer).
 ACTUAL_OPT = {"pipenag": "nag"}
 # Factors of 2 around examples/gpt_tiny.sh's 1e-3 (AdamW, Muon: its AdamW-equivalent lr) and bench/delay_robust.py's
-# NAG lr of 1.0; the middle value (index 2) also runs the calibrations.
-LR_GRID = {"adamw": [5e-4, 1e-3, 2e-3, 4e-3], "muon": [5e-4, 1e-3, 2e-3, 4e-3], "nag": [0.25, 0.5, 1.0, 2.0]}
+# NAG lr of 1.0 (Muon up to 8e-3: its first sweep put every run at 4e-3); index 2 also runs the calibrations.
+LR_GRID = {"adamw": [5e-4, 1e-3, 2e-3, 4e-3], "muon": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3], "nag": [0.25, 0.5, 1.0, 2.0]}
 OUT = os.path.join(cv.REPO, "bench", "results", "time_to_quality")
 
 

@@ -343,7 +343,9 @@ Command: `{s.command}`
 torch {torch.__version__}, {os.cpu_count()} CPU cores (shared with other sessions), {platform.platform()};
 load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f};
 wall time {elapsed / 60:.1f} min with {s.jobs} worker process(es) (runs reused from the cache with --resume
-count as 0); {n_runs} training runs in the tables; {time.strftime("%Y-%m-%d %H:%M:%S")}.
+count as 0); {n_runs} training runs in the tables, {study.get("train_seconds", 0) / 60:.0f} min of single-thread
+training in all (sweep included; runs of 2 workers at a load average near 2 when not reused);
+{time.strftime("%Y-%m-%d %H:%M:%S")}.
 
 ## Settings
 - Data and model: bench/convergence.py's GPT workload: {wl.describe()}. {wl.describe_model(None)}, untied
@@ -407,8 +409,9 @@ reference (stricter: it makes 2D times more updates than 1F1B at M = 2D) is show
   micro-batches end at 5.17-5.28 (lr 1e-3), 0.7 nat below the unigram loss; 1,024 micro-batches end at 4.50
   (M = 1, lr 1e-3) and 4.95 (M = 8, lr 2e-3; 5.24 at 4e-3); a 2,048-micro-batch run (M = 1, lr 2e-3) passes
   4.94 / 4.62 / 4.35 at 256 / 512 / 1,024 and ends at 4.15. 1,024 is the shortest power of two at which the
-  practical synchronous run (1F1B at M = 2D = 8) also ends about 1 nat below the unigram loss, not only
-  the equal-updates reference; each run costs about 40 s on one thread.
+  practical synchronous run (1F1B at M = 2D = 8) also ends about 1 nat below the unigram loss (0.98 for
+  that seed-1 run; 0.92 for the 3-seed AdamW mean in the tables, 1.65 with Muon), not only the
+  equal-updates reference (1.44 AdamW, 1.87 Muon); each run costs 35-55 s on one thread.
 - Simulated time, free communication, stages in parallel. Synchronous, M micro-batches of B per update: one
   flush of the schedule's op list (`megatron_po.pipeline.simulator.simulate`) + the slowest stage's
   optimizer step (not overlapped with the next flush). Op costs per micro-batch of B = the calibration's

@@ -182,7 +182,7 @@ def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]
                 return "–"
             r = val_ms(s, ref)
             return f"{v[0] - r[0]:+.3f}, {cv.compare(v, r, min(len(runs), len(ref)))}"
-        label = u.label if u.name == "sync" else f"{u.label}" + (f" ({u.opt})" if u.opt != o else "")
+        label = u.label  # (PipeNAG's label names its optimizer)
         table.append([str(D), cv.OPT_LABELS[o], label, f"{study['best'][u]:g}", str(s.steps // k),
                       f"{k * s.micro_batch}", cv.fmt(*v) + f" (n={len(runs)})", vs(ref1), vs(ref2)])
     return header, table

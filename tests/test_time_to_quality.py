@@ -1,0 +1,130 @@
+"""bench/time_to_quality.py end to end on a minuscule setting (its --quick CLI path, shrunk further to a
+2-layer model on a tiny generated corpus), so the study cannot silently rot: the lr sweep, the seeds at the
+best lr, the calibration, both verdict tables and the plot, and that every number in the tables comes
+from the runs (recomputed here from the run results), plus --resume reusing the cache without training."""
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ttq():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    spec = importlib.util.spec_from_file_location("bench_time_to_quality", os.path.join(REPO, "bench",
+                                                                                        "time_to_quality.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_corpus(path, num_docs=40):
+    words = ("the light and darkness was upon face of deep waters spirit god said let there be evening morning "
+             "day heaven earth seas grass herb seed fruit tree kind lights stars sun moon birds fish").split()
+    rng = random.Random(0)
+    with gzip.open(path, "wt") as f:
+        for d in range(num_docs):
+            sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))).capitalize() + "."
+                         for _ in range(rng.randint(8, 14))]
+            f.write(json.dumps({"id": f"doc {d}", "text": " ".join(sentences)}) + "\n")
+
+
+def cells(md: str, first: str) -> dict:
+    """{configuration/run column: cells} of the markdown rows whose first cell is `first`."""
+    out = {}
+    for line in md.splitlines():
+        parts = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(parts) > 3 and parts[0] == first:
+            out.setdefault(parts[2], []).append(parts)
+    return out
+
+
+def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
+    corpus = tmp_path / "corpus.jsonl.gz"
+    write_corpus(corpus)
+    s, grid = ttq.settings_from_args(["--quick", "--depths", "2", "--methods", "1f1b", "zb-h1", "pipedream",
+                                      "--jobs", "1", "--out", str(tmp_path / "out")])
+    assert grid["adamw"] == [1e-3, 2e-3] and s.seeds == 2 and s.optimizers == ["adamw"]
+    s = dataclasses.replace(s, corpus=str(corpus), num_layers=2, hidden_size=16, num_attention_heads=2,
+                            seq_length=16, micro_batch=2, vocab_size=120, split="90,10,0", steps=16,
+                            eval_interval=8, eval_batches=8, tail=4, warmup=2, check_updates=2)
+    out = ttq.run(s, grid, log=lambda *_: None)
+    md_path, png, js = out["paths"]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    md = open(md_path).read()
+    study = out["study"]
+    tr = ttq.tr
+    units = {(u.name, u.M): u for u in study["units"]}
+    # D = 2: the equal-updates sync run (M=1), the practical ones (M = 2D = 4, 4D = 8), PipeDream
+    assert set(units) == {("sync", 1), ("sync", 4), ("sync", 8), ("pipedream", 1)}
+    for u in study["units"]:
+        # sweep: seed 1 at every lr, each a finite final loss; best = the lowest; seeds 1..2 at the best
+        assert sorted(study["sweep"][u]) == grid["adamw"]
+        assert all(math.isfinite(v) for v in study["sweep"][u].values())
+        assert study["best"][u] == min(study["sweep"][u], key=study["sweep"][u].get)
+        runs = study["runs"][u]
+        assert [r["seed"] for r in runs] == [1, 2] and {r["lr"] for r in runs} == {study["best"][u]}
+        assert [p[0] for p in runs[0]["curve"]] == [8, 16]  # on the clock of micro-batches of B, whatever M
+        assert runs[0]["steps_taken"][0] == s.steps // (u.M if u.name == "sync" else 1)
+    # verdict 1 rows: the final loss column is the mean ± std of the runs' final validation losses
+    v1 = cells(md.split("## Verdict 1")[1].split("## Verdict 2")[0], "2")
+    for (name, M), u in units.items():
+        finals = [r["curve"][-1][1] for r in study["runs"][u]]
+        expected = f"{statistics.fmean(finals):.3f} ± {statistics.stdev(finals):.3f}"
+        assert v1[u.label][0][6].startswith(expected), (u.label, v1[u.label][0])
+    # verdict 2 rows: 1F1B and ZB-H1 at M = 4, 8 and PipeDream; T1 = 1F1B M=4's mean final loss
+    v2 = cells(md.split("## Verdict 2")[1].split("## The goal")[0], "2")
+    assert set(v2) == {"1F1B, M=4", "ZB-H1, M=4", "1F1B, M=8", "ZB-H1, M=8", "PipeDream, k=1"}
+    ref_runs = study["runs"][units[("sync", 4)]]
+    t1 = statistics.fmean(r["curve"][-1][1] for r in ref_runs)
+    assert f"({t1:.3f})" in md
+    rows = {r["label"]: r for r in ttq.ttq_report.configurations(s, study, 2, "adamw")}
+    ref = rows["1F1B, M=4"]
+    assert v2["1F1B, M=4"][0][7].startswith(f"{s.steps * ref['sec_per_mb']:.3g} ± 0")  # reaches T1 at its end
+    assert v2["1F1B, M=4"][0][-1] == "1.00x"
+    pd = rows["PipeDream, k=1"]
+    times = [ttq.ttq_report.time_to(r["curve"], t1, pd["sec_per_mb"]) for r in study["runs"][units[("pipedream", 1)]]]
+    if all(t is not None for t in times):
+        assert v2["PipeDream, k=1"][0][-1] == f"{s.steps * ref['sec_per_mb'] / statistics.fmean(times):.2f}x"
+    assert ref["tps"] > 0 and pd["tps"] > 0 and rows["ZB-H1, M=4"]["tps"] >= ref["tps"] * 0.999
+    assert "## The goal" in md and ("MET" in md)
+    saved = json.load(open(js))
+    assert len(saved["units"]) == 4 and saved["grid"]["adamw"] == grid["adamw"]
+
+    # --resume: the same study from the cache, no training
+    def no_training(*a, **k):
+        raise AssertionError("--resume retrained a finished run")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(tr.cv, "train_job", no_training)
+    monkey.setattr(tr.cv, "calibrate_job", no_training)
+    try:
+        again = ttq.run(dataclasses.replace(s, resume=True), grid, log=lambda *_: None)["study"]
+    finally:
+        monkey.undo()
+    assert again["best"] == study["best"] and again["sweep"] == study["sweep"]
+
+
+def test_time_to_target_interpolates_between_evaluations(ttq):
+    time_to = ttq.ttq_report.time_to
+    curve = [(8, 6.0), (16, 5.0), (24, 4.0)]
+    assert time_to(curve, 5.5, 2.0) == pytest.approx(24.0)  # halfway between mb 8 and 16, 2 s per mb
+    assert time_to(curve, 6.5, 2.0) == pytest.approx(16.0)  # already below at the first evaluation
+    assert time_to(curve, 3.9, 2.0) is None
+
+
+def test_bad_sizes_fail_with_one_line(ttq):
+    s, grid = ttq.settings_from_args(["--quick", "--depths", "4", "--steps", "72"])
+    with pytest.raises(SystemExit, match="multiples of M=8"):
+        ttq.tr.validate(s, grid)

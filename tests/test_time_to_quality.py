@@ -4,16 +4,15 @@ best lr, the calibration, both verdict tables and the plot, and that every numbe
 from the runs (recomputed here from the run results), plus --resume reusing the cache without training."""
 
 import dataclasses
-import gzip
 import importlib.util
 import json
 import math
 import os
-import random
 import statistics
 import sys
 
 import pytest
+from test_convergence_bench import write_corpus  # the same tiny generated corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,17 +26,6 @@ def ttq():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def write_corpus(path, num_docs=40):
-    words = ("the light and darkness was upon face of deep waters spirit god said let there be evening morning "
-             "day heaven earth seas grass herb seed fruit tree kind lights stars sun moon birds fish").split()
-    rng = random.Random(0)
-    with gzip.open(path, "wt") as f:
-        for d in range(num_docs):
-            sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))).capitalize() + "."
-                         for _ in range(rng.randint(8, 14))]
-            f.write(json.dumps({"id": f"doc {d}", "text": " ".join(sentences)}) + "\n")
 
 
 def cells(md: str, first: str) -> dict:

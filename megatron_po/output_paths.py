@@ -21,6 +21,7 @@ import tempfile
 import torch.distributed as dist
 
 from megatron_po.distributed import save_lock
+from megatron_po.distributed.agreement import agree
 from megatron_po.errors import UserError
 
 
@@ -66,19 +67,11 @@ def output_path_errors(cfg) -> list[str]:
     return [e for flag, path, probe in checks if path for e in [probe(flag, path)] if e]
 
 
-def _agree(error: str | None) -> str | None:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return error
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
-    return next((e for e in gathered if e), None)
-
-
 def prepare_outputs(cfg, log=print) -> None:
     """Collective: check every output path on every rank, then take the --save lock on rank 0; any
     problem raises the same one-line UserError on every rank. `log`: prints a stale-lock takeover."""
     errors = output_path_errors(cfg)
-    error = _agree(errors[0] if errors else None)
+    error, _ = agree(errors[0] if errors else None)
     if error is None and cfg.checkpoint.save:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if rank0:
@@ -88,7 +81,7 @@ def prepare_outputs(cfg, log=print) -> None:
                 error = str(e)
             except OSError as e:
                 error = f"--save {cfg.checkpoint.save}: cannot lock {save_lock.LOCK_NAME} there ({_describe(e)})"
-        error = _agree(error)
+        error, _ = agree(error)
         if error is not None and rank0:
             save_lock.release(cfg.checkpoint.save)  # not ours to keep when another rank failed
     if error is not None:

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
+from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint, has_manifest, verify_share
 from megatron_po.errors import SaveError, UserError
 
@@ -452,7 +453,7 @@ class _SaveGuard:
         return True
 
     def agree(self) -> None:
-        error, _ = _agree(self.error)
+        error, _ = agree(self.error)
         if error is None:
             return
         if dist.get_rank() == 0:
@@ -571,16 +572,6 @@ def read_metadata(path: str):
     return md
 
 
-def _agree(error: str | None, payload=None) -> tuple[str | None, list]:
-    """All-gather (error, payload) over every rank: returns the first rank's error (or None) and
-    every rank's payload, so all ranks take the same decision."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return error, [payload]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (error, payload))
-    return next((e for e, _ in gathered if e), None), [p for _, p in gathered]
-
-
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
 # so their row count may change with the layout. Loading re-pads them (rows beyond the tokenizer's
 # vocabulary are never produced as inputs or labels; new ones start at zero).
@@ -633,7 +624,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             error = verify_share(path, dist.get_rank(), dist.get_world_size())
     except UserError as e:
         error = str(e)
-    error, _ = _agree(error)
+    error, _ = agree(error)
     if error:
         raise UserError(error)
     if verify and dist.get_rank() == 0 and not has_manifest(path):
@@ -655,14 +646,14 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
 
     # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
     misfit = _check_fits(md, names, stepped, load_optim, extra.get("vocab_size"))
-    error, all_names = _agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names])
+    error, all_names = agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names])
     if error is None and dist.get_rank() == 0:
         ours = {n for rank_names in all_names for n in rank_names}
         extra_params = sorted(k[len("model."):] for k in meta if k.startswith("model.") and k[len("model."):] not in ours)
         if extra_params:
             error = (f"{where}: the checkpoint has parameter {extra_params[0]} that this model lacks "
                      f"({len(extra_params)} such; saved from another model configuration?)")
-    error, _ = _agree(error)
+    error, _ = agree(error)
     if error:
         raise UserError(error)
 

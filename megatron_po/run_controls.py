@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.optim.clip_grads import counts_toward_norm
+from megatron_po.run_rules import any_rank
 
 
 class RunControls:
@@ -80,9 +81,7 @@ class RunControls:
         limit = self.t.exit_duration_in_mins
         if limit is None:
             return False
-        up = torch.tensor([float((time.time() - self.start) / 60.0 > limit)], device=ps.get_device())
-        dist.all_reduce(up, op=dist.ReduceOp.MAX)
-        return bool(up.item() > 0)
+        return any_rank((time.time() - self.start) / 60.0 > limit)
 
     def close(self) -> None:
         if self.profiler is not None:

@@ -17,6 +17,11 @@ class DataError(UserError):
     """A missing, corrupt or inconsistent data file (index, binary, tokenizer model)."""
 
 
+class RankError(UserError):
+    """A stop that only this rank sees (the others are stopped through the watchdog): printed here, not
+    only on rank 0 as errors every rank raises alike are."""
+
+
 def run_cli(body, *args) -> int:
     """Run a command-line tool's body: bad input prints one `error: ...` line to stderr and gives exit
     code 2; anything else is a bug and keeps its traceback."""

@@ -1,5 +1,5 @@
 """Machine translation as a workload of the training loop (pretrain_nmt.py): the encoder-decoder model,
-parallel-corpus micro-batches and validation BLEU, behind the interface of `training.GPTWorkload`.
+parallel-corpus micro-batches and validation BLEU, behind the interface of `gpt_workload.GPTWorkload`.
 
 Data: `--data-path PREFIX` from tools/preprocess_nmt.py, read as `PREFIX_<split>_<src-lang|tgt-lang>`
 (data/nmt_dataset.py). Micro-batches are length buckets of at most --micro-batch-size sentences and, with
@@ -99,7 +99,7 @@ class NMTWorkload:
 
     def flops_per_iteration(self, gbs: int) -> float:
         """Model FLOPs of an average iteration: its sentences times the FLOPs of a pair of mean lengths."""
-        from megatron_po.training import nmt_flops_per_sample
+        from megatron_po.flops import nmt_flops_per_sample
         m, n = self.cfg.model, self.cfg.nmt
         pairs = len(self.train.corpus)
         src, tgt = (float(x) * len(self.train) / pairs for x in self.train.mean_tokens())  # mean lengths

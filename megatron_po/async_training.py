@@ -1,0 +1,136 @@
+"""Asynchronous training: this rank of the pipeline (`build_async_engine`) and the loop that streams
+micro-batches through it without a flush, draining only at the next evaluation (unless the workload
+evaluates inside the stream), checkpoint, exit or the end of training (`next_boundary`). See
+docs ASYNC_PIPELINES.md and pipeline/async_pipeline.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import Config, global_batch_size, num_microbatches, update_interval
+from megatron_po.errors import RankError
+from megatron_po.gpt_workload import GPTWorkload
+from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.periodic_work import PeriodicWork
+from megatron_po.run_controls import RunControls
+from megatron_po.run_rules import SkipGuard, loss_is_nonfinite
+from megatron_po.training_log import Progress
+from megatron_po.training_step import Trainable, TrainState, average_over_dp, last_checkpoint
+
+
+ASYNC_SEGMENT_ITERATIONS = 1000  # the longest asynchronous segment without --async-drain-interval
+
+
+def next_boundary(iteration: int, cfg: Config, eval_drains: bool = False) -> int:
+    """The next iteration after which an asynchronous pipeline must drain: checkpoint, exit or the end
+    of training (and evaluation when `eval_drains`; otherwise it runs inside the stream)."""
+    t, ck = cfg.training, cfg.checkpoint
+    # --async-drain-interval fixes the drains whether or not a run saves (its saves fall on drains);
+    # without it every save drains, and so does every ASYNC_SEGMENT_ITERATIONS-th iteration (a segment's
+    # op lists are built whole: this bounds them, independently of --eval-interval).
+    drains = [cfg.parallel.async_drain_interval] if cfg.parallel.async_drain_interval else \
+        ([ck.save_interval] if ck.save and ck.save_interval else []) + [ASYNC_SEGMENT_ITERATIONS]
+    intervals = ([t.eval_interval] if eval_drains else []) + drains \
+        + ([t.exit_interval] if t.exit_interval else [])
+    return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
+
+
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None,
+                       schedule: SampleSchedule | None = None):
+    """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
+    batches), so warm-up and decay span the same samples as in synchronous training although a stage
+    steps `microbatches_per_iteration / k` times per iteration."""
+    from megatron_po.pipeline.async_pipeline import AsyncPipelineRank, optimizer_kwargs_from_config
+    p, t = cfg.parallel, cfg.training
+    k = update_interval(cfg)
+    schedule = schedule or SampleSchedule(cfg, dist.get_world_size())
+    steps_per_iteration = microbatches_per_iteration // k
+    kwargs = optimizer_kwargs_from_config(t)
+    if t.optimizer == "sgd":
+        kwargs["sgd_direction"] = p.pipeoptim_sgd_direction
+    options = {}
+    if p.pipeline_method == "pipeoptim":
+        options = dict(s_offset=p.pipeoptim_s_offset, include_weight_decay=p.pipeoptim_extrapolate_weight_decay,
+                       weight_predictor=p.weight_predictor, prediction_horizon=p.prediction_horizon,
+                       rollout_gradient=p.rollout_gradient)
+    if p.pipeline_method in ("pipedream", "pipeoptim"):
+        options.update(delay_compensation=p.delay_compensation_lambda,
+                       delay_compensation_adaptive=p.delay_compensation_adaptive)
+    options["staleness_lr_scaling"] = p.staleness_lr_scaling
+    options["error_feedback"] = p.async_error_feedback
+    workload = workload or GPTWorkload(cfg)
+    return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
+                             lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), clip_grad=t.clip_grad,
+                             message_specs=workload.message_specs(t.micro_batch_size),
+                             build_chunks=workload.chunks_for_rank, **options)
+
+
+
+def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainState, train_ds, schedule: SampleSchedule,
+                       progress: Progress, controls: RunControls, guard: SkipGuard, periodic: PeriodicWork) -> None:
+    """Micro-batches stream without a flush; the pipeline drains only at the next evaluation, checkpoint,
+    exit or the end of training (segment boundaries)."""
+    t, ck = cfg.training, cfg.checkpoint
+    engine = model.engine
+    world = dist.get_world_size()
+    gbs, num_mb, mbs = global_batch_size(cfg, world), num_microbatches(cfg, world), t.micro_batch_size
+
+    def batch_of(mb: int) -> dict:
+        """Micro-batch `mb` of the stream is micro-batch mb % M of global batch mb // M (same data
+        order as synchronous training)."""
+        g, m = divmod(mb, num_mb)
+        return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
+
+    pending: dict[int, list] = {}
+    skipped_steps_seen = 0  # the loss stage's skipped steps already reported
+    check_nan = t.check_for_nan_in_loss_and_grad and not cfg.precision.fp16  # fp16: the loss scaler skips
+
+    def on_loss(mb: int, loss: torch.Tensor) -> None:
+        nonlocal skipped_steps_seen
+        g = mb // num_mb
+        if check_nan and not torch.isfinite(loss).all():  # before its backward
+            raise RankError(f"lm loss is {float(loss)} at iteration {g + 1} (micro-batch {mb}) on "
+                            f"{ps.describe_rank(dist.get_rank())}: stopped before its backward; "
+                            f"{last_checkpoint(ck.save)}")
+        pending.setdefault(g, []).append(loss)
+        if len(pending[g]) == num_mb:
+            mean = torch.stack(pending.pop(g)).mean()
+            stage = engine.stage
+            last_norm = next((n for n in reversed(stage.grad_norms) if n is not None), float("nan"))
+            # Steps are stage-local here: the iteration counts as skipped when this (the loss) stage
+            # skipped a step for inf/NaN gradients since the last one; fp16 logs this stage's scale.
+            skipped = sum(stage.skipped_steps)
+            skipped_now = skipped > skipped_steps_seen
+            if skipped_now:
+                last_norm, skipped_steps_seen = None, skipped
+            scale = stage.optimizers[stage.loss_chunk].get_loss_scale() if cfg.precision.fp16 else None
+            guard.after_iteration(g + 1, max(stage.consecutive_skipped), skipped_now, scale,
+                                  loss_is_nonfinite(mean), lambda: last_checkpoint(ck.save), RankError,
+                                  ps.describe_rank(dist.get_rank()))
+            progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
+
+    in_stream = getattr(workload, "eval_in_stream", False)  # else (NMT BLEU decoding) drain to evaluate
+
+    def evaluate_in_stream(it: int):
+        def run():  # on every rank at its cut after iteration `it`: no training op moves
+            with progress.excluded():
+                val = periodic.evaluate()
+                if val is not None:
+                    progress.log_validation(it, val)
+        return run
+
+    while state.iteration < t.train_iters:
+        stop = next_boundary(state.iteration, cfg, eval_drains=not in_stream)
+        controls.before_iteration(state.iteration + 1, last=stop)  # --profile: the segment holding its start
+        evaluations = {it * num_mb: evaluate_in_stream(it) for it in range(state.iteration + 1, stop + 1)
+                       if in_stream and periodic.eval_due(it)}
+        engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss,
+                             evaluations=evaluations)
+        state.consumed_samples += (stop - state.iteration) * gbs
+        state.iteration = stop
+        controls.after_iteration(state.iteration)
+        stop = periodic(collect=True, evaluated=in_stream)  # every segment ends at a drain
+        if stop:
+            break

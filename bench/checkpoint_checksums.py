@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     from megatron_po.config import parse_args
     from megatron_po.distributed import checkpoint as ck
     from megatron_po.tensor_parallel import pad_vocab_size
-    from megatron_po.training import build_model_chunks
+    from megatron_po.gpt_workload import build_model_chunks
     torch.set_num_threads(1)
     start_load = load_average()
     ps.init_distributed(10.0)

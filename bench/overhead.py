@@ -5,7 +5,7 @@ Prints, measured in the same run:
      grad-norm clipping) over the step time of a plain PyTorch loop on the same architecture
      (nn.Linear / nn.LayerNorm / F.scaled_dot_product_attention / torch.optim.AdamW(foreach)),
      target <= 1.05x;
-  2. the model FLOP/s of our step (Megatron's FLOPs formula, see training.gpt_flops_per_token) over
+  2. the model FLOP/s of our step (Megatron's FLOPs formula, see flops.gpt_flops_per_token) over
      this machine's measured fp32 matmul peak, target >= 50% at hidden 512, seq 512.
 
     python bench/overhead.py [--hidden 512 --seq 512 --layers 4 --batch 4 --steps 6]
@@ -28,10 +28,11 @@ from torch import nn  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import Config, ModelConfig  # noqa: E402
 from megatron_po.distributed.ddp import DistributedDataParallel  # noqa: E402
+from megatron_po.flops import gpt_flops_per_token  # noqa: E402
 from megatron_po.models.gpt import GPTModel  # noqa: E402
 from megatron_po.optim import build_optimizer, param_groups  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
-from megatron_po.training import gpt_flops_per_token, train_step  # noqa: E402
+from megatron_po.training_step import train_step  # noqa: E402
 
 
 # ---- the plain PyTorch baseline (nanoGPT-style, same math) ------------------------------------------

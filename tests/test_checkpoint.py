@@ -131,7 +131,8 @@ def load_and_resave(argv, src, step, dst):
     from megatron_po.distributed.checkpoint import load_checkpoint, save_checkpoint
     from megatron_po.distributed.ddp import DistributedDataParallel
     from megatron_po.tensor_parallel import pad_vocab_size
-    from megatron_po.training import build_model_chunks, build_optimizer_for
+    from megatron_po.gpt_workload import build_model_chunks
+    from megatron_po.training_setup import build_optimizer_for
     cfg = parse_args(argv)
     p = cfg.parallel
     ps.destroy_model_parallel()

@@ -1,4 +1,4 @@
-"""The documented FLOPs formulas (training.gpt_flops_per_token, training.nmt_flops_per_sample) equal what
+"""The documented FLOPs formulas (flops.gpt_flops_per_token, flops.nmt_flops_per_sample) equal what
 torch's FLOP counter measures for one forward + backward, exactly.
 
 The counter counts matmuls only (2 FLOPs per multiply-add; norms, softmax, GELU and embedding lookups
@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_po.config import Config, ModelConfig
 from megatron_po.models.gpt import GPTModel
-from megatron_po.training import gpt_flops_per_token, nmt_flops_per_sample
+from megatron_po.flops import gpt_flops_per_token, nmt_flops_per_sample
 
 
 def measured_training_flops(run) -> int:

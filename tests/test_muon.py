@@ -272,7 +272,7 @@ def test_distributed_optimizer_tp2_dp2_equals_unsharded():
 
 def test_flags_reach_the_optimizer():
     from megatron_po.config import parse_args
-    from megatron_po.training import build_optimizer_for
+    from megatron_po.training_setup import build_optimizer_for
     cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--optimizer", "muon",
                       "--muon-momentum", "0.9", "--no-muon-use-nesterov", "--muon-num-ns-steps", "3",
                       "--muon-scale-mode", "shape_scaling", "--muon-extra-scale-factor", "1.0", "--adam-beta1", "0.8"])

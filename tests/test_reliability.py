@@ -332,7 +332,7 @@ def test_same_seed_and_layout_give_bit_identical_losses(tmp_path, layout):
 
 
 def test_metrics_file_keeps_what_a_resume_does_not_redo(tmp_path):
-    from megatron_po.training import truncate_metrics
+    from megatron_po.training_log import truncate_metrics
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"iteration": i, "lm_loss": 1.0 / i}) + "\n" for i in range(1, 8))
                     + '{"iteration": 8, "lm_lo')  # torn by the kill

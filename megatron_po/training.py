@@ -55,13 +55,14 @@ def pretrain(cfg: Config, workload=None) -> dict:
     periodic = PeriodicWork(cfg, workload, model, state, progress, controls, valid_ds)  # eval, save, exit
     guard = SkipGuard(cfg)  # --max-skipped-steps; fp16: a NaN loss at the loss scale's floor stops the run
 
+    # The loop: the step, the bookkeeping, then the periodic work
     if model.engine is not None:  # asynchronous: micro-batches stream; the pipeline drains for the periodic work
         train_asynchronous(cfg, workload, model, state, train_ds, schedule, progress, controls, guard, periodic)
     else:  # synchronous: one global batch per iteration, a flush and a step at its end
         while state.iteration < cfg.training.train_iters:
             controls.before_iteration(state.iteration + 1)
             loss, grad_norm, lr = synchronous_iteration(cfg, workload, model, schedule, state, train_ds, guard)
-            state.advance(schedule)
+            state.advance(schedule)  # iteration + 1, its samples consumed
             logged = progress.logs(state.iteration)
             metrics = replica_metrics(cfg, model.ddp.params) if logged else {}  # --log-params-norm, ...
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss(cfg) else None, lr,

@@ -61,41 +61,8 @@ def blocks(text: str) -> list[dict]:
     return out
 
 
-def prose(text: str) -> str:
-    """The text outside fenced blocks and inline code spans (where brackets are not links)."""
-    kept, inside = [], None
-    for line in text.split("\n"):
-        m = FENCE.match(line)
-        if inside is None and m:
-            inside = m.group(1)
-        elif inside is not None and line.startswith(inside):
-            inside = None
-        elif inside is None:
-            kept.append(re.sub(r"(`+).*?\1", "", line))
-    return "\n".join(kept)
-
-
-def links(text: str) -> list[str]:
-    return LINK.findall(prose(text))
-
-
-def anchors(text: str) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to '-', '-N' for repeats."""
-    seen: dict[str, int] = {}
-    out = set()
-    for line in prose_with_code_spans(text).split("\n"):
-        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if not m:
-            continue
-        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
-        n = seen.get(slug, 0)
-        seen[slug] = n + 1
-        out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
-
-
-def prose_with_code_spans(text: str) -> str:
-    """The text outside fenced blocks, inline code kept (headings may hold code)."""
+def outside_fences(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
     kept, inside = [], None
     for line in text.split("\n"):
         m = FENCE.match(line)
@@ -105,7 +72,27 @@ def prose_with_code_spans(text: str) -> str:
             inside = None
         elif inside is None:
             kept.append(line)
-    return "\n".join(kept)
+    return kept
+
+
+def links(text: str) -> list[str]:
+    """Link and image targets, outside fenced blocks and inline code spans (where brackets are not links)."""
+    return LINK.findall("\n".join(re.sub(r"(`+).*?\1", "", line) for line in outside_fences(text)))
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to '-', '-N' for repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in outside_fences(text):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
 
 
 def test_readme_is_a_front_page():

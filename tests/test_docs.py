@@ -2,7 +2,7 @@
 
 - README.md has at most 250 lines and links every docs/*.md page;
 - every relative link (and image) in README.md and docs/*.md points at an existing file, and an anchor
-  (`page.md#section`) at an existing heading of that page;
+  (`page.md#section`) at an existing heading of that page; every repository path they cite exists;
 - a fenced ```bash block preceded by the line `<!-- runnable -->` is run as written, from the root of a
   scratch copy of the checkout (symlinks, so the `runs/` it writes is thrown away), with `python` the
   interpreter running this test; it must exit 0. All other blocks are examples only (docs/getting_started.md
@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import resource
@@ -119,6 +120,17 @@ def test_relative_links_resolve():
             elif anchor and dest.endswith(".md") and anchor not in anchors(read(dest)):
                 broken.append(f"{rel(page)}: {target} (no heading #{anchor} in {rel(dest)})")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+PATH_CITED = re.compile(r"(?<![\w/.$-])((?:megatron_po|bench|tools|tests|examples|scripts)/[\w./*-]*[\w*])")
+
+
+def test_cited_paths_exist():
+    """Repository paths the manual names (`megatron_po/...`, `bench/...`, `tools/...`, ...; globs allowed) exist,
+    so moving or splitting a module shows which pages to update."""
+    missing = sorted({f"{rel(page)}: {path}" for page in pages() for path in PATH_CITED.findall(read(page))
+                      if not glob.glob(os.path.join(ROOT, path))})
+    assert not missing, "paths cited in the docs that do not exist:\n" + "\n".join(missing)
 
 
 def test_markers_precede_bash_blocks():

@@ -153,9 +153,6 @@ def read_metadata(path: str):
     return md
 
 
-# Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
-
-
 def _split_ranges(state: dict) -> tuple[dict, dict]:
     """(the state DCP takes as is, the `FlatRange` entries its planners must handle)."""
     ranges = {k: v for k, v in state.items() if isinstance(v, FlatRange)}

@@ -30,6 +30,7 @@ from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_op
                                                       parallel_layout, stepped_params)
 from megatron_po.errors import UserError
 
+# Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
 # so their row count may change with the layout. Loading re-pads them (rows beyond the tokenizer's
 # vocabulary are never produced as inputs or labels; new ones start at zero).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight",

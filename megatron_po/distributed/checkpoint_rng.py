@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+
 def rng_state() -> dict:
     import random
 

@@ -8,8 +8,9 @@ one, which needs it back), and a circle that exists only at call time still ties
 together; issue 20's own example, config.py -> models/te_transformer.py -> models/te_layout.py ->
 config.py, closes through a function-level import. Imports under `if TYPE_CHECKING:` would count too
 (there are none). An edge goes to the most specific module the statement names: `from a.b import c`
-is an edge to `a.b.c` when that is a module, else to `a.b` (the package's `__init__.py`); parent packages
-a statement imports on the way are not edges (their `__init__` files import nothing that points back).
+is an edge to `a.b.c` when that is a module, else to `a.b` (the package's `__init__.py`); the parent
+packages Python initialises on the way are not edges (else every submodule of a package whose
+`__init__.py` re-exports its submodules, like optim/ and tensor_parallel/, would sit in a circle).
 Only edges between modules of `megatron_po/` are kept.
 
 Size: no `.py` file under `megatron_po/`, `bench/` or `tools/` over MAX_LINES lines.

@@ -16,6 +16,12 @@ def _copies_str(copies: list[int]) -> str:
     return f"{max(copies)} (" + "/".join(str(c) for c in copies) + ")"
 
 
+def _opponents(rows: dict, D: int, o: str) -> list[tuple[str, dict]]:
+    """(method, row) of every other asynchronous method that ran at (D, optimizer), PipeOptim's comparisons."""
+    return [(m, rows[(D, o, m)]) for m in ("pipedream", "pipedream-2bw", "spectrain", "async-naive")
+            if (D, o, m) in rows]
+
+
 def main_table(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]]:
     header = ["D", "optimizer", "method", "updates", "samples/update", "final train loss", "final val loss",
               "val gap to 1F1B", "tokens/s (sim.)", "weight copies/stage: max (r0/…/rD-1)", "val vs 1F1B"]
@@ -56,10 +62,7 @@ def head_to_head(s: Settings, summary: dict) -> tuple[list[str], list[list[str]]
             po = rows.get((D, o, "pipeoptim"))
             if po is None:
                 continue
-            for m in ("pipedream", "pipedream-2bw", "spectrain", "async-naive"):
-                other = rows.get((D, o, m))
-                if other is None:
-                    continue
+            for m, other in _opponents(rows, D, o):
                 delta = po["val_ms"][0] - other["val_ms"][0]
                 spread = po["val_ms"][1] + other["val_ms"][1]
                 common = [sd for sd in po["seeds"] if sd in other["seeds"]]
@@ -134,10 +137,7 @@ def verdict_paragraph(s: Settings, summary: dict) -> str:
             po, parts = rows.get((D, o, "pipeoptim")), []
             if po is None:
                 continue
-            for m in ("pipedream", "pipedream-2bw", "spectrain", "async-naive"):
-                other = rows.get((D, o, m))
-                if other is None:
-                    continue
+            for m, other in _opponents(rows, D, o):
                 v = compare(po["val_ms"], other["val_ms"], min(len(po["seeds"]), len(other["seeds"])))
                 word = {"better (real)": "beats", "worse (real)": "loses to",
                         "one seed: no spread": "cannot be judged (one seed) against"}.get(

@@ -248,7 +248,8 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
                      " / ".join(str(peak[r]) for r in range(D))])
         print("  ", rows[-1], f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]", flush=True)
     if with_async:
-        from schedules import median as _median, synthetic_async  # bench/schedules.py's async measurement
+        from bench_common import median as _median
+        from schedules_runs import synthetic_async  # bench/schedules.py's async measurement
         per_rank = run_distributed(synthetic_async, D, pp=D, timeout=TIMEOUT,
                                    args=(M, t_f, t_b + t_w, mbs, warmup, reps))
         got = _median(per_rank[-1][0]["pipeoptim"])

@@ -68,7 +68,8 @@ def load_at_start() -> str:
 def load_at_end(started: float) -> str:
     """The closing line: load now and minutes since `started` (a perf_counter value)."""
     one, five, _ = loadavg()
-    return f"load average at end {one:.2f} (1 min) / {five:.2f} (5 min); {(time.perf_counter() - started) / 60:.1f} minutes"
+    minutes = (time.perf_counter() - started) / 60
+    return f"load average at end {one:.2f} (1 min) / {five:.2f} (5 min); {minutes:.1f} minutes"
 
 
 def now() -> str:

@@ -69,8 +69,9 @@ from convergence_measure import (HOOKS, _async_op_costs, _median, _op_costs, _pe
                                  _stage_costs, _time_runners, _timed, _timed_hook, async_tokens_per_s,
                                  sync_tokens_per_s)
 from convergence_plots import _smooth, fit_ylim, plot, plot_predictors  # noqa: E402,F401
-from convergence_report import (_copies_str, head_to_head, main_table, markdown_table, moonshot_lines,  # noqa: E402,F401
-                                notes, predictor_section, predictor_table, verdict_paragraph, write_report)
+from convergence_report import (_copies_str, head_to_head, main_table, markdown_table,  # noqa: E402,F401
+                                moonshot_lines, notes, predictor_section, predictor_table, verdict_paragraph,
+                                write_report)
 from convergence_runs import (SyncPipeline, _job_key, _optimizer_kwargs, _print, _run_job,  # noqa: E402,F401
                               _training_config, calibrate_job, method_spec, plan_jobs, run_jobs, train_job)
 from convergence_settings import (ALL_METHODS, ASYNC_METHODS, COLORS, CORPUS, LABELS, MUON_NOTE,  # noqa: E402,F401

@@ -126,7 +126,7 @@ def synthetic_section(args, emit, t_p2p: float, summary: dict, started: float) -
                 print("  ", row, f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]",
                       flush=True)
     emit(markdown_table(["M", "schedule", "bound", "bound p2p", "bound cal", "bound run", "overshoot ms f / b", "ours",
-                "ours/bound p2p", "ours/bound run", "ours, header", "torch", "ours/torch"], rows))
+                         "ours/bound p2p", "ours/bound run", "ours, header", "torch", "ours/torch"], rows))
     emit()
     if breakdowns:
         M = max(breakdowns)
@@ -179,8 +179,8 @@ def gpt_sync_section(args, emit) -> None:
                      f"{tokens / ms['torch']:,.0f}", f"{ms['torch'] / ms['ours']:.3f}x",
                      f"{ms['ours'] * 1e3:.0f} / {ms['header'] * 1e3:.0f} / {ms['torch'] * 1e3:.0f}"])
         print("  ", rows[-1], flush=True)
-    emit(markdown_table(["schedule", "ours tokens/s", "ours, header tokens/s", "torch.pipelining tokens/s", "ours/torch",
-                "iteration ms ours / header / torch"], rows))
+    emit(markdown_table(["schedule", "ours tokens/s", "ours, header tokens/s", "torch.pipelining tokens/s",
+                         "ours/torch", "iteration ms ours / header / torch"], rows))
     emit()
 
 
@@ -288,7 +288,7 @@ def gpt_async_section(args, emit, summary: dict, started: float) -> None:
                              f"{fallback * 100:.1f}%"])
                 print("  ", rows[-1], flush=True)
     emit(markdown_table(["layers", "micro-batch", "rank", "params", "fwd+bwd ms", "step ms", "predict / restore ms",
-                "policy ms", "share", "copy fallback: predict / restore ms", "fallback share"], rows))
+                         "policy ms", "share", "copy fallback: predict / restore ms", "fallback share"], rows))
     emit()
     # Weight copies at a deeper pipeline: a count, not a timing, so oversubscribing the cores is harmless.
     C = args.copies_pp
@@ -298,7 +298,7 @@ def gpt_async_section(args, emit, summary: dict, started: float) -> None:
          f"`AsyncPipelineRank.copies_per_chunk()`: the most full copies held at once, live weights included):")
     emit()
     emit(markdown_table(["rank r"] + methods + ["D - r"],
-               [[r] + [res[r][2][m][0] for m in methods] + [C - r] for r in range(C)]))
+                        [[r] + [res[r][2][m][0] for m in methods] + [C - r] for r in range(C)]))
     emit()
     summary["copies"] = {m: [res[r][2][m][0] for r in range(C)] for m in methods}
 

@@ -3,9 +3,12 @@ modules (settings, workloads, runs, measure, stats, report, plots; stages, measu
 bench/bench_common.py. Checks that no bench module grows past 600 lines again, that bench/'s own modules
 import one another without a circle, and that every name other scripts take from a benchmark module
 (`cv.<name>` after `import convergence as cv`, `from schedules_runs import ...`) is still defined there,
-since those scripts (bench/ttq_run.py, ttq_report.py, delay_robust.py, ...) are only run by hand."""
+since those scripts (bench/ttq_run.py, ttq_report.py, delay_robust.py, ...) are only run by hand. A script
+that overrides a function for the jobs must do it in the module that calls it: rebinding a name that
+convergence.py only re-exports would not reach the jobs."""
 
 import ast
+import dataclasses
 import importlib
 import os
 import re
@@ -79,3 +82,50 @@ def test_names_other_scripts_take_from_bench_modules_exist(monkeypatch):
         missing = sorted(n for n in names if not hasattr(mod, n))
         assert missing == [], f"bench/{module}.py lacks {missing}"
     sys.modules.pop("convergence", None)  # loaded by name here; the other tests load it by path
+
+
+def test_no_script_rebinds_a_re_exported_name(monkeypatch):
+    """`cv.f = ...` on a name convergence.py imports from convergence_runs would leave the jobs calling the
+    original: overrides belong in the defining module."""
+    monkeypatch.syspath_prepend(BENCH)
+    modules = bench_modules()
+    for name, path in modules.items():
+        text = open(path).read()
+        aliases = {alias: module for module, alias in re.findall(r"^\s*import (\w+) as (\w+)", text, re.M)
+                   if module in modules}
+        for node in ast.walk(ast.parse(text)):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id in aliases:
+                    module = importlib.import_module(aliases[target.value.id])
+                    defined_in = getattr(getattr(module, target.attr, None), "__module__", module.__name__)
+                    assert defined_in == module.__name__, (
+                        f"bench/{name}.py:{node.lineno} rebinds {module.__name__}.{target.attr}, defined in "
+                        f"{defined_in}: override it there")
+    sys.modules.pop("convergence", None)
+
+
+def test_delay_robust_optimizer_override_reaches_the_jobs(monkeypatch):
+    """delay_robust.train adds optimizer kwargs (NAdamW's beta1 ...) for one run: the jobs must see them
+    (they read convergence_runs._optimizer_kwargs) and the original must be back afterwards."""
+    monkeypatch.syspath_prepend(BENCH)
+    import convergence
+    import convergence_runs
+    import delay_robust
+    original = convergence_runs._optimizer_kwargs
+    seen = {}
+
+    def fake_train_job(s, D, optimizer, method, seed):  # what train_job would hand its optimizer
+        seen.update(convergence_runs._optimizer_kwargs(s, optimizer))
+        return {}
+
+    monkeypatch.setattr(convergence, "train_job", fake_train_job)
+    monkeypatch.setattr(convergence, "PREDICTOR_VARIANTS", dict(convergence.PREDICTOR_VARIANTS))
+    monkeypatch.setattr(convergence, "LABELS", dict(convergence.LABELS))
+    s = convergence.Settings(steps=64)
+    s = dataclasses.replace(s, lr={**s.lr, "nadamw": 1e-3})
+    delay_robust.train(s, "recipe", 1)
+    assert seen == {"lr": 1e-3, "weight_decay": s.weight_decay, "sgd_momentum": s.sgd_momentum, "adam_beta1": 0.99}
+    assert convergence_runs._optimizer_kwargs is original
+    sys.modules.pop("convergence", None)

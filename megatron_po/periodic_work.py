@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po.config import Config, global_batch_size, num_microbatches
-from megatron_po.distributed.checkpoint import save_checkpoint
+from megatron_po.distributed.checkpoint_save import save_checkpoint
 from megatron_po.run_controls import RunControls
 from megatron_po.training_log import Progress, print_rank0
 from megatron_po.training_step import Trainable, TrainState, average_over_dp, evaluate, holds_loss

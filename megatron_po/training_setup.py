@@ -12,7 +12,8 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.async_training import build_async_engine
 from megatron_po.config import Config, is_async, num_microbatches, validate, virtual_pipeline_size
-from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint
+from megatron_po.distributed.checkpoint_format import find_checkpoint
+from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import UserError
 from megatron_po.optim import build_optimizer
@@ -40,7 +41,7 @@ def apply_checkpoint_args(cfg: Config) -> Config:
     import copy
     import dataclasses as dc
 
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     ck = cfg.checkpoint
     if not os.path.isdir(ck.load) or find_checkpoint(ck.load, ck.ckpt_step) is None:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size
-from megatron_po.distributed.checkpoint import find_checkpoint
+from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import UserError

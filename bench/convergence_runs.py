@@ -74,7 +74,7 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int) -> di
 class SyncPipeline:
     """GPipe or 1F1B through its real op list: each update runs M = D micro-batches of B/D samples
     (`emulate` + `StageRunner`, gradients accumulated over the flush), clips by the global norm and steps
-    every stage: the semantics of `synchronous_forward_backward` + `training.train_step`."""
+    every stage: the semantics of `synchronous_forward_backward` + `training_step.train_step`."""
 
     def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
         from megatron_po.optim import build_optimizer

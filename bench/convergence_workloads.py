@@ -98,7 +98,7 @@ class GPTWorkload:
 
     def train_batch(self, seed: int):
         ds, B = self._train_dataset(seed), self.s.micro_batch
-        # Modulo the length, as training.microbatches does (the calibration may stream past `steps`).
+        # Modulo the length, as gpt_workload.microbatches does (the calibration may stream past `steps`).
         return lambda mb: self._stack([ds[i % len(ds)] for i in range(mb * B, (mb + 1) * B)])
 
     def valid_batches(self):

@@ -32,6 +32,7 @@ from megatron_po.run_rules import SkipGuard, any_rank, loss_is_nonfinite
 
 @dataclass
 class TrainState:
+    """Where training stands (checkpointed as `train_state`): iterations done, samples consumed."""
     iteration: int = 0
     consumed_samples: int = 0
 

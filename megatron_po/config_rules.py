@@ -1,92 +1,29 @@
 """Every cross-flag rule of the config, as data, and `validate`, which walks them.
 
-`RULES` is one ordered table. A `Rule(name, holds, message, when)` is broken when `when` (None: always)
-and not `holds`; its message is the one error line (flags and the rule). A `Check(name, find)` is a rule
-that needs code to find its error line (the data-path parser, the tokenizer's needs, Transformer Engine's
-import); `find` returns the line or None. `validate` raises a ConfigError for the first broken rule, so the
-table's order decides which line a config that breaks several rules gets (size rules before the rules that
-divide by those sizes). The error carries the rule's `name`, which names its row in
+`RULES` is one ordered table of `Rule`s and `Check`s (config_check.py: a rule is a condition, where it
+applies and its one error line; a check is a rule that needs code to find its line: the data-path parser,
+the tokenizer's needs, Transformer Engine's import). `validate` raises a ConfigError for the first broken
+rule, so the table's order decides which line a config that breaks several rules gets (size rules before
+the rules that divide by those sizes). The error carries the rule's `name`, which names its row in
 tests/test_config_rules.py: that test reads this table and fails when a rule has no row.
 
-The module sits above config.py (the tree and its derived values) and above models/ (Transformer Engine's
-import check), so config.py imports nothing from models/.
+The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`). This
+module sits above config.py (the tree and its derived values) and models/, so config.py imports nothing
+from models/.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Callable
 
-from megatron_po.config import (ASYNC_METHODS, Config, DataConfig, TrainingConfig, ffn_hidden_size, kv_channels,
-                                rampup_batch_size, recompute_granularity, update_interval, virtual_pipeline_size)
+from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, kv_channels,
+                                recompute_granularity, virtual_pipeline_size)
+from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
-from megatron_po.errors import ConfigError, UserError
+from megatron_po.errors import ConfigError
+from megatron_po.models.te_transformer import TE_RULES
 from megatron_po.run_rules import SEED_LIMIT, SEED_STRIDE_PER_STAGE
-
-
-class Ctx:
-    """What the rules read: the config's sections, the world size, the workload ("gpt" or "nmt"), and the
-    derived sizes, each computed on first use (after the rules that make it well defined)."""
-
-    def __init__(self, cfg: Config, world_size: int, workload: str):
-        self.cfg, self.world, self.workload = cfg, world_size, workload
-        self.m, self.p, self.d, self.t = cfg.model, cfg.parallel, cfg.data, cfg.training
-        self.pr, self.lg, self.ck, self.n = cfg.precision, cfg.logging, cfg.checkpoint, cfg.nmt
-        self.tp, self.pp = self.p.tensor_model_parallel_size, self.p.pipeline_model_parallel_size
-        self.meth = self.p.pipeline_method
-        self.is_async = self.meth in ASYNC_METHODS
-        # NMT stacks the encoder and decoder layers (normalize_nmt); the pipeline splits their sum.
-        self.layers_flag = "--encoder-num-layers + --decoder-num-layers" if workload == "nmt" else "--num-layers"
-
-    @cached_property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
-
-    @cached_property
-    def gbs(self) -> int:
-        return self.t.global_batch_size or self.t.micro_batch_size * self.dp
-
-    @cached_property
-    def mbs_dp(self) -> int:
-        return self.t.micro_batch_size * self.dp
-
-    @cached_property
-    def num_mb(self) -> int:
-        return self.gbs // self.mbs_dp
-
-    @cached_property
-    def k(self) -> int:
-        return update_interval(self.cfg)
-
-    @cached_property
-    def ramp(self) -> tuple[int, int, int] | None:
-        return rampup_batch_size(self.cfg)
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str  # its row in tests/test_config_rules.py
-    holds: Callable[[Ctx], bool]  # True on a good config
-    message: str | Callable[[Ctx], str]  # the error line where it does not hold
-    when: Callable[[Ctx], bool] | None = None  # the rule applies only where this is True (None: always)
-
-    def error(self, c: Ctx) -> str | None:
-        if (self.when is None or self.when(c)) and not self.holds(c):
-            return self.message(c) if callable(self.message) else self.message
-        return None
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    find: Callable[[Ctx], str | None]  # the error line, or None
-    when: Callable[[Ctx], bool] | None = None
-
-    def error(self, c: Ctx) -> str | None:
-        return self.find(c) if self.when is None or self.when(c) else None
 
 
 def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
@@ -115,56 +52,15 @@ def _nccl_usable(c: Ctx) -> bool:
     return torch.cuda.is_available()
 
 
-def _raised(fn) -> str | None:
-    """The line of the ConfigError (or the data module's DataError, here a flag's) that `fn()` raises."""
-    try:
-        fn()
-    except UserError as e:
-        return str(e)
-    return None
-
-
 def _data_path_error(c: Ctx) -> str | None:
     # Megatron's forms: 'A', '0.3 A 0.7 B' (weighted), 'A B' (unweighted: weighted by size).
     from megatron_po.data.gpt_dataset import parse_data_path
-    return _raised(lambda: parse_data_path(c.d.data_path))
+    return raised(lambda: parse_data_path(c.d.data_path))
 
 
 def _split_error(c: Ctx) -> str | None:
     from megatron_po.data.gpt_dataset import parse_split
-    return _raised(lambda: parse_split(c.d.split))
-
-
-def _te_error(c: Ctx) -> str | None:
-    """Whether TE can be imported: one line on every rank before any process group exists, instead of a
-    failure inside model build."""
-    from megatron_po.models.te_transformer import import_te
-    return _raised(import_te)
-
-
-# --------------------------------------------------------------------------------------------------
-# Rule families: one rule per flag of a list
-# --------------------------------------------------------------------------------------------------
-
-
-def _at_least(low: int, flags: list[tuple[str, Callable[[Ctx], object]]], optional: bool = False) -> list[Rule]:
-    """`{flag} must be >= {low} (got {value})` for each (flag, value); `optional`: None is allowed."""
-    def rule(flag, value):
-        return Rule(f"{flag[2:]}>={low}", lambda c: (optional and value(c) is None) or value(c) >= low,
-                    lambda c: f"{_flag_name(c, flag)} must be >= {low} (got {value(c)})")
-    return [rule(flag, value) for flag, value in flags]
-
-
-def _flag_name(c: Ctx, flag: str) -> str:
-    return c.layers_flag if flag == "--num-layers" else flag
-
-
-def _each(name: str, flags: list[tuple[str, Callable[[Ctx], bool]]], message: Callable[[Ctx, str], str],
-          when=None) -> list[Rule]:
-    """For each (flag, given): the rule `name` (with {flag} as the flag without --) that `given` is False."""
-    def rule(flag, given):
-        return Rule(name.format(flag=flag[2:]), lambda c: not given(c), lambda c: message(c, flag), when)
-    return [rule(flag, given) for flag, given in flags]
+    return raised(lambda: parse_split(c.d.split))
 
 
 def _fp32_weights(c: Ctx) -> bool:
@@ -177,13 +73,13 @@ def _fp32_weights(c: Ctx) -> bool:
 
 
 SIZES = [
-    *_at_least(1, [("--tensor-model-parallel-size", lambda c: c.tp), ("--pipeline-model-parallel-size", lambda c: c.pp),
+    *at_least(1, [("--tensor-model-parallel-size", lambda c: c.tp), ("--pipeline-model-parallel-size", lambda c: c.pp),
                    ("--num-layers", lambda c: c.m.num_layers), ("--hidden-size", lambda c: c.m.hidden_size),
                    ("--num-attention-heads", lambda c: c.m.num_attention_heads),
                    ("--seq-length", lambda c: c.m.seq_length), ("--micro-batch-size", lambda c: c.t.micro_batch_size),
                    ("--train-iters", lambda c: c.t.train_iters), ("--log-interval", lambda c: c.lg.log_interval),
                    ("--eval-interval", lambda c: c.t.eval_interval)]),
-    *_at_least(1, [("--global-batch-size", lambda c: c.t.global_batch_size),
+    *at_least(1, [("--global-batch-size", lambda c: c.t.global_batch_size),
                    ("--exit-interval", lambda c: c.t.exit_interval),
                    ("--lr-decay-iters", lambda c: c.t.lr_decay_iters),
                    ("--lr-wsd-decay-iters", lambda c: c.t.lr_wsd_decay_iters),
@@ -191,7 +87,7 @@ SIZES = [
                    ("--max-position-embeddings", lambda c: c.m.max_position_embeddings),
                    ("--make-vocab-size-divisible-by", lambda c: c.m.make_vocab_size_divisible_by),
                    ("--ddp-bucket-size", lambda c: c.p.ddp_bucket_size)], optional=True),
-    *_at_least(0, [("--eval-iters", lambda c: c.t.eval_iters), ("--num-workers", lambda c: c.d.num_workers),
+    *at_least(0, [("--eval-iters", lambda c: c.t.eval_iters), ("--num-workers", lambda c: c.d.num_workers),
                    ("--weight-decay", lambda c: c.t.weight_decay), ("--clip-grad", lambda c: c.t.clip_grad),
                    ("--pipeoptim-s-offset", lambda c: c.p.pipeoptim_s_offset)]),
     Rule("timeout>0", lambda c: c.p.distributed_timeout_minutes > 0,
@@ -280,7 +176,8 @@ LAYOUT = [
          lambda c: not (c.m.recompute_activations and c.m.recompute_granularity == "full"),
          "--recompute-activations means --recompute-granularity selective, which contradicts "
          "--recompute-granularity full: give one of them"),
-    Rule("recompute-full-needs-method", lambda c: c.m.recompute_method is not None and c.m.recompute_num_layers is not None,
+    Rule("recompute-full-needs-method",
+         lambda c: c.m.recompute_method is not None and c.m.recompute_num_layers is not None,
          "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers",
          when=lambda c: recompute_granularity(c.m) == "full"),
     Rule("recompute-num-layers>=1", lambda c: c.m.recompute_num_layers >= 1,
@@ -357,11 +254,12 @@ LEARNING_RATE = [
          lambda c: f"--train-samples must be >= 1 (got {c.t.train_samples})", when=_train_samples),
     Rule("train-samples-xor-iters", lambda c: c.t.train_iters == TrainingConfig().train_iters,
          "--train-samples and --train-iters exclude each other: give one", when=_train_samples),
-    *_each("{flag}-vs-train-samples", _ITER_FLAGS,
-           lambda c, flag: f"{flag} counts iterations: with --train-samples use its -samples twin", when=_train_samples),
-    *_each("{flag}-needs-train-samples", _SAMPLE_FLAGS,
-           lambda c, flag: f"{flag} counts samples: it needs --train-samples (or use its -iters twin)",
-           when=lambda c: not _train_samples(c)),
+    *each("{flag}-vs-train-samples", _ITER_FLAGS,
+          lambda c, flag: f"{flag} counts iterations: with --train-samples use its -samples twin",
+          when=_train_samples),
+    *each("{flag}-needs-train-samples", _SAMPLE_FLAGS,
+          lambda c, flag: f"{flag} counts samples: it needs --train-samples (or use its -iters twin)",
+          when=lambda c: not _train_samples(c)),
     *[Rule(f"{flag[2:]}>=0", lambda c, v=value: v(c) is None or v(c) >= 0,
            lambda c, flag=flag, v=value: f"{flag} must be >= 0 (got {v(c)})")
       for flag, value in [("--lr-warmup-samples", lambda c: c.t.lr_warmup_samples),
@@ -380,7 +278,7 @@ LEARNING_RATE = [
     Rule("decoupled-order", lambda c: 0 <= (c.t.decoupled_min_lr or 0.0) <= c.t.decoupled_lr,
          lambda c: f"need 0 <= --decoupled-min-lr ({c.t.decoupled_min_lr or 0.0}) <= --decoupled-lr "
                    f"({c.t.decoupled_lr})", when=lambda c: c.t.decoupled_lr is not None),
-    Check("rampup-integers", lambda c: _raised(lambda: c.ramp)),
+    Check("rampup-integers", lambda c: raised(lambda: c.ramp)),
     Rule("rampup-positive", lambda c: c.ramp[0] >= 1 and c.ramp[1] >= 1 and c.ramp[2] >= 0,
          lambda c: "--rampup-batch-size START INCR SAMPLES needs START >= 1, INCR >= 1, SAMPLES >= 0 (got {} {} {})"
          .format(*c.ramp), when=_ramp),
@@ -500,9 +398,9 @@ ASYNC = [
          lambda c: f"--pipeline-method pipedream-2bw accumulates m >= D micro-batches per update: "
                    f"--async-update-interval ({c.k}) must be >= --pipeline-model-parallel-size ({c.pp})",
          when=lambda c: c.meth == "pipedream-2bw"),
-    *_each("{flag}-needs-pipeoptim", _PREDICTOR_FLAGS,
-           lambda c, flag: f"{flag} applies to --pipeline-method pipeoptim, not {c.meth}",
-           when=lambda c: c.is_async and c.meth != "pipeoptim"),
+    *each("{flag}-needs-pipeoptim", _PREDICTOR_FLAGS,
+          lambda c, flag: f"{flag} applies to --pipeline-method pipeoptim, not {c.meth}",
+          when=lambda c: c.is_async and c.meth != "pipeoptim"),
     Rule("rollout-gradient-needs-rollout",
          lambda c: c.p.rollout_gradient == "first-moment" or c.p.weight_predictor == "rollout",
          "--rollout-gradient applies to --weight-predictor rollout", when=_async),
@@ -533,13 +431,13 @@ ASYNC = [
     Rule("interval-needs-async", lambda c: c.p.async_update_interval in (None, 1),
          lambda c: f"--async-update-interval applies to asynchronous methods, not --pipeline-method {c.meth} "
                    f"(synchronous methods step once per global batch)", when=lambda c: not c.is_async),
-    *_each("{flag}-needs-async",
-           _PREDICTOR_FLAGS + [("--delay-compensation-lambda", lambda c: c.p.delay_compensation_lambda != 0),
-                               ("--delay-compensation-adaptive", lambda c: c.p.delay_compensation_adaptive),
-                               ("--staleness-lr-scaling", lambda c: c.p.staleness_lr_scaling != "none"),
-                               ("--async-error-feedback", lambda c: c.p.async_error_feedback)],
-           lambda c, flag: f"{flag} applies to asynchronous pipeline methods, not --pipeline-method {c.meth}",
-           when=lambda c: not c.is_async),
+    *each("{flag}-needs-async",
+          _PREDICTOR_FLAGS + [("--delay-compensation-lambda", lambda c: c.p.delay_compensation_lambda != 0),
+                              ("--delay-compensation-adaptive", lambda c: c.p.delay_compensation_adaptive),
+                              ("--staleness-lr-scaling", lambda c: c.p.staleness_lr_scaling != "none"),
+                              ("--async-error-feedback", lambda c: c.p.async_error_feedback)],
+          lambda c, flag: f"{flag} applies to asynchronous pipeline methods, not --pipeline-method {c.meth}",
+          when=lambda c: not c.is_async),
 ]
 
 CHECKPOINTS = [
@@ -551,11 +449,11 @@ CHECKPOINTS = [
          when=lambda c: c.ck.keep_last is not None),
     Rule("keep-last>=1", lambda c: c.ck.keep_last >= 1, lambda c: f"--keep-last must be >= 1 (got {c.ck.keep_last})",
          when=lambda c: c.ck.keep_last is not None),
-    *_each("{flag}-needs-load", [("--ckpt-step", lambda c: c.ck.ckpt_step is not None and c.ck.load is None),
-                                 ("--finetune", lambda c: c.ck.finetune and c.ck.load is None),
-                                 ("--no-load-optim", lambda c: c.ck.no_load_optim and c.ck.load is None),
-                                 ("--no-load-rng", lambda c: c.ck.no_load_rng and c.ck.load is None)],
-           lambda c, flag: f"{flag} needs --load"),
+    *each("{flag}-needs-load", [("--ckpt-step", lambda c: c.ck.ckpt_step is not None and c.ck.load is None),
+                                ("--finetune", lambda c: c.ck.finetune and c.ck.load is None),
+                                ("--no-load-optim", lambda c: c.ck.no_load_optim and c.ck.load is None),
+                                ("--no-load-rng", lambda c: c.ck.no_load_rng and c.ck.load is None)],
+          lambda c, flag: f"{flag} needs --load"),
     Rule("ckpt-step>=0", lambda c: c.ck.ckpt_step >= 0, lambda c: f"--ckpt-step must be >= 0 (got {c.ck.ckpt_step})",
          when=lambda c: c.ck.ckpt_step is not None),
     # --seed: every rank seeds NumPy with seed + 100 x pipeline rank, which must stay in [0, 2**32)
@@ -576,16 +474,14 @@ def _seed_top(c: Ctx) -> int:
     return SEED_LIMIT - SEED_STRIDE_PER_STAGE * (c.pp - 1)
 
 
-_SYNC_ONLY = "{flag}-sync-only"
-
 # Megatron flags accepted for its launch scripts: the ones with a meaning here and their rules, and the
 # GPU-only switches refused with one line where they have no meaning on this run.
 MEGATRON_SWITCHES = [
-    *_each("{flag}-needs-local", [("--reset-position-ids", lambda c: c.d.reset_position_ids),
-                                  ("--reset-attention-mask", lambda c: c.d.reset_attention_mask)],
-           lambda c, flag: f"{flag} needs --transformer-impl local (the Transformer Engine layers take no "
-                           f"per-document positions or mask here)",
-           when=lambda c: c.m.transformer_impl != "local"),
+    *each("{flag}-needs-local", [("--reset-position-ids", lambda c: c.d.reset_position_ids),
+                                 ("--reset-attention-mask", lambda c: c.d.reset_attention_mask)],
+          lambda c, flag: f"{flag} needs --transformer-impl local (the Transformer Engine layers take no "
+                          f"per-document positions or mask here)",
+          when=lambda c: c.m.transformer_impl != "local"),
     Rule("decoupled-lr-sync-only", lambda c: c.t.decoupled_lr is None or not c.is_async,
          lambda c: f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
                    f"{c.meth}, whose stages build their own optimizers"),
@@ -607,7 +503,8 @@ MEGATRON_SWITCHES = [
          "--grad-reduce-in-bf16 needs --bf16"),
     Rule("nccl-needs-cuda", _nccl_usable, "--distributed-backend nccl needs CUDA GPUs; on CPU use gloo (the default)",
          when=lambda c: c.p.distributed_backend == "nccl"),
-    Rule("grad-reduce-bf16-vs-fp32", lambda c: not (c.pr.grad_reduce_in_bf16 and c.pr.accumulate_allreduce_grads_in_fp32),
+    Rule("grad-reduce-bf16-vs-fp32",
+         lambda c: not (c.pr.grad_reduce_in_bf16 and c.pr.accumulate_allreduce_grads_in_fp32),
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other: give one"),
     Rule("fp8-param-gather", lambda c: not c.pr.fp8_param_gather,
          "--fp8-param-gather (all-gather FP8 weights, Transformer Engine on GPUs) is not implemented here: the "
@@ -615,70 +512,25 @@ MEGATRON_SWITCHES = [
     Rule("tiktoken-pattern", lambda c: c.d.tiktoken_pattern is None,
          lambda c: f"--tiktoken-pattern {c.d.tiktoken_pattern} configures TikTokenizer, which is not available here: "
                    f"drop it"),
-    *_each(_SYNC_ONLY, [("--log-params-norm", lambda c: c.lg.log_params_norm),
-                        ("--log-num-zeros-in-grad", lambda c: c.lg.log_num_zeros_in_grad)],
-           lambda c, flag: f"{flag} is logged by the synchronous methods (gpipe, 1f1b); --pipeline-method {c.meth} "
-                           f"steps its stages at different times: drop it", when=_async),
+    *each("{flag}-sync-only", [("--log-params-norm", lambda c: c.lg.log_params_norm),
+                               ("--log-num-zeros-in-grad", lambda c: c.lg.log_num_zeros_in_grad)],
+          lambda c, flag: f"{flag} is logged by the synchronous methods (gpipe, 1f1b); --pipeline-method {c.meth} "
+                          f"steps its stages at different times: drop it", when=_async),
     Rule("calculate-per-token-loss-sync-only", lambda c: not (c.t.calculate_per_token_loss and c.is_async),
          lambda c: f"--calculate-per-token-loss normalizes by the loss tokens of a whole global batch, but "
                    f"--pipeline-method {c.meth} steps on micro-batches as they stream: drop one"),
-    *_each("{flag}-gpt-only", [("--eod-mask-loss", lambda c: c.d.eod_mask_loss),
-                               ("--reset-position-ids", lambda c: c.d.reset_position_ids),
-                               ("--reset-attention-mask", lambda c: c.d.reset_attention_mask),
-                               ("--calculate-per-token-loss", lambda c: c.t.calculate_per_token_loss),
-                               ("--decoupled-lr", lambda c: c.t.decoupled_lr is not None)],
-           lambda c, flag: f"{flag} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py",
-           when=lambda c: c.workload == "nmt"),
-    *_each("{flag}-needs-save", [("--no-save-optim", lambda c: c.ck.no_save_optim and c.ck.save is None),
-                                 ("--no-save-rng", lambda c: c.ck.no_save_rng and c.ck.save is None)],
-           lambda c, flag: f"{flag} needs --save"),
+    *each("{flag}-gpt-only", [("--eod-mask-loss", lambda c: c.d.eod_mask_loss),
+                              ("--reset-position-ids", lambda c: c.d.reset_position_ids),
+                              ("--reset-attention-mask", lambda c: c.d.reset_attention_mask),
+                              ("--calculate-per-token-loss", lambda c: c.t.calculate_per_token_loss),
+                              ("--decoupled-lr", lambda c: c.t.decoupled_lr is not None)],
+          lambda c, flag: f"{flag} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py",
+          when=lambda c: c.workload == "nmt"),
+    *each("{flag}-needs-save", [("--no-save-optim", lambda c: c.ck.no_save_optim and c.ck.save is None),
+                                ("--no-save-rng", lambda c: c.ck.no_save_rng and c.ck.save is None)],
+          lambda c, flag: f"{flag} needs --save"),
     Rule("use-checkpoint-args-needs-load", lambda c: not c.ck.use_checkpoint_args or c.ck.load is not None,
          "--use-checkpoint-args needs --load"),
-]
-
-
-def _fp8(c: Ctx) -> bool:
-    return c.m.fp8_format is not None
-
-
-def _te(c: Ctx) -> bool:
-    return c.m.transformer_impl == "transformer_engine"
-
-
-def _fp8_tokens(c: Ctx) -> tuple[int, int]:
-    """(tokens of a micro-batch per rank, sequence per rank)."""
-    seq = c.m.seq_length // c.tp if c.p.sequence_parallel else c.m.seq_length
-    return seq * c.t.micro_batch_size, seq
-
-
-# --transformer-impl and --fp8-*: the flag rules and FP8's shape rules come before the import, so they hold
-# without TE.
-TRANSFORMER_ENGINE = [
-    Rule("fp8-needs-te", _te,
-         lambda c: f"--fp8-format {c.m.fp8_format} needs --transformer-impl transformer_engine (FP8 GEMMs are "
-                   f"Transformer Engine's)", when=_fp8),
-    Rule("fp8-amax-history>=1", lambda c: c.m.fp8_amax_history_len >= 1,
-         lambda c: f"--fp8-amax-history-len must be >= 1 (got {c.m.fp8_amax_history_len})", when=_fp8),
-    Rule("fp8-margin>=0", lambda c: c.m.fp8_margin >= 0, lambda c: f"--fp8-margin must be >= 0 (got {c.m.fp8_margin})",
-         when=_fp8),
-    # TE's FP8 GEMMs need the last dim of every operand divisible by 16 and the others' product by 8.
-    Rule("fp8-sizes-by-16", lambda c: (c.m.hidden_size % 16 == 0 and (c.m.hidden_size // c.tp) % 16 == 0
-                                       and (ffn_hidden_size(c.m) // c.tp) % 16 == 0),
-         lambda c: f"--fp8-format needs --hidden-size ({c.m.hidden_size}) and the hidden and MLP sizes per TP rank "
-                   f"({c.m.hidden_size // c.tp}, {ffn_hidden_size(c.m) // c.tp}) divisible by 16", when=_fp8),
-    Rule("fp8-tokens-by-8", lambda c: _fp8_tokens(c)[0] % 8 == 0,
-         lambda c: "--fp8-format needs the tokens of a micro-batch per rank ({}: sequence {} x --micro-batch-size {}) "
-                   "divisible by 8".format(*_fp8_tokens(c), c.t.micro_batch_size), when=_fp8),
-    Rule("fp8-no-full-recompute", lambda c: recompute_granularity(c.m) != "full",
-         "--recompute-granularity full with --fp8-format is not supported: the recomputation runs in the backward, "
-         "outside the FP8 autocast (Transformer Engine's own checkpoint would be needed); use "
-         "--recompute-granularity selective", when=_fp8),
-    Rule("te-no-qk-layernorm", lambda c: not c.m.qk_layernorm,
-         "--qk-layernorm is not wired into the Transformer Engine layer: use --transformer-impl local", when=_te),
-    Rule("te-gpt-only", lambda c: c.workload == "gpt",
-         "--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only so far; the NMT model runs "
-         "with --transformer-impl local", when=_te),
-    Check("te-importable", _te_error, when=_te),
 ]
 
 
@@ -696,12 +548,13 @@ NMT = [
          lambda c: f"--decoder-seq-length must be >= 2 (got {c.n.decoder_seq_length})", when=_nmt),
     Rule("decoder-seq-vs-positions", lambda c: c.n.decoder_seq_length <= _nmt_max_pos(c),
          lambda c: f"--decoder-seq-length ({c.n.decoder_seq_length}) exceeds --max-position-embeddings "
-                   f"({_nmt_max_pos(c)})", when=lambda c: _nmt(c) and c.m.position_embedding_type == "learned_absolute"),
-    *_each("{flag}-gpt-only", [("--group-query-attention", lambda c: c.m.group_query_attention),
-                               ("--kv-channels", lambda c: c.m.kv_channels),
-                               ("--qk-layernorm", lambda c: c.m.qk_layernorm)],
-           lambda c, flag: f"{flag} applies to pretrain_gpt.py: the NMT model's cross-attention has one key/value "
-                           f"head per query head of dimension hidden / heads", when=_nmt),
+                   f"({_nmt_max_pos(c)})",
+         when=lambda c: _nmt(c) and c.m.position_embedding_type == "learned_absolute"),
+    *each("{flag}-gpt-only", [("--group-query-attention", lambda c: c.m.group_query_attention),
+                              ("--kv-channels", lambda c: c.m.kv_channels),
+                              ("--qk-layernorm", lambda c: c.m.qk_layernorm)],
+          lambda c, flag: f"{flag} applies to pretrain_gpt.py: the NMT model's cross-attention has one key/value "
+                          f"head per query head of dimension hidden / heads", when=_nmt),
     Rule("no-sequence-parallel", lambda c: not c.p.sequence_parallel,
          "--sequence-parallel is not supported by pretrain_nmt.py (sentence lengths vary per batch)", when=_nmt),
     Rule("no-mock-data", lambda c: not c.d.mock_data,
@@ -748,4 +601,4 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + TRANSFORMER_ENGINE + NMT)
+                             + MEGATRON_SWITCHES + TE_RULES + NMT)

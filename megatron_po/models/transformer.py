@@ -248,27 +248,3 @@ class TransformerLayer(nn.Module):
         x = x + drop(self.attention(self.input_norm(x), rotary, attn_mask))
         x = x + drop(self.mlp(self.post_attention_norm(x)))
         return x
-
-
-# --------------------------------------------------------------------------------------------------
-# Implementation choice (--transformer-impl)
-# --------------------------------------------------------------------------------------------------
-
-
-def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    """A pre-norm layer of the configured implementation. Both start from the same weights: the
-    Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
-    layer = TransformerLayer(cfg, sequence_parallel)
-    if cfg.transformer_impl == "transformer_engine":
-        from megatron_po.models.te_transformer import TETransformerLayer  # imports transformer_engine
-        layer = TETransformerLayer(cfg, sequence_parallel, initial=layer)
-    return layer
-
-
-def layers_context(cfg: ModelConfig):
-    """A zero-argument callable giving the context the layers of a forward run in: Transformer Engine's
-    FP8 autocast with --fp8-format, else nothing."""
-    if cfg.transformer_impl == "transformer_engine" and cfg.fp8_format is not None:
-        from megatron_po.models.te_transformer import FP8Autocast
-        return FP8Autocast(cfg)
-    return contextlib.nullcontext

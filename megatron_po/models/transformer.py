@@ -123,9 +123,9 @@ _SDPA_KERNELS = {"auto": None, "local": "MATH", "unfused": "MATH", "flash": "FLA
 
 def attention_kernel_context(backend: str, masked: bool = False):
     """The SDPA kernel of --attention-backend: auto lets PyTorch pick; local and unfused run the math
-    kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config.validate refuses
-    them without a GPU). Those take no explicit mask, so attention with one (NMT padding, incremental
-    decoding) runs PyTorch's own choice under them."""
+    kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config_rules.validate
+    refuses them without a GPU). Those take no explicit mask, so attention with one (NMT padding,
+    incremental decoding) runs PyTorch's own choice under them."""
     kernel = _SDPA_KERNELS[backend]
     if kernel is None or (masked and kernel != "MATH"):
         return contextlib.nullcontext()

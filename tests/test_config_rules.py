@@ -26,7 +26,8 @@ NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.
 # (id, world size, argv, words the error line must contain)
 RULES = [
     # sizes and counts
-    ("tensor-model-parallel-size>=1", 1, MOCK + ["--tensor-model-parallel-size", "0"], ["--tensor-model-parallel-size must be >= 1 (got 0)"]),
+    ("tensor-model-parallel-size>=1", 1, MOCK + ["--tensor-model-parallel-size", "0"],
+     ["--tensor-model-parallel-size must be >= 1 (got 0)"]),
     ("micro-batch-size>=1", 1, MOCK + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
     ("global-batch-size>=1", 1, MOCK + ["--global-batch-size", "0"], ["--global-batch-size must be >= 1 (got 0)"]),
     ("exit-interval>=1", 1, MOCK + ["--exit-interval", "0"], ["--exit-interval must be >= 1"]),
@@ -386,8 +387,8 @@ NMT_RULES = [
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
 ]
-CASES = [(world, argv, words, "gpt") for _, world, argv, words in RULES] + \
-        [(world, argv, words, "nmt") for _, world, argv, words in NMT_RULES]
+CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
+        [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]
 CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
 
 
@@ -404,27 +405,29 @@ def _validate(argv, world, workload="gpt"):
     validate(normalize_nmt(cfg) if workload == "nmt" else cfg, world, workload)
 
 
-def _rule(case_id: str) -> str:
-    return case_id.removeprefix("nmt:").split("/")[0]
+def _rule(case: str) -> str:
+    """The rule a row breaks: its id up to a "/" (the rest names another case of the same rule)."""
+    return case.split("/")[0]
 
 
-@pytest.mark.parametrize("world, argv, words, workload", CASES, ids=CASE_IDS)
-def test_rule_gives_one_line_naming_flags(request, world, argv, words, workload):
+@pytest.mark.parametrize("case, world, argv, words, workload", CASES, ids=CASE_IDS)
+def test_rule_gives_one_line_naming_flags(case, world, argv, words, workload):
     with pytest.raises(ConfigError) as info:
         _validate(argv, world, workload)
     message = str(info.value)
     assert "\n" not in message
     for w in words:
         assert w in message, (w, message)
-    assert info.value.rule == _rule(request.node.callspec.id), "the row's command line broke another rule first"
+    assert info.value.rule == _rule(case), "the row's command line broke another rule first"
 
 
 def test_every_rule_has_a_row():
     names = [rule.name for rule in config_rules.RULES]
-    assert len(names) == len(set(names)), "two rules share a name"
-    rows = {_rule(case_id) for case_id in CASE_IDS}
-    assert not [n for n in names if n not in rows], "rules without a row in RULES / NMT_RULES"
-    assert not rows - set(names), "rows naming no rule of config_rules.RULES"
+    assert len(names) == len(set(names)), f"rules sharing a name: {sorted({n for n in names if names.count(n) > 1})}"
+    rows = {_rule(case) for case, *_ in CASES}
+    missing = [n for n in names if n not in rows]
+    assert not missing, f"rules without a row in RULES / NMT_RULES: {missing}"
+    assert not rows - set(names), f"rows naming no rule of config_rules.RULES: {sorted(rows - set(names))}"
 
 
 def test_the_base_command_lines_are_valid(monkeypatch):

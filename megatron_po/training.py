@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
+from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval
+from megatron_po.config_rules import validate
 from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.distributed import launcher_death, save_lock
 from megatron_po.distributed.checkpoint_format import find_checkpoint

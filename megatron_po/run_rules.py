@@ -1,8 +1,8 @@
 """Run-level rules that keep a run from misleading its operator (issue 22, points 5-9):
 
-- `validate_run_flags`: config rules on flags the rest of `config.validate` does not read: `--seed` (every
-  rank seeds NumPy with seed + 100 * pipeline rank, which must stay in [0, 2**32)), `--max-skipped-steps`,
-  and `--finetune` with `--save` equal to `--load`.
+- The seed range below (every rank seeds NumPy with seed + 100 * pipeline rank, which must stay in
+  [0, 2**32)); config_rules.py holds the config rules on `--seed`, `--max-skipped-steps` and `--finetune`
+  with `--save` equal to `--load`.
 - `SkipGuard`: fp16 steps skipped for inf/NaN gradients are bounded. A NaN/inf loss while the loss scale
   is at its floor (`--min-loss-scale`, or the constant `--loss-scale`) stops the run: a lower scale cannot
   help a loss that is already non-finite; so does a run of `--max-skipped-steps` consecutive skipped steps
@@ -12,37 +12,17 @@
 - `check_resume_iteration`: a checkpoint already past `--train-iters` is an error, not a silent exit 0.
 - `no_validation_warning`: `--split` with an empty validation part while evaluation is asked for.
 
-Config rules raise ConfigError (printed once by rank 0, exit code 2); the rest raise UserError.
+The config rules raise ConfigError (printed once by rank 0, exit code 2); this module's checks raise UserError.
 """
 
 from __future__ import annotations
 
 import os
 
-from megatron_po.errors import ConfigError, UserError
+from megatron_po.errors import UserError
 
 SEED_LIMIT = 2**32  # NumPy's seed range; torch's is wider
 SEED_STRIDE_PER_STAGE = 100  # tensor_parallel.random.model_parallel_seed: seed + 100 * pipeline rank
-
-
-def validate_run_flags(cfg) -> None:
-    """Config rules of this module (called from config.validate)."""
-    t, ck, pp = cfg.training, cfg.checkpoint, cfg.parallel.pipeline_model_parallel_size
-
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-
-    top = SEED_LIMIT - SEED_STRIDE_PER_STAGE * (pp - 1)
-    need(0 <= t.seed < top,
-         f"--seed must be in [0, {top}) (got {t.seed}): pipeline stage s seeds NumPy with seed + "
-         f"{SEED_STRIDE_PER_STAGE} x s, which must stay below 2**32 (--pipeline-model-parallel-size {pp})")
-    need(cfg.precision.max_skipped_steps >= 0,
-         f"--max-skipped-steps must be >= 0 (got {cfg.precision.max_skipped_steps}; 0: no bound)")
-    if ck.finetune and ck.save is not None and ck.load is not None:
-        need(os.path.realpath(ck.save) != os.path.realpath(ck.load),
-             f"--finetune with --save equal to --load ({ck.load}): a relaunch could not tell the base checkpoint "
-             f"from this run's own; save the finetuned run to another directory")
 
 
 def launcher_rank() -> int:
@@ -137,7 +117,7 @@ def load_plan(ck, find_checkpoint) -> tuple[str | None, bool, int | None]:
     A run resumes from `--save` when `--save` already holds a checkpoint and `--load` is not given (relaunch
     of the same command), or when it is a `--finetune` run (the checkpoint in `--save` is this run's own:
     finetuning from `--load` again would throw its progress away, truncate its metrics and overwrite its
-    newer checkpoints). `--save` equal to `--load` with `--finetune` is refused by validate_run_flags."""
+    newer checkpoints). `--save` equal to `--load` with `--finetune` is refused by config_rules (finetune-save-is-load)."""
     saved = ck.save is not None and os.path.isdir(ck.save) and find_checkpoint(ck.save) is not None
     if ck.finetune and saved:
         return ck.save, False, None

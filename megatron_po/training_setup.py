@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.async_training import build_async_engine
-from megatron_po.config import Config, is_async, num_microbatches, validate, virtual_pipeline_size
+from megatron_po.config import Config, is_async, num_microbatches, virtual_pipeline_size
+from megatron_po.config_rules import validate
 from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel

@@ -256,7 +256,8 @@ def test_fp16_skips_an_inf_step_stage_locally_and_recovers():
 
 
 def test_async_precision_flag_rules():
-    from megatron_po.config import parse_args, validate
+    from megatron_po.config import parse_args
+    from megatron_po.config_rules import validate
     from megatron_po.errors import ConfigError
     base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--pipeline-model-parallel-size",
             "2", "--pipeline-method", "pipeoptim", "--untie-embeddings-and-output-weights"]

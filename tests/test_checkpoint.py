@@ -483,7 +483,8 @@ def test_find_checkpoint_and_rotation(tmp_path):
     (["--no-load-optim"], "--no-load-optim needs --load"),
 ])
 def test_checkpoint_flag_rules(flags, needle):
-    from megatron_po.config import parse_args, validate
+    from megatron_po.config import parse_args
+    from megatron_po.config_rules import validate
     cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", *flags])
     with pytest.raises(ConfigError, match=needle):
         validate(cfg, 1)

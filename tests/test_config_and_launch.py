@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_po.config import Config, build_parser, num_microbatches, parse_args, validate
+from megatron_po.config import Config, build_parser, num_microbatches, parse_args
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.parallel_state import coords_of, first_slurm_host, rank_of, read_launch_env
 

@@ -1,31 +1,21 @@
-"""Every rule of `config.validate` (and of the validators it delegates to: precision flags, Transformer
-Engine, NMT), one table row each.
+"""Every rule of `config_rules.RULES`, one table row each.
 
-Each row is a command line and a world size that break exactly one rule, and words the one-line
-ConfigError must contain (the flags and the rule). RULES are pretrain_gpt.py command lines; NMT_RULES are
-pretrain_nmt.py's, read as its workload reads them (`normalize_nmt`, then `validate(..., "nmt")`).
-`test_every_rule_has_a_row` reads the rule sites (`need(...)` calls, `raise ConfigError`, and the
-`import_te()` that raises when Transformer Engine cannot be used) out of the source and fails when a rule
-has no row, so a new rule comes with its case.
+Each row names a rule (its id; "rule/case" is another case of the same rule) and gives a command line and
+a world size that break that rule and no rule checked before it, and words the one-line ConfigError must
+contain (the flags and the rule). RULES are pretrain_gpt.py command lines; NMT_RULES are pretrain_nmt.py's,
+read as its workload reads them (`normalize_nmt`, then `validate(..., "nmt")`). The error names the rule
+that fired (`error.rule`), which must be the row's; `test_every_rule_has_a_row` reads the table and fails
+when a rule has no row, so a new rule comes with its case.
 """
-
-import ast
-import inspect
-import textwrap
 
 import fake_transformer_engine
 import pytest
 
-from megatron_po import config, run_rules
-from megatron_po.config import normalize_nmt, parse_args, validate
+from megatron_po import config_rules
+from megatron_po.config import normalize_nmt, parse_args
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.models import te_transformer
-from megatron_po.optim import mixed_precision
-
-VALIDATORS = (config.validate, mixed_precision.validate_precision_flags, config.validate_transformer_engine,
-              config.validate_nmt, config.validate_sample_schedule, config.validate_megatron_switches,
-              run_rules.validate_run_flags)
-RULE_CALLS = ("need", "import_te")  # import_te raises its own ConfigError when Transformer Engine is unusable
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
@@ -36,23 +26,24 @@ NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.
 # (id, world size, argv, words the error line must contain)
 RULES = [
     # sizes and counts
-    ("tp>=1", 1, MOCK + ["--tensor-model-parallel-size", "0"], ["--tensor-model-parallel-size must be >= 1 (got 0)"]),
-    ("micro-batch>=1", 1, MOCK + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
-    ("global-batch>=1", 1, MOCK + ["--global-batch-size", "0"], ["--global-batch-size must be >= 1 (got 0)"]),
+    ("tensor-model-parallel-size>=1", 1, MOCK + ["--tensor-model-parallel-size", "0"],
+     ["--tensor-model-parallel-size must be >= 1 (got 0)"]),
+    ("micro-batch-size>=1", 1, MOCK + ["--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
+    ("global-batch-size>=1", 1, MOCK + ["--global-batch-size", "0"], ["--global-batch-size must be >= 1 (got 0)"]),
     ("exit-interval>=1", 1, MOCK + ["--exit-interval", "0"], ["--exit-interval must be >= 1"]),
     ("lr-decay-iters>=1", 1, MOCK + ["--lr-decay-iters", "0"], ["--lr-decay-iters must be >= 1"]),
-    ("ffn>=1", 1, MOCK + ["--ffn-hidden-size", "0"], ["--ffn-hidden-size must be >= 1"]),
-    ("ddp-bucket>=1", 1, MOCK + ["--ddp-bucket-size", "0"], ["--ddp-bucket-size must be >= 1"]),
+    ("ffn-hidden-size>=1", 1, MOCK + ["--ffn-hidden-size", "0"], ["--ffn-hidden-size must be >= 1"]),
+    ("ddp-bucket-size>=1", 1, MOCK + ["--ddp-bucket-size", "0"], ["--ddp-bucket-size must be >= 1"]),
     ("eval-iters>=0", 1, MOCK + ["--eval-iters", "-1"], ["--eval-iters must be >= 0"]),
     ("num-workers>=0", 1, MOCK + ["--num-workers", "-2"], ["--num-workers must be >= 0"]),
     ("clip-grad>=0", 1, MOCK + ["--clip-grad", "-1"], ["--clip-grad must be >= 0"]),
-    ("s-offset>=0", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--pipeoptim-s-offset", "-1"],
+    ("pipeoptim-s-offset>=0", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--pipeoptim-s-offset", "-1"],
      ["--pipeoptim-s-offset must be >= 0"]),
     ("timeout>0", 1, MOCK + ["--distributed-timeout-minutes", "0"], ["--distributed-timeout-minutes must be > 0"]),
     ("timeout-finite", 1, MOCK + ["--distributed-timeout-minutes", "inf"],
      ["--distributed-timeout-minutes must be finite (got inf)"]),
-    ("seed>=0", 1, MOCK + ["--seed", "-1"], ["--seed must be in [0, 4294967296) (got -1)"]),
-    ("seed-per-stage<2**32", 2, PP2_ASYNC + ["--seed", str(2**32 - 100)],
+    ("seed-range", 1, MOCK + ["--seed", "-1"], ["--seed must be in [0, 4294967296) (got -1)"]),
+    ("seed-range/per-stage", 2, PP2_ASYNC + ["--seed", str(2**32 - 100)],
      ["--seed must be in [0, 4294967196) (got 4294967196)", "seed + 100 x s", "--pipeline-model-parallel-size 2"]),
     ("max-skipped-steps>=0", 1, MOCK + ["--max-skipped-steps", "-1"], ["--max-skipped-steps must be >= 0 (got -1"]),
     ("finetune-save-is-load", 1, MOCK + ["--finetune", "--load", "ck", "--save", "ck"],
@@ -71,7 +62,7 @@ RULES = [
     ("lookahead-needs-sgd", 1, MOCK + ["--pipeoptim-sgd-direction", "lookahead"],
      ["--pipeoptim-sgd-direction lookahead applies to --optimizer sgd, not adamw"]),
     # layout
-    ("world-vs-tp", 3, MOCK + ["--tensor-model-parallel-size", "2"],
+    ("world-vs-tpxpp/tp", 3, MOCK + ["--tensor-model-parallel-size", "2"],
      ["world size 3 is not divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"]),
     ("world-vs-tpxpp", 4, MOCK + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
      ["world size 4", "= 8"]),
@@ -87,7 +78,7 @@ RULES = [
      ["MLP hidden size (63) is not divisible by --tensor-model-parallel-size (2)"]),
     ("rope-even-head-dim", 1, MOCK + ["--position-embedding-type", "rope", "--hidden-size", "12",
                                       "--num-attention-heads", "4"], ["RoPE needs an even number of rotated dim"]),
-    ("rope-even-rotary-percent", 1, MOCK + ["--position-embedding-type", "rope", "--rotary-percent", "0.25",
+    ("rope-even-head-dim/rotary-percent", 1, MOCK + ["--position-embedding-type", "rope", "--rotary-percent", "0.25",
                                             "--kv-channels", "12"], ["head dimension 12 x --rotary-percent 0.25 = 3"]),
     ("kv-channels>=1", 1, MOCK + ["--kv-channels", "0"], ["--kv-channels must be >= 1 (got 0)"]),
     ("query-groups-divide-heads", 1, MOCK + ["--group-query-attention", "--num-query-groups", "3"],
@@ -149,18 +140,18 @@ RULES = [
     ("mock-needs-vocab", 1, ["--mock-data", "--tokenizer-type", "NullTokenizer"], ["--mock-data needs --vocab-size"]),
     ("data-path-required", 1, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
      ["--data-path is required"]),
-    ("data-path-pairs", 1, ["--data-path", "0.3", "A", "0.7", "--tokenizer-model", "t.model"],
+    ("data-path-format/pairs", 1, ["--data-path", "0.3", "A", "0.7", "--tokenizer-model", "t.model"],
      ["--data-path 0.3 A 0.7: weights and prefixes must alternate"]),
-    ("data-path-weight", 1, ["--data-path", "x", "A", "0.7", "B", "--tokenizer-model", "t.model"],
+    ("data-path-format/weight", 1, ["--data-path", "x", "A", "0.7", "B", "--tokenizer-model", "t.model"],
      ["--data-path x A 0.7 B: weight 'x' is not a number"]),
-    ("data-path-weights-finite", 1, ["--data-path", "inf", "A", "0.7", "B", "--tokenizer-model", "t.model"],
+    ("data-path-format/finite", 1, ["--data-path", "inf", "A", "0.7", "B", "--tokenizer-model", "t.model"],
      ["--data-path weights [inf, 0.7] must be non-negative with a positive sum"]),
     ("split-format", 1, ["--data-path", "A", "--tokenizer-model", "t.model", "--split", "a,b"], ["--split 'a,b'"]),
-    ("sentencepiece-needs-model", 1, ["--data-path", "A"],
+    ("tokenizer-flags/sentencepiece", 1, ["--data-path", "A"],
      ["--tokenizer-type SentencePieceTokenizer needs --tokenizer-model"]),
-    ("null-tokenizer-needs-vocab", 1, ["--data-path", "A", "--tokenizer-type", "NullTokenizer"],
+    ("tokenizer-flags/null", 1, ["--data-path", "A", "--tokenizer-type", "NullTokenizer"],
      ["--tokenizer-type NullTokenizer needs --vocab-size"]),
-    ("gpt2-bpe-needs-files", 1, ["--data-path", "A", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"],
+    ("tokenizer-flags/gpt2-bpe", 1, ["--data-path", "A", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"],
      ["--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)"]),
     ("mock-data-xor-data-path", 1, MOCK + ["--data-path", "A"],
      ["--mock-data and --data-path A exclude each other"]),
@@ -189,11 +180,11 @@ RULES = [
      ["--async-update-interval (3) must divide the micro-batches per iteration (2)"]),
     ("spectrain-needs-sgd", 2, PP2_ASYNC + ["--pipeline-method", "spectrain"],
      ["--pipeline-method spectrain", "--optimizer sgd", "--sgd-momentum > 0", "adamw"]),
-    ("spectrain-needs-momentum", 2, PP2_ASYNC + ["--pipeline-method", "spectrain", "--optimizer", "sgd",
+    ("spectrain-needs-sgd/momentum", 2, PP2_ASYNC + ["--pipeline-method", "spectrain", "--optimizer", "sgd",
                                                  "--sgd-momentum", "0"], ["--pipeline-method spectrain"]),
     ("2bw-interval>=stages", 2, PP2_ASYNC + ["--pipeline-method", "pipedream-2bw", "--async-update-interval", "1"],
      ["--async-update-interval (1) must be >= --pipeline-model-parallel-size (2)"]),
-    ("predictor-flags-need-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream",
+    ("weight-predictor-needs-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream",
                                                        "--weight-predictor", "rollout"],
      ["--weight-predictor applies to --pipeline-method pipeoptim, not pipedream"]),
     ("rollout-gradient-needs-rollout", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--rollout-gradient",
@@ -225,7 +216,7 @@ RULES = [
     ("error-feedback-fp32", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--async-error-feedback",
                                             "--use-distributed-optimizer"],
      ["--async-error-feedback", "drop --bf16/--fp16/--use-distributed-optimizer"]),
-    ("async-flags-need-async", 1, MOCK + ["--staleness-lr-scaling", "inverse"],
+    ("staleness-lr-scaling-needs-async", 1, MOCK + ["--staleness-lr-scaling", "inverse"],
      ["--staleness-lr-scaling applies to asynchronous pipeline methods, not --pipeline-method 1f1b"]),
     ("interval-needs-async", 1, MOCK + ["--async-update-interval", "2"],
      ["--async-update-interval applies to asynchronous methods, not --pipeline-method 1f1b"]),
@@ -245,15 +236,15 @@ RULES = [
     ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
     ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
     ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
-    # Megatron's sample-counted schedule (validate_sample_schedule)
+    # Megatron's sample-counted schedule
     ("train-samples>=1", 1, MOCK + ["--train-samples", "0"], ["--train-samples must be >= 1 (got 0)"]),
     ("train-samples-xor-iters", 1, MOCK + ["--train-samples", "10", "--train-iters", "5"],
      ["--train-samples and --train-iters exclude each other"]),
-    ("train-samples-iter-flags", 1, MOCK + ["--train-samples", "10", "--lr-decay-iters", "5"],
+    ("lr-decay-iters-vs-train-samples", 1, MOCK + ["--train-samples", "10", "--lr-decay-iters", "5"],
      ["--lr-decay-iters counts iterations: with --train-samples use its -samples twin"]),
-    ("sample-flags-need-train-samples", 1, MOCK + ["--lr-warmup-samples", "5"],
+    ("lr-warmup-samples-needs-train-samples", 1, MOCK + ["--lr-warmup-samples", "5"],
      ["--lr-warmup-samples counts samples: it needs --train-samples"]),
-    ("lr-samples>=0", 1, MOCK + ["--train-samples", "10", "--lr-decay-samples", "-1"],
+    ("lr-decay-samples>=0", 1, MOCK + ["--train-samples", "10", "--lr-decay-samples", "-1"],
      ["--lr-decay-samples must be >= 0 (got -1)"]),
     ("wsd-samples-need-wsd", 1, MOCK + ["--train-samples", "10", "--lr-wsd-decay-samples", "5"],
      ["--lr-wsd-decay-samples applies to --lr-decay-style wsd, not cosine"]),
@@ -275,8 +266,8 @@ RULES = [
                                           "--num-layers-per-virtual-pipeline-stage", "1", "--rampup-batch-size", "2",
                                           "2", "10", "--global-batch-size", "16", "--micro-batch-size", "2"],
      ["--rampup-batch-size with an interleaved pipeline", "multiples of 2 x --micro-batch-size x data-parallel size (4)"]),
-    # Megatron switches (validate_megatron_switches)
-    ("reset-needs-local", 1, MOCK + TE + ["--reset-attention-mask"],
+    # Megatron switches
+    ("reset-attention-mask-needs-local", 1, MOCK + TE + ["--reset-attention-mask"],
      ["--reset-attention-mask needs --transformer-impl local"]),
     ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
      ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
@@ -294,10 +285,10 @@ RULES = [
     ("grad-reduce-bf16-vs-fp32", 1, MOCK + ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
      ["--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict"]),
     ("fp8-param-gather", 1, MOCK + ["--fp8-param-gather"], ["--fp8-param-gather", "not implemented here"]),
-    ("params-norm-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-params-norm"],
+    ("log-params-norm-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-params-norm"],
      ["--log-params-norm is logged by the synchronous methods"]),
     ("tiktoken-pattern", 1, MOCK + ["--tiktoken-pattern", "v2"], ["--tiktoken-pattern v2", "TikTokenizer"]),
-    ("per-token-loss-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--calculate-per-token-loss"],
+    ("calculate-per-token-loss-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--calculate-per-token-loss"],
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
     ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
@@ -317,22 +308,57 @@ RULES = [
      ["--recompute-granularity full with --fp8-format is not supported", "use --recompute-granularity selective"]),
     ("te-importable", 1, MOCK + TE,
      ["Transformer Engine requested but not usable: ", "--transformer-impl local runs without it"]),
+    # one rule per flag of a family (the families above have a row for one of their flags)
+    *[(f"{flag[2:]}>=1", 1, MOCK + [flag, "0"], [f"{flag} must be >= 1 (got 0)"])
+      for flag in ["--pipeline-model-parallel-size", "--num-layers", "--hidden-size", "--num-attention-heads",
+                   "--seq-length", "--train-iters", "--log-interval", "--eval-interval", "--lr-wsd-decay-iters",
+                   "--max-position-embeddings", "--make-vocab-size-divisible-by"]],
+    ("weight-decay>=0", 1, MOCK + ["--weight-decay", "-1"], ["--weight-decay must be >= 0 (got -1.0)"]),
+    ("lr-warmup-iters-vs-train-samples", 1, MOCK + ["--train-samples", "10", "--lr-warmup-iters", "2"],
+     ["--lr-warmup-iters counts iterations: with --train-samples use its -samples twin"]),
+    ("lr-wsd-decay-iters-vs-train-samples", 1, MOCK + ["--train-samples", "10", "--lr-decay-style", "wsd",
+                                                       "--lr-wsd-decay-iters", "2"],
+     ["--lr-wsd-decay-iters counts iterations: with --train-samples use its -samples twin"]),
+    *[(f"{flag[2:]}-needs-train-samples", 1, MOCK + [flag, "5"],
+       [f"{flag} counts samples: it needs --train-samples (or use its -iters twin)"])
+      for flag in ["--lr-decay-samples", "--lr-wsd-decay-samples"]],
+    *[(f"{flag[2:]}>=0", 1, MOCK + ["--train-samples", "10", flag, "-1"], [f"{flag} must be >= 0 (got -1)"])
+      for flag in ["--lr-warmup-samples", "--lr-wsd-decay-samples"]],
+    ("rampup-integers", 1, MOCK + ["--rampup-batch-size", "a", "4", "10"],
+     ["--rampup-batch-size takes three integers START INCR SAMPLES, got a 4 10"]),
+    ("exit-on-drains", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--async-drain-interval", "4",
+                                       "--exit-interval", "6"],
+     ["--exit-interval (6) must be a multiple of --async-drain-interval (4)"]),
+    *[(f"{flag[2:]}-needs-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", flag, value],
+       [f"{flag} applies to --pipeline-method pipeoptim, not pipedream"])
+      for flag, value in [("--prediction-horizon", "sqrt"), ("--rollout-gradient", "zero-mean")]],
+    *[(f"{argv[0][2:]}-needs-async", 1, MOCK + argv,
+       [f"{argv[0]} applies to asynchronous pipeline methods, not --pipeline-method 1f1b"])
+      for argv in [["--weight-predictor", "rollout"], ["--prediction-horizon", "sqrt"],
+                   ["--rollout-gradient", "zero-mean"], ["--delay-compensation-lambda", "0.1"],
+                   ["--delay-compensation-adaptive"], ["--async-error-feedback"]]],
+    ("no-load-rng-needs-load", 1, MOCK + ["--no-load-rng"], ["--no-load-rng needs --load"]),
+    ("no-save-rng-needs-save", 1, MOCK + ["--no-save-rng"], ["--no-save-rng needs --save"]),
+    ("reset-position-ids-needs-local", 1, MOCK + TE + ["--reset-position-ids"],
+     ["--reset-position-ids needs --transformer-impl local"]),
+    ("log-num-zeros-in-grad-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-num-zeros-in-grad"],
+     ["--log-num-zeros-in-grad is logged by the synchronous methods"]),
 ]
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
-    ("eod-mask-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
+    ("eod-mask-loss-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
                                           "--recompute-num-layers", "1"],
      ["--recompute-granularity full is wired for GPT (pretrain_gpt.py) only", "--recompute-granularity selective"]),
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
-    ("gpt-attention-options", 1, NMT + ["--group-query-attention"],
+    ("group-query-attention-gpt-only", 1, NMT + ["--group-query-attention"],
      ["--group-query-attention applies to pretrain_gpt.py"]),
     ("no-data-loader-workers", 1, NMT + ["--num-workers", "2"],
      ["--num-workers (2) and --dataloader-type (single) apply to pretrain_gpt.py"]),
     ("layers>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "2"],
      ["--encoder-num-layers (0) and --decoder-num-layers (2) must be >= 1"]),
-    ("layer-sum>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "0"],
+    ("num-layers>=1", 1, NMT + ["--encoder-num-layers", "0", "--decoder-num-layers", "0"],
      ["--encoder-num-layers + --decoder-num-layers must be >= 1 (got 0)"]),
     ("decoder-seq>=2", 1, NMT + ["--decoder-seq-length", "1"], ["--decoder-seq-length must be >= 2 (got 1)"]),
     ("decoder-seq-vs-positions", 1, NMT + ["--max-position-embeddings", "128", "--decoder-seq-length", "200"],
@@ -354,9 +380,15 @@ NMT_RULES = [
      ["--max-tokens (100) must hold one sentence", "max(--seq-length, --decoder-seq-length) = 130"]),
     ("eval-bleu-sentences>=0", 1, NMT + ["--eval-bleu-sentences", "-1"],
      ["--eval-bleu-sentences must be >= 0 (got -1)"]),
+    *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv,
+       [f"{argv[0]} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py"])
+      for argv in [["--reset-position-ids"], ["--reset-attention-mask"], ["--calculate-per-token-loss"],
+                   ["--decoupled-lr", "1e-3"]]],
+    *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
+      for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
 ]
-CASES = [(world, argv, words, "gpt") for _, world, argv, words in RULES] + \
-        [(world, argv, words, "nmt") for _, world, argv, words in NMT_RULES]
+CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
+        [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]
 CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
 
 
@@ -364,35 +396,7 @@ CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
 def no_visible_gpu(monkeypatch):
     """`te-importable` fails on every machine: TE's import fails without TE, and with it no GPU is visible."""
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: False)
-    monkeypatch.setattr(config, "_cuda_device", lambda: False)  # --attention-backend flash/fused need one
-
-
-def _raise_site(e: BaseException) -> tuple[str, int]:
-    """(function, line) of the innermost frame of one of the VALIDATORS in the traceback."""
-    names = {fn.__code__: fn.__name__ for fn in VALIDATORS}
-    site, tb = None, e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code in names:
-            site = (names[tb.tb_frame.f_code], tb.tb_lineno)
-        tb = tb.tb_next
-    return site
-
-
-def _rule_sites() -> dict[tuple[str, int, int], str]:
-    """Every RULE_CALLS call and `raise ConfigError` of the VALIDATORS: (function, first line, last line)."""
-    sites = {}
-    for fn in VALIDATORS:
-        lines, first = inspect.getsourcelines(fn)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-        for helper in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "need"]:
-            helper.body = []  # need's own `raise ConfigError(msg)` is every rule's, not one
-        for node in ast.walk(tree):
-            is_rule_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RULE_CALLS
-            is_raise = isinstance(node, ast.Raise) and "ConfigError" in ast.unparse(node)
-            if is_rule_call or is_raise:
-                key = (fn.__name__, first + node.lineno - 1, first + node.end_lineno - 1)
-                sites[key] = ast.unparse(node)[:100]
-    return sites
+    monkeypatch.setattr(config_rules, "_cuda_device", lambda: False)  # --attention-backend flash/fused need one
 
 
 def _validate(argv, world, workload="gpt"):
@@ -401,26 +405,29 @@ def _validate(argv, world, workload="gpt"):
     validate(normalize_nmt(cfg) if workload == "nmt" else cfg, world, workload)
 
 
-def _broken_rule(world, argv, workload) -> tuple[ConfigError, tuple[str, int]]:
+def _rule(case: str) -> str:
+    """The rule a row breaks: its id up to a "/" (the rest names another case of the same rule)."""
+    return case.split("/")[0]
+
+
+@pytest.mark.parametrize("case, world, argv, words, workload", CASES, ids=CASE_IDS)
+def test_rule_gives_one_line_naming_flags(case, world, argv, words, workload):
     with pytest.raises(ConfigError) as info:
         _validate(argv, world, workload)
-    return info.value, _raise_site(info.value)
-
-
-@pytest.mark.parametrize("world, argv, words, workload", CASES, ids=CASE_IDS)
-def test_rule_gives_one_line_naming_flags(world, argv, words, workload):
-    error, _ = _broken_rule(world, argv, workload)
-    message = str(error)
+    message = str(info.value)
     assert "\n" not in message
     for w in words:
         assert w in message, (w, message)
+    assert info.value.rule == _rule(case), "the row's command line broke another rule first"
 
 
 def test_every_rule_has_a_row():
-    hit = {_broken_rule(world, argv, workload)[1] for world, argv, _, workload in CASES}
-    missing = [code for (fn, start, end), code in _rule_sites().items()
-               if not any(f == fn and start <= line <= end for f, line in hit)]
+    names = [rule.name for rule in config_rules.RULES]
+    assert len(names) == len(set(names)), f"rules sharing a name: {sorted({n for n in names if names.count(n) > 1})}"
+    rows = {_rule(case) for case, *_ in CASES}
+    missing = [n for n in names if n not in rows]
     assert not missing, f"rules without a row in RULES / NMT_RULES: {missing}"
+    assert not rows - set(names), f"rows naming no rule of config_rules.RULES: {sorted(rows - set(names))}"
 
 
 def test_the_base_command_lines_are_valid(monkeypatch):

@@ -9,7 +9,8 @@ import torch
 from dist_harness import run_distributed
 from test_pretrain_gpt import base_args, read_metrics, run_pretrain
 
-from megatron_po.config import parse_args, validate
+from megatron_po.config import parse_args
+from megatron_po.config_rules import validate
 from megatron_po.data.data_loader import MicroBatchLoader, sample_index
 from megatron_po.data.gpt_dataset import GPTDataset, MockGPTDataset, build_gpt_datasets
 from megatron_po.data.indexed_dataset import BinFileTokens, IndexedDataset, check_token_ids

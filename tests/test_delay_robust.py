@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_async_policies import emulator, lr_fn_for, record, step_counts
 
-from megatron_po.config import parse_args, validate
+from megatron_po.config import parse_args
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.optim import NAG, NAdamW, build_optimizer
 from megatron_po.pipeline.error_feedback import ErrorFeedback

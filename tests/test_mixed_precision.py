@@ -18,6 +18,8 @@ from dist_harness import run_distributed
 from test_gpt_parallel import CONFIGS, SEED, VOCAB, make_batch
 
 from megatron_po import parallel_state as ps
+from megatron_po.config import parse_args
+from megatron_po.config_rules import validate
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import ConfigError
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
@@ -25,7 +27,7 @@ from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.memory import measure_training_memory, track_new_tensor_bytes
 from megatron_po.optim.mixed_precision import (ConstantGradScaler, DynamicGradScaler, MixedPrecisionOptimizer,
-                                               build_grad_scaler, validate_precision_flags)
+                                               build_grad_scaler)
 
 
 def adamw(groups):
@@ -70,6 +72,13 @@ def train(dtype, steps, grad_scaler=None, accumulate_in_fp32=True, inject_inf_at
 
 
 # ---- flags ---------------------------------------------------------------------------------------
+
+def validate_precision_flags(**flags):
+    """config_rules.validate on a mock-data config with these precision flags."""
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
+    cfg.precision = dataclasses.replace(cfg.precision, **flags)
+    validate(cfg, 1)
+
 
 @pytest.mark.parametrize("flags,message", [
     (dict(bf16=True, fp16=True), "--fp16 and --bf16"),

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from test_pretrain_gpt import assert_same_curve, run_layout
 
-from megatron_po.config import ModelConfig, build_parser, parse_args, validate
+from megatron_po.config import ModelConfig, build_parser, parse_args
+from megatron_po.config_rules import validate
 from megatron_po.models.transformer import RotaryEmbedding, SelfAttention, apply_rotary, build_norm
 
 # Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh MODEL_ARGS, sizes scaled down (32 heads -> 4,

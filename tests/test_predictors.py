@@ -24,7 +24,8 @@ import torch
 from dist_harness import run_distributed
 from test_async_policies import emulator, get_batch
 
-from megatron_po.config import Config, validate
+from megatron_po.config import Config
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.memory import track_new_tensor_bytes

@@ -17,7 +17,8 @@ import sys
 import pytest
 from test_checkpoint import tiny_args
 
-from megatron_po.config import parse_args, validate
+from megatron_po.config import parse_args
+from megatron_po.config_rules import validate
 from megatron_po.distributed.checkpoint_format import list_iterations, read_tracker
 from megatron_po.errors import ConfigError, DataError
 

@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from megatron_po.config import TrainingConfig, parse_args, validate
+from megatron_po.config import TrainingConfig, parse_args
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.optim.lr_scheduler import lr_at
 from megatron_po.optim.sample_schedule import SampleSchedule

@@ -42,7 +42,8 @@ from dist_harness import run_distributed
 from test_async_policies import get_batch, make_cfg
 from test_checkpoint import losses, train
 
-from megatron_po.config import ModelConfig, parse_args, validate, validate_transformer_engine
+from megatron_po.config import ModelConfig, normalize_nmt, parse_args
+from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
 from megatron_po.models import te_layout, te_transformer
 from megatron_po.models.gpt import GPTModel
@@ -197,7 +198,7 @@ def test_flag_rules(fake_te):
         with pytest.raises(ConfigError, match=needle):
             validate(parse_args(argv), 1)
     with pytest.raises(ConfigError, match="wired for GPT"):
-        validate_transformer_engine(parse_args(BASE + TE), "nmt")
+        validate(normalize_nmt(parse_args(BASE + TE)), 1, "nmt")
     # A GPU without FP8 (compute capability < 8.9): TE's own reason, when the model is built.
     reason = "Device compute capability 8.9 or higher required for FP8 execution."
     sys.modules["transformer_engine.pytorch"].is_fp8_available = lambda return_reason: (False, reason)

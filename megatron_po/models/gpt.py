@@ -21,8 +21,8 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
 from megatron_po.data.document_masks import document_causal_mask
 from megatron_po.models.recompute import layer_groups, run_layers
-from megatron_po.models.transformer import (RotaryEmbedding, build_norm, build_transformer_layer, dropout, init_normal,
-                                             layers_context, rotary_dim)
+from megatron_po.models.transformer import (RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal,
+                                             rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                          scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
@@ -34,6 +34,31 @@ def _seeded(seed: int, part: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed * 1_000_003 + (part + 2) * 7919) % (2**63 - 1))
         yield
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementation choice (--transformer-impl); here, above both transformer.py and te_transformer.py,
+# so that the Transformer Engine layer (built on the local one) imports the local module and not back
+# --------------------------------------------------------------------------------------------------
+
+
+def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """A pre-norm layer of the configured implementation. Both start from the same weights: the
+    Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
+    layer = TransformerLayer(cfg, sequence_parallel)
+    if cfg.transformer_impl == "transformer_engine":
+        from megatron_po.models.te_transformer import TETransformerLayer  # imports transformer_engine
+        layer = TETransformerLayer(cfg, sequence_parallel, initial=layer)
+    return layer
+
+
+def layers_context(cfg: ModelConfig):
+    """A zero-argument callable giving the context the layers of a forward run in: Transformer Engine's
+    FP8 autocast with --fp8-format, else nothing."""
+    if cfg.transformer_impl == "transformer_engine" and cfg.fp8_format is not None:
+        from megatron_po.models.te_transformer import FP8Autocast
+        return FP8Autocast(cfg)
+    return contextlib.nullcontext
 
 
 class Embedding(nn.Module):

@@ -43,6 +43,8 @@ import re
 
 import torch
 
+from megatron_po.config import ffn_hidden_size, kv_channels, model_config_from_dict, num_query_groups
+
 # (local suffix, TE model suffix) per transformer layer.
 _ATTENTION = [
     ("input_norm.weight", "self_attention.layernorm_qkv.layer_norm_weight"),
@@ -233,7 +235,6 @@ def transformer_layer_kwargs(model: dict) -> dict:
     `to_transformer_layer` for a model config `model` (a ModelConfig dict); add tp_group / tp_size and
     sequence_parallel for more than one TP rank. RoPE (if used) is passed to its forward as
     `rotary_pos_emb` (non-interleaved halves, like ours)."""
-    from megatron_po.config import ffn_hidden_size, kv_channels, model_config_from_dict, num_query_groups
     m = model_config_from_dict(model)
     return dict(hidden_size=model["hidden_size"], ffn_hidden_size=ffn_hidden_size(m),
                 num_attention_heads=model["num_attention_heads"], num_gqa_groups=num_query_groups(m),

@@ -58,6 +58,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
                                  recompute_granularity)
+from megatron_po.config_check import Check, Ctx, Rule, raised
 from megatron_po.errors import ConfigError
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.te_layout import layer_name_pairs
@@ -179,6 +180,62 @@ def enable_fp8_weight_cache(chunks) -> None:
         for module in chunk.modules():
             if isinstance(module, TETransformerLayer):
                 module.fp8_weights.enabled = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Config rules (rows of config_rules.RULES)
+# --------------------------------------------------------------------------------------------------
+
+
+def _fp8(c: Ctx) -> bool:
+    return c.m.fp8_format is not None
+
+
+def _te(c: Ctx) -> bool:
+    return c.m.transformer_impl == "transformer_engine"
+
+
+def _fp8_tokens(c: Ctx) -> tuple[int, int]:
+    """(tokens of a micro-batch per rank, sequence per rank)."""
+    seq = c.m.seq_length // c.tp if c.p.sequence_parallel else c.m.seq_length
+    return seq * c.t.micro_batch_size, seq
+
+
+def _te_error(c: Ctx) -> str | None:
+    """Whether TE can be imported: one line on every rank before any process group exists, instead of a
+    failure inside model build."""
+    return raised(import_te)
+
+
+# --transformer-impl and --fp8-*: the flag rules and FP8's shape rules come before the import, so they hold
+# without TE. config_rules.RULES checks them after the Megatron switches.
+TE_RULES = [
+    Rule("fp8-needs-te", _te,
+         lambda c: f"--fp8-format {c.m.fp8_format} needs --transformer-impl transformer_engine (FP8 GEMMs are "
+                   f"Transformer Engine's)", when=_fp8),
+    Rule("fp8-amax-history>=1", lambda c: c.m.fp8_amax_history_len >= 1,
+         lambda c: f"--fp8-amax-history-len must be >= 1 (got {c.m.fp8_amax_history_len})", when=_fp8),
+    Rule("fp8-margin>=0", lambda c: c.m.fp8_margin >= 0, lambda c: f"--fp8-margin must be >= 0 (got {c.m.fp8_margin})",
+         when=_fp8),
+    # TE's FP8 GEMMs need the last dim of every operand divisible by 16 and the others' product by 8.
+    Rule("fp8-sizes-by-16", lambda c: (c.m.hidden_size % 16 == 0 and (c.m.hidden_size // c.tp) % 16 == 0
+                                       and (ffn_hidden_size(c.m) // c.tp) % 16 == 0),
+         lambda c: f"--fp8-format needs --hidden-size ({c.m.hidden_size}) and the hidden and MLP sizes per TP rank "
+                   f"({c.m.hidden_size // c.tp}, {ffn_hidden_size(c.m) // c.tp}) divisible by 16", when=_fp8),
+    Rule("fp8-tokens-by-8", lambda c: _fp8_tokens(c)[0] % 8 == 0,
+         lambda c: "--fp8-format needs the tokens of a micro-batch per rank ({}: sequence {} x --micro-batch-size {}) "
+                   "divisible by 8".format(*_fp8_tokens(c), c.t.micro_batch_size), when=_fp8),
+    Rule("fp8-no-full-recompute", lambda c: recompute_granularity(c.m) != "full",
+         "--recompute-granularity full with --fp8-format is not supported: the recomputation runs in the backward, "
+         "outside the FP8 autocast (Transformer Engine's own checkpoint would be needed); use "
+         "--recompute-granularity selective", when=_fp8),
+    Rule("te-no-qk-layernorm", lambda c: not c.m.qk_layernorm,
+         "--qk-layernorm is not wired into the Transformer Engine layer: use --transformer-impl local", when=_te),
+    Rule("te-gpt-only", lambda c: c.workload == "gpt",
+         "--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only so far; the NMT model runs "
+         "with --transformer-impl local", when=_te),
+    Check("te-importable", _te_error, when=_te),
+]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -123,9 +123,9 @@ _SDPA_KERNELS = {"auto": None, "local": "MATH", "unfused": "MATH", "flash": "FLA
 
 def attention_kernel_context(backend: str, masked: bool = False):
     """The SDPA kernel of --attention-backend: auto lets PyTorch pick; local and unfused run the math
-    kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config.validate refuses
-    them without a GPU). Those take no explicit mask, so attention with one (NMT padding, incremental
-    decoding) runs PyTorch's own choice under them."""
+    kernel (explicit softmax(QK^T)V, any device); flash and fused the CUDA kernels (config_rules.validate
+    refuses them without a GPU). Those take no explicit mask, so attention with one (NMT padding,
+    incremental decoding) runs PyTorch's own choice under them."""
     kernel = _SDPA_KERNELS[backend]
     if kernel is None or (masked and kernel != "MATH"):
         return contextlib.nullcontext()
@@ -248,27 +248,3 @@ class TransformerLayer(nn.Module):
         x = x + drop(self.attention(self.input_norm(x), rotary, attn_mask))
         x = x + drop(self.mlp(self.post_attention_norm(x)))
         return x
-
-
-# --------------------------------------------------------------------------------------------------
-# Implementation choice (--transformer-impl)
-# --------------------------------------------------------------------------------------------------
-
-
-def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    """A pre-norm layer of the configured implementation. Both start from the same weights: the
-    Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
-    layer = TransformerLayer(cfg, sequence_parallel)
-    if cfg.transformer_impl == "transformer_engine":
-        from megatron_po.models.te_transformer import TETransformerLayer  # imports transformer_engine
-        layer = TETransformerLayer(cfg, sequence_parallel, initial=layer)
-    return layer
-
-
-def layers_context(cfg: ModelConfig):
-    """A zero-argument callable giving the context the layers of a forward run in: Transformer Engine's
-    FP8 autocast with --fp8-format, else nothing."""
-    if cfg.transformer_impl == "transformer_engine" and cfg.fp8_format is not None:
-        from megatron_po.models.te_transformer import FP8Autocast
-        return FP8Autocast(cfg)
-    return contextlib.nullcontext

@@ -49,33 +49,6 @@ from megatron_po.optim.optimizers import PredictiveOptimizer
 # --------------------------------------------------------------------------------------------------
 
 
-def validate_precision_flags(bf16: bool = False, fp16: bool = False,
-                             accumulate_allreduce_grads_in_fp32: bool = False, loss_scale: float | None = None,
-                             initial_loss_scale: float = 2.0**32, min_loss_scale: float = 1.0,
-                             loss_scale_window: int = 1000, hysteresis: int = 2,
-                             use_distributed_optimizer: bool = False, overlap_param_gather: bool = False) -> None:
-    """Check the precision / distributed-optimizer flags; bad combinations raise one-line ConfigErrors."""
-    if bf16 and fp16:
-        raise ConfigError("--fp16 and --bf16 are mutually exclusive: choose one model dtype")
-    if loss_scale is not None:
-        if not fp16:
-            raise ConfigError(f"--loss-scale {loss_scale} applies only to --fp16 (bf16 and fp32 train unscaled)")
-        if not loss_scale > 0:
-            raise ConfigError(f"--loss-scale must be > 0, got {loss_scale}")
-    if not initial_loss_scale > 0:
-        raise ConfigError(f"--initial-loss-scale must be > 0, got {initial_loss_scale}")
-    if not min_loss_scale > 0:
-        raise ConfigError(f"--min-loss-scale must be > 0, got {min_loss_scale}")
-    if min_loss_scale > initial_loss_scale:
-        raise ConfigError(f"--min-loss-scale ({min_loss_scale}) exceeds --initial-loss-scale ({initial_loss_scale})")
-    if not (isinstance(loss_scale_window, int) and loss_scale_window >= 1):
-        raise ConfigError(f"--loss-scale-window must be an integer >= 1, got {loss_scale_window!r}")
-    if not (isinstance(hysteresis, int) and hysteresis >= 1):
-        raise ConfigError(f"--hysteresis must be an integer >= 1, got {hysteresis!r}")
-    if overlap_param_gather and not use_distributed_optimizer:
-        raise ConfigError("--overlap-param-gather requires --use-distributed-optimizer")
-
-
 def model_dtype(bf16: bool = False, fp16: bool = False) -> torch.dtype:
     """The dtype of the model weights (and activations) for the precision flags."""
     return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32

@@ -10,7 +10,8 @@ import os
 
 from megatron_po import training
 from megatron_po.async_training import ASYNC_SEGMENT_ITERATIONS, next_boundary
-from megatron_po.config import parse_args, validate
+from megatron_po.config import parse_args
+from megatron_po.config_rules import validate
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.training_step import TrainState
 

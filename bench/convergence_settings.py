@@ -13,7 +13,7 @@ from bench_common import REPO
 
 SYNC_METHODS = ("gpipe", "1f1b")
 ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipeoptim")
-# Beyond the paper (README "Beyond the paper: weight predictors"): asynchronous variants, each a base
+# Beyond the paper (docs/predictors.md): asynchronous variants, each a base
 # method run with weight-policy options (megatron_po/optim/predictors.py, pipeline/policies.py). Settings
 # are fixed by stated rules, never tuned per run: DC's λ = "tokens" = the tokens of one micro-batch (for a
 # mean loss over N tokens whose per-token gradients are noise-dominated, the Fisher diagonal, i.e. the

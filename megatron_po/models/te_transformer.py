@@ -44,7 +44,7 @@ What TE's FP8 backward means for the asynchronous methods: the input gradient of
 the FP8 cast made in the forward, not by the weights live at the backward (without FP8 TE uses the live
 weights, like the local layers). PipeDream and 2BW are unaffected (their backward uses the forward's
 version anyway); PipeOptim's input gradients use the quantized prediction Ŵ instead of the live W, and
-SpecTrain's the forward's prediction; weight gradients never involve the weights. See the README.
+SpecTrain's the forward's prediction; weight gradients never involve the weights. See docs/recomputation.md.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _gpu_visible() -> bool:
     return torch.cuda.is_available()
 
 
-_HINT = " (README: Transformer Engine (GPU); --transformer-impl local runs without it)"
+_HINT = " (docs/transformer_engine.md; --transformer-impl local runs without it)"
 
 
 def import_te():

@@ -81,6 +81,66 @@ def study_settings(quick: bool = False, **overrides) -> cv.Settings:
     return dataclasses.replace(s, **overrides)
 
 
+# NMT (--workload nmt): convergence.py's translation workload (NMTWorkload: English -> French Bible, greedy
+# BLEU of every run), made cheaper so the study fits the shared 2-core machine: 4 layers (2 encoder +
+# 2 decoder, one per stage at D = 4) and sentences up to 64 tokens (pairs longer are dropped by
+# tools/preprocess_nmt.py); one AdamW lr grid of 3 values (factors of 2 around convergence.py's 1e-3).
+NMT_LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3]}
+NMT_METHODS = ["1f1b", "interleaved-1f1b", "zb-h1", "async-naive", "pipedream", "pipeoptim", "2bw-ef"]
+
+
+def nmt_study_settings(quick: bool = False, **overrides) -> cv.Settings:
+    """The NMT horizon: 2,048 micro-batches of B = 16 pairs (about 2.5 M source + target tokens, 1.3
+    epochs of the training pairs), measured as where the practical synchronous run (1F1B at M = 2D = 8)
+    ends well below the unigram loss (the report's notes)."""
+    s = cv.nmt_settings(cv.Settings(out=OUT))
+    s = dataclasses.replace(s, depths=[4], optimizers=["adamw"], methods=list(NMT_METHODS), seeds=3,
+                            num_layers=4, seq_length=64, steps=2048, warmup=64, eval_interval=256,
+                            eval_batches=18, tail=128, jobs=2)
+    if quick:
+        s = dataclasses.replace(s, hidden_size=32, num_attention_heads=2, steps=64, warmup=4, eval_interval=32,
+                                eval_batches=4, tail=16, seeds=2, timing_rounds=1, check_updates=2,
+                                methods=["1f1b", "zb-h1", "pipedream"])
+    return dataclasses.replace(s, **overrides)
+
+
+def accumulates(s: cv.Settings, unit: "Unit") -> bool:
+    """NMT's synchronous runs with M > 1 accumulate M micro-batches of B per update (`train_accumulated`)
+    instead of one batch of M*B (`batch_settings`): its micro-batches hold pairs of one target length, so
+    a batch of M*B pairs would be a different sample (and a validation batch of M*B a different mean)."""
+    return s.workload == "nmt" and unit.name == "sync" and unit.M > 1
+
+
+def train_accumulated(s: cv.Settings, M: int, optimizer: str, seed: int) -> dict:
+    """convergence.train_job's synchronous reference with M micro-batches of B per update: the
+    unpipelined model (one emulated stage, no staleness) with update interval k = M, i.e. the mean
+    gradient of M micro-batches at one set of weights, one step (1F1B's update at M micro-batches),
+    the lr of micro-batch i*M at update i. Same data order, validation set and result fields as train_job."""
+    import torch
+    from megatron_po.optim.lr_scheduler import lr_at
+    from megatron_po.pipeline.async_pipeline import AsyncEmulator
+    from megatron_po.tensor_parallel import model_parallel_seed
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    wl = cv.build_workload(s)
+    get_batch, valid = wl.train_batch(seed), wl.valid_batches()
+    t = cv._training_config(s, optimizer)
+    model_parallel_seed(seed)
+    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, M, optimizer,
+                        cv._optimizer_kwargs(s, optimizer), lambda step: lr_at(step * M, t), s.clip_grad,
+                        build_chunks=wl.build_chunks)
+    losses, val = [], []
+    for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
+        losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
+        val.append((end, emu.evaluate(valid)))
+        if not all(math.isfinite(x) for x in losses[-s.eval_interval:]) or not math.isfinite(val[-1][1]):
+            break
+    return {"kind": "train", "D": 0, "optimizer": optimizer, "method": "sync", "seed": seed, "losses": losses,
+            "val": val, "copies": [1], "steps_taken": [emu.steps_taken()[(0, 0)]], "update_interval": M,
+            "seconds": time.perf_counter() - t_start, "bleu": wl.bleu(emu.chunks)}
+
+
 def batch_settings(s: cv.Settings, M: int) -> cv.Settings:
     """Settings of a synchronous run with M micro-batches per update: one micro-batch of M*B samples per
     update, the same samples in the same order, the lr clock (warm-up, decay) scaled to updates, the
@@ -102,7 +162,8 @@ def validate(s: cv.Settings, grid: dict) -> None:
         if D < 2 or s.num_layers % D:
             raise SystemExit(f"error: D={D} must be >= 2 and divide --num-layers {s.num_layers}")
         for M in (2 * D, 4 * D):
-            if s.steps % M or s.eval_interval % M or s.eval_batches % M or s.steps % s.eval_interval:
+            batches = 0 if s.workload == "nmt" else s.eval_batches % M  # (NMT accumulates: any count)
+            if s.steps % M or s.eval_interval % M or batches or s.steps % s.eval_interval:
                 raise SystemExit(f"error: steps {s.steps}, eval interval {s.eval_interval} and eval batches "
                                  f"{s.eval_batches} must be multiples of M={M} (= 2D, 4D at D={D})")
     if any(len(v) < 1 for v in grid.values()) or s.seeds < 1:
@@ -130,7 +191,8 @@ def plan_units(s: cv.Settings) -> list[Unit]:
 
 def _unit_settings(s: cv.Settings, unit: Unit, lr: float) -> cv.Settings:
     # Only this optimizer's lr in the settings: the cache key then depends on nothing else's lr.
-    return batch_settings(dataclasses.replace(s, lr={unit.opt: lr}), unit.M)
+    s = dataclasses.replace(s, lr={unit.opt: lr})
+    return s if accumulates(s, unit) else batch_settings(s, unit.M)
 
 
 def _calib_methods(opt: str, methods: list[str]) -> list[str]:
@@ -159,10 +221,13 @@ def run_job(s: cv.Settings, job: tuple) -> dict:
     if job[0] == "train":
         _, unit, lr, seed = job
         us = _unit_settings(s, unit, lr)
-        r = cv.train_job(us, unit.D, unit.opt, "sync" if unit.name == "sync" else unit.name, seed)
+        if accumulates(s, unit):
+            r, per = train_accumulated(us, unit.M, unit.opt, seed), 1  # (already on the micro-batch clock)
+        else:
+            r, per = cv.train_job(us, unit.D, unit.opt, "sync" if unit.name == "sync" else unit.name, seed), unit.M
         # The validation curve on the clock of micro-batches of B samples, whatever M is.
         r.update(name=unit.name, unit=dataclasses.asdict(unit), lr=lr,
-                 curve=[(e * unit.M, v) for e, v in r["val"]], micro_batches=us.steps * unit.M)
+                 curve=[(e * per, v) for e, v in r["val"]], micro_batches=us.steps * per)
     else:
         _, D, opt = job
         cs = dataclasses.replace(s, lr={opt: LR_GRID[opt][2]}, methods=_calib_methods(opt, s.methods))

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", type=int, nargs="+", default=None, help="pipeline stages D (default 4)")
     p.add_argument("--optimizers", nargs="+", default=None, choices=tr.OPTIMIZERS, help="default: adamw muon")
     p.add_argument("--methods", nargs="+", default=None, choices=tr.METHODS, help="default: all")
+    p.add_argument("--sync-m", type=int, nargs="+", default=None, metavar="M",
+                   help="synchronous runs to train: M micro-batches per update (default 1, 2D and 4D; 2D required)")
     p.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default 3; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="micro-batches of B per run (default 1024)")
     p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...",
@@ -73,6 +75,7 @@ def settings_from_args(argv=None):
     if a.quick and a.optimizers is None:
         s.optimizers = ["adamw"]
     s.jobs, s.resume = a.jobs, a.resume
+    s.sync_ms = a.sync_m  # (likewise not a field)
     s.name = a.name  # (not a Settings field, so not in the cache key; None: the workload's default name)
     s.out = os.path.abspath(a.out or (tr.OUT + "_quick" if a.quick else tr.OUT))
     given = sys.argv[1:] if argv is None else list(argv)

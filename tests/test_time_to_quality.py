@@ -177,3 +177,13 @@ def test_accumulated_sync_run_matches_the_reference_at_m1(ttq, tmp_path):
     two = tr.train_accumulated(s, 2, "adamw", 1)
     assert two["steps_taken"] == [4] and two["losses"][0] == ref["losses"][0]
     assert two["val"][-1][1] != ref["val"][-1][1]
+
+
+def test_sync_m_selects_units_and_needs_2d(ttq):
+    tr = ttq.tr
+    s, grid = ttq.settings_from_args(["--workload", "nmt", "--sync-m", "8"])
+    assert [(u.name, u.M) for u in tr.plan_units(s)] == [("sync", 8), ("async-naive", 1), ("pipedream", 1),
+                                                         ("pipeoptim", 1)]
+    s, grid = ttq.settings_from_args(["--depths", "4", "--sync-m", "1", "16"])
+    with pytest.raises(SystemExit, match="must include M = 2D = 8"):
+        tr.validate(s, grid)

@@ -408,7 +408,7 @@ torch {torch.__version__}, {os.cpu_count()} CPU cores (shared with other session
 load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f};
 wall time {elapsed / 60:.1f} min with {s.jobs} worker process(es) (runs reused from the cache with --resume
 count as 0); {n_runs} training runs in the tables, {study.get("train_seconds", 0) / 60:.0f} min of single-thread
-training in all (sweep included; runs of 2 workers at a load average near 2 when not reused);
+training in all (sweep included; on the shared machine, at the load averages above);
 {time.strftime("%Y-%m-%d %H:%M:%S")}.
 
 ## Settings

@@ -223,6 +223,10 @@ def job_path(s: cv.Settings, job: tuple) -> str:
         _, D, opt = job
         cs = dataclasses.replace(s, lr={opt: LR_GRID[opt][2]}, methods=_calib_methods(opt, s.methods))
         key = cv._job_key(cs, ("calibrate", D, opt))
+        if cs.methods != _calib_methods(opt, list(METHODS)):
+            # It times only the selected methods: another job than the full set's (whose key stays as it
+            # was, so the full studies' cache holds), else a study of more methods would reuse it and lack them.
+            key = cv._job_key(cs, ("calibrate", D, opt, *cs.methods))
     return os.path.join(s.cache(), "runs", f"ttq-{key}.json")
 
 

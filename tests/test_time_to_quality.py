@@ -187,3 +187,15 @@ def test_sync_m_selects_units_and_needs_2d(ttq):
     s, grid = ttq.settings_from_args(["--depths", "4", "--sync-m", "1", "16"])
     with pytest.raises(SystemExit, match="must include M = 2D = 8"):
         tr.validate(s, grid)
+
+
+def test_calibration_of_fewer_methods_is_another_cache_entry(ttq):
+    """A calibration times only the selected methods, so a study of more methods must not reuse it."""
+    tr = ttq.tr
+    s, _ = ttq.settings_from_args([])
+    full = tr.job_path(s, ("calibrate", 4, "muon"))
+    fewer = tr.job_path(dataclasses.replace(s, methods=["1f1b", "pipeoptim"]), ("calibrate", 4, "muon"))
+    more = tr.job_path(dataclasses.replace(s, methods=["1f1b", "pipedream", "pipeoptim"]), ("calibrate", 4, "muon"))
+    assert len({full, fewer, more}) == 3
+    assert tr.job_path(s, ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1)) == \
+        tr.job_path(dataclasses.replace(s, methods=["1f1b"]), ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1))

@@ -326,7 +326,7 @@ GPT_DATA = """- Data and model: bench/convergence.py's GPT workload: {describe}.
   embeddings, no dropout, fp32. Validation: a fixed set of {s.eval_batches} x {s.micro_batch} sequences, every
   {s.eval_interval} micro-batches."""
 NMT_DATA = """- Data and model: bench/convergence.py's NMT workload (`NMTWorkload`): {describe}. {model}, untied
-  embeddings, no dropout, no label smoothing, fp32. Validation: a fixed set of {s.eval_batches} x {s.micro_batch}
+  input/output embeddings, no dropout, no label smoothing, fp32. Validation: a fixed set of {s.eval_batches} x {s.micro_batch}
   pairs (loss every {s.eval_interval} micro-batches; greedy BLEU of the same pairs after the last update)."""
 GPT_HORIZON_NOTE = """- How the horizon was chosen (one synchronous AdamW run each, seed 1, before the study): convergence.py's 256
   micro-batches end at 5.17-5.28 (lr 1e-3), 0.7 nat below the unigram loss; 1,024 micro-batches end at 4.50
@@ -453,7 +453,7 @@ intervals do not overlap (|Δ| > std_a + std_b, convergence.py's rule).
 
 ## Verdict 2: time to quality (simulated wall clock)
 
-Same D stages, micro-batches of B = {s.micro_batch} sequences; synchronous at M = 2D and 4D micro-batches
+Same D stages, micro-batches of B = {s.micro_batch} {"pairs" if nmt else "sequences"}; synchronous at M = 2D and 4D micro-batches
 per update, asynchronous k = 1 (2BW: k = D). Targets: T1 = the final validation loss of 1F1B at M = 2D
 (same optimizer, mean over seeds), T2 = T1 + 0.1, T3 = halfway between the unigram loss and T1. Time to a
 target: the first evaluation at or below it, interpolated linearly from the previous one, in simulated

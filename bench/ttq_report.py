@@ -346,8 +346,8 @@ NMT_HORIZON_NOTE = """- How the horizon was chosen (measured before the study, s
   synchronous finals at this horizon are in the settings above). BLEU stays near its floor at either
   length on this model, so it cannot separate the methods: the verdicts rest on the validation loss.
 - NMT scope (budget): AdamW only, D = 4 only; the asynchronous methods of the paper at k = 1 (async-naive,
-  PipeDream, PipeOptim); the synchronous runs at M = 2D = 8 (1F1B / interleaved / ZB-H1) and the
-  equal-updates reference M = 1, not M = 4D = 16. Muon trains on this path (a tiny D = 4 PipeDream /
+  PipeDream, PipeOptim); the synchronous runs at M = 2D = 8 and 4D = 16 (1F1B / interleaved / ZB-H1) and
+  the equal-updates reference M = 1. Muon trains on this path (a tiny D = 4 PipeDream /
   PipeOptim check ran) but was not swept here. The lr grid was widened three times (first 1e-3..4e-3)
   because 1F1B at M = 8 chose its upper edge each time; every chosen lr is now inside the grid.
 - Reading the NMT goal: at this horizon 1F1B at M = 8 makes 128 updates of 128 pairs and is still far from

@@ -16,6 +16,8 @@ Training runs ("units", each tuned on its own):
   defaults), PipeNAG (`pipenag` + the `nag` optimizer, shown with the AdamW rows), 2BW + error feedback.
 Equal tuning: every unit runs the same lr grid with seed 1, then seeds 2..n at its best lr (lowest final
 validation loss). The synchronous units are shared by every D (their key has no D).
+`--workload nmt`: convergence.py's NMTWorkload at its own horizon (`nmt_study_settings`), its synchronous
+M > 1 runs accumulating M micro-batches of B (`train_accumulated`), the validation BLEU of every run.
 """
 
 from __future__ import annotations

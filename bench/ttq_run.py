@@ -16,6 +16,8 @@ Training runs ("units", each tuned on its own):
   defaults), PipeNAG (`pipenag` + the `nag` optimizer, shown with the AdamW rows), 2BW + error feedback.
 Equal tuning: every unit runs the same lr grid with seed 1, then seeds 2..n at its best lr (lowest final
 validation loss). The synchronous units are shared by every D (their key has no D).
+`--workload nmt`: convergence.py's NMTWorkload at its own horizon (`nmt_study_settings`), its synchronous
+M > 1 runs accumulating M micro-batches of B (`train_accumulated`), the validation BLEU of every run.
 """
 
 from __future__ import annotations
@@ -81,6 +83,67 @@ def study_settings(quick: bool = False, **overrides) -> cv.Settings:
     return dataclasses.replace(s, **overrides)
 
 
+# NMT (--workload nmt): convergence.py's translation workload (NMTWorkload: English -> French Bible, greedy
+# BLEU of every run), made cheaper so the study fits the shared 2-core machine: 4 layers (2 encoder +
+# 2 decoder, one per stage at D = 4) and sentences up to 64 tokens (pairs longer are dropped by
+# tools/preprocess_nmt.py); one AdamW lr grid, factors of 2 up from convergence.py's 1e-3 (the first
+# sweep stopped at 4e-3; 8e-3, 1.6e-2, 3.2e-2 added while 1F1B at M = 8 chose the upper edge).
+NMT_LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]}
+NMT_METHODS = ["1f1b", "interleaved-1f1b", "zb-h1", "async-naive", "pipedream", "pipeoptim"]
+
+
+def nmt_study_settings(quick: bool = False, **overrides) -> cv.Settings:
+    """The NMT horizon: 1,024 micro-batches of B = 16 pairs (about 1.2 M source + target tokens, 0.6
+    epoch of the training pairs): the practical synchronous run (1F1B at M = 2D = 8) ends about 1 nat
+    below the unigram loss there; twice as long costs ~9 min a run on the loaded machine (report's notes)."""
+    s = cv.nmt_settings(cv.Settings(out=OUT))
+    s = dataclasses.replace(s, depths=[4], optimizers=["adamw"], methods=list(NMT_METHODS), seeds=3,
+                            num_layers=4, seq_length=64, steps=1024, warmup=64, eval_interval=128,
+                            eval_batches=18, tail=128, jobs=2)
+    if quick:
+        s = dataclasses.replace(s, hidden_size=32, num_attention_heads=2, steps=64, warmup=4, eval_interval=32,
+                                eval_batches=4, tail=16, seeds=2, timing_rounds=1, check_updates=2,
+                                methods=["1f1b", "zb-h1", "pipedream"])
+    return dataclasses.replace(s, **overrides)
+
+
+def accumulates(s: cv.Settings, unit: "Unit") -> bool:
+    """NMT's synchronous runs with M > 1 accumulate M micro-batches of B per update (`train_accumulated`)
+    instead of one batch of M*B (`batch_settings`): its micro-batches hold pairs of one target length, so
+    a batch of M*B pairs would be a different sample (and a validation batch of M*B a different mean)."""
+    return s.workload == "nmt" and unit.name == "sync" and unit.M > 1
+
+
+def train_accumulated(s: cv.Settings, M: int, optimizer: str, seed: int) -> dict:
+    """convergence.train_job's synchronous reference with M micro-batches of B per update: the
+    unpipelined model (one emulated stage, no staleness) with update interval k = M, i.e. the mean
+    gradient of M micro-batches at one set of weights, one step (1F1B's update at M micro-batches),
+    the lr of micro-batch i*M at update i. Same data order, validation set and result fields as train_job."""
+    import torch
+    from megatron_po.optim.lr_scheduler import lr_at
+    from megatron_po.pipeline.async_pipeline import AsyncEmulator
+    from megatron_po.tensor_parallel import model_parallel_seed
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    wl = cv.build_workload(s)
+    get_batch, valid = wl.train_batch(seed), wl.valid_batches()
+    t = cv._training_config(s, optimizer)
+    model_parallel_seed(seed)
+    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, M, optimizer,
+                        cv._optimizer_kwargs(s, optimizer), lambda step: lr_at(step * M, t), s.clip_grad,
+                        build_chunks=wl.build_chunks)
+    losses, val = [], []
+    for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
+        losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
+        val.append((end, emu.evaluate(valid)))
+        if not all(math.isfinite(x) for x in losses[-s.eval_interval:]) or not math.isfinite(val[-1][1]):
+            break
+    return {"kind": "train", "D": 0, "optimizer": optimizer, "method": "sync", "seed": seed, "losses": losses,
+            "val": val, "copies": [1], "steps_taken": [emu.steps_taken()[(0, 0)]], "update_interval": M,
+            "seconds": time.perf_counter() - t_start, "bleu": wl.bleu(emu.chunks)}
+
+
 def batch_settings(s: cv.Settings, M: int) -> cv.Settings:
     """Settings of a synchronous run with M micro-batches per update: one micro-batch of M*B samples per
     update, the same samples in the same order, the lr clock (warm-up, decay) scaled to updates, the
@@ -90,6 +153,13 @@ def batch_settings(s: cv.Settings, M: int) -> cv.Settings:
     return dataclasses.replace(s, micro_batch=s.micro_batch * M, steps=s.steps // M,
                                eval_interval=s.eval_interval // M, eval_batches=s.eval_batches // M,
                                warmup=max(1, round(s.warmup / M)), tail=max(1, s.tail // M))
+
+
+def sync_ms(s: cv.Settings) -> list[int]:
+    """M of the synchronous units: 1 (the equal-updates reference), 2D and 4D at every D, or the ones
+    --sync-m picked (`s.sync_ms`: not a Settings field, it selects units and changes no run)."""
+    chosen = getattr(s, "sync_ms", None)
+    return sorted({1} | {M for D in s.depths for M in (2 * D, 4 * D)} if chosen is None else set(chosen))
 
 
 def validate(s: cv.Settings, grid: dict) -> None:
@@ -102,9 +172,14 @@ def validate(s: cv.Settings, grid: dict) -> None:
         if D < 2 or s.num_layers % D:
             raise SystemExit(f"error: D={D} must be >= 2 and divide --num-layers {s.num_layers}")
         for M in (2 * D, 4 * D):
-            if s.steps % M or s.eval_interval % M or s.eval_batches % M or s.steps % s.eval_interval:
+            batches = 0 if s.workload == "nmt" else s.eval_batches % M  # (NMT accumulates: any count)
+            if s.steps % M or s.eval_interval % M or batches or s.steps % s.eval_interval:
                 raise SystemExit(f"error: steps {s.steps}, eval interval {s.eval_interval} and eval batches "
                                  f"{s.eval_batches} must be multiples of M={M} (= 2D, 4D at D={D})")
+    missing = [2 * D for D in s.depths if 2 * D not in sync_ms(s)]
+    if missing and any(m in SYNC_SCHEDULES for m in s.methods):
+        raise SystemExit(f"error: --sync-m must include M = 2D = {', '.join(map(str, missing))} (the 1F1B reference "
+                         f"of the targets and the goal)")
     if any(len(v) < 1 for v in grid.values()) or s.seeds < 1:
         raise SystemExit("error: need at least one lr per optimizer and --seeds >= 1")
 
@@ -114,8 +189,7 @@ def plan_units(s: cv.Settings) -> list[Unit]:
     units = []
     for o in s.optimizers:
         if any(m in SYNC_SCHEDULES for m in s.methods):
-            Ms = sorted({1} | {M for D in s.depths for M in (2 * D, 4 * D)})
-            units += [Unit(o, "sync", 0, M) for M in Ms]
+            units += [Unit(o, "sync", 0, M) for M in sync_ms(s)]
         for D in sorted(s.depths, reverse=True):
             for m in ASYNC:
                 if m in s.methods and (m not in ACTUAL_OPT or o == "adamw"):
@@ -130,7 +204,8 @@ def plan_units(s: cv.Settings) -> list[Unit]:
 
 def _unit_settings(s: cv.Settings, unit: Unit, lr: float) -> cv.Settings:
     # Only this optimizer's lr in the settings: the cache key then depends on nothing else's lr.
-    return batch_settings(dataclasses.replace(s, lr={unit.opt: lr}), unit.M)
+    s = dataclasses.replace(s, lr={unit.opt: lr})
+    return s if accumulates(s, unit) else batch_settings(s, unit.M)
 
 
 def _calib_methods(opt: str, methods: list[str]) -> list[str]:
@@ -150,6 +225,10 @@ def job_path(s: cv.Settings, job: tuple) -> str:
         _, D, opt = job
         cs = dataclasses.replace(s, lr={opt: LR_GRID[opt][2]}, methods=_calib_methods(opt, s.methods))
         key = cv._job_key(cs, ("calibrate", D, opt))
+        if cs.methods != _calib_methods(opt, list(METHODS)):
+            # It times only the selected methods: another job than the full set's (whose key stays as it
+            # was, so the full studies' cache holds), else a study of more methods would reuse it and lack them.
+            key = cv._job_key(cs, ("calibrate", D, opt, *cs.methods))
     return os.path.join(s.cache(), "runs", f"ttq-{key}.json")
 
 
@@ -159,10 +238,13 @@ def run_job(s: cv.Settings, job: tuple) -> dict:
     if job[0] == "train":
         _, unit, lr, seed = job
         us = _unit_settings(s, unit, lr)
-        r = cv.train_job(us, unit.D, unit.opt, "sync" if unit.name == "sync" else unit.name, seed)
+        if accumulates(s, unit):
+            r, per = train_accumulated(us, unit.M, unit.opt, seed), 1  # (already on the micro-batch clock)
+        else:
+            r, per = cv.train_job(us, unit.D, unit.opt, "sync" if unit.name == "sync" else unit.name, seed), unit.M
         # The validation curve on the clock of micro-batches of B samples, whatever M is.
         r.update(name=unit.name, unit=dataclasses.asdict(unit), lr=lr,
-                 curve=[(e * unit.M, v) for e, v in r["val"]], micro_batches=us.steps * unit.M)
+                 curve=[(e * per, v) for e, v in r["val"]], micro_batches=us.steps * per)
     else:
         _, D, opt = job
         cs = dataclasses.replace(s, lr={opt: LR_GRID[opt][2]}, methods=_calib_methods(opt, s.methods))

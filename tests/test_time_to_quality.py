@@ -116,3 +116,86 @@ def test_bad_sizes_fail_with_one_line(ttq):
     s, grid = ttq.settings_from_args(["--quick", "--depths", "4", "--steps", "72"])
     with pytest.raises(SystemExit, match="multiples of M=8"):
         ttq.tr.validate(s, grid)
+
+
+def test_quick_nmt_study_has_bleu_and_accumulates_sync_updates(ttq, tmp_path):
+    """--workload nmt: the translation model through the same study (sweep, seeds, calibration, both
+    verdicts, goal) from real runs, the BLEU columns coming from the runs, and the practical synchronous
+    runs (M = 2D, 4D) trained as M accumulated micro-batches of B per update (`train_accumulated`)."""
+    from test_convergence_bench import write_parallel_corpus
+    tr = ttq.tr
+    corpus = tmp_path / "pairs.jsonl"
+    write_parallel_corpus(corpus, ["Genesis", "Exodus", *tr.cv.NMTWorkload.VALID_BOOKS, *tr.cv.NMTWorkload.TEST_BOOKS])
+    s, grid = ttq.settings_from_args(["--workload", "nmt", "--quick", "--depths", "2", "--jobs", "1",
+                                      "--out", str(tmp_path / "out")])
+    assert s.workload == "nmt" and grid["adamw"] == [2e-3, 4e-3] and s.seeds == 2
+    grid["adamw"] = [2e-3]  # (one lr: the sweep is the GPT test's subject; this one's is the NMT wiring)
+    s = dataclasses.replace(s, corpus=str(corpus), num_layers=2, hidden_size=16, num_attention_heads=2,
+                            seq_length=24, micro_batch=2, vocab_size=360, steps=16, eval_interval=8, eval_batches=2,
+                            tail=4, warmup=2, check_updates=2, methods=["1f1b", "pipedream"])
+    out = ttq.run(s, grid, log=lambda *_: None)
+    md_path, png, js = out["paths"]
+    assert os.path.basename(md_path) == "time_to_quality_nmt.md" and os.path.isfile(png)
+    md, study = open(md_path).read(), out["study"]
+    assert md.startswith("# Which pipeline should I use? Time to quality (NMT, D = 2)")
+    units = {(u.name, u.M): u for u in study["units"]}
+    assert set(units) == {("sync", 1), ("sync", 4), ("sync", 8), ("pipedream", 1)}
+    for (name, M), u in units.items():
+        runs = study["runs"][u]
+        assert [r["seed"] for r in runs] == [1, 2]
+        assert [p[0] for p in runs[0]["curve"]] == [8, 16]  # the micro-batch clock, whatever M
+        # M accumulated micro-batches per synchronous update: steps / M updates, on one unpipelined stage
+        assert runs[0]["steps_taken"] == ([s.steps // M] if name == "sync" else [s.steps] * 2)
+        assert all(r["bleu"] is not None and 0 <= r["bleu"] <= 100 for r in runs)
+    # verdict 1's BLEU column = mean ± std of the runs' BLEU
+    v1 = cells(md.split("## Verdict 1")[1].split("## Verdict 2")[0], "2")
+    for u in study["units"]:
+        b = [r["bleu"] for r in study["runs"][u]]
+        assert v1[u.label][0][-1] == f"{statistics.fmean(b):.2f} ± {statistics.stdev(b):.2f}", v1[u.label][0]
+    v2 = cells(md.split("## Verdict 2")[1].split("## The goal")[0], "2")
+    assert set(v2) == {"1F1B, M=4", "1F1B, M=8", "PipeDream, k=1"}
+    assert v2["1F1B, M=4"][0][-1] == v1["sync, M=4"][0][-1]  # BLEU at the end (the same runs)
+    assert "copy-the-source" in md and "- **D=2, AdamW: " in md
+    assert all("bleu" in r for u in json.load(open(js))["units"] for r in u["runs"])
+
+
+def test_accumulated_sync_run_matches_the_reference_at_m1(ttq, tmp_path):
+    """train_accumulated is convergence.train_job's synchronous reference with k = M: at M = 1 the two
+    give the same losses and validation curve (same data order, init, lr clock); at M = 2 it makes half
+    the updates on the same micro-batches (so the first micro-batch's loss agrees, the curve does not)."""
+    from test_convergence_bench import write_parallel_corpus
+    tr = ttq.tr
+    corpus = tmp_path / "pairs.jsonl"
+    write_parallel_corpus(corpus, ["Genesis", "Exodus", *tr.cv.NMTWorkload.VALID_BOOKS, *tr.cv.NMTWorkload.TEST_BOOKS])
+    s = tr.nmt_study_settings(True, corpus=str(corpus), num_layers=2, hidden_size=16, num_attention_heads=2,
+                              seq_length=24, micro_batch=2, vocab_size=360, steps=8, eval_interval=4, eval_batches=2,
+                              warmup=2, lr={"adamw": 2e-3}, out=str(tmp_path / "out"))
+    tr.cv.build_workload(s).prepare()
+    ref = tr.cv.train_job(s, 2, "adamw", "sync", 1)
+    one = tr.train_accumulated(s, 1, "adamw", 1)
+    assert one["losses"] == ref["losses"] and one["val"] == ref["val"]  # exact: the same computation
+    two = tr.train_accumulated(s, 2, "adamw", 1)
+    assert two["steps_taken"] == [4] and two["losses"][0] == ref["losses"][0]
+    assert two["val"][-1][1] != ref["val"][-1][1]
+
+
+def test_sync_m_selects_units_and_needs_2d(ttq):
+    tr = ttq.tr
+    s, grid = ttq.settings_from_args(["--workload", "nmt", "--sync-m", "8"])
+    assert [(u.name, u.M) for u in tr.plan_units(s)] == [("sync", 8), ("async-naive", 1), ("pipedream", 1),
+                                                         ("pipeoptim", 1)]
+    s, grid = ttq.settings_from_args(["--depths", "4", "--sync-m", "1", "16"])
+    with pytest.raises(SystemExit, match="must include M = 2D = 8"):
+        tr.validate(s, grid)
+
+
+def test_calibration_of_fewer_methods_is_another_cache_entry(ttq):
+    """A calibration times only the selected methods, so a study of more methods must not reuse it."""
+    tr = ttq.tr
+    s, _ = ttq.settings_from_args([])
+    full = tr.job_path(s, ("calibrate", 4, "muon"))
+    fewer = tr.job_path(dataclasses.replace(s, methods=["1f1b", "pipeoptim"]), ("calibrate", 4, "muon"))
+    more = tr.job_path(dataclasses.replace(s, methods=["1f1b", "pipedream", "pipeoptim"]), ("calibrate", 4, "muon"))
+    assert len({full, fewer, more}) == 3
+    assert tr.job_path(s, ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1)) == \
+        tr.job_path(dataclasses.replace(s, methods=["1f1b"]), ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1))

@@ -43,7 +43,8 @@ from megatron_po.distributed import ddp as ddp_module  # noqa: E402
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
 from megatron_po.pipeline.partition import ActivationSpecs, gpt_message_specs  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
-from schedules import WIDTH, SleepStage, gpt_config, synthetic_batches, timed  # noqa: E402
+from schedules_measure import timed  # noqa: E402
+from schedules_stages import WIDTH, SleepStage, gpt_config, synthetic_batches  # noqa: E402
 
 TIMEOUT = 1800.0
 GPT_VARIANTS = ("plain", "distopt-before", "distopt", "distopt-overlap")

@@ -46,7 +46,9 @@ def main(argv=None) -> None:
 
     from megatron_po import parallel_state as ps
     from megatron_po.config import parse_args
-    from megatron_po.distributed import checkpoint as ck
+    from megatron_po.distributed import checkpoint_save  # its checksum_checkpoint is swapped below
+    from megatron_po.distributed.checkpoint_load import load_checkpoint
+    from megatron_po.distributed.checkpoint_save import save_checkpoint
     from megatron_po.tensor_parallel import pad_vocab_size
     from megatron_po.training import build_model_chunks
     torch.set_num_threads(1)
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab_size)])
     chunks = build_model_chunks(cfg, pad_vocab_size(args.vocab_size, 128, 1))
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    hashing = ck.checksum_checkpoint
+    hashing = checkpoint_save.checksum_checkpoint
     root = tempfile.mkdtemp(prefix="ckpt-checksums-")
     times: dict[str, list[float]] = {k: [] for k in ("save", "save+checksums", "load", "load+verify",
                                                      "hashing in save")}
@@ -69,21 +71,21 @@ def main(argv=None) -> None:
         hashing(*a, **k)
         times["hashing in save"].append(time.perf_counter() - t0)
     try:
-        ck.save_checkpoint(os.path.join(root, "warm-up"), 1, chunks, None, {"train_state": {}})  # imports, allocator
-        ck.load_checkpoint(os.path.join(root, "warm-up"), chunks, None, load_rng=False)
+        save_checkpoint(os.path.join(root, "warm-up"), 1, chunks, None, {"train_state": {}})  # imports, allocator
+        load_checkpoint(os.path.join(root, "warm-up"), chunks, None, load_rng=False)
         shutil.rmtree(os.path.join(root, "warm-up"))
         for rep in range(args.reps):
             for with_sums in ((False, True) if rep % 2 == 0 else (True, False)):  # neither always goes first
                 d = os.path.join(root, f"{rep}-{int(with_sums)}")
-                ck.checksum_checkpoint = timed_hashing if with_sums else (lambda *a, **k: None)
+                checkpoint_save.checksum_checkpoint = timed_hashing if with_sums else (lambda *a, **k: None)
                 t0 = time.perf_counter()
-                ck.save_checkpoint(d, 1, chunks, None, {"train_state": {}})
+                save_checkpoint(d, 1, chunks, None, {"train_state": {}})
                 times["save+checksums" if with_sums else "save"].append(time.perf_counter() - t0)
-            ck.checksum_checkpoint = hashing
+            checkpoint_save.checksum_checkpoint = hashing
             d = os.path.join(root, f"{rep}-1")
             for verify in ((False, True) if rep % 2 == 0 else (True, False)):
                 t0 = time.perf_counter()
-                ck.load_checkpoint(d, chunks, None, load_rng=False, verify=verify)
+                load_checkpoint(d, chunks, None, load_rng=False, verify=verify)
                 times["load+verify" if verify else "load"].append(time.perf_counter() - t0)
             files = os.listdir(os.path.join(d, "iter_0000001"))
             size, n_files = sum(os.path.getsize(os.path.join(d, "iter_0000001", f)) for f in files), len(files)

@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import convergence as cv  # noqa: E402
+import convergence_runs  # noqa: E402  (where the jobs read _optimizer_kwargs: the override goes there)
 
 D = 4
 # label -> (optimizer, method, extra optimizer kwargs, weight-policy options)
@@ -57,14 +58,14 @@ LABELS = {"sync-adamw": "sync AdamW (GPipe/1F1B)", "pipedream-adamw": "PipeDream
 def train(s: cv.Settings, label: str, seed: int) -> dict:
     optimizer, method, extra, options = RUNS[label]
     extra = {k: (0.004 * 50_000 / s.steps if v == "scaled" else v) for k, v in extra.items()}
-    base_kwargs = cv._optimizer_kwargs
-    cv._optimizer_kwargs = lambda s_, o: {**base_kwargs(s_, o), **extra}
+    base_kwargs = convergence_runs._optimizer_kwargs
+    convergence_runs._optimizer_kwargs = lambda s_, o: {**base_kwargs(s_, o), **extra}
     cv.PREDICTOR_VARIANTS[label] = (method, options)
     cv.LABELS[label] = LABELS[label]
     try:
         r = cv.train_job(s, 0 if method == "sync" else D, optimizer, "sync" if method == "sync" else label, seed)
     finally:
-        cv._optimizer_kwargs = base_kwargs
+        convergence_runs._optimizer_kwargs = base_kwargs
     r["label"] = label
     return r
 

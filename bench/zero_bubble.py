@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,  # noqa: E402
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
+from bench_common import Lines, command_line, load_at_end, load_at_start, machine, now  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
@@ -208,17 +208,12 @@ def table(header, rows):
 
 def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, reps=3, with_async=True,
                     out_path=None, command=None):
-    lines = []
-
-    def emit(text=""):
-        print(text, flush=True)
-        lines.append(text)
-
+    out = Lines()
+    emit = out.emit
     started = time.perf_counter()
-    emit(f"Command: `{command or ' '.join(['python', 'bench/zero_bubble.py'] + sys.argv[1:])}`")
+    emit(f"Command: `{command or command_line('bench/zero_bubble.py', sys.argv[1:])}`")
     emit()
-    emit(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.platform()}, load average at start "
-         f"{os.getloadavg()[0]:.2f} (1 min) / {os.getloadavg()[1]:.2f} (5 min), {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    emit(f"{machine()}, {load_at_start()}, {now()}")
     emit()
     emit(f"Synthetic sleeping stages (see the docstring of bench/zero_bubble.py): D={D}, M={M}, per stage t_f="
          f"{t_f * 1e3:g} ms, t_B={t_b * 1e3:g} ms, t_W={t_w * 1e3:g} ms (v=2: each chunk at half), [{mbs}, {WIDTH}] "
@@ -253,7 +248,8 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
                      " / ".join(str(peak[r]) for r in range(D))])
         print("  ", rows[-1], f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]", flush=True)
     if with_async:
-        from schedules import median as _median, synthetic_async  # bench/schedules.py's async measurement
+        from bench_common import median as _median
+        from schedules_runs import synthetic_async  # bench/schedules.py's async measurement
         per_rank = run_distributed(synthetic_async, D, pp=D, timeout=TIMEOUT,
                                    args=(M, t_f, t_b + t_w, mbs, warmup, reps))
         got = _median(per_rank[-1][0]["pipeoptim"])
@@ -268,12 +264,9 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
         emit(f"Targets (issue 19): ZB-H1 >= 0.97 of its bound: {frac:.3f} ({'met' if frac >= 0.97 else 'not met'}); "
              f">= 1.0x torch's zero-bubble schedule: {vs_torch:.3f}x ({'met' if vs_torch >= 1.0 else 'not met'}).")
         emit()
-    emit(f"load average at end {os.getloadavg()[0]:.2f} (1 min) / {os.getloadavg()[1]:.2f} (5 min); "
-         f"{(time.perf_counter() - started) / 60:.1f} minutes")
+    emit(load_at_end(started))
     if out_path:
-        os.makedirs(os.path.dirname(out_path), exist_ok=True)
-        with open(out_path, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        out.write(out_path)
         print(f"\nwritten to {out_path}")
     return summary
 

@@ -4,7 +4,7 @@
 # processes (data parallel 2), greedy-decoding validation BLEU every --eval-interval, then the held-out
 # test books translated with beam search and scored (BLEU, chrF), beside the copy-the-source baseline.
 #
-# Budget: 15 minutes on 2 CPU cores including preprocessing (see README "Machine translation" for the
+# Budget: 15 minutes on 2 CPU cores including preprocessing (see docs/nmt.md for the
 # figures measured here). On GPUs: raise --hidden-size/--encoder-num-layers/--decoder-num-layers/
 # --max-tokens and --train-iters, set --nproc-per-node to your GPU count, add --bf16.
 set -euo pipefail

@@ -27,7 +27,9 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, validate
 from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.distributed import launcher_death, save_lock
-from megatron_po.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from megatron_po.distributed.checkpoint_format import find_checkpoint
+from megatron_po.distributed.checkpoint_load import load_checkpoint
+from megatron_po.distributed.checkpoint_save import save_checkpoint
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import ConfigError, DataError, SaveError, UserError
@@ -109,7 +111,7 @@ def apply_checkpoint_args(cfg: Config) -> Config:
     import copy
     import dataclasses as dc
 
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     ck = cfg.checkpoint
     if not os.path.isdir(ck.load) or find_checkpoint(ck.load, ck.ckpt_step) is None:
         if int(os.environ.get("RANK", "0")) == 0:

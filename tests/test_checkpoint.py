@@ -37,8 +37,9 @@ import torch._dynamo  # noqa: F401  (torch.optim imports it: ~1.3 s once here in
 import torch.distributed.checkpoint  # noqa: F401  (likewise ~1.3 s)
 from dist_harness import run_distributed
 
-from megatron_po.distributed.checkpoint import (TRACKER, find_checkpoint, list_iterations, read_full_checkpoint,
-                                                read_tracker, rotate_checkpoints)
+from megatron_po.distributed.checkpoint_format import TRACKER, find_checkpoint, list_iterations, read_tracker
+from megatron_po.distributed.checkpoint_load import read_full_checkpoint
+from megatron_po.distributed.checkpoint_save import rotate_checkpoints
 from megatron_po.errors import ConfigError, UserError
 from megatron_po.training import run_main
 
@@ -128,7 +129,8 @@ def load_and_resave(argv, src, step, dst):
     from megatron_po import parallel_state as ps
     from megatron_po.config import parse_args, virtual_pipeline_size
     from megatron_po.data.tokenizer import build_tokenizer
-    from megatron_po.distributed.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_po.distributed.checkpoint_load import load_checkpoint
+    from megatron_po.distributed.checkpoint_save import save_checkpoint
     from megatron_po.distributed.ddp import DistributedDataParallel
     from megatron_po.tensor_parallel import pad_vocab_size
     from megatron_po.training import build_model_chunks, build_optimizer_for
@@ -251,9 +253,10 @@ def test_distributed_optimizer_resume_is_bit_exact(case, tmp_path):
     if "--fp16" in flags:  # each virtual stage's own loss scale, grown from 1024 by the window of 2
         import pickle
 
-        from megatron_po.distributed.checkpoint import _dcp_load, checkpoint_dir
+        from megatron_po.distributed.checkpoint_dcp import dcp_load
+        from megatron_po.distributed.checkpoint_format import checkpoint_dir
         scalers = {f"grad_scaler.stage{vs}": b"" for vs in range(2)}
-        _dcp_load(scalers, checkpoint_dir(ckpt, 3))
+        dcp_load(scalers, checkpoint_dir(ckpt, 3))
         assert all(pickle.loads(v)["scale"] > 1024 for v in scalers.values()), scalers
 
 
@@ -296,7 +299,7 @@ def test_flat_ranges_split_into_contiguous_blocks():
     the parameter that are contiguous in memory and cover the range exactly once."""
     import math
 
-    from megatron_po.distributed.checkpoint import _blocks
+    from megatron_po.distributed.checkpoint_dcp import _blocks
     for shape in [(7,), (3, 5), (2, 3, 4), (4, 1, 3)]:
         n = math.prod(shape)
         numbered = torch.arange(n).view(shape)

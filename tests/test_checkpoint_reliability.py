@@ -32,7 +32,7 @@ from dist_harness import run_distributed
 from rank_launcher import ROOT, free_port, launch, tagged_processes, TAG_VAR
 from test_checkpoint import tiny_args
 
-from megatron_po.distributed.checkpoint import list_iterations, read_tracker
+from megatron_po.distributed.checkpoint_format import list_iterations, read_tracker
 from megatron_po.distributed.checkpoint_integrity import MANIFEST
 
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")

@@ -97,7 +97,7 @@ def test_exit_duration_no_save_optim_and_checkpoint_args(tmp_path):
 def test_decoupled_lr_drives_embedding_and_output_only(tmp_path):
     """--decoupled-lr 0: the word embedding and output layer keep their initial values (a run at --lr 0 holds
     them), every other weight moves; with a distributed optimizer over DP=2 too."""
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     common = ["--untie-embeddings-and-output-weights", "--train-iters", "2", "--weight-decay", "0.1"]
     runs = {}
     for name, world, extra in [("init", 1, ["--lr", "0", "--min-lr", "0"]),

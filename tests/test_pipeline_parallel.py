@@ -15,7 +15,7 @@ from test_gpt_parallel import CONFIGS, SEED, VOCAB, full_grads, make_batch
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config
-from megatron_po.distributed.checkpoint import named_parameters_global
+from megatron_po.distributed.checkpoint_format import named_parameters_global
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
 from megatron_po.models.gpt import GPTModel, masked_mean_loss

@@ -26,7 +26,7 @@ from dist_harness import run_distributed
 from rank_launcher import ROOT, launch, tagged_processes
 from test_checkpoint import tiny_args as checkpoint_tiny_args
 
-from megatron_po.distributed.checkpoint import list_iterations, read_tracker
+from megatron_po.distributed.checkpoint_format import list_iterations, read_tracker
 
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 TIMEOUT_MINUTES = 0.5  # --distributed-timeout-minutes of the runs that lose a rank: all exit within it

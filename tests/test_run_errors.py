@@ -18,7 +18,7 @@ import pytest
 from test_checkpoint import tiny_args
 
 from megatron_po.config import parse_args, validate
-from megatron_po.distributed.checkpoint import list_iterations, read_tracker
+from megatron_po.distributed.checkpoint_format import list_iterations, read_tracker
 from megatron_po.errors import ConfigError, DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -130,7 +130,7 @@ def test_no_visible_gpu_is_reported(fake_te, monkeypatch):
 
 
 def test_local_never_imports_transformer_engine(failing_te):
-    from megatron_po.distributed.checkpoint import named_parameters_global
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
     from megatron_po.pipeline.partition import build_chunks_for_rank
     from megatron_po.tensor_parallel import model_parallel_seed
     finder = failing_te(RuntimeError("must not be imported"))
@@ -291,7 +291,7 @@ GQA_VARIANT = dict(VARIANTS["rmsnorm-swiglu"], group_query_attention=True, num_q
 
 @pytest.mark.parametrize("variant", ["layernorm-gelu-bias", "rmsnorm-swiglu", "rmsnorm-swiglu-gqa-1p"])
 def test_te_model_starts_from_and_computes_like_the_local_model(variant, fake_te):
-    from megatron_po.distributed.checkpoint import named_parameters_global
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
     kw = dict(VARIANTS.get(variant, GQA_VARIANT),
               position_embedding_type="rope" if "swiglu" in variant else "learned_absolute")
     local_model = GPTModel(tiny(**kw), 64, seed=4)
@@ -383,7 +383,7 @@ def test_fp8_casts_under_async_pipelines_behave_as_documented(fake_te):
 # ---- checkpoints across implementations (2 ranks, TP=2, sequence parallel) ---------------------------
 
 def test_checkpoints_load_across_implementations(fake_te, tmp_path, monkeypatch):
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     monkeypatch.setenv(fake.TRACE_ENV, str(tmp_path / "trace"))
     # Attention dropout 0: under sequence parallelism TE draws it from the default generator, the local
     # layer from the TP-rank tracker, so only those masks differ (hidden dropout is the same code).

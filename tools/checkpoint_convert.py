@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def verify(args) -> None:
     """`verify CKPT`: one `path: N files OK` line, or UserError naming the first bad file."""
-    from megatron_po.distributed.checkpoint import checkpoint_dir, find_checkpoint
+    from megatron_po.distributed.checkpoint_format import checkpoint_dir, find_checkpoint
     from megatron_po.distributed.checkpoint_integrity import read_manifest, verify_checkpoint
     path = args.ckpt
     if not os.path.isdir(path):
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
 def read_checkpoint(load: str, step: int | None, progress: bool = True):
     """(weights {global name: tensor}, info dict) of a checkpoint, in this process alone."""
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     weights, extra, iteration = read_full_checkpoint(load, step, "model.", progress=progress)
     config = extra.get("config")
     if not config or "model" not in config:
@@ -207,7 +207,8 @@ def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, pad
     config `cfg` (a Config dict) and the vocabulary sizes; training continues from it with --finetune."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_po.distributed.checkpoint import checkpoint_dir, publish
+    from megatron_po.distributed.checkpoint_format import checkpoint_dir
+    from megatron_po.distributed.checkpoint_save import publish
     from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
              "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}

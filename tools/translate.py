@@ -64,7 +64,7 @@ def load_model(args):
     from megatron_po import parallel_state as ps
     from megatron_po.config import Config, normalize_nmt
     from megatron_po.data.nmt_dataset import load_tokenizer
-    from megatron_po.distributed.checkpoint import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     from megatron_po.models.nmt import NMTModel
 
     weights, extra, iteration = read_full_checkpoint(args.load, args.ckpt_step, "model.",

@@ -2,7 +2,7 @@
 nothing here imports transformer_engine).
 
 Checkpoints always hold the LOCAL names and layouts (`layers.3.attention.qkv.weight`, TP-independent
-global tensors), whichever `--transformer-impl` wrote them: `distributed/checkpoint.py` names every
+global tensors), whichever `--transformer-impl` wrote them: `distributed/checkpoint_format.py` names every
 parameter through `local_name`, so a checkpoint loads into either implementation, under any TP/PP layout,
 and back. Two Transformer Engine layouts are mapped here.
 

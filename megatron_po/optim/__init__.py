@@ -1,7 +1,7 @@
 """Optimizers that can predict their own next steps (PipeOptim), mixed precision, grad clipping."""
 
+from megatron_po.optim.build import OPTIMIZER_NAMES, build_optimizer
 from megatron_po.optim.optimizers import (
-    OPTIMIZER_NAMES,
     SGD,
     Adagrad,
     Adam,
@@ -9,7 +9,6 @@ from megatron_po.optim.optimizers import (
     Lion,
     PredictiveOptimizer,
     RMSprop,
-    build_optimizer,
     param_groups,
 )
 from megatron_po.optim.muon import Muon, optimizer_param_groups

@@ -25,7 +25,7 @@ shard from this rank's optimizer state, writes it into the model weights' owned 
 them exactly like updated shards; `restore_model_params()` is the normal main -> model copy + all-gather.
 The fp32 main shards are the cache: no full-size weight copy is made.
 
-Checkpoints: distributed/checkpoint.py writes each rank's pieces straight into the per-parameter
+Checkpoints: distributed/checkpoint_dcp.py writes each rank's pieces straight into the per-parameter
 tensors an unsharded optimizer writes (`model.<name>` = the fp32 main param, `optimizer.<name>.<key>`),
 as DCP chunks at the pieces' offsets, without gathering; loading reads back each rank's own ranges, so
 checkpoints move between DP sizes, TP/PP layouts and the sharded and unsharded optimizers. The
@@ -283,7 +283,7 @@ class DistributedOptimizer(MainParamsOptimizer):
                     or saved["dp_rank"] != mine["dp_rank"] else "another bucket layout")
             raise ConfigError(f"distributed optimizer state was saved under {what}; this run has "
                               f"DP={mine['dp_size']} rank {mine['dp_rank']} with its own buckets: for resharding "
-                              "to another layout save and load through distributed/checkpoint.py")
+                              "to another layout save and load through distributed/checkpoint_save.py")
         self.optimizer.load_state_dict(state["optimizer"])
         for shard, saved_shard in zip(self.main_shards, state["main_shards"]):
             shard.copy_(saved_shard)

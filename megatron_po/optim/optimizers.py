@@ -48,8 +48,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_po.errors import ConfigError
-
 
 class _Direction(NamedTuple):
     """ΔW for the parameters of one group that have state: `numerator / denominator / divisor`.
@@ -677,71 +675,6 @@ class Lion(PredictiveOptimizer):
         for state in self.state.values():
             if "update_sign" in state:
                 state["update_sign"] = state["update_sign"].to(torch.int8)
-
-
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon", "nadamw", "nag")
-
-
-def build_optimizer(
-    name: str,
-    params: Iterable,
-    lr: float,
-    weight_decay: float = 0.0,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.999,
-    adam_eps: float = 1e-8,
-    sgd_momentum: float = 0.9,
-    sgd_direction: str = "buffer",
-    lion_beta1: float = 0.9,
-    lion_beta2: float = 0.99,
-    muon_momentum: float = 0.95,
-    muon_use_nesterov: bool = True,
-    muon_num_ns_steps: int = 5,
-    muon_scale_mode: str = "spectral",
-    muon_extra_scale_factor: float = 0.2,
-    nadam_momentum_decay: float = 4e-3,
-) -> PredictiveOptimizer:
-    """The optimizer named by `--optimizer`, from Megatron-style flag values.
-
-    "adam" is Adam with L2 weight decay in the gradient and "adamw" decoupled decay, as in torch and the
-    PipeOptim paper (Megatron-LM's own "adam" applies decoupled decay, i.e. is "adamw" here).
-    "sgd" uses momentum `sgd_momentum` (Megatron's default 0.9; 0 gives plain SGD), "nesterov" the same
-    with Nesterov momentum. RMSprop and Adagrad use torch's defaults for their other settings.
-    "muon" (optim/muon.py) needs groups from `muon.optimizer_param_groups` (the use_muon split); its AdamW
-    part uses the adam_* values.
-    Bad values raise ConfigError.
-    """
-    try:
-        if name == "adam":
-            return Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
-        if name == "adamw":
-            return AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
-        if name == "sgd":
-            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, direction=sgd_direction)
-        if name == "nesterov":
-            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, nesterov=True)
-        if name == "rmsprop":
-            return RMSprop(params, lr, weight_decay=weight_decay)
-        if name == "adagrad":
-            return Adagrad(params, lr, weight_decay=weight_decay)
-        if name == "lion":
-            return Lion(params, lr, betas=(lion_beta1, lion_beta2), weight_decay=weight_decay)
-        if name == "muon":
-            from megatron_po.optim.muon import Muon  # muon.py builds on this module
-            return Muon(params, lr, momentum=muon_momentum, nesterov=muon_use_nesterov,
-                        num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
-                        extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2), eps=adam_eps,
-                        weight_decay=weight_decay)
-        if name == "nadamw":  # optim/nadamw.py; imported here because it builds on this module
-            from megatron_po.optim.nadamw import NAdamW
-            return NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
-                          momentum_decay=nadam_momentum_decay)
-        if name == "nag":  # optim/nag.py: PipeNAG's dampened Nesterov step, momentum --sgd-momentum
-            from megatron_po.optim.nag import NAG
-            return NAG(params, lr, momentum=sgd_momentum, weight_decay=weight_decay)
-    except ValueError as e:
-        raise ConfigError(f"--optimizer {name}: {e}") from e
-    raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")
 
 
 def param_groups(modules, weight_decay: float) -> list[dict]:

@@ -360,7 +360,7 @@ def _set_train(chunks, mode: bool) -> None:
 
 def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
     """{global parameter name: tensor} (full tensors when `gather_tp`, TP shards gathered)."""
-    from megatron_po.distributed.checkpoint import named_parameters_global
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
     out = {}
     for name, p in named_parameters_global(chunks):
         t = p.detach().clone()

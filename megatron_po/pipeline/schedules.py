@@ -10,170 +10,25 @@ Notation: D = num_stages (pipeline ranks), v = num_chunks (model chunks per rank
 M = num_microbatches. Rank r with chunk c is virtual stage `c*D + r` (Megatron's numbering): virtual
 stage 0 holds the embedding, virtual stage v*D-1 (rank D-1, chunk v-1) holds the loss.
 
-Communication is implied by the ops, never listed: `Forward(mb, c)` on rank r receives the activation
-of virtual stage vs-1 (unless vs is the first) and sends one to vs+1 (unless vs is the last);
-`Backward(mb, c)` receives the gradient from vs+1 (unless vs holds the loss) and sends one to vs-1
-(unless vs is the first). Zero-bubble schedules (zero_bubble.py) split it: `BackwardInput(mb, c)`
-communicates exactly as `Backward` and computes the gradient w.r.t. the stage input; `BackwardWeight(mb, c)`
-(later, no communication) computes the weight gradients from what BackwardInput left. The executor posts sends as isend (never blocking) and receives blocking;
+The ops (`Forward`, `Backward`, zero bubble's `BackwardInput`/`BackwardWeight`, `Step`), the `Schedule`
+and the communication an op implies live in schedule_ops.py (below this module and zero_bubble.py, whose
+schedules `build_schedule` also builds); they are imported here, so callers keep importing them from
+this module. The executor posts sends as isend (never blocking) and receives blocking;
 `check_schedule` simulates exactly these semantics to prove a schedule cannot deadlock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Union
+from dataclasses import dataclass
+from typing import Callable
 
 from megatron_po.errors import ConfigError
-
-# --------------------------------------------------------------------------------------------------
-# Ops: tiny, frozen, hashable.
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Forward:
-    microbatch: int
-    chunk: int = 0
-
-
-@dataclass(frozen=True)
-class Backward:
-    microbatch: int
-    chunk: int = 0
-
-
-@dataclass(frozen=True)
-class BackwardInput:
-    """B of zero-bubble pipelining: gradient w.r.t. the stage input only (sent upstream at once)."""
-    microbatch: int
-    chunk: int = 0
-
-
-@dataclass(frozen=True)
-class BackwardWeight:
-    """W of zero-bubble pipelining: the weight gradients of a micro-batch whose BackwardInput ran."""
-    microbatch: int
-    chunk: int = 0
-
-
-@dataclass(frozen=True)
-class Step:
-    """Optimizer step. `chunk=None`: all chunks of the rank, after the data-parallel gradient sync
-    (the synchronous end of an iteration). `chunk=c`: only chunk c (asynchronous methods)."""
-
-    chunk: int | None = None
-
-
-Op = Union[Forward, Backward, BackwardInput, BackwardWeight, Step]
-BACKWARD_TO_INPUT = (Backward, BackwardInput)  # ops that receive/send gradients
-GRADIENT_DONE = (Backward, BackwardWeight)  # ops after which a micro-batch's weight gradient is complete
-
-
-def op_label(op: Op, num_chunks: int) -> str:
-    """`F3.1` = forward of micro-batch 3 on chunk 1; `B3` when v = 1; `S` = Step(None); `S.1` = Step(1)."""
-    if isinstance(op, Step):
-        return "S" if op.chunk is None or num_chunks == 1 else f"S.{op.chunk}"
-    letter = {Forward: "F", Backward: "B", BackwardInput: "B", BackwardWeight: "W"}[type(op)]
-    return f"{letter}{op.microbatch}" if num_chunks == 1 else f"{letter}{op.microbatch}.{op.chunk}"
-
-
-@dataclass
-class Schedule:
-    name: str
-    num_stages: int  # D
-    num_chunks: int  # v
-    num_microbatches: int  # M
-    ops: dict[int, list[Op]] = field(default_factory=dict)  # rank -> ops in execution order
-    placement: str = "interleaved"  # how (rank, chunk) maps to virtual stages: see `virtual_stage`
-
-    def __str__(self) -> str:
-        labels = {r: [op_label(op, self.num_chunks) for op in ops] for r, ops in self.ops.items()}
-        width = max((len(s) for row in labels.values() for s in row), default=1)
-        head = f"{self.name}: D={self.num_stages} v={self.num_chunks} M={self.num_microbatches}"
-        rows = [f"rank {r:>2} | " + " ".join(s.ljust(width) for s in labels[r]).rstrip()
-                for r in sorted(labels)]
-        return "\n".join([head] + rows)
-
-
-# --------------------------------------------------------------------------------------------------
-# Virtual stages and the communication an op implies.
-# --------------------------------------------------------------------------------------------------
-
-
-PLACEMENTS = ("interleaved", "v")
-
-
-def placement_of(method: str) -> str:
-    """The chunk placement a pipeline method needs: "v" for ZB-V, else Megatron's interleaving."""
-    return "v" if method == "zb-v" else "interleaved"
-
-
-def loss_rank(method: str, num_stages: int) -> int:
-    """The pipeline rank holding the last virtual stage (the loss): rank 0 under ZB-V, else D-1."""
-    return 0 if placement_of(method) == "v" else num_stages - 1
-
-
-def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = "interleaved") -> int:
-    """"interleaved" (Megatron): vs = chunk*D + rank. "v" (ZB-V, 2 chunks): chunk 0 goes down the ranks
-    (vs = rank), chunk 1 comes back up (vs = 2D-1-rank), so rank 0 holds the first and the last stage."""
-    if placement == "v":
-        return rank if chunk == 0 else 2 * num_stages - 1 - rank
-    return chunk * num_stages + rank
-
-
-def rank_chunk_of(vs: int, num_stages: int, placement: str = "interleaved") -> tuple[int, int]:
-    if placement == "v":
-        return (vs, 0) if vs < num_stages else (2 * num_stages - 1 - vs, 1)
-    return vs % num_stages, vs // num_stages
-
-
-MessageKey = tuple  # ("act" | "grad", microbatch, destination virtual stage)
-
-
-def comm_of(op: Op, rank: int, num_stages: int, num_chunks: int, placement: str = "interleaved"
-            ) -> tuple[tuple[int, MessageKey] | None, tuple[int, MessageKey] | None]:
-    """(recv_from, send_to) of `op` run on `rank`; each is `(peer_rank, key)` or None.
-
-    key = ("act", mb, dest_vs) for a forward activation, ("grad", mb, dest_vs) for a backward gradient;
-    dest_vs is the virtual stage that consumes the message, so the receiver's key equals the sender's.
-    """
-    if isinstance(op, (Step, BackwardWeight)):
-        return None, None
-    vs = virtual_stage(rank, op.chunk, num_stages, placement)
-    last = num_stages * num_chunks - 1
-    mb = op.microbatch
-    peer = lambda x: rank_chunk_of(x, num_stages, placement)[0]  # noqa: E731
-    if isinstance(op, Forward):
-        recv = (peer(vs - 1), ("act", mb, vs)) if vs > 0 else None
-        send = (peer(vs + 1), ("act", mb, vs + 1)) if vs < last else None
-    else:
-        recv = (peer(vs + 1), ("grad", mb, vs)) if vs < last else None
-        send = (peer(vs - 1), ("grad", mb, vs - 1)) if vs > 0 else None
-    return recv, send
-
-
-def tag_period(num_stages: int, num_chunks: int) -> int:
-    """Micro-batch ids are taken modulo this period inside p2p tags (see `message_tag`)."""
-    return 2**31 // (2 * num_stages * num_chunks)
-
-
-def message_tag(kind: str, microbatch: int, dest_vs: int, num_chunks: int, num_stages: int) -> int:
-    """A p2p tag in [0, 2**31) unique per (kind, microbatch, destination virtual stage).
-
-    Activations and gradients get different tags even between the same two ranks (with D = 2 the next
-    and the previous rank are the same peer). Asynchronous schedules stream micro-batches forever, so
-    the micro-batch id is taken modulo `tag_period(D, v)` = 2**31 // (2*D*v) (about 2.7e8 for D*v = 4):
-    two messages share a tag only if their micro-batch ids differ by a multiple of that period, and
-    never that many micro-batches are in flight between two ranks at once.
-    """
-    if kind not in ("act", "grad"):
-        raise ValueError(f"message kind must be 'act' or 'grad', got {kind!r}")
-    num_vs = num_stages * num_chunks
-    if not 0 <= dest_vs < num_vs:
-        raise ValueError(f"dest_vs={dest_vs} outside 0..{num_vs - 1}")
-    mb = microbatch % tag_period(num_stages, num_chunks)
-    return (mb * num_vs + dest_vs) * 2 + (kind == "grad")
+# Also the names callers import from here (loss_rank, message_tag, placement_of, ...: hence the noqa).
+from megatron_po.pipeline.schedule_ops import (GRADIENT_DONE, Backward, BackwardInput, BackwardWeight,  # noqa: F401
+                                               Forward, MessageKey, Op, Schedule, Step, check_interleaved,
+                                               check_sizes, comm_of, interleaved_order, loss_rank, message_tag,
+                                               op_label, placement_of, rank_chunk_of, tag_period, virtual_stage)
+from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,17 +36,10 @@ def message_tag(kind: str, microbatch: int, dest_vs: int, num_chunks: int, num_s
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_sizes(num_stages: int, num_chunks: int, num_microbatches: int) -> None:
-    for name, value in (("num_stages", num_stages), ("num_chunks", num_chunks),
-                        ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def no_pipelining(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """Gradient accumulation on one stage: F0 B0 F1 B1 ... Step. With v > 1 chunks, each micro-batch
     runs forward through chunks 0..v-1 and backward through v-1..0."""
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     if num_stages != 1:
         raise ConfigError(f"pipeline method 'none' needs num_stages == 1, got num_stages={num_stages}")
     ops: list[Op] = []
@@ -208,30 +56,12 @@ def gpipe(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     micro-batches through chunk 0, then through chunk 1, ...; backwards chunk v-1 first. (Chunk-major,
     so the pipeline stays full when M >= D.)
     """
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     M, v = num_microbatches, num_chunks
     forwards = [Forward(mb, c) for c in range(v) for mb in range(M)]
     backwards = [Backward(mb, c) for c in reversed(range(v)) for mb in range(M)]
     ops = {r: forwards + backwards + [Step(None)] for r in range(num_stages)}
     return Schedule("gpipe", num_stages, v, M, ops)
-
-
-def _interleaved_order(num_stages: int, num_chunks: int, num_microbatches: int, forward: bool
-                       ) -> list[tuple[int, int]]:
-    """(microbatch, chunk) pairs in the order every rank runs its forwards (or backwards).
-
-    Megatron-core's `get_model_chunk_id`: iteration ids walk micro-batches in groups of D; within a
-    group of D*v ids, chunk = (id mod D*v) // D; backwards mirror the chunk (v-1-c) so the last virtual
-    stage's backward comes first. With v = 1 this is just micro-batches 0..M-1.
-    """
-    D, v = num_stages, num_chunks
-    order = []
-    for i in range(num_microbatches * v):
-        group, within = divmod(i, D * v)
-        chunk = within // D
-        mb = group * D + within % D
-        order.append((mb, chunk if forward else v - 1 - chunk))
-    return order
 
 
 def _warmup(rank: int, num_stages: int, num_chunks: int, num_microbatches: int) -> int:
@@ -261,35 +91,29 @@ def _one_f_one_b_ops(forwards: list[tuple[int, int]], backwards: list[tuple[int,
 def one_f_one_b(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """PipeDream-Flush: rank r runs min(D-r-1, M) warm-up forwards, then one-forward-one-backward,
     then the cool-down backwards, then Step. At most D-r micro-batches in flight on rank r."""
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     if num_chunks != 1:
         raise ConfigError(f"1f1b needs num_chunks == 1, got num_chunks={num_chunks} "
                           "(use interleaved-1f1b)")
     D, M = num_stages, num_microbatches
-    order = _interleaved_order(D, 1, M, forward=True)
+    order = interleaved_order(D, 1, M, forward=True)
     ops = {r: _one_f_one_b_ops(order, order, _warmup(r, D, 1, M)) + [Step(None)] for r in range(D)}
     return Schedule("1f1b", D, 1, M, ops)
 
 
-def _check_interleaved(num_stages: int, num_chunks: int, num_microbatches: int, name: str) -> None:
-    if num_chunks > 1 and num_microbatches % num_stages != 0:
-        raise ConfigError(f"{name} with num_chunks > 1 needs num_microbatches % num_stages == 0, "
-                          f"got M={num_microbatches}, D={num_stages}")
-
-
 def interleaved_one_f_one_b(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
-    """Megatron's interleaved 1F1B: forwards and backwards in `_interleaved_order`, warm-up
+    """Megatron's interleaved 1F1B: forwards and backwards in `interleaved_order`, warm-up
     `_warmup`, steady 1F1B, cool-down, Step. Works for D = 2 (Megatron forbids it) and for v = 1,
     where it equals `one_f_one_b`.
 
     Unlike Megatron we do not switch to all-forwards-then-all-backwards when M == D: with isend and a
     blocking recv the regular order cannot deadlock there either (check_schedule proves it).
     """
-    _check_sizes(num_stages, num_chunks, num_microbatches)
-    _check_interleaved(num_stages, num_chunks, num_microbatches, "interleaved-1f1b")
+    check_sizes(num_stages, num_chunks, num_microbatches)
+    check_interleaved(num_stages, num_chunks, num_microbatches, "interleaved-1f1b")
     D, v, M = num_stages, num_chunks, num_microbatches
-    forwards = _interleaved_order(D, v, M, forward=True)
-    backwards = _interleaved_order(D, v, M, forward=False)
+    forwards = interleaved_order(D, v, M, forward=True)
+    backwards = interleaved_order(D, v, M, forward=False)
     ops = {r: _one_f_one_b_ops(forwards, backwards, _warmup(r, D, v, M)) + [Step(None)]
            for r in range(D)}
     return Schedule("interleaved-1f1b", D, v, M, ops)
@@ -324,13 +148,13 @@ def async_one_f_one_b(num_stages: int, num_chunks: int, num_microbatches: int,
     schedule for M micro-batches is one segment of the endless stream; its drain only happens when
     training ends.
     """
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     if not isinstance(update_interval, int) or update_interval < 1:
         raise ConfigError(f"update_interval must be an integer >= 1, got {update_interval!r}")
-    _check_interleaved(num_stages, num_chunks, num_microbatches, "async 1f1b")
+    check_interleaved(num_stages, num_chunks, num_microbatches, "async 1f1b")
     D, v, M = num_stages, num_chunks, num_microbatches
-    forwards = _interleaved_order(D, v, M, forward=True)
-    backwards = _interleaved_order(D, v, M, forward=False)
+    forwards = interleaved_order(D, v, M, forward=True)
+    backwards = interleaved_order(D, v, M, forward=False)
     ops = {r: _step_every(_one_f_one_b_ops(forwards, backwards, _warmup(r, D, v, M)), update_interval)
            for r in range(D)}
     return Schedule("async", D, v, M, ops)
@@ -349,8 +173,6 @@ def build_schedule(method: str, num_stages: int, num_chunks: int, num_microbatch
                    update_interval: int = 1) -> Schedule:
     """The schedule for a method name; "1f1b" with num_chunks > 1 means interleaved-1f1b.
     `update_interval` (k) only applies to "async"."""
-    # zero_bubble.py builds on this module's ops and helpers, so its table is imported here, late.
-    from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
     if method in ZB_SCHEDULES and update_interval == 1:
         return ZB_SCHEDULES[method](num_stages, num_chunks, num_microbatches)
     if method not in SCHEDULES and method not in ZB_SCHEDULES:

@@ -1,6 +1,6 @@
 """Zero-bubble pipeline schedules (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"), as pure functions.
 
-Each backward is split in two ops (schedules.py): `BackwardInput` (B) computes the gradient w.r.t. the
+Each backward is split in two ops (schedule_ops.py): `BackwardInput` (B) computes the gradient w.r.t. the
 stage input and sends it upstream at once; `BackwardWeight` (W) computes the weight gradients later,
 from what B left (saved inputs and output gradients, no forward re-run). W has no dependency on any
 other rank, so a schedule can put it wherever a rank would otherwise wait: B's round trip through the
@@ -27,8 +27,8 @@ Every function validates its sizes and returns a `Schedule` that `check_schedule
 from __future__ import annotations
 
 from megatron_po.errors import ConfigError
-from megatron_po.pipeline.schedules import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step,
-                                            _check_interleaved, _check_sizes, _interleaved_order, virtual_stage)
+from megatron_po.pipeline.schedule_ops import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step,
+                                               check_interleaved, check_sizes, interleaved_order, virtual_stage)
 
 
 def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
@@ -37,11 +37,11 @@ def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     Rank r: w = (v-1)*D + (D-1-r) warm-up forwards (torch's `_get_warmup_ops` with factor 1), then
     (F, B) pairs and the cool-down Bs, in interleaved 1F1B's micro-batch/chunk order; from the r-th
     backward on, each B is followed by the oldest pending W; the remaining Ws close the iteration."""
-    _check_sizes(num_stages, num_chunks, num_microbatches)
-    _check_interleaved(num_stages, num_chunks, num_microbatches, "zb-h1")
+    check_sizes(num_stages, num_chunks, num_microbatches)
+    check_interleaved(num_stages, num_chunks, num_microbatches, "zb-h1")
     D, v, M = num_stages, num_chunks, num_microbatches
-    forwards = _interleaved_order(D, v, M, forward=True)
-    backwards = _interleaved_order(D, v, M, forward=False)
+    forwards = interleaved_order(D, v, M, forward=True)
+    backwards = interleaved_order(D, v, M, forward=False)
     n = len(forwards)
     ops: dict[int, list[Op]] = {}
     for r in range(D):
@@ -118,7 +118,7 @@ def greedy_zero_bubble(num_stages: int, num_microbatches: int, max_in_flight: li
 def zb_h2(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """ZB-H2 (v = 1): every rank keeps up to 2D-1 micro-batches in flight (the paper's peak), covering the
     first gradient's round trip with forwards; W passes fill every other gap."""
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     if num_chunks != 1:
         raise ConfigError(f"zb-h2 needs num_chunks == 1, got num_chunks={num_chunks} (use zb-h1 for "
                           "interleaved zero bubble)")
@@ -130,7 +130,7 @@ def zb_v(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """ZB-V: 2 chunks per rank in a V (chunk 0 = virtual stage r, chunk 1 = 2D-1-r: rank 0 holds the
     embedding and the loss), list-scheduled on unit costs with at most 2D (micro-batch, chunk) pairs in
     flight per rank: 1F1B's peak of D whole-stage activations, as in the paper."""
-    _check_sizes(num_stages, num_chunks, num_microbatches)
+    check_sizes(num_stages, num_chunks, num_microbatches)
     if num_chunks != 2:
         raise ConfigError(f"zb-v needs num_chunks == 2 (a V over the ranks), got num_chunks={num_chunks}")
     D = num_stages

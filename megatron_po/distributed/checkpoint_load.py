@@ -1,0 +1,262 @@
+"""Loading a checkpoint, under any parallel layout (the format: checkpoint_format.py).
+
+Loading checks the checkpoint before reading it, on every rank, and the ranks agree on the outcome
+(one all-gather) so a problem only some ranks can see fails all of them with the same one-line
+`UserError` instead of leaving the others blocked in a collective: a missing or truncated `.metadata`
+or data file, a parameter missing from the checkpoint or saved with another shape, parameters the
+model lacks, a different optimizer. DCP reshards the global tensors to this rank's pieces; the
+vocabulary rows, padded per layout, are re-padded here.
+
+`read_full_checkpoint` reads whole tensors in one process, without torch.distributed
+(tools/checkpoint_convert.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from megatron_po import parallel_state as ps
+from megatron_po.distributed.agreement import agree
+from megatron_po.distributed.checkpoint_dcp import (FlatRange, dcp_load, global_shape, global_view,
+                                                    is_tp_shard, read_metadata)
+from megatron_po.distributed.checkpoint_format import checkpoint_dir, find_checkpoint, named_parameters_for_load
+from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
+from megatron_po.distributed.checkpoint_rng import set_rng_state
+from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
+                                                      parallel_layout, stepped_params)
+from megatron_po.errors import UserError
+
+# Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
+# so their row count may change with the layout. Loading re-pads them (rows beyond the tokenizer's
+# vocabulary are never produced as inputs or labels; new ones start at zero).
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight",
+                "encoder_embedding.word_embeddings.weight")  # NMT's separate source vocabulary
+
+
+def _repadded(name: str, saved: tuple, shape: tuple, vocab_size: int | None) -> bool:
+    return (name in VOCAB_PARAMS and vocab_size is not None and saved[1:] == shape[1:]
+            and min(saved[0], shape[0]) >= vocab_size)
+
+
+def _check_fits(md, names, stepped: dict, load_optim: bool, vocab_size: int | None) -> str | None:
+    """This rank's first reason why the checkpoint cannot be loaded into its parameters, or None."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = md.state_dict_metadata
+    for name, p in names:
+        saved = meta.get(f"model.{name}")
+        if not isinstance(saved, TensorStorageMetadata):
+            return f"parameter {name} is not in the checkpoint (saved from another model configuration?)"
+        shape = global_shape(p)
+        if tuple(saved.size) != shape and not _repadded(name, tuple(saved.size), shape, vocab_size):
+            return f"parameter {name} has shape {tuple(saved.size)} in the checkpoint but {shape} in this model"
+    if load_optim:
+        missing = next((n for n, p in names if id(p) in stepped and f"optimizer_state_keys.{n}" not in meta), None)
+        if missing is not None:
+            return f"no optimizer state for parameter {missing}; use --no-load-optim to load the weights only"
+    return None
+
+
+def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_rng: bool = True,
+                    step: int | None = None, policy=None, verify: bool = True) -> dict:
+    """Load checkpoint `step` (default: the tracker's) under `root` into the model (and optimizer, and
+    the async weight `policy`); return its `extra`. Collective over all ranks. `verify` (not
+    --no-verify-checkpoint): check every file against the checkpoint's checksums.json first, each rank
+    a share of them."""
+    iteration = find_checkpoint(root, step) if os.path.isdir(root) else None
+    if iteration is None:
+        raise UserError(f"--load {root}: no checkpoint there" if os.path.isdir(root)
+                        else f"--load {root}: no such directory")
+    path = checkpoint_dir(root, iteration)
+    where = f"--load {path}"
+
+    md, error = None, None
+    try:
+        md = read_metadata(path)  # its messages name the bad file
+        if "extra" not in md.state_dict_metadata:
+            error = f"{where}: not a megatron_po checkpoint (no 'extra' entry)"
+        elif verify:
+            error = verify_share(path, dist.get_rank(), dist.get_world_size())
+    except UserError as e:
+        error = str(e)
+    error, _ = agree(error)
+    if error:
+        raise UserError(error)
+    if verify and dist.get_rank() == 0 and not has_manifest(path):
+        print(f"> {path} has no checksums.json (saved before checksums were written): loaded unverified",
+              flush=True)
+    meta = md.state_dict_metadata
+    names = named_parameters_for_load(chunks)
+    stepped = stepped_params(optimizer)
+    load_optim = load_optim and bool(stepped)
+
+    # Small pickled entries first: extra, which optimizer state to allocate, RNG, policy step count.
+    rng_key = f"rng.rank{dist.get_rank()}"
+    small = {"extra": b"", "layout": b"", "optimizer_type": b"", "policy_steps": b"", rng_key: b""}
+    small.update({f"optimizer_state_keys.{n}": b"" for n, _ in names} if load_optim else {})
+    small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
+    small = {k: v for k, v in small.items() if k in meta}
+    dcp_load(small, path)
+    extra = pickle.loads(small["extra"])
+
+    # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
+    misfit = _check_fits(md, names, stepped, load_optim, extra.get("vocab_size"))
+    error, all_names = agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names])
+    if error is None and dist.get_rank() == 0:
+        ours = {n for rank_names in all_names for n in rank_names}
+        extra_params = sorted(k[len("model."):] for k in meta if k.startswith("model.") and k[len("model."):] not in ours)
+        if extra_params:
+            error = (f"{where}: the checkpoint has parameter {extra_params[0]} that this model lacks "
+                     f"({len(extra_params)} such; saved from another model configuration?)")
+    error, _ = agree(error)
+    if error:
+        raise UserError(error)
+
+    if load_optim:
+        ours = type(next(iter(stepped.values())).inner).__name__
+        theirs = pickle.loads(small["optimizer_type"]) if "optimizer_type" in small else ours
+        if theirs != ours:  # every rank reads the same entry: no agreement needed
+            raise UserError(f"{where}: the checkpoint holds {theirs} optimizer state but this run uses {ours}; "
+                            "use --no-load-optim to load the weights only")
+        # Allocate state the optimizer has not created yet, so DCP can load into it in place.
+        for name, p in names:
+            if id(p) not in stepped:
+                continue
+            s = stepped[id(p)]
+            saved = pickle.loads(small[f"optimizer_state_keys.{name}"])
+            s.group["lr"] = saved["lr"]
+            if s.tensor is None:  # distributed optimizer: other data-parallel ranks own all of it
+                continue
+            st = s.state
+            for k, spec in saved["keys"].items():
+                if k in st:
+                    continue
+                if spec is None:
+                    st[k] = 0
+                elif spec[0] == "like-param":
+                    st[k] = torch.zeros_like(s.tensor, dtype=spec[1])
+                else:
+                    st[k] = torch.zeros(spec[0], dtype=spec[1], device=s.tensor.device)
+        _load_grad_scalers(optimizer, small, pickle.loads(small["layout"]))
+    state, _ = model_and_optimizer_state(names, stepped, load_optim)
+    load_policy = policy is not None and "policy_steps" in small
+    policy_weights = {}
+    if load_policy:
+        for name, p in names:
+            for key in sorted(k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")):
+                buf = torch.empty_like(p.data)
+                policy_weights.setdefault(p, {})[key] = buf
+                state[f"policy.{name}.{key}"] = global_view(p, buf)
+    repad = _repad_buffers(state, names, meta)
+    dcp_load(state, path)
+    for k, v in state.items():  # non-tensor values are returned, not filled in place
+        if k.startswith("optimizer.") and not (torch.is_tensor(v) or isinstance(v, FlatRange)):
+            name, key = k[len("optimizer."):].rsplit(".", 1)
+            stepped[id(dict(names)[name])].state[key] = v
+    for target, full, rows in repad:  # this rank's rows of the re-padded vocabulary
+        local = torch.zeros_like(target.param, dtype=full.dtype) if isinstance(target, FlatRange) else target
+        n = max(0, min(local.shape[0], full.shape[0] - rows))
+        local.zero_()
+        local[:n].copy_(full[rows:rows + n])
+        if isinstance(target, FlatRange):
+            target.copy_from_local(local)
+    for inner in {id(x.inner): x.inner for x in stepped.values()}.values():
+        inner.forget_kept_direction()  # ΔW kept from the last step describes the state before loading
+    for wrapper in {id(x.wrapper): x.wrapper for x in stepped.values() if x.wrapper is not None}.values():
+        wrapper.restore_model_params()  # the weights were loaded into its fp32 main params
+    if repad and dist.get_rank() == 0:
+        print(f"> {path}: vocabulary re-padded from {repad[0][1].shape[0]} rows to this run's padding", flush=True)
+    if load_policy:
+        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights})
+    if load_rng:
+        if rng_key in small and pickle.loads(small["layout"]) == parallel_layout():
+            set_rng_state(pickle.loads(small[rng_key]))
+        elif dist.get_rank() == 0:
+            print(f"> {path} was saved under another parallel layout: random generators freshly seeded",
+                  flush=True)
+    return extra
+
+
+def _repad_buffers(state: dict, names, meta) -> list:
+    """Swap the vocabulary tensors whose row count differs from the checkpoint's for full-size buffers
+    of the checkpoint's shape (DCP assembles them whole); returns (target, buffer, first global row)."""
+    out = []
+    params = dict(names)
+    for key, value in list(state.items()):
+        if not (torch.is_tensor(value) or isinstance(value, FlatRange)) or key not in meta:
+            continue
+        name = next((n for n in VOCAB_PARAMS if key == f"model.{n}" or key.startswith((f"optimizer.{n}.",
+                                                                                        f"policy.{n}."))), None)
+        saved = tuple(meta[key].size)
+        if name is None or name not in params or saved == tuple(value.shape):
+            continue
+        p = params[name]
+        local = value.to_local() if hasattr(value, "to_local") else value  # a tensor, or a piece of one
+        full = torch.empty(saved, dtype=value.tensor.dtype if isinstance(value, FlatRange) else local.dtype,
+                           device=p.device)
+        state[key] = full
+        out.append((local, full, ps.get_tensor_model_parallel_rank() * p.shape[0] if is_tp_shard(p) else 0))
+    return out
+
+
+def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:
+    """Restore the loss scalers: the same key when it holds the same layers (same number of virtual
+    stages), else the most cautious (smallest) scale saved."""
+    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("grad_scaler")}
+    if not saved:
+        return
+    same_stages = saved_layout[1] * saved_layout[3] == parallel_layout()[1] * parallel_layout()[3]
+    for key, scaler in grad_scalers(optimizers).items():
+        if key in saved and (key == "grad_scaler" or same_stages):
+            scaler.load_state_dict(saved[key])
+        else:
+            scaler.load_state_dict(min(saved.values(), key=lambda st: st["scale"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# One process, no torch.distributed: consolidation (tools/checkpoint_convert.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "model.",
+                         progress: bool = True) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """({name: full tensor} of the entries under `prefix`, extra, iteration) of a checkpoint, read in
+    this process alone (DCP without a process group assembles each tensor from every rank's shards)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    if not os.path.isdir(root):
+        raise UserError(f"--load {root}: no such directory")
+    iteration = find_checkpoint(root, step)
+    if iteration is None:
+        raise UserError(f"--load {root}: no checkpoint there")
+    path = checkpoint_dir(root, iteration)
+    md = read_metadata(path)
+    small = {"extra": b""}
+    dcp_load(small, path)
+    extra = pickle.loads(small["extra"])
+    specs = {k: v for k, v in md.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    out = {}
+    # A few hundred MB per read keeps memory near the size of the result and gives progress steps.
+    groups, group, size = [], {}, 0
+    for k, v in specs.items():
+        group[k] = v
+        size += v.size.numel() * v.properties.dtype.itemsize
+        if size > 256 << 20:
+            groups.append(group)
+            group, size = {}, 0
+    if group:
+        groups.append(group)
+    from tqdm import tqdm
+    total = sum(v.size.numel() * v.properties.dtype.itemsize for v in specs.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
+              disable=not progress) as bar:
+        for group in groups:
+            state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in group.items()}
+            dcp_load(state, path)
+            for k, t in state.items():
+                out[k[len(prefix):]] = t
+                bar.update(t.numel() * t.element_size())
+    return out, extra, iteration

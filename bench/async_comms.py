@@ -74,9 +74,11 @@ def _old_gather_path(rank: AsyncPipelineRank) -> None:
         opt.defer_param_gather = False
 
 
-def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps):
-    """Returns ({variant: [(start, end)]}, {variant: (gather calls, bytes) per micro-batch}, pp rank)."""
+def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
+    """Returns ({variant: [(start, end)]}, {variant: (gather calls, bytes) per micro-batch}, pp rank,
+    buckets per stage)."""
     cfg = gpt_config(model_cfg)
+    cfg.parallel.ddp_bucket_size = bucket_size
     specs = gpt_message_specs(cfg, mbs // ps.get_data_parallel_world_size())
     g = torch.Generator().manual_seed(0)
     pool = []
@@ -112,7 +114,7 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps):
                                else 0.0, sum(counted) / n)
     finally:
         ddp_module.all_gather_single = gather
-    return spans, comm, ps.get_pipeline_model_parallel_rank()
+    return spans, comm, ps.get_pipeline_model_parallel_rank(), len(ranks["plain"].stage.ddps[0].buckets)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,6 +193,9 @@ def main():
     p.add_argument("--n", type=int, default=32, help="micro-batches per segment")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--mbs", type=int, default=4, help="micro-batch size (split over DP)")
+    p.add_argument("--bucket-size", type=int, default=30_000,
+                   help="tiny GPT: DDP bucket size in elements, every variant (default: ~4 buckets per stage, "
+                        "as Megatron's 40 M-element buckets cut a real model's stage into several)")
     p.add_argument("--bulk", type=int, default=2_000_000, help="synthetic stages: gradient elements per stage")
     p.add_argument("--t-f", type=float, default=0.02, help="synthetic stages: forward seconds (backward 2x)")
     p.add_argument("--skip-gpt", action="store_true")
@@ -214,14 +219,17 @@ def main():
                          untie_embeddings_and_output_weights=True)
         vocab = 256
         res = run_distributed(gpt_dp_bench, 4, pp=2, timeout=TIMEOUT,
-                              args=(mc, vocab, args.mbs, args.n, args.warmup, args.reps))
+                              args=(mc, vocab, args.mbs, args.n, args.warmup, args.reps, args.bucket_size))
         spans = [{v: r[0][v][args.warmup:] for v in GPT_VARIANTS} for r in res]
+        buckets = {r[2]: r[3] for r in res}
         span = _makespans(spans, GPT_VARIANTS)
         tokens = args.n * args.mbs * mc.seq_length
         stage0 = next(r[1] for r in res if r[2] == 0)
         stage1 = next(r[1] for r in res if r[2] == 1)
         emit(f"## 1. Tiny GPT ({args.layers} layers, hidden 64, seq 64), PP=2 x DP=2, PipeOptim AdamW k=1, "
-             f"{args.n} micro-batches of {args.mbs} per segment, median of {args.reps}")
+             f"{args.n} micro-batches of {args.mbs} per segment, median of {args.reps}; DDP buckets of "
+             f"{args.bucket_size} elements ({buckets[0]} on stage 0, {buckets[1]} on stage 1; `--overlap-param-gather` "
+             "waits per bucket in each module's forward pre-hook)")
         emit()
         emit("| variant | tokens/s | vs plain | stage 0 gathers / mb | stage 0 bytes / mb | stage 1 gathers / mb "
              "| stage 1 bytes / mb |")

@@ -50,8 +50,7 @@ the processes).
 """
 
 # The command-line entry; the benchmark lives in schedules_stages (workloads), schedules_measure (timers,
-# bounds), schedules_runs (what each rank runs) and schedules_report (the tables). Their names stay
-# reachable as `schedules.<name>` (bench/async_comms.py and bench/zero_bubble.py import from here).
+# bounds), schedules_runs (what each rank runs) and schedules_report (the tables).
 
 from __future__ import annotations
 
@@ -70,21 +69,9 @@ import torch  # noqa: E402,F401
 # Imported once in the parent: the forked ranks inherit it.
 import torch._dynamo  # noqa: E402,F401  (model init imports it lazily, ~1 s; once here, not in every rank)
 
-from bench_common import Lines, command_line, load_at_end, load_at_start, machine, markdown_table, now  # noqa: E402
-from bench_common import median  # noqa: E402,F401
-from schedules_measure import (POLICY_HOOKS, accumulate, async_bound, bound, instrument, makespans,  # noqa: E402,F401
-                               steady_window, timed)
-from schedules_report import (TIMEOUT, gpt_async_section, gpt_sync_section, p2p_section,  # noqa: E402,F401
-                              synthetic_section, targets_section)
-from schedules_runs import (AGREED, ASYNC_LR, ASYNC_VARIANTS, HEADER, RAW, SYNC_VARIANTS,  # noqa: E402,F401
-                            calibrate_stage_costs, gpt_async_bench, gpt_bench, gpt_stage_costs, merge_p2p,
-                            p2p_costs, synthetic_async, synthetic_sync)
-from schedules_stages import (SLEPT, WIDTH, GPTStageAdapter, Sleep, SleepStage, TorchSleepStage,  # noqa: E402,F401
-                              gpt_config, gpt_loss_fn, mean_sleeps, measure_sleeps, run_rank_on_sleep_stages,
-                              sleep_chunks, sleeping_chunk_builder, synthetic_batches, synthetic_specs,
-                              torch_schedule_on_sleep_stages)
-
-table = markdown_table  # the name this script's tables had
+from bench_common import Lines, command_line, load_at_end, load_at_start, machine, now  # noqa: E402
+from schedules_report import (gpt_async_section, gpt_sync_section, p2p_section, synthetic_section,  # noqa: E402
+                              targets_section)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,8 +35,11 @@ def method_spec(method: str, wl) -> tuple[str, dict]:
     return base, {k: (wl.tokens_per_microbatch if v == "tokens" else v) for k, v in options.items()}
 
 
-def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int) -> dict:
-    """One training run. method "sync" = the unpipelined reference (GPipe and 1F1B updates), D ignored."""
+def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int,
+              update_interval: int | None = None) -> dict:
+    """One training run. method "sync" = the unpipelined reference (GPipe and 1F1B updates), D ignored.
+    `update_interval`: micro-batches per step (default 1; PipeDream-2BW: D); "sync" with k = M is the
+    unpipelined reference accumulating M micro-batches of B per update (bench/ttq_run.py's NMT units)."""
     import torch
     from megatron_po.optim.lr_scheduler import lr_at
     from megatron_po.pipeline.async_pipeline import AsyncEmulator
@@ -50,7 +53,7 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int) -> di
     sync = method == "sync"
     stages = 1 if sync else D
     base, options = method_spec(method, wl)
-    k = D if base == "pipedream-2bw" else 1
+    k = update_interval or (D if base == "pipedream-2bw" else 1)
     # The LR schedule runs on the micro-batch clock: step i of a chunk that steps every k micro-batches
     # uses the lr of micro-batch i*k, so warm-up and decay span the same samples for every method.
     lr_fn = lambda step: lr_at(step * k, t)  # noqa: E731

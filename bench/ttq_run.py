@@ -119,29 +119,7 @@ def train_accumulated(s: cv.Settings, M: int, optimizer: str, seed: int) -> dict
     unpipelined model (one emulated stage, no staleness) with update interval k = M, i.e. the mean
     gradient of M micro-batches at one set of weights, one step (1F1B's update at M micro-batches),
     the lr of micro-batch i*M at update i. Same data order, validation set and result fields as train_job."""
-    import torch
-    from megatron_po.optim.lr_scheduler import lr_at
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
-
-    torch.set_num_threads(1)
-    t_start = time.perf_counter()
-    wl = cv.build_workload(s)
-    get_batch, valid = wl.train_batch(seed), wl.valid_batches()
-    t = cv._training_config(s, optimizer)
-    model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, M, optimizer,
-                        cv._optimizer_kwargs(s, optimizer), lambda step: lr_at(step * M, t), s.clip_grad,
-                        build_chunks=wl.build_chunks)
-    losses, val = [], []
-    for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
-        losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
-        val.append((end, emu.evaluate(valid)))
-        if not all(math.isfinite(x) for x in losses[-s.eval_interval:]) or not math.isfinite(val[-1][1]):
-            break
-    return {"kind": "train", "D": 0, "optimizer": optimizer, "method": "sync", "seed": seed, "losses": losses,
-            "val": val, "copies": [1], "steps_taken": [emu.steps_taken()[(0, 0)]], "update_interval": M,
-            "seconds": time.perf_counter() - t_start, "bleu": wl.bleu(emu.chunks)}
+    return cv.train_job(s, 0, optimizer, "sync", seed, update_interval=M)
 
 
 def batch_settings(s: cv.Settings, M: int) -> cv.Settings:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from megatron_po.config import ASYNC_METHODS, Config, rampup_batch_size, update_interval
+from megatron_po.config import (ASYNC_METHODS, Config, data_parallel_size, global_batch_size, num_microbatches,
+                                rampup_batch_size, update_interval)
 from megatron_po.errors import UserError
 
 
@@ -33,11 +34,11 @@ class Ctx:
 
     @cached_property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return data_parallel_size(self.cfg, self.world)
 
     @cached_property
     def gbs(self) -> int:
-        return self.t.global_batch_size or self.t.micro_batch_size * self.dp
+        return global_batch_size(self.cfg, self.world)
 
     @cached_property
     def mbs_dp(self) -> int:
@@ -45,7 +46,7 @@ class Ctx:
 
     @cached_property
     def num_mb(self) -> int:
-        return self.gbs // self.mbs_dp
+        return num_microbatches(self.cfg, self.world)
 
     @cached_property
     def k(self) -> int:

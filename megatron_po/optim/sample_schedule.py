@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_po.config import Config, global_batch_size, rampup_batch_size
+from megatron_po.config import Config, data_parallel_size, global_batch_size, rampup_batch_size
 
 
 class SampleSchedule:
@@ -27,8 +27,7 @@ class SampleSchedule:
         t = cfg.training
         self.t = t
         self.gbs = global_batch_size(cfg, world)
-        dp = world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
-        self.mbs_times_dp = t.micro_batch_size * dp
+        self.mbs_times_dp = t.micro_batch_size * data_parallel_size(cfg, world)
         self.ramp = rampup_batch_size(cfg)
         self._ramp_consumed = self._ramp_prefix()  # consumed samples before each ramp iteration, and after
         self.train_iters = self._train_iters()

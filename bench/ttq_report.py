@@ -114,7 +114,10 @@ def val_ms(s, runs: list[dict]) -> tuple[float, float]:
 def bleu_cell(runs: list[dict]) -> str:
     """NMT: greedy validation BLEU after the last update, mean ± std over seeds."""
     got = [r["bleu"] for r in runs if r.get("bleu") is not None]
-    return f"{cv.mean_std(got)[0]:.2f} ± {cv.mean_std(got)[1]:.2f}" if got else "–"
+    if not got:
+        return "–"
+    mean, std = cv.mean_std(got)
+    return f"{mean:.2f} ± {std:.2f}"
 
 
 def targets(s, study: dict, D: int, o: str) -> list[tuple[str, float]] | None:
@@ -376,8 +379,7 @@ def methods_text(s) -> str:
 def not_run_text(s) -> str:
     """The methods and synchronous runs of the full study this report leaves out (a budget choice)."""
     left = [LABELS[m] for m in tr.METHODS if m not in s.methods]
-    every = {1} | {M for D in s.depths for M in (2 * D, 4 * D)}
-    left += [Unit("", "sync", 0, M).label for M in sorted(every - set(tr.sync_ms(s)))]
+    left += [Unit("", "sync", 0, M).label for M in sorted(tr.full_sync_ms(s) - set(tr.sync_ms(s)))]
     return f"\n  **Not run in this report** (the machine's budget): {', '.join(left)}." if left else ""
 
 

@@ -137,7 +137,12 @@ def sync_ms(s: cv.Settings) -> list[int]:
     """M of the synchronous units: 1 (the equal-updates reference), 2D and 4D at every D, or the ones
     --sync-m picked (`s.sync_ms`: not a Settings field, it selects units and changes no run)."""
     chosen = getattr(s, "sync_ms", None)
-    return sorted({1} | {M for D in s.depths for M in (2 * D, 4 * D)} if chosen is None else set(chosen))
+    return sorted(full_sync_ms(s) if chosen is None else set(chosen))
+
+
+def full_sync_ms(s: cv.Settings) -> set[int]:
+    """M of the full study's synchronous units: 1, and 2D and 4D at every D."""
+    return {1} | {M for D in s.depths for M in (2 * D, 4 * D)}
 
 
 def validate(s: cv.Settings, grid: dict) -> None:

@@ -8,15 +8,19 @@ the load average (this box is shared: read ratios, not absolute numbers):
 
 1. Tiny GPT, PP=2 x DP=2, PipeOptim (AdamW, k = 1): tokens/s of `AsyncPipelineRank.train_segment` over
    n micro-batches with the plain optimizer (DP all-reduce of bucketed gradients from the backward), the
-   distributed optimizer as it was before (the old path: after each step an all-gather of the updated
-   weights, then per predicted forward one all-gather of Ŵ and one to restore), and the distributed
-   optimizer now (one packed all-gather per micro-batch: updated + predicted shards; restore a pointer
-   swap), each also with --overlap-param-gather. Next to it the parameter all-gather calls and bytes per
-   micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
+   distributed optimizer as it was before (the old path: gradients reduce-scattered, found-inf and the
+   norm agreed in one more all-reduce over DP, after each step an all-gather of the updated weights, then
+   per predicted forward one all-gather of Ŵ and one to restore), with one packed all-gather per
+   micro-batch (updated + predicted shards; restore a pointer swap) but still the reduce-scatter, and now
+   (on gloo the gradients all-reduced, found-inf and norm taken locally: one DP collective fewer), also
+   with --overlap-param-gather; and, as a bound, plain plus one 8-byte DP all-reduce per step. Next to it the CPU time per micro-batch and rank, how many cores the ranks kept busy, and the
+   parameter all-gather calls and bytes per micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
 2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
    fp32 gradient in 4 parameters, which the step must average over DP): PipeOptim micro-batches/s per pipeline
    at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
-   backward hooks (now) and with all buckets reduced at the step (as before, `grad_sync` disabled).
+   backward hooks (now), with all buckets reduced at the step (as before, `grad_sync` disabled), and with
+   no reduce at all (a bound: the cost of the extra processes alone); CPU time per micro-batch and rank
+   and the cores the ranks kept busy next to it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from schedules_measure import timed  # noqa: E402
 from schedules_stages import WIDTH, SleepStage, gpt_config, synthetic_batches  # noqa: E402
 
 TIMEOUT = 1800.0
-GPT_VARIANTS = ("plain", "distopt-before", "distopt", "distopt-overlap")
+GPT_VARIANTS = ("plain", "plain+1-collective", "distopt-before", "distopt-reduce-scatter", "distopt", "distopt-overlap")
 
 
 def _median(xs):
@@ -74,6 +78,19 @@ def _old_gather_path(rank: AsyncPipelineRank) -> None:
         opt.defer_param_gather = False
 
 
+def _one_more_collective(rank: AsyncPipelineRank) -> None:
+    """The plain optimizer plus one 8-byte all-reduce over DP after each step, where a sharded optimizer
+    must gather the updated weights before the next forward (k = 1): no data to speak of, only one more DP
+    collective per micro-batch than plain. Not a training setting: a bound on any design that needs one."""
+    stage, step = rank.stage, rank.stage.step
+    flag = torch.zeros(2)
+
+    def step_then_collective(c):
+        step(c)
+        torch.distributed.all_reduce(flag, group=ps.get_data_parallel_group())
+    stage.step = step_then_collective
+
+
 def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
     """Returns ({variant: [(start, end)]}, {variant: (gather calls, bytes) per micro-batch}, pp rank,
     buckets per stage)."""
@@ -90,12 +107,17 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
     get_batch = lambda mb: pool[mb % len(pool)]  # noqa: E731
     ranks = {}
     for v in GPT_VARIANTS:
-        cfg.precision.use_distributed_optimizer = v != "plain"
+        cfg.precision.use_distributed_optimizer = v.startswith("distopt")
         cfg.precision.overlap_param_gather = v == "distopt-overlap"
         model_parallel_seed(1234)
         ranks[v] = AsyncPipelineRank(cfg, vocab, "pipeoptim", update_interval=1, message_specs=specs)
         if v == "distopt-before":
             _old_gather_path(ranks[v])
+        if v == "plain+1-collective":
+            _one_more_collective(ranks[v])
+        if v in ("distopt-before", "distopt-reduce-scatter"):  # the reduce as before: found-inf, norm agreed over DP
+            for ddp in ranks[v].stage.ddps:
+                ddp.full_grads = False
     gather, counted = ddp_module.all_gather_single, []
 
     def counting(output, input_, group, async_op):
@@ -103,18 +125,21 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
         return gather(output, input_, group, async_op)
     ddp_module.all_gather_single = counting
     spans = {v: [] for v in GPT_VARIANTS}
-    comm = {}
+    comm, cpu = {}, {v: [] for v in GPT_VARIANTS}
     try:
         for i in range(warmup + reps):
             for v in (GPT_VARIANTS if i % 2 == 0 else GPT_VARIANTS[::-1]):
                 counted.clear()
+                cpu0 = time.process_time()  # this rank's process, its gloo threads included
                 spans[v].append(timed(lambda: ranks[v].train_segment(get_batch, n)))
                 if i >= warmup:  # steady: the optimizer has state from the first segment on
+                    cpu[v].append((time.process_time() - cpu0) / n)
                     comm[v] = (len(counted) / len(ranks[v].stage.ddps[0].buckets) / n if ranks[v].stage.ddps
                                else 0.0, sum(counted) / n)
     finally:
         ddp_module.all_gather_single = gather
-    return spans, comm, ps.get_pipeline_model_parallel_rank(), len(ranks["plain"].stage.ddps[0].buckets)
+    return (spans, comm, ps.get_pipeline_model_parallel_rank(), len(ranks["plain"].stage.ddps[0].buckets),
+            {v: _median(xs) for v, xs in cpu.items()})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,6 +148,7 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
 
 
 BULK_PIECES = 4
+SYNTHETIC_VARIANTS = ("overlapped", "at-step", "none")
 
 
 class _Bulk(torch.autograd.Function):
@@ -161,7 +187,7 @@ def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
 
     def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
         return [BulkSleepStage(t_f, t_b, rank == 0, rank == num_stages - 1, bulk)]
-    variants = ("overlapped", "at-step")
+    variants = SYNTHETIC_VARIANTS
     ranks = {}
     for v in variants:
         cfg = Config()
@@ -171,15 +197,22 @@ def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
         ranks[v] = AsyncPipelineRank(cfg, 16, "pipeoptim", update_interval=1, optimizer_name="adam",
                                      optimizer_kwargs={"lr": 1e-4}, message_specs=ActivationSpecs((mbs, WIDTH)),
                                      build_chunks=build)
-        if v == "at-step" and ranks[v].stage.ddps is not None:
-            ranks[v].stage._grad_sync = lambda c, enabled, s=ranks[v].stage: setattr(s.ddps[c], "sync_enabled", False)
+        stage = ranks[v].stage
+        if v in ("at-step", "none") and stage.ddps is not None:
+            stage._grad_sync = lambda c, enabled, s=stage: setattr(s.ddps[c], "sync_enabled", False)
+        if v == "none" and stage.ddps is not None:  # each replica steps on its own gradient: a bound, not training
+            for ddp in stage.ddps:
+                ddp.finish_grad_sync = lambda: None
     get_batch = synthetic_batches(mbs)
-    spans = {v: [] for v in variants}
+    spans, cpu = {v: [] for v in variants}, {v: [] for v in variants}
     for i in range(warmup + reps):
         for v in (variants if i % 2 == 0 else variants[::-1]):
+            cpu0 = time.process_time()
             spans[v].append(timed(lambda: ranks[v].train_segment(get_batch, n)))
+            cpu[v].append((time.process_time() - cpu0) / n)
     for v in variants:
         spans[v] = spans[v][warmup:]
+        spans[v + "/cpu"] = _median(cpu[v][warmup:])  # CPU s per micro-batch of this rank
     return spans
 
 
@@ -231,12 +264,22 @@ def main():
              f"{args.bucket_size} elements ({buckets[0]} on stage 0, {buckets[1]} on stage 1; `--overlap-param-gather` "
              "waits per bucket in each module's forward pre-hook)")
         emit()
-        emit("| variant | tokens/s | vs plain | stage 0 gathers / mb | stage 0 bytes / mb | stage 1 gathers / mb "
-             "| stage 1 bytes / mb |")
-        emit("|---|---|---|---|---|---|---|")
+        emit("| variant | tokens/s | vs plain | CPU ms / mb per rank | cores busy | stage 0 gathers / mb "
+             "| stage 0 bytes / mb | stage 1 gathers / mb | stage 1 bytes / mb |")
+        emit("|---|---|---|---|---|---|---|---|---|")
         for v in GPT_VARIANTS:
-            emit(f"| {v} | {tokens / span[v]:.0f} | {span['plain'] / span[v]:.3f} | {stage0[v][0]:.2f} | "
+            cpu = [r[4][v] for r in res]
+            busy = sum(cpu) / (span[v] / args.n)  # cores' worth of CPU the 4 ranks used over the run
+            emit(f"| {v} | {tokens / span[v]:.0f} | {span['plain'] / span[v]:.3f} | "
+                 f"{1e3 * statistics.mean(cpu):.2f} | {busy:.2f} of {os.cpu_count()} | {stage0[v][0]:.2f} | "
                  f"{stage0[v][1]:.0f} | {stage1[v][0]:.2f} | {stage1[v][1]:.0f} |")
+        emit()
+        emit("`plain+1-collective` is the plain optimizer plus one 8-byte DP all-reduce after every step (not a "
+             "training setting): a sharded optimizer at k = 1 needs at least that many more collectives than "
+             "plain, because the next forward needs the weights the step just updated on other ranks, so its "
+             "ratio is a bound on any such design on this machine. `cores busy`: the ranks' CPU time (their gloo "
+             "threads included) over the wall time; near the core count the run is CPU-bound and every "
+             "collective's CPU cost comes out of throughput, with no idle cycles for an overlap to use.")
         emit()
     if not args.skip_synthetic:
         t_f, t_b = args.t_f, 2 * args.t_f
@@ -244,16 +287,32 @@ def main():
                               args=(t_f, t_b, args.mbs, args.bulk, args.n, args.warmup, args.reps))
         dp2 = run_distributed(synthetic_dp_bench, 4, pp=2, timeout=TIMEOUT,
                               args=(t_f, t_b, args.mbs, args.bulk, args.n, args.warmup, args.reps))
-        variants = ("overlapped", "at-step")
+        variants = SYNTHETIC_VARIANTS
         s1, s2 = _makespans(dp1, variants), _makespans(dp2, variants)
         emit(f"## 2. Synthetic stages, PP=2, t_f={t_f * 1000:.0f} ms, t_b={t_b * 1000:.0f} ms, "
              f"{args.bulk} fp32 gradient elements per stage ({args.bulk * 4 / 1e6:.0f} MB), PipeOptim Adam k=1, "
              f"{args.n} micro-batches per segment, median of {args.reps}")
         emit()
-        emit("| DP reduce | DP=1 mb/s per pipeline | DP=2 mb/s per pipeline | DP=2 / DP=1 |")
-        emit("|---|---|---|---|")
+        emit("| DP reduce | DP=1 mb/s per pipeline | DP=2 mb/s per pipeline | DP=2 / DP=1 | CPU ms / mb per rank, "
+             "DP=1 / DP=2 | cores busy, DP=1 / DP=2 |")
+        emit("|---|---|---|---|---|---|")
         for v in variants:
-            emit(f"| {v} | {args.n / s1[v]:.2f} | {args.n / s2[v]:.2f} | {s1[v] / s2[v]:.3f} |")
+            c1, c2 = [r[v + "/cpu"] for r in dp1], [r[v + "/cpu"] for r in dp2]
+            emit(f"| {v} | {args.n / s1[v]:.2f} | {args.n / s2[v]:.2f} | {s1[v] / s2[v]:.3f} | "
+                 f"{1e3 * statistics.mean(c1):.2f} / {1e3 * statistics.mean(c2):.2f} | "
+                 f"{sum(c1) * args.n / s1[v]:.2f} / {sum(c2) * args.n / s2[v]:.2f} of {os.cpu_count()} |")
+        emit()
+        emit("`none`: no DP reduce at all (each replica steps on its own gradient; not training): what DP=2 costs "
+             "here before any communication, 4 processes on the cores where DP=1 runs 2 (the Adam step on the "
+             "bulk gradient is CPU work). Any correct run must also wait for the reduce of the bucket completed "
+             "last, at the end of the backward.")
+        emit()
+    if not args.skip_gpt and not args.skip_synthetic:
+        met = lambda x: "met" if x >= 0.95 else "not met"  # noqa: E731
+        d, bound = span["plain"] / span["distopt"], span["plain"] / span["plain+1-collective"]
+        r, none = s1["overlapped"] / s2["overlapped"], s1["none"] / s2["none"]
+        emit(f"Targets (issue 17): distributed optimizer >= 0.95x plain: {d:.3f} ({met(d)}; plain+1-collective "
+             f"{bound:.3f}); DP=2 >= 0.95x DP=1: {r:.3f} ({met(r)}; no reduce at all {none:.3f}).")
         emit()
     emit(f"load average at end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min); "
          f"finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")

@@ -67,13 +67,14 @@ def param_groups(params):
 
 
 def build(name, sharded, dtype=torch.float32, clip=0.0, overlap=False, mixed=False, bucket_size=BUCKET,
-          cfg="gpt2", sequence_parallel=False):
-    """Tiny GPT (this rank's TP shard), DDP and optimizer: sharded, mixed-precision or plain."""
+          cfg="gpt2", sequence_parallel=False, reduce_scatter=None):
+    """Tiny GPT (this rank's TP shard), DDP and optimizer: sharded, mixed-precision or plain.
+    reduce_scatter: the sharded gradients' reduce (None: the backend's choice, an all-reduce on gloo)."""
     model_parallel_seed(SEED)
     model = GPTModel(CONFIGS[cfg], VOCAB, SEED, sequence_parallel=sequence_parallel).to(dtype)
     ddp = DistributedDataParallel([model], ps.get_data_parallel_group(), bucket_size=bucket_size,
                                   grad_dtype=torch.float32, use_distributed_optimizer=sharded,
-                                  overlap_param_gather=overlap)
+                                  overlap_param_gather=overlap, reduce_scatter=reduce_scatter)
     groups = param_groups(model.parameters())
     mp_group = ps.get_model_parallel_group()
     if sharded:
@@ -127,12 +128,13 @@ def flat_directions(opt):
 OPTIMIZERS = ["adam", "adamw", "sgd", "lion", "nadamw", "nag"]  # sgd = momentum 0.9 (build_optimizer's default)
 
 
-def _equivalence(with_clipping, steps=2):
+def _equivalence(with_clipping, reduce_scatter, steps=2):
     out = {}
     for name in OPTIMIZERS:
         runs = {}
         for sharded in (False, True):
-            model, ddp, opt = build(name, sharded, cfg="llama")
+            model, ddp, opt = build(name, sharded, cfg="llama", reduce_scatter=reduce_scatter if sharded else None)
+            assert not sharded or ddp.full_grads == (not reduce_scatter)
             history = [train_step(model, ddp, opt, s) + (snapshot(model),) for s in range(steps)]
             runs[sharded] = (history, flat_directions(opt))
             if sharded:
@@ -144,21 +146,24 @@ def _equivalence(with_clipping, steps=2):
     # Clipping active (norm ~1.8 > 0.05): norms agree and the (linear) SGD step follows them.
     runs = {}
     for sharded in (False, True):
-        model, ddp, opt = build("sgd", sharded, clip=0.05, cfg="llama")
+        model, ddp, opt = build("sgd", sharded, clip=0.05, cfg="llama", reduce_scatter=reduce_scatter if sharded else None)
         runs[sharded] = [train_step(model, ddp, opt, s, clip=0.05) + (snapshot(model),) for s in range(steps)]
     out["sgd-clipped"] = runs
     return out
 
 
+@pytest.mark.parametrize("reduce_scatter", [True, False], ids=["reduce-scatter", "all-reduce"])
 @pytest.mark.parametrize("dp", [2, 4])
-def test_distributed_optimizer_equals_plain_optimizer_with_tp2(dp):
-    # DP=2: bitwise (a reduce-scatter and an all-reduce of two ranks both compute a + b). DP=4: the two
-    # collectives add four contributions in different orders; where they nearly cancel, the relative
+def test_distributed_optimizer_equals_plain_optimizer_with_tp2(dp, reduce_scatter):
+    # DP=2: bitwise (a reduce-scatter and an all-reduce of two ranks both compute a + b). DP=4: the sharded
+    # reduce (a reduce-scatter, or on gloo an all-reduce of the padded bucket) adds four contributions in
+    # another order than the plain all-reduce of the unpadded bucket; where they nearly cancel, the relative
     # rounding difference of the gradient is large, and Adam's m/√v turns it into ΔW differences up to
     # ~1e-4 (weights still agree to 1e-6 since lr = 1e-2).
-    param_tol = dict(rtol=0, atol=0) if dp == 2 else dict(rtol=1e-5, atol=1e-6)
-    state_tol = dict(rtol=0, atol=0) if dp == 2 else dict(rtol=1e-3, atol=1e-3)
-    for rank_out in run_distributed(_equivalence, 2 * dp, tp=2, args=(dp == 2,)):
+    exact = dp == 2
+    param_tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+    state_tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-3, atol=1e-3)
+    for rank_out in run_distributed(_equivalence, 2 * dp, tp=2, args=(dp == 2, reduce_scatter)):
         for name in OPTIMIZERS:
             runs = rank_out[name]
             assert abs(runs["owned_fraction"] - 1 / dp) < 0.02, (name, runs["owned_fraction"])
@@ -342,21 +347,28 @@ def test_distributed_optimizer_with_pipeline_parallel_and_tied_embeddings():
 
 # ---- found-inf over the DP group, checkpoints, bad input ----------------------------------------------
 
-def _found_inf_in_other_shard():
-    model, ddp, opt = build("adam", True)
+def _found_inf_in_other_shard(reduce_scatter):
+    model, ddp, opt = build("adam", True, reduce_scatter=reduce_scatter)
     before = snapshot(model)
     batch = make_batch(n=4)
-    masked_mean_loss(model(input_ids=batch["tokens"], labels=batch["labels"]), batch["loss_mask"]).backward()
-    ddp.finish_grad_sync()
-    if ps.get_data_parallel_rank() == 1:  # only DP rank 1 owns (and checks) this element
-        lo, _ = ddp.owned_range(ddp.buckets[0])
-        ddp.grad_buffer[lo] = float("inf")
+    with ddp.no_sync():
+        masked_mean_loss(model(input_ids=batch["tokens"], labels=batch["labels"]), batch["loss_mask"]).backward()
+    lo, _ = ddp.owned_range(ddp.buckets[0])  # an element DP rank 0 does not own
+    if reduce_scatter:  # reduced: only DP rank 1 owns (and checks) this element
+        ddp.finish_grad_sync()
+        if ps.get_data_parallel_rank() == 1:
+            ddp.grad_buffer[lo] = float("inf")
+    else:  # before the all-reduce, on DP rank 1 only: every rank then holds it in a range it does not step
+        if ps.get_data_parallel_rank() == 1:
+            ddp.grad_buffer[lo] = float("inf")
+        ddp.finish_grad_sync()
     result = opt.step()
     return result.skipped, all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_found_inf_in_one_shard_skips_the_step_on_every_rank():
-    for skipped, unchanged in run_distributed(_found_inf_in_other_shard, 2):
+@pytest.mark.parametrize("reduce_scatter", [True, False], ids=["reduce-scatter", "all-reduce"])
+def test_found_inf_in_one_shard_skips_the_step_on_every_rank(reduce_scatter):
+    for skipped, unchanged in run_distributed(_found_inf_in_other_shard, 2, args=(reduce_scatter,)):
         assert skipped and unchanged
 
 

@@ -80,7 +80,7 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 class DistributedDataParallel:
     def __init__(self, chunks: list[nn.Module], dp_group=None, bucket_size: int = 40_000_000,
                  grad_dtype: torch.dtype = torch.float32, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, reduce_scatter: bool | None = None):
         if overlap_param_gather and not use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather requires --use-distributed-optimizer")
         self.chunks = chunks
@@ -89,6 +89,12 @@ class DistributedDataParallel:
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
+        # Distributed optimizer: reduce-scatter the gradients (each rank gets its owned ranges), or
+        # all-reduce them (`full_grads`: every rank holds the whole mean gradient; ps.reduce_scatter_grads
+        # picks it on gloo, where it is the cheaper collective, for fp32 gradient buffers).
+        if reduce_scatter is None:
+            reduce_scatter = self.dp_size == 1 or grad_dtype != torch.float32 or ps.reduce_scatter_grads(dp_group)
+        self.full_grads = use_distributed_optimizer and not reduce_scatter
         seen, params = set(), []
         for chunk in chunks:
             for p in chunk.parameters():
@@ -186,7 +192,7 @@ class DistributedDataParallel:
             return
         view = self.grad_buffer[bucket.start:bucket.end]
         view.div_(self.dp_size)
-        if self.use_distributed_optimizer:
+        if self.use_distributed_optimizer and not self.full_grads:
             start, end = bucket.shard(self.dp_rank, self.dp_size)
             # In place: the owned range of the input receives the reduced values (safe on gloo and NCCL).
             bucket.handle = reduce_scatter_single(self.grad_buffer[start:end], view, self.dp_group, async_op=True)

@@ -5,9 +5,11 @@ Layout (built by `DistributedDataParallel(..., use_distributed_optimizer=True)`)
 is padded and cut into DP equal contiguous ranges that ignore parameter boundaries; DP rank d owns range
 d of each bucket. Per step:
   1. backward reduce-scatters each bucket as soon as its gradients are complete: the owned range of the
-     gradient buffer then holds the DP-mean gradient;
+     gradient buffer then holds the DP-mean gradient (on gloo, `ddp.full_grads`: an all-reduce, the
+     cheaper collective there, and the whole buffer holds it);
   2. this rank unscales/checks/clips only its owned ranges (found-inf and the squared norm are summed
-     over the DP group and the model-parallel group, so each element is counted once);
+     over the DP group and the model-parallel group, so each element is counted once; with
+     `full_grads` it checks the whole gradient and takes its norm with no collective over DP);
   3. the inner optimizer steps only this rank's fp32 main shard. It is built over flat views, one 1-D
      tensor per (parameter ∩ owned range) piece, with the model's param groups, so any per-element
      optimizer (Adam, AdamW, SGD/momentum/Nesterov, RMSprop, Adagrad, Lion) takes exactly the step
@@ -106,6 +108,9 @@ class DistributedOptimizer(MainParamsOptimizer):
                 piece_groups[group_of[id(p)]].append(piece.main)
                 piece_of_main[group_of[id(p)]].append(piece)
         self._group_pieces = piece_of_main
+        # With an all-reduced gradient (`ddp.full_grads`, gloo) every DP rank holds the same whole mean
+        # gradient: found-inf and the norm are taken over all of it, with no collective over DP.
+        self._optimized_params = [p for p in ddp.params if id(p) in group_of]
         main_groups = [{**g, "params": pieces} for g, pieces in zip(groups, piece_groups)]
         if not any(main_groups[i]["params"] for i in range(len(groups))):
             raise ConfigError(f"DP rank {ddp.dp_rank} owns no parameter elements: the model is too small "
@@ -146,9 +151,15 @@ class DistributedOptimizer(MainParamsOptimizer):
             lo = ddp.owned_range(ddp.buckets[piece.bucket])[0]
             piece.main.grad = shard_grads[piece.bucket][piece.start - lo:piece.end - lo]
         self._shard_grads = shard_grads
+        if ddp.full_grads:  # unscaled and checked whole (the owned ranges are views into it)
+            return [ddp.grad_buffer[bucket.start:bucket.end] for bucket in ddp.buckets]
         return shard_grads
 
     def _norm_pieces(self):
+        if self.ddp.full_grads:
+            if self._shard_grads is None:
+                return []
+            return [(p.main_grad.view(-1), p) for p in self._optimized_params]
         return [(piece.main.grad, piece.param) for piece in self.pieces if piece.main.grad is not None]
 
     def _release_main_grads(self):
@@ -171,6 +182,8 @@ class DistributedOptimizer(MainParamsOptimizer):
         self.ddp.start_param_sync()  # asynchronous with overlap_param_gather
 
     def _agreement_groups(self):
+        if self.ddp.full_grads:
+            return [self.model_parallel_group]
         return [self.ddp.dp_group, self.model_parallel_group]
 
     def _prediction_targets(self, buf: Tensor | None = None):

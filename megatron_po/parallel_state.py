@@ -53,7 +53,7 @@ def get_backend() -> str:
 def reduce_scatter_grads(group) -> bool:
     """How the distributed optimizer averages gradients over `group`: a reduce-scatter (each rank gets
     the mean of the range it owns; half an all-reduce's bytes), or, on gloo, an all-reduce. gloo's
-    reduce-scatter costs more than its all-reduce at every size we measured (0.5-8 MB on 2 ranks), and a
+    reduce-scatter costs more than its all-reduce at every size we measured (0.1-8 MB on 2 ranks), and a
     rank holding the whole mean gradient can check it for inf/NaN and take its norm without one more
     collective over the data-parallel group: at k = 1 an asynchronous stage steps after every micro-batch."""
     return dist.get_backend(group) != "gloo"

@@ -2,7 +2,7 @@
 
     python bench/async_comms.py [--reps 5 --n 32 --layers 4 --bulk 2000000 --t-f 0.02]
 
-Two tables, every variant of a table alternating in the same forked gloo processes (tests/dist_harness.py,
+Three tables, every variant of a table alternating in the same forked gloo processes (tests/dist_harness.py,
 one torch thread per rank), written to bench/results/async_comms.md with the command, the settings and
 the load average (this box is shared: read ratios, not absolute numbers):
 
@@ -21,6 +21,7 @@ the load average (this box is shared: read ratios, not absolute numbers):
    backward hooks (now), with all buckets reduced at the step (as before, `grad_sync` disabled), and with
    no reduce at all (a bound: the cost of the extra processes alone); CPU time per micro-batch and rank
    and the cores the ranks kept busy next to it.
+3. The collectives on 2 ranks (all-reduce, reduce-scatter, all-gather), median ms per size.
 """
 
 from __future__ import annotations
@@ -217,6 +218,34 @@ def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
 
 
 # --------------------------------------------------------------------------------------------------
+# 3. The collectives themselves, 2 ranks
+# --------------------------------------------------------------------------------------------------
+
+COLLECTIVE_SIZES = (30_000, 120_000, 500_000, 2_000_000)  # fp32 elements: 0.12 to 8 MB
+
+
+def collectives_bench(reps):
+    """Median ms of one blocking all-reduce, reduce-scatter and all-gather (the distributed optimizer's
+    collectives) per size, the ranks aligned by a barrier before each call, all kinds alternating."""
+    import torch.distributed as dist
+    world, out = dist.get_world_size(), {}
+    for n in COLLECTIVE_SIZES:
+        full, shard = torch.randn(n), torch.empty(n // world)
+        calls = {"all-reduce": lambda: dist.all_reduce(full),
+                 "reduce-scatter": lambda: ddp_module.reduce_scatter_single(shard, full, None, False),
+                 "all-gather": lambda: ddp_module.all_gather_single(full, shard, None, False)}
+        times = {k: [] for k in calls}
+        for _ in range(reps):
+            for k, call in calls.items():
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                times[k].append(time.perf_counter() - start)
+        out[n] = {k: 1e3 * _median(ts) for k, ts in times.items()}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def main():
@@ -233,6 +262,7 @@ def main():
     p.add_argument("--t-f", type=float, default=0.02, help="synthetic stages: forward seconds (backward 2x)")
     p.add_argument("--skip-gpt", action="store_true")
     p.add_argument("--skip-synthetic", action="store_true")
+    p.add_argument("--skip-collectives", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "async_comms.md"))
     args = p.parse_args()
     lines = []
@@ -306,6 +336,20 @@ def main():
              "here before any communication, 4 processes on the cores where DP=1 runs 2 (the Adam step on the "
              "bulk gradient is CPU work). Any correct run must also wait for the reduce of the bucket completed "
              "last, at the end of the backward.")
+        emit()
+    if not args.skip_collectives:
+        times = run_distributed(collectives_bench, 2, timeout=TIMEOUT, args=(200,))[0]
+        emit("## 3. gloo collectives, 2 ranks, median ms of 200 blocking calls (ranks aligned by a barrier)")
+        emit()
+        emit("| fp32 elements | MB | all-reduce | reduce-scatter | all-gather (of the half) |")
+        emit("|---|---|---|---|---|")
+        for n, t in times.items():
+            emit(f"| {n} | {n * 4 / 1e6:.2f} | {t['all-reduce']:.3f} | {t['reduce-scatter']:.3f} | "
+                 f"{t['all-gather']:.3f} |")
+        emit()
+        emit("Why the distributed optimizer all-reduces its gradients on gloo (`parallel_state.reduce_scatter_grads`): "
+             "gloo's reduce-scatter is not cheaper than its all-reduce, and the all-reduced gradient needs no "
+             "more collective for found-inf and the norm.")
         emit()
     if not args.skip_gpt and not args.skip_synthetic:
         met = lambda x: "met" if x >= 0.95 else "not met"  # noqa: E731

@@ -13,8 +13,9 @@ the load average (this box is shared: read ratios, not absolute numbers):
    per predicted forward one all-gather of Ŵ and one to restore), with one packed all-gather per
    micro-batch (updated + predicted shards; restore a pointer swap) but still the reduce-scatter, and now
    (on gloo the gradients all-reduced, found-inf and norm taken locally: one DP collective fewer), also
-   with --overlap-param-gather; and, as a bound, plain plus one 8-byte DP all-reduce per step. Next to it the CPU time per micro-batch and rank, how many cores the ranks kept busy, and the
-   parameter all-gather calls and bytes per micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
+   with --overlap-param-gather; and, as a bound, plain plus one 8-byte DP all-reduce per step. Next to it
+   the CPU time per micro-batch and rank, how many cores the ranks kept busy, and the parameter
+   all-gather calls and bytes per micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
 2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
    fp32 gradient in 4 parameters, which the step must average over DP): PipeOptim micro-batches/s per pipeline
    at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dist_harness import run_distributed  # noqa: E402
@@ -88,7 +90,7 @@ def _one_more_collective(rank: AsyncPipelineRank) -> None:
 
     def step_then_collective(c):
         step(c)
-        torch.distributed.all_reduce(flag, group=ps.get_data_parallel_group())
+        dist.all_reduce(flag, group=ps.get_data_parallel_group())
     stage.step = step_then_collective
 
 
@@ -227,7 +229,6 @@ COLLECTIVE_SIZES = (30_000, 120_000, 500_000, 2_000_000)  # fp32 elements: 0.12 
 def collectives_bench(reps):
     """Median ms of one blocking all-reduce, reduce-scatter and all-gather (the distributed optimizer's
     collectives) per size, the ranks aligned by a barrier before each call, all kinds alternating."""
-    import torch.distributed as dist
     world, out = dist.get_world_size(), {}
     for n in COLLECTIVE_SIZES:
         full, shard = torch.randn(n), torch.empty(n // world)

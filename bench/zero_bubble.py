@@ -320,7 +320,7 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--skip-async", action="store_true")
-    p.add_argument("--spin-ms", type=float, default=0.5,
+    p.add_argument("--spin-ms", type=float, default=SPIN_S * 1e3,
                    help="each synthetic op sleeps until this long before its end, then spins (0: time.sleep only)")
     p.add_argument("--no-trim", action="store_true",
                    help="ops sleep their nominal time as it is (default: less the excess measured in one process)")

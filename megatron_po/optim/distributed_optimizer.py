@@ -46,6 +46,7 @@ from torch import Tensor
 
 from megatron_po.distributed.ddp import DistributedDataParallel, all_gather_single
 from megatron_po.errors import ConfigError
+from megatron_po.optim.fused_prediction import PredictionRequest
 from megatron_po.optim.mixed_precision import MainParamsOptimizer, normalize_param_groups
 from megatron_po.optim.optimizers import PredictiveOptimizer
 
@@ -230,6 +231,18 @@ class DistributedOptimizer(MainParamsOptimizer):
         predict_into(self.optimizer, steps, self._prediction_targets(buf), include_weight_decay,
                      self.predict_chunk_numel)
         self._predicted_pending.append(buf)
+
+    def plan_shard_prediction(self, slot, steps, include_weight_decay: bool = False) -> PredictionRequest:
+        """`predict_shard(slot, ...)` written by the next step, in the same pass as the update, from the ΔW
+        it computes (optim/fused_prediction.py); gathered by `start_gathers` if `request.done`."""
+        request = PredictionRequest(steps, include_weight_decay, self._prediction_targets(self.predicted_buffer(slot)),
+                                    chunk_numel=self.predict_chunk_numel, slot=slot)
+        self._planned = [*self._planned, request]
+        return request
+
+    def _step_and_write(self, requests):
+        super()._step_and_write(requests)
+        self._predicted_pending += [self.predicted_buffers[r.slot] for r in requests if r.done and r.slot is not None]
 
     def start_gathers(self, async_op: bool) -> None:
         """One all-gather per bucket of everything changed since the last: the live shard (after a step)

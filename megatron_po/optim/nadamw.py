@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 
 from megatron_po.optim.optimizers import (PredictiveOptimizer, _check_betas, _check_non_negative, _Direction,
-                                          _increment_steps, _remember, _step_value)
+                                          _increment_steps, _remember, _scalars, _step_value)
 
 
 class NAdamW(PredictiveOptimizer):
@@ -76,8 +76,8 @@ class NAdamW(PredictiveOptimizer):
         torch._foreach_add_(den, eps)
         step_grads = [(lr * (1.0 - mu) / (1.0 - _step_value(mp))) * -1 for mp, mu in zip(mu_products, mus)]
         step_avgs = [(lr * mn / (1.0 - _step_value(mp) * mn)) * -1 for mp, mn in zip(mu_products, mu_nexts)]
-        torch._foreach_addcdiv_(params, grads, den, step_grads)
-        torch._foreach_addcdiv_(params, exp_avgs, den, step_avgs)
+        torch._foreach_addcdiv_(params, grads, den, _scalars(step_grads))
+        torch._foreach_addcdiv_(params, exp_avgs, den, _scalars(step_avgs))
         return _Direction(self._numerators(group, states), den)
 
     def _numerators(self, group: dict, states: list[dict]) -> list[torch.Tensor]:

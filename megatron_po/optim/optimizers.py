@@ -48,6 +48,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from megatron_po.optim.fused_prediction import PredictionRequest, run_group
+
 
 class _Direction(NamedTuple):
     """ΔW for the parameters of one group that have state: `numerator / denominator / divisor`.
@@ -62,7 +64,15 @@ class _Direction(NamedTuple):
 
 
 def _step_value(step: Tensor) -> float:
-    return step.item()
+    # Under torch.compile (the fused step on CUDA, fused_prediction.py) the count stays a tensor, as in
+    # torch.optim's `_get_value`: no host sync and no recompilation as the count grows.
+    return step if torch.compiler.is_compiling() else step.item()
+
+
+def _scalars(values: list) -> list:
+    """Per-tensor scalars of a foreach op: Python numbers eagerly; under torch.compile they derive from
+    the step-count tensors and are stacked into one tensor (torch.optim's `_stack_if_compiling`)."""
+    return torch.stack(values) if values and isinstance(values[0], Tensor) else values
 
 
 _ONE = torch.tensor(1.0)  # made once: a tensor per step costs as much as the tiny add itself
@@ -99,9 +109,12 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     decoupled_weight_decay = False
     keep_direction = False  # see the module docstring; the predicting weight policies turn it on
     predictor = None  # optim/predictors.py WeightPredictor; None = PipeOptim's linear Ŵ = W - s·lr·ΔW
+    compile_fused_step: bool | None = None  # the per-group step under torch.compile; None: on CUDA only
 
     def __init__(self, params: Iterable, defaults: dict):
         self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)
+        self._planned: list[PredictionRequest] = []  # predictions the next step writes (fused_prediction.py)
+        self._compiled_updates: dict[int, Callable] = {}  # param group index -> compiled `_group_update`
         super().__init__(params, defaults)
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]):
@@ -111,27 +124,38 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     def _direction(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
         raise NotImplementedError
 
+    def plan_prediction(self, *requests: PredictionRequest) -> None:
+        """Have the next `step()` also write these predictions, from the ΔW it computes (see
+        fused_prediction.py); replaces any earlier plan."""
+        self._planned = list(requests)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One update of every parameter that has a gradient; parameters whose .grad is None are skipped
-        (no state is created for them and their weights do not move), as in torch.optim."""
+        (no state is created for them and their weights do not move), as in torch.optim. Then the planned
+        predictions (`plan_prediction`), written by the same per-group pass."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        requests, self._planned = self._planned, []
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            states = [self.state[p] for p in params]
-            for state in states:  # free the old directions before the step allocates new ones
-                self._kept_direction.pop(id(state), None)
-            d = self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
-            if self.keep_direction and d is not None:
-                self._keep(states, d)
+            self._run_group(index, group, params, requests)
+        for request in requests:
+            request.done = True
         return loss
+
+    def _run_group(self, index: int, group: dict, params: list[Tensor], requests: list[PredictionRequest]) -> None:
+        """Step the group's `params` (those with a gradient) and write its part of every request."""
+        run_group(self, index, group, params, requests)
+
+    def _compilable(self, group: dict) -> bool:
+        """Whether the group's step is per-element foreach work that torch.compile can fuse into one pass
+        (fused_prediction.py; Muon's Newton-Schulz groups are not)."""
+        return True
 
     def _keep(self, states: list[dict], d: _Direction) -> None:
         """Remember each parameter's factor of ΔW `d` until that parameter's next step (keyed by its state)."""
@@ -280,10 +304,11 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         return pairs
 
     def _extrapolate(self, group: dict, params: list, states: list, dst: list, steps: float,
-                     include_weight_decay: bool, in_place: bool = True) -> list:
-        """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state; with decoupled decay
-        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass. `in_place=False`: dst is
-        left alone and Ŵ returned as new tensors (the same pass, out of place); else dst is returned.
+                     include_weight_decay: bool, in_place: bool = True, direction: _Direction | None = None) -> list:
+        """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state (or `direction`, the one a step
+        just computed); with decoupled decay extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach
+        pass. `in_place=False`: dst is left alone and Ŵ returned as new tensors (the same pass, out of
+        place); else dst is returned.
 
         With a `predictor` (optim/predictors.py) the same pass applies its Ŵ = a·W - b·ΔW instead, b per
         parameter (e.g. the LR schedule's future lrs, or a rollout of the optimizer's recurrences)."""
@@ -299,11 +324,11 @@ class PredictiveOptimizer(torch.optim.Optimizer):
                 torch._foreach_mul_(dst, decay)
             else:
                 dst, in_place = torch._foreach_mul(dst, decay), True  # new tensors now: go on in place
-        d = self._direction_now(group, params, states)
+        d = direction if direction is not None else self._direction_now(group, params, states)
         scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
         alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
         if d.denominators is not None:
-            value = scalars if scalars is not None else alpha if alpha is not None else alphas
+            value = _scalars(scalars) if scalars is not None else alpha if alpha is not None else alphas
             if not in_place:
                 return torch._foreach_addcdiv(dst, d.numerators, d.denominators, value)
             torch._foreach_addcdiv_(dst, d.numerators, d.denominators, value)
@@ -469,7 +494,7 @@ class Adam(PredictiveOptimizer):
 
         d = self._direction(group, params, states)
         step_sizes = [(lr / bias_correction1) * -1 for bias_correction1 in d.divisors]  # torch's rounding
-        torch._foreach_addcdiv_(params, d.numerators, d.denominators, step_sizes)
+        torch._foreach_addcdiv_(params, d.numerators, d.denominators, _scalars(step_sizes))
         return d
 
     def _direction(self, group, params, states):

@@ -149,6 +149,9 @@ def write_group(optimizer, group: dict, positions: list[int], params: list[Tenso
 # --------------------------------------------------------------------------------------------------
 
 
+COMPILE_BACKEND = "inductor"  # tests check graph breaks and recompilations with "aot_eager" (no codegen)
+
+
 def run_group(optimizer, index: int, group: dict, params: list[Tensor], requests: list[PredictionRequest]) -> None:
     """Step group `index`'s `params` (those with a gradient; may be none) and write the group's part of
     every request. Fused (ΔW straight from the step, no rebuilding) when the step covers every parameter
@@ -193,7 +196,7 @@ def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], st
     if not all(states) or not optimizer._compilable(group):
         return None
     if index not in optimizer._compiled_updates:
-        optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update))
+        optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND)
     return optimizer._compiled_updates[index]
 
 

@@ -69,10 +69,38 @@ def _step_value(step: Tensor) -> float:
     return step if torch.compiler.is_compiling() else step.item()
 
 
-def _scalars(values: list) -> list:
-    """Per-tensor scalars of a foreach op: Python numbers eagerly; under torch.compile they derive from
-    the step-count tensors and are stacked into one tensor (torch.optim's `_stack_if_compiling`)."""
-    return torch.stack(values) if values and isinstance(values[0], Tensor) else values
+def _per_step(x):
+    """A scalar that changes from step to step (an lr, the prediction's s·lr) as a foreach argument: the
+    number itself eagerly; under torch.compile a 0-dim tensor, which the graph takes as an input (a Python
+    number is a constant of the graph there, and every new lr would recompile it)."""
+    return _ONE * x if torch.compiler.is_compiling() and not isinstance(x, Tensor) else x
+
+
+def _add_scaled(dst: list[Tensor], src: list[Tensor], alpha, in_place: bool = True) -> list[Tensor]:
+    """dst + alpha·src (`torch._foreach_add(_)(dst, src, alpha=alpha)`), in place or as new tensors."""
+    if torch.compiler.is_compiling():
+        terms = torch._foreach_mul(src, _per_step(alpha))
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_add(dst, src, alpha=alpha)
+    torch._foreach_add_(dst, src, alpha=alpha)
+    return dst
+
+
+def _addcdiv(dst: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], value,
+             in_place: bool = True) -> list[Tensor]:
+    """dst + value·numerator/denominator (`torch._foreach_addcdiv(_)`), value one number or one per
+    tensor. Under torch.compile the values are tensors (`_per_step`, or derived from the step-count
+    tensors), which the foreach overloads take only stacked and on the CPU: written as div, mul, add,
+    one pointwise expression that inductor fuses the same way."""
+    if torch.compiler.is_compiling():
+        value = [_per_step(v) for v in value] if isinstance(value, list) else _per_step(value)
+        terms = torch._foreach_mul(torch._foreach_div(numerators, denominators), value)
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_addcdiv(dst, numerators, denominators, value)
+    torch._foreach_addcdiv_(dst, numerators, denominators, value)
+    return dst
 
 
 _ONE = torch.tensor(1.0)  # made once: a tensor per step costs as much as the tiny add itself
@@ -321,26 +349,21 @@ class PredictiveOptimizer(torch.optim.Optimizer):
             alphas = [-b for b in coefficients]
         if decay != 1:
             if in_place:
-                torch._foreach_mul_(dst, decay)
+                torch._foreach_mul_(dst, _per_step(decay))
             else:
-                dst, in_place = torch._foreach_mul(dst, decay), True  # new tensors now: go on in place
+                dst, in_place = torch._foreach_mul(dst, _per_step(decay)), True  # new tensors: go on in place
         d = direction if direction is not None else self._direction_now(group, params, states)
         scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
         alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
         if d.denominators is not None:
-            value = _scalars(scalars) if scalars is not None else alpha if alpha is not None else alphas
-            if not in_place:
-                return torch._foreach_addcdiv(dst, d.numerators, d.denominators, value)
-            torch._foreach_addcdiv_(dst, d.numerators, d.denominators, value)
-        elif scalars is None and alpha is not None:
-            if not in_place:
-                return torch._foreach_add(dst, d.numerators, alpha=alpha)
-            torch._foreach_add_(dst, d.numerators, alpha=alpha)
-        else:
-            terms = torch._foreach_mul(d.numerators, scalars if scalars is not None else alphas)
-            if not in_place:
-                return torch._foreach_add(dst, terms)
-            torch._foreach_add_(dst, terms)
+            value = scalars if scalars is not None else alpha if alpha is not None else alphas
+            return _addcdiv(dst, d.numerators, d.denominators, value, in_place)
+        if scalars is None and alpha is not None:
+            return _add_scaled(dst, d.numerators, alpha, in_place)
+        terms = torch._foreach_mul(d.numerators, [_per_step(x) for x in (scalars if scalars is not None else alphas)])
+        if not in_place:
+            return torch._foreach_add(dst, terms)
+        torch._foreach_add_(dst, terms)
         return dst
 
 
@@ -424,7 +447,7 @@ class SGD(PredictiveOptimizer):
             # torch adds into the gradients in place here; out of place gives the same numbers
             # without mutating p.grad.
             update = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
-        torch._foreach_add_(params, update, alpha=-lr)
+        _add_scaled(params, update, -lr)
         if momentum == 0:
             return _Direction([s["last_grad"] for s in states])  # not `update`: p.grad may be zeroed in place
         if group["nesterov"] or group["direction"] == "buffer":
@@ -485,7 +508,7 @@ class Adam(PredictiveOptimizer):
 
         if weight_decay != 0:
             if self.decoupled_weight_decay:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
+                torch._foreach_mul_(params, _per_step(1 - lr * weight_decay))
             else:
                 grads = torch._foreach_add(grads, params, alpha=weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -494,7 +517,7 @@ class Adam(PredictiveOptimizer):
 
         d = self._direction(group, params, states)
         step_sizes = [(lr / bias_correction1) * -1 for bias_correction1 in d.divisors]  # torch's rounding
-        torch._foreach_addcdiv_(params, d.numerators, d.denominators, _scalars(step_sizes))
+        _addcdiv(params, d.numerators, d.denominators, step_sizes)
         return d
 
     def _direction(self, group, params, states):
@@ -577,9 +600,9 @@ class RMSprop(PredictiveOptimizer):
             buffers = [s["momentum_buffer"] for s in states]
             torch._foreach_mul_(buffers, momentum)
             torch._foreach_addcdiv_(buffers, grads, rms)
-            torch._foreach_add_(params, buffers, alpha=-group["lr"])
+            _add_scaled(params, buffers, -group["lr"])
             return _Direction(buffers)
-        torch._foreach_addcdiv_(params, grads, rms, value=-group["lr"])
+        _addcdiv(params, grads, rms, -group["lr"])
         return _Direction([s["last_grad"] for s in states], rms)
 
     @staticmethod
@@ -684,8 +707,8 @@ class Lion(PredictiveOptimizer):
         torch._foreach_add_(signs, grads, alpha=1 - beta1)
         torch._foreach_sign_(signs)
         if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_add_(params, signs, alpha=-lr)
+            torch._foreach_mul_(params, _per_step(1 - lr * weight_decay))
+        _add_scaled(params, signs, -lr)
         torch._foreach_mul_(exp_avgs, beta2)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
         _remember(states, "update_sign", signs, dtype=torch.int8)

@@ -16,6 +16,8 @@ Claims and tolerances:
   check is quick; one inductor run for AdamW).
 """
 
+import os
+
 import pytest
 import torch
 from dist_harness import run_distributed
@@ -274,6 +276,24 @@ def test_pp2_dp2_distributed_optimizer_run_with_fused_prediction_equals_separate
             assert none == 0 and (written > 0) == (pp_rank == 0)  # stage 1 has s = 0: nothing to predict
             assert losses_f == losses_s
             assert all(torch.equal(weights_f[n], weights_s[n]) for n in weights_s)
+
+
+# ---- the memory guard ----------------------------------------------------------------------------------
+
+# Peak bytes per parameter over async-naive, whole run, bench/memory.py --async --quick (deterministic).
+# Measured at issue 30: fused fp32 +1.05, bf16 +0.97; the separate prediction +3.08 / +2.87.
+PIPEOPTIM_PEAK_BOUND = {"fp32": 1.15, "bf16": 1.05}
+
+
+def test_memory_guard_pipeoptim_peak_over_async_naive():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from memory import async_peaks_over_naive
+    table = async_peaks_over_naive(quick=True, variants=("pipeoptim", "pipeoptim (separate prediction)"))
+    for precision, bound in PIPEOPTIM_PEAK_BOUND.items():
+        fused, separate = table[precision]["pipeoptim"], table[precision]["pipeoptim (separate prediction)"]
+        assert fused <= bound, (precision, fused)
+        assert fused < separate - 1.5, (precision, fused, separate)  # dropping the kept ΔW shows
 
 
 # ---- compiled ------------------------------------------------------------------------------------------

@@ -386,7 +386,7 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
         # The live model weights are a prediction with s = 0 (the main -> model copy), written by the
         # same pass as the step; Ŵ as new tensors in the model dtype, mapped to the model params.
         for r in requests:
-            r.dtype = r.dtype or self.model_params[0].dtype
+            r.dtype, r.chunk_numel = r.dtype or self.model_params[0].dtype, self.predict_chunk_numel
         self.optimizer.plan_prediction(*requests, PredictionRequest(0.0, targets=self.model_groups))
         self.optimizer.step()
         self._release_main_grads()

@@ -344,3 +344,35 @@ def test_inductor_compiled_adamw_step_with_bf16_prediction(monkeypatch):
     each graph compiles C++ on the CPU)."""
     graphs = _compiled_vs_eager("adamw", "inductor", monkeypatch, steps=4, one_group=True)
     assert graphs[-1] == graphs[2] == 2, graphs
+
+
+def test_a_step_that_does_not_compile_runs_eagerly_with_a_warning(monkeypatch):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generation today")
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused_prediction, "COMPILE_BACKEND", broken)
+    params, ref_params = make_params(), make_params()
+    opt, ref = make_optimizer("adamw", params), make_optimizer("adamw", ref_params)
+    opt.compile_fused_step = True
+    with pytest.warns(UserWarning, match="did not compile, running it eagerly"):
+        for t in range(3):
+            set_grads([params, ref_params], t)
+            opt.step()
+            ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))  # eager after the failure: bitwise
+    assert opt._compiled_updates == {0: None, 1: None}
+
+
+def test_fused_step_bench_quick():
+    """bench/fused_step.py's measurements run; the counted bytes show what the fused path saves eagerly
+    (bf16: the prediction written once, no restore copy) and never costs more than the separate path."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import fused_step
+    counted = fused_step.bytes_per_param(1 << 14)
+    for precision, row in counted.items():
+        naive, separate, fused = (sum(row[v]) for v in ("naive", "separate", "fused"))
+        assert naive < fused <= separate, (precision, row)
+    assert sum(counted["bf16"]["fused"]) < sum(counted["bf16"]["separate"]) - 10
+    rows = fused_step.time_step_variants("cpu", 1 << 14, bf16=True, reps=1, compiled=(False,))
+    assert {r["variant"] for r in rows} == set(fused_step.VARIANTS) and all(r["ms"] > 0 for r in rows)

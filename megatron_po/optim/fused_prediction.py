@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -167,16 +168,31 @@ def run_group(optimizer, index: int, group: dict, params: list[Tensor], requests
         for state in states:  # free the old directions before the step allocates new ones
             optimizer._kept_direction.pop(id(state), None)
         data, grads = [p.data for p in params], [p.grad for p in params]
-        update = compiled_update(optimizer, index, group, data, states) or group_update
-        keep = optimizer.keep_direction
-        d, outs = update(optimizer, group, data, grads, states, positions, all_data, jobs if fused else [], keep)
-        if keep and d is not None:
+        args = (group, data, grads, states, positions, all_data, jobs if fused else [], optimizer.keep_direction)
+        d, outs = _call_update(optimizer, index, args)
+        if optimizer.keep_direction and d is not None:
             optimizer._keep(states, d)
     if not fused and jobs:
         positions, data, states = optimizer._stepped(group)
         outs = [write_group(optimizer, group, positions, data, states, all_data, job, None) for job in jobs]
     for request, out in zip(requests, outs or []):
         request.predicted += [(group["params"][i], w) for i, w in zip(positions, out or [])]
+
+
+def _call_update(optimizer, index: int, args: tuple):
+    """`group_update(optimizer, *args)`, compiled where that applies. A compilation that fails (dynamo and
+    inductor raise before the graph runs, so nothing has been written) leaves that group eager for good,
+    with one warning: slower, never wrong."""
+    group, params, _, states = args[:4]
+    compiled = compiled_update(optimizer, index, group, params, states)
+    if compiled is not None:
+        try:
+            return compiled(optimizer, *args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            optimizer._compiled_updates[index] = None
+            warnings.warn(f"{type(optimizer).__name__}: the fused step of param group {index} did not compile, "
+                          f"running it eagerly ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return group_update(optimizer, *args)
 
 
 def group_update(optimizer, group, params, grads, states, positions, all_params, jobs, keep):
@@ -195,7 +211,7 @@ def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], st
         return None
     if not all(states) or not optimizer._compilable(group):
         return None
-    if index not in optimizer._compiled_updates:
+    if index not in optimizer._compiled_updates:  # None once compiling failed (`_call_update`)
         optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND)
     return optimizer._compiled_updates[index]
 

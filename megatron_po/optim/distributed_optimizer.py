@@ -25,7 +25,9 @@ fp32 copy (8 + 12/DP instead of Megatron's 8 + 8/DP): it is what makes predictio
 PipeOptim over sharded state: `predict_model_params(s)` computes Ŵ = W_main - s·lr·ΔW for this rank's
 shard from this rank's optimizer state, writes it into the model weights' owned ranges and all-gathers
 them exactly like updated shards; `restore_model_params()` is the normal main -> model copy + all-gather.
-The fp32 main shards are the cache: no full-size weight copy is made.
+The fp32 main shards are the cache: no full-size weight copy is made. In asynchronous pipelines the
+step itself writes the predicted shards it is about to gather (`plan_shard_prediction`, from the ΔW it
+has just computed; optim/fused_prediction.py).
 
 Checkpoints: distributed/checkpoint_dcp.py writes each rank's pieces straight into the per-parameter
 tensors an unsharded optimizer writes (`model.<name>` = the fp32 main param, `optimizer.<name>.<key>`),

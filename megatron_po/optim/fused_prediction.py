@@ -20,26 +20,31 @@ A `PredictionRequest` says what to write; a policy hands it to the optimizer bef
 
 The per-element rule lives in ONE place: each optimizer's `_step_group` (its update, op for op
 torch.optim's foreach code) and `PredictiveOptimizer._extrapolate` (the prediction from the factored ΔW
-`_step_group` returns). `PredictiveOptimizer._group_update` runs both for one param group:
+`_step_group` returns). `group_update` below runs both for one param group:
 
 - on CPU eagerly, as foreach ops; Ŵ for another dtype is computed in the parameters' precision a few
   tensors at a time (`chunk_numel` elements) and rounded once, so no full-size temporary exists;
 - on CUDA that same function under `torch.compile` (inductor): the foreach ops of the step and of the
   prediction, the cast to bf16 included, are pointwise per element and fuse into one pass over the
   parameters that reads W, g and the state once and writes W, the state, the live bf16 weights and Ŵ
-  (for Adam: 16 bytes read, 12 + 2 + 2 written per parameter). Chosen over a hand-written Triton
-  kernel because it compiles the rule itself: a Triton kernel would be a second copy of every
-  optimizer's update. Under compile the step counts stay tensors (`optimizers._step_value`, as in
-  torch.optim: no host sync, no recompile per step), so the bias corrections are computed in fp32 on
-  the device instead of in Python doubles: compiled = eager within float rounding, not bitwise.
-  Compiled only where the function is pure per-element foreach work: not a group's first step (state
-  is created), not Muon's Newton-Schulz groups (matmuls and collectives: their fused tail runs eagerly),
-  not with a weight predictor other than the linear one (its coefficients read the state on the host).
+  (AdamW with bf16 weights and gradients: 14 bytes read, 12 + 2 + 2 written per parameter). Chosen over
+  a hand-written Triton kernel because it compiles the rule itself: a Triton kernel would be a second
+  copy of every optimizer's update. Under compile the step counts stay tensors (`optimizers._step_value`,
+  as in torch.optim: no host sync) and the scalars that change from step to step (the lr, s·lr) become
+  0-dim tensors (`optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
+  constants, so an LR schedule does not recompile it; the bias corrections are then computed in fp32
+  instead of in Python doubles: compiled = eager within float rounding, not bitwise. Compiled only where
+  the function is pure per-element foreach work: not a group's first step (it creates the state), not
+  Muon's Newton-Schulz groups (matmuls and collectives: their fused tail runs eagerly), not with a
+  weight predictor other than the linear one (its coefficients read the state on the host). One
+  compiled function per param group (its own code object, `_own_copy`); a group that fails to compile
+  runs eagerly from then on, with one warning.
 
 Where no fused path applies (the first forward of a segment after a drain, a forward whose preceding op
 on the chunk is not the step, a chunk that copies weights instead of swapping pointers, error feedback,
-which moves the weights after the step), the policy predicts as before (`predict`, `predicted`,
-`predict_into`), ΔW then rebuilt from the state or taken from `keep_direction`.
+which moves the weights after the step: pipeline/fused_steps.py), the policy predicts as before
+(`predict`, `predicted`, `predict_into`: the same `write_group`, its temporaries bounded by
+`chunk_numel`), ΔW then rebuilt from the state or taken from `keep_direction`.
 """
 
 from __future__ import annotations
@@ -77,6 +82,47 @@ def chunks(numels: list[int], limit: float) -> list[range]:
     if start < len(numels):
         out.append(range(start, len(numels)))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Foreach arguments that stay inputs of a compiled graph (used by the optimizers' update rules)
+# --------------------------------------------------------------------------------------------------
+
+_SCALAR_ONE = torch.tensor(1.0)
+
+
+def _per_step(x):
+    """A scalar that changes from step to step (an lr, the prediction's s·lr) as a foreach argument: the
+    number itself eagerly; under torch.compile a 0-dim tensor, which the graph takes as an input (a Python
+    number is a constant of the graph there, and every new lr would recompile it)."""
+    return _SCALAR_ONE * x if torch.compiler.is_compiling() and not isinstance(x, Tensor) else x
+
+
+def _add_scaled(dst: list[Tensor], src: list[Tensor], alpha, in_place: bool = True) -> list[Tensor]:
+    """dst + alpha·src (`torch._foreach_add(_)(dst, src, alpha=alpha)`), in place or as new tensors."""
+    if torch.compiler.is_compiling():
+        terms = torch._foreach_mul(src, _per_step(alpha))
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_add(dst, src, alpha=alpha)
+    torch._foreach_add_(dst, src, alpha=alpha)
+    return dst
+
+
+def _addcdiv(dst: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], value,
+             in_place: bool = True) -> list[Tensor]:
+    """dst + value·numerator/denominator (`torch._foreach_addcdiv(_)`), value one number or one per
+    tensor. Under torch.compile the values are tensors (`_per_step`, or derived from the step-count
+    tensors), which the foreach overloads take only stacked and on the CPU: written as div, mul, add,
+    one pointwise expression that inductor fuses the same way."""
+    if torch.compiler.is_compiling():
+        value = [_per_step(v) for v in value] if isinstance(value, list) else _per_step(value)
+        terms = torch._foreach_mul(torch._foreach_div(numerators, denominators), value)
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_addcdiv(dst, numerators, denominators, value)
+    torch._foreach_addcdiv_(dst, numerators, denominators, value)
+    return dst
 
 
 @dataclass

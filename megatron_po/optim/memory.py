@@ -9,7 +9,9 @@ grads + Adam: 18 without the distributed optimizer, 6 + 12/DP with it.
 
 `track_new_tensor_bytes()` measures, for a block of code, the peak number of bytes held by tensors the
 block allocates (freed ones are subtracted when their storage dies): used to show that PipeOptim's
-predict + restore makes no full-size copy of the weights.
+predict + restore makes no full-size copy of the weights, and for the whole-run peaks of the
+asynchronous methods (bench/memory.py --async). `count_bytes_moved()` counts the bytes a block's tensor
+ops read and write (the optimizer step's and the prediction's memory traffic, bench/fused_step.py).
 """
 
 from __future__ import annotations

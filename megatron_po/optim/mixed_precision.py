@@ -28,6 +28,10 @@ PipeOptim: the fp32 main params *are* the live-weight cache. `predict_model_para
 time, rounded once) and `restore_model_params()` is the ordinary main -> model copy, so prediction costs
 no extra full-size weight copy. A PipeOptim/SpecTrain policy should call these two methods instead of
 keeping its own cache whenever the optimizer has them (`hasattr(opt, "predict_model_params")`).
+Fused into the step instead (`plan_prediction`, optim/fused_prediction.py): the step writes the live
+model weights (the main -> model copy, as a prediction with s = 0) and Ŵ as new tensors in the model dtype
+in the same per-group pass; the policy points the model parameters at Ŵ and back, so the restore moves no
+data either.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_po.optim.optimizers import (PredictiveOptimizer, _addcdiv, _check_betas, _check_non_negative,
-                                          _Direction, _increment_steps, _per_step, _remember, _step_value)
+from megatron_po.optim.fused_prediction import _addcdiv, _per_step
+from megatron_po.optim.optimizers import (PredictiveOptimizer, _check_betas, _check_non_negative, _Direction,
+                                          _increment_steps, _remember, _step_value)
 
 
 class NAdamW(PredictiveOptimizer):

@@ -27,7 +27,8 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_po.optim.optimizers import PredictiveOptimizer, _add_scaled, _check_non_negative, _Direction, _remember
+from megatron_po.optim.fused_prediction import _add_scaled
+from megatron_po.optim.optimizers import PredictiveOptimizer, _check_non_negative, _Direction, _remember
 
 
 class NAG(PredictiveOptimizer):

@@ -33,6 +33,9 @@ between reuses it instead of rebuilding it from the state. With k = 1 a pipeline
 step, so this removes ΔW's whole cost from the prediction (for Adam three of its four passes over the
 weights), at the price of holding those denominators between steps (4 bytes per parameter for Adam;
 the step frees the old ones before allocating new ones, so the peak does not grow). Off by default.
+Where the prediction is written by the step itself (`plan_prediction`, fused_prediction.py: the step
+computes Ŵ right after W from the ΔW it has just computed), nothing needs keeping and the policies leave
+it off.
 
 All parameter writes (step and predict) go through `param.data`, which does not bump the parameter's
 autograd version counter: in an asynchronous pipeline, micro-batches whose forward saved a weight are
@@ -48,7 +51,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_po.optim.fused_prediction import PredictionRequest, run_group
+from megatron_po.optim.fused_prediction import PredictionRequest, _add_scaled, _addcdiv, _per_step, run_group
 
 
 class _Direction(NamedTuple):
@@ -67,40 +70,6 @@ def _step_value(step: Tensor) -> float:
     # Under torch.compile (the fused step on CUDA, fused_prediction.py) the count stays a tensor, as in
     # torch.optim's `_get_value`: no host sync and no recompilation as the count grows.
     return step if torch.compiler.is_compiling() else step.item()
-
-
-def _per_step(x):
-    """A scalar that changes from step to step (an lr, the prediction's s·lr) as a foreach argument: the
-    number itself eagerly; under torch.compile a 0-dim tensor, which the graph takes as an input (a Python
-    number is a constant of the graph there, and every new lr would recompile it)."""
-    return _ONE * x if torch.compiler.is_compiling() and not isinstance(x, Tensor) else x
-
-
-def _add_scaled(dst: list[Tensor], src: list[Tensor], alpha, in_place: bool = True) -> list[Tensor]:
-    """dst + alpha·src (`torch._foreach_add(_)(dst, src, alpha=alpha)`), in place or as new tensors."""
-    if torch.compiler.is_compiling():
-        terms = torch._foreach_mul(src, _per_step(alpha))
-        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
-    if not in_place:
-        return torch._foreach_add(dst, src, alpha=alpha)
-    torch._foreach_add_(dst, src, alpha=alpha)
-    return dst
-
-
-def _addcdiv(dst: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], value,
-             in_place: bool = True) -> list[Tensor]:
-    """dst + value·numerator/denominator (`torch._foreach_addcdiv(_)`), value one number or one per
-    tensor. Under torch.compile the values are tensors (`_per_step`, or derived from the step-count
-    tensors), which the foreach overloads take only stacked and on the CPU: written as div, mul, add,
-    one pointwise expression that inductor fuses the same way."""
-    if torch.compiler.is_compiling():
-        value = [_per_step(v) for v in value] if isinstance(value, list) else _per_step(value)
-        terms = torch._foreach_mul(torch._foreach_div(numerators, denominators), value)
-        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
-    if not in_place:
-        return torch._foreach_addcdiv(dst, numerators, denominators, value)
-    torch._foreach_addcdiv_(dst, numerators, denominators, value)
-    return dst
 
 
 _ONE = torch.tensor(1.0)  # made once: a tensor per step costs as much as the tiny add itself

@@ -329,10 +329,15 @@ def _compiled_vs_eager(name, backend, monkeypatch, steps=4, one_group=False):
     return graphs
 
 
-@pytest.mark.parametrize("name", [n for n in OPTIMIZER_NAMES if n != "muon"] + ["muon"])
+# Each kind of scalar the rules pass to foreach ops: Adam's bias corrections (adamw), alpha=-lr (sgd,
+# rmsprop), an int8 direction (lion), NAdam's momentum products (nadamw), Muon's eager groups (muon).
+COMPILED = ["adamw", "sgd", "rmsprop", "lion", "nadamw", "muon"]
+
+
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_fused_step_equals_eager_without_recompiling(name, monkeypatch):
     """First step eager (it creates the state); the second compiles once per param group, the third once
-    more (the lr, seen to change, becomes an input); none after, whatever the lr and s. Muon's matrices
+    more (the lr and s, seen to change, become inputs); none after, whatever the lr and s. Muon's matrices
     keep their Newton-Schulz step eager: only its AdamW group compiles."""
     graphs = _compiled_vs_eager(name, "aot_eager", monkeypatch)
     groups = 1 if name == "muon" else 2

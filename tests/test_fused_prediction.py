@@ -344,6 +344,25 @@ def test_compiled_fused_step_equals_eager_without_recompiling(name, monkeypatch)
     assert graphs[0] == 0 and graphs[2] == 2 * groups and graphs[-1] == graphs[2], graphs
 
 
+@pytest.mark.parametrize("name", ["adamw", "nadamw"])
+def test_compiled_step_keeps_a_direction_the_separate_prediction_can_use(name, monkeypatch):
+    """Where the step keeps its ΔW for predictions made later (k > 1, the interleaved stream's later
+    forwards), a compiled step's ΔW serves the eager prediction: equal to the all-eager run."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused_prediction, "COMPILE_BACKEND", "aot_eager")
+    eager_params, compiled_params = make_params(), make_params()
+    eager, compiled = make_optimizer(name, eager_params), make_optimizer(name, compiled_params)
+    compiled.compile_fused_step = True
+    for t in range(4):
+        set_grads([eager_params, compiled_params], t)
+        for opt in (eager, compiled):
+            opt.keep_direction = True
+            opt.step()
+        assert compiled._kept_direction
+        for (_, a), (_, b) in zip(eager.predicted(2.0), compiled.predicted(2.0)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_inductor_compiled_adamw_step_with_bf16_prediction(monkeypatch):
     """The same through inductor's code generation (what CUDA runs), AdamW into bf16 (one param group:
     each graph compiles C++ on the CPU)."""

@@ -217,6 +217,10 @@ def run_group(optimizer, index: int, group: dict, params: list[Tensor], requests
         args = (group, data, grads, states, positions, all_data, jobs if fused else [], optimizer.keep_direction)
         d, outs = _call_update(optimizer, index, args)
         if optimizer.keep_direction and d is not None:
+            if d.divisors is not None and any(isinstance(x, Tensor) for x in d.divisors):
+                # compiled: the bias corrections came back as (CPU) tensors; the predictions that use the
+                # kept ΔW run eagerly and take numbers
+                d = d._replace(divisors=[float(x) for x in d.divisors])
             optimizer._keep(states, d)
     if not fused and jobs:
         positions, data, states = optimizer._stepped(group)

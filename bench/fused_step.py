@@ -17,9 +17,11 @@ matrices; bf16 = bf16 model weights and gradients, fp32 main params in MixedPrec
    reads W, g, m, v and writes W, m, v (+ the bf16 live weights), and the fused prediction adds only the
    write of Ŵ (4 B/param fp32, 2 B/param bf16).
 2. Time per micro-batch of those variants on this machine (alternated rep by rep, median).
-3. The asynchronous stream's time per micro-batch in the emulator (D = 4, tiny GPT, AdamW): async-naive,
-   PipeOptim fused, PipeOptim separate (`fuse_prediction = False`), alternated segment by segment, median;
-   the machine's load recorded before and after.
+3. The asynchronous stream's time per micro-batch in the emulator (D = 4, tiny GPT, fp32, AdamW):
+   async-naive, PipeOptim fused, PipeOptim separate (`fuse_prediction = False`), alternated segment by
+   segment, median; every step eager, then every step compiled; the machine's load recorded before and
+   after. (Times 2 and 3 use inductor's CPU code for "compiled"; a CPU pays for each fresh Ŵ tensor in
+   page faults, which a GPU's caching allocator does not.)
 
 On a GPU, bench/gpu.py calls `time_step_variants(device)` (one 302 M-parameter stage by default, eager
 and compiled; returns the table rows).
@@ -167,12 +169,12 @@ STREAMS = {"async-naive": ("async-naive", True), "pipeoptim fused": ("pipeoptim"
            "pipeoptim separate": ("pipeoptim", False)}
 
 
-def stream_times(microbatches: int = 16, reps: int = 5, bf16: bool = False) -> dict[str, float]:
-    """{variant: median ms per micro-batch of a segment} of the D = 4 emulator stream (STREAMS)."""
+def stream_times(microbatches: int = 16, reps: int = 5, compiled: bool = False) -> dict[str, float]:
+    """{variant: median ms per micro-batch of a segment} of the D = 4 emulator stream (STREAMS), fp32 (bf16
+    matmuls are slow enough on a CPU to hide the step), every step compiled or eager."""
     cfg = Config()
     cfg.model = STREAM_GPT
     cfg.training.seed = 1
-    cfg.precision.bf16 = bf16
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(microbatches):
@@ -185,7 +187,9 @@ def stream_times(microbatches: int = 16, reps: int = 5, bf16: bool = False) -> d
                                         {"lr": 1e-4, "weight_decay": 0.01}, None, 0.0)
         for stage in emulators[name].stages:
             stage.policy.fuse_prediction = fuse
-        emulators[name].train_segment(batches)  # warm-up (state, first allocations)
+            for opt in stage.optimizers:
+                opt.compile_fused_step = compiled
+        emulators[name].train_segment(batches)  # warm-up (state, first allocations, compilation)
     times = {name: [] for name in STREAMS}
     for _ in range(reps):
         for name, emu in emulators.items():
@@ -227,21 +231,22 @@ def main() -> None:
                          f"{read + written - base:+.1f} | {comp} |")
     actual = sum(p.numel() for p in make_stage(numel, False, "cpu")[0])
     lines += ["", f"## Time per micro-batch: step + prediction + restore, one stage of {actual / 1e6:.2f} M "
-              f"parameters (CPU, eager, median of {reps})", "", "| weights | variant | ms | vs naive |",
-              "|---|---|---:|---:|"]
+              f"parameters (CPU, median of {reps}; compiled = inductor's C++ for the CPU, as on CUDA)", "",
+              "| weights | step | variant | ms | vs naive |", "|---|---|---|---:|---:|"]
     for bf16 in (False, True):
-        for row in time_step_variants("cpu", numel, bf16, reps, compiled=(False,)):
-            lines.append(f"| {'bf16' if bf16 else 'fp32'} | {row['variant']} | {row['ms']:.2f} | "
-                         f"{row['vs_naive']:.3f} |")
-    microbatches = 8 if args.quick else 16
+        for row in time_step_variants("cpu", numel, bf16, reps):
+            lines.append(f"| {'bf16' if bf16 else 'fp32'} | {'compiled' if row['compiled'] else 'eager'} | "
+                         f"{row['variant']} | {row['ms']:.2f} | {row['vs_naive']:.3f} |")
+    microbatches = 8 if args.quick else 64  # long segments: the warm-up (no fused step before it) is a small share
     lines += ["", f"## The stream: ms per micro-batch, emulator D = {STREAM_D}, GPT {STREAM_GPT.num_layers} x "
-              f"{STREAM_GPT.hidden_size}, seq {STREAM_GPT.seq_length}, micro-batch {STREAM_BATCH}, AdamW, segments "
-              f"of {microbatches}, median of {reps} (variants alternated)", "",
-              "| weights | variant | ms / micro-batch | vs async-naive |", "|---|---|---:|---:|"]
-    for bf16 in (False, True):
-        streams = stream_times(microbatches, reps, bf16)
+              f"{STREAM_GPT.hidden_size}, seq {STREAM_GPT.seq_length}, micro-batch {STREAM_BATCH}, fp32, AdamW, "
+              f"segments of {microbatches}, median of {reps} (variants alternated)", "",
+              "| step | variant | ms / micro-batch | vs async-naive |", "|---|---|---:|---:|"]
+    for compiled in (False, True):
+        streams = stream_times(microbatches, reps, compiled)
         for name, ms in streams.items():
-            lines.append(f"| {'bf16' if bf16 else 'fp32'} | {name} | {ms:.2f} | {ms / streams['async-naive']:.3f} |")
+            lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | {ms:.2f} | "
+                         f"{ms / streams['async-naive']:.3f} |")
     lines += ["", f"Load after: `{_load()}`"]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -18,8 +18,9 @@ need in-place weights (copies instead of pointer swaps), error feedback (it move
 step), a mixed-precision step skipped for inf/NaN, and `fuse_prediction = False`.
 
 Memory: the step's factored ΔW (Adam's √v̂ + ε, 4 bytes per parameter) dies with the step where every
-prediction between two steps is fused (`keep_direction` off); where some are not, it is kept for them
-as before. Ŵ exists from the step to the end of the forward (in the straight stream the next op), in the
+prediction before the next step is fused (`keep_direction` off, decided step by step from the op list);
+where some are not (the interleaved stream's later forwards, k > 1), that step keeps it for them as
+before. A segment's warm-up forwards rebuild ΔW from the state (once per stage and segment). Ŵ exists from the step to the end of the forward (in the straight stream the next op), in the
 model dtype (bf16: 2 bytes per parameter, where the separate prediction wrote Ŵ into the model weights
 and copied the live ones back from the fp32 main params).
 """
@@ -67,27 +68,18 @@ class StepFusedPrediction:
             passes = [p for p in passes if p[0] == "F" and isinstance(first, Forward) and first.microbatch == p[1]]
         return [p for p in passes if p[2] != 0]
 
-    def _all_fused(self, chunk: int) -> bool:
-        """Whether every prediction between two steps of this segment (after its first step) is written
-        by a step, so that the step's ΔW need not be kept. Read from the op list once per segment."""
-        between = self._passes_between_steps[chunk]
-        key = (chunk, id(between), self.gathers[chunk])
-        cache = self.__dict__.setdefault("_all_fused_cache", {})
-        if key not in cache:
-            cache[key] = all(sum(1 for p in self._predicted_passes(chunk, ops) if p[2] != 0)
-                             <= len(self._fused_passes(chunk, ops)) for ops in between[1:])
-        return cache[key]
-
     def before_step(self, chunk):
         super().before_step(chunk)
         planned, _ = self._fused_state()
         opt = self.optimizers[chunk]
         fuses = self._fuses(chunk)
-        getattr(opt, "optimizer", opt).keep_direction = not (fuses and self._all_fused(chunk))
+        ops = self._ops_after_step(chunk, self.steps[chunk] + 1 - self._segment_first_step[chunk])
+        passes = self._fused_passes(chunk, ops) if fuses else []
+        # Keep the step's ΔW only for predictions it will not write itself (read from the op list).
+        unfused = sum(1 for p in self._predicted_passes(chunk, ops) if p[2] != 0) > len(passes)
+        getattr(opt, "optimizer", opt).keep_direction = not fuses or unfused
         if not fuses:
             return
-        ops = self._ops_after_step(chunk, self.steps[chunk] + 1 - self._segment_first_step[chunk])
-        passes = self._fused_passes(chunk, ops)
         if passes:
             self._plan_predictor(chunk, self.steps[chunk] + 1)  # the count after this step
         requests = {}

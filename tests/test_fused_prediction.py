@@ -365,9 +365,25 @@ def test_compiled_step_keeps_a_direction_the_separate_prediction_can_use(name, m
 
 def test_inductor_compiled_adamw_step_with_bf16_prediction(monkeypatch):
     """The same through inductor's code generation (what CUDA runs), AdamW into bf16 (one param group:
-    each graph compiles C++ on the CPU)."""
+    each graph compiles C++ on the CPU). One pass: the step that also writes Ŵ compiles to as many
+    kernels as the step alone (the prediction and its bf16 cast fuse into the step's loop)."""
+    from torch._inductor import metrics
     graphs = _compiled_vs_eager("adamw", "inductor", monkeypatch, steps=4, one_group=True)
     assert graphs[-1] == graphs[2] == 2, graphs
+    kernels = {}
+    for fused in (False, True):
+        torch._dynamo.reset()
+        params = make_params()
+        opt = build_optimizer("adamw", params, lr=0.01, weight_decay=0.1)
+        opt.compile_fused_step = True
+        for t in range(2):  # the first step is eager, the second compiles
+            set_grads([params], t)
+            if fused:
+                opt.plan_prediction(PredictionRequest(2.0, dtype=torch.bfloat16))
+            metrics.reset()
+            opt.step()
+        kernels[fused] = metrics.generated_kernel_count
+    assert 0 < kernels[True] == kernels[False], kernels
 
 
 def test_a_step_that_does_not_compile_runs_eagerly_with_a_warning(monkeypatch):

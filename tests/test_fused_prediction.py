@@ -255,25 +255,34 @@ def test_emulator_run_with_fused_prediction_equals_separate_prediction(method, o
     # first; the others are predicted before their pass, from the kept ΔW as before)
 
 
+DISTRIBUTED_RUNS = [("pipeoptim", "adamw", False), ("pipeoptim", "adamw", True), ("spectrain", "sgd", False)]
+
+
 def _distributed_fused_and_separate():
     out = {}
-    for bf16 in (False, True):
+    for method, optimizer, bf16 in DISTRIBUTED_RUNS:
         for fuse in (True, False):
             written = []
             precision = {"use_distributed_optimizer": True, "bf16": bf16}
+            options = {"include_weight_decay": True} if method == "pipeoptim" else {}
             losses, _, weights, *_ = train_distributed(
-                "pipeoptim", "adamw", 1, 1, (6, 4), mbs=4, masked=False, precision=precision,
+                method, optimizer, 1, 1, (6, 4), mbs=4, masked=False, precision=precision,
                 on_rank=lambda rank, fuse=fuse, written=written: count_fused(rank.stage.policy, fuse, written),
-                include_weight_decay=True)
-            out[(bf16, fuse)] = (losses, weights, len(written))
+                **options)
+            out[(method, bf16, fuse)] = (losses, weights, len(written))
     return ps.get_pipeline_model_parallel_rank(), out
 
 
 def test_pp2_dp2_distributed_optimizer_run_with_fused_prediction_equals_separate():
+    """PipeOptim (fp32, bf16) and SpecTrain (whose step writes both the forward's and the backward's
+    predicted shards) with the distributed optimizer: the predicted shards the step writes into its
+    packed all-gather = those predicted after it, bitwise."""
     for pp_rank, out in run_distributed(_distributed_fused_and_separate, 4, pp=2, timeout=300):
-        for bf16 in (False, True):
-            (losses_f, weights_f, written), (losses_s, weights_s, none) = out[(bf16, True)], out[(bf16, False)]
-            assert none == 0 and (written > 0) == (pp_rank == 0)  # stage 1 has s = 0: nothing to predict
+        for method, _, bf16 in DISTRIBUTED_RUNS:
+            (losses_f, weights_f, written), (losses_s, weights_s, none) = (out[(method, bf16, True)],
+                                                                           out[(method, bf16, False)])
+            # stage 1 predicts nothing: PipeOptim's s = 0, SpecTrain's s_f = ⌊1/2⌋ + 0 = 0 and s_b = 0
+            assert none == 0 and (written > 0) == (pp_rank == 0), (method, bf16, pp_rank, written)
             assert losses_f == losses_s
             assert all(torch.equal(weights_f[n], weights_s[n]) for n in weights_s)
 

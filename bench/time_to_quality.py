@@ -127,6 +127,8 @@ def regenerate(path: str, given: list[str], workload: bool = True) -> dict:
     (this command's arguments); written beside it under its name. The settings and the original run's
     header lines come from the JSON, or, for a JSON written before it held them, from its command and from
     the report beside it."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --from-json {path}: file not found")
     with open(path) as f:
         data = json.load(f)
     if "settings" in data:
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
                                                                                     "cost_model_variant")]
         if other:
             raise SystemExit(f"error: --from-json takes only --cost-model and --cost-model-variant (the settings "
-                             f"are the JSON's command's), got --{other[0].replace('_', '-')}")
+                             f"are the JSON's), got --{other[0].replace('_', '-')}")
         rest = [x for i, x in enumerate(given) if x != "--from-json" and (i == 0 or given[i - 1] != "--from-json")
                 and not x.startswith("--from-json=")]
         out = regenerate(a.from_json, rest)

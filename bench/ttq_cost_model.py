@@ -85,9 +85,8 @@ def cost_model_from_measurements(*, name: str, device: str, model: str, pipeline
     fwd = _per_stage(forward_ms, D)
     source = list(source)
     if backward_input_ms is None and backward_weight_ms is None:
-        backward_input_ms = backward_weight_ms = [b / 2 for b in _per_stage(backward_ms, D)]
-        if isinstance(backward_ms, (int, float)):
-            backward_input_ms = backward_weight_ms = backward_ms / 2
+        half = backward_ms / 2 if isinstance(backward_ms, (int, float)) else [b / 2 for b in backward_ms]
+        backward_input_ms = backward_weight_ms = half
         source.append("ZB's split backward not measured: input and weight gradients half of the backward each.")
 
     def policy(entries: dict) -> dict:

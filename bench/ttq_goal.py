@@ -47,20 +47,20 @@ def _mean_if_all(times: list) -> float | None:
 def timed_rows(s, study: dict, D: int, o: str, clock: tc.Clock | None = None) -> list[dict]:
     """configurations() of (D, o) on `clock`, each with its runs' times to every target ("per_target",
     per seed), its final loss ("val") and "speedup": {baseline: speed-up to T1 or None}."""
-    rows, tg = tc.configurations(s, study, D, o, clock), targets(s, study, D, o)
+    rows, tgs = tc.configurations(s, study, D, o, clock), targets(s, study, D, o)
     ref_unit = Unit(o, "sync", 0, 2 * D)
     for row in rows:
         runs = study["runs"][row["unit"]]
         row["val"] = val_ms(s, runs)
-        row["per_target"] = [[tc.time_to(r["curve"], t, row["sec_per_mb"]) for r in runs] for _, t in tg or []]
-        if tg and row["unit"] == ref_unit:  # 1F1B M=2D's runs (any schedule) reach T1 at their end
+        row["per_target"] = [[tc.time_to(r["curve"], t, row["sec_per_mb"]) for r in runs] for _, t in tgs or []]
+        if tgs and row["unit"] == ref_unit:  # 1F1B M=2D's runs (any schedule) reach T1 at their end
             row["per_target"][0] = [s.steps * row["sec_per_mb"]] * len(runs)
     base_t1 = {}
     for name, _ in BASELINES:
         b = next((r for r in rows if r["name"] == name and r.get("M") == (1 if name == "sync" else 2 * D)), None)
-        base_t1[name] = _mean_if_all(b["per_target"][0]) if b and tg else None
+        base_t1[name] = _mean_if_all(b["per_target"][0]) if b and tgs else None
     for row in rows:
-        t1 = _mean_if_all(row["per_target"][0]) if tg else None
+        t1 = _mean_if_all(row["per_target"][0]) if tgs else None
         row["speedup"] = {name: (base / t1 if base and t1 else None) for name, base in base_t1.items()}
     return rows
 
@@ -71,9 +71,9 @@ def sensitivity(s, study: dict, D: int, o: str, clock: tc.Clock) -> dict:
     (1F1B or ZB-H1 at M = 2D; None if not even at r = 0), on `clock` with every step (the method's and the
     baseline's) priced at r (`ttq_clock.scale_steps`), the rest of the clock fixed. Methods some seed of
     which never reaches T1 are left out: quality, not the clock, decides them."""
-    tg = targets(s, study, D, o)
+    tgs = targets(s, study, D, o)
     ops = clock.ops.get((D, o))
-    if not tg or ops is None:
+    if not tgs or ops is None:
         return {}
     out = {}
     for m in ASYNC:
@@ -81,7 +81,7 @@ def sensitivity(s, study: dict, D: int, o: str, clock: tc.Clock) -> dict:
         own = clock.ops.get((D, unit.opt), {})
         if (m in tr.ACTUAL_OPT and o != "adamw") or unit not in study["runs"] or m not in own:
             continue
-        mb = _mean_if_all([tc.time_to(r["curve"], tg[0][1], 1.0) for r in study["runs"][unit]])
+        mb = _mean_if_all([tc.time_to(r["curve"], tgs[0][1], 1.0) for r in study["runs"][unit]])
         if mb is None:
             continue
         k = tc.update_interval(m, D)
@@ -150,7 +150,7 @@ def goal_table(s, study: dict, clocks: list[tc.Clock]) -> tuple[list[str], list[
             best = [{b: None for b, _ in BASELINES[:2]} for _ in clocks]
             for m in ASYNC:
                 unit = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-                if m in tr.ACTUAL_OPT and o != "adamw" or unit not in study["runs"]:
+                if (m in tr.ACTUAL_OPT and o != "adamw") or unit not in study["runs"]:
                     continue
                 runs = study["runs"][unit]
                 v = val_ms(s, runs)

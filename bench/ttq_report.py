@@ -16,7 +16,7 @@ import time
 
 import ttq_goal as tg
 import ttq_run as tr
-from ttq_clock import (COLORS, SYNC_STYLE, Clock, configurations, cpu_clock, fmt_speedup,  # noqa: F401
+from ttq_clock import (SYNC_STYLE, Clock, configurations, cpu_clock, fmt_speedup,  # noqa: F401 (re-exported)
                        sync_seconds_per_update, time_to, update_interval)
 from ttq_goal import GOAL_SPEEDUP, targets, val_ms  # noqa: F401
 from ttq_run import ASYNC, LABELS, Unit, cv
@@ -220,7 +220,8 @@ NMT_HORIZON_NOTE = """- How the horizon was chosen (measured before the study, s
   PipeDream, PipeOptim); the synchronous runs at M = 2D = 8 and 4D = 16 (1F1B / interleaved / ZB-H1) and
   the equal-updates reference M = 1. Muon trains on this path (a tiny D = 4 PipeDream /
   PipeOptim check ran) but was not swept here. The lr grid was widened three times (first 1e-3..4e-3)
-  because 1F1B at M = 8 chose its upper edge each time (where the chosen lrs sit now: the next note).
+  because 1F1B at M = 8 chose its upper edge each time (where the chosen lrs sit now: the edge-of-grid
+  note below).
 - Reading the NMT goal: at this horizon 1F1B at M = 8 makes 128 updates of 128 pairs and is still far from
   converged (its 2,048-micro-batch run above kept improving to the end), while the asynchronous methods
   make 1,024 updates of 16 pairs with a staleness of at most 3: more updates beat staleness here. The

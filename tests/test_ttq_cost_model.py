@@ -100,6 +100,8 @@ def test_cost_model_file_errors_and_variants(bench, tmp_path):
     assert s.cost_model is None
     with pytest.raises(SystemExit, match="--from-json takes only --cost-model"):
         bench["ttq"].main(["--from-json", "x.json", "--depths", "8"])
+    with pytest.raises(SystemExit, match="error: --from-json .*nope.json: file not found"):
+        bench["ttq"].main(["--from-json", str(tmp_path / "nope.json")])
 
 
 def test_shipped_cost_model_is_its_derivation(bench):
@@ -230,3 +232,21 @@ def test_muon_grid_reaches_past_1f1b_best_lr_and_edges_come_from_the_data(bench,
     assert bench["report"].edge_note({"adamw": [5e-4, 1e-3, 2e-3], "muon": [5e-4, 1e-3, 2e-3],
                                       "nag": [5e-4, 1e-3, 2e-3]}, {**study, "best": inside}).startswith(
         "- Every chosen lr is inside its grid")
+
+
+def test_measurements_without_a_zb_split_say_so(bench):
+    cm = tiny_model(bench["cm"], backward_input_ms=None, backward_weight_ms=None, backward_ms=[20.0, 30.0])
+    assert cm["ratios"]["backward_input"] == cm["ratios"]["backward_weight"] == [1.0, 1.5]
+    assert any("ZB's split backward not measured" in note for note in cm["source"])
+
+
+def test_regeneration_keeps_the_original_header(bench):
+    """A committed report regenerated from its JSON: the original run's header lines are the JSON's
+    `provenance`, and reading them back from the report drops the regeneration's own line."""
+    for name in ("time_to_quality", "time_to_quality_d8_adamw", "time_to_quality_d8_muon", "time_to_quality_nmt"):
+        with open(os.path.join(RESULTS, name + ".json")) as f:
+            data = json.load(f)
+        md = os.path.join(RESULTS, name + ".md")
+        assert data["provenance"].startswith("torch ") and "load average at start" in data["provenance"]
+        assert bench["ttq"].provenance_from_md(md) == data["provenance"]
+        assert "Regenerated without training" in open(md).read()

@@ -35,7 +35,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
+# The "cuda" twins also carry the marker `cuda` (registered in tests/conftest.py): `pytest -m cuda` selects them.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[needs_cuda, pytest.mark.cuda])]
 
 OPTIONAL = ("wandb", "datasets", "nltk")  # not on the GPU image: nothing the GPU tests run may need them
 # Python source that makes them unimportable (`import wandb` raises ImportError) in the process it runs in.

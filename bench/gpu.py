@@ -23,7 +23,11 @@ each with its exact command in the results:
           falls, with the loss scale and lr over them
 
 Adding a measured section: a function `def section_<name>(run: Run) -> Section` (measure through `run.worker`
-or `run.pretrain`, read earlier sections' figures from `run.done`) and one line in SECTIONS.
+or `run.pretrain`, read earlier sections' figures from `run.done`) and one line in SECTIONS. Ours with other
+flags, for one:
+
+    def section_gpt_compiled(run: Run) -> Section:
+        return measure_ours(run, "gpt_compiled", "GPT through pretrain_gpt.py --torch-compile", ["--torch-compile"])
 """
 
 from __future__ import annotations
@@ -101,10 +105,18 @@ class Run:
             raise RuntimeError(f"exit code {proc.returncode}: {shown}\n" + "\n".join(lines[-15:]))
         return lines
 
-    def worker(self, name: str, *flags: str) -> tuple[dict, str]:
-        """(result, command) of `python bench/gpu_worker.py name --size <size> flags`."""
+    def worker(self, name: str, *flags: str, errors: list | None = None) -> tuple[dict | None, str]:
+        """(result, command) of `python bench/gpu_worker.py name --size <size> flags`. With `errors`, a
+        failure (an out-of-memory, a compiler error) is appended there as (command, message) and the result
+        is None, so that one failing measurement leaves the others of its section."""
         argv = [name, "--size", self.size_name, *flags]
         shown = " ".join(["python", "bench/gpu_worker.py", *argv])
+        if errors is not None:
+            try:
+                return self.worker(name, *flags)
+            except RuntimeError as e:
+                errors.append((shown, str(e)))
+                return None, shown
         lines = self._stream([sys.executable, os.path.join(BENCH, "gpu_worker.py"), *argv], shown)
         result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
         if result is None:
@@ -162,6 +174,14 @@ def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
+def failed_lines(errors: list) -> list[str]:
+    """Markdown for the measurements of a section that failed (their command and the end of the error)."""
+    out = []
+    for command, message in errors:
+        out += ["", f"Failed: `{command}`", "", "```", *message.splitlines()[-8:], "```"]
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # The sections
 # --------------------------------------------------------------------------------------------------
@@ -174,11 +194,13 @@ def section_peak(run: Run) -> Section:
                     f"of {result['reps']} after {result['warmup']} warm-up. MFU below is against this figure."])
 
 
-def section_gpt(run: Run) -> Section:
+def measure_ours(run: Run, label: str, title: str, extra_flags: list[str]) -> Section:
+    """The GPT of this size through pretrain_gpt.py --bf16 plus `extra_flags`: the median ms per iteration
+    after the warm-up, from the per-iteration records (--log-interval 1), and what follows from it."""
     s = run.size
     flags = s.gpt_flags() + ["--bf16", "--train-iters", str(s.iterations), "--log-interval", "1", "--log-throughput",
-                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1"]
-    records, command, output = run.pretrain("gpt", flags)
+                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1", *extra_flags]
+    records, command, output = run.pretrain(label, flags)
     timed = [r for r in records if "tokens_per_sec" in r][s.warmup:]
     times = sorted(s.global_batch * s.seq / r["tokens_per_sec"] * 1e3 for r in timed)
     figures = throughput(run, times[len(times) // 2])
@@ -188,16 +210,23 @@ def section_gpt(run: Run) -> Section:
                    flops_per_iteration=flops_per_iteration(s))
     row = [f"{figures['ms_per_iteration']:.1f}", f"{figures['tokens_per_s']:,.0f}", num(figures["model_tflops"]),
            pct(figures["mfu"]), gib(figures["max_memory_bytes"])]
-    return Section("GPT through pretrain_gpt.py", [command], figures, [
+    return Section(title, [command], figures, [
         f"{figures['parameters_millions']} M parameters; median of the {len(times)} iterations after {s.warmup} "
         f"warm-up; {num(figures['flops_per_iteration'] / 1e12)} TFLOP per iteration (megatron_po/flops.py).", "",
         markdown_table(["ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "peak GiB"], [row])])
 
 
+def section_gpt(run: Run) -> Section:
+    return measure_ours(run, "gpt", "GPT through pretrain_gpt.py", [])
+
+
 def section_plain(run: Run) -> Section:
-    eager, eager_command = run.worker("plain")
-    compiled, compiled_command = run.worker("plain", "--compile")
-    rows, figures = [], {}
+    errors: list = []
+    eager, eager_command = run.worker("plain", errors=errors)
+    compiled, compiled_command = run.worker("plain", "--compile", errors=errors)
+    if eager is None and compiled is None:
+        raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
+    rows, figures = [], {"failed": [command for command, _ in errors]}
     ours = run.done.get("gpt")
     for name, result in (("ours (pretrain_gpt.py)", ours.figures if ours else None),
                          ("plain PyTorch, eager", eager), ("plain PyTorch, torch.compile", compiled)):
@@ -211,9 +240,11 @@ def section_plain(run: Run) -> Section:
     backend = run.size.compile_backend
     return Section("Ours beside a plain PyTorch GPT of the same shape", [eager_command, compiled_command], figures, [
         "bench/overhead.py's PlainGPT as a user writes it: fp32 weights under bf16 autocast, "
-        "F.scaled_dot_product_attention, fused AdamW, the same micro-batches per iteration and clip 1.0, the "
+        "F.scaled_dot_product_attention, fused AdamW (foreach on a CPU), the same micro-batches per iteration and "
+        "clip 1.0, the "
         f"same (tied, padded) output layer; `torch.compile` with backend `{backend}`. Same FLOPs per iteration.", "",
-        markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "ours / this (tokens/s)"], rows)])
+        markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "ours / this (tokens/s)"], rows),
+        *failed_lines(errors)])
 
 
 # label, method, optimizer, update interval k (2BW accumulates k >= D micro-batches per update)
@@ -248,18 +279,27 @@ def stage_costs(results: dict) -> list[dict]:
 
 
 def section_stream(run: Run) -> Section:
-    results, commands = {}, []
+    results, commands, errors = {}, [], []
     for label, method, optimizer, k in STREAM_METHODS:
-        results[label], command = run.worker("stream", "--method", method, "--optimizer", optimizer, "--k", str(k))
+        result, command = run.worker("stream", "--method", method, "--optimizer", optimizer, "--k", str(k),
+                                     errors=errors)
         commands.append(command)
-    base = results["async-naive"]["ms_per_microbatch"]
+        if result is not None:
+            results[label] = result
+    if not results:
+        raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
+    base = results["async-naive"]["ms_per_microbatch"] if "async-naive" in results else None
     rows = []
     for label, method, optimizer, k in STREAM_METHODS:
+        if label not in results:
+            rows.append([label, optimizer, k, "failed", "", "", "", ""])
+            continue
         res = results[label]
-        res["ratio_to_async_naive"] = res["ms_per_microbatch"] / base
+        res["ratio_to_async_naive"] = res["ms_per_microbatch"] / base if base else None
         copies = " / ".join(str(res["copies_per_chunk"][str(r)]) for r in range(D))
-        rows.append([label, optimizer, k, f"{res['ms_per_microbatch']:.1f}", f"{res['ratio_to_async_naive']:.3f}x",
-                     gib(res["memory"]["peak_bytes"]), gib(res["built"].get("memory_allocated_bytes")), copies])
+        ratio = "n/a" if base is None else f"{res['ratio_to_async_naive']:.3f}x"
+        rows.append([label, optimizer, k, f"{res['ms_per_microbatch']:.1f}", ratio, gib(res["memory"]["peak_bytes"]),
+                     gib(res["built"].get("memory_allocated_bytes")), copies])
     costs = stage_costs(results)
     cost_rows = []
     for c in costs:
@@ -268,12 +308,13 @@ def section_stream(run: Run) -> Section:
         cost_rows.append([c["stage"], f"{c['forward_ms']:.2f}", f"{c['backward_ms']:.2f}",
                           *(f"{steps[o]:.2f} ({pct(steps[o] / fb)})" if o in steps else "n/a" for o in ("adamw", "muon")),
                           *(f"{c['prediction_ms'][o]:.2f}" if o in c["prediction_ms"] else "n/a" for o in ("adamw", "muon"))])
-    memory = results["async-naive"]["memory"]["measure"]
-    figures = {"D": D, "methods": results, "stage_costs": costs}
+    first = next(iter(results.values()))
+    memory, parameters = first["memory"]["measure"], first["built"]["parameters"]
+    figures = {"D": D, "methods": results, "stage_costs": costs, "failed": [command for command, _ in errors]}
     s = run.size
     return Section(f"The D = {D} asynchronous stream in the single-process emulator", commands, figures, [
         f"All {D} stages in one process (`AsyncEmulator`), bf16 with fp32 main params, untied embeddings (asynchronous "
-        f"methods need them: {results['async-naive']['built']['parameters'] / 1e6:.1f} M parameters), micro-batch "
+        f"methods need them: {parameters / 1e6:.1f} M parameters), micro-batch "
         f"{s.micro_batch}, k = 1 unless said. ms per micro-batch in the steady state: (T({s.stream_long}) - "
         f"T({s.stream_short})) / {s.stream_long - s.stream_short} over two segments after a warm-up; the emulator "
         "runs the stages one after another, so this is the whole pipeline's work per micro-batch. Each method in a "
@@ -286,7 +327,7 @@ def section_stream(run: Run) -> Section:
         "async-naive (AdamW) and PipeOptim (Muon), less the policy's hooks; PipeOptim's prediction = its hooks "
         "around a forward (predict, then restore; none on the last stage, s = 0).", "",
         markdown_table(["stage", "forward", "backward", "AdamW step (share)", "Muon step (share)",
-                        "prediction (AdamW)", "prediction (Muon)"], cost_rows)])
+                        "prediction (AdamW)", "prediction (Muon)"], cost_rows), *failed_lines(errors)])
 
 
 def section_fp16(run: Run) -> Section:
@@ -375,11 +416,11 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
             "failures": [{"section": n, "error": e} for n, e in failures]}
     stream = run.done.get("stream")
     if stream is not None:
-        naive = stream.figures["methods"]["async-naive"]
+        built = next(iter(stream.figures["methods"].values()))["built"]
         data["cost_model"] = {
             "source": "section stream: one segment of the D = 4 emulator timed op by op, device synchronised, median",
             "pipeline_stages": D, "data_parallel_size": 1, "micro_batch_size": s.micro_batch,
-            "tokens_per_microbatch": s.micro_batch * s.seq, "precision": "bf16", "parameters": naive["built"]["parameters"],
+            "tokens_per_microbatch": s.micro_batch * s.seq, "precision": "bf16", "parameters": built["parameters"],
             "model": {"num_layers": s.layers, "hidden_size": s.hidden, "num_attention_heads": s.heads,
                       "seq_length": s.seq, "padded_vocab": padded_vocab(s), "untied_embeddings": True},
             "stages": stream.figures["stage_costs"]}

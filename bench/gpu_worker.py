@@ -75,7 +75,7 @@ SIZES = {
     # GPT-1.3B as issue 29 measured it: 24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 4, global 16.
     "full": Size(layers=24, hidden=2048, heads=16, seq=2048, micro_batch=4, global_batch=16, vocab=50257,
                  iterations=12, warmup=3, matmul_n=8192, matmul_reps=20, stream_warmup=4, stream_short=8,
-                 stream_long=24, stream_ops=8, fp16_iterations=12, compile_backend="inductor"),
+                 stream_long=24, stream_ops=8, fp16_iterations=16, compile_backend="inductor"),
     # A tiny GPT: every code path runs on a CPU in seconds; its figures measure nothing.
     "quick": Size(layers=4, hidden=32, heads=2, seq=32, micro_batch=2, global_batch=4, vocab=256,
                   iterations=3, warmup=1, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,

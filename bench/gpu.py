@@ -18,7 +18,8 @@ each with its exact command in the results:
           PipeDream, PipeDream-2BW (k = 4), PipeOptim with AdamW and with Muon, each method in a process of its
           own: ms per micro-batch, ratio to async-naive, peak memory, weight copies per chunk; each stage's
           forward, backward, optimizer step (AdamW, Muon) and PipeOptim prediction, and the step's share of
-          forward + backward; the JSON's `cost_model` holds them per stage for bench/time_to_quality.py
+          forward + backward; the JSON's `stage_costs` holds them per stage, and `<out>_cost_model.json` is
+          bench/time_to_quality.py's cost model of them (`--cost-model PATH`; bench/ttq_cost_model.py)
   fp16    pretrain_gpt.py --fp16 from the default initial loss scale 2^32: the iterations skipped while the scale
           falls, with the loss scale and lr over them
 
@@ -56,6 +57,7 @@ offline_env()
 
 import torch  # noqa: E402
 from gpu_worker import D, SIZES, Size, padded_vocab  # noqa: E402
+from ttq_cost_model import cost_model_from_measurements  # noqa: E402
 
 
 @dataclass
@@ -278,6 +280,58 @@ def stage_costs(results: dict) -> list[dict]:
     return out
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# Which stages a method's weight policy works on, as bench/ttq_cost_model.py counts them: at k = 1 the last
+# stage's weights are never stale (PipeOptim predicts nothing there, PipeDream stashes nothing); 2BW swaps
+# versions on every stage.
+POLICY_STAGES = {"pipeoptim": "stale", "pipedream": "stale", "pipedream-2bw": "all"}
+
+
+def ttq_cost_model(results: dict, costs: list[dict], info: dict, size: Size, size_name: str) -> dict:
+    """The stream's per-op costs as bench/time_to_quality.py's cost model (`--cost-model PATH`; schema in
+    bench/ttq_cost_model.py): one average stage (so that it prices any D), the policies' hook time per op
+    kind averaged over the stages they work on."""
+    stale = list(range(D - 1))
+
+    def policy(label: str, method: str) -> dict:
+        stages = stale if POLICY_STAGES[method] == "stale" else list(range(D))
+        ops = results[label]["stages"]
+        return {kind.capitalize(): mean([ops[r][f"{kind}_hooks"] for r in stages])
+                for kind in ("forward", "backward", "step")} | {"stages": POLICY_STAGES[method]}
+
+    policies = {method: policy(label, method) for label, method, optimizer, k in STREAM_METHODS
+                if method in POLICY_STAGES and optimizer == "adamw" and label in results}
+    variants = {}
+    if "PipeOptim (Muon)" in results:
+        variants["muon-run-prediction"] = {"note": "PipeOptim's hooks measured in the Muon run (its prediction "
+                                                   "follows Muon's update)",
+                                           "policy_ms": {"pipeoptim": policy("PipeOptim (Muon)", "pipeoptim")}}
+    steps = {o: mean([c["step_ms"][o] for c in costs]) for o in ("adamw", "muon") if o in costs[0]["step_ms"]}
+    device = f"{info['name']} (torch {info['torch']}, CUDA {info['cuda']}, bf16)"
+    model = (f"GPT {size.layers} layers, hidden {size.hidden}, {size.heads} heads, seq {size.seq}, micro-batch "
+             f"{size.micro_batch}, vocab {padded_vocab(size)}, untied embeddings; one stage = {size.layers // D} layers")
+    return cost_model_from_measurements(
+        name=f"gpu_{info['slug']}_{size_name}", device=device, model=model, pipeline_stages=D, data_parallel=1,
+        tokens_per_microbatch=size.micro_batch * size.seq,
+        forward_ms=mean([c["forward_ms"] for c in costs]), backward_ms=mean([c["backward_ms"] for c in costs]),
+        step_ms=steps, policy_ms=policies, variants_ms=variants, source=[
+            f"python bench/gpu.py ({size_name} size), section stream: the D = {D} asynchronous emulator, one process "
+            "per method, one segment timed op by op with the device synchronised around every op and policy hook; "
+            "medians per stage, then the mean over the stages (one average stage; the per-stage figures are in the "
+            "bench's JSON, `stage_costs`).",
+            "forward, backward: async-naive's ops less their (empty) policy hooks; step: the Step op less the "
+            "policy's hooks, AdamW from async-naive, Muon from PipeOptim (Muon), at the Newton-Schulz precision "
+            "this code runs by default.",
+            "policy: each method's hook time per op kind (PipeOptim: predict before and restore after a forward; "
+            "PipeDream: the version swap around a backward; 2BW at k = 4: its version copies), AdamW runs, averaged "
+            "over the stages the method works on (`stages`).",
+            "Not measured here: NAG's step (PipeNAG, and 2BW + error feedback, need fp32 weights; this bench runs "
+            "bf16), the split backward of the zero-bubble schedules, communication (one process, DP = 1)."])
+
+
 def section_stream(run: Run) -> Section:
     results, commands, errors = {}, [], []
     for label, method, optimizer, k in STREAM_METHODS:
@@ -397,6 +451,11 @@ def header(info: dict, command: str, run: Run, started: str) -> list[str]:
     return lines + [""]
 
 
+def cost_model_path(path: str) -> str:
+    """Where the time-to-quality cost model goes: beside the .md, `<name>_cost_model.json`."""
+    return os.path.splitext(path)[0] + "_cost_model.json"
+
+
 def write_results(path: str, info: dict, command: str, run: Run, started: str, t0: float, failures: list) -> None:
     lines = header(info, command, run, started)
     for name, section in run.done.items():
@@ -417,13 +476,22 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
     stream = run.done.get("stream")
     if stream is not None:
         built = next(iter(stream.figures["methods"].values()))["built"]
-        data["cost_model"] = {
+        data["stage_costs"] = {
             "source": "section stream: one segment of the D = 4 emulator timed op by op, device synchronised, median",
             "pipeline_stages": D, "data_parallel_size": 1, "micro_batch_size": s.micro_batch,
             "tokens_per_microbatch": s.micro_batch * s.seq, "precision": "bf16", "parameters": built["parameters"],
             "model": {"num_layers": s.layers, "hidden_size": s.hidden, "num_attention_heads": s.heads,
                       "seq_length": s.seq, "padded_vocab": padded_vocab(s), "untied_embeddings": True},
             "stages": stream.figures["stage_costs"]}
+        try:  # ttq_cost_model checks what it builds and says what is wrong in one line (SystemExit)
+            cost_model = ttq_cost_model(stream.figures["methods"], stream.figures["stage_costs"], info, s,
+                                        run.size_name)
+        except SystemExit as e:
+            data["ttq_cost_model"] = f"not written: {e}"
+        else:
+            data["ttq_cost_model"] = os.path.basename(cost_model_path(path))
+            with open(cost_model_path(path), "w") as f:
+                json.dump(cost_model, f, indent=1)
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump(data, f, indent=1)
 
@@ -456,7 +524,8 @@ def main(argv=None) -> int:
             write_results(out, info, command, run, started, t0, failures)  # after each: a later crash keeps it
     finally:
         shutil.rmtree(run.tmp, ignore_errors=True)
-    log(f"[gpu.py] wrote {out} and {os.path.splitext(out)[0]}.json in {(time.perf_counter() - t0) / 60:.1f} min"
+    wrote = [p for p in (out, os.path.splitext(out)[0] + ".json", cost_model_path(out)) if os.path.exists(p)]
+    log(f"[gpu.py] wrote {', '.join(wrote)} in {(time.perf_counter() - t0) / 60:.1f} min"
         + (f"; FAILED: {', '.join(n for n, _ in failures)}" if failures else ""))
     return 1 if failures else 0
 

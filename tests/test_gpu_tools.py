@@ -9,8 +9,9 @@
   writes its .md and .json where it is told, every section there, with figures the product's code gives:
   PipeDream holds D - r weight copies on rank r, 2BW two, PipeOptim one (bf16: the prediction is written
   into the bf16 model weights, the fp32 main params stay live); fp16 from a loss scale of 2^32 skips its
-  first iterations, halving the scale each time; the cost model has forward, backward, the step of AdamW and
-  Muon and PipeOptim's prediction for each of the 4 stages. `--only` / `--skip` choose sections.
+  first iterations, halving the scale each time; the per-stage costs hold forward, backward, the step of AdamW
+  and Muon and PipeOptim's prediction for each of the 4 stages, and the cost model written beside them loads
+  and prices a D = 8 pipeline in bench/time_to_quality.py's own code. `--only` / `--skip` choose sections.
 """
 
 import json
@@ -125,13 +126,26 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     scales = [it["loss_scale"] for it in fp16["iterations"][:fp16["initial_skipped"]]]
     assert scales == [2.0**32 / 2**i for i in range(len(scales))]
 
-    cost = data["cost_model"]
+    cost = data["stage_costs"]
     assert cost["pipeline_stages"] == 4 and cost["data_parallel_size"] == 1 and cost["parameters"] > 0
     assert [s["stage"] for s in cost["stages"]] == [0, 1, 2, 3]
     for s in cost["stages"]:
         assert s["forward_ms"] > 0 and s["backward_ms"] > 0 and set(s["step_ms"]) == {"adamw", "muon"}
         assert set(s["prediction_ms"]) == {"adamw", "muon"}
     assert all(cost["stages"][r]["prediction_ms"]["adamw"] > 0 for r in range(3))  # s > 0 there: it predicts
+
+    # bench/time_to_quality.py reads the cost model written beside it (its own loader checks it)
+    assert data["ttq_cost_model"] == "gpu_cost_model.json"
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import ttq_cost_model
+        model = ttq_cost_model.load_cost_model(str(tmp_path / "results" / "gpu_cost_model.json"))
+        priced = ttq_cost_model.op_times(model, 8, "muon", ["pipeoptim", "pipedream", "pipedream-2bw"])
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    assert set(priced) == {"async-naive", "pipeoptim", "pipedream", "pipedream-2bw"} and len(priced["pipeoptim"]) == 8
+    assert priced["pipeoptim"]["0"]["Forward"] > priced["async-naive"]["0"]["Forward"]  # the prediction is priced
+    assert "muon-run-prediction" in model["variants"]
 
     only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "--skip", "gpt", "--out", str(tmp_path / "o.md"))
     assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]

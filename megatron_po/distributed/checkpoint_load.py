@@ -121,34 +121,25 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         if theirs != ours:  # every rank reads the same entry: no agreement needed
             raise UserError(f"{where}: the checkpoint holds {theirs} optimizer state but this run uses {ours}; "
                             "use --no-load-optim to load the weights only")
-        # Allocate state the optimizer has not created yet, so DCP can load into it in place.
+        # The state DCP loads into in place: the optimizer's own (created as its first step would).
         for name, p in names:
             if id(p) not in stepped:
                 continue
             s = stepped[id(p)]
             saved = pickle.loads(small[f"optimizer_state_keys.{name}"])
             s.group["lr"] = saved["lr"]
-            if s.tensor is None:  # distributed optimizer: other data-parallel ranks own all of it
-                continue
-            st = s.state
-            for k, spec in saved["keys"].items():
-                if k in st:
-                    continue
-                if spec is None:
-                    st[k] = 0
-                elif spec[0] == "like-param":
-                    st[k] = torch.zeros_like(s.tensor, dtype=spec[1])
-                else:
-                    st[k] = torch.zeros(spec[0], dtype=spec[1], device=s.tensor.device)
+            if s.tensor is not None:  # None: distributed optimizer, other data-parallel ranks own all of it
+                s.prepare_load(saved["keys"])
         _load_grad_scalers(optimizer, small, pickle.loads(small["layout"]))
     state, _ = model_and_optimizer_state(names, stepped, load_optim)
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
-    if load_policy:
+    if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)
+        saved_versions = {p: [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
+                          for name, p in names}
+        policy_weights = policy.load_targets(saved_versions)
         for name, p in names:
-            for key in sorted(k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")):
-                buf = torch.empty_like(p.data)
-                policy_weights.setdefault(p, {})[key] = buf
+            for key, buf in policy_weights.get(p, {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
     dcp_load(state, path)
@@ -173,7 +164,9 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights})
     if load_rng:
         if rng_key in small and pickle.loads(small["layout"]) == parallel_layout():
-            set_rng_state(pickle.loads(small[rng_key]))
+            if not set_rng_state(pickle.loads(small[rng_key])) and dist.get_rank() == 0:
+                print(f"> {path} was saved on another kind of device: the tensor-parallel random streams "
+                      "freshly seeded", flush=True)
         elif dist.get_rank() == 0:
             print(f"> {path} was saved under another parallel layout: random generators freshly seeded",
                   flush=True)

@@ -36,6 +36,19 @@ class _Stepped:
     def state(self) -> dict:
         return self.inner.state[self.tensor]
 
+    def prepare_load(self, saved_keys) -> None:
+        """Make the state that a checkpoint holding the entries `saved_keys` loads into, in place. A
+        parameter that has not stepped yet gets its state from the optimizer's own `init_state`, the
+        code its first step runs, so the loaded state has the devices, dtypes and shapes a step gives
+        it (step counts on the CPU, per-element state on the parameter's device). Entries the checkpoint
+        lacks (saved under other optimizer settings) are dropped for the next step to create; entries
+        only the checkpoint has are not loaded."""
+        state = self.state
+        if not state:
+            self.inner.init_state(self.group, self.tensor, state)
+        for key in [k for k in state if k not in saved_keys]:
+            del state[key]
+
     def view(self, p: torch.Tensor, t: torch.Tensor):
         """`t` (the stepped tensor or one of its state tensors) as DCP should see it: per-element state
         as (a piece of) the global parameter-shaped tensor, small state (step counters) whole."""

@@ -258,6 +258,13 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
         weights = self.error_feedback.state_dict() if self.error_feedback is not None else {}
         return {"steps": max(self.steps, default=0), "weights": weights}
 
+    def load_targets(self, keys: dict) -> dict:
+        """{param: {key: tensor}}: the weight versions this policy keeps that a checkpoint holding the
+        entries `keys` ({param: key names}) loads into in place: the tensors held, or, where none is held
+        yet, created now as the policy's own code creates them (like the live weights). Versions this
+        policy does not keep are not loaded."""
+        return self.error_feedback.load_targets(keys) if self.error_feedback is not None else {}
+
     def load_state_dict(self, state: dict) -> None:
         self.steps = [state["steps"]] * len(self.chunks)
         if self.error_feedback is not None:
@@ -393,14 +400,33 @@ class PipeDream2BWPolicy(AsyncPolicy):
                 state["weights"].setdefault(p, {})["older"] = o
         return state
 
+    def load_targets(self, keys):
+        out = super().load_targets(keys)
+        for c, params in enumerate(self.params):
+            if all("older" in keys.get(p, ()) for p in params):
+                if self.older[c] is None:
+                    self.older[c] = _clone(params)  # as the first step creates it
+                for p, o in zip(params, self.older[c]):
+                    out.setdefault(p, {})["older"] = o
+        return out
+
+    @torch.no_grad()
     def load_state_dict(self, state):
+        """W(t-1) copied into the version held (`load_targets`: the same tensors when a checkpoint load
+        filled them already)."""
         super().load_state_dict(state)
         weights = state["weights"]
+        self.load_targets({p: tuple(w) for p, w in weights.items()})
         for c, params in enumerate(self.params):
             if all("older" in weights.get(p, {}) for p in params):
-                self.older[c] = [weights[p]["older"] for p in params]
+                for o, p in zip(self.older[c], params):
+                    if weights[p]["older"] is not o:
+                        o.copy_(weights[p]["older"])
             elif self.steps[c] > 0:  # saved by another method: W(t-1) unknown, take W(t) as at the start
-                self.older[c] = _clone(params)
+                if self.older[c] is None:
+                    self.older[c] = _clone(params)
+                else:
+                    _copy_into(self.older[c], [p.data for p in params])
             self._note_copies(c)
 
     def _swap_in(self, chunk: int, version: int) -> None:

@@ -27,7 +27,7 @@ from megatron_po.distributed.checkpoint_format import checkpoint_dir, find_check
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params)
+                                                      parallel_layout, stepped_params, virtual_stage)
 from megatron_po.errors import UserError
 
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
@@ -98,6 +98,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     small = {"extra": b"", "layout": b"", "optimizer_type": b"", "policy_steps": b"", rng_key: b""}
     small.update({f"optimizer_state_keys.{n}": b"" for n, _ in names} if load_optim else {})
     small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
+    small.update({k: b"" for k in meta if k.startswith("policy_lr_steps.")} if policy is not None else {})
     small = {k: v for k, v in small.items() if k in meta}
     dcp_load(small, path)
     extra = pickle.loads(small["extra"])
@@ -161,7 +162,8 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     if repad and dist.get_rank() == 0:
         print(f"> {path}: vocabulary re-padded from {repad[0][1].shape[0]} rows to this run's padding", flush=True)
     if load_policy:
-        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights})
+        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights,
+                                "lr_steps": _policy_lr_steps(policy, small, pickle.loads(small["layout"]))})
     if load_rng:
         if rng_key in small and pickle.loads(small["layout"]) == parallel_layout():
             if not set_rng_state(pickle.loads(small[rng_key])) and dist.get_rank() == 0:
@@ -193,6 +195,20 @@ def _repad_buffers(state: dict, names, meta) -> list:
         state[key] = full
         out.append((local, full, ps.get_tensor_model_parallel_rank() * p.shape[0] if is_tp_shard(p) else 0))
     return out
+
+
+def _policy_lr_steps(policy, small: dict, saved_layout: tuple) -> list[int] | None:
+    """Each chunk's lr clock (applied updates, fewer than its steps when fp16 steps were skipped): the
+    same key when the checkpoint holds the same layers (same number of virtual stages), else the smallest
+    clock saved; None when it holds none (saved before they were kept: no skipped step counted)."""
+    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("policy_lr_steps.")}
+    if not saved:
+        return None
+    keys = [f"policy_lr_steps.stage{virtual_stage(c)}" for c in range(len(policy.chunks))]
+    same_stages = saved_layout[1] * saved_layout[3] == parallel_layout()[1] * parallel_layout()[3]
+    if same_stages and all(k in saved for k in keys):
+        return [saved[k] for k in keys]
+    return [min(saved.values())] * len(keys)
 
 
 def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:

@@ -114,6 +114,12 @@ def model_and_optimizer_state(names, stepped: dict[int, _Stepped], with_optimize
     return state, state_keys
 
 
+def virtual_stage(chunk: int) -> int:
+    """The virtual pipeline stage of this rank's model chunk `chunk` (asynchronous training's per-chunk
+    checkpoint entries are keyed by it)."""
+    return chunk * ps.get_pipeline_model_parallel_world_size() + ps.get_pipeline_model_parallel_rank()
+
+
 def grad_scalers(optimizers) -> dict[str, object]:
     """fp16 loss scalers by checkpoint key: `grad_scaler` for synchronous training (one scale, agreed
     over all ranks); `grad_scaler.stage<vs>` per model chunk in asynchronous training, where every
@@ -121,5 +127,4 @@ def grad_scalers(optimizers) -> dict[str, object]:
     opts = [o for o in as_list(optimizers) if getattr(o, "grad_scaler", None) is not None]
     if not isinstance(optimizers, (list, tuple)):
         return {"grad_scaler": opts[0].grad_scaler} if opts else {}
-    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    return {f"grad_scaler.stage{c * D + r}": o.grad_scaler for c, o in enumerate(optimizers) if o in opts}
+    return {f"grad_scaler.stage{virtual_stage(c)}": o.grad_scaler for c, o in enumerate(optimizers) if o in opts}

@@ -10,7 +10,9 @@ chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
       all-reduce at the step only under delay compensation, which edits gradients after each backward;
   (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
       counted once each over the TP group (DP replicas hold identical gradients after (a));
-  (c) lr = lr_fn(i), i = the number of steps chunk c has taken so far;
+  (c) lr = lr_fn(i), i = the number of updates chunk c has applied so far (`policy.lr_steps[c]`: a step
+      skipped for inf/NaN gradients does not count, as Megatron-LM's scheduler steps only on a successful
+      update; the schedule's own step count, which staleness and the policies read, counts every step);
   (d) the optimizer step of chunk c, then (e) chunk c's gradients are dropped.
 
 Each micro-batch's loss is scaled by 1/k, so a step applies the mean over its k micro-batches (and over
@@ -246,12 +248,14 @@ class AsyncStage:
                         g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
-        set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
+        set_lr(opt, self.scheduled_lr(c) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
         ef = getattr(self.policy, "error_feedback", None)  # --async-error-feedback (error_feedback.py)
         if ef is not None:
             ef.begin(c)
+        applied = True
         if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local
             result = opt.step()
+            applied = not result.skipped
             self.grad_norms[c] = result.grad_norm
             self.skipped_steps[c] += result.skipped
             self.consecutive_skipped[c] = self.consecutive_skipped[c] + 1 if result.skipped else 0
@@ -271,6 +275,11 @@ class AsyncStage:
             for p in params:
                 p.grad = None
         self.steps[c] += 1
+        self.policy.lr_steps[c] += applied  # the lr clock moves only with an applied update
+
+    def scheduled_lr(self, c: int) -> float:
+        """The lr schedule's value for chunk c's next step: lr_fn of the updates it has applied."""
+        return self.lr_fn(self.policy.lr_steps[c])
 
     def finish_param_sync(self) -> None:
         """Wait for the distributed optimizer's pending all-gathers (at a drain, before reading weights)."""
@@ -517,7 +526,7 @@ class AsyncPipelineRank:
 
     def restore_progress(self, microbatches_consumed: int) -> None:
         """After loading a checkpoint (taken at a drain): continue the stream's global micro-batch ids
-        and each chunk's step count (the LR schedule's clock)."""
+        and each chunk's step count (the lr clocks, `policy.lr_steps`, come with the policy's state)."""
         self.microbatches_consumed = microbatches_consumed
         self.stage.steps = [microbatches_consumed // self.update_interval] * self.num_chunks
 

@@ -72,6 +72,7 @@ Both use the same `AsyncStage`, so their updates are identical.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -228,7 +229,9 @@ class AsyncStage:
         self.policy = build_policy(method, rank, chunks, self.optimizers,
                                    _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
         self.policy.lr_fn = self.lr_fn  # schedule-aware weight predictors read the future lrs from it
-        self._runner: StageRunner | None = None
+        # The segment's runner, weakly: it holds this stage's bound `step`, so a strong reference would
+        # be a cycle keeping every tensor of the stage alive after its last user let go (until a gc).
+        self._runner: weakref.ref[StageRunner] | None = None
 
     @torch.no_grad()
     def step(self, c: int) -> None:
@@ -259,8 +262,9 @@ class AsyncStage:
             self.grad_norms[c] = result.grad_norm
             self.skipped_steps[c] += result.skipped
             self.consecutive_skipped[c] = self.consecutive_skipped[c] + 1 if result.skipped else 0
-            if c == self.loss_chunk and self._runner is not None:
-                self._runner.loss_scale = self._loss_scale()  # the scale may have changed
+            runner = self._runner() if self._runner is not None else None
+            if c == self.loss_chunk and runner is not None:
+                runner.loss_scale = self._loss_scale()  # the scale may have changed
         else:
             if self.clip_grad > 0:
                 self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
@@ -306,11 +310,12 @@ class AsyncStage:
                                   "micro-batch's forward and backward between the same two steps (its loss scale); "
                                   "this schedule steps it in between")
             transport = _StageLossScaling(transport, self)
-        self._runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
-                                   get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
-                                   step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
-                                   on_loss=on_loss, detail_level=1)
-        return self._runner
+        runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
+                             get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
+                             step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
+                             on_loss=on_loss, detail_level=1)
+        self._runner = weakref.ref(runner)
+        return runner
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
         """Forward only, live weights (the default policy; the runner skips policies in forward-only runs)."""

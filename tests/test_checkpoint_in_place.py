@@ -21,8 +21,6 @@ Single process (one forked gloo rank per case), a 2-layer GPT of hidden size 32.
 
 import copy
 import io
-import os
-from functools import partial
 
 import pytest
 import torch
@@ -422,4 +420,3 @@ def test_helpers_compare_what_they_should():
     assert identities({"a": t}) != identities({"a": t.clone()})
     assert layouts({"a": t}) != layouts({"a": t.to(torch.int8)})
     assert layouts({"a": t}) != layouts({"a": torch.zeros(3, device="meta")})
-    assert os.path.basename(__file__).startswith("test_")

@@ -10,7 +10,7 @@ chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
       all-reduce at the step only under delay compensation, which edits gradients after each backward;
   (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
       counted once each over the TP group (DP replicas hold identical gradients after (a));
-  (c) lr = lr_fn(i), i = the number of updates chunk c has applied so far (`policy.lr_steps[c]`: a step
+  (c) lr = lr_fn(i), i = the number of updates chunk c has applied so far (`lr_steps[c]`: a step
       skipped for inf/NaN gradients does not count, as Megatron-LM's scheduler steps only on a successful
       update; the schedule's own step count, which staleness and the policies read, counts every step);
   (d) the optimizer step of chunk c, then (e) chunk c's gradients are dropped.
@@ -229,6 +229,9 @@ class AsyncStage:
         self.policy = build_policy(method, rank, chunks, self.optimizers,
                                    _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
         self.policy.lr_fn = self.lr_fn  # schedule-aware weight predictors read the future lrs from it
+        # Each chunk's lr clock: its applied updates. The policy shares the list (its predictors read the
+        # clock, its state_dict checkpoints it and load_state_dict restores it in place).
+        self.lr_steps = self.policy.lr_steps
         # The segment's runner, weakly: it holds this stage's bound `step`, so a strong reference would
         # be a cycle keeping every tensor of the stage alive after its last user let go (until a gc).
         self._runner: weakref.ref[StageRunner] | None = None
@@ -279,11 +282,11 @@ class AsyncStage:
             for p in params:
                 p.grad = None
         self.steps[c] += 1
-        self.policy.lr_steps[c] += applied  # the lr clock moves only with an applied update
+        self.lr_steps[c] += applied  # the lr clock moves only with an applied update
 
     def scheduled_lr(self, c: int) -> float:
         """The lr schedule's value for chunk c's next step: lr_fn of the updates it has applied."""
-        return self.lr_fn(self.policy.lr_steps[c])
+        return self.lr_fn(self.lr_steps[c])
 
     def finish_param_sync(self) -> None:
         """Wait for the distributed optimizer's pending all-gathers (at a drain, before reading weights)."""

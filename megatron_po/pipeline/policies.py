@@ -255,7 +255,8 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
 
     def state_dict(self) -> dict:
         """What a checkpoint taken at a drain must keep: the steps every chunk has taken (equal at a
-        drain), each chunk's lr clock `lr_steps` (its applied updates) and, per live parameter, the extra weight versions held ({param: {key: tensor like it}}).
+        drain), each chunk's lr clock `lr_steps` (its applied updates) and, per live parameter, the extra
+        weight versions held ({param: {key: tensor like it}}).
         Nothing is in flight at a drain, so PipeDream's stash is empty and the predicting policies' cache
         holds nothing the live weights do not: only 2BW keeps a version (its older one)."""
         weights = self.error_feedback.state_dict() if self.error_feedback is not None else {}
@@ -270,7 +271,7 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [state["steps"]] * len(self.chunks)
-        self.lr_steps = list(state.get("lr_steps") or self.steps)  # none saved: no step was skipped
+        self.lr_steps[:] = state.get("lr_steps") or self.steps  # in place (the stage shares it); none: no skips
         if self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["weights"])
 

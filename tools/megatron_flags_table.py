@@ -44,6 +44,10 @@ Notes where our reading differs in detail:
   runs at lr 0); decay is Megatron's. `--rampup-batch-size` follows Megatron's rule exactly
   (`megatron_po/optim/sample_schedule.py`) and is refused with the asynchronous pipeline methods, which stream a
   fixed micro-batch count.
+- `--fp16` (and any main-params optimizer that skips a step for inf/NaN gradients): as in Megatron, a skipped
+  step's iteration consumes its samples but does not advance the lr schedule, whose clock is the samples of
+  the applied updates (checkpointed). Asynchronous methods skip per model chunk, and each chunk's lr clock
+  counts its own applied updates (docs/pipelines.md).
 - `--exit-duration-in-mins`: checked after every iteration (synchronous methods) or at every drain of an
   asynchronous pipeline (evaluation, checkpoint, exit interval); the ranks agree (all-reduce MAX) and save first.
 - `--overlap-grad-reduce`, `--overlap-p2p-communication`: always on here: each DDP bucket's reduction starts

@@ -171,13 +171,19 @@ class Muon(AdamW):
 
     # -- the Muon step ---------------------------------------------------------------------------
 
+    def init_state(self, group, param, state):
+        if not group["use_muon"]:
+            return super().init_state(group, param, state)
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["muon_update"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         if not group["use_muon"]:
             return super()._step_group(group, params, grads, states)
         lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
         for p, state in zip(params, states):
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         buffers = [s["momentum_buffer"] for s in states]
         torch._foreach_mul_(buffers, momentum)
         torch._foreach_add_(buffers, grads)

@@ -99,7 +99,8 @@ def test_steps_equal_the_reference_tp1(nesterov):
     torch.manual_seed(0)
     model, steps = Toy(), 3
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_use_nesterov=nesterov)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_use_nesterov=nesterov,
+                          muon_fp32_matmul_prec="highest")
     adamw_twin = Toy()
     adamw_twin.load_state_dict(model.state_dict())
     twin_groups = [{"params": [p for n, p in adamw_twin.named_parameters() if n in ("embedding.weight",
@@ -124,7 +125,7 @@ def test_steps_equal_the_reference_tp1(nesterov):
 def test_update_direction_and_prediction_closed_form():
     torch.manual_seed(1)
     model = Toy()
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_fp32_matmul_prec="highest")
     for s in range(2):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
@@ -188,7 +189,7 @@ def _tp_run(steps):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(local(n, full[n]))
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_fp32_matmul_prec="highest")
     for s in range(steps):
         for n, p in model.named_parameters():
             p.grad = local(n, grads[s][n]).clone()

@@ -410,17 +410,22 @@ class Muon(AdamW):
         return out
 
     def _newton_schulz(self, group: dict, jobs: list) -> dict:
-        """Run every job's Newton-Schulz; jobs of one shape (and orientation, and TP group) in one batched call."""
+        """Run every job's Newton-Schulz, the matrices of one shape in one batched call. A tall matrix is
+        iterated on as its transpose anyway, so it joins the wide ones of the transposed shape (an MLP's
+        up [ffn, h] and down [h, ffn] projections form one batch). TP-distributed jobs keep their
+        orientation and batch per TP group."""
         batches: dict = {}
         for key, u, transpose, tp_group in jobs:
+            flip = tp_group is None and u.shape[0] > u.shape[1]
+            u = u.mT if flip else u
             batch = (tuple(u.shape), transpose, tp_group) if self.batch_newton_schulz else (key,)
-            batches.setdefault(batch, []).append((key, u, transpose, tp_group))
+            batches.setdefault(batch, []).append((key, u, flip, transpose, tp_group))
         done = {}
         for batch in batches.values():
-            _, _, transpose, tp_group = batch[0]
-            o = newton_schulz(torch.stack([u for _, u, _, _ in batch]), group["num_ns_steps"], self.coefficient_type,
-                              self.fp32_matmul_prec, transpose=transpose, tp_group=tp_group)
-            done.update(zip([key for key, _, _, _ in batch], o.unbind(0)))
+            _, _, _, transpose, tp_group = batch[0]
+            o = newton_schulz(torch.stack([u for _, u, _, _, _ in batch]), group["num_ns_steps"],
+                              self.coefficient_type, self.fp32_matmul_prec, transpose=transpose, tp_group=tp_group)
+            done.update((key, x.mT if flip else x) for (key, _, flip, _, _), x in zip(batch, o.unbind(0)))
         return done
 
 

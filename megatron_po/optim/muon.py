@@ -317,8 +317,12 @@ class Muon(AdamW):
             layout.where = {id(p): (i, 0, p.numel()) for i, p in enumerate(params)}
         layout.numels = [m.numel() for m in layout.models]
         shapes = [self._orthogonalised_shapes(m) for m in layout.models]
+        held = None
+        if layout.pieces:
+            held = [[end - start for start, end in (layout.pieces[r].get(i, (0, 0)) for r in range(world))]
+                    for i in range(len(layout.models))]
         layout.owners = assign_owners([sum(newton_schulz_flops(r, c, group["num_ns_steps"]) for r, c in parts)
-                                       for parts in shapes], world)
+                                       for parts in shapes], world, held)
         layout.scales = [self._row_scales(group, m, parts) for m, parts in zip(layout.models, shapes)]
         self._layouts[key] = layout
         return layout

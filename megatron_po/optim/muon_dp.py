@@ -1,10 +1,12 @@
 """Muon over data-parallel ranks: each whole matrix is orthogonalised by one DP rank, its owner.
 
 Ownership (`assign_owners`): the matrices, largest Newton-Schulz cost first, each to the DP rank with the
-least cost so far (ties: the lower rank), so every rank runs about 1/DP of the Newton-Schulz FLOPs. It is
-computed from shapes only, identically on every rank, and it is the same under the plain and the distributed
-optimizer for the same model. (Megatron's layer-wise optimizer deals parameters sorted by size to the ranks
-in a ping-pong order; largest-first onto the least loaded rank balances at least as well.)
+least cost so far (ties: the lower rank), so every rank runs about 1/DP of the Newton-Schulz FLOPs.
+(Megatron's layer-wise optimizer deals parameters sorted by size to the ranks in a ping-pong order;
+largest-first onto the least loaded rank balances at least as well.) Under the distributed optimizer a
+matrix goes to the rank holding most of it instead, as long as that rank stays within 10 % of the fair
+share: a matrix inside one rank's range then moves no byte. Computed from shapes and the bucket layout
+only, identically on every rank.
 
 Moving data, per step and Muon param group:
 - replicated state (plain or mixed-precision optimizer: every DP rank holds the whole U of every matrix):
@@ -32,11 +34,20 @@ from megatron_po.distributed.ddp import all_gather_single
 Pieces = list[dict[int, tuple[int, int]]]  # per DP rank: {matrix index: [start, end) of the flat matrix it holds}
 
 
-def assign_owners(costs: Sequence[float], world: int) -> list[int]:
-    """The DP rank that orthogonalises each matrix: largest cost first, onto the least loaded rank."""
+def assign_owners(costs: Sequence[float], world: int, held: Sequence[Sequence[int]] | None = None,
+                  slack: float = 0.1) -> list[int]:
+    """The DP rank that orthogonalises each matrix, largest cost first. Without `held`: onto the least
+    loaded rank (ties: the lower one). With `held` (held[i][r] = elements of matrix i that rank r holds,
+    the distributed optimizer's pieces): onto the rank holding most of it, where nothing has to move, unless
+    that would take its load past (1 + slack) x the fair share; then onto the least loaded rank."""
     loads, owners = [0.0] * world, [0] * len(costs)
+    fair = (1.0 + slack) * sum(costs) / world
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(world), key=lambda r: (loads[r], r))
+        if held is not None:
+            holder = max(range(world), key=lambda r: (held[i][r], -r))
+            if loads[holder] + costs[i] <= fair:
+                rank = holder
         owners[i] = rank
         loads[rank] += costs[i]
     return owners

@@ -44,6 +44,16 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "muon")
 MUON_NOTE = ("\n- Muon (optim/muon.py): hidden weight matrices by momentum 0.95 (Nesterov) + 5 Newton-Schulz steps, "
              "update scale 0.2·sqrt(max(rows, cols)) (AdamW's lr and decoupled weight decay carry over); embeddings, "
              "output layer, norms and biases by AdamW.")
+MUON_LEGACY = {"muon_fp32_matmul_prec": "highest", "muon_split_qkv": False}  # Settings' Muon fields before issue 31
+NS_PRECISION_LABELS = {"medium": "bf16", "high": "TF32", "highest": "fp32", "low": "fp32"}
+
+
+def muon_ns_note(s) -> str:
+    """The Newton-Schulz settings of a run, for the report's Muon line."""
+    return (f" Newton-Schulz in {NS_PRECISION_LABELS[s.muon_fp32_matmul_prec]} (--muon-fp32-matmul-prec "
+            f"{s.muon_fp32_matmul_prec}), fused QKV weight {'split into Q, K, V' if s.muon_split_qkv else 'whole'}.")
+
+
 OPT_LABELS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD-momentum", "muon": "Muon"}
 CORPUS = os.path.join(REPO, "examples", "data", "bible_web.en.jsonl.gz")
 
@@ -78,6 +88,11 @@ class Settings:
     warmup: int = 16  # micro-batches
     weight_decay: float = 0.01
     sgd_momentum: float = 0.9
+    # Muon's Newton-Schulz (--muon-fp32-matmul-prec, --muon-no-split-qkv): the product defaults since issue 31;
+    # runs before it were fp32 with the fused QKV weight whole ("highest", False), which `_job_key` leaves out
+    # of the key, so their cached runs stay reachable under those values
+    muon_fp32_matmul_prec: str = "medium"
+    muon_split_qkv: bool = True
     clip_grad: float = 0.0
     # measurement
     eval_interval: int = 64  # micro-batches between evaluations (the async pipeline drains there)

@@ -69,7 +69,8 @@ def _ns_coefficients_error(c: Ctx) -> str | None:
     try:
         coefficients(c.t.muon_coefficient_type, c.t.muon_num_ns_steps)
     except ValueError as e:
-        return f"--muon-coefficient-type {c.t.muon_coefficient_type} with --muon-num-ns-steps {c.t.muon_num_ns_steps}: {e}"
+        t = c.t
+        return f"--muon-coefficient-type {t.muon_coefficient_type} with --muon-num-ns-steps {t.muon_num_ns_steps}: {e}"
     return None
 
 

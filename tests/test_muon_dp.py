@@ -130,10 +130,14 @@ def _train(kind, steps=3, precision="highest"):
     return ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(), per_step, weights
 
 
+@pytest.fixture(scope="module")
+def dp1():
+    return run_distributed(_train, 1, args=("plain",))[0]
+
+
 @pytest.mark.parametrize("kind,world,tp", [("plain", 2, 1), ("sharded", 2, 1), ("sharded", 4, 2)],
                          ids=["dp2-plain", "dp2-sharded", "tp2-dp2-sharded"])
-def test_each_matrix_orthogonalised_once_per_step_and_equal_to_dp1(kind, world, tp):
-    dp1 = run_distributed(_train, 1, args=("plain",))[0]
+def test_each_matrix_orthogonalised_once_per_step_and_equal_to_dp1(kind, world, tp, dp1):
     assert all(ns == NS_MATRICES_PER_STEP and not coll for ns, coll in dp1[2])  # DP=1: all of them, no collective
     results = run_distributed(_train, world, tp=tp, args=(kind,))
     for step in range(3):

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=None, help="micro-batches between evaluations")
     p.add_argument("--lr", nargs="+", default=None, metavar="OPT=LR", help="peak lr per optimizer, e.g. adam=1e-3")
     p.add_argument("--cache-dir", default=None, help="tokenizer, corpus, indices and run cache (default <out>/.cache)")
+    p.add_argument("--muon-fp32-matmul-prec", default=None, choices=["medium", "high", "highest", "low"],
+                   help="Muon's Newton-Schulz precision (default here: highest = fp32, the study's; training's "
+                        "default is medium = bf16)")
+    p.add_argument("--muon-split-qkv", action="store_true",
+                   help="Muon: Q, K and V orthogonalised separately (training's default; here off, the study's)")
     return p
 
 
@@ -150,6 +155,9 @@ def settings_from_args(argv=None) -> Settings:
                 raise SystemExit(f"error: --lr {item!r}: expected OPT=LR with OPT in {OPTIMIZERS}")
             lr[o] = float(v)
         s.lr = lr
+    if args.muon_fp32_matmul_prec is not None:
+        s.muon_fp32_matmul_prec = args.muon_fp32_matmul_prec
+    s.muon_split_qkv = args.muon_split_qkv
     s.workload, s.jobs, s.resume = args.workload, args.jobs, args.resume
     s.out = os.path.abspath(s.out)
     given = sys.argv[1:] if argv is None else list(argv)

@@ -8,7 +8,7 @@ import os
 
 from bench_common import machine, markdown_table, now
 from convergence_settings import (ASYNC_METHODS, LABELS, MUON_NOTE, OPT_LABELS, PREDICTOR_VARIANTS, SYNC_METHODS,
-                                  Settings)
+                                  Settings, muon_ns_note)
 from convergence_stats import compare, fmt, gap_closed
 
 
@@ -249,7 +249,7 @@ at end {load[1]:.2f}; wall time {elapsed / 60:.1f} min with {s.jobs} worker proc
 - Optimizers: {", ".join(OPT_LABELS[o] for o in s.optimizers)}; peak lr {lr} (Adam/AdamW as in
   `examples/gpt_tiny.sh`, SGD-momentum the common 0.1; the same for all methods, not tuned per method);
   cosine decay to {s.min_lr_ratio:g} x peak after a linear warm-up of {s.warmup} micro-batches; weight decay
-  {s.weight_decay} (L2 for Adam and SGD, decoupled for AdamW; not on biases and norms); Adam betas (0.9, 0.999), eps 1e-8; SGD momentum {s.sgd_momentum}.{MUON_NOTE if "muon" in s.optimizers else ""}
+  {s.weight_decay} (L2 for Adam and SGD, decoupled for AdamW; not on biases and norms); Adam betas (0.9, 0.999), eps 1e-8; SGD momentum {s.sgd_momentum}.{MUON_NOTE + muon_ns_note(s) if "muon" in s.optimizers else ""}
 - Gradient clipping: {clipping}.
 - Length: {s.steps} micro-batches of B = {wl.describe_sample()} = {s.steps * wl.tokens_per_microbatch:,.0f} training tokens
   per run (every method sees exactly the same samples); evaluation every {s.eval_interval} micro-batches.

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from bench_common import REPO, log as _print
 from convergence_measure import _async_op_costs, _median, _op_costs, _time_runners, _timed
-from convergence_settings import ASYNC_METHODS, LABELS, PREDICTOR_VARIANTS, SYNC_METHODS, Settings
+from convergence_settings import ASYNC_METHODS, LABELS, MUON_LEGACY, PREDICTOR_VARIANTS, SYNC_METHODS, Settings
 from convergence_workloads import build_workload
 
 
@@ -26,7 +26,10 @@ def _training_config(s: Settings, optimizer: str):
 
 
 def _optimizer_kwargs(s: Settings, optimizer: str) -> dict:
-    return {"lr": s.lr[optimizer], "weight_decay": s.weight_decay, "sgd_momentum": s.sgd_momentum}
+    kwargs = {"lr": s.lr[optimizer], "weight_decay": s.weight_decay, "sgd_momentum": s.sgd_momentum}
+    if optimizer == "muon":
+        kwargs.update(muon_fp32_matmul_prec=s.muon_fp32_matmul_prec, muon_split_qkv=s.muon_split_qkv)
+    return kwargs
 
 
 def method_spec(method: str, wl) -> tuple[str, dict]:
@@ -199,6 +202,9 @@ def _job_key(s: Settings, job: tuple) -> str:
     relevant = {k: v for k, v in dataclasses.asdict(s).items()
                 if k not in ("depths", "optimizers", "methods", "seeds", "out", "jobs", "resume", "command",
                              "cache_dir")}
+    for name, legacy in MUON_LEGACY.items():  # only Muon runs depend on them; at the old values, the old keys
+        if job[2] != "muon" or relevant[name] == legacy:
+            del relevant[name]
     # The corpus by its path inside the checkout, so a cache carries over between clones and worktrees.
     if os.path.abspath(relevant["corpus"]).startswith(REPO + os.sep):
         relevant["corpus"] = os.path.relpath(os.path.abspath(relevant["corpus"]), REPO)

@@ -44,6 +44,16 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "muon")
 MUON_NOTE = ("\n- Muon (optim/muon.py): hidden weight matrices by momentum 0.95 (Nesterov) + 5 Newton-Schulz steps, "
              "update scale 0.2·sqrt(max(rows, cols)) (AdamW's lr and decoupled weight decay carry over); embeddings, "
              "output layer, norms and biases by AdamW.")
+MUON_LEGACY = {"muon_fp32_matmul_prec": "highest", "muon_split_qkv": False}  # what every Muon run before issue 31 ran
+NS_PRECISION_LABELS = {"medium": "bf16", "high": "TF32", "highest": "fp32", "low": "fp32"}
+
+
+def muon_ns_note(s) -> str:
+    """The Newton-Schulz settings of a run, for the report's Muon line."""
+    return (f" Newton-Schulz in {NS_PRECISION_LABELS[s.muon_fp32_matmul_prec]} (--muon-fp32-matmul-prec "
+            f"{s.muon_fp32_matmul_prec}), fused QKV weight {'split into Q, K, V' if s.muon_split_qkv else 'whole'}.")
+
+
 OPT_LABELS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD-momentum", "muon": "Muon"}
 CORPUS = os.path.join(REPO, "examples", "data", "bible_web.en.jsonl.gz")
 
@@ -78,6 +88,12 @@ class Settings:
     warmup: int = 16  # micro-batches
     weight_decay: float = 0.01
     sgd_momentum: float = 0.9
+    # Muon's Newton-Schulz (--muon-fp32-matmul-prec, --muon-split-qkv). The study's setting, not the product's
+    # defaults (bf16, split since issue 31): on a CPU without bf16 matmuls bf16 is emulated and would inflate
+    # the step costs the simulated clock measures. At these values `_job_key` leaves them out of the key, so
+    # every cached Muon run stays reachable; bench/results/muon/ns_precision.md is the bf16 vs fp32 A/B.
+    muon_fp32_matmul_prec: str = "highest"
+    muon_split_qkv: bool = False
     clip_grad: float = 0.0
     # measurement
     eval_interval: int = 64  # micro-batches between evaluations (the async pipeline drains there)

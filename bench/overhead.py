@@ -62,19 +62,25 @@ class PlainGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
 
     def forward(self, idx, labels):
-        x = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))[None]).transpose(0, 1)
+        x = (self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))[None]).transpose(0, 1)
         for blk in self.blocks:
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied, like ours
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
 
 
-def matmul_peak(n=2048, reps=10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+def matmul_peak(n=2048, reps=10, device="cpu", dtype=torch.float32, warmup=1) -> float:
+    """FLOP/s of an n x n x n product of random matrices: the mean over `reps` products after `warmup`
+    (bench/gpu.py: bf16 on the GPU, synchronised around the timed products)."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        a @ b
+    synchronize()
     t = time.perf_counter()
     for _ in range(reps):
         a @ b
+    synchronize()
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 

@@ -5,18 +5,25 @@
     python bench/time_to_quality.py --depths 4 8 --resume             # add D = 8
     python bench/time_to_quality.py --quick                           # smoke run (a few minutes)
     python bench/time_to_quality.py --workload nmt --resume           # the translation model (D = 4, AdamW)
+    python bench/time_to_quality.py --from-json bench/results/time_to_quality/time_to_quality.json
+                                                                      # the report again from its JSON, no training
+
+Every report prints its verdicts on two clocks: the CPU per-op costs measured with the runs, and a hardware
+cost model (`--cost-model`, default bench/results/time_to_quality/cost_model_h200_1p3b.json: one H200, GPT
+1.3B; `--cost-model none` for the CPU clock only; schema and derivations: bench/ttq_cost_model.py).
 
 Writes bench/results/time_to_quality/time_to_quality.{md,png,json}: command, load, settings, the lr sweep,
 verdict 1 (final validation loss at equal tokens, seed spread), verdict 2 (simulated time to three target
 losses), the issue's goal answered, and validation loss against tokens and against simulated wall clock,
 one row of panels per (D, optimizer); `--workload nmt`: time_to_quality_nmt.*, with the validation BLEU
-(`--name` renames the files). The runs: bench/ttq_run.py; measuring and reporting: bench/ttq_report.py;
-both reuse bench/convergence.py.
+(`--name` renames the files). The runs: bench/ttq_run.py; the clocks: bench/ttq_clock.py, bench/ttq_cost_model.py;
+the verdicts: bench/ttq_goal.py; the report: bench/ttq_report.py; all reuse bench/convergence.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -25,6 +32,7 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
+import ttq_cost_model  # noqa: E402
 import ttq_report  # noqa: E402
 import ttq_run as tr  # noqa: E402
 
@@ -49,7 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default bench/results/time_to_quality)")
     p.add_argument("--name", default=None,
                    help="base name of the output files (default time_to_quality; nmt: time_to_quality_nmt)")
+    p.add_argument("--cost-model", default=os.path.relpath(ttq_cost_model.SEED_PATH, tr.cv.REPO), metavar="PATH",
+                   help="per-op costs of real hardware for the second clock (bench/ttq_cost_model.py's schema; "
+                        "default: %(default)s); 'none': the CPU clock only")
+    p.add_argument("--cost-model-variant", default=None, metavar="NAME",
+                   help="one of the cost model's variants in place of its default entries")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="regenerate the report from a results JSON (its command's settings, its runs and CPU op "
+                        "costs) without training; writes beside it, under its name")
     return p
+
+
+def cost_model_from_args(a) -> tuple[dict | None, str | None]:
+    """The cost model --cost-model names (checked: one error line), or (None, None) for 'none'."""
+    if a.cost_model == "none":
+        if a.cost_model_variant:
+            raise SystemExit("error: --cost-model-variant needs a --cost-model")
+        return None, None
+    path = a.cost_model if os.path.isabs(a.cost_model) or os.path.exists(a.cost_model) else \
+        os.path.join(tr.cv.REPO, a.cost_model)
+    return ttq_cost_model.load_cost_model(path, a.cost_model_variant), path
 
 
 def settings_from_args(argv=None):
@@ -78,6 +105,7 @@ def settings_from_args(argv=None):
     s.sync_ms = a.sync_m  # (likewise not a field)
     s.name = a.name  # (not a Settings field, so not in the cache key; None: the workload's default name)
     s.out = os.path.abspath(a.out or (tr.OUT + "_quick" if a.quick else tr.OUT))
+    s.cost_model, s.cost_model_path = cost_model_from_args(a)  # (likewise not fields)
     given = sys.argv[1:] if argv is None else list(argv)
     s.command = "python bench/time_to_quality.py" + "".join(" " + shlex.quote(x) for x in given)
     return s, grid
@@ -87,11 +115,67 @@ def run(s, grid: dict, log=print) -> dict:
     """The study end to end; returns {"paths": [md, png, json], "study": ...}."""
     load0, start = os.getloadavg(), time.perf_counter()
     study = tr.run_study(s, grid, log)
-    return {"paths": ttq_report.write(s, grid, study, load0, time.perf_counter() - start, getattr(s, "name", None)),
+    if not hasattr(s, "cost_model"):  # (settings rebuilt by dataclasses.replace lose it: the default's)
+        s.cost_model, s.cost_model_path = cost_model_from_args(build_parser().parse_args([]))
+    return {"paths": ttq_report.write(s, grid, study, load0, time.perf_counter() - start, getattr(s, "name", None),
+                                      s.cost_model, cost_model_path=s.cost_model_path),
             "study": study}
 
 
+def regenerate(path: str, given: list[str], workload: bool = True) -> dict:
+    """The report of results JSON `path` again, from its runs (no training), with the cost model of `given`
+    (this command's arguments); written beside it under its name. The settings and the original run's
+    header lines come from the JSON, or, for a JSON written before it held them, from its command and from
+    the report beside it."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --from-json {path}: file not found")
+    with open(path) as f:
+        data = json.load(f)
+    if "settings" in data:
+        s = tr.settings_from_record(data["settings"])
+    else:  # (a JSON written before it held its settings: its command's, which were all set on the command line)
+        s, _ = settings_from_args(shlex.split(data["command"])[2:] + ["--cost-model", "none"])
+    grid = {o: [float(x) for x in v] for o, v in data["grid"].items()}
+    mine, _ = settings_from_args(given)
+    s.cost_model, s.cost_model_path = mine.cost_model, mine.cost_model_path
+    s.out, s.name, s.command = os.path.dirname(os.path.abspath(path)), os.path.basename(path)[:-len(".json")], data["command"]
+    provenance = data.get("provenance") or provenance_from_md(os.path.join(s.out, s.name + ".md"))
+    study = tr.study_from_json(s, data, workload)
+    shown = os.path.relpath(path, tr.cv.REPO) if os.path.abspath(path).startswith(tr.cv.REPO + os.sep) else path
+    by = "python bench/time_to_quality.py --from-json " + " ".join(shlex.quote(x) for x in [shown, *given])
+    paths = ttq_report.write(s, grid, study, os.getloadavg(), 0.0, s.name, s.cost_model,
+                             {"by": by, "from": os.path.basename(path), "provenance": provenance},
+                             cost_model_path=s.cost_model_path)
+    return {"paths": paths, "study": study, "settings": s, "grid": grid}
+
+
+def provenance_from_md(md: str) -> str | None:
+    """The header lines (machine, load, wall time, runs, date) of a report written before the JSON held them:
+    between its `Command:` line and `## Settings`, without an earlier regeneration's line."""
+    if not os.path.isfile(md):
+        return None
+    text = open(md).read()
+    if "\nCommand: " not in text or "\n## Settings" not in text:
+        return None
+    block = text.split("\nCommand: ", 1)[1].split("\n## Settings", 1)[0].split("\n", 1)[1].strip()
+    return block.split("\n\nRegenerated without training", 1)[0].strip() or None
+
+
 def main(argv=None) -> int:
+    given = sys.argv[1:] if argv is None else list(argv)
+    a = build_parser().parse_args(given)
+    if a.from_json:
+        defaults = vars(build_parser().parse_args([]))
+        other = [k for k, v in vars(a).items() if v != defaults[k] and k not in ("from_json", "cost_model",
+                                                                                    "cost_model_variant")]
+        if other:
+            raise SystemExit(f"error: --from-json takes only --cost-model and --cost-model-variant (the settings "
+                             f"are the JSON's), got --{other[0].replace('_', '-')}")
+        rest = [x for i, x in enumerate(given) if x != "--from-json" and (i == 0 or given[i - 1] != "--from-json")
+                and not x.startswith("--from-json=")]
+        out = regenerate(a.from_json, rest)
+        print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")
+        return 0
     s, grid = settings_from_args(argv)
     out = run(s, grid)
     print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")

@@ -1,114 +1,25 @@
-"""Measure and report the time-to-quality study (bench/time_to_quality.py): simulated wall clock from the
-measured per-op costs and each schedule's op list, time to target losses, the two verdicts, the plots.
+"""Report the time-to-quality study (bench/time_to_quality.py): the sweep, verdict 1 (final loss at equal
+tokens), verdict 2 (time to target losses) and the goal on every clock (bench/ttq_clock.py: the CPU costs
+and, given one, a hardware cost model), the sensitivity to the step's cost, the plots and the JSON every
+number comes from (`--from-json` regenerates the report from it without training).
 
-Simulated time (as convergence.py's tokens/s column; free communication, stages run in parallel):
-- synchronous, M micro-batches of B samples per update: one flush of the schedule's op list
-  (`simulate`) + the slowest stage's optimizer step. Op costs per micro-batch of B = the calibration's
-  async-naive costs (the shared base cost of a forward / backward of B samples on that stage, no policy
-  work). Interleaved 1F1B (v = 2): each chunk costs half its stage; ZB-H1: the backward split into
-  B = W = half of the measured backward (the equal split bench/zero_bubble.py assumes).
-- asynchronous: `convergence.async_tokens_per_s` (steady state of the no-flush stream, the step folded
-  into the backwards, 1/k per backward), from each method's own op costs (base + its policy hooks).
-Time of a run = micro-batches x tokens per micro-batch / tokens per second (the throughput is constant
-along a run; the emulated drains at evaluations are a measurement artefact and are not charged).
+Time of a run = micro-batches x seconds per micro-batch of its configuration on the clock (the throughput
+is constant along a run; the emulated drains at evaluations are a measurement artefact and are not charged).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
-import statistics
 import time
 
+import ttq_goal as tg
 import ttq_run as tr
-from ttq_run import ASYNC, LABELS, SYNC_SCHEDULES, Unit, cv
-
-COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "pipedream-2bw": "tab:green",
-          "pipeoptim": "tab:red", "pipenag": "tab:purple", "2bw-ef": "tab:olive"}
-SYNC_STYLE = {1: ":", 2: "-", 4: "--"}  # M / D -> line style
-SCHED_COLORS = {"1f1b": "black", "interleaved-1f1b": "tab:brown", "zb-h1": "tab:cyan"}
-GOAL_SPEEDUP = 1.25
-
-
-# --------------------------------------------------------------------------------------------------
-# Measure
-# --------------------------------------------------------------------------------------------------
-
-
-def sync_seconds_per_update(schedule: str, op: dict, D: int, M: int) -> float:
-    from megatron_po.pipeline.schedules import build_schedule
-    from megatron_po.pipeline.simulator import simulate
-    t_f = [op[str(r)]["Forward"] for r in range(D)]
-    t_b = [op[str(r)]["Backward"] for r in range(D)]
-    step = max(op[str(r)]["Step"] for r in range(D))
-    if schedule == "interleaved-1f1b":
-        half = lambda t: [t[vs % D] / 2 for vs in range(2 * D)]  # noqa: E731 (vs = chunk*D + rank)
-        makespan = simulate(build_schedule("interleaved-1f1b", D, 2, M), half(t_f), half(t_b)).makespan
-    elif schedule == "zb-h1":
-        makespan = simulate(build_schedule("zb-h1", D, 1, M), t_f, [b / 2 for b in t_b],
-                            t_weight=[b / 2 for b in t_b]).makespan
-    else:
-        makespan = simulate(build_schedule(schedule, D, 1, M), t_f, t_b).makespan
-    return makespan + step
-
-
-def update_interval(name: str, D: int) -> int:
-    base = cv.PREDICTOR_VARIANTS.get(name, (name, {}))[0]
-    return D if base == "pipedream-2bw" else 1
-
-
-def time_to(curve: list, target: float, sec_per_mb: float) -> float | None:
-    """Simulated seconds until the validation curve [(micro-batches, loss)] first reaches `target`,
-    interpolated linearly between evaluations; None if it never does."""
-    prev = None
-    for x, y in curve:
-        if math.isfinite(y) and y <= target:
-            if prev is None or not math.isfinite(prev[1]) or prev[1] == y:
-                return x * sec_per_mb
-            x0, y0 = prev
-            return (x0 + (x - x0) * (y0 - target) / (y0 - y)) * sec_per_mb
-        prev = (x, y)
-    return None
-
-
-def configurations(s, study: dict, D: int, o: str) -> list[dict]:
-    """Rows of (D, optimizer o): every synchronous schedule at M = 2D, 4D and every asynchronous unit,
-    with its unit, runs, tokens/s and seconds per micro-batch of B."""
-    tpm = study["workload"].tokens_per_microbatch
-    calib = study["calibrations"]
-    rows = []
-    for M in (2 * D, 4 * D):
-        u = Unit(o, "sync", 0, M)
-        c = calib.get((D, o))
-        if u not in study["runs"] or c is None:
-            continue
-        for sched in SYNC_SCHEDULES:
-            if sched in s.methods:
-                sec = sync_seconds_per_update(sched, c["op_times"]["async-naive"], D, M) / M
-                rows.append({"name": sched, "label": f"{LABELS[sched]}, M={M}", "unit": u, "sec_per_mb": sec,
-                             "tps": tpm / sec, "M": M, "color": SCHED_COLORS[sched], "style": SYNC_STYLE[M // D]})
-    for m in ASYNC:
-        if m in tr.ACTUAL_OPT and o != "adamw":
-            continue  # PipeNAG (its own optimizer) is shown with the AdamW rows only
-        u = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-        c = calib.get((D, u.opt))
-        if u not in study["runs"] or c is None or m not in c["op_times"]:
-            continue
-        tps = cv.async_tokens_per_s(c["op_times"][m], D, update_interval(m, D), tpm)
-        k = update_interval(m, D)
-        rows.append({"name": m, "label": LABELS[m] + (f", k={k}" if k > 1 else ", k=1"), "unit": u,
-                     "sec_per_mb": tpm / tps, "tps": tps, "color": COLORS[m], "style": "-"})
-    return rows
-
-
-def finals(s, runs: list[dict]) -> dict:
-    return {r["seed"]: tr.final_val(r, s.steps) for r in runs}
-
-
-def val_ms(s, runs: list[dict]) -> tuple[float, float]:
-    return cv.mean_std(list(finals(s, runs).values()))
+from ttq_clock import (SYNC_STYLE, Clock, configurations, cpu_clock, fmt_speedup,  # noqa: F401 (re-exported)
+                       sync_seconds_per_update, time_to, update_interval)
+from ttq_goal import GOAL_SPEEDUP, targets, val_ms  # noqa: F401
+from ttq_run import ASYNC, LABELS, Unit, cv
 
 
 def bleu_cell(runs: list[dict]) -> str:
@@ -120,19 +31,6 @@ def bleu_cell(runs: list[dict]) -> str:
     return f"{mean:.2f} ± {std:.2f}"
 
 
-def targets(s, study: dict, D: int, o: str) -> list[tuple[str, float]] | None:
-    ref = study["runs"].get(Unit(o, "sync", 0, 2 * D))
-    if not ref:
-        return None
-    t1 = val_ms(s, ref)[0]
-    return [("T1 = 1F1B M=2D final", t1), ("T2 = T1 + 0.1", t1 + 0.1),
-            ("T3 = (unigram + T1) / 2", (study["unigram"] + t1) / 2)]
-
-
-def times_to(s, row: dict, runs: list[dict], target: float) -> list[float | None]:
-    return [time_to(r["curve"], target, row["sec_per_mb"]) for r in runs]
-
-
 def fmt_times(times: list[float | None]) -> str:
     got = [t for t in times if t is not None]
     if not got:
@@ -141,35 +39,27 @@ def fmt_times(times: list[float | None]) -> str:
     return f"{mean:.3g} ± {std:.2g}" + (f" ({len(got)}/{len(times)} reached)" if len(got) < len(times) else "")
 
 
-def verdict2(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]], list[dict]]:
-    """Time to quality table of (D, o) and per-row data for the goal."""
-    rows, tg = configurations(s, study, D, o), targets(s, study, D, o)
+def verdict2(s, study: dict, D: int, o: str, clock: Clock | None = None) -> tuple[list[str], list[list[str]]]:
+    """Time to quality table of (D, o) on `clock` (default: the CPU clock)."""
+    clock = clock or cpu_clock(study)
+    rows, tgs = tg.timed_rows(s, study, D, o, clock), targets(s, study, D, o)
     ref = next((r for r in rows if r["name"] == "1f1b" and r["M"] == 2 * D), None)
     header = ["D", "optimizer", "configuration", "tokens/s (sim.)", "vs 1F1B M=2D", "final val loss",
-              "horizon (sim. s)"] + ([f"time to {name} ({t:.3f}), s" for name, t in tg] if tg else []) + \
-             ["speed-up to T1 vs 1F1B M=2D"] + (["final val BLEU"] if s.workload == "nmt" else [])
-    table, data = [], []
-    horizon_ref = s.steps * ref["sec_per_mb"] if ref else None
+              "horizon (sim. s)"] + ([f"time to {name} ({t:.3f}), s" for name, t in tgs] if tgs else []) + \
+             [f"speed-up to T1 vs {label}" for _, label in tg.BASELINES] + \
+             (["final val BLEU"] if s.workload == "nmt" else [])
+    table = []
     for row in rows:
         runs = study["runs"][row["unit"]]
         cells = [str(D), cv.OPT_LABELS.get(row["unit"].opt, row["unit"].opt.upper()), row["label"],
                  f"{row['tps']:,.0f}", f"{row['tps'] / ref['tps']:.2f}x" if ref else "–",
-                 cv.fmt(*val_ms(s, runs)), f"{s.steps * row['sec_per_mb']:.3g}"]
-        speedup = None
-        if tg:
-            per_target = [times_to(s, row, runs, t) for _, t in tg]
-            if ref and row["unit"] == ref["unit"]:  # 1F1B M=2D's runs (any schedule) reach T1 at their end
-                per_target[0] = [s.steps * row["sec_per_mb"]] * len(runs)
-            cells += [fmt_times(t) for t in per_target]
-            t1 = per_target[0]
-            if all(t is not None for t in t1) and horizon_ref:
-                speedup = horizon_ref / statistics.fmean(t1)
-        cells.append(f"{speedup:.2f}x" if speedup else "–")
+                 cv.fmt(*row["val"]), f"{s.steps * row['sec_per_mb']:.3g}"]
+        cells += [fmt_times(t) for t in row["per_target"]]
+        cells += [fmt_speedup(row["speedup"][b]) for b, _ in tg.BASELINES]
         if s.workload == "nmt":
             cells.append(bleu_cell(runs))
         table.append(cells)
-        data.append({**row, "speedup": speedup, "val": val_ms(s, runs)})
-    return header, table, data
+    return header, table
 
 
 def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]]:
@@ -200,39 +90,6 @@ def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]
     return header, table
 
 
-def goal_lines(s, study: dict) -> list[str]:
-    out = []
-    for D in s.depths:
-        for o in s.optimizers:
-            _, _, data = verdict2(s, study, D, o)
-            ref = next((d for d in data if d["name"] == "1f1b" and d["M"] == 2 * D), None)
-            strict = study["runs"].get(Unit(o, "sync", 0, 1))
-            if ref is None:
-                out.append(f"- D={D}, {cv.OPT_LABELS[o]}: no 1F1B M=2D run: cannot judge.")
-                continue
-            ok, near = [], []
-            for d in data:
-                if d["name"] not in ASYNC:
-                    continue
-                n = min(len(study["runs"][d["unit"]]), len(study["runs"][ref["unit"]]))
-                quality = cv.compare(d["val"], ref["val"], n)
-                fast = d["speedup"] is not None and d["speedup"] >= GOAL_SPEEDUP
-                desc = (f"{LABELS[d['name']]} (final {d['val'][0]:.3f} vs 1F1B M=2D {ref['val'][0]:.3f}: {quality}; "
-                        f"T1 {'%.2fx sooner' % d['speedup'] if d['speedup'] else 'not reached by every seed'}")
-                if strict:
-                    sv = val_ms(s, strict)
-                    desc += f"; vs sync at equal updates {sv[0]:.3f}: {cv.compare(d['val'], sv, n)}"
-                if d["unit"].opt != o:  # PipeNAG: another optimizer, so not "the same optimizer" as 1F1B
-                    near.append(desc + f"; {d['unit'].opt}, not counted)")
-                    continue
-                (ok if quality != "worse (real)" and fast else near).append(desc + ")")
-            verdict = "MET" if ok else "NOT MET"
-            out.append(f"- **D={D}, {cv.OPT_LABELS[o]}: {verdict}.** " +
-                       ("Qualifying: " + "; ".join(ok) + "." if ok else "") +
-                       (" Others: " + "; ".join(near) + "." if near else ""))
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------------
@@ -246,15 +103,20 @@ def _mean_curve(runs: list[dict]):
     return x, y.mean(0), (y.std(0, ddof=1) if len(runs) > 1 else np.zeros(n))
 
 
-def plot(s, study: dict, path: str) -> str:
+def plot(s, study: dict, path: str, clocks: list[Clock] | None = None) -> str:
+    """One row of panels per (D, optimizer): validation loss against training tokens, then against the
+    simulated wall clock of each clock (the same curves, stretched by each configuration's seconds per
+    micro-batch)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    clocks = clocks or [cpu_clock(study)]
     panels = [(D, o) for D in s.depths for o in s.optimizers]
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.3 * len(panels)), squeeze=False)
-    tpm = study["workload"].tokens_per_microbatch
+    fig, axes = plt.subplots(len(panels), 1 + len(clocks), figsize=(6.5 * (1 + len(clocks)), 4.3 * len(panels)),
+                             squeeze=False)
+    tpm = study["tokens_per_microbatch"]
     for i, (D, o) in enumerate(panels):
-        ax_tok, ax_time = axes[i]
+        ax_tok, ax_times = axes[i][0], axes[i][1:]
         lows, highs = [], []
         for M in (1, 2 * D, 4 * D):
             runs = study["runs"].get(Unit(o, "sync", 0, M))
@@ -265,21 +127,24 @@ def plot(s, study: dict, path: str) -> str:
                 ax_tok.fill_between(x * tpm / 1e6, m - sd, m + sd, color="black", alpha=0.08, lw=0)
                 lows.append(float((m - sd).min()))
                 highs.append(float(m[-1]))
-        for row in configurations(s, study, D, o):
-            x, m, sd = _mean_curve(study["runs"][row["unit"]])
-            if row["name"] in ASYNC:
-                ax_tok.plot(x * tpm / 1e6, m, color=row["color"], marker="o", ms=2, label=row["label"])
-                ax_tok.fill_between(x * tpm / 1e6, m - sd, m + sd, color=row["color"], alpha=0.08, lw=0)
-                lows.append(float((m - sd).min()))
-                highs.append(float(m[-1]))
-            t = x * row["sec_per_mb"]
-            ax_time.plot(t, m, color=row["color"], ls=row["style"], marker="o", ms=2, label=row["label"])
-            ax_time.fill_between(t, m - sd, m + sd, color=row["color"], alpha=0.08, lw=0)
-        for name, t in targets(s, study, D, o) or []:
-            ax_time.axhline(t, color="gray", lw=0.7, ls=":")
-            ax_time.annotate(name.split(" =")[0], (ax_time.get_xlim()[1], t), fontsize=7, va="bottom", ha="right")
+        for j, (clock, ax_time) in enumerate(zip(clocks, ax_times)):
+            for row in configurations(s, study, D, o, clock):
+                x, m, sd = _mean_curve(study["runs"][row["unit"]])
+                if row["name"] in ASYNC and j == 0:
+                    ax_tok.plot(x * tpm / 1e6, m, color=row["color"], marker="o", ms=2, label=row["label"])
+                    ax_tok.fill_between(x * tpm / 1e6, m - sd, m + sd, color=row["color"], alpha=0.08, lw=0)
+                    lows.append(float((m - sd).min()))
+                    highs.append(float(m[-1]))
+                t = x * row["sec_per_mb"]
+                ax_time.plot(t, m, color=row["color"], ls=row["style"], marker="o", ms=2, label=row["label"])
+                ax_time.fill_between(t, m - sd, m + sd, color=row["color"], alpha=0.08, lw=0)
+            for name, t in targets(s, study, D, o) or []:
+                ax_time.axhline(t, color="gray", lw=0.7, ls=":")
+                ax_time.annotate(name.split(" =")[0], (ax_time.get_xlim()[1], t), fontsize=7, va="bottom", ha="right")
+            ax_time.set_title(f"D={D}, {cv.OPT_LABELS[o]}: against simulated wall clock, {clock.key.upper()}")
+            ax_time.set_xlabel(f"simulated seconds ({clock.label})", fontsize=7)
         top = max(study["unigram"] + 0.3, max(highs, default=0) + 0.1)
-        for ax in (ax_tok, ax_time):
+        for ax in (ax_tok, *ax_times):
             ax.axhline(study["unigram"], color="gray", lw=0.7, ls="-.")
             ax.set_ylim(min(lows, default=top - 2) - 0.05, top)
             ax.set_ylabel("validation loss")
@@ -287,8 +152,6 @@ def plot(s, study: dict, path: str) -> str:
             ax.legend(fontsize=6.5, ncol=2)
         ax_tok.set_title(f"D={D}, {cv.OPT_LABELS[o]}: against training tokens")
         ax_tok.set_xlabel("training tokens (millions)")
-        ax_time.set_title(f"D={D}, {cv.OPT_LABELS[o]}: against simulated wall clock")
-        ax_time.set_xlabel("simulated seconds (measured per-op costs, schedule op lists)")
     fig.suptitle(f"Time to quality: mean over seeds at each run's best lr, band ±1 std; dash-dot = unigram "
                  f"loss {study['unigram']:.3f}")
     fig.tight_layout(rect=(0, 0, 1, 0.98))
@@ -312,14 +175,19 @@ def sweep_table(s, grid: dict, study: dict) -> tuple[list[str], list[list[str]]]
     return header, rows
 
 
-def dump_json(s, grid: dict, study: dict, path: str) -> str:
-    """Everything the tables come from (per-seed finals and validation curves of the chosen runs)."""
-    out = {"command": s.command, "steps": s.steps, "unigram": study["unigram"], "grid": grid,
+def dump_json(s, grid: dict, study: dict, path: str, provenance: str | None = None,
+              cost_model: dict | None = None) -> str:
+    """Everything the tables come from (per-seed finals and validation curves of the chosen runs, the CPU
+    op costs, the cost model), enough for `--from-json` to regenerate the report without training."""
+    out = {"command": s.command, "provenance": provenance, "settings": tr.settings_record(s), "steps": s.steps,
+           "unigram": study["unigram"],
+           "tokens_per_microbatch": study["tokens_per_microbatch"], "grid": grid,
            "units": [{**vars(u), "label": u.label, "sweep": study["sweep"][u], "best_lr": study["best"][u],
                       "runs": [{"seed": r["seed"], "lr": r["lr"], "curve": r["curve"], "seconds": r["seconds"],
                                 **({"bleu": r.get("bleu")} if s.workload == "nmt" else {})}
                                for r in study["runs"][u]]} for u in study["units"]],
-           "op_times": {f"D={D},{o}": c["op_times"] for (D, o), c in study["calibrations"].items()}}
+           "op_times": {f"D={D},{o}": c["op_times"] for (D, o), c in study["calibrations"].items()},
+           "cost_model": cost_model}
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
     return path
@@ -352,7 +220,8 @@ NMT_HORIZON_NOTE = """- How the horizon was chosen (measured before the study, s
   PipeDream, PipeOptim); the synchronous runs at M = 2D = 8 and 4D = 16 (1F1B / interleaved / ZB-H1) and
   the equal-updates reference M = 1. Muon trains on this path (a tiny D = 4 PipeDream /
   PipeOptim check ran) but was not swept here. The lr grid was widened three times (first 1e-3..4e-3)
-  because 1F1B at M = 8 chose its upper edge each time; every chosen lr is now inside the grid.
+  because 1F1B at M = 8 chose its upper edge each time (where the chosen lrs sit now: the edge-of-grid
+  note below).
 - Reading the NMT goal: at this horizon 1F1B at M = 8 makes 128 updates of 128 pairs and is still far from
   converged (its 2,048-micro-batch run above kept improving to the end), while the asynchronous methods
   make 1,024 updates of 16 pairs with a staleness of at most 3: more updates beat staleness here. The
@@ -383,14 +252,113 @@ def not_run_text(s) -> str:
     return f"\n  **Not run in this report** (the machine's budget): {', '.join(left)}." if left else ""
 
 
-def write(s, grid: dict, study: dict, load0: tuple, elapsed: float, name: str | None = None) -> list[str]:
+def edge_note(grid: dict, study: dict) -> str:
+    """Which units chose an lr at an edge of their grid (from the sweep, not a fixed sentence)."""
+    edges = []
+    for u in study["units"]:
+        g, best = grid[u.opt], study["best"][u]
+        if len(g) > 1 and best in (g[0], g[-1]):
+            side = "lowest" if best == g[0] else "highest"
+            edges.append(f"{u.label}{f' D={u.D}' if u.D else ''} ({u.opt}) at {best:g}, the {side}")
+    if not edges:
+        return "- Every chosen lr is inside its grid (sweep table)."
+    return ("- Chosen lr at an edge of its grid (sweep table): " + "; ".join(edges) +
+            ". A better lr may lie beyond it; compare its neighbours in the sweep before reading its row.")
+
+
+def header_block(s, study: dict, load0: tuple, elapsed: float) -> str:
+    """The machine, load and cost lines of a report that trained (or reused) its runs."""
     import torch
+    load1 = os.getloadavg()
+    n_runs = sum(len(v) for v in study["sweep"].values()) + sum(max(0, len(v) - 1) for v in study["runs"].values())
+    return f"""torch {torch.__version__}, {os.cpu_count()} CPU cores (shared with other sessions), {platform.platform()};
+load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f};
+wall time {elapsed / 60:.1f} min with {s.jobs} worker process(es) (runs reused from the cache with --resume
+count as 0); {n_runs} training runs in the tables, {study.get("train_seconds", 0) / 60:.0f} min of single-thread
+training in all (sweep included; on the shared machine, at the load averages above);
+{time.strftime("%Y-%m-%d %H:%M:%S")}."""
+
+
+def clock_blocks(s, study: dict, clocks: list[Clock]) -> str:
+    out = []
+    for c in clocks:
+        out.append(f"### {c.key.upper()} clock: {c.label}\n")
+        if c.cost_model:
+            cm = c.cost_model
+            out.append(f"Per-op costs from `{c.source or cm['name']}`: {describe_cost_model(cm)}. "
+                       f"tokens/s: the D-stage pipeline's at that model's {cm['tokens_per_microbatch']:,} tokens per "
+                       f"micro-batch; seconds: the study's micro-batches at that model's per-op costs (at D other "
+                       f"than {cm['pipeline_stages']}, the same model split into D stages). Methods the cost model "
+                       f"does not price are left out.\n")
+        for D in s.depths:
+            for o in s.optimizers:
+                h, t = verdict2(s, study, D, o, c)
+                out.append(cv.markdown_table(h, t) if t else f"(D={D}, {o}: no configuration)")
+        out.append("")
+    return "\n".join(out)
+
+
+def goal_section(s, study: dict, clocks: list[Clock]) -> str:
+    header, table, lines = tg.goal_table(s, study, clocks)
+    sens = tg.sensitivity_lines(s, study, clocks)
+    cm = next((c.cost_model for c in clocks if c.cost_model), None)
+    variants = tg.variants_table(s, study, next(c for c in clocks if c.cost_model)) if cm else None
+    text = f"""At each D: an asynchronous method whose final validation loss is not worse than 1F1B (same optimizer, at
+M = 2D, the same tokens) beyond the seed spread, and which reaches 1F1B's final loss (T1) ≥ {GOAL_SPEEDUP}x sooner
+in simulated wall clock; judged against 1F1B at M = 2D (the issue's goal) and against ZB-H1 at M = 2D (the
+strongest synchronous schedule here), on every clock. Speed-ups are printed rounded down (3 decimals, more
+where needed), so a value under the {GOAL_SPEEDUP}x bar never prints as the bar; the verdict compares the
+unrounded value. Synchronous training at equal updates (one update per micro-batch) is shown too: on the
+same clock, and as quality (stricter: 2D times more updates than 1F1B at M = 2D).
+
+{chr(10).join(lines)}
+
+{cv.markdown_table(header, table)}
+
+**Sensitivity to the optimizer step's cost**: the largest r = step/(forward+backward) (mean over stages: every
+stage's step scaled by one factor, for the method and the baseline alike, so on the cost model's uniform
+stages each step is r x its stage's forward+backward; everything else of the clock fixed; the curves do not
+depend on the clock) at which each asynchronous method still reaches T1 ≥ {GOAL_SPEEDUP}x sooner than 1F1B / ZB-H1
+at M = 2D ("never": not even with a free step; methods some seed of which never reaches T1 are left out):
+
+{chr(10).join(sens)}
+"""
+    if cm:
+        ratios = tg.variant_step_ratios(cm)
+        text += f"\nThe cost model's step/(F+B) of its variants: {ratios or 'none change a step'}.\n"
+    if variants:
+        text += ("\nThe cost model's variants (speed-up to T1 vs 1F1B M=2D / vs ZB-H1 M=2D of the methods that reach T1 "
+                 "on every seed; the variants' notes are in the cost model's JSON):\n\n" +
+                 (cv.markdown_table(*variants) if variants[1] else "(no asynchronous method reaches T1 on every seed)") + "\n")
+    return text
+
+
+def describe_cost_model(cm: dict) -> str:
+    from ttq_cost_model import describe
+    return describe(cm)
+
+
+def write(s, grid: dict, study: dict, load0: tuple, elapsed: float, name: str | None = None,
+          cost_model: dict | None = None, regenerated: dict | None = None, cost_model_path: str | None = None) -> list[str]:
+    """The report (.md), plot (.png) and numbers (.json). `cost_model`: a second clock beside the CPU one;
+    `regenerated`: {"by": command, "from": json name, "provenance": the original run's header lines}
+    when the runs come from a results JSON instead of training."""
+    from ttq_clock import model_clock
     os.makedirs(s.out, exist_ok=True)
     nmt = s.workload == "nmt"
     base = os.path.join(s.out, name or ("time_to_quality_nmt" if nmt else "time_to_quality"))
-    png = plot(s, study, base + ".png")
-    load1 = os.getloadavg()
+    source = os.path.relpath(cost_model_path, cv.REPO) if cost_model_path else None
+    clocks = [cpu_clock(study)] + ([model_clock(cost_model, study, source)] if cost_model else [])
+    png = plot(s, study, base + ".png", clocks)
     wl, unigram = study["workload"], study["unigram"]
+    if regenerated:
+        load = os.getloadavg()
+        provenance = regenerated["provenance"] or "(the original run's header was not recorded)"
+        header = (f"{provenance}\n\nRegenerated without training from `{regenerated['from']}` (its runs, curves and CPU "
+                  f"op costs) by\n`{regenerated['by']}`; {time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+                  f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}.")
+    else:
+        provenance = header = header_block(s, study, load0, elapsed)
     sync_lines = []
     for o in s.optimizers:
         for M in sorted({1} | {m for D in s.depths for m in (2 * D, 4 * D)}):
@@ -399,31 +367,23 @@ def write(s, grid: dict, study: dict, load0: tuple, elapsed: float, name: str | 
                 v = val_ms(s, runs)[0]
                 sync_lines.append(f"{cv.OPT_LABELS[o]} {Unit(o, 'sync', 0, M).label}: {v:.3f} "
                                   f"({unigram - v:.2f} nat below)")
-    blocks1, blocks2 = [], []
+    blocks1 = []
     for D in s.depths:
         for o in s.optimizers:
             h, t = verdict1(s, study, D, o)
             blocks1.append(cv.markdown_table(h, t))
-            h, t, _ = verdict2(s, study, D, o)
-            blocks2.append(cv.markdown_table(h, t) if t else f"(D={D}, {o}: no configuration)")
     sh, st = sweep_table(s, grid, study)
-    n_runs = sum(len(v) for v in study["sweep"].values()) + sum(max(0, len(v) - 1) for v in study["runs"].values())
     data = (NMT_DATA if nmt else GPT_DATA).format(s=s, describe=wl.describe(), model=wl.describe_model(None))
     sample = wl.describe_sample() if nmt else f"{s.micro_batch} x {s.seq_length} tokens"
     text = f"""# Which pipeline should I use? Time to quality ({s.workload.upper()}, D = {", ".join(map(str, s.depths))})
 
 Command: `{s.command}`
 
-torch {torch.__version__}, {os.cpu_count()} CPU cores (shared with other sessions), {platform.platform()};
-load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f};
-wall time {elapsed / 60:.1f} min with {s.jobs} worker process(es) (runs reused from the cache with --resume
-count as 0); {n_runs} training runs in the tables, {study.get("train_seconds", 0) / 60:.0f} min of single-thread
-training in all (sweep included; on the shared machine, at the load averages above);
-{time.strftime("%Y-%m-%d %H:%M:%S")}.
+{header}
 
 ## Settings
 {data}
-- **Horizon**: {s.steps} micro-batches of B = {sample} = {s.steps * wl.tokens_per_microbatch:,.0f}
+- **Horizon**: {s.steps} micro-batches of B = {sample} = {s.steps * study["tokens_per_microbatch"]:,.0f}
   training tokens per run, the same samples in the same order for every run of a seed. Unigram loss of
   the corpus's tokenizer (training-split token frequencies, add-one) on the validation set:
   **{unigram:.3f}**. Synchronous final validation losses (mean over seeds, best lr):
@@ -439,6 +399,7 @@ training in all (sweep included; on the shared machine, at the load averages abo
   update semantics: mean gradient of M micro-batches of B, one step) and differ only in simulated time{NMT_SYNC if nmt else ""};
   asynchronous methods through `AsyncEmulator` with k = 1 (PipeDream-2BW and 2BW + error feedback: k = D):
   {methods_text(s)}.{not_run_text(s)}
+- **Clocks**: {"; ".join(f"{c.key.upper()} clock = {c.label}" for c in clocks)}.
 
 ## Sweep (seed 1)
 
@@ -456,43 +417,42 @@ intervals do not overlap (|Δ| > std_a + std_b, convergence.py's rule).
 ## Verdict 2: time to quality (simulated wall clock)
 
 Same D stages, micro-batches of B = {s.micro_batch} {"pairs" if nmt else "sequences"}; synchronous at M = 2D and 4D micro-batches
-per update, asynchronous k = 1 (2BW: k = D). Targets: T1 = the final validation loss of 1F1B at M = 2D
-(same optimizer, mean over seeds), T2 = T1 + 0.1, T3 = halfway between the unigram loss and T1. Time to a
-target: the first evaluation at or below it, interpolated linearly from the previous one, in simulated
-seconds (mean ± std over the seeds that reach it). 1F1B at M = 2D reaches T1 at the end of its run by
-definition. Speed-up = 1F1B M=2D's horizon time / the method's mean time to T1 (only when every seed
-reaches T1).
+per update, and at equal updates (one per micro-batch: 1F1B over D micro-batches of B/D); asynchronous k = 1
+(2BW: k = D). Targets: T1 = the final validation loss of 1F1B at M = 2D (same optimizer, mean over seeds),
+T2 = T1 + 0.1, T3 = halfway between the unigram loss and T1. Time to a target: the first evaluation at or
+below it, interpolated linearly from the previous one, in simulated seconds (mean ± std over the seeds that
+reach it). 1F1B and ZB-H1 at M = 2D reach T1 at the end of their run by definition. Speed-up against a
+baseline = the baseline's time to T1 / the row's mean time to T1 (only when every seed reaches T1); one
+table per clock: the curves are the same, only the seconds per micro-batch differ.
 
-{chr(10).join(blocks2)}
+{clock_blocks(s, study, clocks)}
+## The goal (issue 16), on every clock
 
-## The goal (issue 16)
-
-At each D: an asynchronous method whose final validation loss is not worse than 1F1B (same optimizer, at
-M = 2D, the same tokens) beyond the seed spread, and which reaches 1F1B's final loss ≥ {GOAL_SPEEDUP}x sooner
-in simulated wall clock than 1F1B at M = 2D. The quality check against the equal-updates synchronous
-reference (stricter: it makes 2D times more updates than 1F1B at M = 2D) is shown too.
-
-{chr(10).join(goal_lines(s, study))}
+{goal_section(s, study, clocks)}
 {NMT_GOAL_NOTE.format(copy=wl.copy_source_bleu()) if nmt else GPT_GOAL_NOTE}
 
 ## Notes
 {NMT_HORIZON_NOTE if nmt else GPT_HORIZON_NOTE}
-- Simulated time, free communication, stages in parallel. Synchronous, M micro-batches of B per update: one
-  flush of the schedule's op list (`megatron_po.pipeline.simulator.simulate`) + the slowest stage's
-  optimizer step (not overlapped with the next flush). Op costs per micro-batch of B = the calibration's
+{edge_note(grid, study)}
+- Simulated time, free communication, stages in parallel (bench/ttq_clock.py). Synchronous, M micro-batches of
+  B per update: one flush of the schedule's op list (`megatron_po.pipeline.simulator.simulate`) + the slowest
+  stage's optimizer step (not overlapped with the next flush). Op costs per micro-batch of B = the clock's
   async-naive costs (the shared base cost of a forward / backward of B samples on that stage, no policy
-  work). Interleaved 1F1B (v = 2): each chunk costs half its stage's op. ZB-H1: the measured backward split
-  into B = W = half (the equal split bench/zero_bubble.py assumes). Asynchronous:
-  `convergence.async_tokens_per_s` (steady state of the no-flush stream, the step folded into the backwards,
-  1/k per backward) from each method's own op costs (the shared base + its weight-policy hooks).
-- Time of a run = micro-batches x tokens per micro-batch / tokens per second: the throughput is constant
-  along a run; the emulator's drains at evaluations are a measurement artefact and are not charged.
-- Throughputs come from one calibration per (D, optimizer) (convergence.py's `calibrate_job`: every method
-  trained in turn, op costs = 10th percentile of a shared base + each method's median hook time), on one
-  thread of a loaded 2-core CPU with a tiny model; compare rows within one (D, optimizer) block.
-- Curves: `{os.path.basename(png)}`; all numbers (per seed curves, sweep, op costs): `{os.path.basename(base)}.json`.
+  work). Interleaved 1F1B (v = 2): each chunk costs half its stage's op. ZB-H1: the backward split into
+  input and weight gradients (CPU: B = W = half of the measured backward, the equal split
+  bench/zero_bubble.py assumes; a cost model: its own split). Synchronous at equal updates: 1F1B over D
+  micro-batches of B/D, each op at 1/D of B's cost (linear in samples: optimistic for it) + one step.
+  Asynchronous: `convergence.async_tokens_per_s` (steady state of the no-flush stream, the step folded into
+  the backwards, 1/k per backward) from each method's own op costs (the shared base + its weight-policy hooks).
+- Time of a run = micro-batches x seconds per micro-batch: the throughput is constant along a run; the
+  emulator's drains at evaluations are a measurement artefact and are not charged.
+- CPU clock: one calibration per (D, optimizer) (convergence.py's `calibrate_job`: every method trained in
+  turn, op costs = 10th percentile of a shared base + each method's median hook time), on one thread of a
+  loaded 2-core CPU with a tiny model; compare rows within one (D, optimizer) block. A cost model's clock:
+  bench/ttq_cost_model.py (schema and derivations: docs/benchmarks.md, the JSON's `source`).
+- Curves: `{os.path.basename(png)}`; all numbers (per seed curves, sweep, op costs, the cost model): `{os.path.basename(base)}.json`.
 """
     md = base + ".md"
     with open(md, "w") as f:
         f.write(text)
-    return [md, png, dump_json(s, grid, study, base + ".json")]
+    return [md, png, dump_json(s, grid, study, base + ".json", provenance, cost_model)]

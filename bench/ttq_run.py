@@ -50,8 +50,10 @@ OPTIMIZERS = ("adamw", "muon")
 # The optimizer a method trains with in an optimizer's panel (PipeNAG is its own optimizer).
 ACTUAL_OPT = {"pipenag": "nag"}
 # Factors of 2 around examples/gpt_tiny.sh's 1e-3 (AdamW, Muon: its AdamW-equivalent lr) and bench/delay_robust.py's
-# NAG lr of 1.0 (Muon up to 8e-3: its first sweep put every run at 4e-3); index 2 also runs the calibrations.
-LR_GRID = {"adamw": [5e-4, 1e-3, 2e-3, 4e-3], "muon": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3], "nag": [0.25, 0.5, 1.0, 2.0]}
+# NAG lr of 1.0; index 2 also runs the calibrations. Muon up to 3.2e-2: topped at 8e-3, 1F1B at M = 8 chose the
+# edge and was under-tuned (its best is 1.6e-2, the committed D = 4 study).
+LR_GRID = {"adamw": [5e-4, 1e-3, 2e-3, 4e-3], "muon": [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
+           "nag": [0.25, 0.5, 1.0, 2.0]}
 OUT = os.path.join(cv.REPO, "bench", "results", "time_to_quality")
 
 
@@ -317,5 +319,49 @@ def run_study(s: cv.Settings, grid: dict, log=print) -> dict:
             for u in units}
     train_seconds = sum(r["seconds"] for rs in by_unit.values() for r in rs)
     return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
-            "train_seconds": train_seconds,
-            "unigram": wl.unigram_baseline(), "workload": wl}
+            "train_seconds": train_seconds, "unigram": wl.unigram_baseline(), "workload": wl,
+            "tokens_per_microbatch": wl.tokens_per_microbatch}
+
+
+# Settings fields that change no number of a report (where it is written, how the runs were scheduled).
+NOT_RECORDED = ("out", "cache_dir", "command", "resume", "jobs")
+
+
+def settings_record(s: cv.Settings) -> dict:
+    """The settings a report's numbers depend on, for its JSON (the corpus relative to the checkout)."""
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in NOT_RECORDED}
+    if os.path.abspath(d["corpus"]).startswith(cv.REPO + os.sep):
+        d["corpus"] = os.path.relpath(d["corpus"], cv.REPO)
+    return {**d, "sync_ms": getattr(s, "sync_ms", None)}
+
+
+def settings_from_record(d: dict) -> cv.Settings:
+    d = dict(d)
+    sync = d.pop("sync_ms", None)
+    s = cv.Settings(**{**d, "corpus": os.path.join(cv.REPO, d["corpus"])})
+    s.sync_ms = sync  # (not a field, as in time_to_quality.settings_from_args)
+    return s
+
+
+def study_from_json(s: cv.Settings, data: dict, workload: bool = True) -> dict:
+    """run_study's result rebuilt from a results JSON (bench/ttq_report.dump_json), without training: the
+    units, their sweeps, best lrs and runs (seed, lr, curve, seconds), the CPU op costs. `workload`: prepare
+    the data (tokenizer, corpus; for the report's data lines), else leave it out."""
+    wl = cv.build_workload(s) if workload else None
+    if wl is not None:
+        wl.prepare()
+    units, sweep, best, runs = [], {}, {}, {}
+    for e in data["units"]:
+        u = Unit(e["opt"], e["name"], e["D"], e["M"])
+        units.append(u)
+        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
+        best[u] = e["best_lr"]
+        runs[u] = sorted(({**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]), key=lambda r: r["seed"])
+    calib = {}
+    for key, ops in data["op_times"].items():
+        d, opt = key.split(",")
+        calib[(int(d.removeprefix("D=")), opt)] = {"op_times": ops}
+    tpm = data.get("tokens_per_microbatch") or (wl.tokens_per_microbatch if wl else s.micro_batch * s.seq_length)
+    return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
+            "train_seconds": sum(r["seconds"] for rs in runs.values() for r in rs), "unigram": data["unigram"],
+            "workload": wl, "tokens_per_microbatch": tpm}

@@ -109,7 +109,9 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
             guard.after_iteration(g + 1, max(stage.consecutive_skipped), skipped_now, scale,
                                   loss_is_nonfinite(mean), lambda: last_checkpoint(ck.save), RankError,
                                   ps.describe_rank(dist.get_rank()))
-            progress.iteration_done(g + 1, average_over_dp(mean), schedule.lr_at(g), last_norm, scale)
+            # The loss chunk's lr clock: the schedule's lr of iteration g unless steps were skipped (fp16)
+            lr = stage.scheduled_lr(stage.loss_chunk)
+            progress.iteration_done(g + 1, average_over_dp(mean), lr, last_norm, scale)
 
     in_stream = getattr(workload, "eval_in_stream", False)  # else (NMT BLEU decoding) drain to evaluate
 
@@ -129,6 +131,7 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
         engine.train_segment(batch_of, (stop - state.iteration) * num_mb, on_loss=on_loss,
                              evaluations=evaluations)
         state.consumed_samples += (stop - state.iteration) * gbs
+        state.updated_samples = state.consumed_samples  # the lr clocks are per chunk here (policy.lr_steps)
         state.iteration = stop
         controls.after_iteration(state.iteration)
         stop = periodic(collect=True, evaluated=in_stream)  # every segment ends at a drain

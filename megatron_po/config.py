@@ -221,6 +221,22 @@ class TrainingConfig:
     muon_extra_scale_factor: float = _f(0.2, "Muon: factor on the scale; 0.2 with spectral = Moonshot's "
                                              "0.2*sqrt(max(rows, cols)): AdamW's lr and weight decay carry over "
                                              "(Megatron's default: 1.0)")
+    muon_fp32_matmul_prec: str = _f("medium", "Muon: Newton-Schulz matmul precision: medium = bf16, high = TF32 "
+                                              "(fp32 where the device has none), highest = fp32 (low: Megatron's "
+                                              "spelling that reaches torch as no level, i.e. fp32)",
+                                    choices=["medium", "high", "highest", "low"])
+    muon_coefficient_type: str = _f("simple", "Muon: Newton-Schulz coefficients: simple = Keller Jordan's (3.4445, "
+                                              "-4.7750, 2.0315) every step; quintic = 5 tuned per-step sets (steps a "
+                                              "multiple of 5); polar_express = Polar Express (>= 8 steps) "
+                                              "(Megatron's default: quintic)",
+                                    choices=["simple", "quintic", "polar_express"])
+    muon_split_qkv: bool = _f(True, "Muon: orthogonalise the fused QKV weight's Q, K and V matrices separately "
+                                    "(--muon-no-split-qkv: as one matrix)", alias="--muon-no-split-qkv")
+    muon_tp_mode: str = _f("duplicated", "Muon under tensor parallelism: duplicated = gather each matrix, "
+                                         "orthogonalise it whole (exact); distributed = Gram matrices summed over "
+                                         "TP (exact up to rounding); blockwise = each TP slice on its own (an "
+                                         "approximation; Megatron's default)",
+                           choices=["duplicated", "distributed", "blockwise"])
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm (0 disables)")
     seed: int = _f(1234, "random seed")
     eval_interval: int = _f(1000, "evaluate every this many iterations")

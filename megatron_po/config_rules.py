@@ -23,6 +23,7 @@ from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
 from megatron_po.models.te_transformer import TE_RULES
+from megatron_po.optim.newton_schulz import coefficients
 from megatron_po.run_rules import SEED_LIMIT, SEED_STRIDE_PER_STAGE
 
 
@@ -61,6 +62,16 @@ def _data_path_error(c: Ctx) -> str | None:
 def _split_error(c: Ctx) -> str | None:
     from megatron_po.data.gpt_dataset import parse_split
     return raised(lambda: parse_split(c.d.split))
+
+
+def _ns_coefficients_error(c: Ctx) -> str | None:
+    """A coefficient set takes only some step counts (optim/newton_schulz.py `coefficients`)."""
+    try:
+        coefficients(c.t.muon_coefficient_type, c.t.muon_num_ns_steps)
+    except ValueError as e:
+        t = c.t
+        return f"--muon-coefficient-type {t.muon_coefficient_type} with --muon-num-ns-steps {t.muon_num_ns_steps}: {e}"
+    return None
 
 
 def _fp32_weights(c: Ctx) -> bool:
@@ -105,6 +116,8 @@ SIZES = [
          lambda c: 0 <= c.t.muon_momentum < 1 and c.t.muon_num_ns_steps >= 1 and c.t.muon_extra_scale_factor > 0,
          lambda c: f"--muon-momentum ({c.t.muon_momentum}) must be in [0, 1), --muon-num-ns-steps "
                    f"({c.t.muon_num_ns_steps}) >= 1 and --muon-extra-scale-factor ({c.t.muon_extra_scale_factor}) > 0"),
+    Check("muon-ns-coefficients", lambda c: _ns_coefficients_error(c),
+          when=lambda c: c.t.optimizer == "muon" and c.t.muon_num_ns_steps >= 1),
     Rule("nadam-momentum-decay>=0", lambda c: c.t.nadam_momentum_decay >= 0,
          lambda c: f"--nadam-momentum-decay must be >= 0 (got {c.t.nadam_momentum_decay})"),
     Rule("init-std>0", lambda c: c.m.init_method_std > 0,

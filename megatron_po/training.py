@@ -62,7 +62,7 @@ def pretrain(cfg: Config, workload=None) -> dict:
         while state.iteration < cfg.training.train_iters:
             controls.before_iteration(state.iteration + 1)
             loss, grad_norm, lr = synchronous_iteration(cfg, workload, model, schedule, state, train_ds, guard)
-            state.advance(schedule)  # iteration + 1, its samples consumed
+            state.advance(schedule, updated=grad_norm is not None)  # iteration + 1; the lr's clock if stepped
             logged = progress.logs(state.iteration)
             metrics = replica_metrics(cfg, model.ddp.params) if logged else {}  # --log-params-norm, ...
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss(cfg) else None, lr,

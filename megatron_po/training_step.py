@@ -32,13 +32,26 @@ from megatron_po.run_rules import SkipGuard, any_rank, loss_is_nonfinite
 
 @dataclass
 class TrainState:
-    """Where training stands (checkpointed as `train_state`): iterations done, samples consumed."""
+    """Where training stands (checkpointed as `train_state`): iterations done, samples consumed, and
+    `updated_samples`, the samples of the iterations whose optimizer step was applied: the lr schedule's
+    clock, as Megatron-LM's scheduler (`opt_param_scheduler.step(increment=batch)` only when
+    `update_successful`). An fp16 step skipped for inf/NaN gradients consumes its samples (the data and
+    --rampup-batch-size move on) but leaves the lr where it was. Asynchronous pipelines keep one such clock
+    per model chunk (`AsyncPolicy.lr_steps`); there it follows `consumed_samples`."""
     iteration: int = 0
     consumed_samples: int = 0
+    updated_samples: int | None = None  # None: a checkpoint saved before it was kept, i.e. = consumed_samples
 
-    def advance(self, schedule: SampleSchedule) -> None:
-        """One iteration done: its samples (--rampup-batch-size: its own batch) are consumed."""
-        self.consumed_samples += schedule.batch(self.iteration)
+    def __post_init__(self):
+        if self.updated_samples is None:
+            self.updated_samples = self.consumed_samples
+
+    def advance(self, schedule: SampleSchedule, updated: bool = True) -> None:
+        """One iteration done: its samples (--rampup-batch-size: its own batch) are consumed, and count
+        toward the lr schedule when its step was applied (`updated`)."""
+        batch = schedule.batch(self.iteration)
+        self.consumed_samples += batch
+        self.updated_samples += batch if updated else 0
         self.iteration += 1
 
 
@@ -181,7 +194,7 @@ def synchronous_iteration(cfg: Config, workload, model: Trainable, schedule: Sam
     stop a run (NaN/inf, --max-skipped-steps). Returns (loss on the loss rank or None, grad norm or None when
     the step was skipped, lr)."""
     t, ck = cfg.training, cfg.checkpoint
-    lr = schedule.lr_at(state.iteration)
+    lr = schedule.lr_at(state.iteration, updated=state.updated_samples)  # skipped steps do not advance it
     # --rampup-batch-size: the iteration's own global batch, whole micro-batches on every DP rank
     batches = workload.microbatches(train_ds, state.consumed_samples, schedule.num_microbatches(state.iteration),
                                     t.micro_batch_size)
@@ -189,7 +202,7 @@ def synchronous_iteration(cfg: Config, workload, model: Trainable, schedule: Sam
         per_token_normalizer(batches)
     scale = model.optimizer.get_loss_scale() if cfg.precision.fp16 else None  # the scale this step runs with
     loss, grad_norm = train_step(cfg, model.chunks, model.ddp, model.optimizer, batches, lr, workload,
-                                 schedule.decoupled_lr_at(state.iteration))
+                                 schedule.decoupled_lr_at(state.iteration, updated=state.updated_samples))
     check_finite(cfg, state.iteration + 1, loss, grad_norm, model.ddp, ck.save)
     guard.after_step(state.iteration + 1, grad_norm is None, scale, loss_is_nonfinite(loss),
                      lambda: last_checkpoint(ck.save), any_rank)  # fp16: bounded skipping

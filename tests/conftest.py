@@ -24,6 +24,11 @@ def write_chapters(path, count: int):
     return path
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on a GPU (skipped with 'needs CUDA' without one); "
+                                       "scripts/run_gpu_tests.sh selects these")
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small tokenizer and the first 300 chapters preprocessed to .bin/.idx (one per test session, shared

@@ -76,6 +76,8 @@ def lr_fn_for(optimizer):
 def emulator(method, D, v, k, optimizer="adam", weight_decay=0.01, clip_grad=0.0, **options):
     torch.manual_seed(0)
     kwargs = {"lr": LR[optimizer], "weight_decay": weight_decay, "sgd_momentum": 0.9}
+    if optimizer == "muon":  # fp32 Newton-Schulz: the replay's fp32-rounding differences must not flip bf16 roundings
+        kwargs["muon_fp32_matmul_prec"] = "highest"
     return AsyncEmulator(make_cfg(D * v), VOCAB, method, D, v, k, optimizer, kwargs, lr_fn_for(optimizer),
                          clip_grad, **options)
 
@@ -180,7 +182,7 @@ def torch_optimizer(name, model, lr, weight_decay):
         return torch.optim.AdamW(groups, lr=lr)
     if name == "muon":  # no torch counterpart; its own steps are checked against the formula in test_muon.py
         return build_optimizer("muon", optimizer_param_groups("muon", [model], weight_decay), lr,
-                               weight_decay=weight_decay)
+                               weight_decay=weight_decay, muon_fp32_matmul_prec="highest")
     return torch.optim.SGD(groups, lr=lr, momentum=0.9)
 
 

@@ -53,6 +53,8 @@ RULES = [
     ("sgd-momentum", 1, MOCK + ["--sgd-momentum", "1.5"], ["--sgd-momentum must be in [0, 1)"]),
     ("muon-settings", 1, MOCK + ["--optimizer", "muon", "--muon-num-ns-steps", "0"],
      ["--muon-num-ns-steps (0)", ">= 1", "--muon-momentum", "--muon-extra-scale-factor"]),
+    ("muon-ns-coefficients", 1, MOCK + ["--optimizer", "muon", "--muon-coefficient-type", "polar_express"],
+     ["--muon-coefficient-type polar_express with --muon-num-ns-steps 5", "at least 8 steps"]),
     ("init-std>0", 1, MOCK + ["--init-method-std", "0"], ["--init-method-std must be > 0"]),
     ("peak-tflops>0", 1, MOCK + ["--peak-tflops", "0"], ["--peak-tflops must be > 0"]),
     ("wsd-iters-need-wsd", 1, MOCK + ["--lr-wsd-decay-iters", "5"],

@@ -1,10 +1,12 @@
 """Muon (optim/muon.py): steps equal a reference written here from the formula, at TP=1, TP=2 and under the
 distributed optimizer (DP=2, fp32 and bf16), ΔW and the PipeOptim prediction in closed form.
 
-Tolerances: fp32 reference comparisons rtol=1e-5, atol=1e-6 (the reference and the optimizer run the
-same float ops in another grouping: foreach vs per tensor, a TP all-gather + concat vs the whole matrix,
-so a few ulps of the Newton-Schulz matmuls differ); sharded vs unsharded and prediction identities
-bitwise (rtol=atol=0), since the same ops run on the same numbers.
+Tolerances: fp32 reference comparisons rtol=1e-5, atol=1e-6, with fp32 Newton-Schulz
+(`muon_fp32_matmul_prec="highest"`; the default is bf16) (the reference and the optimizer run the same float
+ops in another grouping: foreach vs per tensor, batched vs one matrix, a TP all-gather + concat vs the whole
+matrix, so a few ulps of the Newton-Schulz matmuls differ); sharded vs unsharded and prediction identities
+bitwise (rtol=atol=0) at the default bf16 precision, since the same ops run on the same numbers (each
+matrix's owner runs the same Newton-Schulz on the same U, whichever rank it is).
 """
 
 import math
@@ -99,7 +101,8 @@ def test_steps_equal_the_reference_tp1(nesterov):
     torch.manual_seed(0)
     model, steps = Toy(), 3
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_use_nesterov=nesterov)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_use_nesterov=nesterov,
+                          muon_fp32_matmul_prec="highest")
     adamw_twin = Toy()
     adamw_twin.load_state_dict(model.state_dict())
     twin_groups = [{"params": [p for n, p in adamw_twin.named_parameters() if n in ("embedding.weight",
@@ -124,7 +127,7 @@ def test_steps_equal_the_reference_tp1(nesterov):
 def test_update_direction_and_prediction_closed_form():
     torch.manual_seed(1)
     model = Toy()
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_fp32_matmul_prec="highest")
     for s in range(2):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
@@ -188,7 +191,7 @@ def _tp_run(steps):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(local(n, full[n]))
-    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD)
+    opt = build_optimizer("muon", groups_of(model), lr=LR, weight_decay=WD, muon_fp32_matmul_prec="highest")
     for s in range(steps):
         for n, p in model.named_parameters():
             p.grad = local(n, grads[s][n]).clone()
@@ -251,10 +254,11 @@ def _distopt_run(dtype, steps=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_distributed_optimizer_dp2_equals_unsharded(dtype):
-    """Each DP rank owns ranges cutting through matrices; the gathered U makes its step the unsharded
-    one, bitwise (a reduce-scatter and an all-reduce over 2 ranks add the same two numbers; the gathered
-    U is exact; the same Newton-Schulz runs on it). bf16 model weights: against the mixed-precision
-    optimizer's fp32 main params, also bitwise."""
+    """Each DP rank owns ranges cutting through matrices; each matrix's owner assembles its whole U from
+    the pieces and sends the O pieces back, which makes the step the unsharded one (whose DP ranks share the
+    Newton-Schulz work out too), bitwise (a reduce-scatter and an all-reduce over 2 ranks add the same two
+    numbers; the assembled U is exact; the same Newton-Schulz runs on it). bf16 model weights: against the
+    mixed-precision optimizer's fp32 main params, also bitwise."""
     for r, out in enumerate(run_distributed(_distopt_run, 2, args=(dtype,))):
         assert out["cut_matrices"] > 0, "no matrix was cut by the shards: the test proves nothing"
         for name in out[False]:
@@ -264,7 +268,7 @@ def test_distributed_optimizer_dp2_equals_unsharded(dtype):
 
 
 def test_distributed_optimizer_tp2_dp2_equals_unsharded():
-    """TP=2 x DP=2: the DP gather of a bucket, then the TP gather of the matrix; bitwise as above."""
+    """TP=2 x DP=2: U pieces to the DP owner, then the owner's TP ranks gather the matrix; bitwise as above."""
     for r, out in enumerate(run_distributed(_distopt_run, 4, tp=2, args=(torch.float32, 2))):
         for name in out[False]:
             torch.testing.assert_close(out[True][name], out[False][name], rtol=0, atol=0, msg=f"rank {r} {name}")

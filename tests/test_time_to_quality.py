@@ -28,6 +28,10 @@ def ttq():
     return module
 
 
+def fmt(x: float) -> str:
+    return f"{math.floor(x * 1000) / 1000:.3f}x"
+
+
 def cells(md: str, first: str) -> dict:
     """{configuration/run column: cells} of the markdown rows whose first cell is `first`."""
     out = {}
@@ -72,24 +76,32 @@ def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
         finals = [r["curve"][-1][1] for r in study["runs"][u]]
         expected = f"{statistics.fmean(finals):.3f} ± {statistics.stdev(finals):.3f}"
         assert v1[u.label][0][6].startswith(expected), (u.label, v1[u.label][0])
-    # verdict 2 rows: 1F1B and ZB-H1 at M = 4, 8 and PipeDream; T1 = 1F1B M=4's mean final loss
+    # verdict 2 rows (one table per clock: CPU first, then the default cost model's): 1F1B and ZB-H1 at M = 4, 8,
+    # sync at equal updates and PipeDream; T1 = 1F1B M=4's mean final loss
     v2 = cells(md.split("## Verdict 2")[1].split("## The goal")[0], "2")
-    assert set(v2) == {"1F1B, M=4", "ZB-H1, M=4", "1F1B, M=8", "ZB-H1, M=8", "PipeDream, k=1"}
+    eq = "sync, 1 update per micro-batch (1F1B, M=D of B/D)"
+    assert set(v2) == {"1F1B, M=4", "ZB-H1, M=4", "1F1B, M=8", "ZB-H1, M=8", eq, "PipeDream, k=1"}
+    assert {k: len(v) for k, v in v2.items()} == {k: 2 for k in v2}  # CPU clock and GPU cost model
     ref_runs = study["runs"][units[("sync", 4)]]
     t1 = statistics.fmean(r["curve"][-1][1] for r in ref_runs)
     assert f"({t1:.3f})" in md
     rows = {r["label"]: r for r in ttq.ttq_report.configurations(s, study, 2, "adamw")}
     ref = rows["1F1B, M=4"]
+    # columns: ..., time to T1, T2, T3, speed-up vs 1F1B M=2D, vs ZB-H1 M=2D, vs sync at equal updates
     assert v2["1F1B, M=4"][0][7].startswith(f"{s.steps * ref['sec_per_mb']:.3g} ± 0")  # reaches T1 at its end
-    assert v2["1F1B, M=4"][0][-1] == "1.00x"
+    assert v2["1F1B, M=4"][0][-3] == "1.000x" and v2["ZB-H1, M=4"][0][-2] == "1.000x" and v2[eq][0][-1] == "1.000x"
+    zb = rows["ZB-H1, M=4"]
+    assert v2["1F1B, M=4"][0][-2] == fmt(zb["sec_per_mb"] / ref["sec_per_mb"])  # both reach T1 at their end
     pd = rows["PipeDream, k=1"]
     times = [ttq.ttq_report.time_to(r["curve"], t1, pd["sec_per_mb"]) for r in study["runs"][units[("pipedream", 1)]]]
     if all(t is not None for t in times):
-        assert v2["PipeDream, k=1"][0][-1] == f"{s.steps * ref['sec_per_mb'] / statistics.fmean(times):.2f}x"
+        assert v2["PipeDream, k=1"][0][-3] == fmt(s.steps * ref["sec_per_mb"] / statistics.fmean(times))
+        assert v2["PipeDream, k=1"][0][-2] == fmt(s.steps * zb["sec_per_mb"] / statistics.fmean(times))
     assert ref["tps"] > 0 and pd["tps"] > 0 and rows["ZB-H1, M=4"]["tps"] >= ref["tps"] * 0.999
-    assert "## The goal" in md and ("MET" in md)
+    assert "## The goal" in md and ("MET" in md) and "Sensitivity" in md
     saved = json.load(open(js))
     assert len(saved["units"]) == 4 and saved["grid"]["adamw"] == grid["adamw"]
+    assert saved["cost_model"]["name"] == "h200_1p3b" and saved["settings"]["steps"] == s.steps
 
     # --resume: the same study from the cache, no training
     def no_training(*a, **k):
@@ -102,6 +114,22 @@ def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
     finally:
         monkey.undo()
     assert again["best"] == study["best"] and again["sweep"] == study["sweep"]
+    md = open(md_path).read()  # (the --resume run's report: its header, the same tables)
+
+    # --from-json: the same report from its JSON, no training, no cache (the runs are the JSON's)
+    import shutil
+    shutil.rmtree(os.path.join(s.out, ".cache", "runs"))
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(tr.cv, "train_job", no_training)
+    monkey.setattr(tr.cv, "calibrate_job", no_training)
+    try:
+        regen = ttq.regenerate(js, [])
+    finally:
+        monkey.undo()
+    md2 = open(regen["paths"][0]).read()
+    assert "Regenerated without training from `time_to_quality.json`" in md2
+    assert md2.split("## Settings")[1] == md.split("## Settings")[1]  # every table and line the same
+    assert md2.split("\n\nRegenerated without training")[0] == md.split("\n\n## Settings")[0]  # original header kept
 
 
 def test_time_to_target_interpolates_between_evaluations(ttq):
@@ -153,9 +181,9 @@ def test_quick_nmt_study_has_bleu_and_accumulates_sync_updates(ttq, tmp_path):
         b = [r["bleu"] for r in study["runs"][u]]
         assert v1[u.label][0][-1] == f"{statistics.fmean(b):.2f} ± {statistics.stdev(b):.2f}", v1[u.label][0]
     v2 = cells(md.split("## Verdict 2")[1].split("## The goal")[0], "2")
-    assert set(v2) == {"1F1B, M=4", "1F1B, M=8", "PipeDream, k=1"}
+    assert set(v2) == {"1F1B, M=4", "1F1B, M=8", "sync, 1 update per micro-batch (1F1B, M=D of B/D)", "PipeDream, k=1"}
     assert v2["1F1B, M=4"][0][-1] == v1["sync, M=4"][0][-1]  # BLEU at the end (the same runs)
-    assert "copy-the-source" in md and "- **D=2, AdamW: " in md
+    assert "copy-the-source" in md and "- **D=2, AdamW**: CPU clock: vs 1F1B M=2D **" in md
     assert all("bleu" in r for u in json.load(open(js))["units"] for r in u["runs"])
 
 

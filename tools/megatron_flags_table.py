@@ -44,6 +44,10 @@ Notes where our reading differs in detail:
   runs at lr 0); decay is Megatron's. `--rampup-batch-size` follows Megatron's rule exactly
   (`megatron_po/optim/sample_schedule.py`) and is refused with the asynchronous pipeline methods, which stream a
   fixed micro-batch count.
+- `--fp16` (and any main-params optimizer that skips a step for inf/NaN gradients): as in Megatron, a skipped
+  step's iteration consumes its samples but does not advance the lr schedule, whose clock is the samples of
+  the applied updates (checkpointed). Asynchronous methods skip per model chunk, and each chunk's lr clock
+  counts its own applied updates (docs/pipelines.md).
 - `--exit-duration-in-mins`: checked after every iteration (synchronous methods) or at every drain of an
   asynchronous pipeline (evaluation, checkpoint, exit interval); the ranks agree (all-reduce MAX) and save first.
 - `--overlap-grad-reduce`, `--overlap-p2p-communication`: always on here: each DDP bucket's reduction starts
@@ -61,9 +65,12 @@ Notes where our reading differs in detail:
   multiples of it.
 - `--muon-*`: Megatron's names and scale modes; defaults differ: `--muon-extra-scale-factor` 0.2 (Megatron 1.0:
   with `spectral` that is Moonshot's 0.2·√max(rows, cols), so AdamW's lr carries over), `--muon-momentum` 0.95
-  (Megatron 0.9) and Nesterov on (Megatron's `--muon-use-nesterov` is off unless given; both spellings are
-  accepted here). The fused QKV weight is orthogonalised whole (Megatron splits it unless `--muon-no-split-qkv`;
-  not offered here). See docs/optimizers.md.
+  (Megatron 0.9), Nesterov on (Megatron's `--muon-use-nesterov` is off unless given; both spellings are
+  accepted here), `--muon-coefficient-type` simple = Keller Jordan's coefficients (Megatron: quintic) and
+  `--muon-tp-mode` duplicated = exact (Megatron: blockwise, an approximation). `--muon-fp32-matmul-prec` takes
+  torch's levels (medium = bf16, the default as in Megatron; high = TF32; highest = fp32) and Megatron's `low`
+  (not a torch level: torch keeps its fp32 default). `--muon-split-qkv` is on by default as in Megatron
+  (`--muon-no-split-qkv`). See docs/optimizers.md.
 - `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.pt.trace.json` (Chrome/Perfetto trace, also read by
   the PyTorch TensorBoard profiler plugin, which reads `*.pt.trace.json`) under `--tensorboard-dir` (or `./profile`).
 

@@ -12,7 +12,9 @@ their partition dim, so DCP stores global tensors and a checkpoint can be loaded
 layout (checkpoint_dcp.py, checkpoint_load.py). Optimizer state is keyed by parameter name
 (`optimizer.<param>.<state>`) for the same reason; state shaped like its parameter ("like-param": Adam's
 moments, momentum buffers) is sharded like it, so it reshards too. Which state keys exist is saved as
-metadata so an optimizer that has not stepped yet can allocate them before loading. Weight versions an
+metadata; an optimizer that has not stepped yet creates its state before loading with its own
+`init_state`, as its first step would (step counts on the CPU, the rest on the parameter's device), and
+DCP loads into it in place. Weight versions an
 asynchronous policy must keep across a drain (PipeDream-2BW's older version) are saved the same way
 (`policy.<param>.<key>`).
 
@@ -20,7 +22,8 @@ Keys in a checkpoint directory `iter_XXXXXXX/`:
   model.<name>                   weights (global shapes); the fp32 main params under mixed precision, so
                                  a bf16 run's checkpoint keeps full precision and loads into fp32 runs too
   optimizer.<name>.<key>         optimizer state; optimizer_state_keys.<name>: which keys exist, group lr
-  policy.<name>.<key>            async weight-policy versions; policy_steps = steps every chunk had taken
+  policy.<name>.<key>            async weight-policy versions; policy_steps = steps every chunk had taken;
+                                 policy_lr_steps.stage<vs> = each chunk's lr clock (its applied updates)
   extra                          pickled dict from the caller (train state, config, vocab sizes)
   layout, optimizer_type         pickled (tp, pp, dp, chunks per rank) and the inner optimizer's class
   grad_scaler                    fp16 loss-scaler state (grad_scaler.stage<vs>: each virtual stage's own

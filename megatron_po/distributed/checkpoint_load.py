@@ -27,7 +27,7 @@ from megatron_po.distributed.checkpoint_format import checkpoint_dir, find_check
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params)
+                                                      parallel_layout, stepped_params, virtual_stage)
 from megatron_po.errors import UserError
 
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
@@ -98,6 +98,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     small = {"extra": b"", "layout": b"", "optimizer_type": b"", "policy_steps": b"", rng_key: b""}
     small.update({f"optimizer_state_keys.{n}": b"" for n, _ in names} if load_optim else {})
     small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
+    small.update({k: b"" for k in meta if k.startswith("policy_lr_steps.")} if policy is not None else {})
     small = {k: v for k, v in small.items() if k in meta}
     dcp_load(small, path)
     extra = pickle.loads(small["extra"])
@@ -121,34 +122,25 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         if theirs != ours:  # every rank reads the same entry: no agreement needed
             raise UserError(f"{where}: the checkpoint holds {theirs} optimizer state but this run uses {ours}; "
                             "use --no-load-optim to load the weights only")
-        # Allocate state the optimizer has not created yet, so DCP can load into it in place.
+        # The state DCP loads into in place: the optimizer's own (created as its first step would).
         for name, p in names:
             if id(p) not in stepped:
                 continue
             s = stepped[id(p)]
             saved = pickle.loads(small[f"optimizer_state_keys.{name}"])
             s.group["lr"] = saved["lr"]
-            if s.tensor is None:  # distributed optimizer: other data-parallel ranks own all of it
-                continue
-            st = s.state
-            for k, spec in saved["keys"].items():
-                if k in st:
-                    continue
-                if spec is None:
-                    st[k] = 0
-                elif spec[0] == "like-param":
-                    st[k] = torch.zeros_like(s.tensor, dtype=spec[1])
-                else:
-                    st[k] = torch.zeros(spec[0], dtype=spec[1], device=s.tensor.device)
+            if s.tensor is not None:  # None: distributed optimizer, other data-parallel ranks own all of it
+                s.prepare_load(saved["keys"])
         _load_grad_scalers(optimizer, small, pickle.loads(small["layout"]))
     state, _ = model_and_optimizer_state(names, stepped, load_optim)
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
-    if load_policy:
+    if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)
+        saved_versions = {p: [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
+                          for name, p in names}
+        policy_weights = policy.load_targets(saved_versions)
         for name, p in names:
-            for key in sorted(k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")):
-                buf = torch.empty_like(p.data)
-                policy_weights.setdefault(p, {})[key] = buf
+            for key, buf in policy_weights.get(p, {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
     dcp_load(state, path)
@@ -170,10 +162,13 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     if repad and dist.get_rank() == 0:
         print(f"> {path}: vocabulary re-padded from {repad[0][1].shape[0]} rows to this run's padding", flush=True)
     if load_policy:
-        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights})
+        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights,
+                                "lr_steps": _policy_lr_steps(policy, small, pickle.loads(small["layout"]))})
     if load_rng:
         if rng_key in small and pickle.loads(small["layout"]) == parallel_layout():
-            set_rng_state(pickle.loads(small[rng_key]))
+            if not set_rng_state(pickle.loads(small[rng_key])) and dist.get_rank() == 0:
+                print(f"> {path} was saved on another kind of device: the tensor-parallel random streams "
+                      "freshly seeded", flush=True)
         elif dist.get_rank() == 0:
             print(f"> {path} was saved under another parallel layout: random generators freshly seeded",
                   flush=True)
@@ -200,6 +195,20 @@ def _repad_buffers(state: dict, names, meta) -> list:
         state[key] = full
         out.append((local, full, ps.get_tensor_model_parallel_rank() * p.shape[0] if is_tp_shard(p) else 0))
     return out
+
+
+def _policy_lr_steps(policy, small: dict, saved_layout: tuple) -> list[int] | None:
+    """Each chunk's lr clock (applied updates, fewer than its steps when fp16 steps were skipped): the
+    same key when the checkpoint holds the same layers (same number of virtual stages), else the smallest
+    clock saved; None when it holds none (saved before they were kept: no skipped step counted)."""
+    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("policy_lr_steps.")}
+    if not saved:
+        return None
+    keys = [f"policy_lr_steps.stage{virtual_stage(c)}" for c in range(len(policy.chunks))]
+    same_stages = saved_layout[1] * saved_layout[3] == parallel_layout()[1] * parallel_layout()[3]
+    if same_stages and all(k in saved for k in keys):
+        return [saved[k] for k in keys]
+    return [min(saved.values())] * len(keys)
 
 
 def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:

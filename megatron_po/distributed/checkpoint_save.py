@@ -27,7 +27,7 @@ from megatron_po.distributed.checkpoint_format import (TRACKER, checkpoint_dir, 
 from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
 from megatron_po.distributed.checkpoint_rng import rng_state
 from megatron_po.distributed.checkpoint_state import (as_list, grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params)
+                                                      parallel_layout, stepped_params, virtual_stage)
 from megatron_po.errors import SaveError
 
 # Test-only: "ITERATION:SECONDS:RANK" makes that rank sleep after writing that iteration's files into
@@ -70,6 +70,8 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
     if policy is not None:
         state.update(_policy_state(names, policy))
         state["policy_steps"] = pickle.dumps(policy.state_dict()["steps"])
+        for c, n in enumerate(policy.state_dict()["lr_steps"]):  # each chunk's lr clock: its applied updates
+            state[f"policy_lr_steps.stage{virtual_stage(c)}"] = pickle.dumps(n)
     state["extra"] = pickle.dumps(extra)
     state["layout"] = pickle.dumps(parallel_layout())
     if save_rng:

@@ -36,6 +36,19 @@ class _Stepped:
     def state(self) -> dict:
         return self.inner.state[self.tensor]
 
+    def prepare_load(self, saved_keys) -> None:
+        """Make the state that a checkpoint holding the entries `saved_keys` loads into, in place. A
+        parameter that has not stepped yet gets its state from the optimizer's own `init_state`, the
+        code its first step runs, so the loaded state has the devices, dtypes and shapes a step gives
+        it (step counts on the CPU, per-element state on the parameter's device). Entries the checkpoint
+        lacks (saved under other optimizer settings) are dropped for the next step to create; entries
+        only the checkpoint has are not loaded."""
+        state = self.state
+        if not state:
+            self.inner.init_state(self.group, self.tensor, state)
+        for key in [k for k in state if k not in saved_keys]:
+            del state[key]
+
     def view(self, p: torch.Tensor, t: torch.Tensor):
         """`t` (the stepped tensor or one of its state tensors) as DCP should see it: per-element state
         as (a piece of) the global parameter-shaped tensor, small state (step counters) whole."""
@@ -101,6 +114,12 @@ def model_and_optimizer_state(names, stepped: dict[int, _Stepped], with_optimize
     return state, state_keys
 
 
+def virtual_stage(chunk: int) -> int:
+    """The virtual pipeline stage of this rank's model chunk `chunk` (asynchronous training's per-chunk
+    checkpoint entries are keyed by it)."""
+    return chunk * ps.get_pipeline_model_parallel_world_size() + ps.get_pipeline_model_parallel_rank()
+
+
 def grad_scalers(optimizers) -> dict[str, object]:
     """fp16 loss scalers by checkpoint key: `grad_scaler` for synchronous training (one scale, agreed
     over all ranks); `grad_scaler.stage<vs>` per model chunk in asynchronous training, where every
@@ -108,5 +127,4 @@ def grad_scalers(optimizers) -> dict[str, object]:
     opts = [o for o in as_list(optimizers) if getattr(o, "grad_scaler", None) is not None]
     if not isinstance(optimizers, (list, tuple)):
         return {"grad_scaler": opts[0].grad_scaler} if opts else {}
-    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    return {f"grad_scaler.stage{c * D + r}": o.grad_scaler for c, o in enumerate(optimizers) if o in opts}
+    return {f"grad_scaler.stage{virtual_stage(c)}": o.grad_scaler for c, o in enumerate(optimizers) if o in opts}

@@ -32,6 +32,7 @@ With `use_distributed_optimizer=True` (ZeRO-1, see optim/distributed_optimizer.p
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -141,7 +142,7 @@ class DistributedDataParallel:
             else:
                 p.grad = None
                 self._accumulates_into_main_grad.add(id(p))
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad_ready))
         self.sync_enabled = True
 
         self.param_buffer = None
@@ -272,17 +273,30 @@ class DistributedDataParallel:
             bucket.gather_handle.wait()
             bucket.gather_handle = None
 
-    def _register_forward_pre_hooks(self) -> None:
-        def wait_for_own_params(module, _args):
-            for p in module.parameters(recurse=False):
-                bucket = self._bucket_of.get(id(p))
-                if bucket is not None:
-                    self._wait_gather(bucket)
+    def _wait_for_own_params(self, module, _args) -> None:
+        for p in module.parameters(recurse=False):
+            bucket = self._bucket_of.get(id(p))
+            if bucket is not None:
+                self._wait_gather(bucket)
 
+    def _register_forward_pre_hooks(self) -> None:
         for chunk in self.chunks:
             for module in chunk.modules():
                 if any(True for _ in module.parameters(recurse=False)):
-                    module.register_forward_pre_hook(wait_for_own_params)
+                    module.register_forward_pre_hook(_weak_hook(self._wait_for_own_params))
+
+
+def _weak_hook(method):
+    """The bound `method` as a hook that does not keep its object alive. A hook on a parameter (or module)
+    that holds the DDP holding that parameter is a reference cycle; through a parameter's post-accumulate-
+    grad hook it runs through torch's C++ hook list, which the garbage collector cannot see, so the DDP,
+    its buffers and the model would never be freed (module hooks: only by a collection)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return hook
 
 
 class _PackedGather:

@@ -34,6 +34,10 @@ def build_optimizer(
     muon_num_ns_steps: int = 5,
     muon_scale_mode: str = "spectral",
     muon_extra_scale_factor: float = 0.2,
+    muon_fp32_matmul_prec: str = "medium",
+    muon_coefficient_type: str = "simple",
+    muon_split_qkv: bool = True,
+    muon_tp_mode: str = "duplicated",
     nadam_momentum_decay: float = 4e-3,
 ) -> PredictiveOptimizer:
     """The optimizer named by `--optimizer`, from Megatron-style flag values.
@@ -65,7 +69,8 @@ def build_optimizer(
             return Muon(params, lr, momentum=muon_momentum, nesterov=muon_use_nesterov,
                         num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
                         extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2), eps=adam_eps,
-                        weight_decay=weight_decay)
+                        weight_decay=weight_decay, fp32_matmul_prec=muon_fp32_matmul_prec,
+                        coefficient_type=muon_coefficient_type, split_qkv=muon_split_qkv, tp_mode=muon_tp_mode)
         if name == "nadamw":  # optim/nadamw.py
             return NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
                           momentum_decay=nadam_momentum_decay)

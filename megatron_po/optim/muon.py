@@ -6,35 +6,46 @@ One optimizer object, two rules chosen per param group by its "use_muon" key (`m
 
       B ← μ·B + G;   U = G + μ·B (Nesterov) or B;   O = NewtonSchulz(U);   W ← W(1 - lr·λ) - lr·scale·O
 
-  NewtonSchulz: X ← U/(‖U‖_F + 1e-7), transposed so rows ≤ columns, then `num_ns_steps` (5) quintic
-  iterations X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ and (a, b, c) = (3.4445, -4.7750, 2.0315) (Keller
-  Jordan's coefficients). Computed in fp32 (the reference runs it in bf16 on GPUs; fp32 keeps the tests
-  exact and costs nothing that matters at our sizes). The momentum is the undamped sum B ← μB + G of the
-  shared doc; Keller Jordan's current code keeps the EMA (1-μ)·B instead, which only scales U by (1-μ):
-  the orthogonalisation removes the scale, so both give the same O up to the 1e-7 in the normalisation.
-  scale = extra_scale_factor · f(rows, cols) of the FULL matrix with Megatron's `--muon-scale-mode`:
+  NewtonSchulz (optim/newton_schulz.py): `num_ns_steps` (5) quintic iterations with the coefficient set of
+  `--muon-coefficient-type` (default "simple": Keller Jordan's (3.4445, -4.7750, 2.0315) every step), matmuls
+  at `--muon-fp32-matmul-prec` (default "medium": bf16, as Megatron-LM; "high" TF32, "highest" fp32).
+  Same-shape matrices are orthogonalised together, one batched call per shape. The momentum is the undamped
+  sum B ← μB + G of the shared doc; Keller Jordan's current code keeps the EMA (1-μ)·B instead, which only
+  scales U by (1-μ): the orthogonalisation removes the scale, so both give the same O up to the 1e-7 in the
+  normalisation.
+  scale = extra_scale_factor · f(rows, cols) of the orthogonalised matrix with Megatron's `--muon-scale-mode`:
   spectral √max(rows, cols), unit_rms_norm √(rows/cols), shape_scaling √max(1, rows/cols) (Keller
   Jordan's original). The default here, spectral with extra 0.2, is Moonshot's 0.2·√max(rows, cols), which
   gives the update the RMS of an AdamW update so that AdamW's lr and weight decay carry over; Megatron's
   default extra factor is 1.0 (its lrs are then Muon-sized, not AdamW-sized).
+  Fused QKV (`--muon-split-qkv`, on by default as in Megatron): the attention's fused weight holds, per key/
+  value group, the group's query rows, then its key rows, then its value rows (models/transformer.py);
+  `muon_param_groups` marks it (`muon_qkv_rows` = those three row counts) and the step orthogonalises and
+  scales the Q, K and V matrices (every group's rows of each kind) separately, then puts them back.
 - everything else (embeddings, output layer, norms, biases): AdamW, exactly `optimizers.AdamW`.
 
 ΔW for PipeOptim: for the matrices the applied update scale·O, kept per parameter as extra state
 `muon_update` (one parameter-sized fp32 tensor: the momentum alone does not determine O, since Nesterov's
 U needs the last gradient); for the AdamW part the AdamW ΔW (no extra state). Decoupled decay is excluded
-from ΔW unless `include_weight_decay`, as for AdamW.
+from ΔW unless `include_weight_decay`, as for AdamW. Under the distributed optimizer each rank keeps the
+`muon_update` of its own pieces.
 
 Whole matrices. The orthogonalisation of a matrix is not the concatenation of its shards' ones, so:
-- tensor parallelism: a column- (row-) parallel weight's U is all-gathered over the TP group along its
-  partition dim, orthogonalised whole on every TP rank, and each keeps its own slice. The gathered fused
-  QKV weight comes out with its rows in another order than the TP=1 weight;
-  orthogonalisation commutes with permuting rows or columns (O(PUQ) = P·O(U)·Q), so that is exact.
-- distributed optimizer (ZeRO-1): a DP rank owns contiguous ranges of each bucket that cut through
-  matrices. `attach_shards` (called by the wrappers) says where each inner parameter's piece lies in its
-  model parameter; each step every bucket holding a Muon matrix is all-gathered over the DP group (the
-  fp32 U of this rank's range, i.e. one fp32 all-gather of those buckets per step, like the fp32 param
-  all-gather of a bucket), and every DP rank orthogonalises every matrix it holds a piece of (the
-  Newton-Schulz compute is replicated, not sharded, over DP). Momentum and `muon_update` stay sharded.
+- data parallelism (optim/muon_dp.py): each matrix is orthogonalised by ONE DP rank, its owner (largest
+  first, balanced), and O reaches the others: with replicated state (plain and mixed-precision optimizers)
+  by one packed all-gather over DP; under the distributed optimizer (ZeRO-1), whose DP ranks hold pieces
+  that cut through matrices (`attach_shards`, called by the wrappers, says where each inner parameter's
+  piece lies in its model parameter), by one all-to-all taking the pieces of U to the owners and one taking
+  the pieces of O back. Momentum and `muon_update` stay where they were (replicated / sharded). Without
+  the distributed optimizer the DP group is parallel_state's: every DP rank must step together, with the
+  same (reduced) gradients, as data parallelism requires anyway.
+- tensor parallelism (`--muon-tp-mode`): "duplicated" (the default here, exact): the owner's TP ranks
+  all-gather their slices of U (one packed all-gather over TP per step), each orthogonalises the whole
+  matrix and keeps its slice; the fused QKV weight gathers into exactly the TP=1 weight (each rank holds
+  whole key/value groups). "distributed" (exact in exact arithmetic, other rounding): the TP ranks keep
+  their slices and sum the Gram matrices over TP at every Newton-Schulz step. "blockwise" (Megatron's
+  default; an APPROXIMATION, not Muon's step at TP > 1): each TP rank orthogonalises and scales its own
+  slice as if it were a whole matrix.
 """
 
 from __future__ import annotations
@@ -43,32 +54,18 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron_po import parallel_state as ps
+from megatron_po.distributed.ddp import all_gather_single
+from megatron_po.optim.muon_dp import assign_owners, owners_to_all, owners_to_pieces, pieces_to_owners
+from megatron_po.optim.newton_schulz import (check_precision, coefficients, newton_schulz, newton_schulz_flops,
+                                             output_dtype)
 from megatron_po.optim.optimizers import (AdamW, PredictiveOptimizer, _check_betas, _check_non_negative, _Direction,
                                           _remember, param_groups)
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-
-
-def newton_schulz(u: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = 1e-7) -> Tensor:
-    """The quintic Newton-Schulz approximation of U's orthogonal polar factor, in fp32."""
-    if u.ndim != 2:
-        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(u.shape)}")
-    a, b, c = coefficients
-    x = u.float()
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:  # iterate on the wide orientation: A = X·Xᵀ is then the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() + eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if transposed else x
+TP_MODES = ("duplicated", "distributed", "blockwise")
 
 
 def muon_scale(rows: int, cols: int, mode: str = "spectral", extra_scale_factor: float = 0.2) -> float:
@@ -87,12 +84,14 @@ def muon_scale(rows: int, cols: int, mode: str = "spectral", extra_scale_factor:
 def muon_param_groups(groups: list[dict], chunks) -> list[dict]:
     """Split `param_groups(...)`' groups for Muon: the 2-D weights of the hidden layers in groups marked
     use_muon=True; embeddings (any nn.Embedding / vocab-parallel embedding), the output layer, norms and
-    biases in groups marked use_muon=False (AdamW). Each group keeps its weight decay and other keys."""
+    biases in groups marked use_muon=False (AdamW). Each group keeps its weight decay and other keys.
+    The attention's fused QKV weights are marked for `--muon-split-qkv` (`mark_fused_qkv`)."""
     adamw_ids = set()
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, torch.nn.Embedding) or type(module).__name__ == "VocabParallelEmbedding":
                 adamw_ids.update(id(p) for p in module.parameters(recurse=False))
+            mark_fused_qkv(module)
         output_layer = getattr(chunk, "output_layer", None)
         if output_layer is not None:
             adamw_ids.update(id(p) for p in output_layer.parameters())
@@ -107,6 +106,18 @@ def muon_param_groups(groups: list[dict], chunks) -> list[dict]:
     return out
 
 
+def mark_fused_qkv(module) -> None:
+    """If `module` is a self-attention with a fused QKV projection (SelfAttention's `qkv`, TESelfAttention's
+    `layernorm_qkv`), tag its weight with `muon_qkv_rows` = (query rows, key rows, value rows) of ONE key/value
+    group: the weight's rows are those three blocks, group after group (models/transformer.py)."""
+    heads_per_group, head_dim = getattr(module, "heads_per_group", None), getattr(module, "head_dim", None)
+    linear = getattr(module, "qkv", None) or getattr(module, "layernorm_qkv", None)
+    weight = getattr(linear, "weight", None)
+    if heads_per_group is None or head_dim is None or weight is None or weight.ndim != 2:
+        return
+    weight.muon_qkv_rows = (heads_per_group * head_dim, head_dim, head_dim)
+
+
 def optimizer_param_groups(name: str, chunks, weight_decay: float) -> list[dict]:
     """The param groups `build_optimizer(name, ...)` expects for these model chunks: Megatron's decay /
     no-decay split, and for "muon" also the hidden-matrix / AdamW split."""
@@ -119,18 +130,25 @@ def muon_kwargs(training_config) -> dict:
     t = training_config
     return dict(muon_momentum=t.muon_momentum, muon_use_nesterov=t.muon_use_nesterov,
                 muon_num_ns_steps=t.muon_num_ns_steps, muon_scale_mode=t.muon_scale_mode,
-                muon_extra_scale_factor=t.muon_extra_scale_factor)
+                muon_extra_scale_factor=t.muon_extra_scale_factor, muon_fp32_matmul_prec=t.muon_fp32_matmul_prec,
+                muon_coefficient_type=t.muon_coefficient_type, muon_split_qkv=t.muon_split_qkv,
+                muon_tp_mode=t.muon_tp_mode)
 
 
 class Muon(AdamW):
     """Muon for the groups with use_muon=True, AdamW (`optimizers.AdamW`) for the others; see the module
-    docstring. `lr`, `weight_decay` apply to both parts; `betas`, `eps` to the AdamW part."""
+    docstring. `lr`, `weight_decay` apply to both parts; `betas`, `eps` to the AdamW part. The Newton-Schulz
+    precision and coefficients, the QKV split and the TP mode are settings of the run, not of a param group
+    (so they are not in the state dict, and a checkpoint resumes under the flags it is resumed with)."""
 
     decoupled_weight_decay = True
+    batch_newton_schulz = True  # False: one Newton-Schulz call per matrix (for the bench's "before" and tests)
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  num_ns_steps: int = 5, scale_mode: str = "spectral", extra_scale_factor: float = 0.2,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 fp32_matmul_prec: str = "medium", coefficient_type: str = "simple", split_qkv: bool = True,
+                 tp_mode: str = "duplicated"):
         _check_non_negative(lr=lr, eps=eps, weight_decay=weight_decay, extra_scale_factor=extra_scale_factor)
         _check_betas(betas)
         if not 0.0 <= momentum < 1.0:
@@ -138,6 +156,12 @@ class Muon(AdamW):
         if not isinstance(num_ns_steps, int) or num_ns_steps < 1:
             raise ValueError(f"invalid number of Newton-Schulz steps: {num_ns_steps} (must be an integer >= 1)")
         muon_scale(2, 1, scale_mode)  # validates the mode
+        coefficients(coefficient_type, num_ns_steps)  # validates the set and its step count
+        check_precision(fp32_matmul_prec)
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"invalid muon TP mode {tp_mode!r} (must be one of {', '.join(TP_MODES)})")
+        self.fp32_matmul_prec, self.coefficient_type = fp32_matmul_prec, coefficient_type
+        self.split_qkv, self.tp_mode = split_qkv, tp_mode
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, use_muon=False,
                         momentum=momentum, nesterov=nesterov, num_ns_steps=num_ns_steps, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor)
@@ -146,7 +170,8 @@ class Muon(AdamW):
         # model parameter. Absent: the inner parameter is the model parameter (plain optimizer).
         self._shards: dict[int, tuple[Tensor, int, int]] = {}
         self._ddp = None  # the distributed optimizer's DDP when the pieces are DP shards
-        self._muon_model_ids: list[set[int]] = []  # per param group: ids of its model params
+        self._muon_models: list[list[Tensor]] = []  # per param group: its model params (Muon groups only)
+        self._layouts: dict = {}  # the matrices of a step, their owners and pieces (`_layout`)
         self._group_index, self._group_params = 0, []
 
     def add_param_group(self, param_group: dict) -> None:
@@ -161,15 +186,22 @@ class Muon(AdamW):
                       ddp=None) -> None:
         """Called by the wrappers holding main params: (inner param, model param, start, end) for every
         inner param, the model param groups (with their use_muon keys, the same on every DP rank), and the
-        DDP when the pieces are the distributed optimizer's DP shards (then `step` gathers buckets)."""
+        DDP when the pieces are the distributed optimizer's DP shards (then `step` moves U and O pieces)."""
         self._shards = {id(inner): (model, start, end) for inner, model, start, end in shards}
         self._ddp = ddp
         if len(model_groups) != len(self.param_groups):
             raise ValueError(f"attach_shards: {len(model_groups)} model groups for "
                              f"{len(self.param_groups)} param groups")
-        self._muon_model_ids = [{id(p) for p in g["params"]} if g.get("use_muon") else set() for g in model_groups]
+        self._muon_models = [list(g["params"]) if g.get("use_muon") else [] for g in model_groups]
+        self._layouts.clear()
 
     # -- the Muon step ---------------------------------------------------------------------------
+
+    def init_state(self, group, param, state):
+        if not group["use_muon"]:
+            return super().init_state(group, param, state)
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["muon_update"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states):
         if not group["use_muon"]:
@@ -177,7 +209,7 @@ class Muon(AdamW):
         lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
         for p, state in zip(params, states):
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         buffers = [s["momentum_buffer"] for s in states]
         torch._foreach_mul_(buffers, momentum)
         torch._foreach_add_(buffers, grads)
@@ -198,7 +230,8 @@ class Muon(AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """As PredictiveOptimizer.step, except that under the distributed optimizer a Muon group is visited
-        on every DP rank even where this rank holds no piece of it: its bucket all-gathers are collective."""
+        on every DP rank even where this rank holds no piece of it: its exchanges are collective, and the
+        rank may own (orthogonalise) matrices it holds no piece of."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -206,8 +239,9 @@ class Muon(AdamW):
         requests, self._planned = self._planned, []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if not params and group["use_muon"] and self._ddp is not None:
-                self._gather_dp(index, [], [])
+            if not params and group["use_muon"] and self._ddp is not None:  # collective: every DP rank
+                self._group_index, self._group_params = index, []
+                self._orthogonalise(group, [], [])
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("Muon does not support sparse gradients")
             self._group_index, self._group_params = index, params  # the tensors themselves: .data views
@@ -223,54 +257,214 @@ class Muon(AdamW):
         return not group["use_muon"]
 
     def _orthogonalise(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> list[Tensor]:
-        """scale·O for each parameter (the inner parameter's piece of it), in the parameter's dtype."""
+        """scale·O for each parameter (the inner parameter's piece of it), in the parameter's dtype: every
+        matrix is orthogonalised by its owner only (module docstring, optim/muon_dp.py)."""
         params = self._group_params
-        full_updates = self._gather_dp(self._group_index, params, updates) if self._ddp is not None else None
-        tp_size = ps.get_tensor_model_parallel_world_size()
+        layout = self._layout(self._group_index, params)
+        device = updates[0].device if updates else self._ddp.grad_buffer.device
+        where = [layout.where[id(p)] for p in params]  # (matrix index, start, end) of each inner param
+        dtype = output_dtype(self.fp32_matmul_prec)
+        if layout.dp_group is None:  # this rank owns every matrix, and holds each whole
+            owned = {i: u for (i, _, _), u in zip(where, updates)}
+        elif self._ddp is None:  # replicated state: this rank holds the whole U of every matrix
+            owned = {i: u for (i, _, _), u in zip(where, updates) if layout.owners[i] == layout.rank}
+        else:
+            mine = {i: u for (i, _, _), u in zip(where, updates)}
+            owned = pieces_to_owners(mine, layout.pieces, layout.owners, layout.numels, layout.dp_group, device)
+        results = self._orthogonalise_owned(group, layout, owned)
+        if layout.dp_group is not None and self._ddp is None:
+            everything = owners_to_all(results, layout.owners, layout.numels, layout.dp_group, dtype, device)
+            results = {i: everything[i] for i, _, _ in where}
+        elif layout.dp_group is not None:
+            results = owners_to_pieces(results, layout.pieces, layout.owners, layout.dp_group, dtype, device)
         out = []
-        for i, (p, u) in enumerate(zip(params, updates)):
-            model, start, end = self._shards.get(id(p), (p, 0, p.numel()))
-            local = (full_updates[i] if full_updates is not None else u).reshape(model.shape).float()
-            dim = getattr(model, "partition_dim", -1) if getattr(model, "tensor_model_parallel", False) else -1
-            if tp_size > 1 and dim >= 0:  # orthogonalise the whole TP-sharded matrix, keep this rank's slice
-                parts = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-                full = torch.cat(parts, dim=dim)
-            else:
-                full = local
-            o = newton_schulz(full, group["num_ns_steps"])
-            o.mul_(muon_scale(full.shape[0], full.shape[1], group["scale_mode"], group["extra_scale_factor"]))
-            if full is not local:
-                o = o.chunk(tp_size, dim=dim)[ps.get_tensor_model_parallel_rank()]
-            out.append(o.reshape(-1)[start:end].reshape(p.shape).to(p.dtype))
+        for p, (i, start, _) in zip(params, where):
+            o = results[i].reshape(-1).float()
+            for lo, hi, scale in layout.scales[i]:  # rows [lo, hi) of the TP-local matrix are scaled by `scale`
+                cols = layout.models[i].shape[1]
+                a, b = max(lo * cols - start, 0), min(hi * cols - start, o.numel())
+                if a < b:
+                    o[a:b].mul_(scale)
+            out.append(o.view(p.shape).to(p.dtype))
         return out
 
-    def _gather_dp(self, index: int, params: list[Tensor], updates: list[Tensor]) -> list[Tensor]:
-        """The whole (TP-local) model-parameter U of each inner piece of group `index`, assembled from every
-        DP rank's pieces: one fp32 all-gather over the DP group per bucket holding a matrix of that group
-        (the same buckets on every DP rank: chosen from the model groups, not from this rank's pieces)."""
-        from megatron_po.distributed.ddp import all_gather_single
-        ddp = self._ddp
-        piece_of = {id(self._shards[id(p)][0]): (p, u) for p, u in zip(params, updates)}
-        # the pieces a model param has on this rank: in the distributed optimizer at most one per param
-        full_of: dict[int, Tensor] = {}
-        for bucket in ddp.buckets:
-            if not any(id(p) in self._muon_model_ids[index] for p in bucket.params):
-                continue
-            lo, hi = ddp.owned_range(bucket)
-            buf = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=updates[0].device
-                              if updates else ddp.grad_buffer.device)
-            for model in bucket.params:
-                if id(model) in piece_of:
-                    p, u = piece_of[id(model)]
-                    _, start, end = self._shards[id(p)]
-                    p_start = ddp.param_range[id(model)][0]
-                    buf[p_start + start - bucket.start:p_start + end - bucket.start].copy_(u.reshape(-1))
-            if ddp.dp_size > 1:
-                all_gather_single(buf, buf[lo - bucket.start:hi - bucket.start].clone(), ddp.dp_group,
-                                  async_op=False)
-            for model in bucket.params:
-                if id(model) in piece_of:
-                    p_start, p_end = ddp.param_range[id(model)]
-                    full_of[id(model)] = buf[p_start - bucket.start:p_end - bucket.start]
-        return [full_of[id(self._shards[id(p)][0])] for p in params]
+    # -- which matrices, where, and who orthogonalises them --------------------------------------
+
+    def _layout(self, index: int, params: list[Tensor]) -> _Layout:
+        """The matrices of group `index` this step and who orthogonalises each (cached). Under the
+        distributed optimizer: every model matrix of the group (the same list on every DP rank) and the
+        flat range of it each DP rank holds; otherwise the step's own parameters, each held whole."""
+        key = index if self._ddp is not None else (index, tuple(id(p) for p in params))
+        if key in self._layouts:
+            return self._layouts[key]
+        group = self.param_groups[index]
+        layout = _Layout()
+        if self._ddp is not None:
+            ddp = self._ddp
+            layout.models = self._muon_models[index]
+            layout.dp_group = ddp.dp_group if ddp.dp_size > 1 else None
+            layout.rank, world = ddp.dp_rank, ddp.dp_size
+            bucket_of = {id(p): bucket for bucket in ddp.buckets for p in bucket.params}
+            index_of = {id(m): i for i, m in enumerate(layout.models)}
+            layout.pieces = [{} for _ in range(world)]
+            for i, m in enumerate(layout.models):
+                m_start, m_end = ddp.param_range[id(m)]
+                for r in range(world):
+                    lo, hi = bucket_of[id(m)].shard(r, world)
+                    if max(m_start, lo) < min(m_end, hi):
+                        layout.pieces[r][i] = (max(m_start, lo) - m_start, min(m_end, hi) - m_start)
+            for p in params:
+                model, start, end = self._shards[id(p)]
+                layout.where[id(p)] = (index_of[id(model)], start, end)
+        else:
+            layout.models = [self._shards.get(id(p), (p,))[0] for p in params]
+            dp_size = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            layout.dp_group = ps.get_data_parallel_group() if dp_size > 1 else None
+            layout.rank, world = (ps.get_data_parallel_rank() if dp_size > 1 else 0), dp_size
+            layout.where = {id(p): (i, 0, p.numel()) for i, p in enumerate(params)}
+        layout.numels = [m.numel() for m in layout.models]
+        shapes = [self._orthogonalised_shapes(m) for m in layout.models]
+        held = None
+        if layout.pieces:
+            held = [[end - start for start, end in (layout.pieces[r].get(i, (0, 0)) for r in range(world))]
+                    for i in range(len(layout.models))]
+        layout.owners = assign_owners([sum(newton_schulz_flops(r, c, group["num_ns_steps"]) for r, c in parts)
+                                       for parts in shapes], world, held)
+        layout.scales = [self._row_scales(group, m, parts) for m, parts in zip(layout.models, shapes)]
+        self._layouts[key] = layout
+        return layout
+
+    def _tp_dim(self, model: Tensor) -> int:
+        """The dim along which TP ranks hold slices of `model` (-1: whole on every TP rank, or TP = 1)."""
+        if ps.get_tensor_model_parallel_world_size() == 1 or not getattr(model, "tensor_model_parallel", False):
+            return -1
+        return getattr(model, "partition_dim", -1)
+
+    def _qkv_rows(self, model: Tensor) -> tuple[int, int, int] | None:
+        return getattr(model, "muon_qkv_rows", None) if self.split_qkv else None
+
+    def _orthogonalised_shapes(self, model: Tensor) -> list[tuple[int, int]]:
+        """(rows, cols) of each matrix Newton-Schulz sees for `model`: the whole matrix, or its slice with
+        --muon-tp-mode blockwise; the Q, K and V parts of a fused QKV weight when split."""
+        rows, cols = model.shape
+        dim, tp = self._tp_dim(model), ps.get_tensor_model_parallel_world_size()
+        if dim >= 0 and self.tp_mode != "blockwise":
+            rows, cols = (rows * tp, cols) if dim == 0 else (rows, cols * tp)
+        qkv = self._qkv_rows(model)
+        if qkv is None:
+            return [(rows, cols)]
+        groups = rows // sum(qkv)
+        return [(groups * n, cols) for n in qkv]
+
+    def _row_scales(self, group: dict, model: Tensor, parts: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
+        """(first row, end row, scale) runs covering the TP-local matrix: one run, or for a split QKV weight
+        each key/value group's query, key and value rows with their part's scale (equal neighbours merged)."""
+        scales = [muon_scale(r, c, group["scale_mode"], group["extra_scale_factor"]) for r, c in parts]
+        qkv = self._qkv_rows(model)
+        if qkv is None:
+            return [(0, model.shape[0], scales[0])]
+        runs: list[tuple[int, int, float]] = []
+        row = 0
+        for _ in range(model.shape[0] // sum(qkv)):
+            for n, scale in zip(qkv, scales):
+                if runs and runs[-1][2] == scale and runs[-1][1] == row:
+                    runs[-1] = (runs[-1][0], row + n, scale)
+                else:
+                    runs.append((row, row + n, scale))
+                row += n
+        return runs
+
+    # -- the owner's work -----------------------------------------------------------------------
+
+    def _orthogonalise_owned(self, group: dict, layout: _Layout, owned: dict[int, Tensor]) -> dict[int, Tensor]:
+        """The TP-local O (unscaled, in Newton-Schulz's output dtype, flat) of every matrix this rank owns,
+        from its TP-local U (`owned`, {matrix index: U}). All TP ranks of this rank's TP group own the same
+        matrices (ownership is by DP rank), so the TP collectives line up."""
+        indices = sorted(owned)
+        models = [layout.models[i] for i in indices]
+        mats = [owned[i].reshape(m.shape).float() for i, m in zip(indices, models)]
+        dims = [self._tp_dim(m) for m in models]
+        if self.tp_mode == "duplicated":
+            mats = self._gather_tp(mats, dims)
+        jobs = []  # (matrix position, part, U, transpose, TP group)
+        tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        for k, (m, u) in enumerate(zip(models, mats)):
+            distributed = self.tp_mode == "distributed" and dims[k] >= 0
+            for j, part in enumerate(_split_rows(u, self._qkv_rows(m))):
+                # TP-distributed: the slices must split X's columns, so iterate on the transpose of a row slice
+                jobs.append(((k, j), part, dims[k] == 0 if distributed else None, tp_group if distributed else None))
+        done = self._newton_schulz(group, jobs)
+        results = {}
+        for k, (i, m) in enumerate(zip(indices, models)):
+            qkv = self._qkv_rows(m)
+            o = _join_rows([done[(k, j)] for j in range(3 if qkv else 1)], qkv)
+            if self.tp_mode == "duplicated" and dims[k] >= 0:
+                o = o.chunk(ps.get_tensor_model_parallel_world_size(), dim=dims[k])[ps.get_tensor_model_parallel_rank()]
+            results[i] = o.reshape(-1)
+        return results
+
+    def _gather_tp(self, mats: list[Tensor], dims: list[int]) -> list[Tensor]:
+        """Whole matrices from the TP slices (fp32): ONE all-gather over the TP group for all of them."""
+        sliced = [k for k, d in enumerate(dims) if d >= 0]
+        if not sliced:
+            return mats
+        tp = ps.get_tensor_model_parallel_world_size()
+        send = torch.cat([mats[k].reshape(-1) for k in sliced])
+        received = torch.empty(tp * send.numel(), dtype=send.dtype, device=send.device)
+        all_gather_single(received, send, ps.get_tensor_model_parallel_group(), async_op=False)
+        received = received.view(tp, -1)
+        out, offset = list(mats), 0
+        for k in sliced:
+            n = mats[k].numel()
+            out[k] = torch.cat([received[r, offset:offset + n].view(mats[k].shape) for r in range(tp)], dim=dims[k])
+            offset += n
+        return out
+
+    def _newton_schulz(self, group: dict, jobs: list) -> dict:
+        """Run every job's Newton-Schulz, the matrices of one shape in one batched call. A tall matrix is
+        iterated on as its transpose anyway, so it joins the wide ones of the transposed shape (an MLP's
+        up [ffn, h] and down [h, ffn] projections form one batch). TP-distributed jobs keep their
+        orientation and batch per TP group."""
+        batches: dict = {}
+        for key, u, transpose, tp_group in jobs:
+            flip = tp_group is None and u.shape[0] > u.shape[1]
+            u = u.mT if flip else u
+            batch = (tuple(u.shape), transpose, tp_group) if self.batch_newton_schulz else (key,)
+            batches.setdefault(batch, []).append((key, u, flip, transpose, tp_group))
+        done = {}
+        for batch in batches.values():
+            _, _, _, transpose, tp_group = batch[0]
+            o = newton_schulz(torch.stack([u for _, u, _, _, _ in batch]), group["num_ns_steps"],
+                              self.coefficient_type, self.fp32_matmul_prec, transpose=transpose, tp_group=tp_group)
+            done.update((key, x.mT if flip else x) for (key, _, flip, _, _), x in zip(batch, o.unbind(0)))
+        return done
+
+
+class _Layout:
+    """One Muon group's matrices for a step (`Muon._layout`)."""
+
+    def __init__(self):
+        self.models: list[Tensor] = []  # the model matrices (TP-local), in an order every DP rank shares
+        self.numels: list[int] = []
+        self.owners: list[int] = []  # the DP rank orthogonalising each
+        self.scales: list[list[tuple[int, int, float]]] = []  # `Muon._row_scales` of each
+        self.pieces: list[dict[int, tuple[int, int]]] = []  # distributed optimizer: per DP rank, the ranges it holds
+        self.where: dict[int, tuple[int, int, int]] = {}  # id(inner param) -> (matrix index, start, end)
+        self.dp_group = None  # None: nothing to share (DP = 1)
+        self.rank = 0
+
+
+def _split_rows(u: Tensor, qkv: tuple[int, int, int] | None) -> list[Tensor]:
+    """[u], or the Q, K and V matrices of a fused QKV weight: per key/value group its q, k and v rows."""
+    if qkv is None:
+        return [u]
+    groups = u.shape[0] // sum(qkv)
+    return [part.reshape(-1, u.shape[1]) for part in u.reshape(groups, sum(qkv), u.shape[1]).split(qkv, dim=1)]
+
+
+def _join_rows(parts: list[Tensor], qkv: tuple[int, int, int] | None) -> Tensor:
+    """The inverse of `_split_rows`."""
+    if qkv is None:
+        return parts[0]
+    groups = parts[0].shape[0] // qkv[0]
+    return torch.cat([p.reshape(groups, n, p.shape[1]) for p, n in zip(parts, qkv)], dim=1).view(-1, parts[0].shape[1])

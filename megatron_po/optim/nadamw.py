@@ -49,15 +49,19 @@ class NAdamW(PredictiveOptimizer):
         beta1, psi = group["betas"][0], group["momentum_decay"]
         return (beta1 * (1.0 - 0.5 * (0.96 ** (step * psi))), beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * psi))))
 
+    def init_state(self, group, param, state):
+        state["step"] = torch.tensor(0.0)
+        state["mu_product"] = torch.tensor(1.0)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["last_grad"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
             if not state:
-                state["step"] = torch.tensor(0.0)
-                state["mu_product"] = torch.tensor(1.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         mu_products = [s["mu_product"] for s in states]

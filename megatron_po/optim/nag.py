@@ -42,13 +42,18 @@ class NAG(PredictiveOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       explicit_lookahead=explicit_lookahead))
 
+    def init_state(self, group, param, state):
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if not group["explicit_lookahead"]:
+            state["last_grad"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         gamma = group["momentum"]
         if group["weight_decay"] != 0:
             grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
         for p, state in zip(params, states):
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         buffers = [s["momentum_buffer"] for s in states]
         torch._foreach_mul_(buffers, gamma)
         torch._foreach_add_(buffers, grads, alpha=1 - gamma)

@@ -118,6 +118,14 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         """Apply one update; may return the factored ΔW it computed on the way (else None)."""
         raise NotImplementedError
 
+    def init_state(self, group: dict, param: Tensor, state: dict) -> None:
+        """Create the (empty) `state` of `param` in `group`: every entry a step leaves, zero-filled where a
+        step fills it in. The step calls it for a parameter's first step and a checkpoint load calls it
+        for a parameter that has not stepped yet, so the load writes into exactly the tensors a step
+        would create: per-element state like `param` (its device), step counts 0-dim float32 on the CPU
+        as torch.optim keeps them, whatever device the parameter is on."""
+        raise NotImplementedError
+
     def _direction(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
         raise NotImplementedError
 
@@ -181,8 +189,24 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         self._kept_direction.clear()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, then every loaded tensor copied INTO the state tensor this optimizer holds
+        (or, for a parameter that has not stepped yet, creates with `init_state`) under the same key and
+        shape: loading never replaces a state tensor, nor moves it to another device or dtype (torch's
+        load would put step counts where the checkpoint had them and cast Lion's int8 signs to float).
+        State the saved one lacks is dropped, as torch.optim does."""
         self.forget_kept_direction()  # new state: the kept directions describe the old one
+        held = {p: dict(s) for p, s in self.state.items()}
         super().load_state_dict(state_dict)
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        with torch.no_grad():
+            for p, loaded in self.state.items():
+                own = held.get(p) or {}
+                if not own:
+                    self.init_state(group_of[p], p, own)
+                for key, value in loaded.items():
+                    target = own.get(key)
+                    if torch.is_tensor(target) and torch.is_tensor(value) and target.shape == value.shape:
+                        loaded[key] = target.copy_(value)
 
     def has_state(self) -> bool:
         """Whether any parameter has been stepped, i.e. whether there is a ΔW to predict with."""
@@ -391,8 +415,18 @@ class SGD(PredictiveOptimizer):
     def _keeps_last_grad(group: dict) -> bool:
         return group["momentum"] == 0 or group["nesterov"] or group["direction"] == "lookahead"
 
+    def init_state(self, group, param, state):
+        if self._keeps_last_grad(group):
+            state["last_grad"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+        first = [not state for state in states]
+        for p, state, new in zip(params, states, first):
+            if new:
+                self.init_state(group, p, state)
         if group["weight_decay"] != 0:
             grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
         if self._keeps_last_grad(group):
@@ -400,16 +434,18 @@ class SGD(PredictiveOptimizer):
 
         update = grads
         if momentum != 0:
-            if all("momentum_buffer" in s for s in states):
+            if not any(first) and all("momentum_buffer" in s for s in states):
                 buffers = [s["momentum_buffer"] for s in states]
                 torch._foreach_mul_(buffers, momentum)
                 torch._foreach_add_(buffers, grads, alpha=1 - dampening)
             else:
                 # Some parameter steps for the first time: like torch, its buffer starts as g (undampened).
                 buffers = []
-                for state, grad in zip(states, grads):
+                for state, grad, new in zip(states, grads, first):
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = grad.detach().clone()
+                    elif new:
+                        state["momentum_buffer"].copy_(grad)
                     else:
                         state["momentum_buffer"].mul_(momentum).add_(grad, alpha=1 - dampening)
                     buffers.append(state["momentum_buffer"])
@@ -463,14 +499,17 @@ class Adam(PredictiveOptimizer):
         _check_betas(betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
+    def init_state(self, group, param, state):
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         lr, weight_decay = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
             if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         _increment_steps(states)
@@ -542,16 +581,21 @@ class RMSprop(PredictiveOptimizer):
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered)
         super().__init__(params, defaults)
 
+    def init_state(self, group, param, state):
+        state["step"] = torch.tensor(0.0)
+        state["square_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        else:
+            state["last_grad"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if group["centered"]:
+            state["grad_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         alpha, momentum = group["alpha"], group["momentum"]
         for p, state in zip(params, states):
             if not state:
-                state["step"] = torch.tensor(0.0)
-                state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if momentum > 0:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["centered"]:
-                    state["grad_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         _increment_steps(states)
 
         if group["weight_decay"] != 0:
@@ -619,12 +663,15 @@ class Adagrad(PredictiveOptimizer):
         _check_non_negative(**defaults)
         super().__init__(params, defaults)
 
+    def init_state(self, group, param, state):
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(param, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+        state["last_grad"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         for p, state in zip(params, states):
             if not state:
-                state["step"] = torch.tensor(0.0)
-                initial = group["initial_accumulator_value"]
-                state["sum"] = torch.full_like(p, initial, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         _increment_steps(states)
 
         if group["weight_decay"] != 0:
@@ -664,12 +711,16 @@ class Lion(PredictiveOptimizer):
         _check_betas(betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
+    def init_state(self, group, param, state):
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["update_sign"] = torch.zeros_like(param, dtype=torch.int8, memory_format=torch.preserve_format)
+
     def _step_group(self, group, params, grads, states):
         lr, weight_decay = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
             if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.init_state(group, p, state)
         exp_avgs = [s["exp_avg"] for s in states]
 
         signs = torch._foreach_mul(exp_avgs, beta1)
@@ -685,13 +736,6 @@ class Lion(PredictiveOptimizer):
 
     def _direction(self, group, params, states):
         return _Direction([s["update_sign"] for s in states])
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        # torch.optim casts floating state to the parameter dtype on load; keep the signs in int8.
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if "update_sign" in state:
-                state["update_sign"] = state["update_sign"].to(torch.int8)
 
 
 def param_groups(modules, weight_decay: float) -> list[dict]:

@@ -10,7 +10,10 @@ ramp iterations as start at c <= min(SAMPLES, N), then (N - c) // G more (a part
 The lr counts samples like Megatron's scheduler. Our one convention, kept from `lr_scheduler.lr_at` (to which
 this reduces exactly for a constant batch and iteration flags): during warm-up a step already uses the lr
 of the samples it completes, lr x (c + b) / W, so the first step does not run at lr 0; decay reads c.
-Being a pure function of the iteration, it also tells a predictor the future lrs.
+As in Megatron, c counts only the samples of iterations whose step was applied (its scheduler steps only on
+`update_successful`): an fp16 step skipped for inf/NaN gradients leaves the lr as it was, while the batch
+ramp follows every consumed sample (training_step.TrainState.updated_samples). Without skipped steps the
+lr is a pure function of the iteration, which also tells a predictor the future lrs.
 """
 
 from __future__ import annotations
@@ -108,19 +111,24 @@ class SampleSchedule:
             wsd = self.unit * max(1, int(self.decay - self.warmup) // (10 * self.unit))
         self.wsd = wsd
 
-    def lr_at(self, iteration: int, peak: float | None = None, low: float | None = None) -> float:
+    def lr_at(self, iteration: int, peak: float | None = None, low: float | None = None,
+              updated: int | None = None) -> float:
         """lr of the step that completes iteration `iteration` (0-based); `peak`/`low` replace --lr and
-        --min-lr (--decoupled-lr and --decoupled-min-lr follow the same shape)."""
-        return sample_lr(self.consumed_before(iteration), self.batch(iteration), self.t.lr_decay_style,
+        --min-lr (--decoupled-lr and --decoupled-min-lr follow the same shape). `updated`: the samples of
+        the earlier iterations whose step was applied (Megatron's scheduler counts only those: skipped fp16
+        steps do not advance the lr); default all of them. The batch is still the iteration's own."""
+        done = self.consumed_before(iteration) if updated is None else updated
+        return sample_lr(done, self.batch(iteration), self.t.lr_decay_style,
                          self.t.lr if peak is None else peak, self.t.min_lr if low is None else low,
                          self.warmup, self.decay, self.wsd, self.unit)
 
-    def decoupled_lr_at(self, iteration: int) -> float | None:
+    def decoupled_lr_at(self, iteration: int, updated: int | None = None) -> float | None:
         """--decoupled-lr's schedule for the input embedding and output layer (None without it)."""
         t = self.t
         if t.decoupled_lr is None:
             return None
-        return self.lr_at(iteration, t.decoupled_lr, t.decoupled_min_lr if t.decoupled_min_lr is not None else 0.0)
+        return self.lr_at(iteration, t.decoupled_lr, t.decoupled_min_lr if t.decoupled_min_lr is not None else 0.0,
+                          updated)
 
 
 def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, warmup: float, decay: float,

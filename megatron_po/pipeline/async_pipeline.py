@@ -10,7 +10,9 @@ chunk c the rank runs Step(c), which here means (`AsyncStage.step`):
       all-reduce at the step only under delay compensation, which edits gradients after each backward;
   (b) gradient-norm clipping local to the stage: the norm over chunk c's parameters only, TP shards
       counted once each over the TP group (DP replicas hold identical gradients after (a));
-  (c) lr = lr_fn(i), i = the number of steps chunk c has taken so far;
+  (c) lr = lr_fn(i), i = the number of updates chunk c has applied so far (`lr_steps[c]`: a step
+      skipped for inf/NaN gradients does not count, as Megatron-LM's scheduler steps only on a successful
+      update; the schedule's own step count, which staleness and the policies read, counts every step);
   (d) the optimizer step of chunk c, then (e) chunk c's gradients are dropped.
 
 Each micro-batch's loss is scaled by 1/k, so a step applies the mean over its k micro-batches (and over
@@ -71,6 +73,7 @@ Both use the same `AsyncStage`, so their updates are identical.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -227,7 +230,12 @@ class AsyncStage:
         self.policy = build_policy(method, rank, chunks, self.optimizers,
                                    _probe_schedule(num_stages, len(chunks), update_interval), **policy_options)
         self.policy.lr_fn = self.lr_fn  # schedule-aware weight predictors read the future lrs from it
-        self._runner: StageRunner | None = None
+        # Each chunk's lr clock: its applied updates. The policy shares the list (its predictors read the
+        # clock, its state_dict checkpoints it and load_state_dict restores it in place).
+        self.lr_steps = self.policy.lr_steps
+        # The segment's runner, weakly: it holds this stage's bound `step`, so a strong reference would
+        # be a cycle keeping every tensor of the stage alive after its last user let go (until a gc).
+        self._runner: weakref.ref[StageRunner] | None = None
 
     @torch.no_grad()
     def step(self, c: int) -> None:
@@ -247,17 +255,20 @@ class AsyncStage:
                         g.copy_(reduced.view_as(g))
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
-        set_lr(opt, self.lr_fn(self.steps[c]) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
+        set_lr(opt, self.scheduled_lr(c) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
         ef = getattr(self.policy, "error_feedback", None)  # --async-error-feedback (error_feedback.py)
         if ef is not None:
             ef.begin(c)
+        applied = True
         if isinstance(opt, MainParamsOptimizer):  # unscale/inf-check/clip/step inside, stage-local
             result = opt.step()
+            applied = not result.skipped
             self.grad_norms[c] = result.grad_norm
             self.skipped_steps[c] += result.skipped
             self.consecutive_skipped[c] = self.consecutive_skipped[c] + 1 if result.skipped else 0
-            if c == self.loss_chunk and self._runner is not None:
-                self._runner.loss_scale = self._loss_scale()  # the scale may have changed
+            runner = self._runner() if self._runner is not None else None
+            if c == self.loss_chunk and runner is not None:
+                runner.loss_scale = self._loss_scale()  # the scale may have changed
         else:
             if self.clip_grad > 0:
                 self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
@@ -272,6 +283,11 @@ class AsyncStage:
             for p in params:
                 p.grad = None
         self.steps[c] += 1
+        self.lr_steps[c] += applied  # the lr clock moves only with an applied update
+
+    def scheduled_lr(self, c: int) -> float:
+        """The lr schedule's value for chunk c's next step: lr_fn of the updates it has applied."""
+        return self.lr_fn(self.lr_steps[c])
 
     def finish_param_sync(self) -> None:
         """Wait for the distributed optimizer's pending all-gathers (at a drain, before reading weights)."""
@@ -298,11 +314,12 @@ class AsyncStage:
                                   "micro-batch's forward and backward between the same two steps (its loss scale); "
                                   "this schedule steps it in between")
             transport = _StageLossScaling(transport, self)
-        self._runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
-                                   get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
-                                   step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
-                                   on_loss=on_loss, detail_level=1)
-        return self._runner
+        runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
+                             get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
+                             step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
+                             on_loss=on_loss, detail_level=1)
+        self._runner = weakref.ref(runner)
+        return runner
 
     def eval_runner(self, transport, get_batch) -> StageRunner:
         """Forward only, live weights (the default policy; the runner skips policies in forward-only runs)."""
@@ -518,7 +535,7 @@ class AsyncPipelineRank:
 
     def restore_progress(self, microbatches_consumed: int) -> None:
         """After loading a checkpoint (taken at a drain): continue the stream's global micro-batch ids
-        and each chunk's step count (the LR schedule's clock)."""
+        and each chunk's step count (the lr clocks, `policy.lr_steps`, come with the policy's state)."""
         self.microbatches_consumed = microbatches_consumed
         self.stage.steps = [microbatches_consumed // self.update_interval] * self.num_chunks
 

@@ -75,9 +75,28 @@ class ErrorFeedback:
         return {p: {"ef_update": u} for params, last in zip(self.params, self.last) if last is not None
                 for p, u in zip(params, last)}
 
-    def load_state_dict(self, weights: dict) -> None:
+    def load_targets(self, keys: dict) -> dict:
+        """{param: {"ef_update": tensor}}: the u_{t−1} tensors that a checkpoint holding the entries `keys`
+        ({param: names}) loads into in place, created (like the live weights, as a step creates them)
+        for a chunk that has none yet."""
+        out = {}
         for c, params in enumerate(self.params):
-            if params and all("ef_update" in weights.get(p, {}) for p in params):
-                self.last[c] = [weights[p]["ef_update"].to(p.dtype).clone() for p in params]
+            if params and all("ef_update" in keys.get(p, ()) for p in params):
+                if self.last[c] is None:
+                    self.last[c] = [p.data.clone() for p in params]
+                for p, u in zip(params, self.last[c]):
+                    out.setdefault(p, {})["ef_update"] = u
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, weights: dict) -> None:
+        """u_{t−1} copied into the tensors held (`load_targets`: the same objects when a checkpoint load
+        filled them already)."""
+        targets = self.load_targets({p: tuple(w) for p, w in weights.items()})
+        for c, params in enumerate(self.params):
+            if params and all(p in targets for p in params):
+                for p, u in zip(params, self.last[c]):
+                    if weights[p]["ef_update"] is not u:
+                        u.copy_(weights[p]["ef_update"])
             else:  # saved without error feedback: no previous update, the first step is left as is
                 self.last[c] = None

@@ -36,8 +36,9 @@ from megatron_po.pipeline.schedules import Forward
 class StepFusedPrediction:
     """Mixin of policies._PredictingPolicy. Needs `self.optimizers`, `self.steps`, `self.gathers`,
     `self.swaps`, `self.live`, `self.error_feedback`, `self._segment_first_step`, `self._passes_between_steps`,
-    `self._note_copies`, and the policy's `prefetch_passes(chunk, ops)`, `_predicted_passes(chunk, ops)`
-    (every predicted pass among a chunk's ops between two steps) and `_plan_predictor(chunk, steps)`."""
+    `self.lr_steps`, `self._note_copies`, and the policy's `prefetch_passes(chunk, ops)`,
+    `_predicted_passes(chunk, ops)` (every predicted pass among a chunk's ops between two steps) and
+    `_plan_predictor(chunk, lr_steps)`."""
 
     fuse_prediction = True  # False: predict right before each pass (the separate prediction)
 
@@ -81,7 +82,8 @@ class StepFusedPrediction:
         if not fuses:
             return
         if passes:
-            self._plan_predictor(chunk, self.steps[chunk] + 1)  # the count after this step
+            self._plan_predictor(chunk, self.lr_steps[chunk] + 1)  # the lr clock after this step (if applied:
+            # a skipped one writes nothing, and the forward predicts itself)
         requests = {}
         for kind, mb, steps, include_wd in passes:
             if self.gathers[chunk]:

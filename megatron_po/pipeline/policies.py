@@ -185,7 +185,7 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
     """
 
     options: tuple[str, ...] = ("staleness_lr_scaling", "error_feedback")
-    lr_fn = None  # lr_fn(i) = the base lr of a chunk's step i; set by the stage (schedule-aware predictors)
+    lr_fn = None  # lr_fn(i) = the base lr of a chunk's i-th applied update; set by the stage (and predictors)
 
     def __init__(self, rank: int, chunks, optimizers, schedule: Schedule | None = None,
                  staleness_lr_scaling: str = "none", error_feedback: bool = False):
@@ -200,6 +200,9 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
         self.optimizers = list(optimizers)
         self.params = [chunk_parameters(c) for c in self.chunks]
         self.steps = [0] * len(self.chunks)  # optimizer steps taken by each chunk
+        # Of them, the updates applied (not skipped for inf/NaN gradients): the chunk's lr clock, lr_fn(lr_steps[c]),
+        # advanced by the stage (a skipped fp16 step leaves the lr as it was, as Megatron-LM's scheduler does).
+        self.lr_steps = [0] * len(self.chunks)
         self._max_copies = [1] * len(self.chunks)
         self.schedule = None
         self.staleness: dict[int, dict[int, int]] = {}
@@ -253,14 +256,23 @@ class AsyncPolicy(RecomputeWeights, WeightPolicy):
 
     def state_dict(self) -> dict:
         """What a checkpoint taken at a drain must keep: the steps every chunk has taken (equal at a
-        drain) and, per live parameter, the extra weight versions held ({param: {key: tensor like it}}).
+        drain), each chunk's lr clock `lr_steps` (its applied updates) and, per live parameter, the extra
+        weight versions held ({param: {key: tensor like it}}).
         Nothing is in flight at a drain, so PipeDream's stash is empty and the predicting policies' cache
         holds nothing the live weights do not: only 2BW keeps a version (its older one)."""
         weights = self.error_feedback.state_dict() if self.error_feedback is not None else {}
-        return {"steps": max(self.steps, default=0), "weights": weights}
+        return {"steps": max(self.steps, default=0), "weights": weights, "lr_steps": list(self.lr_steps)}
+
+    def load_targets(self, keys: dict) -> dict:
+        """{param: {key: tensor}}: the weight versions this policy keeps that a checkpoint holding the
+        entries `keys` ({param: key names}) loads into in place: the tensors held, or, where none is held
+        yet, created now as the policy's own code creates them (like the live weights). Versions this
+        policy does not keep are not loaded."""
+        return self.error_feedback.load_targets(keys) if self.error_feedback is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [state["steps"]] * len(self.chunks)
+        self.lr_steps[:] = state.get("lr_steps") or self.steps  # in place (the stage shares it); none: no skips
         if self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["weights"])
 
@@ -394,14 +406,33 @@ class PipeDream2BWPolicy(AsyncPolicy):
                 state["weights"].setdefault(p, {})["older"] = o
         return state
 
+    def load_targets(self, keys):
+        out = super().load_targets(keys)
+        for c, params in enumerate(self.params):
+            if all("older" in keys.get(p, ()) for p in params):
+                if self.older[c] is None:
+                    self.older[c] = _clone(params)  # as the first step creates it
+                for p, o in zip(params, self.older[c]):
+                    out.setdefault(p, {})["older"] = o
+        return out
+
+    @torch.no_grad()
     def load_state_dict(self, state):
+        """W(t-1) copied into the version held (`load_targets`: the same tensors when a checkpoint load
+        filled them already)."""
         super().load_state_dict(state)
         weights = state["weights"]
+        self.load_targets({p: tuple(w) for p, w in weights.items()})
         for c, params in enumerate(self.params):
             if all("older" in weights.get(p, {}) for p in params):
-                self.older[c] = [weights[p]["older"] for p in params]
+                for o, p in zip(self.older[c], params):
+                    if weights[p]["older"] is not o:
+                        o.copy_(weights[p]["older"])
             elif self.steps[c] > 0:  # saved by another method: W(t-1) unknown, take W(t) as at the start
-                self.older[c] = _clone(params)
+                if self.older[c] is None:
+                    self.older[c] = _clone(params)
+                else:
+                    _copy_into(self.older[c], [p.data for p in params])
             self._note_copies(c)
 
     def _swap_in(self, chunk: int, version: int) -> None:
@@ -503,8 +534,8 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
         """As `prefetch_passes`, for every pass among `ops` that runs on a prediction."""
         return []
 
-    def _plan_predictor(self, chunk: int, steps_taken: int) -> None:
-        """Before predicting for a chunk that has taken `steps_taken` steps (weight predictors' lrs)."""
+    def _plan_predictor(self, chunk: int, lr_steps: int) -> None:
+        """Before predicting for a chunk whose lr clock reads `lr_steps` (weight predictors' future lrs)."""
 
     def after_step(self, chunk):
         super().after_step(chunk)
@@ -518,7 +549,7 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
             if request is not None and request.done:
                 self.prefetched[(kind, mb, chunk)] = kind
             elif steps != 0 and opt.has_state():
-                self._plan_predictor(chunk, self.steps[chunk])
+                self._plan_predictor(chunk, self.lr_steps[chunk])
                 opt.predict_shard(kind, steps, include_wd)
                 self.prefetched[(kind, mb, chunk)] = kind
         opt.start_gathers(async_op=opt.ddp.overlap_param_gather)  # the live shard and the predicted ones
@@ -704,14 +735,14 @@ class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
         return [("F", op.microbatch, self.staleness[chunk][op.microbatch] + self.s_offset, self.include_weight_decay)
                 for op in ops if isinstance(op, Forward)]
 
-    def _plan_predictor(self, chunk, steps_taken):
-        self.predictors[chunk].plan(self.lr_fn, steps_taken)  # as before_forward does
+    def _plan_predictor(self, chunk, lr_steps):
+        self.predictors[chunk].plan(self.lr_fn, lr_steps)  # as before_forward does
 
     def before_backward(self, mb, chunk):
         self._wait_for_live(chunk)
 
     def before_forward(self, mb, chunk):
-        self.predictors[chunk].plan(self.lr_fn, self.steps[chunk])
+        self.predictors[chunk].plan(self.lr_fn, self.lr_steps[chunk])
         self._predict(chunk, self.staleness[chunk][mb] + self.s_offset, self.include_weight_decay, key=("F", mb))
         if self.delay_compensation and self.staleness[chunk][mb] > 0:
             self.used[(mb, chunk)] = _clone(self.params[chunk])

@@ -79,6 +79,14 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states_ = dict(states)
 
+    def matches(self, states: dict[str, torch.Tensor]) -> bool:
+        """Whether `states` can be installed here: the same streams, each a state of the generator this
+        run's device uses (its dtype, device and size; a checkpoint saved on another kind of device holds
+        another generator's states, e.g. CUDA's 16-byte Philox state instead of the CPU's Mersenne Twister)."""
+        return set(states) == set(self.states_) and all(
+            torch.is_tensor(states[k]) and (states[k].dtype, states[k].device, states[k].shape)
+            == (v.dtype, v.device, v.shape) for k, v in self.states_.items())
+
     def add(self, name: str, seed: int) -> None:
         # Two streams from one seed would be identical: refuse, as Megatron does.
         if seed in self.seeds_:

@@ -1,0 +1,152 @@
+"""The GPU entry points run on a CPU, so CI catches their rot (issue 29):
+
+- the training, checkpoint and emulator path imports and runs without wandb, datasets and nltk, which a GPU
+  image lacks: in a subprocess where the three are unimportable, every module a GPU run touches imports,
+  and a tiny `pretrain_gpt.py --mock-data` run saves a checkpoint and a second one resumes from it;
+- `bash scripts/run_gpu_tests.sh` on a machine without a GPU selects the suite's "cuda" tests and skips
+  every one with "needs CUDA" (28 today), exit code 0;
+- `python bench/gpu.py --quick` (with the three packages unimportable in it and every process it starts)
+  writes its .md and .json where it is told, every section there, with figures the product's code gives:
+  PipeDream holds D - r weight copies on rank r, 2BW two, PipeOptim one (bf16: the prediction is written
+  into the bf16 model weights, the fp32 main params stay live); fp16 from a loss scale of 2^32 skips its
+  first iterations, halving the scale each time; the per-stage costs hold forward, backward, the step of AdamW
+  and Muon and PipeOptim's prediction for each of the 4 stages, and the cost model written beside them loads
+  and prices a D = 8 pipeline in bench/time_to_quality.py's own code. `--only` / `--skip` choose sections.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from cuda_harness import HAS_CUDA, OPTIONAL, ROOT, WITHOUT_OPTIONAL, tiny_args
+
+GPU_PATH_MODULES = ["megatron_po.training", "megatron_po.async_training", "megatron_po.training_setup",
+                    "megatron_po.gpt_workload", "megatron_po.data.gpt_dataset", "megatron_po.data.tokenizer",
+                    "megatron_po.distributed.checkpoint_save", "megatron_po.distributed.checkpoint_load",
+                    "megatron_po.pipeline.async_pipeline", "megatron_po.pipeline.pipenag", "megatron_po.training_log",
+                    "megatron_po.monitor"]
+
+
+def blocking_site(tmp_path) -> str:
+    """A directory whose sitecustomize.py makes wandb, datasets and nltk unimportable in every Python that
+    has it on PYTHONPATH (child processes included)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(WITHOUT_OPTIONAL + "\n")
+    return str(site)
+
+
+def env_without_optional(tmp_path) -> dict:
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([blocking_site(tmp_path), ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_gpu_path_runs_without_wandb_datasets_nltk(tmp_path):
+    first = tiny_args(tmp_path / "a", **{"--train-iters": 2, "--save": str(tmp_path / "ck"), "--save-interval": 2})
+    second = tiny_args(tmp_path / "b", **{"--train-iters": 3, "--load": str(tmp_path / "ck")})
+    code = f"""{WITHOUT_OPTIONAL}
+import importlib
+for name in {OPTIONAL!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        continue
+    raise SystemExit(f"{{name}} is importable: the check below would prove nothing")
+for name in {GPU_PATH_MODULES!r}:
+    importlib.import_module(name)
+from megatron_po.training import run_main
+assert run_main({first!r}) == 0 and run_main({second!r}) == 0
+print("loaded:", sorted(n for n in {OPTIONAL!r} if sys.modules.get(n) is not None))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_without_optional(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loaded: []" in proc.stdout and "resumed from" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks what the script does without a GPU; on a GPU it runs the suite itself")
+def test_run_gpu_tests_script_skips_every_cuda_test_without_a_gpu(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_gpu_tests.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    skipped = re.search(r"(\d+) skipped", out)
+    assert skipped and int(skipped.group(1)) >= 28 and "passed" not in out and "failed" not in out, out
+    reasons = re.findall(r"SKIPPED \[\d+\] \S+: (.*)", out)
+    assert reasons and set(reasons) == {"needs CUDA"}, out
+
+
+SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours beside a plain PyTorch GPT",
+                  "asynchronous stream in the single-process emulator", "fp16: skipped iterations"]
+
+
+def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args], cwd=ROOT,
+                          env=env_without_optional(tmp_path), capture_output=True, text=True, timeout=600)
+
+
+def test_bench_gpu_quick_writes_every_section(tmp_path):
+    out = tmp_path / "results" / "gpu.md"
+    proc = run_bench(tmp_path, "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[gpu.py] stream" in proc.stdout and "segment timed op by op" in proc.stdout  # progress as it runs
+    md = out.read_text()
+    assert "Quick size (`--quick`)" in md and "failed" not in md
+    for title in SECTION_TITLES:
+        assert title in md, title
+    assert "python bench/gpu_worker.py stream --size quick --method pipedream-2bw --optimizer adamw --k 4" in md
+    assert "python pretrain_gpt.py --num-layers 4" in md and "--fp16" in md
+
+    data = json.loads((tmp_path / "results" / "gpu.json").read_text())
+    assert data["size"] == "quick" and data["failures"] == [] and data["data_parallel_size"] == 1
+    assert list(data["sections"]) == ["peak", "gpt", "plain", "stream", "fp16"]
+    sections = {name: s["figures"] for name, s in data["sections"].items()}
+    assert sections["peak"]["tflops"] > 0
+    gpt = sections["gpt"]
+    assert gpt["tokens_per_s"] > 0 and gpt["mfu"] == pytest.approx(gpt["model_tflops"] / sections["peak"]["tflops"])
+    plain = sections["plain"]
+    assert {"plain PyTorch, eager", "plain PyTorch, torch.compile"} <= set(plain)
+    methods = sections["stream"]["methods"]
+    assert methods["async-naive"]["ratio_to_async_naive"] == 1.0
+    copies = {label: [m["copies_per_chunk"][str(r)] for r in range(4)] for label, m in methods.items()}
+    assert copies == {"async-naive": [1] * 4, "PipeDream": [4, 3, 2, 1], "PipeDream-2BW": [2] * 4,
+                      "PipeOptim (AdamW)": [1] * 4, "PipeOptim (Muon)": [1] * 4}
+    # (ms per micro-batch is a difference of two timed segments: on a loaded CPU at this size it may be anything)
+    assert all(m["memory"]["peak_bytes"] > 0 and m["built"]["parameters"] > 0 for m in methods.values())
+    fp16 = sections["fp16"]
+    first = fp16["iterations"][0]
+    assert fp16["initial_skipped"] >= 1 and first["loss_scale"] == 2.0**32 and first["grad_norm"] is None
+    scales = [it["loss_scale"] for it in fp16["iterations"][:fp16["initial_skipped"]]]
+    assert scales == [2.0**32 / 2**i for i in range(len(scales))]
+
+    cost = data["stage_costs"]
+    assert cost["pipeline_stages"] == 4 and cost["data_parallel_size"] == 1 and cost["parameters"] > 0
+    assert [s["stage"] for s in cost["stages"]] == [0, 1, 2, 3]
+    for s in cost["stages"]:
+        assert s["forward_ms"] > 0 and s["backward_ms"] > 0 and set(s["step_ms"]) == {"adamw", "muon"}
+        assert set(s["prediction_ms"]) == {"adamw", "muon"}
+    assert all(cost["stages"][r]["prediction_ms"]["adamw"] > 0 for r in range(3))  # s > 0 there: it predicts
+
+    # bench/time_to_quality.py reads the cost model written beside it (its own loader checks it)
+    assert data["ttq_cost_model"] == "gpu_cost_model.json"
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import ttq_cost_model
+        model = ttq_cost_model.load_cost_model(str(tmp_path / "results" / "gpu_cost_model.json"))
+        priced = ttq_cost_model.op_times(model, 8, "muon", ["pipeoptim", "pipedream", "pipedream-2bw"])
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    assert set(priced) == {"async-naive", "pipeoptim", "pipedream", "pipedream-2bw"} and len(priced["pipeoptim"]) == 8
+    assert priced["pipeoptim"]["0"]["Forward"] > priced["async-naive"]["0"]["Forward"]  # the prediction is priced
+    assert "muon-run-prediction" in model["variants"]
+
+    only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "--skip", "gpt", "--out", str(tmp_path / "o.md"))
+    assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]
+    assert list(json.loads((tmp_path / "o.json").read_text())["sections"]) == ["peak"]

@@ -1,0 +1,33 @@
+"""bench/muon_step.py at its --quick size: it runs, writes its results file with every variant as a ratio to
+AdamW's step of the same run, and its GPU entry points work on the CPU."""
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import muon_step  # noqa: E402
+
+
+def test_quick_bench_writes_ratios_to_adamw(tmp_path):
+    out = tmp_path / "muon_step.md"
+    assert muon_step.main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "Command: `python bench/muon_step.py --quick" in text and "load average at start" in text
+    for row in ("| AdamW ", "| Muon before ", "| Muon fp32 ", "| Muon bf16 ", "| Muon bf16 (distributed optimizer) "):
+        assert row in text, row
+    ratios = [line.split("|")[6].strip() for line in text.splitlines() if line.startswith("| AdamW")]
+    assert ratios == ["1.00x"] * 3  # DP=1, DP=2 plain, DP=2 distributed: each Muon row is read against these
+    assert "all-to-all, all-to-all" in text and "| plain optimizer       | after, Muon bf16 | all-gather " in text
+
+
+def test_gpu_entry_points_run_on_cpu():
+    times = muon_step.layer_newton_schulz_ms(hidden=16, ffn=64, device="cpu", reps=1, precisions=("highest", "medium"))
+    assert set(times) == {(p, b) for p in ("highest", "medium") for b in ("unbatched", "batched")}
+    assert all(t > 0 for t in times.values())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    result = muon_step.muon_vs_adamw_step_ms([model], reps=1, muon_fp32_matmul_prec="highest")
+    assert result["muon_ms"] > 0 and result["ratio"] == result["muon_ms"] / result["adamw_ms"]

@@ -36,11 +36,17 @@ from megatron_po.pipeline.schedules import Forward
 class StepFusedPrediction:
     """Mixin of policies._PredictingPolicy. Needs `self.optimizers`, `self.steps`, `self.gathers`,
     `self.swaps`, `self.live`, `self.error_feedback`, `self._segment_first_step`, `self._passes_between_steps`,
-    `self.lr_steps`, `self._note_copies`, and the policy's `prefetch_passes(chunk, ops)`,
-    `_predicted_passes(chunk, ops)` (every predicted pass among a chunk's ops between two steps) and
-    `_plan_predictor(chunk, lr_steps)`."""
+    `self.lr_steps`, `self._note_copies` and the policy's `prefetch_passes(chunk, ops)`; policies override
+    `_predicted_passes` and `_plan_predictor`."""
 
     fuse_prediction = True  # False: predict right before each pass (the separate prediction)
+
+    def _predicted_passes(self, chunk: int, ops: list) -> list[tuple[str, int, float, bool]]:
+        """As `prefetch_passes`, for every pass among `ops` that runs on a prediction (policies override)."""
+        return []
+
+    def _plan_predictor(self, chunk: int, lr_steps: int) -> None:
+        """Before predicting for a chunk whose lr clock reads `lr_steps` (weight predictors' future lrs)."""
 
     def _fused_state(self) -> tuple[dict, dict]:
         if not hasattr(self, "_fused_planned"):

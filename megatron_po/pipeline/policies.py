@@ -496,9 +496,8 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
                 raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
                                   f"(megatron_po.optim), got {type(opt).__name__}")
         for opt in optimizers:
-            # Predictions the step does not write reuse the ΔW it computed anyway (Adam's √v̂ + ε, ...)
-            # instead of rebuilding it from the optimizer state (`before_step` turns this off where
-            # every prediction is written by a step).
+            # Predictions reuse the ΔW the step computed (Adam's √v̂ + ε, ...) instead of rebuilding it from
+            # the state; off where the step writes them itself (fused_steps.py `before_step`).
             getattr(opt, "optimizer", opt).keep_direction = True
         self.swaps = [_backward_reads_parameters(c) for c in chunks]
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)  # copies: the live weights
@@ -529,13 +528,6 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
         """(pass "F"/"B", mb, steps, include_weight_decay) of the predicted passes among `ops` (a chunk's
         passes up to its next step) whose shards a step gathers with the updated weights."""
         return []
-
-    def _predicted_passes(self, chunk: int, ops: list) -> list[tuple[str, int, float, bool]]:
-        """As `prefetch_passes`, for every pass among `ops` that runs on a prediction."""
-        return []
-
-    def _plan_predictor(self, chunk: int, lr_steps: int) -> None:
-        """Before predicting for a chunk whose lr clock reads `lr_steps` (weight predictors' future lrs)."""
 
     def after_step(self, chunk):
         super().after_step(chunk)

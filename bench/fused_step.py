@@ -142,10 +142,10 @@ def time_step_variants(device, numel: int = 302_000_000, bf16: bool = True, reps
             for _ in range(3):
                 run_variant(params, opt, v)
     _sync(device)
-    for _ in range(reps):
+    for rep in range(reps):
         for c in compiled:
             inner.compile_fused_step = c
-            for v in VARIANTS:
+            for v in VARIANTS[::1 if rep % 2 == 0 else -1]:  # the order reversed every other rep
                 start = time.perf_counter()
                 run_variant(params, opt, v)
                 _sync(device)
@@ -191,8 +191,9 @@ def stream_times(microbatches: int = 16, reps: int = 5, compiled: bool = False) 
                 opt.compile_fused_step = compiled
         emulators[name].train_segment(batches)  # warm-up (state, first allocations, compilation)
     times = {name: [] for name in STREAMS}
-    for _ in range(reps):
-        for name, emu in emulators.items():
+    for rep in range(reps):
+        for name in list(emulators)[::1 if rep % 2 == 0 else -1]:  # the order reversed every other rep
+            emu = emulators[name]
             start = time.perf_counter()
             emu.train_segment(batches)
             times[name].append((time.perf_counter() - start) / microbatches)
@@ -240,7 +241,7 @@ def main() -> None:
     microbatches = 8 if args.quick else 64  # long segments: the warm-up (no fused step before it) is a small share
     lines += ["", f"## The stream: ms per micro-batch, emulator D = {STREAM_D}, GPT {STREAM_GPT.num_layers} x "
               f"{STREAM_GPT.hidden_size}, seq {STREAM_GPT.seq_length}, micro-batch {STREAM_BATCH}, fp32, AdamW, "
-              f"segments of {microbatches}, median of {reps} (variants alternated)", "",
+              f"segments of {microbatches}, median of {reps} (variants alternated, order reversed every other rep)", "",
               "| step | variant | ms / micro-batch | vs async-naive |", "|---|---|---:|---:|"]
     for compiled in (False, True):
         streams = stream_times(microbatches, reps, compiled)

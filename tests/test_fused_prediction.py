@@ -234,6 +234,7 @@ RUNS = [  # method, optimizer, D, v, bf16, options
     ("pipeoptim", "adamw", 4, 1, True, {}),
     ("pipeoptim", "muon", 3, 1, True, {}),
     ("pipeoptim", "adam", 3, 1, False, {"weight_predictor": "lr-schedule", "s_offset": 1}),
+    ("pipeoptim", "sgd", 3, 1, False, {"delay_compensation": 0.5}),  # edits gradients before the step: fusable
     ("spectrain", "sgd", 4, 1, False, {}),
     ("spectrain", "sgd", 2, 2, True, {}),
 ]

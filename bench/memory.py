@@ -27,6 +27,19 @@ parameter gradients included). Step time: forward + backward, one thread, the mo
 repetition by repetition, median. Ratios are against `none` in the same run.
 
     python bench/memory.py --recompute [--reps 7 --out bench/results/recompute.md]
+
+With --async: the memory guard of the asynchronous methods (issue 30). Whole-run peak of the bytes alive
+in storages created during training (gradients, optimizer state, activations in flight, messages,
+PipeOptim's Ŵ and kept ΔW, PipeDream's stashed versions; the weights and fp32 main params made before
+training are the same for every method and not counted), single-process emulator, D = 4 stages of one
+layer, AdamW, one segment; each method's peak minus async-naive's, per model parameter, fp32 and bf16.
+PipeOptim twice: with the prediction fused into the step (the default) and with it predicted separately
+before each forward (`fuse_prediction = False`, the path before issue 30). Ŵ's fp32 temporaries are
+bounded as at scale (GUARD_CHUNK). Deterministic (same ops, same
+allocation order; no timing involved); --quick: a shorter segment (what tests/test_fused_prediction.py
+runs and bounds).
+
+    python bench/memory.py --async [--quick]
 """
 
 from __future__ import annotations
@@ -284,15 +297,82 @@ def recompute_main(args) -> None:
             f.write(text)
 
 
+# --------------------------------------------------------------------------------------------------
+# Asynchronous methods: peak bytes over async-naive (the memory guard)
+# --------------------------------------------------------------------------------------------------
+
+GUARD_GPT = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
+                        attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+GUARD_VOCAB, GUARD_BATCH, GUARD_D = 512, 2, 4
+# Mixed precision computes Ŵ in fp32 this many elements at a time (`predict_chunk_numel`). Training uses
+# 2**20 against 10**8 parameters per stage (temporaries of 1 % of a stage at most); this model has 0.23 M
+# per stage, so the guard bounds them at the same small share instead of letting one chunk be a stage.
+GUARD_CHUNK = 4096
+GUARD_VARIANTS = {"async-naive": ("async-naive", True), "pipeoptim": ("pipeoptim", True),
+                  "pipeoptim (separate prediction)": ("pipeoptim", False), "pipedream": ("pipedream", True)}
+
+
+def async_peak_bytes(method: str, bf16: bool, fuse: bool = True, microbatches: int = 16) -> tuple[int, int]:
+    """(peak bytes alive of storages created while training one segment, model parameters)."""
+    from megatron_po.optim.memory import track_new_tensor_bytes
+    model_parallel_seed(1)
+    cfg = Config()
+    cfg.model = GUARD_GPT
+    cfg.training.seed = 1
+    cfg.precision.bf16 = bf16
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(microbatches):
+        t = torch.randint(0, GUARD_VOCAB, (GUARD_BATCH, GUARD_GPT.seq_length + 1), generator=g)
+        batches.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(GUARD_BATCH, t.shape[1] - 1)})
+    emu = AsyncEmulator(cfg, GUARD_VOCAB, method, GUARD_D, 1, 1, "adamw", {"lr": 1e-3, "weight_decay": 0.01},
+                        None, 0.0)
+    for stage in emu.stages:
+        stage.policy.fuse_prediction = fuse
+        for opt in stage.optimizers:
+            opt.predict_chunk_numel = GUARD_CHUNK  # (mixed precision) see GUARD_CHUNK
+    with track_new_tensor_bytes() as tracked:
+        emu.train_segment(batches)
+    return tracked.peak, sum(p.numel() for c in emu.chunks for p in c.parameters())
+
+
+def async_peaks_over_naive(quick: bool = False, variants=tuple(GUARD_VARIANTS)) -> dict[str, dict[str, float]]:
+    """{"fp32"/"bf16": {variant: (peak - async-naive's peak) / parameters}} (GUARD_VARIANTS)."""
+    torch.set_num_threads(1)
+    out = {}
+    for bf16 in (False, True):
+        peaks = {name: async_peak_bytes(*GUARD_VARIANTS[name][:1], bf16, GUARD_VARIANTS[name][1], 8 if quick else 16)
+                 for name in dict.fromkeys(("async-naive", *variants))}
+        base, n = peaks["async-naive"]
+        out["bf16" if bf16 else "fp32"] = {name: (peak - base) / n for name, (peak, _) in peaks.items()}
+    return out
+
+
+def async_main(args) -> None:
+    table = async_peaks_over_naive(args.quick)
+    print(f"Peak bytes over async-naive per parameter, whole run (emulator, D = {GUARD_D}, GPT "
+          f"{GUARD_GPT.num_layers} x {GUARD_GPT.hidden_size}, vocab {GUARD_VOCAB}, micro-batch {GUARD_BATCH}, "
+          f"seq {GUARD_GPT.seq_length}, AdamW, {8 if args.quick else 16} micro-batches), CPU, deterministic")
+    print(f"{'variant':<34} {'fp32':>7} {'bf16':>7}")
+    for name in GUARD_VARIANTS:
+        print(f"{name:<34} {table['fp32'][name]:>+7.2f} {table['bf16'][name]:>+7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--recompute", action="store_true", help="activation recomputation table instead")
+    parser.add_argument("--async", dest="async_methods", action="store_true",
+                        help="the asynchronous methods' peak bytes over async-naive (memory guard) instead")
+    parser.add_argument("--quick", action="store_true", help="--async: a shorter segment")
     parser.add_argument("--reps", type=int, default=7, help="--recompute: timed steps per mode")
     parser.add_argument("--out", help="--recompute: also write the table to this markdown file")
     args = parser.parse_args()
+    if args.async_methods:
+        async_main(args)
+        return
     if args.recompute:
         recompute_main(args)
         return

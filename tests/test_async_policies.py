@@ -427,6 +427,14 @@ def test_pipeoptim_predicts_only_with_state_and_with_s_plus_offset():
                     calls[r].append(steps)
                     return original(steps, include_weight_decay=include_weight_decay, **kw)
                 setattr(opt, name, spy)
+            # ...and the predictions a step writes (fused_steps.py), planned before it: the step creates the
+            # state before it writes them.
+            original_plan = opt.plan_prediction
+
+            def plan(*requests, original=original_plan, r=st.rank):
+                calls[r].extend(request.steps for request in requests)
+                return original(*requests)
+            opt.plan_prediction = plan
         recorders, initial = record(emu)
         emu.train_segment(get_batch, 10)
         s = staleness(async_one_f_one_b(4, 1, 10))

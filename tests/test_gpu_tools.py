@@ -116,8 +116,10 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     methods = sections["stream"]["methods"]
     assert methods["async-naive"]["ratio_to_async_naive"] == 1.0
     copies = {label: [m["copies_per_chunk"][str(r)] for r in range(4)] for label, m in methods.items()}
+    # bf16 PipeOptim: the step writes Ŵ into its own bf16 tensor (the forward points at it), so the stages
+    # that predict hold live + Ŵ while it waits for its forward (issue 30; the fp32 main params are not counted)
     assert copies == {"async-naive": [1] * 4, "PipeDream": [4, 3, 2, 1], "PipeDream-2BW": [2] * 4,
-                      "PipeOptim (AdamW)": [1] * 4, "PipeOptim (Muon)": [1] * 4}
+                      "PipeOptim (AdamW)": [2, 2, 2, 1], "PipeOptim (Muon)": [2, 2, 2, 1]}
     # (ms per micro-batch is a difference of two timed segments: on a loaded CPU at this size it may be anything)
     assert all(m["memory"]["peak_bytes"] > 0 and m["built"]["parameters"] > 0 for m in methods.values())
     fp16 = sections["fp16"]

@@ -25,7 +25,9 @@ fp32 copy (8 + 12/DP instead of Megatron's 8 + 8/DP): it is what makes predictio
 PipeOptim over sharded state: `predict_model_params(s)` computes Ŵ = W_main - s·lr·ΔW for this rank's
 shard from this rank's optimizer state, writes it into the model weights' owned ranges and all-gathers
 them exactly like updated shards; `restore_model_params()` is the normal main -> model copy + all-gather.
-The fp32 main shards are the cache: no full-size weight copy is made.
+The fp32 main shards are the cache: no full-size weight copy is made. In asynchronous pipelines the
+step itself writes the predicted shards it is about to gather (`plan_shard_prediction`, from the ΔW it
+has just computed; optim/fused_prediction.py).
 
 Checkpoints: distributed/checkpoint_dcp.py writes each rank's pieces straight into the per-parameter
 tensors an unsharded optimizer writes (`model.<name>` = the fp32 main param, `optimizer.<name>.<key>`),
@@ -46,6 +48,7 @@ from torch import Tensor
 
 from megatron_po.distributed.ddp import DistributedDataParallel, all_gather_single
 from megatron_po.errors import ConfigError
+from megatron_po.optim.fused_prediction import PredictionRequest
 from megatron_po.optim.mixed_precision import MainParamsOptimizer, normalize_param_groups
 from megatron_po.optim.optimizers import PredictiveOptimizer
 
@@ -230,6 +233,18 @@ class DistributedOptimizer(MainParamsOptimizer):
         predict_into(self.optimizer, steps, self._prediction_targets(buf), include_weight_decay,
                      self.predict_chunk_numel)
         self._predicted_pending.append(buf)
+
+    def plan_shard_prediction(self, slot, steps, include_weight_decay: bool = False) -> PredictionRequest:
+        """`predict_shard(slot, ...)` written by the next step, in the same pass as the update, from the ΔW
+        it computes (optim/fused_prediction.py); gathered by `start_gathers` if `request.done`."""
+        request = PredictionRequest(steps, include_weight_decay, self._prediction_targets(self.predicted_buffer(slot)),
+                                    chunk_numel=self.predict_chunk_numel, slot=slot)
+        self._planned = [*self._planned, request]
+        return request
+
+    def _step_and_write(self, requests):
+        super()._step_and_write(requests)
+        self._predicted_pending += [self.predicted_buffers[r.slot] for r in requests if r.done and r.slot is not None]
 
     def start_gathers(self, async_op: bool) -> None:
         """One all-gather per bucket of everything changed since the last: the live shard (after a step)

@@ -9,7 +9,9 @@ grads + Adam: 18 without the distributed optimizer, 6 + 12/DP with it.
 
 `track_new_tensor_bytes()` measures, for a block of code, the peak number of bytes held by tensors the
 block allocates (freed ones are subtracted when their storage dies): used to show that PipeOptim's
-predict + restore makes no full-size copy of the weights.
+predict + restore makes no full-size copy of the weights, and for the whole-run peaks of the
+asynchronous methods (bench/memory.py --async). `count_bytes_moved()` counts the bytes a block's tensor
+ops read and write (the optimizer step's and the prediction's memory traffic, bench/fused_step.py).
 """
 
 from __future__ import annotations
@@ -129,3 +131,55 @@ def track_new_tensor_bytes():
     tracker = _NewTensorTracker()
     with tracker:
         yield tracker
+
+
+class _BytesMoved(TorchDispatchMode):
+    """Bytes every op reads (its tensor arguments) and writes (its new outputs and the arguments it
+    mutates), views and metadata ops excluded: the memory traffic of eager code, op by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = 0
+        self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func.overloadpacket in _FREE_OPS:
+            return out
+        schema = func._schema
+        mutated = {arg.name for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write}
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            nbytes = sum(_nbytes(t) for t in tree_flatten(value)[0])
+            if arg.name in mutated:
+                self.written += nbytes
+                if func.overloadpacket in _OVERWRITING_OPS:
+                    continue  # the old values are not read
+            self.read += nbytes
+        if not any(r.alias_info is not None for r in schema.returns):
+            self.written += sum(_nbytes(t) for t in tree_flatten(out)[0])
+        return out
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+
+_FREE_OPS = {torch.ops.aten.detach, torch.ops.aten.empty_like, torch.ops.aten.empty, torch.ops.aten.empty_strided,
+             torch.ops.aten._local_scalar_dense, torch.ops.aten.set_, torch.ops.aten.lift_fresh}
+
+
+_OVERWRITING_OPS = {torch.ops.aten.copy_, torch.ops.aten._foreach_copy_, torch.ops.aten.zero_,
+                    torch.ops.aten._foreach_zero_, torch.ops.aten.fill_}
+
+
+@contextlib.contextmanager
+def count_bytes_moved():
+    """`with count_bytes_moved() as c: ...` then `c.read`, `c.written`: the bytes the block's tensor ops
+    read and write (eager execution; an op that writes a fresh tensor of the same size counts it once
+    as written, `empty_like` and friends nothing). For the optimizer step and PipeOptim's prediction:
+    bytes per parameter and micro-batch (bench/fused_step.py)."""
+    counter = _BytesMoved()
+    with counter:
+        yield counter

@@ -28,11 +28,14 @@ PipeOptim: the fp32 main params *are* the live-weight cache. `predict_model_para
 time, rounded once) and `restore_model_params()` is the ordinary main -> model copy, so prediction costs
 no extra full-size weight copy. A PipeOptim/SpecTrain policy should call these two methods instead of
 keeping its own cache whenever the optimizer has them (`hasattr(opt, "predict_model_params")`).
+Fused into the step instead (`plan_prediction`, optim/fused_prediction.py): the step writes the live
+model weights (the main -> model copy, as a prediction with s = 0) and Ŵ as new tensors in the model dtype
+in the same per-group pass; the policy points the model parameters at Ŵ and back, so the restore moves no
+data either.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -42,6 +45,7 @@ from torch import Tensor
 
 from megatron_po.errors import ConfigError
 from megatron_po.optim.clip_grads import counts_toward_norm
+from megatron_po.optim.fused_prediction import PredictionRequest, steps_per_group, write_group
 from megatron_po.optim.optimizers import PredictiveOptimizer
 
 # --------------------------------------------------------------------------------------------------
@@ -135,30 +139,6 @@ def build_grad_scaler(fp16: bool, loss_scale: float | None = None, initial_loss_
 # --------------------------------------------------------------------------------------------------
 
 
-def _steps_per_group(steps, num_groups: int) -> list[float]:
-    if isinstance(steps, Tensor):
-        steps = steps.tolist()
-    if isinstance(steps, numbers.Real):
-        return [float(steps)] * num_groups
-    out = [float(s) for s in steps]
-    if len(out) != num_groups:
-        raise ValueError(f"predict: got {len(out)} step counts for {num_groups} param groups")
-    return out
-
-
-def _chunks(numels: list[int], limit: int) -> list[range]:
-    """Consecutive index ranges whose element counts add up to at most `limit` (at least one each)."""
-    out, start, total = [], 0, 0
-    for i, n in enumerate(numels):
-        if i > start and total + n > limit:
-            out.append(range(start, i))
-            start, total = i, 0
-        total += n
-    if start < len(numels):
-        out.append(range(start, len(numels)))
-    return out
-
-
 @torch.no_grad()
 def predict_into(optimizer: PredictiveOptimizer, steps, targets: Sequence[Sequence[Tensor]],
                  include_weight_decay: bool = False, chunk_numel: int = 1 << 20) -> None:
@@ -170,28 +150,16 @@ def predict_into(optimizer: PredictiveOptimizer, steps, targets: Sequence[Sequen
     bf16 model weights needs no full-size temporary.
     """
     groups = optimizer.param_groups
-    steps_per_group = _steps_per_group(steps, len(groups))
+    per_group = steps_per_group(steps, len(groups))
     if len(targets) != len(groups):
         raise ValueError(f"predict: {len(targets)} target lists for {len(groups)} param groups")
-    for g, (group, s) in enumerate(zip(groups, steps_per_group)):
+    for g, (group, s) in enumerate(zip(groups, per_group)):
         dsts = [t.data for t in targets[g]]
         if len(dsts) != len(group["params"]):
             raise ValueError(f"predict: targets[{g}] has {len(dsts)} tensors for {len(group['params'])} params")
-        if dsts:  # every target starts at W; the stepped ones are then moved below
-            torch._foreach_copy_(dsts, [p.data for p in group["params"]])
         positions, params, states = optimizer._stepped(group)
-        if s == 0 or not params:
-            continue
-        for chunk in _chunks([p.numel() for p in params], chunk_numel):
-            cparams, cstates = [params[i] for i in chunk], [states[i] for i in chunk]
-            ctargets = [dsts[positions[i]] for i in chunk]
-            same_dtype = all(t.dtype == p.dtype for t, p in zip(ctargets, cparams))
-            # Compute Ŵ in the optimizer's precision and round once, when copying it out.
-            dst = ctargets if same_dtype else [p.clone() for p in cparams]
-            optimizer._extrapolate(group, cparams, cstates, dst, s, include_weight_decay)
-            if not same_dtype:
-                torch._foreach_copy_(ctargets, dst)
-            del dst
+        write_group(optimizer, group, positions, params, states, [p.data for p in group["params"]],
+                    (s, include_weight_decay, dsts, None, chunk_numel), None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,6 +208,7 @@ class MainParamsOptimizer:
     grad_scaler: ConstantGradScaler | DynamicGradScaler | None
     clip_grad: float
     predict_chunk_numel: int
+    _planned: list[PredictionRequest] = []  # predictions the next step writes (`plan_prediction`)
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -265,6 +234,13 @@ class MainParamsOptimizer:
 
     def _before_weights_change(self) -> None:
         """Hook: wait for anything still writing the model weights (pending all-gathers)."""
+
+    def _step_and_write(self, requests: list[PredictionRequest]) -> None:
+        """Step the main params, writing the planned predictions in the same pass; refresh the model."""
+        self.optimizer.plan_prediction(*requests)
+        self.optimizer.step()
+        self._release_main_grads()
+        self._copy_main_to_model()
 
     # -- torch.optim-like surface ---------------------------------------------------------------
 
@@ -313,11 +289,17 @@ class MainParamsOptimizer:
             dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
 
+    def plan_prediction(self, *requests: PredictionRequest) -> None:
+        """Have the next step also write these predictions of the model weights (optim/fused_prediction.py);
+        a skipped step (inf/NaN) leaves them undone (`request.done` False)."""
+        self._planned = list(requests)
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> StepResult:
         """Unscale, skip on inf/NaN, clip, step the fp32 main params, copy them into the model weights."""
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step does not take a closure")
+        requests, self._planned = self._planned, []
         self._before_weights_change()
         grads = self._main_grads()
         found_inf, norm = self._unscale_and_agree(grads)
@@ -328,9 +310,7 @@ class MainParamsOptimizer:
             return StepResult(True, None)
         if self.clip_grad > 0 and norm > self.clip_grad:
             torch._foreach_mul_([g for g, _ in self._norm_pieces()], self.clip_grad / (norm + 1e-6))
-        self.optimizer.step()
-        self._release_main_grads()
-        self._copy_main_to_model()
+        self._step_and_write(requests)
         return StepResult(False, norm)
 
     # -- PipeOptim ------------------------------------------------------------------------------
@@ -405,6 +385,18 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
 
     def _copy_main_to_model(self):
         torch._foreach_copy_([p.data for p in self.model_params], self.main_params)
+
+    def _step_and_write(self, requests):
+        # The live model weights are a prediction with s = 0 (the main -> model copy), written by the
+        # same pass as the step; Ŵ as new tensors in the model dtype, mapped to the model params.
+        for r in requests:
+            r.dtype, r.chunk_numel = r.dtype or self.model_params[0].dtype, self.predict_chunk_numel
+        self.optimizer.plan_prediction(*requests, PredictionRequest(0.0, targets=self.model_groups))
+        self.optimizer.step()
+        self._release_main_grads()
+        model_of = {id(m): p for p, m in zip(self.model_params, self.main_params)}
+        for r in requests:
+            r.predicted = [(model_of[id(m)], w) for m, w in r.predicted]
 
     def _agreement_groups(self):
         return [self.model_parallel_group]

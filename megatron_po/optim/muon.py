@@ -236,24 +236,25 @@ class Muon(AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        requests, self._planned = self._planned, []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                if group["use_muon"] and self._ddp is not None:
-                    self._group_index, self._group_params = index, []
-                    self._orthogonalise(group, [], [])
-                continue
+            if not params and group["use_muon"] and self._ddp is not None:  # collective: every DP rank
+                self._group_index, self._group_params = index, []
+                self._orthogonalise(group, [], [])
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("Muon does not support sparse gradients")
-            states = [self.state[p] for p in params]
-            for state in states:
-                self._kept_direction.pop(id(state), None)
             self._group_index, self._group_params = index, params  # the tensors themselves: .data views
             # are new objects, without the TP attributes and ids the layout is looked up by
-            d = self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
-            if self.keep_direction and d is not None:
-                self._keep(states, d)
+            self._run_group(index, group, params, requests)  # the step, then the planned predictions
+        for request in requests:
+            request.done = True
         return loss
+
+    def _compilable(self, group):
+        # Newton-Schulz (matmuls, TP/DP gathers) is not per-element work: a Muon group's fused tail, the
+        # prediction from the kept `muon_update`, runs eagerly after it.
+        return not group["use_muon"]
 
     def _orthogonalise(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> list[Tensor]:
         """scale·O for each parameter (the inner parameter's piece of it), in the parameter's dtype: every

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_po.optim.fused_prediction import _addcdiv, _per_step
 from megatron_po.optim.optimizers import (PredictiveOptimizer, _check_betas, _check_non_negative, _Direction,
                                           _increment_steps, _remember, _step_value)
 
@@ -66,7 +67,7 @@ class NAdamW(PredictiveOptimizer):
         mu_products = [s["mu_product"] for s in states]
         _increment_steps(states)
         if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
+            torch._foreach_mul_(params, _per_step(1 - lr * weight_decay))
         _remember(states, "last_grad", grads)
 
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -80,8 +81,8 @@ class NAdamW(PredictiveOptimizer):
         torch._foreach_add_(den, eps)
         step_grads = [(lr * (1.0 - mu) / (1.0 - _step_value(mp))) * -1 for mp, mu in zip(mu_products, mus)]
         step_avgs = [(lr * mn / (1.0 - _step_value(mp) * mn)) * -1 for mp, mn in zip(mu_products, mu_nexts)]
-        torch._foreach_addcdiv_(params, grads, den, step_grads)
-        torch._foreach_addcdiv_(params, exp_avgs, den, step_avgs)
+        _addcdiv(params, grads, den, step_grads)
+        _addcdiv(params, exp_avgs, den, step_avgs)
         return _Direction(self._numerators(group, states), den)
 
     def _numerators(self, group: dict, states: list[dict]) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_po.optim.fused_prediction import _add_scaled
 from megatron_po.optim.optimizers import PredictiveOptimizer, _check_non_negative, _Direction, _remember
 
 
@@ -62,7 +63,7 @@ class NAG(PredictiveOptimizer):
             _remember(states, "last_grad", grads)
             update = torch._foreach_mul(buffers, gamma)
             torch._foreach_add_(update, grads, alpha=1 - gamma)
-        torch._foreach_add_(params, update, alpha=-group["lr"])
+        _add_scaled(params, update, -group["lr"])
         return _Direction(update)
 
     def _direction(self, group, params, states):

@@ -33,6 +33,9 @@ between reuses it instead of rebuilding it from the state. With k = 1 a pipeline
 step, so this removes ΔW's whole cost from the prediction (for Adam three of its four passes over the
 weights), at the price of holding those denominators between steps (4 bytes per parameter for Adam;
 the step frees the old ones before allocating new ones, so the peak does not grow). Off by default.
+Where the prediction is written by the step itself (`plan_prediction`, fused_prediction.py: the step
+computes Ŵ right after W from the ΔW it has just computed), nothing needs keeping and the policies leave
+it off.
 
 All parameter writes (step and predict) go through `param.data`, which does not bump the parameter's
 autograd version counter: in an asynchronous pipeline, micro-batches whose forward saved a weight are
@@ -48,6 +51,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from megatron_po.optim.fused_prediction import PredictionRequest, _add_scaled, _addcdiv, _per_step, run_group
+
 
 class _Direction(NamedTuple):
     """ΔW for the parameters of one group that have state: `numerator / denominator / divisor`.
@@ -62,7 +67,9 @@ class _Direction(NamedTuple):
 
 
 def _step_value(step: Tensor) -> float:
-    return step.item()
+    # Under torch.compile (the fused step on CUDA, fused_prediction.py) the count stays a tensor, as in
+    # torch.optim's `_get_value`: no host sync and no recompilation as the count grows.
+    return step if torch.compiler.is_compiling() else step.item()
 
 
 _ONE = torch.tensor(1.0)  # made once: a tensor per step costs as much as the tiny add itself
@@ -99,9 +106,12 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     decoupled_weight_decay = False
     keep_direction = False  # see the module docstring; the predicting weight policies turn it on
     predictor = None  # optim/predictors.py WeightPredictor; None = PipeOptim's linear Ŵ = W - s·lr·ΔW
+    compile_fused_step: bool | None = None  # the per-group step under torch.compile; None: on CUDA only
 
     def __init__(self, params: Iterable, defaults: dict):
         self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)
+        self._planned: list[PredictionRequest] = []  # predictions the next step writes (fused_prediction.py)
+        self._compiled_updates: dict[int, Callable] = {}  # param group index -> compiled `_group_update`
         super().__init__(params, defaults)
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]):
@@ -119,27 +129,38 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     def _direction(self, group: dict, params: list[Tensor], states: list[dict]) -> _Direction:
         raise NotImplementedError
 
+    def plan_prediction(self, *requests: PredictionRequest) -> None:
+        """Have the next `step()` also write these predictions, from the ΔW it computes (see
+        fused_prediction.py); replaces any earlier plan."""
+        self._planned = list(requests)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One update of every parameter that has a gradient; parameters whose .grad is None are skipped
-        (no state is created for them and their weights do not move), as in torch.optim."""
+        (no state is created for them and their weights do not move), as in torch.optim. Then the planned
+        predictions (`plan_prediction`), written by the same per-group pass."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        requests, self._planned = self._planned, []
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            states = [self.state[p] for p in params]
-            for state in states:  # free the old directions before the step allocates new ones
-                self._kept_direction.pop(id(state), None)
-            d = self._step_group(group, [p.data for p in params], [p.grad for p in params], states)
-            if self.keep_direction and d is not None:
-                self._keep(states, d)
+            self._run_group(index, group, params, requests)
+        for request in requests:
+            request.done = True
         return loss
+
+    def _run_group(self, index: int, group: dict, params: list[Tensor], requests: list[PredictionRequest]) -> None:
+        """Step the group's `params` (those with a gradient) and write its part of every request."""
+        run_group(self, index, group, params, requests)
+
+    def _compilable(self, group: dict) -> bool:
+        """Whether the group's step is per-element foreach work that torch.compile can fuse into one pass
+        (fused_prediction.py; Muon's Newton-Schulz groups are not)."""
+        return True
 
     def _keep(self, states: list[dict], d: _Direction) -> None:
         """Remember each parameter's factor of ΔW `d` until that parameter's next step (keyed by its state)."""
@@ -304,10 +325,11 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         return pairs
 
     def _extrapolate(self, group: dict, params: list, states: list, dst: list, steps: float,
-                     include_weight_decay: bool, in_place: bool = True) -> list:
-        """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state; with decoupled decay
-        extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach pass. `in_place=False`: dst is
-        left alone and Ŵ returned as new tensors (the same pass, out of place); else dst is returned.
+                     include_weight_decay: bool, in_place: bool = True, direction: _Direction | None = None) -> list:
+        """dst (holding W) <- W - steps·lr·ΔW, with ΔW from `params`' state (or `direction`, the one a step
+        just computed); with decoupled decay extrapolated, Ŵ = W(1 - s·lr·λ) - s·lr·ΔW. One fused foreach
+        pass. `in_place=False`: dst is left alone and Ŵ returned as new tensors (the same pass, out of
+        place); else dst is returned.
 
         With a `predictor` (optim/predictors.py) the same pass applies its Ŵ = a·W - b·ΔW instead, b per
         parameter (e.g. the LR schedule's future lrs, or a rollout of the optimizer's recurrences)."""
@@ -320,26 +342,21 @@ class PredictiveOptimizer(torch.optim.Optimizer):
             alphas = [-b for b in coefficients]
         if decay != 1:
             if in_place:
-                torch._foreach_mul_(dst, decay)
+                torch._foreach_mul_(dst, _per_step(decay))
             else:
-                dst, in_place = torch._foreach_mul(dst, decay), True  # new tensors now: go on in place
-        d = self._direction_now(group, params, states)
+                dst, in_place = torch._foreach_mul(dst, _per_step(decay)), True  # new tensors: go on in place
+        d = direction if direction is not None else self._direction_now(group, params, states)
         scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
         alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
         if d.denominators is not None:
             value = scalars if scalars is not None else alpha if alpha is not None else alphas
-            if not in_place:
-                return torch._foreach_addcdiv(dst, d.numerators, d.denominators, value)
-            torch._foreach_addcdiv_(dst, d.numerators, d.denominators, value)
-        elif scalars is None and alpha is not None:
-            if not in_place:
-                return torch._foreach_add(dst, d.numerators, alpha=alpha)
-            torch._foreach_add_(dst, d.numerators, alpha=alpha)
-        else:
-            terms = torch._foreach_mul(d.numerators, scalars if scalars is not None else alphas)
-            if not in_place:
-                return torch._foreach_add(dst, terms)
-            torch._foreach_add_(dst, terms)
+            return _addcdiv(dst, d.numerators, d.denominators, value, in_place)
+        if scalars is None and alpha is not None:
+            return _add_scaled(dst, d.numerators, alpha, in_place)
+        terms = torch._foreach_mul(d.numerators, [_per_step(x) for x in (scalars if scalars is not None else alphas)])
+        if not in_place:
+            return torch._foreach_add(dst, terms)
+        torch._foreach_add_(dst, terms)
         return dst
 
 
@@ -435,7 +452,7 @@ class SGD(PredictiveOptimizer):
             # torch adds into the gradients in place here; out of place gives the same numbers
             # without mutating p.grad.
             update = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
-        torch._foreach_add_(params, update, alpha=-lr)
+        _add_scaled(params, update, -lr)
         if momentum == 0:
             return _Direction([s["last_grad"] for s in states])  # not `update`: p.grad may be zeroed in place
         if group["nesterov"] or group["direction"] == "buffer":
@@ -499,7 +516,7 @@ class Adam(PredictiveOptimizer):
 
         if weight_decay != 0:
             if self.decoupled_weight_decay:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
+                torch._foreach_mul_(params, _per_step(1 - lr * weight_decay))
             else:
                 grads = torch._foreach_add(grads, params, alpha=weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -508,7 +525,7 @@ class Adam(PredictiveOptimizer):
 
         d = self._direction(group, params, states)
         step_sizes = [(lr / bias_correction1) * -1 for bias_correction1 in d.divisors]  # torch's rounding
-        torch._foreach_addcdiv_(params, d.numerators, d.denominators, step_sizes)
+        _addcdiv(params, d.numerators, d.denominators, step_sizes)
         return d
 
     def _direction(self, group, params, states):
@@ -596,9 +613,9 @@ class RMSprop(PredictiveOptimizer):
             buffers = [s["momentum_buffer"] for s in states]
             torch._foreach_mul_(buffers, momentum)
             torch._foreach_addcdiv_(buffers, grads, rms)
-            torch._foreach_add_(params, buffers, alpha=-group["lr"])
+            _add_scaled(params, buffers, -group["lr"])
             return _Direction(buffers)
-        torch._foreach_addcdiv_(params, grads, rms, value=-group["lr"])
+        _addcdiv(params, grads, rms, -group["lr"])
         return _Direction([s["last_grad"] for s in states], rms)
 
     @staticmethod
@@ -710,8 +727,8 @@ class Lion(PredictiveOptimizer):
         torch._foreach_add_(signs, grads, alpha=1 - beta1)
         torch._foreach_sign_(signs)
         if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_add_(params, signs, alpha=-lr)
+            torch._foreach_mul_(params, _per_step(1 - lr * weight_decay))
+        _add_scaled(params, signs, -lr)
         torch._foreach_mul_(exp_avgs, beta2)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
         _remember(states, "update_sign", signs, dtype=torch.int8)

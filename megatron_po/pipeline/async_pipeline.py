@@ -24,8 +24,9 @@ stage's TP group only: stage-local). With --use-distributed-optimizer every chun
 buffers and a DistributedOptimizer (ZeRO-1 over the DP group): (a) becomes a reduce-scatter launched by
 the chunk's last backward before the step, each DP rank steps its shard of the fp32 main params, and the
 updated shards are all-gathered into the weights. PipeOptim and SpecTrain predict Ŵ = W_main − s·lr·ΔW
-for the own shard from the own state, into a separate full buffer per pass kind, and right after each
-step send the updated shard and the predicted shards of the passes before the next step in ONE packed
+for the own shard from the own state, into a separate full buffer per pass kind (written by the step
+itself, pipeline/fused_steps.py), and right after each step send the updated shard and the predicted
+shards of the passes before the next step in ONE packed
 all-gather per bucket (asynchronous with --overlap-param-gather: the forward pre-hooks wait); a pass
 on Ŵ points the parameters at that buffer and back after it, so the restore moves no data. At k = 1:
 one all-gather of 2× (PipeOptim; 3× SpecTrain) the shard per micro-batch, instead of three (update,

@@ -52,6 +52,7 @@ from megatron_po.errors import ConfigError
 from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.error_feedback import ErrorFeedback
 from megatron_po.pipeline.executor import WeightPolicy
+from megatron_po.pipeline.fused_steps import StepFusedPrediction
 from megatron_po.pipeline.recompute_weights import RecomputeWeights
 from megatron_po.pipeline.schedules import Backward, Forward, Schedule, Step, staleness
 from megatron_po.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -473,7 +474,7 @@ def _backward_reads_parameters(chunk: torch.nn.Module) -> bool:
     return all(type(m) in known for m in chunk.modules() if next(m.parameters(recurse=False), None) is not None)
 
 
-class _PredictingPolicy(AsyncPolicy):
+class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
     """Predict a chunk's weights for a pass from its optimizer and go back to the live ones after it.
 
     Two ways, picked per chunk at construction (bit-for-bit the same results):
@@ -486,7 +487,8 @@ class _PredictingPolicy(AsyncPolicy):
       weights): the live weights go to ONE cache per chunk (allocated at the first prediction, reused
       after), Ŵ is written in place, and the live weights are copied back from the cache.
     Prediction is skipped (s treated as 0) while the optimizer has no state, i.e. before the chunk's first
-    step."""
+    step. With pointer swaps the prediction of the pass right after a step is written by the step itself
+    (fused_steps.py); the others are predicted right before their pass."""
 
     def __init__(self, rank, chunks, optimizers, schedule=None, **options):
         for opt in optimizers:
@@ -494,8 +496,8 @@ class _PredictingPolicy(AsyncPolicy):
                 raise ConfigError(f"{type(self).__name__} needs predictive optimizers "
                                   f"(megatron_po.optim), got {type(opt).__name__}")
         for opt in optimizers:
-            # Predictions reuse the ΔW each step computed anyway (Adam's √v̂ + ε, ...) instead of
-            # rebuilding it from the optimizer state before every forward.
+            # Predictions reuse the ΔW the step computed (Adam's √v̂ + ε, ...) instead of rebuilding it from
+            # the state; off where the step writes them itself (fused_steps.py `before_step`).
             getattr(opt, "optimizer", opt).keep_direction = True
         self.swaps = [_backward_reads_parameters(c) for c in chunks]
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)  # copies: the live weights
@@ -529,13 +531,17 @@ class _PredictingPolicy(AsyncPolicy):
 
     def after_step(self, chunk):
         super().after_step(chunk)
+        fused = self._take_fused(chunk)  # the predictions the step wrote
         if not self.gathers[chunk]:
             return
         opt = self.optimizers[chunk]
-        i = self.steps[chunk] - self._segment_first_step[chunk]
-        ops = self._passes_between_steps[chunk][i] if i < len(self._passes_between_steps[chunk]) else []
+        ops = self._ops_after_step(chunk, self.steps[chunk] - self._segment_first_step[chunk])
         for kind, mb, steps, include_wd in self.prefetch_passes(chunk, ops):
-            if steps != 0 and opt.has_state():
+            request = fused.get((kind, mb))
+            if request is not None and request.done:
+                self.prefetched[(kind, mb, chunk)] = kind
+            elif steps != 0 and opt.has_state():
+                self._plan_predictor(chunk, self.lr_steps[chunk])
                 opt.predict_shard(kind, steps, include_wd)
                 self.prefetched[(kind, mb, chunk)] = kind
         opt.start_gathers(async_op=opt.ddp.overlap_param_gather)  # the live shard and the predicted ones
@@ -564,7 +570,8 @@ class _PredictingPolicy(AsyncPolicy):
         if self.gathers[chunk]:
             held = 1 + len(self.optimizers[chunk].predicted_buffers)
         else:
-            held = 2 if self.cache[chunk] is not None or self.live[chunk] is not None else 1
+            held = 2 if (self.cache[chunk] is not None or self.live[chunk] is not None
+                         or self._fused_pending(chunk)) else 1
         return held + self._recompute_copies(chunk)
 
     def _backward_sees_forward_weights(self, mb, chunk):
@@ -577,6 +584,10 @@ class _PredictingPolicy(AsyncPolicy):
         opt = self.optimizers[chunk]
         if self.gathers[chunk]:
             self._gathered(chunk, key, steps, include_weight_decay)
+            return
+        if self._install_fused(chunk, key):  # written by the step (fused_steps.py)
+            self.predicted[chunk] = True
+            self._note_copies(chunk)
             return
         if steps == 0 or not opt.has_state():
             return
@@ -607,12 +618,12 @@ class _PredictingPolicy(AsyncPolicy):
             opt = self.optimizers[chunk]
             if self.gathers[chunk]:
                 opt.point_model_at(None)
-            elif hasattr(opt, "restore_model_params"):
-                opt.restore_model_params()
-            elif self.swaps[chunk]:
+            elif self.live[chunk] is not None:  # pointer swaps (also a fused Ŵ in mixed precision)
                 for p, w in self.live[chunk]:
                     p.data = w
                 self.live[chunk] = None
+            elif hasattr(opt, "restore_model_params"):
+                opt.restore_model_params()
             else:
                 _copy_into(self.params[chunk], self.cache[chunk])
             self.predicted[chunk] = False
@@ -649,6 +660,10 @@ class SpecTrainPolicy(_PredictingPolicy):
         b = next((op.microbatch for op in ops if isinstance(op, Backward)), None)
         return ([("F", f, self.spectrain[chunk][f][0], False)] if f is not None else []) + \
             ([("B", b, self.spectrain[chunk][b][1], False)] if b is not None else [])
+
+    def _predicted_passes(self, chunk, ops):
+        return [("F" if isinstance(op, Forward) else "B", op.microbatch,
+                 self.spectrain[chunk][op.microbatch][0 if isinstance(op, Forward) else 1], False) for op in ops]
 
     def before_forward(self, mb, chunk):
         self._predict(chunk, self.spectrain[chunk][mb][0], key=("F", mb))
@@ -706,11 +721,14 @@ class PipeOptimPolicy(_DelayCompensating, _PredictingPolicy):
         return super().copies(chunk) + sum(1 for (_, c) in self.used if c == chunk)
 
     def prefetch_passes(self, chunk, ops):
-        f = next((op.microbatch for op in ops if isinstance(op, Forward)), None)
-        if f is None:
-            return []
-        self.predictors[chunk].plan(self.lr_fn, self.lr_steps[chunk])  # as before_forward would
-        return [("F", f, self.staleness[chunk][f] + self.s_offset, self.include_weight_decay)]
+        return self._predicted_passes(chunk, [next((op for op in ops if isinstance(op, Forward)), None)])
+
+    def _predicted_passes(self, chunk, ops):
+        return [("F", op.microbatch, self.staleness[chunk][op.microbatch] + self.s_offset, self.include_weight_decay)
+                for op in ops if isinstance(op, Forward)]
+
+    def _plan_predictor(self, chunk, lr_steps):
+        self.predictors[chunk].plan(self.lr_fn, lr_steps)  # as before_forward does
 
     def before_backward(self, mb, chunk):
         self._wait_for_live(chunk)

@@ -1,0 +1,273 @@
+"""PipeOptim's prediction fused into the optimizer step: Ŵ written by the step that made W.
+
+An asynchronous stage at k = 1 steps a chunk and then, as its very next op on that chunk, runs a forward
+on the prediction Ŵ = W − s·lr·ΔW (s read from the schedule). Predicting separately before the forward
+means reading W and the optimizer state again and rebuilding ΔW from it (or keeping the step's factored
+ΔW alive until then: `keep_direction`, 4 bytes per parameter for Adam). Fused, the step writes Ŵ right
+after W, from the ΔW it has just computed (Adam's m and √v̂ + ε, ...), which then dies with the step.
+
+A `PredictionRequest` says what to write; a policy hands it to the optimizer before the step
+(`PredictiveOptimizer.plan_prediction`), and the next `step()` fulfils it for every param group:
+
+- `targets=None`: Ŵ of the parameters that have state as NEW tensors (in `dtype`, default the
+  parameters'); the policy points the parameters at them for the forward and back after it
+  (`p.data = Ŵ`, `p.data = live`): no copy either way. `request.predicted` = [(parameter, Ŵ)].
+- `targets` given (one list per param group, aligned with `group["params"]`): every target receives W,
+  then the stateful ones Ŵ, as `predict(out=...)` does; e.g. the owned ranges of the distributed
+  optimizer's predicted buffer, which travel in the all-gather the step sends anyway. With `steps=0`
+  this is the plain main -> model copy (the mixed-precision wrapper's live weights go through it, so
+  that they are written by the same pass).
+
+The per-element rule lives in ONE place: each optimizer's `_step_group` (its update, op for op
+torch.optim's foreach code) and `PredictiveOptimizer._extrapolate` (the prediction from the factored ΔW
+`_step_group` returns). `group_update` below runs both for one param group:
+
+- on CPU eagerly, as foreach ops; Ŵ for another dtype is computed in the parameters' precision a few
+  tensors at a time (`chunk_numel` elements) and rounded once, so no full-size temporary exists;
+- on CUDA that same function under `torch.compile` (inductor): the foreach ops of the step and of the
+  prediction, the cast to bf16 included, are pointwise per element and fuse into one pass over the
+  parameters that reads W, g and the state once and writes W, the state, the live bf16 weights and Ŵ
+  (AdamW with bf16 weights and gradients: 14 bytes read, 12 + 2 + 2 written per parameter). Chosen over
+  a hand-written Triton kernel because it compiles the rule itself: a Triton kernel would be a second
+  copy of every optimizer's update. Under compile the step counts stay tensors (`optimizers._step_value`,
+  as in torch.optim: no host sync) and the scalars that change from step to step (the lr, s·lr) become
+  0-dim tensors (`optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
+  constants, so an LR schedule does not recompile it; the bias corrections are then computed in fp32
+  instead of in Python doubles: compiled = eager within float rounding, not bitwise. Compiled only where
+  the function is pure per-element foreach work: not a group's first step (it creates the state), not
+  Muon's Newton-Schulz groups (matmuls and collectives: their fused tail runs eagerly), not with a
+  weight predictor other than the linear one (its coefficients read the state on the host). One
+  compiled function per param group (its own code object, `_own_copy`); a group that fails to compile
+  runs eagerly from then on, with one warning.
+
+Where no fused path applies (the first forward of a segment after a drain, a forward whose preceding op
+on the chunk is not the step, a chunk that copies weights instead of swapping pointers, error feedback,
+which moves the weights after the step: pipeline/fused_steps.py), the policy predicts as before
+(`predict`, `predicted`, `predict_into`: the same `write_group`, its temporaries bounded by
+`chunk_numel`), ΔW then rebuilt from the state or taken from `keep_direction`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def steps_per_group(steps, num_groups: int) -> list[float]:
+    """One step count per param group from a number, a tensor or a sequence."""
+    if isinstance(steps, Tensor):
+        steps = steps.tolist()
+    if isinstance(steps, numbers.Real):
+        return [float(steps)] * num_groups
+    out = [float(s) for s in steps]
+    if len(out) != num_groups:
+        raise ValueError(f"predict: got {len(out)} step counts for {num_groups} param groups")
+    return out
+
+
+def chunks(numels: list[int], limit: float) -> list[range]:
+    """Consecutive index ranges whose element counts add up to at most `limit` (at least one each)."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > start and total + n > limit:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(numels):
+        out.append(range(start, len(numels)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Foreach arguments that stay inputs of a compiled graph (used by the optimizers' update rules)
+# --------------------------------------------------------------------------------------------------
+
+_SCALAR_ONE = torch.tensor(1.0)
+
+
+def _per_step(x):
+    """A scalar that changes from step to step (an lr, the prediction's s·lr) as a foreach argument: the
+    number itself eagerly; under torch.compile a 0-dim tensor, which the graph takes as an input (a Python
+    number is a constant of the graph there, and every new lr would recompile it)."""
+    return _SCALAR_ONE * x if torch.compiler.is_compiling() and not isinstance(x, Tensor) else x
+
+
+def _add_scaled(dst: list[Tensor], src: list[Tensor], alpha, in_place: bool = True) -> list[Tensor]:
+    """dst + alpha·src (`torch._foreach_add(_)(dst, src, alpha=alpha)`), in place or as new tensors."""
+    if torch.compiler.is_compiling():
+        terms = torch._foreach_mul(src, _per_step(alpha))
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_add(dst, src, alpha=alpha)
+    torch._foreach_add_(dst, src, alpha=alpha)
+    return dst
+
+
+def _addcdiv(dst: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], value,
+             in_place: bool = True) -> list[Tensor]:
+    """dst + value·numerator/denominator (`torch._foreach_addcdiv(_)`), value one number or one per
+    tensor. Under torch.compile the values are tensors (`_per_step`, or derived from the step-count
+    tensors), which the foreach overloads take only stacked and on the CPU: written as div, mul, add,
+    one pointwise expression that inductor fuses the same way."""
+    if torch.compiler.is_compiling():
+        value = [_per_step(v) for v in value] if isinstance(value, list) else _per_step(value)
+        terms = torch._foreach_mul(torch._foreach_div(numerators, denominators), value)
+        return torch._foreach_add(dst, terms) if not in_place else (torch._foreach_add_(dst, terms), dst)[1]
+    if not in_place:
+        return torch._foreach_addcdiv(dst, numerators, denominators, value)
+    torch._foreach_addcdiv_(dst, numerators, denominators, value)
+    return dst
+
+
+@dataclass
+class PredictionRequest:
+    """Ŵ = W − steps·lr·ΔW for the next step to write (see the module docstring).
+
+    steps: one number, or one per param group. targets: None (new tensors) or one list per param group.
+    dtype: the new tensors' dtype (None: the parameters'). After the step, `done` says whether it ran (a
+    mixed-precision step skipped for inf/NaN does not) and `predicted` holds [(parameter, Ŵ)] (new
+    tensors only: the parameters with state; empty when steps is 0). `slot`: the caller's label."""
+
+    steps: float | list[float]
+    include_weight_decay: bool = False
+    targets: list[list[Tensor]] | None = None
+    dtype: torch.dtype | None = None
+    chunk_numel: int = 1 << 20
+    slot: object = None
+    done: bool = False
+    predicted: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+def _slice(direction, rows: range):
+    """The factored ΔW of the parameters `rows` (a range of positions)."""
+    if direction is None:
+        return None
+    pick = (lambda xs: None if xs is None else [xs[i] for i in rows])
+    return type(direction)(pick(direction.numerators), pick(direction.denominators), pick(direction.divisors))
+
+
+def write_group(optimizer, group: dict, positions: list[int], params: list[Tensor], states: list[dict],
+                all_params: list[Tensor], job: tuple, direction) -> list[Tensor] | None:
+    """One request's Ŵ for one param group, right after its step. `params`/`states`/`positions`: the
+    group's parameters that have state (`.data`) and where they sit in `group["params"]`; `all_params`:
+    `.data` of every parameter of the group; `job` = (steps, include_weight_decay, targets or None,
+    dtype, chunk_numel); `direction`: the factored ΔW the step computed for `params` (None: the
+    optimizer's ΔW now). Returns the new Ŵ tensors (targets None), else None."""
+    steps, include_weight_decay, targets, dtype, chunk_numel = job
+    limit = math.inf if torch.compiler.is_compiling() else chunk_numel  # compiled: fused, no temporaries
+    if targets is not None:
+        if targets:
+            torch._foreach_copy_(targets, all_params)
+        if steps == 0 or not params:
+            return None
+        for rows in chunks([p.numel() for p in params], limit):
+            cparams, cstates = [params[i] for i in rows], [states[i] for i in rows]
+            ctargets = [targets[positions[i]] for i in rows]
+            same = all(t.dtype == p.dtype for t, p in zip(ctargets, cparams))
+            # Ŵ in the optimizer's precision, rounded once when it is copied out.
+            dst = ctargets if same else [p.clone() for p in cparams]
+            optimizer._extrapolate(group, cparams, cstates, dst, steps, include_weight_decay,
+                                   direction=_slice(direction, rows))
+            if not same:
+                torch._foreach_copy_(ctargets, dst)
+        return None
+    if steps == 0 or not params:
+        return []
+    if dtype is None or all(p.dtype == dtype for p in params):
+        return optimizer._extrapolate(group, params, states, params, steps, include_weight_decay, in_place=False,
+                                      direction=direction)
+    out = []
+    for rows in chunks([p.numel() for p in params], limit):
+        wide = optimizer._extrapolate(group, [params[i] for i in rows], [states[i] for i in rows],
+                                      [params[i] for i in rows], steps, include_weight_decay, in_place=False,
+                                      direction=_slice(direction, rows))
+        out += [w.to(dtype) for w in wide]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# One param group's step with its predictions
+# --------------------------------------------------------------------------------------------------
+
+
+COMPILE_BACKEND = "inductor"  # tests check graph breaks and recompilations with "aot_eager" (no codegen)
+
+
+def run_group(optimizer, index: int, group: dict, params: list[Tensor], requests: list[PredictionRequest]) -> None:
+    """Step group `index`'s `params` (those with a gradient; may be none) and write the group's part of
+    every request. Fused (ΔW straight from the step, no rebuilding) when the step covers every parameter
+    of the group that has state, else each prediction follows the step from the state."""
+    jobs = [(steps_per_group(r.steps, len(optimizer.param_groups))[index], r.include_weight_decay,
+             None if r.targets is None else [t.data for t in r.targets[index]], r.dtype, r.chunk_numel)
+            for r in requests]
+    all_data = [p.data for p in group["params"]] if any(job[2] is not None for job in jobs) else []
+    fused = bool(params) and all(p.grad is not None or not optimizer.state.get(p) for p in group["params"])
+    outs, positions = None, [i for i, p in enumerate(group["params"]) if p.grad is not None]
+    if params:
+        states = [optimizer.state[p] for p in params]
+        for state in states:  # free the old directions before the step allocates new ones
+            optimizer._kept_direction.pop(id(state), None)
+        data, grads = [p.data for p in params], [p.grad for p in params]
+        args = (group, data, grads, states, positions, all_data, jobs if fused else [], optimizer.keep_direction)
+        d, outs = _call_update(optimizer, index, args)
+        if optimizer.keep_direction and d is not None:
+            if d.divisors is not None and any(isinstance(x, Tensor) for x in d.divisors):
+                # compiled: the bias corrections came back as (CPU) tensors; the predictions that use the
+                # kept ΔW run eagerly and take numbers
+                d = d._replace(divisors=[float(x) for x in d.divisors])
+            optimizer._keep(states, d)
+    if not fused and jobs:
+        positions, data, states = optimizer._stepped(group)
+        outs = [write_group(optimizer, group, positions, data, states, all_data, job, None) for job in jobs]
+    for request, out in zip(requests, outs or []):
+        request.predicted += [(group["params"][i], w) for i, w in zip(positions, out or [])]
+
+
+def _call_update(optimizer, index: int, args: tuple):
+    """`group_update(optimizer, *args)`, compiled where that applies. A compilation that fails (dynamo and
+    inductor raise before the graph runs, so nothing has been written) leaves that group eager for good,
+    with one warning: slower, never wrong."""
+    group, params, _, states = args[:4]
+    compiled = compiled_update(optimizer, index, group, params, states)
+    if compiled is not None:
+        try:
+            return compiled(optimizer, *args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            optimizer._compiled_updates[index] = None
+            warnings.warn(f"{type(optimizer).__name__}: the fused step of param group {index} did not compile, "
+                          f"running it eagerly ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return group_update(optimizer, *args)
+
+
+def group_update(optimizer, group, params, grads, states, positions, all_params, jobs, keep):
+    """The fused pass of one param group: `optimizer._step_group` (the update rule), then each job's Ŵ
+    from the ΔW it returned (`write_group`). Returns (that ΔW if `keep` else None, the jobs' outputs)."""
+    d = optimizer._step_group(group, params, grads, states)
+    outs = [write_group(optimizer, group, positions, params, states, all_params, job, d) for job in jobs]
+    return (d if keep else None), outs
+
+
+def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], states: list[dict]):
+    """`group_update` under torch.compile for group `index` where that applies (see the module
+    docstring), else None. Compiled: `optimizer.compile_fused_step` (None: on CUDA only)."""
+    setting = optimizer.compile_fused_step
+    if not (params[0].device.type == "cuda" if setting is None else setting) or optimizer.predictor is not None:
+        return None
+    if not all(states) or not optimizer._compilable(group):
+        return None
+    if index not in optimizer._compiled_updates:  # None once compiling failed (`_call_update`)
+        optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND)
+    return optimizer._compiled_updates[index]
+
+
+def _own_copy(fn):
+    """`fn` with its own code object. Dynamo keeps compiled graphs, and counts recompilations against its
+    limit, per code object; every optimizer's param group needs its own graph (its tensor count and
+    shapes), and one shared code object would exhaust the limit with the chunks of one emulator."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval
 from megatron_po.errors import RankError
+from megatron_po.models.compiled_layers import compile_summary
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_controls import replica_sums
@@ -159,6 +160,7 @@ class Progress:
         self.pending: dict | None = None  # logged, not yet written
         self.window_start, self.window_iters, self.window_batches = time.perf_counter(), 0, 0.0
         self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
+        self.compile_reported = not cfg.model.torch_compile  # --torch-compile: its line, once
 
     def logs(self, iteration: int) -> bool:
         """Whether iteration `iteration` (1-based) is logged."""
@@ -175,6 +177,11 @@ class Progress:
         """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad)."""
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
+        if not self.compile_reported:  # the first iteration's micro-batches compiled the layers
+            summary = compile_summary()
+            if summary is not None:  # None until a backward has run here (its graphs compile then)
+                self.logger.log(None, summary)
+                self.compile_reported = True
         self.window_iters += 1
         # global batches' worth of samples (tokens and FLOPs scale with the samples of a ramp iteration)
         self.window_batches += self.schedule.batch(iteration - 1) / self.gbs if self.schedule is not None else 1.0

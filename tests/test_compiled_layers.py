@@ -366,6 +366,7 @@ def argv_of(out, **flags):
 def run_recording(argv):
     """run_main on this rank: exit code, stdout, and the compile counters after every op."""
     log, out = [], io.StringIO()
+    torch._dynamo.reset()  # a fresh process's state, not the graphs (and recompile counts) forked from pytest's
     record_compiles(log)  # a forked rank: the patch dies with it
     start = compile_stats()
     with contextlib.redirect_stdout(out):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, graph_breaks
 
 BACKEND = "inductor"  # torch.compile's backend (tests may pick a cheaper one)
 _compiled_layers = 0  # layers compiled in this process
@@ -40,6 +40,7 @@ def compile_layers(chunks: list, split_backward: bool = False) -> list:
     """Compile every transformer layer of `chunks` (each chunk's `layers`) in place; returns `chunks`.
     `split_backward`: the schedule splits backwards into B and W ops (zero bubble)."""
     global _compiled_layers
+    graph_breaks.install()
     for chunk in chunks:
         for layer in chunk.layers:
             if split_backward:

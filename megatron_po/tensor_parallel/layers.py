@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from megatron_po.tensor_parallel import weight_grads
+from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 from megatron_po.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     divide,
@@ -170,7 +171,9 @@ class _Linear(torch.autograd.Function):
 
 # Zero-bubble's B op decides at backward time to defer the weight gradient (weight_grads.py); a compiled
 # backward is fixed when traced, so under a split backward the GEMM of a compiled layer runs outside its graph.
-_linear_outside_compiled_graph = torch.compiler.disable(_Linear.apply)
+@runs_eagerly
+def _linear_outside_compiled_graph(input_, weight, bias):
+    return _Linear.apply(input_, weight, bias)
 
 
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -35,6 +35,7 @@ from megatron_po.parallel_state import (
     get_pipeline_model_parallel_rank,
     get_tensor_model_parallel_rank,
 )
+from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
@@ -122,7 +123,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 # A compiled graph cannot swap generator states: a compiled layer (--torch-compile) runs this eagerly.
-@torch.compiler.disable
+@runs_eagerly
 def on_model_parallel_rng(function, *args, **kwargs):
     """`function(*args, **kwargs)` drawing from the model-parallel stream (`fork()`): dropout inside a
     TP-split region."""
@@ -169,7 +170,7 @@ def recompute_weights(provider):
 # Its context_fn (the replays below) is not one torch.compile traces: a compiled layer (--torch-compile) runs a
 # recomputed region eagerly, in the forward and in the recomputation alike (layers called inside it still run
 # compiled: --recompute-granularity full checkpoints whole compiled layers).
-@torch.compiler.disable
+@runs_eagerly
 def checkpoint(function, *args, params=()):
     """Activation recomputation that replays BOTH random streams and the forward's weights.
 

@@ -177,11 +177,9 @@ class Progress:
         """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad)."""
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
-        if not self.compile_reported:  # the first iteration's micro-batches compiled the layers
-            summary = compile_summary()
-            if summary is not None:  # None until a backward has run here (its graphs compile then)
-                self.logger.log(None, summary)
-                self.compile_reported = True
+        if not self.compile_reported and self._backward_ran(iteration):  # the first ones compiled the layers
+            self.compile_reported = True
+            self.logger.log(None, compile_summary())
         self.window_iters += 1
         # global batches' worth of samples (tokens and FLOPs scale with the samples of a ramp iteration)
         self.window_batches += self.schedule.batch(iteration - 1) / self.gbs if self.schedule is not None else 1.0
@@ -230,6 +228,12 @@ class Progress:
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
         self.window_batches = 0.0
         self.skipped = 0
+
+    def _backward_ran(self, iteration: int) -> bool:
+        """Whether this rank has run a backward by `iteration_done(iteration)`: at the end of a synchronous
+        iteration; in the asynchronous stream on the loss stage (its backward follows each forward) once a
+        second micro-batch's loss is in."""
+        return not is_async(self.cfg) or iteration * num_microbatches(self.cfg, self.world) >= 2
 
     @contextmanager
     def excluded(self):

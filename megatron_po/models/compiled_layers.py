@@ -23,7 +23,7 @@ What each compiled graph holds, and what runs outside it:
 - pointing a parameter at another tensor of the same shape, dtype and strides does not recompile.
 
 `compile_summary()` says what was compiled and how long it took (TorchDynamo's counters and timings);
-the training log prints it once, after the first backward (training_log.Progress).
+the training log prints it once, when the first iteration is done (training_log.Progress).
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def compile_layers(chunks: list, split_backward: bool = False) -> list:
 
 
 def compile_stats() -> dict:
-    """TorchDynamo's process-wide counts: `graphs` (distinct graphs traced, a train and an eval graph of one
-    layer are two), `backward_graphs` (compiled backwards), `frames` (frames compiled: the first of a code
-    object and every recompilation), `seconds` (tracing and compiling, forward and backward)."""
+    """TorchDynamo's process-wide counts: `graphs` (distinct graphs traced; a train and an eval graph of one
+    layer are two), `backward_graphs` (backwards compiled at their first run; one loaded with its forward
+    from AOTAutograd's cache is not counted), `frames` (frames compiled: the first of a code object and
+    every recompilation), `seconds` (tracing and compiling, forward and backward)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
     backward = [t for name, times in compilation_time_metrics.items() if name.endswith("bw_compiler") for t in times]
     forward = compilation_time_metrics.get("_compile.compile_inner", [])
@@ -64,9 +65,10 @@ def compile_stats() -> dict:
 
 
 def compile_summary() -> str | None:
-    """One line for the log, or None when no layer of this process is compiled or no backward has run."""
-    stats = compile_stats()
-    if _compiled_layers == 0 or stats["backward_graphs"] == 0:
+    """One line for the log (None when no layer of this process is compiled): call it once the first
+    micro-batches have run their forward and backward."""
+    if _compiled_layers == 0:
         return None
-    return (f"> torch.compile: compiled {_compiled_layers} layers ({stats['graphs']} distinct graphs, "
-            f"{stats['backward_graphs']} backward graphs) in {stats['seconds']:.1f} s")
+    stats = compile_stats()
+    return (f"> torch.compile: compiled {_compiled_layers} layers ({stats['graphs']} distinct graphs) in "
+            f"{stats['seconds']:.1f} s")

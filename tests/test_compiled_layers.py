@@ -5,7 +5,8 @@ pipeline method, compile only at the first micro-batches, and leave checkpoints 
   parameters, so pointing them at a prediction for the forward (or writing one in place) and back before the
   backward gives eager `_Linear`'s gradients.
 - Compiled = eager for a few optimizer steps: the asynchronous methods in the emulator (PipeOptim, PipeDream,
-  2BW, SpecTrain, PipeNAG, async-naive; PipeOptim with full recomputation), ZB-H1's split backward (the
+  2BW, SpecTrain, PipeNAG, async-naive; PipeOptim with full recomputation; PipeOptim in bf16 to bf16's
+  resolution), the math attention kernel (--attention-backend local), ZB-H1's split backward (the
   GEMMs run between the graphs and still defer their weight gradients), the NMT encoder and decoder layers
   over changing sentence lengths, and through `pretrain_gpt.py`'s entry on forked ranks: 1F1B TP=2 x PP=2
   with sequence parallelism against the single-process run, PipeOptim PP=2 x DP=2 with the distributed
@@ -193,6 +194,27 @@ def test_backward_reads_the_parameters_a_policy_points_at(how):
         assert_close(wrong, expected, "backward on the prediction")
 
 
+@pytest.mark.parametrize("backend", ["local"])
+def test_math_attention_kernel_compiles_to_the_eager_result(backend):
+    """--attention-backend local/unfused force SDPA's math kernel, which inductor lowers wrongly on permuted
+    inputs unless they are made contiguous (transformer.sdpa_inputs): train and eval outputs and gradients."""
+    cfg = compiled_cfg(2, attention_backend=backend).model
+    torch.manual_seed(0)
+    eager, compiled = TransformerLayer(cfg, False), TransformerLayer(cfg, False)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile()
+    x = torch.randn(8, 2, 32)
+    out = []
+    for layer in (eager, compiled):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        with torch.no_grad():
+            evaluated = layer.eval()(x)
+        out.append([y.detach(), evaluated, xi.grad] + [p.grad for p in layer.parameters()])
+    assert_close(out[1], out[0], backend)
+
+
 # ---- asynchronous methods (emulator) ---------------------------------------------------------------------------
 
 ASYNC = {  # case: (method, optimizer, update interval k, model overrides)
@@ -257,6 +279,27 @@ def test_recomputation_replays_dropout_through_compiled_layers(granularity, comp
     assert_close(recomputed, plain, "recomputed", rtol=0, atol=0)
     compiled_only_at_first_ops(compile_log, start, expect=())
     assert_no_eager_fallback()
+
+
+def test_pipeoptim_bf16_compiled_follows_eager(compile_log):
+    """bf16 (predictions written into the bf16 model weights in place): no recompilation either; compiled
+    kernels keep fp32 inside a fused kernel where eager rounds every op to bf16, so the runs agree to bf16's
+    resolution (measured: losses 7e-4, weights 4e-3)."""
+    def run(compiled):
+        model_parallel_seed(SEED)
+        cfg = compiled_cfg(2, compiled)
+        cfg.precision.bf16 = True
+        emu = AsyncEmulator(cfg, VOCAB, "pipeoptim", 2, 1, 1, "adam", {"lr": 1e-3, "weight_decay": 0.01},
+                            lambda i: 1e-3, 0.0)
+        losses = emu.train_segment(get_batch, 8) + emu.train_segment(get_batch, 8)
+        return losses, emu.full_state_dict()
+    eager_losses, eager_weights = run(False)
+    start = compile_stats()
+    compile_log.clear()
+    losses, weights = run(True)
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 5e-3
+    assert_close(weights, eager_weights, "bf16 weights", rtol=0, atol=2e-2)
+    compiled_only_at_first_ops(compile_log, start, expect=("forward", "backward"))
 
 
 # ---- zero bubble: the split backward -----------------------------------------------------------------------------

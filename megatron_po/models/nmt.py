@@ -44,7 +44,7 @@ from megatron_po.config import ModelConfig, NMTConfig, recompute_granularity
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
-                                             init_normal)
+                                             init_normal, sdpa_inputs)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, gather_from_tensor_model_parallel_region,
                                          on_model_parallel_rng, vocab_parallel_cross_entropy)
 
@@ -94,6 +94,7 @@ class CrossAttention(nn.Module):
     def core_attention(self, q, k, v, attn_mask) -> torch.Tensor:
         """softmax(QKᵀ/√d)V over the source with dropout: what selective recomputation recomputes."""
         p = self.attention_dropout if self.training else 0.0
+        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
         with attention_kernel_context(self.attention_backend, masked=True):
             if p > 0.0:  # heads are split across TP ranks: dropout must differ
                 return on_model_parallel_rng(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=p)

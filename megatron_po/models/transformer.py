@@ -132,6 +132,15 @@ def attention_kernel_context(backend: str, masked: bool = False):
     return sdpa_kernel(getattr(SDPBackend, kernel))
 
 
+def sdpa_inputs(backend: str, *qkv: torch.Tensor) -> tuple:
+    """q, k, v as the SDPA call gets them: unchanged, except in a compiled graph (--torch-compile) with the math
+    kernel forced (--attention-backend local/unfused), where inductor (torch 2.13) lowers permuted inputs to
+    wrongly shaped outputs, so they are made contiguous there."""
+    if torch.compiler.is_compiling() and _SDPA_KERNELS[backend] == "MATH":
+        return tuple(t.contiguous() for t in qkv)
+    return qkv
+
+
 class SelfAttention(nn.Module):
     """Multi-head, grouped-query (--group-query-attention) or multi-query (one group) self-attention."""
 
@@ -194,6 +203,7 @@ class SelfAttention(nn.Module):
         dtype = q.dtype
         if self.softmax_in_fp32:
             q, k, v = q.float(), k.float(), v.float()
+        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
         with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
             if p > 0.0:
                 # Heads are split across TP ranks, so attention dropout must differ between them.

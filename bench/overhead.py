@@ -186,8 +186,9 @@ def main():
              f"step time  ours {med['ours'] * 1e3:8.1f} ms | plain PyTorch {med['plain'] * 1e3:8.1f} ms | "
              f"ratio {med['ours'] / med['plain']:.3f}x (target <= 1.05x)"]
     if not args.no_compile:
-        lines += [f"compiled   ours {med['ours compiled'] * 1e3:8.1f} ms | plain PyTorch {med['plain compiled'] * 1e3:8.1f}"
-                  f" ms | ratio {med['ours compiled'] / med['plain compiled']:.3f}x (target <= 1.0x)",
+        ours_c, plain_c = med["ours compiled"], med["plain compiled"]
+        lines += [f"compiled   ours {ours_c * 1e3:8.1f} ms | plain PyTorch {plain_c * 1e3:8.1f} ms | "
+                  f"ratio {ours_c / plain_c:.3f}x (target <= 1.0x)",
                   f"speed-up from compiling: ours {med['ours'] / med['ours compiled']:.3f}x | plain "
                   f"{med['plain'] / med['plain compiled']:.3f}x",
                   f"warm-up (2 steps, compilation included): ours {compile_seconds['ours compiled']:.1f} s | plain "
@@ -197,9 +198,10 @@ def main():
     print("\n".join(lines))
     if args.results:
         with open(args.results, "w") as f:
+            machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
             f.write("# Framework overhead (bench/overhead.py)\n\n"
-                    f"Command: `python bench/overhead.py {' '.join(sys.argv[1:])}`; {platform.processor() or platform.machine()}"
-                    f", {os.cpu_count()} cores.\n\nLoad before: `{load_before}`\n\nLoad after: `{load_average()}`\n\n"
+                    f"Command: `python bench/overhead.py {' '.join(sys.argv[1:])}`; {machine}.\n\n"
+                    f"Load before: `{load_before}`\n\nLoad after: `{load_average()}`\n\n"
                     "```\n" + "\n".join(lines) + "\n```\n")
     assert all(math.isfinite(t) for t in med.values())
 

@@ -45,8 +45,9 @@ from megatron_po.models.gpt import Embedding, GPTModel, _seeded
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
                                              init_normal, sdpa_inputs)
-from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, gather_from_tensor_model_parallel_region,
-                                         on_model_parallel_rng, vocab_parallel_cross_entropy)
+from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                         gather_from_tensor_model_parallel_region, on_model_parallel_rng,
+                                         vocab_parallel_cross_entropy)
 
 SOURCE_EMBEDDING_PART = -3  # `_seeded` part number of the source embedding (-1, -2: GPT's embedding, head)
 

@@ -103,6 +103,9 @@ class ModelConfig:
     fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: amax history length")
     fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: amax taken from the history",
                                     choices=["most_recent", "max"])
+    torch_compile: bool = _f(False, "compile every transformer layer with torch.compile (inductor; once per distinct "
+                                    "shape, at the first micro-batches): fused norms, activations and residuals; "
+                                    "docs/compile.md")
 
 
 @dataclass

@@ -14,20 +14,14 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size
 from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.flops import gpt_flops_per_token
-from megatron_po.models.gpt import GPTModel
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.tensor_parallel import pad_vocab_size
 
 
 def build_model_chunks(cfg: Config, padded_vocab: int) -> list:
-    """This rank's model chunks (one without pipeline parallelism)."""
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp > 1 or cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
-        from megatron_po.pipeline.partition import build_pipeline_chunks
-        return build_pipeline_chunks(cfg, padded_vocab)
-    model = GPTModel(cfg.model, padded_vocab, cfg.training.seed,
-                     sequence_parallel=cfg.parallel.sequence_parallel).to(ps.get_device())
-    return [model]
+    """This rank's model chunks (one without pipeline parallelism: the whole model)."""
+    from megatron_po.pipeline.partition import build_pipeline_chunks
+    return build_pipeline_chunks(cfg, padded_vocab)
 
 
 def build_data(cfg: Config, tokenizer_vocab_size: int):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval
 from megatron_po.errors import RankError
+from megatron_po.models.compiled_layers import compile_summary
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_controls import replica_sums
@@ -159,6 +160,7 @@ class Progress:
         self.pending: dict | None = None  # logged, not yet written
         self.window_start, self.window_iters, self.window_batches = time.perf_counter(), 0, 0.0
         self.loss_sum, self.loss_n, self.skipped = 0.0, 0, 0
+        self.compile_reported = not cfg.model.torch_compile  # --torch-compile: its line, once
 
     def logs(self, iteration: int) -> bool:
         """Whether iteration `iteration` (1-based) is logged."""
@@ -175,6 +177,9 @@ class Progress:
         """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad)."""
         """`grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
+        if not self.compile_reported and self._backward_ran(iteration):  # the first ones compiled the layers
+            self.compile_reported = True
+            self.logger.log(None, compile_summary())
         self.window_iters += 1
         # global batches' worth of samples (tokens and FLOPs scale with the samples of a ramp iteration)
         self.window_batches += self.schedule.batch(iteration - 1) / self.gbs if self.schedule is not None else 1.0
@@ -223,6 +228,12 @@ class Progress:
         self.window_start, self.window_iters, self.loss_sum, self.loss_n = time.perf_counter(), 0, 0.0, 0
         self.window_batches = 0.0
         self.skipped = 0
+
+    def _backward_ran(self, iteration: int) -> bool:
+        """Whether this rank has run a backward by `iteration_done(iteration)`: at the end of a synchronous
+        iteration; in the asynchronous stream on the loss stage (its backward follows each forward) once a
+        second micro-batch's loss is in."""
+        return not is_async(self.cfg) or iteration * num_microbatches(self.cfg, self.world) >= 2
 
     @contextmanager
     def excluded(self):

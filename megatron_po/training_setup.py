@@ -32,7 +32,7 @@ from megatron_po.training_step import Trainable, TrainState
 
 # Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
 NOT_CHECKPOINT_ARGS = ("hidden_dropout", "attention_dropout", "transformer_impl", "fp8_format", "fp8_margin",
-                       "fp8_amax_history_len", "fp8_amax_compute_algo")
+                       "fp8_amax_history_len", "fp8_amax_compute_algo", "torch_compile")
 
 
 def apply_checkpoint_args(cfg: Config) -> Config:

@@ -308,6 +308,8 @@ RULES = [
     ("fp8-no-full-recompute", 1, TE_FP8 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                            "--recompute-num-layers", "1"],
      ["--recompute-granularity full with --fp8-format is not supported", "use --recompute-granularity selective"]),
+    ("te-no-torch-compile", 1, MOCK + TE + ["--torch-compile"],
+     ["--torch-compile compiles the local transformer layers", "use one or the other"]),
     ("te-importable", 1, MOCK + TE,
      ["Transformer Engine requested but not usable: ", "--transformer-impl local runs without it"]),
     # one rule per flag of a family (the families above have a row for one of their flags)

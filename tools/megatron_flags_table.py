@@ -19,7 +19,7 @@ PROJECT_ONLY = {
     "--sgd-momentum", "--metrics-file", "--peak-tflops", "--keep-last", "--ckpt-step", "--transformer-impl",
     "--encoder-num-layers", "--decoder-num-layers", "--decoder-seq-length", "--src-lang", "--tgt-lang",
     "--tgt-tokenizer-model", "--untie-encoder-decoder-embeddings", "--max-tokens", "--label-smoothing",
-    "--eval-bleu-sentences", "--no-add-bias-linear", "--no-verify-checkpoint",
+    "--eval-bleu-sentences", "--no-add-bias-linear", "--no-verify-checkpoint", "--torch-compile",
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
@@ -59,8 +59,8 @@ Notes where our reading differs in detail:
   pipeline stage reads the micro-batch's document ids; `--transformer-impl local` only.
 - `--grad-reduce-in-bf16`: with `--bf16` gradients are reduced in bf16 by default here (Megatron defaults to
   fp32 there); `--accumulate-allreduce-grads-in-fp32` asks for fp32.
-- `--use-checkpoint-args`: the model-architecture flags (the `model` section of the saved config, dropout and
-  the Transformer Engine/FP8 switches excepted) come from the checkpoint in `--load`.
+- `--use-checkpoint-args`: the model-architecture flags (the `model` section of the saved config, dropout,
+  the Transformer Engine/FP8 switches and `--torch-compile` excepted) come from the checkpoint in `--load`.
 - `--tensorboard-log-interval`: scalars are written for logged iterations (`--log-interval`) that are
   multiples of it.
 - `--muon-*`: Megatron's names and scale modes; defaults differ: `--muon-extra-scale-factor` 0.2 (Megatron 1.0:
@@ -73,6 +73,10 @@ Notes where our reading differs in detail:
   (`--muon-no-split-qkv`). See docs/optimizers.md.
 - `--profile`: rank 0 writes `trace_rank0_iter<S>-<E>.pt.trace.json` (Chrome/Perfetto trace, also read by
   the PyTorch TensorBoard profiler plugin, which reads `*.pt.trace.json`) under `--tensorboard-dir` (or `./profile`).
+- `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
+  the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
+  (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline
+  method; refused with `--transformer-impl transformer_engine` (docs/compile.md).
 
 | flag | Megatron-LM | what it does here |
 | --- | --- | --- |

@@ -44,9 +44,10 @@ from megatron_po.config import ModelConfig, NMTConfig, recompute_granularity
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
-                                             init_normal)
-from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, get_rng_tracker,
-                                         gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy)
+                                             init_normal, sdpa_inputs)
+from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                         gather_from_tensor_model_parallel_region, on_model_parallel_rng,
+                                         vocab_parallel_cross_entropy)
 
 SOURCE_EMBEDDING_PART = -3  # `_seeded` part number of the source embedding (-1, -2: GPT's embedding, head)
 
@@ -94,10 +95,10 @@ class CrossAttention(nn.Module):
     def core_attention(self, q, k, v, attn_mask) -> torch.Tensor:
         """softmax(QKᵀ/√d)V over the source with dropout: what selective recomputation recomputes."""
         p = self.attention_dropout if self.training else 0.0
+        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
         with attention_kernel_context(self.attention_backend, masked=True):
-            if p > 0.0:
-                with get_rng_tracker().fork():  # heads are split across TP ranks: dropout must differ
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            if p > 0.0:  # heads are split across TP ranks: dropout must differ
+                return on_model_parallel_rng(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
@@ -222,6 +223,7 @@ class NMTModel(GPTModel):
                                             self.label_smoothing).t()
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")  # --torch-compile: every step has a new length, so decode eagerly
     def decode_step(self, batch: dict, hidden_states: tuple | None, state: dict):
         """One incremental decoding step of this chunk. `batch`: src_tokens and src_mask (every step),
         tgt_tokens [b, s_new] (first stage: the newest target tokens). `state`: this chunk's caches, {} on

@@ -234,6 +234,9 @@ TE_RULES = [
     Rule("te-gpt-only", lambda c: c.workload == "gpt",
          "--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only so far; the NMT model runs "
          "with --transformer-impl local", when=_te),
+    Rule("te-no-torch-compile", lambda c: not c.m.torch_compile,
+         "--torch-compile compiles the local transformer layers; Transformer Engine's layers bring their own fused "
+         "kernels (and their autograd functions are not traced by torch.compile): use one or the other", when=_te),
     Check("te-importable", _te_error, when=_te),
 ]
 

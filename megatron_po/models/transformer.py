@@ -21,7 +21,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
                                  recompute_granularity)
 from megatron_po.models.recompute import maybe_recompute
-from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
+from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, on_model_parallel_rng
 
 
 def init_normal(std: float):
@@ -64,8 +64,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, split_across_tp: bool) ->
     if p == 0.0 or not training:
         return x
     if split_across_tp:
-        with get_rng_tracker().fork():
-            return F.dropout(x, p, True)
+        return on_model_parallel_rng(F.dropout, x, p, True)
     return F.dropout(x, p, True)
 
 
@@ -133,6 +132,15 @@ def attention_kernel_context(backend: str, masked: bool = False):
     return sdpa_kernel(getattr(SDPBackend, kernel))
 
 
+def sdpa_inputs(backend: str, *qkv: torch.Tensor) -> tuple:
+    """q, k, v as the SDPA call gets them: unchanged, except in a compiled graph (--torch-compile) with the math
+    kernel forced (--attention-backend local/unfused), where inductor (torch 2.13) lowers permuted inputs to
+    wrongly shaped outputs, so they are made contiguous there."""
+    if torch.compiler.is_compiling() and _SDPA_KERNELS[backend] == "MATH":
+        return tuple(t.contiguous() for t in qkv)
+    return qkv
+
+
 class SelfAttention(nn.Module):
     """Multi-head, grouped-query (--group-query-attention) or multi-query (one group) self-attention."""
 
@@ -179,7 +187,8 @@ class SelfAttention(nn.Module):
             kv_cache["k"], kv_cache["v"] = k, v
             if self.causal and attn_mask is None and k.shape[2] > s > 1:  # new queries see the cache + their past
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
-        causal = self.causal and attn_mask is None and k.shape[2] == s
+        # Without a cache k.shape[2] == s: a plain bool, also when torch.compile makes s symbolic (NMT lengths).
+        causal = self.causal and attn_mask is None and (kv_cache is None or k.shape[2] == s)
         ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
         out, _ = self.proj(ctx)
@@ -194,11 +203,12 @@ class SelfAttention(nn.Module):
         dtype = q.dtype
         if self.softmax_in_fp32:
             q, k, v = q.float(), k.float(), v.float()
+        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
         with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
             if p > 0.0:
                 # Heads are split across TP ranks, so attention dropout must differ between them.
-                with get_rng_tracker().fork():
-                    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal)
+                ctx = on_model_parallel_rng(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=p,
+                                            is_causal=causal)
             else:
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
         return ctx.to(dtype)

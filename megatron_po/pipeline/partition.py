@@ -3,7 +3,8 @@
 Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering; ZB-V's "v" placement:
 `schedules.virtual_stage`) holds the contiguous layers
 `[vs*n, (vs+1)*n)` with `n = L / (D*v)`; virtual stage 0 also holds the embedding and the last one
-the final norm, output layer and loss.
+the final norm, output layer and loss. Every builder of a rank's chunks ends in `placed` (device,
+--torch-compile).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, virtual_pipeline_size
 from megatron_po.errors import ConfigError
+from megatron_po.models.compiled_layers import compile_layers
 from megatron_po.models.gpt import GPTModel
 from megatron_po.pipeline.schedules import placement_of, virtual_stage
+from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
 
 
 def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) -> int:
@@ -36,16 +39,24 @@ def chunk_placements(num_layers: int, rank: int, num_stages: int, num_chunks: in
     return [dict(pre_process=vs == 0, post_process=vs == last, layer_offset=vs * n, num_layers=n) for vs in vss]
 
 
+def placed(cfg: Config, chunks: list, device=None) -> list:
+    """A rank's chunks, built with their parallel layout, moved to `device` and, with --torch-compile, every
+    transformer layer compiled: the one place that compiles (models/compiled_layers.py)."""
+    chunks = [chunk.to(device) if device is not None else chunk for chunk in chunks]
+    if cfg.model.torch_compile:
+        compile_layers(chunks, split_backward=cfg.parallel.pipeline_method in ZB_SCHEDULES)
+    return chunks
+
+
 def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages: int, num_chunks: int,
                           device=None) -> list[GPTModel]:
     """The v model chunks of pipeline rank `rank` (pure in the rank: the emulator builds every rank)."""
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)
     for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
-        chunk = GPTModel(cfg.model, padded_vocab, cfg.training.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                         **placement)
-        chunks.append(chunk.to(device) if device is not None else chunk)
-    return chunks
+        chunks.append(GPTModel(cfg.model, padded_vocab, cfg.training.seed,
+                               sequence_parallel=cfg.parallel.sequence_parallel, **placement))
+    return placed(cfg, chunks, device)
 
 
 def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: int, num_stages: int,
@@ -56,9 +67,8 @@ def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: 
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)
     for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
-        chunk = NMTModel(cfg.model, cfg.nmt, *padded_vocab, cfg.training.seed, **placement)
-        chunks.append(chunk.to(device) if device is not None else chunk)
-    return chunks
+        chunks.append(NMTModel(cfg.model, cfg.nmt, *padded_vocab, cfg.training.seed, **placement))
+    return placed(cfg, chunks, device)
 
 
 def build_pipeline_chunks(cfg: Config, padded_vocab: int) -> list[GPTModel]:

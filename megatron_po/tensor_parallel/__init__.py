@@ -27,7 +27,7 @@ from megatron_po.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_po.tensor_parallel.random import (RNGStatesTracker, checkpoint, get_rng_tracker, model_parallel_seed,
-                                               recompute_weights)
+                                               on_model_parallel_rng, recompute_weights)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabUtility",
@@ -39,5 +39,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "vocab_parallel_cross_entropy",
-    "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_seed", "recompute_weights",
+    "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_seed", "on_model_parallel_rng",
+    "recompute_weights",
 ]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from megatron_po.tensor_parallel import weight_grads
+from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 from megatron_po.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     divide,
@@ -168,7 +169,23 @@ class _Linear(torch.autograd.Function):
         return out
 
 
-def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+# Zero-bubble's B op decides at backward time to defer the weight gradient (weight_grads.py); a compiled
+# backward is fixed when traced, so under a split backward the GEMM of a compiled layer runs outside its graph.
+@runs_eagerly
+def _linear_outside_compiled_graph(input_, weight, bias):
+    return _Linear.apply(input_, weight, bias)
+
+
+def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           in_compiled_graph: bool = True) -> torch.Tensor:
+    """`_Linear`. Traced by torch.compile (a compiled layer, models/compiled_layers.py) it is F.linear, whose
+    AOTAutograd backward reads the weight through the Parameter too (a graph input is saved as itself), so
+    the same weight policies work (tests/test_compiled_layers.py checks it); `in_compiled_graph=False` (split
+    backward) leaves the graph for `_Linear`, whose B op can defer the weight gradient."""
+    if torch.compiler.is_compiling():
+        if in_compiled_graph:
+            return F.linear(input_, weight, bias)
+        return _linear_outside_compiled_graph(input_, weight, bias)
     return _Linear.apply(input_, weight, bias)
 
 
@@ -193,6 +210,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
+        self.gemm_in_compiled_graph = True  # False: a compiled layer runs the GEMM eagerly (see `linear`)
         world_size = get_tensor_model_parallel_world_size()
         self.output_size_per_partition = divide(output_size, world_size)
         init_method = init_method or init_method_normal(0.02)
@@ -223,7 +241,7 @@ class ColumnParallelLinear(nn.Module):
             # Replicated input; backward all-reduces the partial input grads.
             input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = linear(input_parallel, weight, bias)
+        output_parallel = linear(input_parallel, weight, bias, self.gemm_in_compiled_graph)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         output_bias = self.bias if self.skip_bias_add else None
         return output, output_bias
@@ -254,6 +272,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
+        self.gemm_in_compiled_graph = True  # False: a compiled layer runs the GEMM eagerly (see `linear`)
         world_size = get_tensor_model_parallel_world_size()
         self.input_size_per_partition = divide(input_size, world_size)
         init_method = init_method or init_method_normal(0.02)
@@ -273,7 +292,7 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = linear(input_parallel, self.weight)  # partial sums over this rank's rows
+        output_parallel = linear(input_parallel, self.weight, None, self.gemm_in_compiled_graph)  # partial sums
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

@@ -12,6 +12,8 @@ Two streams matter in a tensor-parallel model:
         with get_rng_tracker().fork():
             attention_probs = F.dropout(attention_probs, p, training)
 
+    (`on_model_parallel_rng(F.dropout, attention_probs, p, training)` in code that torch.compile traces.)
+
 The tracker swaps generator states in and out of the default generator of the device that
 `parallel_state.get_device()` names (the CPU generator on CPU, the current CUDA generator on GPU).
 
@@ -33,6 +35,7 @@ from megatron_po.parallel_state import (
     get_pipeline_model_parallel_rank,
     get_tensor_model_parallel_rank,
 )
+from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 
@@ -119,6 +122,15 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_STATE_TRACKER
 
 
+# A compiled graph cannot swap generator states: a compiled layer (--torch-compile) runs this eagerly.
+@runs_eagerly
+def on_model_parallel_rng(function, *args, **kwargs):
+    """`function(*args, **kwargs)` drawing from the model-parallel stream (`fork()`): dropout inside a
+    TP-split region."""
+    with _RNG_STATE_TRACKER.fork():
+        return function(*args, **kwargs)
+
+
 def model_parallel_seed(seed: int) -> None:
     """Seed every generator of this rank (Megatron's _set_random_seed + model_parallel_cuda_manual_seed).
 
@@ -155,6 +167,10 @@ def recompute_weights(provider):
         _recompute_weights = previous
 
 
+# Its context_fn (the replays below) is not one torch.compile traces: a compiled layer (--torch-compile) runs a
+# recomputed region eagerly, in the forward and in the recomputation alike (layers called inside it still run
+# compiled: --recompute-granularity full checkpoints whole compiled layers).
+@runs_eagerly
 def checkpoint(function, *args, params=()):
     """Activation recomputation that replays BOTH random streams and the forward's weights.
 

@@ -105,6 +105,7 @@ class ModelConfig:
                                     choices=["most_recent", "max"])
     torch_compile: bool = _f(False, "compile every transformer layer with torch.compile (inductor; once per distinct "
                                     "shape, at the first micro-batches): fused norms, activations and residuals; "
+                                    "and the optimizer step with PipeOptim's prediction fused into it; "
                                     "docs/compile.md")
 
 

@@ -124,7 +124,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     def inner(groups):
         return build_optimizer(t.optimizer, groups, lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
-                               **muon_kwargs(t), nadam_momentum_decay=t.nadam_momentum_decay)
+                               **muon_kwargs(t), nadam_momentum_decay=t.nadam_momentum_decay,
+                               compile_step=cfg.model.torch_compile)
 
     groups = optimizer_param_groups(t.optimizer, chunks, t.weight_decay)
     if t.decoupled_lr is not None:

@@ -17,7 +17,9 @@ pipeline method, compile only at the first micro-batches, and leave checkpoints 
 - No recompilation after the first micro-batches: TorchDynamo's counters (`compile_stats`: distinct graphs,
   compiled backward graphs, compiled frames) read after every op of every StageRunner change only at the
   first training forward, the first backward (B op) and the first evaluation forward of the process, on
-  every rank; the NMT layers add their dynamic-length graphs at the first change of length, then nothing.
+  every rank, and at a chunk's first optimizer steps (the same flag compiles the step with PipeOptim's
+  prediction fused into it: its 2nd and 3rd steps, and those of the first drain); the NMT layers add their
+  dynamic-length graphs at the first change of length, then nothing.
 - Checkpoints: a compiled run's checkpoint resumes an eager run and that one's a compiled run again, with
   the losses of one uninterrupted eager run.
 - bench/overhead.py --quick runs (its compiled variants included).
@@ -48,6 +50,7 @@ import torch._inductor.config
 from dist_harness import run_distributed
 from test_async_policies import LR, SEED, VOCAB, get_batch, make_cfg
 
+from megatron_po import training_step
 from megatron_po.models import compiled_layers
 from megatron_po.models.compiled_layers import compile_stats, compile_summary
 from megatron_po.models.transformer import TransformerLayer
@@ -101,27 +104,48 @@ def op_kind(runner, op) -> str:
 
 
 def record_compiles(log: list):
-    """After every op any StageRunner of this process runs: (kind, compile_stats()). Returns the undo."""
-    original = StageRunner.run
+    """After every op any StageRunner of this process runs, and after every synchronous training step:
+    (kind, compile_stats(), what a Step steps: (rank, chunk), or "sync"). Returns the undo."""
+    original, original_step = StageRunner.run, training_step.train_step
 
     def run(self, op, sync_grads=False):
         original(self, op, sync_grads)
-        log.append((op_kind(self, op), compile_stats()))
-    StageRunner.run = run
-    return lambda: setattr(StageRunner, "run", original)
+        kind = op_kind(self, op)
+        log.append((kind, compile_stats(), (self.rank, op.chunk) if kind == "Step" else None))
+
+    def train_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        log.append(("Step", compile_stats(), "sync"))
+        return out
+    StageRunner.run, training_step.train_step = run, train_step
+
+    def undo():
+        StageRunner.run, training_step.train_step = original, original_step
+    return undo
 
 
-def compiled_only_at_first_ops(log: list, start: dict, expect=("forward", "backward")) -> None:
+def compiled_only_at_first_ops(log: list, start: dict, expect=("forward", "backward"), step_warmup: int = 3) -> None:
     """Graphs were added only by the first op of a kind that traces new graphs (the first training
-    forward, backward, evaluation forward), and those `expect`ed kinds did compile something."""
+    forward, backward, evaluation forward) or by a chunk's first `step_warmup` steps, and those `expect`ed
+    kinds did compile something.
+
+    --torch-compile also compiles each optimizer's step (optim/fused_prediction.py): a chunk's first step runs
+    eagerly (it creates the state), the second compiles a graph per param group and the third once more (the
+    lr and s, seen to change, become graph inputs), never after (tests/test_fused_prediction.py); a step that
+    also writes PipeOptim's prediction is another graph than one that does not (in the asynchronous stream:
+    the steps of the drain that ends the first segment), so there `step_warmup` is the first segment's steps."""
     first = {}
-    for i, (kind, _) in enumerate(log):
+    for i, (kind, _, _) in enumerate(log):
         first.setdefault(kind, i)
     before = start
     grew = set()
-    for i, (kind, stats) in enumerate(log):
+    steps: dict = {}
+    for i, (kind, stats, stepped) in enumerate(log):
+        if stepped is not None:
+            steps[stepped] = steps.get(stepped, 0) + 1
         if stats != before:
-            assert kind in ("forward", "backward", "eval") and i == first[kind], \
+            first_op = kind in ("forward", "backward", "eval") and i == first[kind]
+            assert first_op or (stepped is not None and steps[stepped] <= step_warmup), \
                 f"compiled again at op {i} ({kind}): {before} -> {stats}"
             grew.add(kind)
         before = stats
@@ -229,7 +253,10 @@ ASYNC = {  # case: (method, optimizer, update interval k, model overrides)
 }
 
 
-def async_run(case, compiled, segments=2, segment=6, **model):
+SEGMENT = 6  # micro-batches per segment of `async_run`
+
+
+def async_run(case, compiled, segments=2, segment=SEGMENT, **model):
     """Two segments of a D=2 stream (one layer per stage), an evaluation after each: every gradient each
     step applies, the losses, the evaluations and the final weights."""
     method, optimizer, k, overrides = ASYNC[case]
@@ -261,7 +288,7 @@ def test_asynchronous_methods_compiled_equal_eager(case, compile_log):
     compiled = async_run(case, True)
     assert_close(compiled, eager, case)
     # The graphs may come from an earlier test of this module (one layer shape): then none is traced here.
-    compiled_only_at_first_ops(compile_log, start, expect=())
+    compiled_only_at_first_ops(compile_log, start, expect=(), step_warmup=SEGMENT // ASYNC[case][2])
     assert_no_eager_fallback()
 
 
@@ -277,7 +304,7 @@ def test_recomputation_replays_dropout_through_compiled_layers(granularity, comp
     compile_log.clear()
     recomputed = async_run("pipeoptim", True, segments=1, **dropout, **granularity)
     assert_close(recomputed, plain, "recomputed", rtol=0, atol=0)
-    compiled_only_at_first_ops(compile_log, start, expect=())
+    compiled_only_at_first_ops(compile_log, start, expect=(), step_warmup=SEGMENT)
     assert_no_eager_fallback()
 
 
@@ -299,7 +326,7 @@ def test_pipeoptim_bf16_compiled_follows_eager(compile_log):
     losses, weights = run(True)
     assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 5e-3
     assert_close(weights, eager_weights, "bf16 weights", rtol=0, atol=2e-2)
-    compiled_only_at_first_ops(compile_log, start, expect=("forward", "backward"))
+    compiled_only_at_first_ops(compile_log, start, expect=("forward", "backward"), step_warmup=8)
 
 
 # ---- zero bubble: the split backward -----------------------------------------------------------------------------
@@ -435,10 +462,11 @@ def losses(records):
     return [r["lm_loss"] for r in records if "lm_loss" in r] + [r["val_loss"] for r in records if "val_loss" in r]
 
 
-def check_compiled_run(results):
-    """Every rank: graphs only at its first forward, backward and evaluation; one start-up line."""
+def check_compiled_run(results, step_warmup=3):
+    """Every rank: graphs only at its first forward, backward and evaluation (and its first `step_warmup`
+    optimizer steps); one start-up line."""
     for code, stdout, start, log in results:
-        compiled_only_at_first_ops(log, start, expect=("forward", "backward", "eval"))
+        compiled_only_at_first_ops(log, start, expect=("forward", "backward", "eval"), step_warmup=step_warmup)
     lines = [line for _, stdout, _, _ in results for line in stdout.splitlines() if "torch.compile: compiled" in line]
     assert len(lines) == 1, lines  # the logging rank, once
 
@@ -458,7 +486,7 @@ def test_pipeoptim_pp2_dp2_distributed_optimizer_compiled_equals_eager(tmp_path)
     eager, _ = train(str(tmp_path / "eager"), 4, **layout)
     records, results = train(str(tmp_path / "compiled"), 4, **layout, **{"--torch-compile": True})
     assert_close(losses(records), losses(eager), "pipeoptim pp2 dp2")
-    check_compiled_run(results)
+    check_compiled_run(results, step_warmup=6)  # one segment of 3 iterations x 2 micro-batches: its drain is the end
 
 
 def test_checkpoints_load_from_compiled_into_eager_and_back(tmp_path):

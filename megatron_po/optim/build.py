@@ -39,6 +39,7 @@ def build_optimizer(
     muon_split_qkv: bool = True,
     muon_tp_mode: str = "duplicated",
     nadam_momentum_decay: float = 4e-3,
+    compile_step: bool = False,
 ) -> PredictiveOptimizer:
     """The optimizer named by `--optimizer`, from Megatron-style flag values.
 
@@ -48,34 +49,40 @@ def build_optimizer(
     with Nesterov momentum. RMSprop and Adagrad use torch's defaults for their other settings.
     "muon" (optim/muon.py) needs groups from `muon.optimizer_param_groups` (the use_muon split); its AdamW
     part uses the adam_* values.
+    `compile_step` (--torch-compile): the per-group step, with PipeOptim's prediction fused into it, runs
+    under torch.compile (optim/fused_prediction.py); otherwise eagerly, as foreach ops.
     Bad values raise ConfigError.
     """
     try:
         if name == "adam":
-            return Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
-        if name == "adamw":
-            return AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
-        if name == "sgd":
-            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, direction=sgd_direction)
-        if name == "nesterov":
-            return SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, nesterov=True)
-        if name == "rmsprop":
-            return RMSprop(params, lr, weight_decay=weight_decay)
-        if name == "adagrad":
-            return Adagrad(params, lr, weight_decay=weight_decay)
-        if name == "lion":
-            return Lion(params, lr, betas=(lion_beta1, lion_beta2), weight_decay=weight_decay)
-        if name == "muon":
-            return Muon(params, lr, momentum=muon_momentum, nesterov=muon_use_nesterov,
-                        num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
-                        extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2), eps=adam_eps,
-                        weight_decay=weight_decay, fp32_matmul_prec=muon_fp32_matmul_prec,
-                        coefficient_type=muon_coefficient_type, split_qkv=muon_split_qkv, tp_mode=muon_tp_mode)
-        if name == "nadamw":  # optim/nadamw.py
-            return NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
-                          momentum_decay=nadam_momentum_decay)
-        if name == "nag":  # optim/nag.py: PipeNAG's dampened Nesterov step, momentum --sgd-momentum
-            return NAG(params, lr, momentum=sgd_momentum, weight_decay=weight_decay)
+            optimizer = Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+        elif name == "adamw":
+            optimizer = AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+        elif name == "sgd":
+            optimizer = SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum,
+                            direction=sgd_direction)
+        elif name == "nesterov":
+            optimizer = SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum, nesterov=True)
+        elif name == "rmsprop":
+            optimizer = RMSprop(params, lr, weight_decay=weight_decay)
+        elif name == "adagrad":
+            optimizer = Adagrad(params, lr, weight_decay=weight_decay)
+        elif name == "lion":
+            optimizer = Lion(params, lr, betas=(lion_beta1, lion_beta2), weight_decay=weight_decay)
+        elif name == "muon":
+            optimizer = Muon(params, lr, momentum=muon_momentum, nesterov=muon_use_nesterov,
+                             num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
+                             extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2),
+                             eps=adam_eps, weight_decay=weight_decay, fp32_matmul_prec=muon_fp32_matmul_prec,
+                             coefficient_type=muon_coefficient_type, split_qkv=muon_split_qkv, tp_mode=muon_tp_mode)
+        elif name == "nadamw":  # optim/nadamw.py
+            optimizer = NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps,
+                               weight_decay=weight_decay, momentum_decay=nadam_momentum_decay)
+        elif name == "nag":  # optim/nag.py: PipeNAG's dampened Nesterov step, momentum --sgd-momentum
+            optimizer = NAG(params, lr, momentum=sgd_momentum, weight_decay=weight_decay)
+        else:
+            raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")
     except ValueError as e:
         raise ConfigError(f"--optimizer {name}: {e}") from e
-    raise ConfigError(f"--optimizer {name!r} is unknown; choose one of: {', '.join(OPTIMIZER_NAMES)}")
+    optimizer.compile_fused_step = compile_step
+    return optimizer

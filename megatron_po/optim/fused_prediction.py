@@ -22,9 +22,10 @@ The per-element rule lives in ONE place: each optimizer's `_step_group` (its upd
 torch.optim's foreach code) and `PredictiveOptimizer._extrapolate` (the prediction from the factored ΔW
 `_step_group` returns). `group_update` below runs both for one param group:
 
-- on CPU eagerly, as foreach ops; Ŵ for another dtype is computed in the parameters' precision a few
+- by default eagerly, as foreach ops; Ŵ for another dtype is computed in the parameters' precision a few
   tensors at a time (`chunk_numel` elements) and rounded once, so no full-size temporary exists;
-- on CUDA that same function under `torch.compile` (inductor): the foreach ops of the step and of the
+- with --torch-compile (`compile_fused_step`, set by `build_optimizer(compile_step=True)`) that same
+  function under `torch.compile` (inductor; meant for CUDA, correct on CPU too): the foreach ops of the step and the
   prediction, the cast to bf16 included, are pointwise per element and fuse into one pass over the
   parameters that reads W, g and the state once and writes W, the state, the live bf16 weights and Ŵ
   (AdamW with bf16 weights and gradients: 14 bytes read, 12 + 2 + 2 written per parameter). Chosen over
@@ -255,9 +256,8 @@ def group_update(optimizer, group, params, grads, states, positions, all_params,
 
 def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], states: list[dict]):
     """`group_update` under torch.compile for group `index` where that applies (see the module
-    docstring), else None. Compiled: `optimizer.compile_fused_step` (None: on CUDA only)."""
-    setting = optimizer.compile_fused_step
-    if not (params[0].device.type == "cuda" if setting is None else setting) or optimizer.predictor is not None:
+    docstring), else None. Compiled: `optimizer.compile_fused_step` (--torch-compile)."""
+    if not optimizer.compile_fused_step or optimizer.predictor is not None:
         return None
     if not all(states) or not optimizer._compilable(group):
         return None

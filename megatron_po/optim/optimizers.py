@@ -106,7 +106,7 @@ class PredictiveOptimizer(torch.optim.Optimizer):
     decoupled_weight_decay = False
     keep_direction = False  # see the module docstring; the predicting weight policies turn it on
     predictor = None  # optim/predictors.py WeightPredictor; None = PipeOptim's linear Ŵ = W - s·lr·ΔW
-    compile_fused_step: bool | None = None  # the per-group step under torch.compile; None: on CUDA only
+    compile_fused_step = False  # the per-group step under torch.compile (--torch-compile: build_optimizer)
 
     def __init__(self, params: Iterable, defaults: dict):
         self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)

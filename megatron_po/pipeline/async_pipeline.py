@@ -165,12 +165,13 @@ class AsyncStage:
     """One pipeline rank's side of asynchronous training: its chunks, one optimizer per chunk, the step
     function run at each Step(c) and the weight policy (kept across segments). `precision`: model dtype,
     loss scaling and the distributed optimizer (default: fp32, plain optimizers); `ddp_bucket_size`: the
-    distributed optimizer's bucket size."""
+    distributed optimizer's bucket size; `compile_step` (--torch-compile): the optimizers' steps, with the
+    prediction fused into them, under torch.compile."""
 
     def __init__(self, rank: int, num_stages: int, chunks: list, method: str, update_interval: int,
                  optimizer_name: str, optimizer_kwargs: dict, lr_fn: Callable[[int], float] | None,
                  clip_grad: float = 0.0, dp_group=None, tp_group=None, precision: PrecisionConfig | None = None,
-                 ddp_bucket_size: int = 40_000_000, **policy_options):
+                 ddp_bucket_size: int = 40_000_000, compile_step: bool = False, **policy_options):
         self.rank, self.num_stages, self.chunks = rank, num_stages, chunks
         self.method, self.update_interval = method, update_interval
         kwargs = dict(optimizer_kwargs)
@@ -187,7 +188,8 @@ class AsyncStage:
         self.dtype = model_dtype(pr.bf16, pr.fp16)
 
         def inner(groups):
-            return build_optimizer(optimizer_name, groups, lr, weight_decay=weight_decay, **kwargs)
+            return build_optimizer(optimizer_name, groups, lr, weight_decay=weight_decay, compile_step=compile_step,
+                                   **kwargs)
 
         def scaler():  # one per chunk: every virtual stage keeps its own loss scale
             return build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
@@ -427,7 +429,8 @@ class AsyncEmulator:
             chunks = build_chunks(cfg, padded_vocab, r, num_stages, num_chunks, ps.get_device())
             self.stages.append(AsyncStage(r, num_stages, chunks, method, update_interval, optimizer_name,
                                           optimizer_kwargs, lr_fn, clip_grad, precision=cfg.precision,
-                                          ddp_bucket_size=cfg.parallel.ddp_bucket_size, **policy_options))
+                                          ddp_bucket_size=cfg.parallel.ddp_bucket_size,
+                                          compile_step=cfg.model.torch_compile, **policy_options))
         self.microbatches_consumed = 0
 
     @property
@@ -526,7 +529,8 @@ class AsyncPipelineRank:
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
                                 tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
-                                ddp_bucket_size=cfg.parallel.ddp_bucket_size, **policy_options)
+                                ddp_bucket_size=cfg.parallel.ddp_bucket_size, compile_step=cfg.model.torch_compile,
+                                **policy_options)
         if cfg.precision.fp16:
             message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()

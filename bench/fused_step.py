@@ -58,9 +58,9 @@ COMPILED_PASS = {"fp32": {"naive": 16 + 12, "separate": None, "fused": 16 + 12 +
                  "bf16": {"naive": 14 + 12 + 2, "separate": None, "fused": 14 + 12 + 2 + 2}}
 
 
-def make_stage(numel: int, bf16: bool, device, compiled: bool | None = None):
+def make_stage(numel: int, bf16: bool, device, compiled: bool = False):
     """(model params, optimizer) of a stage of about `numel` parameters (matrices COLS wide), gradients
-    set; AdamW, mixed precision for bf16. `compiled`: the fused step under torch.compile (None: on CUDA)."""
+    set; AdamW, mixed precision for bf16. `compiled`: the fused step under torch.compile (--torch-compile)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if bf16 else torch.float32
     rows = max(1, min(1024, numel // COLS))

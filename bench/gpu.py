@@ -1,7 +1,7 @@
 """The project on one GPU, in one command (issue 29): writes bench/results/gpu_<device>.md and a .json with the
 same figures beside it (device name slugged: gpu_nvidia_h200.md; gpu_cpu.md without a GPU).
 
-    python bench/gpu.py                          # every section at the full size, GPT-1.3B (~7 min on an H200)
+    python bench/gpu.py                          # every section at the full size, GPT-1.3B (estimated 15-20 min on an H200)
     python bench/gpu.py --only peak gpt plain    # some sections; --skip leaves some out
     python bench/gpu.py --quick --out /tmp/g.md  # a tiny GPT, every code path on a CPU in about a minute
 
@@ -14,14 +14,25 @@ each with its exact command in the results:
           3 warm-up), tokens/s, model TFLOP/s (megatron_po/flops.py) and MFU against the peak measured above
   plain   bench/overhead.py's plain PyTorch GPT of the same shape (SDPA, bf16 autocast, fused AdamW), eager and
           torch.compile'd, beside ours: the ratio of tokens/s
+  compiled  ours with --torch-compile (compiled layers and optimizer step), beside ours eager and the plain
+          GPT compiled: issue 30's >= 1.0x the compiled plain GPT, >= 70 % MFU
+  muon    Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue
+          31 (fp32, QKV whole), per iteration beside AdamW's (section gpt); one layer's Newton-Schulz per
+          precision, unbatched and batched: issue 31's Muon iteration <= 1.25x AdamW's
   stream  the D = 4 asynchronous stream in the single-process emulator (AsyncEmulator, bf16) for async-naive,
-          PipeDream, PipeDream-2BW (k = 4), PipeOptim with AdamW and with Muon, each method in a process of its
-          own: ms per micro-batch, ratio to async-naive, peak memory, weight copies per chunk; each stage's
+          PipeDream, PipeDream-2BW (k = 4), PipeOptim with AdamW (its prediction fused into the step, and
+          separate: the code before issue 30), async-naive and PipeOptim with Muon, each method in a process of
+          its own: ms per micro-batch, ratio to async-naive, peak memory, weight copies per chunk; each stage's
           forward, backward, optimizer step (AdamW, Muon) and PipeOptim prediction, and the step's share of
           forward + backward; the JSON's `stage_costs` holds them per stage, and `<out>_cost_model.json` is
           bench/time_to_quality.py's cost model of them (`--cost-model PATH`; bench/ttq_cost_model.py)
+  stream_compiled  the same stream under --torch-compile for async-naive and PipeOptim, AdamW and Muon: issue
+          30's PipeOptim <= 1.01x async-naive per micro-batch
+  fused   one 302 M-parameter stage's AdamW step with PipeOptim's prediction (none / separate / fused), eager and
+          compiled (bench/fused_step.py's time_step_variants)
   fp16    pretrain_gpt.py --fp16 from the default initial loss scale 2^32: the iterations skipped while the scale
           falls, with the loss scale and lr over them
+  targets the GPU targets of issues 30 and 31, read from the sections above: met or not
 
 Adding a measured section: a function `def section_<name>(run: Run) -> Section` (measure through `run.worker`
 or `run.pretrain`, read earlier sections' figures from `run.done`) and one line in SECTIONS. Ours with other
@@ -249,33 +260,62 @@ def section_plain(run: Run) -> Section:
         *failed_lines(errors)])
 
 
-# label, method, optimizer, update interval k (2BW accumulates k >= D micro-batches per update)
+# label, method, optimizer, update interval k (2BW accumulates k >= D micro-batches per update), worker flags
 STREAM_METHODS = [
-    ("async-naive", "async-naive", "adamw", 1),
-    ("PipeDream", "pipedream", "adamw", 1),
-    ("PipeDream-2BW", "pipedream-2bw", "adamw", D),
-    ("PipeOptim (AdamW)", "pipeoptim", "adamw", 1),
-    ("PipeOptim (Muon)", "pipeoptim", "muon", 1),
+    ("async-naive", "async-naive", "adamw", 1, ()),
+    ("PipeDream", "pipedream", "adamw", 1, ()),
+    ("PipeDream-2BW", "pipedream-2bw", "adamw", D, ()),
+    ("PipeOptim (AdamW)", "pipeoptim", "adamw", 1, ()),
+    ("PipeOptim (AdamW), prediction separate", "pipeoptim", "adamw", 1, ("--separate",)),
+    ("async-naive (Muon)", "async-naive", "muon", 1, ()),
+    ("PipeOptim (Muon)", "pipeoptim", "muon", 1, ()),
 ]
+# The same under --torch-compile (compiled layers; the optimizer step with PipeOptim's prediction fused into it
+# compiled): issue 30's target, PipeOptim <= 1.01x async-naive per micro-batch, is judged here.
+STREAM_COMPILED_METHODS = [
+    ("async-naive", "async-naive", "adamw", 1, ("--compile",)),
+    ("PipeOptim (AdamW)", "pipeoptim", "adamw", 1, ("--compile",)),
+    ("async-naive (Muon)", "async-naive", "muon", 1, ("--compile",)),
+    ("PipeOptim (Muon)", "pipeoptim", "muon", 1, ("--compile",)),
+]
+
+
+def naive_step_ms(results: dict, optimizer: str, r: int) -> float | None:
+    """Stage r's Step op (policy hooks included) under async-naive with `optimizer`: the step alone."""
+    label = next((lb for lb, method, opt, k, flags in STREAM_METHODS
+                  if method == "async-naive" and opt == optimizer and lb in results), None)
+    return results[label]["stages"][r]["step"] if label else None
+
+
+def policy_step_ms(results: dict, label: str, optimizer: str, r: int) -> float:
+    """What a method's weight policy adds to stage r's Step op: its hooks, and the prediction a step writes
+    when it is fused into it (the method's Step op less async-naive's with the same optimizer; the hooks
+    alone when async-naive did not run with that optimizer)."""
+    ops = results[label]["stages"][r]
+    naive = naive_step_ms(results, optimizer, r)
+    # two medians from two processes: a difference below zero is their noise, counted as nothing
+    return max(0.0, ops["step"] - naive) if naive is not None else ops["step_hooks"]
 
 
 def stage_costs(results: dict) -> list[dict]:
     """Per stage of the D = 4 stream, in ms: forward and backward (async-naive's ops: no policy work),
-    the optimizer step per optimizer (the Step op less the policy's hooks) and PipeOptim's prediction
-    (its hooks around a forward: predict, then restore)."""
+    the optimizer step per optimizer (async-naive's Step op with that optimizer) and PipeOptim's prediction
+    (its hooks around a forward, which restore the live weights and predict where the step did not, plus
+    what the fused prediction adds to the step)."""
     base = results.get("async-naive") or next(iter(results.values()))
     out = []
     for r in range(D):
         ops = base["stages"][r]
         stage = {"stage": r, "forward_ms": ops["forward"] - ops["forward_hooks"],
                  "backward_ms": ops["backward"] - ops["backward_hooks"], "step_ms": {}, "prediction_ms": {}}
-        for label, method, optimizer, k in STREAM_METHODS:
-            if label not in results or k != 1:
+        for label, method, optimizer, k, flags in STREAM_METHODS:
+            if label not in results or k != 1 or flags:
                 continue
             ops = results[label]["stages"][r]
-            stage["step_ms"].setdefault(optimizer, ops["step"] - ops["step_hooks"])
+            naive = naive_step_ms(results, optimizer, r)
+            stage["step_ms"].setdefault(optimizer, (naive if naive is not None else ops["step"] - ops["step_hooks"]))
             if method == "pipeoptim":
-                stage["prediction_ms"][optimizer] = ops["forward_hooks"]
+                stage["prediction_ms"][optimizer] = ops["forward_hooks"] + policy_step_ms(results, label, optimizer, r)
         out.append(stage)
     return out
 
@@ -296,19 +336,26 @@ def ttq_cost_model(results: dict, costs: list[dict], info: dict, size: Size, siz
     kind averaged over the stages they work on."""
     stale = list(range(D - 1))
 
-    def policy(label: str, method: str) -> dict:
+    def policy(label: str, method: str, optimizer: str) -> dict:
         stages = stale if POLICY_STAGES[method] == "stale" else list(range(D))
         ops = results[label]["stages"]
-        return {kind.capitalize(): mean([ops[r][f"{kind}_hooks"] for r in stages])
-                for kind in ("forward", "backward", "step")} | {"stages": POLICY_STAGES[method]}
+        return {"Forward": mean([ops[r]["forward_hooks"] for r in stages]),
+                "Backward": mean([ops[r]["backward_hooks"] for r in stages]),
+                "Step": mean([policy_step_ms(results, label, optimizer, r) for r in stages]),
+                "stages": POLICY_STAGES[method]}
 
-    policies = {method: policy(label, method) for label, method, optimizer, k in STREAM_METHODS
-                if method in POLICY_STAGES and optimizer == "adamw" and label in results}
+    policies = {method: policy(label, method, optimizer) for label, method, optimizer, k, flags in STREAM_METHODS
+                if method in POLICY_STAGES and optimizer == "adamw" and not flags and label in results}
     variants = {}
     if "PipeOptim (Muon)" in results:
         variants["muon-run-prediction"] = {"note": "PipeOptim's hooks measured in the Muon run (its prediction "
                                                    "follows Muon's update)",
-                                           "policy_ms": {"pipeoptim": policy("PipeOptim (Muon)", "pipeoptim")}}
+                                           "policy_ms": {"pipeoptim": policy("PipeOptim (Muon)", "pipeoptim", "muon")}}
+    separate = "PipeOptim (AdamW), prediction separate"
+    if separate in results:
+        variants["prediction-separate"] = {"note": "PipeOptim predicting right before each forward (the code "
+                                                   "before issue 30) instead of in the step",
+                                           "policy_ms": {"pipeoptim": policy(separate, "pipeoptim", "adamw")}}
     steps = {o: mean([c["step_ms"][o] for c in costs]) for o in ("adamw", "muon") if o in costs[0]["step_ms"]}
     device = f"{info['name']} (torch {info['torch']}, CUDA {info['cuda']}, bf16)"
     model = (f"GPT {size.layers} layers, hidden {size.hidden}, {size.heads} heads, seq {size.seq}, micro-batch "
@@ -325,35 +372,48 @@ def ttq_cost_model(results: dict, costs: list[dict], info: dict, size: Size, siz
             "forward, backward: async-naive's ops less their (empty) policy hooks; step: the Step op less the "
             "policy's hooks, AdamW from async-naive, Muon from PipeOptim (Muon), at the Newton-Schulz precision "
             "this code runs by default.",
-            "policy: each method's hook time per op kind (PipeOptim: predict before and restore after a forward; "
-            "PipeDream: the version swap around a backward; 2BW at k = 4: its version copies), AdamW runs, averaged "
-            "over the stages the method works on (`stages`).",
+            "policy: each method's hook time per op kind (PipeOptim: the restore after a forward, and the prediction "
+            "the step writes, i.e. its Step op less async-naive's; PipeDream: the version swap around a backward; "
+            "2BW at k = 4: its version copies), AdamW runs, averaged over the stages the method works on "
+            "(`stages`).",
             "Not measured here: NAG's step (PipeNAG, and 2BW + error feedback, need fp32 weights; this bench runs "
             "bf16), the split backward of the zero-bubble schedules, communication (one process, DP = 1)."])
 
 
-def section_stream(run: Run) -> Section:
+def run_stream(run: Run, methods: list) -> tuple[dict, list[str], list, list[list]]:
+    """Each method of `methods` in a worker process of its own: (results by label, commands, errors, table rows
+    of ms per micro-batch, the ratio to async-naive with the same optimizer, memory and weight copies)."""
     results, commands, errors = {}, [], []
-    for label, method, optimizer, k in STREAM_METHODS:
-        result, command = run.worker("stream", "--method", method, "--optimizer", optimizer, "--k", str(k),
+    for label, method, optimizer, k, flags in methods:
+        result, command = run.worker("stream", "--method", method, "--optimizer", optimizer, "--k", str(k), *flags,
                                      errors=errors)
         commands.append(command)
         if result is not None:
             results[label] = result
     if not results:
         raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
-    base = results["async-naive"]["ms_per_microbatch"] if "async-naive" in results else None
     rows = []
-    for label, method, optimizer, k in STREAM_METHODS:
+    for label, method, optimizer, k, flags in methods:
         if label not in results:
             rows.append([label, optimizer, k, "failed", "", "", "", ""])
             continue
         res = results[label]
-        res["ratio_to_async_naive"] = res["ms_per_microbatch"] / base if base else None
+        naive = next((results[lb]["ms_per_microbatch"] for lb, m, o, _, f in methods
+                      if m == "async-naive" and o == optimizer and lb in results), None)
+        res["ratio_to_async_naive"] = res["ms_per_microbatch"] / naive if naive else None
         copies = " / ".join(str(res["copies_per_chunk"][str(r)]) for r in range(D))
-        ratio = "n/a" if base is None else f"{res['ratio_to_async_naive']:.3f}x"
+        ratio = "n/a" if naive is None else f"{res['ratio_to_async_naive']:.3f}x"
         rows.append([label, optimizer, k, f"{res['ms_per_microbatch']:.1f}", ratio, gib(res["memory"]["peak_bytes"]),
                      gib(res["built"].get("memory_allocated_bytes")), copies])
+    return results, commands, errors, rows
+
+
+STREAM_COLUMNS = ["method", "optimizer", "k", "ms / micro-batch", "vs async-naive (same optimizer)", "peak GiB",
+                  "after build GiB", "weight copies"]
+
+
+def section_stream(run: Run) -> Section:
+    results, commands, errors, rows = run_stream(run, STREAM_METHODS)
     costs = stage_costs(results)
     cost_rows = []
     for c in costs:
@@ -369,19 +429,132 @@ def section_stream(run: Run) -> Section:
     return Section(f"The D = {D} asynchronous stream in the single-process emulator", commands, figures, [
         f"All {D} stages in one process (`AsyncEmulator`), bf16 with fp32 main params, untied embeddings (asynchronous "
         f"methods need them: {parameters / 1e6:.1f} M parameters), micro-batch "
-        f"{s.micro_batch}, k = 1 unless said. ms per micro-batch in the steady state: (T({s.stream_long}) - "
-        f"T({s.stream_short})) / {s.stream_long - s.stream_short} over two segments after a warm-up; the emulator "
-        "runs the stages one after another, so this is the whole pipeline's work per micro-batch. Each method in a "
-        f"process of its own; peak memory: {memory}; after build: weights and optimizer state before the first "
-        "step. Weight copies per chunk: live weights included, ranks 0..3 (`copies_per_chunk`).", "",
-        markdown_table(["method", "optimizer", "k", "ms / micro-batch", "vs async-naive", "peak GiB", "after build GiB",
-                        "weight copies"], rows), "",
+        f"{s.micro_batch}, k = 1 unless said, eager (no --torch-compile). ms per micro-batch in the steady state: "
+        f"(T({s.stream_long}) - T({s.stream_short})) / {s.stream_long - s.stream_short} over two segments after a "
+        "warm-up; the emulator runs the stages one after another, so this is the whole pipeline's work per "
+        "micro-batch. Each method in a process of its own; peak memory: "
+        f"{memory}; after build: weights and optimizer state before the first step. Weight copies per chunk: live "
+        "weights included, ranks 0..3 (`copies_per_chunk`). PipeOptim writes its prediction in the optimizer step "
+        "where the next op is the predicted forward; \"prediction separate\" predicts right before each forward "
+        "(the code before issue 30).", "",
+        markdown_table(STREAM_COLUMNS, rows), "",
         "Per stage (one segment with the device synchronised around every op and policy hook, median ms): forward "
         "and backward from async-naive; the optimizer step (its share of that stage's forward + backward) from "
-        "async-naive (AdamW) and PipeOptim (Muon), less the policy's hooks; PipeOptim's prediction = its hooks "
-        "around a forward (predict, then restore; none on the last stage, s = 0).", "",
+        "async-naive with that optimizer; PipeOptim's prediction = its hooks around a forward (the restore) plus "
+        "what its Step op takes over async-naive's (the prediction written by the step; none on the last stage, "
+        "s = 0).", "",
         markdown_table(["stage", "forward", "backward", "AdamW step (share)", "Muon step (share)",
                         "prediction (AdamW)", "prediction (Muon)"], cost_rows), *failed_lines(errors)])
+
+
+def section_stream_compiled(run: Run) -> Section:
+    results, commands, errors, rows = run_stream(run, STREAM_COMPILED_METHODS)
+    return Section(f"The D = {D} stream under --torch-compile", commands,
+                   {"D": D, "methods": results, "failed": [command for command, _ in errors]}, [
+        "As the eager stream above, with --torch-compile: every transformer layer compiled, and each optimizer "
+        "step compiled with PipeOptim's prediction fused into it (one pass over the parameters writes the fp32 "
+        "weights, the state, the live bf16 weights and the bf16 prediction). Compilation happens in the warm-up "
+        "segment (and the drain that ends it), before the timed segments.", "",
+        markdown_table(STREAM_COLUMNS, rows), *failed_lines(errors)])
+
+
+def section_compiled(run: Run) -> Section:
+    """Ours under --torch-compile, beside ours eager (section gpt) and the plain GPT compiled (section plain)."""
+    section = measure_ours(run, "gpt_compiled", "GPT through pretrain_gpt.py --torch-compile", ["--torch-compile"])
+    fig = section.figures
+    others = {"ours_eager": ("ours, eager (section gpt)", run.done["gpt"].figures if "gpt" in run.done else None),
+              "plain_compiled": ("plain PyTorch, torch.compile (section plain)",
+                                 run.done["plain"].figures.get("plain PyTorch, torch.compile")
+                                 if "plain" in run.done else None)}
+    rows = []
+    for key, (name, theirs) in others.items():
+        if theirs:
+            fig[f"over_{key}"] = ratio = fig["tokens_per_s"] / theirs["tokens_per_s"]
+            rows.append([name, f"{theirs['tokens_per_s']:,.0f}", f"{ratio:.3f}x"])
+    if rows:
+        section.lines += ["", markdown_table(["compiled ours vs", "its tokens/s", "compiled ours / it"], rows)]
+    return section
+
+
+def section_fused(run: Run) -> Section:
+    result, command = run.worker("fused_step")
+    rows = [[r["variant"], "compiled" if r["compiled"] else "eager", f"{r['ms']:.3f}", f"{r['vs_naive']:.3f}x"]
+            for r in result["rows"]]
+    return Section("One stage's optimizer step with PipeOptim's prediction", [command], result, [
+        f"bench/fused_step.py's `time_step_variants`: one stage of {num(result['parameters'] / 1e6)} M parameters "
+        "(bf16 weights, fp32 main params, AdamW), per micro-batch: the step alone (naive), the step then a "
+        "separate prediction into bf16 and the restore (separate, the code before issue 30), the step writing "
+        "the prediction itself (fused); eager foreach ops, and the same function under torch.compile "
+        "(--torch-compile). Median over alternated reps.", "",
+        markdown_table(["variant", "", "ms", "vs naive"], rows)])
+
+
+def section_muon(run: Run) -> Section:
+    """Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue 31
+    (fp32, QKV whole), beside AdamW's iteration (section gpt); one layer's Newton-Schulz per precision."""
+    muon = measure_ours(run, "gpt_muon", "", ["--optimizer", "muon"])
+    before = measure_ours(run, "gpt_muon_fp32", "", ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest",
+                                                     "--muon-no-split-qkv"])
+    ns, ns_command = run.worker("newton_schulz")
+    adamw = run.done.get("gpt")
+    figures = {"muon": muon.figures, "muon_fp32_qkv_whole": before.figures, "newton_schulz": ns}
+    rows = []
+    for name, sec in (("Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)", muon),
+                      ("Muon as before issue 31 (fp32, QKV whole)", before)):
+        ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"] if adamw else None
+        sec.figures["over_adamw"] = ratio
+        rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", "n/a" if ratio is None else f"{ratio:.3f}x"])
+    if adamw:
+        rows.insert(0, ["AdamW (section gpt)", f"{adamw.figures['ms_per_iteration']:.1f}", "1x"])
+    ns_rows = [[key.split(",")[0], key.split(",")[1], f"{ms:.2f}", f"{ms * ns['layers_per_stage']:.1f}"]
+               for key, ms in ns["ms"].items()]
+    return Section("Muon: iteration vs AdamW, Newton-Schulz per precision", [*muon.commands, *before.commands,
+                                                                           ns_command], figures, [
+        markdown_table(["optimizer", "ms / iteration", "vs AdamW"], rows), "",
+        f"Newton-Schulz, {ns['steps']} steps on one layer's four matrices (QKV, projection, MLP up and down; hidden "
+        f"{ns['hidden']}), median ms: one call per matrix (unbatched, before issue 31) and stacked by shape "
+        f"(batched); highest = fp32, high = TF32, medium = bf16 (--muon-fp32-matmul-prec).", "",
+        markdown_table(["precision", "calls", "ms per layer", f"ms per stage ({ns['layers_per_stage']} layers)"],
+                       ns_rows)])
+
+
+def target_rows(run: Run) -> list[list]:
+    """The issues' GPU targets, each: target, measured, met? ("not measured" where its sections did not run)."""
+    done = {name: sec.figures for name, sec in run.done.items()}
+
+    def row(target: str, value: float | None, bound: float, higher_is_better: bool, how: str) -> list:
+        if value is None:
+            return [target, "not measured", "", how]
+        met = value >= bound if higher_is_better else value <= bound
+        return [target, f"{value:.3f}", "met" if met else "NOT MET", how]
+
+    def stream_ratio(section: str, label: str, base: str) -> float | None:
+        methods = done.get(section, {}).get("methods", {})
+        if label in methods and base in methods:
+            return methods[label]["ms_per_microbatch"] / methods[base]["ms_per_microbatch"]
+        return None
+
+    compiled = done.get("compiled", {})
+    muon = done.get("muon", {}).get("muon", {})
+    return [
+        row("issue 30: compiled ours / compiled plain PyTorch GPT (tokens/s) >= 1.0",
+            compiled.get("over_plain_compiled"), 1.0, True, "sections plain, compiled"),
+        row("issue 30: MFU of compiled ours >= 0.70 (an H200)", compiled.get("mfu"), 0.70, True,
+            "sections peak, compiled"),
+        row("issue 30: D = 4 stream, PipeOptim / async-naive per micro-batch <= 1.01 (--torch-compile)",
+            stream_ratio("stream_compiled", "PipeOptim (AdamW)", "async-naive"), 1.01, False, "section stream_compiled"),
+        row("issue 31: Muon iteration / AdamW iteration <= 1.25 (DP = 1)", muon.get("over_adamw"), 1.25, False,
+            "sections gpt, muon"),
+        row("issue 31: D = 4 stream, PipeOptim-Muon / PipeOptim-AdamW per micro-batch <= 1.8 (eager)",
+            stream_ratio("stream", "PipeOptim (Muon)", "PipeOptim (AdamW)"), 1.8, False, "section stream"),
+    ]
+
+
+def section_targets(run: Run) -> Section:
+    rows = target_rows(run)
+    return Section("Targets", [], {"targets": rows}, [
+        "The GPU targets of issues 30 and 31, read from the sections above (no measurement of its own).", "",
+        markdown_table(["target", "measured", "", "from"], rows)])
 
 
 def section_fp16(run: Run) -> Section:
@@ -412,8 +585,13 @@ SECTIONS = {  # name -> the function measuring it; run in this order (later sect
     "peak": section_peak,
     "gpt": section_gpt,
     "plain": section_plain,
+    "compiled": section_compiled,
+    "muon": section_muon,
     "stream": section_stream,
+    "stream_compiled": section_stream_compiled,
+    "fused": section_fused,
     "fp16": section_fp16,
+    "targets": section_targets,
 }
 
 
@@ -459,7 +637,8 @@ def cost_model_path(path: str) -> str:
 def write_results(path: str, info: dict, command: str, run: Run, started: str, t0: float, failures: list) -> None:
     lines = header(info, command, run, started)
     for name, section in run.done.items():
-        lines += [f"## {section.title} (`{name}`)", "", "```", *section.commands, "```", "", *section.lines, ""]
+        commands = ["```", *section.commands, "```", ""] if section.commands else []
+        lines += [f"## {section.title} (`{name}`)", "", *commands, *section.lines, ""]
     for name, error in failures:
         lines += [f"## `{name}`: failed", "", "```", error, "```", ""]
     lines.append(load_at_end(t0))

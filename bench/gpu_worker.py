@@ -3,7 +3,9 @@ compilation are its own (a method's peak memory is then measured in isolation):
 
     python bench/gpu_worker.py peak --size full                        # bf16 matmul peak
     python bench/gpu_worker.py plain --size full [--compile]           # the plain PyTorch GPT (bench/overhead.py)
-    python bench/gpu_worker.py stream --size full --method pipeoptim --optimizer adamw --k 1
+    python bench/gpu_worker.py stream --size full --method pipeoptim --optimizer adamw --k 1 [--compile] [--separate]
+    python bench/gpu_worker.py newton_schulz --size full      # one layer's Newton-Schulz per precision (Muon)
+    python bench/gpu_worker.py fused_step --size full         # one stage's step + prediction, eager and compiled
 
 Progress lines go to stdout as they come; the last line is `RESULT <json>`. `SIZES` are the model and run
 sizes bench/gpu.py passes by name: "full" (GPT-1.3B) and "quick" (a tiny GPT that runs on a CPU).
@@ -16,7 +18,9 @@ forward, backward and step times and the part of them spent in the weight policy
 prediction and restore around a forward, 2BW's version swaps, ...). Memory: on a GPU
 `torch.cuda.max_memory_allocated()` over the whole process (and `memory_allocated()` once the emulator
 is built: weights and optimizer state before any step); on a CPU the growth of the peak resident set over
-the process's after its imports.
+the process's after its imports. `--compile` runs the stream with --torch-compile (compiled layers, and the
+optimizer step with PipeOptim's prediction fused into it compiled); `--separate` predicts right before each
+forward instead of in the step (the code before issue 30).
 """
 
 from __future__ import annotations
@@ -231,6 +235,14 @@ class OpTimer:
                 for rank in range(D)]
 
 
+def use_compile_backend(size: Size) -> None:
+    """torch.compile's backend for --torch-compile's layers and optimizer steps at this size (the quick size
+    traces without code generation, as its plain model does)."""
+    from megatron_po.models import compiled_layers
+    from megatron_po.optim import fused_prediction
+    compiled_layers.BACKEND = fused_prediction.COMPILE_BACKEND = size.compile_backend
+
+
 def stream(size: Size, args) -> dict:
     from megatron_po.config import parse_args
     from megatron_po.pipeline.async_pipeline import AsyncEmulator, optimizer_kwargs_from_config
@@ -238,12 +250,16 @@ def stream(size: Size, args) -> dict:
     where = device()
     baseline_rss = rss_bytes()
     cfg = parse_args(size.gpt_flags() + ["--bf16", "--untie-embeddings-and-output-weights", "--optimizer",
-                                          args.optimizer, "--pipeline-method", args.method])
+                                          args.optimizer, "--pipeline-method", args.method]
+                     + (["--torch-compile"] if args.compile else []))
     model_parallel_seed(cfg.training.seed)
+    use_compile_backend(size)
     log(f"  building {args.method} ({args.optimizer}, k = {args.k}), D = {D}, on {where}")
     t0 = time.perf_counter()
     emu = AsyncEmulator(cfg, padded_vocab(size), args.method, D, 1, args.k, args.optimizer,
                         optimizer_kwargs_from_config(cfg.training), None, cfg.training.clip_grad)
+    for stage in emu.stages:
+        stage.policy.fuse_prediction = not args.separate
     synchronize()
     built = {"seconds": time.perf_counter() - t0,
              "parameters": sum(p.numel() for c in emu.chunks for p in c.parameters())}
@@ -272,7 +288,8 @@ def stream(size: Size, args) -> dict:
     timer.active = True
     segment(size.stream_ops, "segment timed op by op")
     timer.active = False
-    out = {"method": args.method, "optimizer": args.optimizer, "k": args.k, "built": built,
+    out = {"method": args.method, "optimizer": args.optimizer, "k": args.k, "compiled": bool(args.compile),
+           "prediction": "separate" if args.separate else "fused where it applies", "built": built,
            "ms_per_microbatch": (long - short) / (size.stream_long - size.stream_short) * 1e3,
            "segments": {"short": [size.stream_short, short], "long": [size.stream_long, long]},
            "stages": timer.per_stage(), "copies_per_chunk": {str(r): n for (r, _), n in emu.copies_per_chunk().items()}}
@@ -284,14 +301,47 @@ def stream(size: Size, args) -> dict:
     return out
 
 
-WORKERS = {"peak": peak, "plain": plain, "stream": stream}
+# --------------------------------------------------------------------------------------------------
+# Muon's Newton-Schulz, and one stage's optimizer step with PipeOptim's prediction
+# --------------------------------------------------------------------------------------------------
+
+
+def stage_parameters(size: Size) -> int:
+    """The transformer weights of one of the D stages (12·h² per layer): 302 M for GPT-1.3B."""
+    return size.layers // D * 12 * size.hidden ** 2
+
+
+def newton_schulz(size: Size, args) -> dict:
+    """bench/muon_step.py's `layer_newton_schulz_ms`: 5 Newton-Schulz steps on one layer's four matrices, per
+    precision (fp32, TF32, bf16), one call per matrix (the code before issue 31) and batched by shape."""
+    from muon_step import layer_newton_schulz_ms
+    where = device()
+    log(f"  Newton-Schulz, one layer of hidden {size.hidden}, on {where}")
+    times = layer_newton_schulz_ms(size.hidden, 4 * size.hidden, where, reps=size.matmul_reps)
+    return {"hidden": size.hidden, "ffn": 4 * size.hidden, "steps": 5, "layers_per_stage": size.layers // D,
+            "ms": {f"{precision},{how}": ms for (precision, how), ms in times.items()}}
+
+
+def fused_step(size: Size, args) -> dict:
+    """bench/fused_step.py's `time_step_variants`: one stage's AdamW step + PipeOptim prediction + restore
+    (bf16 weights, fp32 main params), naive (no prediction) / separate / fused, eager and compiled."""
+    from fused_step import time_step_variants
+    where, numel = device(), stage_parameters(size)
+    use_compile_backend(size)
+    log(f"  one stage of {numel / 1e6:.3g} M parameters: step + prediction, eager and compiled, on {where}")
+    rows = time_step_variants(where, numel=numel, bf16=True, reps=size.matmul_reps)
+    return {"parameters": numel, "rows": rows}
+
+
+WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("worker", choices=list(WORKERS))
     ap.add_argument("--size", choices=list(SIZES), default="full")
-    ap.add_argument("--compile", action="store_true", help="plain: torch.compile the model")
+    ap.add_argument("--compile", action="store_true", help="plain: torch.compile the model; stream: --torch-compile")
+    ap.add_argument("--separate", action="store_true", help="stream: predict before each forward, not in the step")
     ap.add_argument("--method", default="pipeoptim", help="stream: the asynchronous method")
     ap.add_argument("--optimizer", default="adamw", help="stream: the optimizer")
     ap.add_argument("--k", type=int, default=1, help="stream: the update interval")

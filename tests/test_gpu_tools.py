@@ -84,7 +84,9 @@ def test_run_gpu_tests_script_skips_every_cuda_test_without_a_gpu(tmp_path):
 
 
 SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours beside a plain PyTorch GPT",
-                  "asynchronous stream in the single-process emulator", "fp16: skipped iterations"]
+                  "GPT through pretrain_gpt.py --torch-compile", "Muon: iteration vs AdamW",
+                  "asynchronous stream in the single-process emulator", "stream under --torch-compile",
+                  "optimizer step with PipeOptim's prediction", "fp16: skipped iterations", "Targets"]
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
@@ -106,7 +108,8 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
 
     data = json.loads((tmp_path / "results" / "gpu.json").read_text())
     assert data["size"] == "quick" and data["failures"] == [] and data["data_parallel_size"] == 1
-    assert list(data["sections"]) == ["peak", "gpt", "plain", "stream", "fp16"]
+    assert list(data["sections"]) == ["peak", "gpt", "plain", "compiled", "muon", "stream", "stream_compiled", "fused",
+                                      "fp16", "targets"]
     sections = {name: s["figures"] for name, s in data["sections"].items()}
     assert sections["peak"]["tflops"] > 0
     gpt = sections["gpt"]
@@ -118,8 +121,22 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     copies = {label: [m["copies_per_chunk"][str(r)] for r in range(4)] for label, m in methods.items()}
     # bf16 PipeOptim: the step writes Ŵ into its own bf16 tensor (the forward points at it), so the stages
     # that predict hold live + Ŵ while it waits for its forward (issue 30; the fp32 main params are not counted)
+    # (predicting before each forward, the code before issue 30, writes Ŵ into the bf16 model weights: one copy)
     assert copies == {"async-naive": [1] * 4, "PipeDream": [4, 3, 2, 1], "PipeDream-2BW": [2] * 4,
-                      "PipeOptim (AdamW)": [2, 2, 2, 1], "PipeOptim (Muon)": [2, 2, 2, 1]}
+                      "PipeOptim (AdamW)": [2, 2, 2, 1], "PipeOptim (AdamW), prediction separate": [1] * 4,
+                      "async-naive (Muon)": [1] * 4, "PipeOptim (Muon)": [2, 2, 2, 1]}
+    compiled = sections["stream_compiled"]["methods"]
+    assert set(compiled) == {"async-naive", "PipeOptim (AdamW)", "async-naive (Muon)", "PipeOptim (Muon)"}
+    assert all(m["compiled"] for m in compiled.values()) and not any(m["compiled"] for m in methods.values())
+    assert sections["compiled"]["tokens_per_s"] > 0 and sections["compiled"]["over_plain_compiled"] > 0
+    muon = sections["muon"]
+    assert muon["muon"]["over_adamw"] > 0 and muon["muon_fp32_qkv_whole"]["over_adamw"] > 0
+    assert set(muon["newton_schulz"]["ms"]) == {f"{p},{how}" for p in ("highest", "high", "medium")
+                                                for how in ("unbatched", "batched")}
+    assert {(r["variant"], r["compiled"]) for r in sections["fused"]["rows"]} == \
+        {(v, c) for v in ("naive", "separate", "fused") for c in (False, True)}
+    targets = sections["targets"]["targets"]
+    assert len(targets) == 5 and all(t[1] != "not measured" and t[2] in ("met", "NOT MET") for t in targets)
     # (ms per micro-batch is a difference of two timed segments: on a loaded CPU at this size it may be anything)
     assert all(m["memory"]["peak_bytes"] > 0 and m["built"]["parameters"] > 0 for m in methods.values())
     fp16 = sections["fp16"]

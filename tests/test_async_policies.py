@@ -39,7 +39,9 @@ from megatron_po.optim.muon import optimizer_param_groups
 from megatron_po.pipeline.async_pipeline import AsyncEmulator, segment_schedule
 from megatron_po.pipeline.executor import Mailbox, StageRunner, WeightPolicy
 from megatron_po.pipeline.partition import build_chunks_for_rank
-from megatron_po.pipeline.policies import (PipeOptimPolicy, build_policy, spectrain_staleness)
+from megatron_po.pipeline.async_policy import spectrain_staleness
+from megatron_po.pipeline.policies import build_policy
+from megatron_po.pipeline.predicting_policies import PipeOptimPolicy
 from megatron_po.pipeline.schedules import async_one_f_one_b, staleness
 
 VOCAB = 64
@@ -563,7 +565,7 @@ def test_pointer_swaps_equal_copies_bit_for_bit(method, optimizer, style, v):
 def test_unknown_modules_fall_back_to_copies():
     """A module whose autograd may save views or casts of its weights (F.linear saves weight.t(), Transformer
     Engine keeps its own copies) makes the chunk use the copy-based prediction."""
-    from megatron_po.pipeline.policies import _backward_reads_parameters
+    from megatron_po.pipeline.predicting_policies import _backward_reads_parameters
     cfg = make_cfg(2)
     chunk = build_chunks_for_rank(cfg, VOCAB, 0, 2, 1)[0]
     assert _backward_reads_parameters(chunk)

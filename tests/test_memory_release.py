@@ -24,9 +24,12 @@ from megatron_po.pipeline.async_pipeline import AsyncEmulator
 
 
 def live_tensor_bytes() -> int:
+    """Bytes of the live CPU tensors' storages. Tensors without real storage (the fake tensors a
+    torch.compile of an earlier test may leave in the process, inherited by forked ranks) hold none."""
+    from torch._subclasses.fake_tensor import is_fake
     seen, total = set(), 0
     for o in gc.get_objects():
-        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no attribute lookups
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not is_fake(o):  # type(): no lookups
             storage = o.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

@@ -30,7 +30,7 @@ shards of the passes before the next step in ONE packed
 all-gather per bucket (asynchronous with --overlap-param-gather: the forward pre-hooks wait); a pass
 on Ŵ points the parameters at that buffer and back after it, so the restore moves no data. At k = 1:
 one all-gather of 2× (PipeOptim; 3× SpecTrain) the shard per micro-batch, instead of three (update,
-prediction, restore) of 1× each (`policies._PredictingPolicy`). PipeDream and 2BW work
+prediction, restore) of 1× each (`predicting_policies._PredictingPolicy`). PipeDream and 2BW work
 unchanged: they stash and swap the (full, replicated) model weights, never the sharded main params.
 Found-inf and the grad norm are agreed over DP and TP of the stage.
 
@@ -96,7 +96,8 @@ from megatron_po.pipeline.executor import (Mailbox, P2PTransport, StageRunner, W
                                           run_rank)
 from megatron_po.pipeline.partition import build_chunks_for_rank
 from megatron_po.pipeline.pipenag import PipeNAGPolicy  # noqa: F401  (registers --pipeline-method pipenag)
-from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy, chunk_parameters, shift_microbatches
+from megatron_po.pipeline.async_policy import chunk_parameters, shift_microbatches
+from megatron_po.pipeline.policies import ASYNC_METHODS, build_policy
 from megatron_po.pipeline.schedules import Schedule, async_one_f_one_b, gpipe
 
 # --------------------------------------------------------------------------------------------------

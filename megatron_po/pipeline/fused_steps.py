@@ -34,7 +34,7 @@ from megatron_po.pipeline.schedules import Forward
 
 
 class StepFusedPrediction:
-    """Mixin of policies._PredictingPolicy. Needs `self.optimizers`, `self.steps`, `self.gathers`,
+    """Mixin of predicting_policies._PredictingPolicy. Needs `self.optimizers`, `self.steps`, `self.gathers`,
     `self.swaps`, `self.live`, `self.error_feedback`, `self._segment_first_step`, `self._passes_between_steps`,
     `self.lr_steps`, `self._note_copies` and the policy's `prefetch_passes(chunk, ops)`; policies override
     `_predicted_passes` and `_plan_predictor`."""

@@ -28,7 +28,8 @@ import torch
 
 from megatron_po.errors import ConfigError
 from megatron_po.optim.nag import NAG
-from megatron_po.pipeline.policies import POLICIES, AsyncPolicy, _swap
+from megatron_po.pipeline.async_policy import AsyncPolicy, _swap
+from megatron_po.pipeline.policies import POLICIES
 
 
 class PipeNAGPolicy(AsyncPolicy):

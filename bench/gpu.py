@@ -4,6 +4,7 @@ same figures beside it (device name slugged: gpu_nvidia_h200.md; gpu_cpu.md with
     python bench/gpu.py                          # every section at the full size, GPT-1.3B (estimated 15-20 min on an H200)
     python bench/gpu.py --only peak gpt plain    # some sections; --skip leaves some out
     python bench/gpu.py --quick --out /tmp/g.md  # a tiny GPT, every code path on a CPU in about a minute
+    python bench/gpu.py --only stream --stream-methods async-naive:adamw pipeoptim:adamw   # some methods
 
 Sections (names for --only / --skip), each measured in fresh processes (pretrain_gpt.py, bench/gpu_worker.py),
 each with its exact command in the results:
@@ -50,153 +51,26 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
-from bench_common import (REPO, RESULTS, add_repo_to_path, load_at_end, load_at_start, loadavg, log,  # noqa: E402
-                          markdown_table, now, offline_env)
+from bench_common import (RESULTS, load_at_end, load_at_start, loadavg, log, markdown_table, now,  # noqa: E402
+                          offline_env)
 
-add_repo_to_path()
 offline_env()
 
 import torch  # noqa: E402
-from gpu_worker import D, SIZES, Size, padded_vocab  # noqa: E402
-from ttq_cost_model import cost_model_from_measurements  # noqa: E402
-
-
-@dataclass
-class Section:
-    """What a section measured: its title, the exact commands, its figures (into the JSON) and its
-    Markdown lines (tables, notes)."""
-    title: str
-    commands: list[str] = field(default_factory=list)
-    figures: dict = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
-
-
-class Run:
-    """One `python bench/gpu.py` run: its size, the sections done so far (`done`: name -> Section), and the
-    two ways a section measures, each in a fresh process whose output lines are progress."""
-
-    def __init__(self, size_name: str, timeout: float):
-        self.size_name, self.size = size_name, SIZES[size_name]
-        self.timeout = timeout
-        self.done: dict[str, Section] = {}
-        self.tmp = tempfile.mkdtemp(prefix="bench_gpu_")
-
-    def _stream(self, cmd: list[str], shown: str) -> list[str]:
-        """Run `cmd` from the checkout, echo its output as it comes; its output lines. Raises on failure."""
-        log(f"  $ {shown}")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        timed_out = threading.Event()
-
-        def kill():  # a hung process, printing or not, ends the section
-            timed_out.set()
-            proc.kill()
-        killer = threading.Timer(self.timeout, kill)
-        killer.start()
-        lines = []
-        try:
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                if not line.startswith("RESULT "):
-                    log("    " + line.rstrip("\n"))
-            proc.wait()
-        finally:
-            killer.cancel()
-        if timed_out.is_set():
-            raise RuntimeError(f"killed after {self.timeout:.0f} s: {shown}")
-        if proc.returncode != 0:
-            raise RuntimeError(f"exit code {proc.returncode}: {shown}\n" + "\n".join(lines[-15:]))
-        return lines
-
-    def worker(self, name: str, *flags: str, errors: list | None = None) -> tuple[dict | None, str]:
-        """(result, command) of `python bench/gpu_worker.py name --size <size> flags`. With `errors`, a
-        failure (an out-of-memory, a compiler error) is appended there as (command, message) and the result
-        is None, so that one failing measurement leaves the others of its section."""
-        argv = [name, "--size", self.size_name, *flags]
-        shown = " ".join(["python", "bench/gpu_worker.py", *argv])
-        if errors is not None:
-            try:
-                return self.worker(name, *flags)
-            except RuntimeError as e:
-                errors.append((shown, str(e)))
-                return None, shown
-        lines = self._stream([sys.executable, os.path.join(BENCH, "gpu_worker.py"), *argv], shown)
-        result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
-        if result is None:
-            raise RuntimeError(f"no RESULT line from: {shown}")
-        return json.loads(result), shown
-
-    def pretrain(self, label: str, flags: list[str]) -> tuple[list[dict], str, list[str]]:
-        """(metrics records, command, output lines) of pretrain_gpt.py with `flags` (metrics into a
-        temporary directory, shown as $TMP in the command)."""
-        out = os.path.join(self.tmp, label)
-        os.makedirs(out, exist_ok=True)
-        argv = [*flags, "--metrics-file", os.path.join(out, "metrics.jsonl"), "--data-cache-path",
-                os.path.join(out, "cache")]
-        shown = " ".join(["python", "pretrain_gpt.py", *argv]).replace(self.tmp, "$TMP")
-        lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f], shown, lines
+from gpu_run import Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
+from gpu_stream import D, STREAM_METHOD_KEYS, section_stream, section_stream_compiled, ttq_cost_model  # noqa: E402
+from gpu_worker import padded_vocab  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
-# Figures shared by the sections
-# --------------------------------------------------------------------------------------------------
-
-
-def flops_per_iteration(size: Size) -> float:
-    """Model FLOPs of one iteration (forward + backward, Megatron's dense convention) of the GPT of `size`."""
-    from megatron_po.config import parse_args
-    from megatron_po.flops import gpt_flops_per_token
-    return gpt_flops_per_token(parse_args(size.gpt_flags()), padded_vocab(size)) * size.global_batch * size.seq
-
-
-def peak_tflops(run: Run) -> float | None:
-    peak = run.done.get("peak")
-    return peak.figures.get("tflops") if peak is not None else None
-
-
-def throughput(run: Run, ms: float) -> dict:
-    """ms per iteration -> tokens/s, model TFLOP/s and (with a measured peak) MFU."""
-    tflops = flops_per_iteration(run.size) / ms * 1e3 / 1e12
-    peak = peak_tflops(run)
-    return {"ms_per_iteration": ms, "tokens_per_s": run.size.global_batch * run.size.seq / ms * 1e3,
-            "model_tflops": tflops, "mfu": tflops / peak if peak else None}
-
-
-def num(x: float) -> str:
-    """A rate with 3 significant figures below 100 (the quick size's are tiny), else one decimal."""
-    return f"{x:.3g}" if abs(x) < 100 else f"{x:.1f}"
-
-
-def gib(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f}"
-
-
-def pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f} %"
-
-
-def failed_lines(errors: list) -> list[str]:
-    """Markdown for the measurements of a section that failed (their command and the end of the error)."""
-    out = []
-    for command, message in errors:
-        out += ["", f"Failed: `{command}`", "", "```", *message.splitlines()[-8:], "```"]
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The sections
+# The sections (the stream's in bench/gpu_stream.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -205,28 +79,6 @@ def section_peak(run: Run) -> Section:
     return Section("bf16 matmul peak", [command], result,
                    [f"**{num(result['tflops'])} TFLOP/s**: {result['n']}^3 bf16 products of random matrices, the mean "
                     f"of {result['reps']} after {result['warmup']} warm-up. MFU below is against this figure."])
-
-
-def measure_ours(run: Run, label: str, title: str, extra_flags: list[str]) -> Section:
-    """The GPT of this size through pretrain_gpt.py --bf16 plus `extra_flags`: the median ms per iteration
-    after the warm-up, from the per-iteration records (--log-interval 1), and what follows from it."""
-    s = run.size
-    flags = s.gpt_flags() + ["--bf16", "--train-iters", str(s.iterations), "--log-interval", "1", "--log-throughput",
-                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1", *extra_flags]
-    records, command, output = run.pretrain(label, flags)
-    timed = [r for r in records if "tokens_per_sec" in r][s.warmup:]
-    times = sorted(s.global_batch * s.seq / r["tokens_per_sec"] * 1e3 for r in timed)
-    figures = throughput(run, times[len(times) // 2])
-    held = next((re.search(r"holds ([\d.]+) M parameters", ln) for ln in output if "holds" in ln), None)
-    figures.update(parameters_millions=float(held.group(1)) if held else None, iterations_timed=len(times),
-                   max_memory_bytes=records[-1].get("max_memory_gb", 0.0) * 2**30, padded_vocab=padded_vocab(s),
-                   flops_per_iteration=flops_per_iteration(s))
-    row = [f"{figures['ms_per_iteration']:.1f}", f"{figures['tokens_per_s']:,.0f}", num(figures["model_tflops"]),
-           pct(figures["mfu"]), gib(figures["max_memory_bytes"])]
-    return Section(title, [command], figures, [
-        f"{figures['parameters_millions']} M parameters; median of the {len(times)} iterations after {s.warmup} "
-        f"warm-up; {num(figures['flops_per_iteration'] / 1e12)} TFLOP per iteration (megatron_po/flops.py).", "",
-        markdown_table(["ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "peak GiB"], [row])])
 
 
 def section_gpt(run: Run) -> Section:
@@ -258,204 +110,6 @@ def section_plain(run: Run) -> Section:
         f"same (tied, padded) output layer; `torch.compile` with backend `{backend}`. Same FLOPs per iteration.", "",
         markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "ours / this (tokens/s)"], rows),
         *failed_lines(errors)])
-
-
-# label, method, optimizer, update interval k (2BW accumulates k >= D micro-batches per update), worker flags
-STREAM_METHODS = [
-    ("async-naive", "async-naive", "adamw", 1, ()),
-    ("PipeDream", "pipedream", "adamw", 1, ()),
-    ("PipeDream-2BW", "pipedream-2bw", "adamw", D, ()),
-    ("PipeOptim (AdamW)", "pipeoptim", "adamw", 1, ()),
-    ("PipeOptim (AdamW), prediction separate", "pipeoptim", "adamw", 1, ("--separate",)),
-    ("async-naive (Muon)", "async-naive", "muon", 1, ()),
-    ("PipeOptim (Muon)", "pipeoptim", "muon", 1, ()),
-]
-# The same under --torch-compile (compiled layers; the optimizer step with PipeOptim's prediction fused into it
-# compiled): issue 30's target, PipeOptim <= 1.01x async-naive per micro-batch, is judged here.
-STREAM_COMPILED_METHODS = [
-    ("async-naive", "async-naive", "adamw", 1, ("--compile",)),
-    ("PipeOptim (AdamW)", "pipeoptim", "adamw", 1, ("--compile",)),
-    ("async-naive (Muon)", "async-naive", "muon", 1, ("--compile",)),
-    ("PipeOptim (Muon)", "pipeoptim", "muon", 1, ("--compile",)),
-]
-
-
-def naive_step_ms(results: dict, optimizer: str, r: int) -> float | None:
-    """Stage r's Step op (policy hooks included) under async-naive with `optimizer`: the step alone."""
-    label = next((lb for lb, method, opt, k, flags in STREAM_METHODS
-                  if method == "async-naive" and opt == optimizer and lb in results), None)
-    return results[label]["stages"][r]["step"] if label else None
-
-
-def policy_step_ms(results: dict, label: str, optimizer: str, r: int) -> float:
-    """What a method's weight policy adds to stage r's Step op: its hooks, and the prediction a step writes
-    when it is fused into it (the method's Step op less async-naive's with the same optimizer; the hooks
-    alone when async-naive did not run with that optimizer)."""
-    ops = results[label]["stages"][r]
-    naive = naive_step_ms(results, optimizer, r)
-    # two medians from two processes: a difference below zero is their noise, counted as nothing
-    return max(0.0, ops["step"] - naive) if naive is not None else ops["step_hooks"]
-
-
-def stage_costs(results: dict) -> list[dict]:
-    """Per stage of the D = 4 stream, in ms: forward and backward (async-naive's ops: no policy work),
-    the optimizer step per optimizer (async-naive's Step op with that optimizer) and PipeOptim's prediction
-    (its hooks around a forward, which restore the live weights and predict where the step did not, plus
-    what the fused prediction adds to the step)."""
-    base = results.get("async-naive") or next(iter(results.values()))
-    out = []
-    for r in range(D):
-        ops = base["stages"][r]
-        stage = {"stage": r, "forward_ms": ops["forward"] - ops["forward_hooks"],
-                 "backward_ms": ops["backward"] - ops["backward_hooks"], "step_ms": {}, "prediction_ms": {}}
-        for label, method, optimizer, k, flags in STREAM_METHODS:
-            if label not in results or k != 1 or flags:
-                continue
-            ops = results[label]["stages"][r]
-            naive = naive_step_ms(results, optimizer, r)
-            stage["step_ms"].setdefault(optimizer, (naive if naive is not None else ops["step"] - ops["step_hooks"]))
-            if method == "pipeoptim":
-                stage["prediction_ms"][optimizer] = ops["forward_hooks"] + policy_step_ms(results, label, optimizer, r)
-        out.append(stage)
-    return out
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-# Which stages a method's weight policy works on, as bench/ttq_cost_model.py counts them: at k = 1 the last
-# stage's weights are never stale (PipeOptim predicts nothing there, PipeDream stashes nothing); 2BW swaps
-# versions on every stage.
-POLICY_STAGES = {"pipeoptim": "stale", "pipedream": "stale", "pipedream-2bw": "all"}
-
-
-def ttq_cost_model(results: dict, costs: list[dict], info: dict, size: Size, size_name: str) -> dict:
-    """The stream's per-op costs as bench/time_to_quality.py's cost model (`--cost-model PATH`; schema in
-    bench/ttq_cost_model.py): one average stage (so that it prices any D), the policies' hook time per op
-    kind averaged over the stages they work on."""
-    stale = list(range(D - 1))
-
-    def policy(label: str, method: str, optimizer: str) -> dict:
-        stages = stale if POLICY_STAGES[method] == "stale" else list(range(D))
-        ops = results[label]["stages"]
-        return {"Forward": mean([ops[r]["forward_hooks"] for r in stages]),
-                "Backward": mean([ops[r]["backward_hooks"] for r in stages]),
-                "Step": mean([policy_step_ms(results, label, optimizer, r) for r in stages]),
-                "stages": POLICY_STAGES[method]}
-
-    policies = {method: policy(label, method, optimizer) for label, method, optimizer, k, flags in STREAM_METHODS
-                if method in POLICY_STAGES and optimizer == "adamw" and not flags and label in results}
-    variants = {}
-    if "PipeOptim (Muon)" in results:
-        variants["muon-run-prediction"] = {"note": "PipeOptim's hooks measured in the Muon run (its prediction "
-                                                   "follows Muon's update)",
-                                           "policy_ms": {"pipeoptim": policy("PipeOptim (Muon)", "pipeoptim", "muon")}}
-    separate = "PipeOptim (AdamW), prediction separate"
-    if separate in results:
-        variants["prediction-separate"] = {"note": "PipeOptim predicting right before each forward (the code "
-                                                   "before issue 30) instead of in the step",
-                                           "policy_ms": {"pipeoptim": policy(separate, "pipeoptim", "adamw")}}
-    steps = {o: mean([c["step_ms"][o] for c in costs]) for o in ("adamw", "muon") if o in costs[0]["step_ms"]}
-    device = f"{info['name']} (torch {info['torch']}, CUDA {info['cuda']}, bf16)"
-    model = (f"GPT {size.layers} layers, hidden {size.hidden}, {size.heads} heads, seq {size.seq}, micro-batch "
-             f"{size.micro_batch}, vocab {padded_vocab(size)}, untied embeddings; one stage = {size.layers // D} layers")
-    return cost_model_from_measurements(
-        name=f"gpu_{info['slug']}_{size_name}", device=device, model=model, pipeline_stages=D, data_parallel=1,
-        tokens_per_microbatch=size.micro_batch * size.seq,
-        forward_ms=mean([c["forward_ms"] for c in costs]), backward_ms=mean([c["backward_ms"] for c in costs]),
-        step_ms=steps, policy_ms=policies, variants_ms=variants, source=[
-            f"python bench/gpu.py ({size_name} size), section stream: the D = {D} asynchronous emulator, one process "
-            "per method, one segment timed op by op with the device synchronised around every op and policy hook; "
-            "medians per stage, then the mean over the stages (one average stage; the per-stage figures are in the "
-            "bench's JSON, `stage_costs`).",
-            "forward, backward: async-naive's ops less their (empty) policy hooks; step: the Step op less the "
-            "policy's hooks, AdamW from async-naive, Muon from PipeOptim (Muon), at the Newton-Schulz precision "
-            "this code runs by default.",
-            "policy: each method's hook time per op kind (PipeOptim: the restore after a forward, and the prediction "
-            "the step writes, i.e. its Step op less async-naive's; PipeDream: the version swap around a backward; "
-            "2BW at k = 4: its version copies), AdamW runs, averaged over the stages the method works on "
-            "(`stages`).",
-            "Not measured here: NAG's step (PipeNAG, and 2BW + error feedback, need fp32 weights; this bench runs "
-            "bf16), the split backward of the zero-bubble schedules, communication (one process, DP = 1)."])
-
-
-def run_stream(run: Run, methods: list) -> tuple[dict, list[str], list, list[list]]:
-    """Each method of `methods` in a worker process of its own: (results by label, commands, errors, table rows
-    of ms per micro-batch, the ratio to async-naive with the same optimizer, memory and weight copies)."""
-    results, commands, errors = {}, [], []
-    for label, method, optimizer, k, flags in methods:
-        result, command = run.worker("stream", "--method", method, "--optimizer", optimizer, "--k", str(k), *flags,
-                                     errors=errors)
-        commands.append(command)
-        if result is not None:
-            results[label] = result
-    if not results:
-        raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
-    rows = []
-    for label, method, optimizer, k, flags in methods:
-        if label not in results:
-            rows.append([label, optimizer, k, "failed", "", "", "", ""])
-            continue
-        res = results[label]
-        naive = next((results[lb]["ms_per_microbatch"] for lb, m, o, _, f in methods
-                      if m == "async-naive" and o == optimizer and lb in results), None)
-        res["ratio_to_async_naive"] = res["ms_per_microbatch"] / naive if naive else None
-        copies = " / ".join(str(res["copies_per_chunk"][str(r)]) for r in range(D))
-        ratio = "n/a" if naive is None else f"{res['ratio_to_async_naive']:.3f}x"
-        rows.append([label, optimizer, k, f"{res['ms_per_microbatch']:.1f}", ratio, gib(res["memory"]["peak_bytes"]),
-                     gib(res["built"].get("memory_allocated_bytes")), copies])
-    return results, commands, errors, rows
-
-
-STREAM_COLUMNS = ["method", "optimizer", "k", "ms / micro-batch", "vs async-naive (same optimizer)", "peak GiB",
-                  "after build GiB", "weight copies"]
-
-
-def section_stream(run: Run) -> Section:
-    results, commands, errors, rows = run_stream(run, STREAM_METHODS)
-    costs = stage_costs(results)
-    cost_rows = []
-    for c in costs:
-        fb = c["forward_ms"] + c["backward_ms"]
-        steps = c["step_ms"]
-        cost_rows.append([c["stage"], f"{c['forward_ms']:.2f}", f"{c['backward_ms']:.2f}",
-                          *(f"{steps[o]:.2f} ({pct(steps[o] / fb)})" if o in steps else "n/a" for o in ("adamw", "muon")),
-                          *(f"{c['prediction_ms'][o]:.2f}" if o in c["prediction_ms"] else "n/a" for o in ("adamw", "muon"))])
-    first = next(iter(results.values()))
-    memory, parameters = first["memory"]["measure"], first["built"]["parameters"]
-    figures = {"D": D, "methods": results, "stage_costs": costs, "failed": [command for command, _ in errors]}
-    s = run.size
-    return Section(f"The D = {D} asynchronous stream in the single-process emulator", commands, figures, [
-        f"All {D} stages in one process (`AsyncEmulator`), bf16 with fp32 main params, untied embeddings (asynchronous "
-        f"methods need them: {parameters / 1e6:.1f} M parameters), micro-batch "
-        f"{s.micro_batch}, k = 1 unless said, eager (no --torch-compile). ms per micro-batch in the steady state: "
-        f"(T({s.stream_long}) - T({s.stream_short})) / {s.stream_long - s.stream_short} over two segments after a "
-        "warm-up; the emulator runs the stages one after another, so this is the whole pipeline's work per "
-        "micro-batch. Each method in a process of its own; peak memory: "
-        f"{memory}; after build: weights and optimizer state before the first step. Weight copies per chunk: live "
-        "weights included, ranks 0..3 (`copies_per_chunk`). PipeOptim writes its prediction in the optimizer step "
-        "where the next op is the predicted forward; \"prediction separate\" predicts right before each forward "
-        "(the code before issue 30).", "",
-        markdown_table(STREAM_COLUMNS, rows), "",
-        "Per stage (one segment with the device synchronised around every op and policy hook, median ms): forward "
-        "and backward from async-naive; the optimizer step (its share of that stage's forward + backward) from "
-        "async-naive with that optimizer; PipeOptim's prediction = its hooks around a forward (the restore) plus "
-        "what its Step op takes over async-naive's (the prediction written by the step; none on the last stage, "
-        "s = 0).", "",
-        markdown_table(["stage", "forward", "backward", "AdamW step (share)", "Muon step (share)",
-                        "prediction (AdamW)", "prediction (Muon)"], cost_rows), *failed_lines(errors)])
-
-
-def section_stream_compiled(run: Run) -> Section:
-    results, commands, errors, rows = run_stream(run, STREAM_COMPILED_METHODS)
-    return Section(f"The D = {D} stream under --torch-compile", commands,
-                   {"D": D, "methods": results, "failed": [command for command, _ in errors]}, [
-        "As the eager stream above, with --torch-compile: every transformer layer compiled, and each optimizer "
-        "step compiled with PipeOptim's prediction fused into it (one pass over the parameters writes the fp32 "
-        "weights, the state, the live bf16 weights and the bf16 prediction). Compilation happens in the warm-up "
-        "segment (and the drain that ends it), before the timed segments.", "",
-        markdown_table(STREAM_COLUMNS, rows), *failed_lines(errors)])
 
 
 def section_compiled(run: Run) -> Section:
@@ -684,8 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
+    ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
+                    help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
     args = ap.parse_args(argv)
-    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600))
+    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods)
     info = device_info()
     out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'_quick' if args.quick else ''}.md")
     command = " ".join(["python", "bench/gpu.py", *argv])

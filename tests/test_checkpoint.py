@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it: ~1.3 s once here instead of in every forked rank)
 import torch.distributed.checkpoint  # noqa: F401  (likewise ~1.3 s)
+from cli_args import flags_to_argv
 from dist_harness import run_distributed
 
 from megatron_po.distributed.checkpoint_format import TRACKER, find_checkpoint, list_iterations, read_tracker
@@ -59,13 +60,7 @@ def tiny_args(out, **overrides):
     args = dict(TINY, **{"--data-cache-path": os.path.join(out, "cache"),
                          "--metrics-file": os.path.join(out, "metrics.jsonl")})
     args.update(overrides)
-    argv = []
-    for k, v in args.items():
-        if v is True:
-            argv.append(k)
-        elif v is not None and v is not False:
-            argv += [k, str(v)]
-    return argv
+    return flags_to_argv(args)
 
 
 def run_capturing(argv):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_args import flags_to_argv
 from dist_harness import run_distributed
 from wandb_records import read_offline_run
 
@@ -30,13 +31,7 @@ def base_args(corpus, out_dir, **overrides):
         "--seed": 3,
     }
     args.update(overrides)
-    argv = []
-    for k, v in args.items():
-        if v is True:
-            argv.append(k)
-        elif v is not None:
-            argv += [k, str(v)]
-    return argv
+    return flags_to_argv(args)
 
 
 def run_pretrain(argv):

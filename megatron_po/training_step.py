@@ -105,10 +105,12 @@ def holds_loss(cfg: Config) -> bool:
 
 
 def average_over_dp(x: torch.Tensor | None) -> float | None:
-    """Mean over data-parallel replicas of a loss held by the last pipeline stage."""
+    """Mean over data-parallel replicas of a loss held by the last pipeline stage. `x` may live anywhere (an
+    evaluation's float comes as a CPU tensor): it is copied to the backend's device first, as NCCL takes
+    only GPU tensors."""
     if x is None:
         return None
-    x = x.detach().clone().to(torch.float64)
+    x = x.detach().to(device=ps.get_device(), dtype=torch.float64, copy=True)
     dist.all_reduce(x, group=ps.get_data_parallel_group())
     return float(x) / ps.get_data_parallel_world_size()
 

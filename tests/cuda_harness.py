@@ -26,6 +26,7 @@ import sys
 
 import pytest
 import torch
+from cli_args import flags_to_argv
 
 # cuBLAS fixes its workspace at its first use in a process, and deterministic GEMMs
 # (torch.use_deterministic_algorithms) need this setting: set it when the tests are collected, before any
@@ -101,7 +102,9 @@ def one_thread():
 
 
 def synchronize() -> None:
-    if HAS_CUDA:
+    """Wait for the GPU, where this test uses it: not while `use_device("cpu")` hides it (torch 2.11 raises
+    "invalid argument to exchangeDevice" there)."""
+    if HAS_CUDA and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
@@ -123,13 +126,7 @@ def tiny_args(out, **overrides) -> list[str]:
     args = dict(TINY, **{"--data-cache-path": os.path.join(out, "cache"),
                          "--metrics-file": os.path.join(out, "metrics.jsonl")})
     args.update(overrides)
-    argv = []
-    for k, v in args.items():
-        if v is True:
-            argv.append(k)
-        elif v is not None and v is not False:
-            argv += [k, str(v)]
-    return argv
+    return flags_to_argv(args)
 
 
 def read_records(out) -> list[dict]:

@@ -69,3 +69,32 @@ def test_next_boundary_drains_at_saves_exits_and_the_end():
     assert [next_boundary(i, fixed) for i in (0, 10, 45)] == [10, 20, 50]  # the drain interval alone
     long = parse_args(MOCK + ["--train-iters", str(3 * ASYNC_SEGMENT_ITERATIONS)])
     assert next_boundary(0, long) == ASYNC_SEGMENT_ITERATIONS  # segments stay bounded without saves
+
+
+def test_a_loss_is_averaged_over_dp_on_the_backends_device(monkeypatch):
+    """NCCL takes only GPU tensors: `average_over_dp` moves its input (an evaluation's float arrives as a CPU
+    tensor) to `ps.get_device()` before the all-reduce. Found by the CUDA suite on an H200 (an asynchronous run's
+    evaluation failed with "No backend type associated with device type cpu"); here the backend's device is
+    played by "meta", which a CPU tensor handed on unmoved is not."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from megatron_po import parallel_state as ps
+    from megatron_po.training_step import average_over_dp
+
+    class Reduced(Exception):
+        pass
+
+    seen = []
+
+    def all_reduce(x, group=None):
+        seen.append((x.device, x.dtype))
+        raise Reduced  # a meta tensor has no value to return: stop here
+
+    monkeypatch.setattr(ps, "get_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(Reduced):
+        average_over_dp(torch.tensor(2.5))
+    assert seen == [(torch.device("meta"), torch.float64)]

@@ -32,7 +32,7 @@ torch.optim's foreach code) and `PredictiveOptimizer._extrapolate` (the predicti
   a hand-written Triton kernel because it compiles the rule itself: a Triton kernel would be a second
   copy of every optimizer's update. Under compile the step counts stay tensors (`optimizers._step_value`,
   as in torch.optim: no host sync) and the scalars that change from step to step (the lr, s·lr) become
-  0-dim tensors (`optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
+  0-dim tensors (the lr given as one by `_call_update`; `optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
   constants, so an LR schedule does not recompile it; the bias corrections are then computed in fp32
   instead of in Python doubles: compiled = eager within float rounding, not bitwise. Compiled only where
   the function is pure per-element foreach work: not a group's first step (it creates the state), not
@@ -237,8 +237,11 @@ def _call_update(optimizer, index: int, args: tuple):
     group, params, _, states = args[:4]
     compiled = compiled_update(optimizer, index, group, params, states)
     if compiled is not None:
+        # The lr changes from step to step: a 0-dim tensor, an input of the graph (as a Python number it
+        # would be a constant, and every new lr a recompilation; graphs are static: `compiled_update`).
+        traced = {**group, "lr": torch.tensor(group["lr"], dtype=torch.float64)}
         try:
-            return compiled(optimizer, *args)
+            return compiled(optimizer, traced, *args[1:])
         except torch._dynamo.exc.TorchDynamoException as e:
             optimizer._compiled_updates[index] = None
             warnings.warn(f"{type(optimizer).__name__}: the fused step of param group {index} did not compile, "
@@ -262,7 +265,12 @@ def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], st
     if not all(states) or not optimizer._compilable(group):
         return None
     if index not in optimizer._compiled_updates:  # None once compiling failed (`_call_update`)
-        optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND)
+        # Static shapes (dynamic=False): a group's tensors keep their shapes, and what changes per step comes in
+        # as tensors (the step counts, the lr: `_call_update`). Torch 2.11 cannot trace views of one flat
+        # buffer (the gradient buffer's) once automatic dynamic shapes make its storage size symbolic
+        # ("aten.set_.source_Storage ... size_bytes_is_heap_allocated_"), and fell back to the eager step.
+        optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND,
+                                                           dynamic=False)
     return optimizer._compiled_updates[index]
 
 

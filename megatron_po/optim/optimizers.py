@@ -335,19 +335,22 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         parameter (e.g. the LR schedule's future lrs, or a rollout of the optimizer's recurrences)."""
         if self.predictor is None:
             alpha = -steps * group["lr"]
-            decay = 1 + alpha * group["weight_decay"] if include_weight_decay and self.decoupled_weight_decay else 1
+            # decided on numbers, never on the lr (a tensor under torch.compile: fused_prediction.py)
+            decays = include_weight_decay and self.decoupled_weight_decay and group["weight_decay"] != 0
+            decay = 1 + alpha * group["weight_decay"] if decays else None
             alphas = [alpha] * len(params)
         else:
             decay, coefficients = self.predictor.coefficients(self, group, states, steps, include_weight_decay)
+            decay = None if decay == 1 else decay
             alphas = [-b for b in coefficients]
-        if decay != 1:
+        if decay is not None:
             if in_place:
                 torch._foreach_mul_(dst, _per_step(decay))
             else:
                 dst, in_place = torch._foreach_mul(dst, _per_step(decay)), True  # new tensors: go on in place
         d = direction if direction is not None else self._direction_now(group, params, states)
         scalars = [a / x for a, x in zip(alphas, d.divisors)] if d.divisors is not None else None
-        alpha = alphas[0] if all(a == alphas[0] for a in alphas) else None  # one scalar for every tensor
+        alpha = alphas[0] if all(a is alphas[0] or a == alphas[0] for a in alphas) else None  # one for all
         if d.denominators is not None:
             value = scalars if scalars is not None else alpha if alpha is not None else alphas
             return _addcdiv(dst, d.numerators, d.denominators, value, in_place)

@@ -41,12 +41,14 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 
 import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
+from cli_args import flags_to_argv
 from dist_harness import run_distributed
 from test_async_policies import LR, SEED, VOCAB, get_batch, make_cfg
 
@@ -54,7 +56,6 @@ from megatron_po import training_step
 from megatron_po.models import compiled_layers
 from megatron_po.models.compiled_layers import compile_stats, compile_summary
 from megatron_po.models.transformer import TransformerLayer
-from megatron_po.pipeline import executor
 from megatron_po.pipeline.async_pipeline import AsyncEmulator
 from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
 from megatron_po.pipeline.partition import build_chunks_for_rank
@@ -130,8 +131,8 @@ def compiled_only_at_first_ops(log: list, start: dict, expect=("forward", "backw
     kinds did compile something.
 
     --torch-compile also compiles each optimizer's step (optim/fused_prediction.py): a chunk's first step runs
-    eagerly (it creates the state), the second compiles a graph per param group and the third once more (the
-    lr and s, seen to change, become graph inputs), never after (tests/test_fused_prediction.py); a step that
+    eagerly (it creates the state), the second compiles a graph per param group (static shapes; the lr comes in
+    as a tensor), never after at the same staleness s (tests/test_fused_prediction.py); a step that
     also writes PipeOptim's prediction is another graph than one that does not (in the asynchronous stream:
     the steps of the drain that ends the first segment), so there `step_warmup` is the first segment's steps."""
     first = {}
@@ -426,18 +427,27 @@ TINY = {"--num-layers": 4, "--hidden-size": 32, "--num-attention-heads": 2, "--s
 def argv_of(out, **flags):
     args = dict(TINY, **{"--data-cache-path": os.path.join(out, "cache"),
                          "--metrics-file": os.path.join(out, "metrics.jsonl")}, **flags)
-    argv = []
-    for k, v in args.items():
-        if v is True:
-            argv.append(k)
-        elif v is not None and v is not False:
-            argv += [k, str(v)]
-    return argv
+    return flags_to_argv(args)
 
 
-def run_recording(argv):
-    """run_main on this rank: exit code, stdout, and the compile counters after every op."""
+class GraphCode(logging.Handler):
+    """The Python code of every graph TorchDynamo makes (its `graph_code` log), one string per graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.graphs: list[str] = []
+        torch._logging.set_logs(graph_code=True)
+        logging.getLogger("torch._dynamo").addHandler(self)
+
+    def emit(self, record):
+        self.graphs.append(record.getMessage())
+
+
+def run_recording(argv, graph_code=False):
+    """run_main on this rank: exit code, stdout, and the compile counters after every op (with
+    `graph_code`, also every graph's code, appended to the log as ("graph", code))."""
     log, out = [], io.StringIO()
+    graphs = GraphCode() if graph_code else None
     torch._dynamo.reset()  # a fresh process's state, not the graphs (and recompile counts) forked from pytest's
     # Inductor's pool of compile workers, started by pytest's process, does not survive the fork (its futures
     # would never complete): compile in this process.
@@ -446,12 +456,14 @@ def run_recording(argv):
     start = compile_stats()
     with contextlib.redirect_stdout(out):
         code = run_main(argv)
+    if graphs is not None:
+        log += [("graph", g) for g in graphs.graphs]
     return code, out.getvalue(), start, log
 
 
-def train(out, world, **flags):
+def train(out, world, graph_code=False, **flags):
     os.makedirs(out, exist_ok=True)
-    results = run_distributed(run_recording, world, args=(argv_of(out, **flags),), timeout=600)
+    results = run_distributed(run_recording, world, args=(argv_of(out, **flags), graph_code), timeout=600)
     assert [r[0] for r in results] == [0] * world, results
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -474,10 +486,16 @@ def check_compiled_run(results, step_warmup=3):
 def test_1f1b_tp2_pp2_sequence_parallel_compiled_equals_single_process(tmp_path):
     reference, _ = train(str(tmp_path / "eager"), 1)
     layout = {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2, "--sequence-parallel": True}
-    records, results = train(str(tmp_path / "compiled"), 4, **layout, **{"--torch-compile": True})
+    records, results = train(str(tmp_path / "compiled"), 4, graph_code=True, **layout, **{"--torch-compile": True})
     assert len(losses(records)) == 5  # 3 iterations, evaluations after 2 and at the end
     assert_close(losses(records), losses(reference), "1f1b tp2 pp2")
+    graphs = [entry[1] for *_, log in results for entry in log if entry[0] == "graph"]
+    for _, _, _, log in results:
+        log[:] = [entry for entry in log if entry[0] != "graph"]
     check_compiled_run(results)
+    # TP's collectives run between the graphs (tensor_parallel/mappings.py: traced into them, torch 2.11
+    # computed wrong gradients); the graphs were seen, and none holds a collective
+    assert graphs and not [g for g in graphs if "_c10d_functional" in g or "all_reduce" in g], graphs[:1]
 
 
 def test_pipeoptim_pp2_dp2_distributed_optimizer_compiled_equals_eager(tmp_path):

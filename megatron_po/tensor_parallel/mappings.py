@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po.errors import ConfigError
+from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 from megatron_po.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -208,29 +209,44 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
+@runs_eagerly
+def _apply_outside_compiled_graph(function, *args):
+    return function.apply(*args)
+
+
+def _apply(function, *args):
+    """`function.apply(*args)`; in a compiled layer (--torch-compile) with TP > 1, between two graphs, its
+    collectives eager in both directions. Traced into the graph, torch 2.11 computed wrong gradients through
+    the backward's all-reduce (TP 2: the loss off by 1e-3 after one update, then diverging; torch 2.13 was
+    right). With TP = 1 the mappings are identities and stay in the graph."""
+    if torch.compiler.is_compiling() and get_tensor_model_parallel_world_size() > 1:
+        return _apply_outside_compiled_graph(function, *args)
+    return function.apply(*args)
+
+
 def copy_to_tensor_model_parallel_region(input_):
-    return _CopyToModelParallelRegion.apply(input_)
+    return _apply(_CopyToModelParallelRegion, input_)
 
 
 def reduce_from_tensor_model_parallel_region(input_):
-    return _ReduceFromModelParallelRegion.apply(input_)
+    return _apply(_ReduceFromModelParallelRegion, input_)
 
 
 def scatter_to_tensor_model_parallel_region(input_):
-    return _ScatterToModelParallelRegion.apply(input_)
+    return _apply(_ScatterToModelParallelRegion, input_)
 
 
 def gather_from_tensor_model_parallel_region(input_):
-    return _GatherFromModelParallelRegion.apply(input_)
+    return _apply(_GatherFromModelParallelRegion, input_)
 
 
 def scatter_to_sequence_parallel_region(input_):
-    return _ScatterToSequenceParallelRegion.apply(input_)
+    return _apply(_ScatterToSequenceParallelRegion, input_)
 
 
 def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True):
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+    return _apply(_GatherFromSequenceParallelRegion, input_, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_):
-    return _ReduceScatterToSequenceParallelRegion.apply(input_)
+    return _apply(_ReduceScatterToSequenceParallelRegion, input_)

@@ -447,9 +447,32 @@ class Watchdog:
         """Note the run's fault (the first one seen counts, with its grace); exit once the grace is over."""
         if self.fault is None:
             self.fault, self.exit_at = fault, time.monotonic() + grace
+            try:  # tell the rank that published it (`wait_until_seen`)
+                with self.lock:
+                    self.store.set(f"saw-fault/{self.rank}", "1")
+            except Exception:
+                pass  # the store is gone
         elif time.monotonic() >= self.exit_at and not self.stopped.is_set():
             print(f"error: {describe_rank(self.rank)} stops: {self.fault}", file=sys.stderr, flush=True)
             os._exit(FAULT_EXIT_CODE)
+
+    def wait_until_seen(self, timeout: float) -> None:
+        """After publishing a fault: wait (at most `timeout` s) until every other rank's watchdog has seen it
+        or the rank has finished. The rank hosting the store (rank 0 under srun or a plain launch) must not
+        exit before: a watchdog that finds the store gone first takes it for a lost rank 0 and stops only
+        lost_after later (a stuck rank stopped 15 s late at --distributed-timeout-minutes 0.5)."""
+        others = [r for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + timeout
+        try:
+            with self.lock:
+                self.store.set(f"saw-fault/{self.rank}", "1")  # for a peer waiting here too
+            while time.monotonic() < deadline:
+                with self.lock:
+                    if all(self.store.check([f"saw-fault/{r}"]) or self.store.check([f"done/{r}"]) for r in others):
+                        return
+                time.sleep(0.05)
+        except Exception:
+            pass  # the store is gone: nothing to wait for
 
     def stop(self, finished: bool) -> None:
         if finished:  # a rank done with training is not lost (said before its heartbeat stops)
@@ -482,11 +505,14 @@ def stop_watchdog(finished: bool = True) -> None:
 def report_fault(message: str) -> None:
     """This rank stops with an error its peers may not share: publish it so they stop too."""
     if _WATCHDOG is not None:
+        watchdog = _WATCHDOG
         try:
-            _WATCHDOG.publish(f"{describe_rank(_WATCHDOG.rank)} {message}")
+            watchdog.publish(f"{describe_rank(watchdog.rank)} {message}")
         except Exception:
-            pass  # the store is gone too: the peers' watchdogs see that
-        stop_watchdog(finished=False)
+            stop_watchdog(finished=False)
+            return  # the store is gone too: the peers' watchdogs see that
+        stop_watchdog(finished=False)  # first: its thread would exit this process after its grace
+        watchdog.wait_until_seen(timeout=3 * watchdog.interval)
 
 
 def is_communication_error(e: BaseException) -> bool:

@@ -238,8 +238,10 @@ def _call_update(optimizer, index: int, args: tuple):
     compiled = compiled_update(optimizer, index, group, params, states)
     if compiled is not None:
         # The lr changes from step to step: a 0-dim tensor, an input of the graph (as a Python number it
-        # would be a constant, and every new lr a recompilation; graphs are static: `compiled_update`).
-        traced = {**group, "lr": torch.tensor(group["lr"], dtype=torch.float64)}
+        # would be a constant, and every new lr a recompilation; graphs are static: `compiled_update`). In
+        # float32, as `_per_step` makes the other per-step scalars: with a float64 one, inductor's graph of the
+        # distributed optimizer's step (PipeOptim, PP 2 x DP 2) moved the loss by 1e-2 after one update.
+        traced = {**group, "lr": torch.tensor(group["lr"], dtype=torch.float32)}
         try:
             return compiled(optimizer, traced, *args[1:])
         except torch._dynamo.exc.TorchDynamoException as e:
@@ -269,9 +271,17 @@ def compiled_update(optimizer, index: int, group: dict, params: list[Tensor], st
         # as tensors (the step counts, the lr: `_call_update`). Torch 2.11 cannot trace views of one flat
         # buffer (the gradient buffer's) once automatic dynamic shapes make its storage size symbolic
         # ("aten.set_.source_Storage ... size_bytes_is_heap_allocated_"), and fell back to the eager step.
+        options = _UNCACHED if COMPILE_BACKEND == "inductor" else None  # other backends take no such options
         optimizer._compiled_updates[index] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND,
-                                                           dynamic=False)
+                                                           dynamic=False, options=options)
     return optimizer._compiled_updates[index]
+
+
+# Inductor's caches of compiled graphs (on disk, across processes) off for the step: on torch 2.13 a
+# distributed optimizer's step graph (PipeOptim, PP 2 x DP 2: parameters and targets are views into flat
+# buffers) taken from the cache computed wrong weights where the same graph compiled afresh was right
+# (tests/test_compiled_layers.py, run twice). Compiling it costs a few seconds per process.
+_UNCACHED = {"fx_graph_cache": False}
 
 
 def _own_copy(fn):

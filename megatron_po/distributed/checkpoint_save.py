@@ -68,9 +68,10 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
     for key, scaler in (grad_scalers(optimizer) if save_optim else {}).items():  # fp16 loss scales
         state[key] = pickle.dumps(scaler.state_dict())
     if policy is not None:
-        state.update(_policy_state(names, policy))
-        state["policy_steps"] = pickle.dumps(policy.state_dict()["steps"])
-        for c, n in enumerate(policy.state_dict()["lr_steps"]):  # each chunk's lr clock: its applied updates
+        policy_state = policy.state_dict()
+        state.update(_policy_state(names, policy_state["weights"]))
+        state["policy_steps"] = pickle.dumps(policy_state["steps"])
+        for c, n in enumerate(policy_state["lr_steps"]):  # each chunk's lr clock: its applied updates
             state[f"policy_lr_steps.stage{virtual_stage(c)}"] = pickle.dumps(n)
     state["extra"] = pickle.dumps(extra)
     state["layout"] = pickle.dumps(parallel_layout())
@@ -197,9 +198,7 @@ def _test_pause(iteration: int) -> None:
             time.sleep(float(seconds))
 
 
-def _policy_state(names, policy) -> dict:
-    """`policy.<name>.<key>` entries of an async weight policy's extra weight versions."""
-    if policy is None:
-        return {}
-    weights = policy.state_dict()["weights"]
+def _policy_state(names, weights: dict) -> dict:
+    """`policy.<name>.<key>` entries of an async weight policy's extra weight versions (`weights`: its
+    state_dict's {param: {key: tensor}})."""
     return {f"policy.{name}.{k}": global_view(p, t) for name, p in names for k, t in weights.get(p, {}).items()}

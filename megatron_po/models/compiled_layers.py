@@ -10,10 +10,11 @@ is compiled lazily, at the first call with a new shape or mode: the first traini
 layer of one shape shares one graph.
 
 What each compiled graph holds, and what runs outside it:
-- tensor-parallel GEMMs and their collectives (sequence parallelism too) are inside: TorchDynamo traces
-  the region mappings' collectives. A GEMM saves its weight for the backward as the Parameter itself (a
-  graph input), so the weight policies of the asynchronous pipelines, which point parameters at other
-  tensors between passes or write them in place, see the same weights in the backward as eagerly;
+- tensor-parallel GEMMs are inside; at TP > 1 the region mappings' collectives (sequence parallelism too)
+  run between graphs (tensor_parallel/mappings.py: traced into a graph, torch 2.11 computed wrong
+  gradients). A GEMM saves its weight for the backward as the Parameter itself (a graph input), so the
+  weight policies of the asynchronous pipelines, which point parameters at other tensors between passes
+  or write them in place, see the same weights in the backward as eagerly;
 - under zero-bubble schedules (split backward) the GEMMs run eagerly between graphs: the B op defers their
   weight gradients at backward time (tensor_parallel/weight_grads.py), which a compiled backward cannot;
 - dropout drawing from the TP-rank stream (attention dropout; hidden dropout under sequence parallelism)
@@ -27,8 +28,6 @@ the training log prints it once, when the first iteration is done (training_log.
 """
 
 from __future__ import annotations
-
-import torch
 
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, graph_breaks
 

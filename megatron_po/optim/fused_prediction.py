@@ -24,22 +24,21 @@ torch.optim's foreach code) and `PredictiveOptimizer._extrapolate` (the predicti
 
 - by default eagerly, as foreach ops; Ŵ for another dtype is computed in the parameters' precision a few
   tensors at a time (`chunk_numel` elements) and rounded once, so no full-size temporary exists;
-- with --torch-compile (`compile_fused_step`, set by `build_optimizer(compile_step=True)`) that same
-  function under `torch.compile` (inductor; meant for CUDA, correct on CPU too): the foreach ops of the step and the
-  prediction, the cast to bf16 included, are pointwise per element and fuse into one pass over the
-  parameters that reads W, g and the state once and writes W, the state, the live bf16 weights and Ŵ
-  (AdamW with bf16 weights and gradients: 14 bytes read, 12 + 2 + 2 written per parameter). Chosen over
-  a hand-written Triton kernel because it compiles the rule itself: a Triton kernel would be a second
-  copy of every optimizer's update. Under compile the step counts stay tensors (`optimizers._step_value`,
-  as in torch.optim: no host sync) and the scalars that change from step to step (the lr, s·lr) become
-  0-dim tensors (the lr given as one by `_call_update`; `optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
-  constants, so an LR schedule does not recompile it; the bias corrections are then computed in fp32
-  instead of in Python doubles: compiled = eager within float rounding, not bitwise. Compiled only where
-  the function is pure per-element foreach work: not a group's first step (it creates the state), not
-  Muon's Newton-Schulz groups (matmuls and collectives: their fused tail runs eagerly), not with a
-  weight predictor other than the linear one (its coefficients read the state on the host). One
-  compiled function per param group (its own code object, `_own_copy`); a group that fails to compile
-  runs eagerly from then on, with one warning.
+- with --torch-compile (`compile_fused_step`, set by `build_optimizer(compile_step=True)`) that same function
+  under `torch.compile` (inductor; meant for CUDA, correct on CPU too): the foreach ops of the step and the
+  prediction, the cast to bf16 included, are pointwise per element and fuse into one pass over the parameters
+  that reads W, g and the state once and writes W, the state, the live bf16 weights and Ŵ (AdamW with bf16
+  weights and gradients: 14 bytes read, 12 + 2 + 2 written per parameter). Chosen over a hand-written Triton
+  kernel because it compiles the rule itself: a Triton kernel would be a second copy of every optimizer's
+  update. Under compile the step counts stay tensors (`optimizers._step_value`, as in torch.optim: no host
+  sync) and the scalars that change from step to step (the lr, s·lr) become 0-dim tensors (the lr given as one
+  by `_call_update`; `optimizers._per_step`, `_add_scaled`, `_addcdiv`), inputs of the graph instead of
+  constants, so an LR schedule does not recompile it; the bias corrections are then computed in fp32 instead
+  of in Python doubles: compiled = eager within float rounding, not bitwise. Compiled only where the function
+  is pure per-element foreach work: not a group's first step (it creates the state), not Muon's Newton-Schulz
+  groups (matmuls and collectives: their fused tail runs eagerly), not with a weight predictor other than the
+  linear one (its coefficients read the state on the host). One compiled function per param group (its own
+  code object, `_own_copy`); a group that fails to compile runs eagerly from then on, with one warning.
 
 Where no fused path applies (the first forward of a segment after a drain, a forward whose preceding op
 on the chunk is not the step, a chunk that copies weights instead of swapping pointers, error feedback,

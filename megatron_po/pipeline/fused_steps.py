@@ -18,11 +18,12 @@ need in-place weights (copies instead of pointer swaps), error feedback (it move
 step), a mixed-precision step skipped for inf/NaN, and `fuse_prediction = False`.
 
 Memory: the step's factored ΔW (Adam's √v̂ + ε, 4 bytes per parameter) dies with the step where every
-prediction before the next step is fused (`keep_direction` off, decided step by step from the op list);
-where some are not (the interleaved stream's later forwards, k > 1), that step keeps it for them as
-before. A segment's warm-up forwards rebuild ΔW from the state (once per stage and segment). Ŵ exists from the step to the end of the forward (in the straight stream the next op), in the
-model dtype (bf16: 2 bytes per parameter, where the separate prediction wrote Ŵ into the model weights
-and copied the live ones back from the fp32 main params).
+prediction before the next step is fused (`keep_direction` off, decided step by step from the op list); where
+some are not (the interleaved stream's later forwards, k > 1), that step keeps it for them as before. A
+segment's warm-up forwards rebuild ΔW from the state (once per stage and segment). Ŵ exists from the step to
+the end of the forward (in the straight stream the next op), in the model dtype (bf16: 2 bytes per parameter,
+where the separate prediction wrote Ŵ into the model weights and copied the live ones back from the fp32 main
+params).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: where the checkout is, the offline environment, the command line and
-machine/load lines of a results header, Markdown tables and small statistics.
+"""The harness every bench family shares: where the checkout is and the family folders on sys.path, the offline
+environment, the argument parser, the results header (command, machine, commit, load, date), Markdown tables and
+small statistics.
 
 A distinct name (not `common`) because bench/ goes on sys.path, where a generic name could shadow a package.
 Importing this module is cheap: no torch at import time (benchmark worker processes import it too).
@@ -7,10 +8,13 @@ Importing this module is cheap: no torch at import time (benchmark worker proces
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 
@@ -18,6 +22,12 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 TESTS = os.path.join(REPO, "tests")
 RESULTS = os.path.join(REPO, "bench", "results")
+
+# bench/'s families, one folder each (bench/README.md is their index). Module names stay unique across the
+# folders, so a script imports any other bench module by its flat name once `add_repo_to_path` has put every
+# family on sys.path, ahead of bench/ itself (a folder shares its name with its entry point:
+# bench/schedules/schedules.py).
+FAMILIES = ("convergence", "time_to_quality", "schedules", "step", "gpu", "memory", "micro")
 
 
 def offline_env() -> None:
@@ -27,9 +37,18 @@ def offline_env() -> None:
 
 
 def add_repo_to_path() -> None:
-    """`import megatron_po` and `tools` from this checkout when run as `python bench/<script>.py`."""
+    """`import megatron_po`, `tools` and every bench module by its flat name, from this checkout, however a
+    bench script was reached (run as `python bench/<family>/<script>.py`, or imported by a test whose sys.path
+    was reset since this module was first imported)."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
+    for family in reversed(FAMILIES):
+        path = os.path.join(BENCH, family)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+add_repo_to_path()
 
 
 def log(*args) -> None:
@@ -41,12 +60,24 @@ def log(*args) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def portable(text: str) -> str:
+    """`text` with this machine's own paths made portable: the checkout's path becomes relative to the repo,
+    the temporary folder `$TMPDIR` and the home folder `~` (results files never name one machine's paths)."""
+    import tempfile
+    text = text.replace(REPO + os.sep, "").replace(REPO, ".")
+    for path, placeholder in ((os.path.realpath(tempfile.gettempdir()), "$TMPDIR"), (tempfile.gettempdir(), "$TMPDIR"),
+                              (os.path.expanduser("~"), "~")):
+        if len(path) > 1:
+            text = text.replace(path + os.sep, placeholder + "/")
+    return text
+
+
 def command_line(script: str, argv: list[str], quote: bool = False) -> str:
     """`python bench/<script>` and its arguments, as the results file's `Command:` line shows them
-    (quoted for the shell with `quote`)."""
+    (quoted for the shell with `quote`; machine paths made portable)."""
     if quote:
-        return f"python {script}" + "".join(" " + shlex.quote(a) for a in argv)
-    return " ".join(["python", script] + list(argv))
+        return portable(f"python {script}" + "".join(" " + shlex.quote(a) for a in argv))
+    return portable(" ".join(["python", script] + list(argv)))
 
 
 def loadavg() -> tuple[float, float, float]:
@@ -55,9 +86,44 @@ def loadavg() -> tuple[float, float, float]:
 
 
 def machine() -> str:
-    """`torch <version>, <n> CPU cores, <platform>`."""
+    """`torch <version>, <n> CPU cores, <platform>, commit <commit>`."""
     import torch
-    return f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.platform()}"
+    return f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.platform()}, commit {commit()}"
+
+
+@functools.lru_cache(maxsize=None)
+def commit() -> str:
+    """The checkout's commit, with `-dirty` when tracked files differ from it: a results file names the code
+    that made it, and says so when that code was not exactly a commit."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return (rev + ("-dirty" if dirty else "")) if rev else "unknown (not a git checkout)"
+
+
+def script(file: str) -> str:
+    """A script's path relative to the checkout (`bench/<family>/<name>.py`), as results files show it."""
+    return os.path.relpath(os.path.abspath(file), REPO)
+
+
+def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """The argument parser every bench script starts from: the module docstring's first paragraph as the
+    description, the rest (usage examples) shown verbatim by --help."""
+    head, _, rest = (doc or "").strip().partition("\n\n")
+    return argparse.ArgumentParser(description=head, epilog=rest or None,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def header(file: str, argv: list[str] | None = None, title: str | None = None) -> list[str]:
+    """The opening lines of a results file: title, command, machine and commit, load average, date."""
+    argv = sys.argv[1:] if argv is None else argv
+    lines = [f"# {title}", ""] if title else []
+    return lines + [f"Command: `{command_line(script(file), argv)}`", "",
+                    f"{machine()}; {load_at_start()}; {now()}.", ""]
 
 
 def load_at_start() -> str:

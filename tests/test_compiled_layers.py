@@ -22,7 +22,7 @@ pipeline method, compile only at the first micro-batches, and leave checkpoints 
   dynamic-length graphs at the first change of length, then nothing.
 - Checkpoints: a compiled run's checkpoint resumes an eager run and that one's a compiled run again, with
   the losses of one uninterrupted eager run.
-- bench/overhead.py --quick runs (its compiled variants included).
+- bench/step/overhead.py --quick runs (its compiled variants included).
 
 Tolerance (fp32): inductor's fused kernels round differently from eager's (1e-7 per op); over 12-24 steps
 of the emulator tests (Adam at lr 1e-3; at 1e-2 Adam amplifies the rounding differences of tiny gradient
@@ -536,11 +536,11 @@ def test_compile_summary_counts_this_process_and_its_graphs(monkeypatch):
 
 
 def test_overhead_bench_quick_times_both_steps_compiled():
-    """bench/overhead.py --quick: our compiled step and the plain GPT under torch.compile in one run."""
+    """bench/step/overhead.py --quick: our compiled step and the plain GPT under torch.compile in one run."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "bench/overhead.py", "--quick"], cwd=root, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "bench/step/overhead.py", "--quick"], cwd=root, capture_output=True, text=True,
                          timeout=600, env=dict(os.environ, MASTER_PORT="29533"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "compiled   ours" in out.stdout and "speed-up from compiling" in out.stdout, out.stdout

@@ -1,4 +1,4 @@
-"""bench/convergence.py end to end on a minuscule setting, so the benchmark cannot silently rot.
+"""bench/convergence/convergence.py end to end on a minuscule setting, so the benchmark cannot silently rot.
 
 Two methods (1F1B and PipeOptim), one optimizer, one seed, D = 2, 12 micro-batches of a 2-layer model
 on a tiny generated corpus (tokenizer training and preprocessing included), one worker process. Checks
@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("bench_convergence",
-                                                  os.path.join(REPO, "bench", "convergence.py"))
+                                                  os.path.join(REPO, "bench", "convergence", "convergence.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)

@@ -290,7 +290,7 @@ def test_pp2_dp2_distributed_optimizer_run_with_fused_prediction_equals_separate
 
 # ---- the memory guard ----------------------------------------------------------------------------------
 
-# Peak bytes per parameter over async-naive, whole run, bench/memory.py --async --quick (deterministic).
+# Peak bytes per parameter over async-naive, whole run, bench/memory/memory.py --async --quick (deterministic).
 # Measured at issue 30: fused fp32 +1.05, bf16 +0.97; the separate prediction +3.08 / +2.87.
 PIPEOPTIM_PEAK_BOUND = {"fp32": 1.15, "bf16": 1.05}
 
@@ -298,6 +298,8 @@ PIPEOPTIM_PEAK_BOUND = {"fp32": 1.15, "bf16": 1.05}
 def test_memory_guard_pipeoptim_peak_over_async_naive():
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_common  # noqa: E402
+    bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
     from memory import async_peaks_over_naive
     table = async_peaks_over_naive(quick=True, variants=("pipeoptim", "pipeoptim (separate prediction)"))
     for precision, bound in PIPEOPTIM_PEAK_BOUND.items():
@@ -414,10 +416,12 @@ def test_a_step_that_does_not_compile_runs_eagerly_with_a_warning(monkeypatch):
 
 
 def test_fused_step_bench_quick():
-    """bench/fused_step.py's measurements run; the counted bytes show what the fused path saves eagerly
+    """bench/step/fused_step.py's measurements run; the counted bytes show what the fused path saves eagerly
     (bf16: the prediction written once, no restore copy) and never costs more than the separate path."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_common  # noqa: E402
+    bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
     import fused_step
     counted = fused_step.bytes_per_param(1 << 14)
     for precision, row in counted.items():

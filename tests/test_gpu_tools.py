@@ -5,13 +5,13 @@
   and a tiny `pretrain_gpt.py --mock-data` run saves a checkpoint and a second one resumes from it;
 - `bash scripts/run_gpu_tests.sh` on a machine without a GPU selects the suite's "cuda" tests and skips
   every one with "needs CUDA" (28 today), exit code 0;
-- `python bench/gpu.py --quick` (with the three packages unimportable in it and every process it starts)
+- `python bench/gpu/gpu.py --quick` (with the three packages unimportable in it and every process it starts)
   writes its .md and .json where it is told, every section there, with figures the product's code gives:
   PipeDream holds D - r weight copies on rank r, 2BW two, PipeOptim one (bf16: the prediction is written
   into the bf16 model weights, the fp32 main params stay live); fp16 from a loss scale of 2^32 skips its
   first iterations, halving the scale each time; the per-stage costs hold forward, backward, the step of AdamW
   and Muon and PipeOptim's prediction for each of the 4 stages, and the cost model written beside them loads
-  and prices a D = 8 pipeline in bench/time_to_quality.py's own code. `--only` / `--skip` choose sections.
+  and prices a D = 8 pipeline in bench/time_to_quality/time_to_quality.py's own code. `--only` / `--skip` choose sections.
 """
 
 import json
@@ -90,7 +90,7 @@ SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours besid
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu", "gpu.py"), *args], cwd=ROOT,
                           env=env_without_optional(tmp_path), capture_output=True, text=True, timeout=600)
 
 
@@ -103,7 +103,7 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     assert "Quick size (`--quick`)" in md and "failed" not in md
     for title in SECTION_TITLES:
         assert title in md, title
-    assert "python bench/gpu_worker.py stream --size quick --method pipedream-2bw --optimizer adamw --k 4" in md
+    assert "python bench/gpu/gpu_worker.py stream --size quick --method pipedream-2bw --optimizer adamw --k 4" in md
     assert "python pretrain_gpt.py --num-layers 4" in md and "--fp16" in md
 
     data = json.loads((tmp_path / "results" / "gpu.json").read_text())
@@ -153,9 +153,11 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
         assert set(s["prediction_ms"]) == {"adamw", "muon"}
     assert all(cost["stages"][r]["prediction_ms"]["adamw"] > 0 for r in range(3))  # s > 0 there: it predicts
 
-    # bench/time_to_quality.py reads the cost model written beside it (its own loader checks it)
+    # bench/time_to_quality/time_to_quality.py reads the cost model written beside it (its own loader checks it)
     assert data["ttq_cost_model"] == "gpu_cost_model.json"
     sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_common  # noqa: E402
+    bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
     try:
         import ttq_cost_model
         model = ttq_cost_model.load_cost_model(str(tmp_path / "results" / "gpu_cost_model.json"))

@@ -1,4 +1,4 @@
-"""bench/muon_step.py at its --quick size: it runs, writes its results file with every variant as a ratio to
+"""bench/step/muon_step.py at its --quick size: it runs, writes its results file with every variant as a ratio to
 AdamW's step of the same run, and its GPU entry points work on the CPU."""
 
 import os
@@ -8,6 +8,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import muon_step  # noqa: E402
 
@@ -16,7 +18,7 @@ def test_quick_bench_writes_ratios_to_adamw(tmp_path):
     out = tmp_path / "muon_step.md"
     assert muon_step.main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "Command: `python bench/muon_step.py --quick" in text and "load average at start" in text
+    assert "Command: `python bench/step/muon_step.py --quick" in text and "load average at start" in text
     for row in ("| AdamW ", "| Muon before ", "| Muon fp32 ", "| Muon bf16 ", "| Muon bf16 (distributed optimizer) "):
         assert row in text, row
     ratios = [line.split("|")[6].strip() for line in text.splitlines() if line.startswith("| AdamW")]

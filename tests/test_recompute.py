@@ -295,10 +295,10 @@ def test_pretrain_with_recompute_logs_the_same_losses(corpus, tmp_path, method):
 # ---- the bench's measurement ---------------------------------------------------------------------------------
 
 def test_bench_tracker_counts_what_the_graph_keeps():
-    """bench/memory.py --recompute's LiveTensors: storages created inside and still alive, views once."""
+    """bench/memory/memory.py --recompute's LiveTensors: storages created inside and still alive, views once."""
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "memory.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "memory", "memory.py")
     spec = importlib.util.spec_from_file_location("bench_memory", path)
     memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(memory)

@@ -1,4 +1,4 @@
-"""bench/time_to_quality.py end to end on a minuscule setting (its --quick CLI path, shrunk further to a
+"""bench/time_to_quality/time_to_quality.py end to end on a minuscule setting (its --quick CLI path, shrunk further to a
 2-layer model on a tiny generated corpus), so the study cannot silently rot: the lr sweep, the seeds at the
 best lr, the calibration, both verdict tables and the plot, and that every number in the tables comes
 from the runs (recomputed here from the run results), plus --resume reusing the cache without training."""
@@ -20,8 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def ttq():
     sys.path.insert(0, os.path.join(REPO, "bench"))
-    spec = importlib.util.spec_from_file_location("bench_time_to_quality", os.path.join(REPO, "bench",
-                                                                                        "time_to_quality.py"))
+    import bench_common  # noqa: E402
+    bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
+    spec = importlib.util.spec_from_file_location("bench_time_to_quality", os.path.join(
+        REPO, "bench", "time_to_quality", "time_to_quality.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -19,6 +19,8 @@ RESULTS = os.path.join(REPO, "bench", "results", "time_to_quality")
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_common  # noqa: E402
+    bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
     import time_to_quality
     import ttq_clock
     import ttq_cost_model

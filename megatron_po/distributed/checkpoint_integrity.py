@@ -14,7 +14,7 @@ fails every rank with one line naming the file.
 
 Cost: one extra read of the checkpoint at save (from the page cache: the files were just written) and at
 load, at SHA-256 speed (~0.5-2 GB/s per core), divided over the ranks. `--no-verify-checkpoint` skips
-the check at load (the manifest is always written); bench/checkpoint_checksums.py measures it.
+the check at load (the manifest is always written); bench/micro/checkpoint_checksums.py measures it.
 `tools/checkpoint_convert.py verify CKPT` checks a checkpoint offline.
 """
 

@@ -10,8 +10,8 @@ grads + Adam: 18 without the distributed optimizer, 6 + 12/DP with it.
 `track_new_tensor_bytes()` measures, for a block of code, the peak number of bytes held by tensors the
 block allocates (freed ones are subtracted when their storage dies): used to show that PipeOptim's
 predict + restore makes no full-size copy of the weights, and for the whole-run peaks of the
-asynchronous methods (bench/memory.py --async). `count_bytes_moved()` counts the bytes a block's tensor
-ops read and write (the optimizer step's and the prediction's memory traffic, bench/fused_step.py).
+asynchronous methods (bench/memory/memory.py --async). `count_bytes_moved()` counts the bytes a block's tensor
+ops read and write (the optimizer step's and the prediction's memory traffic, bench/step/fused_step.py).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def count_bytes_moved():
     """`with count_bytes_moved() as c: ...` then `c.read`, `c.written`: the bytes the block's tensor ops
     read and write (eager execution; an op that writes a fresh tensor of the same size counts it once
     as written, `empty_like` and friends nothing). For the optimizer step and PipeOptim's prediction:
-    bytes per parameter and micro-batch (bench/fused_step.py)."""
+    bytes per parameter and micro-batch (bench/step/fused_step.py)."""
     counter = _BytesMoved()
     with counter:
         yield counter

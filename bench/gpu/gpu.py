@@ -1,0 +1,370 @@
+"""The project on one GPU, in one command (issue 29): writes bench/results/gpu_<device>.md and a .json with the
+same figures beside it (device name slugged: gpu_nvidia_h200.md; gpu_cpu.md without a GPU).
+
+    python bench/gpu/gpu.py                          # every section at the full size, GPT-1.3B (estimated 15-20 min on an H200)
+    python bench/gpu/gpu.py --only peak gpt plain    # some sections; --skip leaves some out
+    python bench/gpu/gpu.py --quick --out gpu_quick.md  # a tiny GPT, every code path on a CPU in about a minute
+    python bench/gpu/gpu.py --only stream --stream-methods async-naive:adamw pipeoptim:adamw   # some methods
+
+Sections (names for --only / --skip), each measured in fresh processes (pretrain_gpt.py, bench/gpu/gpu_worker.py),
+each with its exact command in the results:
+
+  peak    the bf16 matmul peak: 8192^3 products, the mean of 20 after 3 warm-up (bench/step/overhead.py's matmul_peak)
+  gpt     GPT-1.3B (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 4, global batch 16, bf16, mock
+          data, vocab 50257 padded to 50304, dropout 0) through pretrain_gpt.py: ms per iteration (median after
+          3 warm-up), tokens/s, model TFLOP/s (megatron_po/flops.py) and MFU against the peak measured above
+  plain   bench/step/overhead.py's plain PyTorch GPT of the same shape (SDPA, bf16 autocast, fused AdamW), eager and
+          torch.compile'd, beside ours: the ratio of tokens/s
+  compiled  ours with --torch-compile (compiled layers and optimizer step), beside ours eager and the plain
+          GPT compiled: issue 30's >= 1.0x the compiled plain GPT, >= 70 % MFU
+  muon    Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue
+          31 (fp32, QKV whole), per iteration beside AdamW's (section gpt); one layer's Newton-Schulz per
+          precision, unbatched and batched: issue 31's Muon iteration <= 1.25x AdamW's
+  stream  the D = 4 asynchronous stream in the single-process emulator (AsyncEmulator, bf16) for async-naive,
+          PipeDream, PipeDream-2BW (k = 4), PipeOptim with AdamW (its prediction fused into the step, and
+          separate: the code before issue 30), async-naive and PipeOptim with Muon, each method in a process of
+          its own: ms per micro-batch, ratio to async-naive, peak memory, weight copies per chunk; each stage's
+          forward, backward, optimizer step (AdamW, Muon) and PipeOptim prediction, and the step's share of
+          forward + backward; the JSON's `stage_costs` holds them per stage, and `<out>_cost_model.json` is
+          bench/time_to_quality/time_to_quality.py's cost model of them (`--cost-model PATH`; bench/time_to_quality/ttq_cost_model.py)
+  stream_compiled  the same stream under --torch-compile for async-naive and PipeOptim, AdamW and Muon: issue
+          30's PipeOptim <= 1.01x async-naive per micro-batch
+  fused   one 302 M-parameter stage's AdamW step with PipeOptim's prediction (none / separate / fused), eager and
+          compiled (bench/step/fused_step.py's time_step_variants)
+  fp16    pretrain_gpt.py --fp16 from the default initial loss scale 2^32: the iterations skipped while the scale
+          falls, with the loss scale and lr over them
+  targets the GPU targets of issues 30 and 31, read from the sections above: met or not
+
+Adding a measured section: a function `def section_<name>(run: Run) -> Section` (measure through `run.worker`
+or `run.pretrain`, read earlier sections' figures from `run.done`) and one line in SECTIONS. Ours with other
+flags, for one:
+
+    def section_gpt_compiled(run: Run) -> Section:
+        return measure_ours(run, "gpt_compiled", "GPT through pretrain_gpt.py --torch-compile", ["--torch-compile"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
+
+from bench_common import (RESULTS, load_at_end, load_at_start, loadavg, log, markdown_table, now,  # noqa: E402
+                          offline_env)
+
+offline_env()
+
+import torch  # noqa: E402
+from gpu_run import Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
+from gpu_stream import D, STREAM_METHOD_KEYS, section_stream, section_stream_compiled, ttq_cost_model  # noqa: E402
+from gpu_worker import padded_vocab  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------------
+# The sections (the stream's in bench/gpu/gpu_stream.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def section_peak(run: Run) -> Section:
+    result, command = run.worker("peak")
+    return Section("bf16 matmul peak", [command], result,
+                   [f"**{num(result['tflops'])} TFLOP/s**: {result['n']}^3 bf16 products of random matrices, the mean "
+                    f"of {result['reps']} after {result['warmup']} warm-up. MFU below is against this figure."])
+
+
+def section_gpt(run: Run) -> Section:
+    return measure_ours(run, "gpt", "GPT through pretrain_gpt.py", [])
+
+
+def section_plain(run: Run) -> Section:
+    errors: list = []
+    eager, eager_command = run.worker("plain", errors=errors)
+    compiled, compiled_command = run.worker("plain", "--compile", errors=errors)
+    if eager is None and compiled is None:
+        raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
+    rows, figures = [], {"failed": [command for command, _ in errors]}
+    ours = run.done.get("gpt")
+    for name, result in (("ours (pretrain_gpt.py)", ours.figures if ours else None),
+                         ("plain PyTorch, eager", eager), ("plain PyTorch, torch.compile", compiled)):
+        if result is None:
+            continue
+        figures[name] = fig = {**result, **throughput(run, result["ms_per_iteration"])}
+        ratio = ours.figures["tokens_per_s"] / fig["tokens_per_s"] if ours else None
+        fig["ours_tokens_per_s_over_this"] = ratio
+        rows.append([name, f"{fig['ms_per_iteration']:.1f}", f"{fig['tokens_per_s']:,.0f}", num(fig["model_tflops"]),
+                     pct(fig["mfu"]), "n/a" if ratio is None else f"{ratio:.3f}x"])
+    backend = run.size.compile_backend
+    return Section("Ours beside a plain PyTorch GPT of the same shape", [eager_command, compiled_command], figures, [
+        "bench/step/overhead.py's PlainGPT as a user writes it: fp32 weights under bf16 autocast, "
+        "F.scaled_dot_product_attention, fused AdamW (foreach on a CPU), the same micro-batches per iteration and "
+        "clip 1.0, the "
+        f"same (tied, padded) output layer; `torch.compile` with backend `{backend}`. Same FLOPs per iteration.", "",
+        markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "ours / this (tokens/s)"], rows),
+        *failed_lines(errors)])
+
+
+def section_compiled(run: Run) -> Section:
+    """Ours under --torch-compile, beside ours eager (section gpt) and the plain GPT compiled (section plain)."""
+    section = measure_ours(run, "gpt_compiled", "GPT through pretrain_gpt.py --torch-compile", ["--torch-compile"])
+    fig = section.figures
+    others = {"ours_eager": ("ours, eager (section gpt)", run.done["gpt"].figures if "gpt" in run.done else None),
+              "plain_compiled": ("plain PyTorch, torch.compile (section plain)",
+                                 run.done["plain"].figures.get("plain PyTorch, torch.compile")
+                                 if "plain" in run.done else None)}
+    rows = []
+    for key, (name, theirs) in others.items():
+        if theirs:
+            fig[f"over_{key}"] = ratio = fig["tokens_per_s"] / theirs["tokens_per_s"]
+            rows.append([name, f"{theirs['tokens_per_s']:,.0f}", f"{ratio:.3f}x"])
+    if rows:
+        section.lines += ["", markdown_table(["compiled ours vs", "its tokens/s", "compiled ours / it"], rows)]
+    return section
+
+
+def section_fused(run: Run) -> Section:
+    result, command = run.worker("fused_step")
+    rows = [[r["variant"], "compiled" if r["compiled"] else "eager", f"{r['ms']:.3f}", f"{r['vs_naive']:.3f}x"]
+            for r in result["rows"]]
+    return Section("One stage's optimizer step with PipeOptim's prediction", [command], result, [
+        f"bench/step/fused_step.py's `time_step_variants`: one stage of {num(result['parameters'] / 1e6)} M parameters "
+        "(bf16 weights, fp32 main params, AdamW), per micro-batch: the step alone (naive), the step then a "
+        "separate prediction into bf16 and the restore (separate, the code before issue 30), the step writing "
+        "the prediction itself (fused); eager foreach ops, and the same function under torch.compile "
+        "(--torch-compile). Median over alternated reps.", "",
+        markdown_table(["variant", "", "ms", "vs naive"], rows)])
+
+
+def section_muon(run: Run) -> Section:
+    """Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue 31
+    (fp32, QKV whole), beside AdamW's iteration (section gpt); one layer's Newton-Schulz per precision."""
+    muon = measure_ours(run, "gpt_muon", "", ["--optimizer", "muon"])
+    before = measure_ours(run, "gpt_muon_fp32", "", ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest",
+                                                     "--muon-no-split-qkv"])
+    ns, ns_command = run.worker("newton_schulz")
+    adamw = run.done.get("gpt")
+    figures = {"muon": muon.figures, "muon_fp32_qkv_whole": before.figures, "newton_schulz": ns}
+    rows = []
+    for name, sec in (("Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)", muon),
+                      ("Muon as before issue 31 (fp32, QKV whole)", before)):
+        ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"] if adamw else None
+        sec.figures["over_adamw"] = ratio
+        rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", "n/a" if ratio is None else f"{ratio:.3f}x"])
+    if adamw:
+        rows.insert(0, ["AdamW (section gpt)", f"{adamw.figures['ms_per_iteration']:.1f}", "1x"])
+    ns_rows = [[key.split(",")[0], key.split(",")[1], f"{ms:.2f}", f"{ms * ns['layers_per_stage']:.1f}"]
+               for key, ms in ns["ms"].items()]
+    return Section("Muon: iteration vs AdamW, Newton-Schulz per precision", [*muon.commands, *before.commands,
+                                                                           ns_command], figures, [
+        markdown_table(["optimizer", "ms / iteration", "vs AdamW"], rows), "",
+        f"Newton-Schulz, {ns['steps']} steps on one layer's four matrices (QKV, projection, MLP up and down; hidden "
+        f"{ns['hidden']}), median ms: one call per matrix (unbatched, before issue 31) and stacked by shape "
+        f"(batched); highest = fp32, high = TF32, medium = bf16 (--muon-fp32-matmul-prec).", "",
+        markdown_table(["precision", "calls", "ms per layer", f"ms per stage ({ns['layers_per_stage']} layers)"],
+                       ns_rows)])
+
+
+def target_rows(run: Run) -> list[list]:
+    """The issues' GPU targets, each: target, measured, met? ("not measured" where its sections did not run)."""
+    done = {name: sec.figures for name, sec in run.done.items()}
+
+    def row(target: str, value: float | None, bound: float, higher_is_better: bool, how: str) -> list:
+        if value is None:
+            return [target, "not measured", "", how]
+        met = value >= bound if higher_is_better else value <= bound
+        return [target, f"{value:.3f}", "met" if met else "NOT MET", how]
+
+    def stream_ratio(section: str, label: str, base: str) -> float | None:
+        methods = done.get(section, {}).get("methods", {})
+        if label in methods and base in methods:
+            return methods[label]["ms_per_microbatch"] / methods[base]["ms_per_microbatch"]
+        return None
+
+    compiled = done.get("compiled", {})
+    muon = done.get("muon", {}).get("muon", {})
+    return [
+        row("issue 30: compiled ours / compiled plain PyTorch GPT (tokens/s) >= 1.0",
+            compiled.get("over_plain_compiled"), 1.0, True, "sections plain, compiled"),
+        row("issue 30: MFU of compiled ours >= 0.70 (an H200)", compiled.get("mfu"), 0.70, True,
+            "sections peak, compiled"),
+        row("issue 30: D = 4 stream, PipeOptim / async-naive per micro-batch <= 1.01 (--torch-compile)",
+            stream_ratio("stream_compiled", "PipeOptim (AdamW)", "async-naive"), 1.01, False, "section stream_compiled"),
+        row("issue 31: Muon iteration / AdamW iteration <= 1.25 (DP = 1)", muon.get("over_adamw"), 1.25, False,
+            "sections gpt, muon"),
+        row("issue 31: D = 4 stream, PipeOptim-Muon / PipeOptim-AdamW per micro-batch <= 1.8 (eager)",
+            stream_ratio("stream", "PipeOptim (Muon)", "PipeOptim (AdamW)"), 1.8, False, "section stream"),
+    ]
+
+
+def section_targets(run: Run) -> Section:
+    rows = target_rows(run)
+    return Section("Targets", [], {"targets": rows}, [
+        "The GPU targets of issues 30 and 31, read from the sections above (no measurement of its own).", "",
+        markdown_table(["target", "measured", "", "from"], rows)])
+
+
+def section_fp16(run: Run) -> Section:
+    s = run.size
+    # No warm-up: the lr decays from the first iteration, so the table shows whether skipped ones advance it.
+    flags = s.gpt_flags(lr_warmup_iters=0) + ["--fp16", "--train-iters", str(s.fp16_iterations), "--log-interval", "1",
+                             "--eval-interval", str(10 * s.fp16_iterations), "--eval-iters", "1"]
+    records, command, _ = run.pretrain("fp16", flags)
+    records = [r for r in records if "lm_loss" in r]
+    skipped = [r["grad_norm"] is None for r in records]
+    initial = next((i for i, x in enumerate(skipped) if not x), len(skipped))
+    iterations = [{k: r.get(k) for k in ("iteration", "loss_scale", "lr", "lm_loss", "grad_norm", "consumed_samples")}
+                  for r in records]
+    rows = [[r["iteration"], "skipped" if r["grad_norm"] is None else "stepped", f"{r['loss_scale']:.0f}",
+             f"{r['lr']:.3e}", f"{r['lm_loss']:.4f}", r["consumed_samples"]] for r in iterations]
+    lrs = [r["lr"] for r in iterations[:initial]]
+    said = (f"**{initial} of {len(records)} iterations skipped before the first step** (dynamic loss scale from 2^32)"
+            if initial < len(records) else f"**all {initial} iterations skipped**: no step taken from 2^32 within them")
+    return Section("fp16: skipped iterations from the initial loss scale", [command],
+                   {"initial_skipped": initial, "iterations": iterations}, [
+        said + (f"; the lr over them went {lrs[0]:.3e} -> {lrs[-1]:.3e}, the consumed samples "
+                f"{iterations[0]['consumed_samples']} -> {iterations[initial - 1]['consumed_samples']}." if lrs else "."),
+        "",
+        markdown_table(["iteration", "step", "loss scale", "lr", "lm loss", "consumed samples"], rows)])
+
+
+SECTIONS = {  # name -> the function measuring it; run in this order (later sections read earlier figures)
+    "peak": section_peak,
+    "gpt": section_gpt,
+    "plain": section_plain,
+    "compiled": section_compiled,
+    "muon": section_muon,
+    "stream": section_stream,
+    "stream_compiled": section_stream_compiled,
+    "fused": section_fused,
+    "fp16": section_fp16,
+    "targets": section_targets,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The results files
+# --------------------------------------------------------------------------------------------------
+
+
+def device_info() -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpu_cores": os.cpu_count(),
+            "platform": platform.platform(), "commit": bench_common.commit()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count,
+                    cudnn=torch.backends.cudnn.version())
+    else:
+        info["name"] = "cpu"
+    info["slug"] = re.sub(r"[^a-z0-9]+", "_", info["name"].lower()).strip("_")
+    return info
+
+
+def header(info: dict, command: str, run: Run, started: str) -> list[str]:
+    s = run.size
+    lines = [f"# GPU benchmark: {info['name']}", "", f"Command: `{command}`  ", f"Started {started}; "
+             f"{load_at_start()}  ",
+             f"Device: {info['name']}" + (f", {info['memory_bytes'] / 2**30:.0f} GiB, {info['multiprocessors']} SMs"
+                                         if "memory_bytes" in info else "") +
+             f"; torch {info['torch']}, CUDA {info['cuda']}; {info['cpu_cores']} CPU cores, {info['platform']}  ",
+             f"Code: commit {info['commit']}  ",
+             f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
+             f"{s.micro_batch}, global batch {s.global_batch}, vocab {s.vocab} (padded {padded_vocab(s)}), bf16, mock "
+             "data; one process (data-parallel size 1)."]
+    if run.size_name == "quick":
+        lines += ["", f"> **Quick size (`--quick`): every figure below is from the tiny model above on {info['name']}.** "
+                  "It exists so that the script runs in a test; its numbers measure nothing."]
+    return lines + [""]
+
+
+def cost_model_path(path: str) -> str:
+    """Where the time-to-quality cost model goes: beside the .md, `<name>_cost_model.json`."""
+    return os.path.splitext(path)[0] + "_cost_model.json"
+
+
+def write_results(path: str, info: dict, command: str, run: Run, started: str, t0: float, failures: list) -> None:
+    lines = header(info, command, run, started)
+    for name, section in run.done.items():
+        commands = ["```", *section.commands, "```", ""] if section.commands else []
+        lines += [f"## {section.title} (`{name}`)", "", *commands, *section.lines, ""]
+    for name, error in failures:
+        lines += [f"## `{name}`: failed", "", "```", error, "```", ""]
+    lines.append(load_at_end(t0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    s = run.size
+    data = {"schema": "megatron_po bench/gpu/gpu.py 1", "command": command, "size": run.size_name, "started": started,
+            "minutes": (time.perf_counter() - t0) / 60, "device": info, "load_average_end": loadavg()[:2],
+            "model": {**asdict(s), "padded_vocab": padded_vocab(s), "precision": "bf16"},
+            "data_parallel_size": 1, "sections": {name: {"title": sec.title, "commands": sec.commands,
+                                                         "figures": sec.figures} for name, sec in run.done.items()},
+            "failures": [{"section": n, "error": e} for n, e in failures]}
+    stream = run.done.get("stream")
+    if stream is not None:
+        built = next(iter(stream.figures["methods"].values()))["built"]
+        data["stage_costs"] = {
+            "source": "section stream: one segment of the D = 4 emulator timed op by op, device synchronised, median",
+            "pipeline_stages": D, "data_parallel_size": 1, "micro_batch_size": s.micro_batch,
+            "tokens_per_microbatch": s.micro_batch * s.seq, "precision": "bf16", "parameters": built["parameters"],
+            "model": {"num_layers": s.layers, "hidden_size": s.hidden, "num_attention_heads": s.heads,
+                      "seq_length": s.seq, "padded_vocab": padded_vocab(s), "untied_embeddings": True},
+            "stages": stream.figures["stage_costs"]}
+        try:  # ttq_cost_model checks what it builds and says what is wrong in one line (SystemExit)
+            cost_model = ttq_cost_model(stream.figures["methods"], stream.figures["stage_costs"], info, s,
+                                        run.size_name)
+        except SystemExit as e:
+            data["ttq_cost_model"] = f"not written: {e}"
+        else:
+            data["ttq_cost_model"] = os.path.basename(cost_model_path(path))
+            with open(cost_model_path(path), "w") as f:
+                json.dump(cost_model, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = bench_common.parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="the tiny size: every section on a CPU in about a minute")
+    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
+    ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
+    ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
+                                  "bench/results/gpu_<device>[_quick].md")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
+    ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
+                    help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
+    args = ap.parse_args(argv)
+    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods)
+    info = device_info()
+    out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'_quick' if args.quick else ''}.md")
+    command = bench_common.command_line("bench/gpu/gpu.py", argv)
+    started, t0, failures = now(), time.perf_counter(), []
+    names = [n for n in (args.only or SECTIONS) if n not in args.skip]
+    log(f"[gpu.py] {info['name']}, torch {info['torch']}, size {run.size_name}: sections {', '.join(names)} -> {out}")
+    try:
+        for name in sorted(names, key=list(SECTIONS).index):
+            log(f"[gpu.py] {name} ({(time.perf_counter() - t0) / 60:.1f} min)")
+            try:
+                run.done[name] = SECTIONS[name](run)
+            except Exception as e:  # noqa: BLE001  (record it, measure the rest)
+                log(f"[gpu.py] {name} failed: {e}")
+                failures.append((name, f"{type(e).__name__}: {e}"))
+            write_results(out, info, command, run, started, t0, failures)  # after each: a later crash keeps it
+    finally:
+        shutil.rmtree(run.tmp, ignore_errors=True)
+    wrote = [p for p in (out, os.path.splitext(out)[0] + ".json", cost_model_path(out)) if os.path.exists(p)]
+    log(f"[gpu.py] wrote {', '.join(wrote)} in {(time.perf_counter() - t0) / 60:.1f} min"
+        + (f"; FAILED: {', '.join(n for n, _ in failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""What every section of bench/gpu/gpu.py shares: a `Run` (its size, the sections done, the two ways to measure in a
+fresh process), a `Section` (its commands, figures and Markdown), and the figures computed alike everywhere
+(tokens/s, model TFLOP/s, MFU; ours through pretrain_gpt.py at this size, `measure_ours`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
+
+from bench_common import REPO, add_repo_to_path, log, markdown_table  # noqa: E402
+
+add_repo_to_path()
+
+from gpu_worker import SIZES, Size, padded_vocab  # noqa: E402
+
+
+
+@dataclass
+class Section:
+    """What a section measured: its title, the exact commands, its figures (into the JSON) and its
+    Markdown lines (tables, notes)."""
+    title: str
+    commands: list[str] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+
+class Run:
+    """One `python bench/gpu/gpu.py` run: its size, the sections done so far (`done`: name -> Section), and the
+    two ways a section measures, each in a fresh process whose output lines are progress."""
+
+    def __init__(self, size_name: str, timeout: float, stream_methods: list[str] | None = None):
+        self.size_name, self.size = size_name, SIZES[size_name]
+        self.timeout = timeout
+        self.stream_methods = stream_methods  # the stream sections' methods to run (keys; None: all of them)
+        self.done: dict[str, Section] = {}
+        self.tmp = tempfile.mkdtemp(prefix="bench_gpu_")
+
+    def _stream(self, cmd: list[str], shown: str) -> list[str]:
+        """Run `cmd` from the checkout, echo its output as it comes; its output lines. Raises on failure."""
+        log(f"  $ {shown}")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timed_out = threading.Event()
+
+        def kill():  # a hung process, printing or not, ends the section
+            timed_out.set()
+            proc.kill()
+        killer = threading.Timer(self.timeout, kill)
+        killer.start()
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if not line.startswith("RESULT "):
+                    log("    " + line.rstrip("\n"))
+            proc.wait()
+        finally:
+            killer.cancel()
+        if timed_out.is_set():
+            raise RuntimeError(f"killed after {self.timeout:.0f} s: {shown}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"exit code {proc.returncode}: {shown}\n" + "\n".join(lines[-15:]))
+        return lines
+
+    def worker(self, name: str, *flags: str, errors: list | None = None) -> tuple[dict | None, str]:
+        """(result, command) of `python bench/gpu/gpu_worker.py name --size <size> flags`. With `errors`, a
+        failure (an out-of-memory, a compiler error) is appended there as (command, message) and the result
+        is None, so that one failing measurement leaves the others of its section."""
+        argv = [name, "--size", self.size_name, *flags]
+        shown = " ".join(["python", "bench/gpu/gpu_worker.py", *argv])
+        if errors is not None:
+            try:
+                return self.worker(name, *flags)
+            except RuntimeError as e:
+                errors.append((shown, str(e)))
+                return None, shown
+        lines = self._stream([sys.executable, os.path.join(HERE, "gpu_worker.py"), *argv], shown)
+        result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
+        if result is None:
+            raise RuntimeError(f"no RESULT line from: {shown}")
+        return json.loads(result), shown
+
+    def pretrain(self, label: str, flags: list[str]) -> tuple[list[dict], str, list[str]]:
+        """(metrics records, command, output lines) of pretrain_gpt.py with `flags` (metrics into a
+        temporary directory, shown as $TMP in the command)."""
+        out = os.path.join(self.tmp, label)
+        os.makedirs(out, exist_ok=True)
+        argv = [*flags, "--metrics-file", os.path.join(out, "metrics.jsonl"), "--data-cache-path",
+                os.path.join(out, "cache")]
+        shown = " ".join(["python", "pretrain_gpt.py", *argv]).replace(self.tmp, "$TMP")
+        lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f], shown, lines
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures shared by the sections
+# --------------------------------------------------------------------------------------------------
+
+
+def flops_per_iteration(size: Size) -> float:
+    """Model FLOPs of one iteration (forward + backward, Megatron's dense convention) of the GPT of `size`."""
+    from megatron_po.config import parse_args
+    from megatron_po.flops import gpt_flops_per_token
+    return gpt_flops_per_token(parse_args(size.gpt_flags()), padded_vocab(size)) * size.global_batch * size.seq
+
+
+def peak_tflops(run: Run) -> float | None:
+    peak = run.done.get("peak")
+    return peak.figures.get("tflops") if peak is not None else None
+
+
+def throughput(run: Run, ms: float) -> dict:
+    """ms per iteration -> tokens/s, model TFLOP/s and (with a measured peak) MFU."""
+    tflops = flops_per_iteration(run.size) / ms * 1e3 / 1e12
+    peak = peak_tflops(run)
+    return {"ms_per_iteration": ms, "tokens_per_s": run.size.global_batch * run.size.seq / ms * 1e3,
+            "model_tflops": tflops, "mfu": tflops / peak if peak else None}
+
+
+def num(x: float) -> str:
+    """A rate with 3 significant figures below 100 (the quick size's are tiny), else one decimal."""
+    return f"{x:.3g}" if abs(x) < 100 else f"{x:.1f}"
+
+
+def gib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def failed_lines(errors: list) -> list[str]:
+    """Markdown for the measurements of a section that failed (their command and the end of the error)."""
+    out = []
+    for command, message in errors:
+        out += ["", f"Failed: `{command}`", "", "```", *message.splitlines()[-8:], "```"]
+    return out
+
+
+def measure_ours(run: Run, label: str, title: str, extra_flags: list[str]) -> Section:
+    """The GPT of this size through pretrain_gpt.py --bf16 plus `extra_flags`: the median ms per iteration
+    after the warm-up, from the per-iteration records (--log-interval 1), and what follows from it."""
+    s = run.size
+    flags = s.gpt_flags() + ["--bf16", "--train-iters", str(s.iterations), "--log-interval", "1", "--log-throughput",
+                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1", *extra_flags]
+    records, command, output = run.pretrain(label, flags)
+    timed = [r for r in records if "tokens_per_sec" in r][s.warmup:]
+    times = sorted(s.global_batch * s.seq / r["tokens_per_sec"] * 1e3 for r in timed)
+    figures = throughput(run, times[len(times) // 2])
+    held = next((re.search(r"holds ([\d.]+) M parameters", ln) for ln in output if "holds" in ln), None)
+    figures.update(parameters_millions=float(held.group(1)) if held else None, iterations_timed=len(times),
+                   max_memory_bytes=records[-1].get("max_memory_gb", 0.0) * 2**30, padded_vocab=padded_vocab(s),
+                   flops_per_iteration=flops_per_iteration(s))
+    row = [f"{figures['ms_per_iteration']:.1f}", f"{figures['tokens_per_s']:,.0f}", num(figures["model_tflops"]),
+           pct(figures["mfu"]), gib(figures["max_memory_bytes"])]
+    return Section(title, [command], figures, [
+        f"{figures['parameters_millions']} M parameters; median of the {len(times)} iterations after {s.warmup} "
+        f"warm-up; {num(figures['flops_per_iteration'] / 1e12)} TFLOP per iteration (megatron_po/flops.py).", "",
+        markdown_table(["ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "peak GiB"], [row])])

@@ -1,0 +1,224 @@
+"""The simulated clocks of the time-to-quality study (bench/time_to_quality/time_to_quality.py): seconds per micro-batch of
+every configuration from per-op costs and each schedule's op list.
+
+A clock is a set of per-op costs per (D, optimizer) in the calibration's format ({method: {"rank":
+{"Forward", "Backward", "Step"[, "BackwardInput", "BackwardWeight"]: seconds}}}):
+- the CPU clock: the study's own calibration (the tiny model on one CPU thread, `calibrate_job`);
+- a cost-model clock: bench/time_to_quality/ttq_cost_model.py's per-op ratios measured on real hardware (`--cost-model`).
+The curves (validation loss against micro-batches) are the same under every clock; only the seconds per
+micro-batch change. `with_step_ratio` prices the optimizer steps at a given step/(forward+backward), the rest
+of the clock fixed (the report's sensitivity line).
+
+Simulated time (free communication, stages in parallel):
+- synchronous, M micro-batches of B samples per update: one flush of the schedule's op list (`simulate`) +
+  the slowest stage's optimizer step, op costs = the clock's async-naive costs (the shared base cost of a
+  forward / backward of B samples, no policy work). Interleaved 1F1B (v = 2): each chunk costs half its
+  stage; ZB-H1: the backward split into input and weight gradients (the clock's BackwardInput /
+  BackwardWeight where it has them, else B = W = half of the backward, as bench/schedules/zero_bubble.py assumes);
+- synchronous at equal updates (one update per micro-batch of B): 1F1B over M = D micro-batches of B/D (the
+  equal-updates reference's own split, convergence.py's GPipe/1F1B check), each op costing 1/D of B's (linear
+  in samples: optimistic for this baseline, a GPU runs small micro-batches less efficiently) + one step;
+- asynchronous: `convergence.async_tokens_per_s` (steady state of the no-flush stream, the step folded into
+  the backwards, 1/k per backward) from each method's own op costs (base + its policy hooks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ttq_cost_model
+import ttq_run as tr
+from ttq_run import ASYNC, LABELS, SYNC_SCHEDULES, Unit, cv
+
+COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "pipedream-2bw": "tab:green",
+          "pipeoptim": "tab:red", "pipenag": "tab:purple", "2bw-ef": "tab:olive"}
+SYNC_STYLE = {1: ":", 2: "-", 4: "--"}  # M / D -> line style
+SCHED_COLORS = {"1f1b": "black", "interleaved-1f1b": "tab:brown", "zb-h1": "tab:cyan"}
+EQUAL_UPDATES_LABEL = "sync, 1 update per micro-batch (1F1B, M=D of B/D)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Clock:
+    """Per-op costs of one clock: `ops[(D, optimizer)]` in the calibration's format; `tokens_per_mb` for its
+    tokens/s column; `step_ratio`: when set, the optimizer steps cost that multiple of forward+backward
+    (`scale_steps`)."""
+    key: str
+    label: str
+    ops: dict
+    tokens_per_mb: float
+    step_ratio: float | None = None
+    cost_model: dict | None = None
+    source: str | None = None  # the cost model's file
+
+    def block(self, D: int, opt: str) -> dict | None:
+        ops = self.ops.get((D, opt))
+        if ops is None or self.step_ratio is None:
+            return ops
+        return scale_steps(ops, self.step_ratio)
+
+
+def cpu_clock(study: dict) -> Clock:
+    return Clock("cpu", "per-op costs of the tiny model on one CPU thread (the study's calibration)",
+                 {k: c["op_times"] for k, c in study["calibrations"].items()}, study["tokens_per_microbatch"])
+
+
+def model_clock(cm: dict, study: dict, source: str | None = None) -> Clock:
+    """The clock of cost model `cm` for every (D, optimizer) the study calibrated, its methods."""
+    ops = {}
+    for (D, opt), c in study["calibrations"].items():
+        block = ttq_cost_model.op_times(cm, D, opt, list(c["op_times"]))
+        if block:
+            ops[(D, opt)] = block
+    return Clock("gpu", f"cost model {cm['name']} ({cm['device']})", ops, cm["tokens_per_microbatch"], cost_model=cm,
+                 source=source)
+
+
+def with_step_ratio(clock: Clock, ratio: float) -> Clock:
+    return dataclasses.replace(clock, step_ratio=ratio)
+
+
+def scale_steps(ops: dict, ratio: float) -> dict:
+    """ops with the optimizer steps priced at `ratio` x forward+backward (mean over stages, as
+    `step_ratio_of`): every stage's measured step scaled by one factor (the steps' profile over the stages
+    kept; on uniform stages each stage's step is then ratio x its forward+backward), each method's own Step
+    hook time (its Step minus async-naive's) kept as it is."""
+    base = ops["async-naive"]
+    own = step_ratio_of(ops)
+    out = {}
+    for m, per in ops.items():
+        out[m] = {}
+        for r, c in per.items():
+            b = base[r]
+            step = b["Step"] * ratio / own if own > 0 else ratio * (b["Forward"] + b["Backward"])
+            out[m][r] = {**c, "Step": step + max(0.0, c["Step"] - b["Step"])}
+    return out
+
+
+def step_ratio_of(ops: dict) -> float:
+    """The clock's own step / (forward + backward), mean over stages (async-naive's base costs)."""
+    base = ops["async-naive"]
+    return sum(c["Step"] / (c["Forward"] + c["Backward"]) for c in base.values()) / len(base)
+
+
+# --------------------------------------------------------------------------------------------------
+# Seconds per micro-batch of B samples
+# --------------------------------------------------------------------------------------------------
+
+
+def sync_seconds_per_update(schedule: str, op: dict, D: int, M: int, scale: float = 1.0) -> float:
+    """One flush of M micro-batches (each op costing `scale` x its cost) + the slowest stage's step."""
+    from megatron_po.pipeline.schedules import build_schedule
+    from megatron_po.pipeline.simulator import simulate
+    t_f = [op[str(r)]["Forward"] * scale for r in range(D)]
+    t_b = [op[str(r)]["Backward"] * scale for r in range(D)]
+    step = max(op[str(r)]["Step"] for r in range(D))
+    if schedule == "interleaved-1f1b":
+        half = lambda t: [t[vs % D] / 2 for vs in range(2 * D)]  # noqa: E731 (vs = chunk*D + rank)
+        makespan = simulate(build_schedule("interleaved-1f1b", D, 2, M), half(t_f), half(t_b)).makespan
+    elif schedule == "zb-h1":
+        t_bi = [op[str(r)].get("BackwardInput", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
+        t_w = [op[str(r)].get("BackwardWeight", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
+        makespan = simulate(build_schedule("zb-h1", D, 1, M), t_f, t_bi, t_weight=t_w).makespan
+    else:
+        makespan = simulate(build_schedule(schedule, D, 1, M), t_f, t_b).makespan
+    return makespan + step
+
+
+def equal_updates_seconds_per_mb(op: dict, D: int) -> float:
+    """Synchronous training at one update per micro-batch of B: 1F1B over D micro-batches of B/D + a step."""
+    return sync_seconds_per_update("1f1b", op, D, D, scale=1.0 / D)
+
+
+def update_interval(name: str, D: int) -> int:
+    base = cv.PREDICTOR_VARIANTS.get(name, (name, {}))[0]
+    return D if base == "pipedream-2bw" else 1
+
+
+def async_seconds_per_mb(op: dict, D: int, k: int) -> float:
+    return 1.0 / cv.async_tokens_per_s(op, D, k, 1)
+
+
+def time_to(curve: list, target: float, sec_per_mb: float) -> float | None:
+    """Simulated seconds until the validation curve [(micro-batches, loss)] first reaches `target`,
+    interpolated linearly between evaluations; None if it never does."""
+    prev = None
+    for x, y in curve:
+        if math.isfinite(y) and y <= target:
+            if prev is None or not math.isfinite(prev[1]) or prev[1] == y:
+                return x * sec_per_mb
+            x0, y0 = prev
+            return (x0 + (x - x0) * (y0 - target) / (y0 - y)) * sec_per_mb
+        prev = (x, y)
+    return None
+
+
+def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -> list[dict]:
+    """Rows of (D, optimizer o) on `clock` (default: the CPU clock): every synchronous schedule at M = 2D,
+    4D, synchronous training at equal updates, and every asynchronous unit the clock prices, with its unit,
+    runs, tokens/s and seconds per micro-batch of B."""
+    clock = clock or cpu_clock(study)
+    tpm = clock.tokens_per_mb
+    rows = []
+    ops = clock.block(D, o)
+    for M in (2 * D, 4 * D):
+        u = Unit(o, "sync", 0, M)
+        if u not in study["runs"] or ops is None:
+            continue
+        for sched in SYNC_SCHEDULES:
+            if sched in s.methods:
+                sec = sync_seconds_per_update(sched, ops["async-naive"], D, M) / M
+                rows.append({"name": sched, "label": f"{LABELS[sched]}, M={M}", "unit": u, "sec_per_mb": sec,
+                             "tps": tpm / sec, "M": M, "color": SCHED_COLORS[sched], "style": SYNC_STYLE[M // D]})
+    u = Unit(o, "sync", 0, 1)
+    if u in study["runs"] and ops is not None:
+        sec = equal_updates_seconds_per_mb(ops["async-naive"], D)
+        rows.append({"name": "sync", "label": EQUAL_UPDATES_LABEL, "unit": u, "sec_per_mb": sec, "tps": tpm / sec,
+                     "M": 1, "color": "black", "style": SYNC_STYLE[1]})
+    for m in ASYNC:
+        if m in tr.ACTUAL_OPT and o != "adamw":
+            continue  # PipeNAG (its own optimizer) is shown with the AdamW rows only
+        u = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
+        block = clock.block(D, u.opt)
+        if u not in study["runs"] or block is None or m not in block:
+            continue
+        k = update_interval(m, D)
+        sec = async_seconds_per_mb(block[m], D, k)
+        rows.append({"name": m, "label": LABELS[m] + f", k={k}", "unit": u,
+                     "sec_per_mb": sec, "tps": tpm / sec, "color": COLORS[m], "style": "-"})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Speed-ups: printing against the bar, and the largest step cost that still clears it
+# --------------------------------------------------------------------------------------------------
+
+
+def fmt_speedup(x: float | None, bar: float = 1.25) -> str:
+    """x rounded down to 3 decimals (more where needed), so that a value under the bar never prints as the
+    bar or above it: 1.2486 -> 1.248x; 1.25 -> 1.250x."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    digits = 3
+    while True:
+        text = f"{math.floor(x * 10 ** digits) / 10 ** digits:.{digits}f}"
+        if not (x < bar <= float(text)) or digits >= 15:
+            return text + "x"
+        digits += 1
+
+
+def largest_ratio(speedup_at, bar: float, hi: float = 64.0, tol: float = 1e-6) -> float | None:
+    """Largest r in [0, hi] with speedup_at(r) >= bar, for speedup_at non-increasing in r (bisection to
+    tol x max(1, r)). None: under the bar already at r = 0; hi: still over it at r = hi."""
+    if speedup_at(0.0) < bar:
+        return None
+    if speedup_at(hi) >= bar:
+        return hi
+    lo = 0.0
+    while hi - lo > tol * max(1.0, lo):
+        mid = (lo + hi) / 2
+        if speedup_at(mid) >= bar:
+            lo = mid
+        else:
+            hi = mid
+    return lo

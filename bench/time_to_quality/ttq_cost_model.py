@@ -210,6 +210,9 @@ def with_variant(cm: dict, variant: str, where: str = "") -> dict:
     out["ratios"]["step"].update(copy.deepcopy(v.get("step", {})))
     out["ratios"].setdefault("policy", {}).update(copy.deepcopy(v.get("policy", {})))
     out["name"] = f"{cm['name']} ({variant})"
+    # The other variants stay with the base model: applied on top of this one they would price neither (a report's
+    # variants table compares each variant with the default, which this copy no longer is).
+    out["variants"] = {}
     return out
 
 

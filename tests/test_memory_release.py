@@ -2,17 +2,16 @@
 reference counting frees anything, building a model, its optimizer and pipeline machinery, training it and
 `del`-ing it gives back every tensor storage it allocated.
 
-Measured as the bytes of live CPU tensor storages (every tensor gc tracks, each storage once) before the
-build and after the `del`, with no throw-away build first: the first build in a process must be freed too.
-Each case builds in a forked rank of this process, so the first build of a process is checked in a fresh
-interpreter of its own (this file run as a script). The cycles this guards against: torch.optim's lazy
-first import of torch._dynamo left a cycle of frames that held the builder's frames, the whole first
-emulator with them (649,108 of its 649,108 bytes stayed until a collection); the asynchronous stage held its segment's
-runner, which held the stage's bound `step` (0.87 MB of a 4-layer emulator stayed after `del`); every DDP
-parameter's post-accumulate-grad hook held the DDP, which holds the parameters, through torch's C++ hook
-list, which the collector cannot see (the synchronous model, its DDP buffers and optimizer were never
-freed, not even by `gc.collect()`); the overlapped param gather's module pre-hooks likewise (a collectable
-cycle).
+Measured as the bytes of live CPU tensor storages (every tensor gc tracks, each storage once) before the build
+and after the `del`, with no throw-away build first: the first build in a process must be freed too. Each case
+builds in a forked rank of this process, so the first build of a process is checked in a fresh interpreter of
+its own (this file run as a script). The cycles this guards against: torch.optim's lazy first import of
+torch._dynamo left a cycle of frames that held the builder's frames, the whole first emulator with them
+(649,108 of its 649,108 bytes stayed until a collection); the asynchronous stage held its segment's runner,
+which held the stage's bound `step` (0.87 MB of a 4-layer emulator stayed after `del`); every DDP parameter's
+post-accumulate-grad hook held the DDP, which holds the parameters, through torch's C++ hook list, which the
+collector cannot see (the synchronous model, its DDP buffers and optimizer were never freed, not even by
+`gc.collect()`); the overlapped param gather's module pre-hooks likewise (a collectable cycle).
 """
 
 import contextlib

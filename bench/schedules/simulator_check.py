@@ -22,13 +22,14 @@ k backwards in the asynchronous stream).
   t_step (the step sleeps what remains); PipeOptim's prediction and restore around each forward run in
   the measured stream and are not priced: the `policy` column says what they cost, `step` what a step took.
 
-Columns: `sim` = the simulator at the nominal costs, t_p2p = 0 (the figure the check is about; outside
-3 % is flagged); `sim cal` = the simulator with the op costs measured in one process (F, B, W, step) and
-the p2p latency measured between two ranks (bench/schedules_runs.py's p2p_costs): the ops' own overhead
-beside the sleep; `sim run` = the simulator with the op costs measured inside the run itself (each op's
-wall time less its waits in blocking receives, averaged over ranks) and that p2p latency: what the ops
-cost with D processes sharing the cores. Where `sim run` matches and `sim` does not, the ops got slower,
-not the simulator wrong.
+Columns: `sim` = the simulator at the nominal costs, no message costs (the figure the check is about;
+outside 3 % is flagged); `sim cal` = the simulator with the op costs measured in one process (F, B, W,
+step) and the message costs measured between two ranks (bench/schedules_runs.py's p2p_costs: the send
+call and the receive of a message already there on the ops that make them, the one-way latency on every
+message); `sim run` = the simulator with the op costs measured inside the run itself (each op's wall time
+less its waits in blocking receives, averaged over ranks and repetitions) and the same receive cost and
+latency: what the ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not,
+the ops got slower, not the simulator wrong.
 """
 
 import os
@@ -75,10 +76,24 @@ ASYNC_LR = 1e-4
 # --------------------------------------------------------------------------------------------------
 
 
-def sync_prediction(method, D, v, M, costs, t_p2p=0.0, t_step=0.0):
-    """Simulated seconds per iteration; costs = (t_F, t_B, t_W) per v-chunk (a fused backward: t_B + t_W)."""
+def with_message_costs(schedule, costs, p2p):
+    """Per virtual stage (t_F, t_B) lists: costs plus, for an op that sends, the send call, and for one that
+    receives, the receive of a message already there (p2p = (latency, send call, receive)): the CPU a
+    message costs its two ranks beside the latency the simulator adds to its arrival."""
     t_f, t_b, t_w = costs
-    return simulate(build_schedule(method, D, v, M), t_f, t_b, t_p2p, t_step, t_weight=t_w).makespan
+    _, send, recv = p2p
+    last = schedule.num_stages * schedule.num_chunks - 1
+    forward = [t_f + (recv if vs > 0 else 0.0) + (send if vs < last else 0.0) for vs in range(last + 1)]
+    backward = [t_b + (recv if vs < last else 0.0) + (send if vs > 0 else 0.0) for vs in range(last + 1)]
+    return forward, backward, t_w
+
+
+def sync_prediction(method, D, v, M, costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
+    """Simulated seconds per iteration; costs = (t_F, t_B, t_W) per v-chunk (a fused backward: t_B + t_W),
+    p2p = (latency, send call, receive) per message."""
+    schedule = build_schedule(method, D, v, M)
+    t_f, t_b, t_w = with_message_costs(schedule, costs, p2p)
+    return simulate(schedule, t_f, t_b, p2p[0], t_step, t_weight=t_w).makespan
 
 
 def steady_window(N):
@@ -86,11 +101,12 @@ def steady_window(N):
     return N // 4, 3 * N // 4
 
 
-def async_prediction(D, k, N, costs, t_p2p=0.0, t_step=0.0):
+def async_prediction(D, k, N, costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
     """Simulated seconds per micro-batch of the async stream (v=1) between the last stage's losses of the
     window's micro-batches a and b (the end of their forward there), as the run times it."""
-    t_f, t_b, t_w = costs
-    timeline = simulate(build_schedule("async", D, 1, N, update_interval=k), t_f, t_b, t_p2p, t_step, t_weight=t_w)
+    schedule = build_schedule("async", D, 1, N, update_interval=k)
+    t_f, t_b, t_w = with_message_costs(schedule, costs, p2p)
+    timeline = simulate(schedule, t_f, t_b, p2p[0], t_step, t_weight=t_w)
     loss_at = {e.op.microbatch: e.end for e in timeline.events if e.rank == D - 1 and isinstance(e.op, Forward)}
     a, b = steady_window(N)
     return (loss_at[b] - loss_at[a]) / (b - a)
@@ -254,11 +270,14 @@ def step_cost(t_step, n=20):
     return statistics.median(times)
 
 
-def p2p_latency(mbs, n=20):
-    """Median one-way latency of one [mbs, 16] fp32 message on gloo, receiver waiting (our transport, agreed
-    shapes): what the simulator's t_p2p models."""
+def message_costs(mbs, n=20):
+    """Medians, for one [mbs, 16] fp32 message on gloo through our transport with agreed shapes, measured
+    between two ranks (bench/schedules_runs.py's p2p_costs): the one-way latency with the receiver waiting
+    (the simulator's t_p2p), the send call, and the wait of a receive posted ahead (run_rank does) whose
+    data has arrived (the CPU a receive costs when nobody waits)."""
     merged = merge_p2p(run_distributed(p2p_costs, 2, pp=2, args=(mbs, n), timeout=TIMEOUT))
-    return statistics.median(merged[f"{AGREED}: one-way latency, receiver waiting"])
+    return tuple(statistics.median(merged[f"{AGREED}: {what}"]) for what in (
+        "one-way latency, receiver waiting", "send call", "receive posted before the send, wait after the data arrived"))
 
 
 def code_commit() -> str:
@@ -294,7 +313,8 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     nominal = (t_f, t_b, t_w)
     untrimmed, run_costs, cal = zb.trimmed_op_costs(nominal, trim)
     cal_step = step_cost(t_step)
-    t_p2p = p2p_latency(mbs, 5 if reps == 1 else 20)
+    p2p = message_costs(mbs, 5 if reps == 1 else 20)
+    p2p_run = (p2p[0], 0.0, p2p[2])  # an op's wall time in the run includes its sends, not its receives
     ms = lambda xs: " / ".join(f"{x * 1e3:.3f}" for x in xs)  # noqa: E731
     N = 4 * max(Ms)
     intervals = sorted({1, 2, *Ms})
@@ -308,9 +328,11 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
          f"{ms(untrimmed[2])} ms per v=2 chunk for ops sleeping their nominal time"
          + (f"; the runs sleep less by that excess (trimmed), measured {ms(cal[1])} and {ms(cal[2])} ms" if trim else
             "; --no-trim: the runs sleep the nominal time")
-         + f". Step: {cal_step * 1e3:.3f} ms. p2p one-way "
-         f"latency, receiver waiting (two ranks): {t_p2p * 1e3:.3f} ms. `sim cal` prices the ops at these "
-         f"measured costs and every message at that latency; `sim` at the nominal costs, t_p2p = 0.")
+         + f". Step: {cal_step * 1e3:.3f} ms. A message (two ranks, agreed shapes): one-way latency with the "
+         f"receiver waiting {p2p[0] * 1e3:.3f} ms, send call {p2p[1] * 1e3:.3f} ms, a receive posted ahead whose "
+         f"data is there {p2p[2] * 1e3:.3f} ms. `sim cal` prices the ops at these measured costs, the send call and "
+         f"the receive on the ops that make them, and the latency on every message; `sim` at the nominal costs, "
+         f"no message costs.")
     emit()
     cases, rows, skipped = [], [], []
     for M in Ms:
@@ -331,9 +353,9 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         measured = statistics.median(max(r[0][i][1] for r in results) - min(r[0][i][0] for r in results)
                                      for i in range(warmup, warmup + reps))
         in_run = mean_op_costs([r[1] for r in results], [r[2] for r in results])
-        sim = sync_prediction(method, D, v, M, tuple(c / v for c in nominal), 0.0, t_step)
-        sim_cal = sync_prediction(method, D, v, M, cal[v], t_p2p, cal_step)
-        sim_run = sync_prediction(method, D, v, M, (in_run["F"], in_run["B"], in_run["W"]), t_p2p, in_run["S"])
+        sim = sync_prediction(method, D, v, M, tuple(c / v for c in nominal), t_step=t_step)
+        sim_cal = sync_prediction(method, D, v, M, cal[v], p2p, cal_step)
+        sim_run = sync_prediction(method, D, v, M, (in_run["F"], in_run["B"], in_run["W"]), p2p_run, in_run["S"])
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(f"{label} M={M}")
         rows.append([label, M, "-", f"{sim * 1e3:.1f}", f"{measured * 1e3:.1f}", ratio_cell(measured, sim),
@@ -347,9 +369,9 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     for k in intervals:
         measured = statistics.median(per_mb[k])
         in_run = mean_op_costs([r[3][k] for r in per_rank], [r[4][k] for r in per_rank])
-        sim = async_prediction(D, k, N, (t_f, t_b, t_w), 0.0, t_step)
-        sim_cal = async_prediction(D, k, N, cal[1], t_p2p, cal_step)
-        sim_run = async_prediction(D, k, N, (in_run["F"], in_run["B"], 0.0), t_p2p, in_run["S"])
+        sim = async_prediction(D, k, N, (t_f, t_b, t_w), t_step=t_step)
+        sim_cal = async_prediction(D, k, N, cal[1], p2p, cal_step)
+        sim_run = async_prediction(D, k, N, (in_run["F"], in_run["B"], 0.0), p2p_run, in_run["S"])
         label = f"async PipeOptim k={k}" + (f" (k = M at M={k})" if k in Ms else "")
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(label)

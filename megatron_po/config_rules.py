@@ -219,8 +219,9 @@ LAYOUT = [
     Rule("interleaving-microbatches", lambda c: c.num_mb % c.pp == 0,
          lambda c: f"--pipeline-method {c.meth} with an interleaved pipeline (--num-layers-per-virtual-pipeline-stage) "
                    f"needs the number of micro-batches ({c.num_mb} = --global-batch-size / (--micro-batch-size x DP)) "
-                   f"divisible by --pipeline-model-parallel-size ({c.pp}): the asynchronous stream's segments must end "
-                   f"where its groups of {c.pp} micro-batches end (the synchronous interleaved schedules take any number)",
+                   f"divisible by --pipeline-model-parallel-size ({c.pp}): the asynchronous stream's segments must "
+                   f"end where its groups of {c.pp} micro-batches end (the synchronous interleaved schedules take any "
+                   f"number)",
          when=lambda c: virtual_pipeline_size(c.cfg) > 1 and c.is_async),
     Rule("zb-h2-one-chunk", lambda c: c.meth != "zb-h2",
          "--pipeline-method zb-h2 runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage or use "

@@ -1,7 +1,7 @@
 """The timeline simulator checked against the executor, on synthetic sleeping stages (issue 36, rule 5).
 
-    python bench/schedules/simulator_check.py [--stages 8 --M 2 4 8 --tf 0.02 --tB 0.02 --tW 0.02
-                                               --t-step 0.007 --reps 3 --warmup 1 --out bench/results/simulator_check.md]
+    python bench/schedules/simulator_check.py [--stages 8 --M 2 4 8 --tf 0.02 --tB 0.02 --tW 0.02 --t-step 0.007
+                                               --reps 3 --warmup 1 --out bench/results/simulator_check.md]
     python bench/schedules/simulator_check.py --quick     # D=4, M=2, one repetition, 5 ms ops
 
 The stages are bench/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
@@ -27,9 +27,10 @@ outside 3 % is flagged); `sim cal` = the simulator with the op costs measured in
 step) and the message costs measured between two ranks (bench/schedules_runs.py's p2p_costs: the send
 call and the receive of a message already there on the ops that make them, the one-way latency on every
 message); `sim run` = the simulator with the op costs measured inside the run itself (each op's wall time
-less its waits in blocking receives, averaged over ranks and repetitions) and the same receive cost and
-latency: what the ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not,
-the ops got slower, not the simulator wrong.
+less its waits in blocking receives, averaged over ranks and repetitions), the same receive cost and
+latency, and the time run_rank spends between ops posting receives ahead, on the receiving ops: what the
+ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not, the ops got
+slower, not the simulator wrong.
 """
 
 import os
@@ -43,8 +44,10 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
+import torch  # noqa: E402
 import zero_bubble as zb  # noqa: E402  (also puts tests/ on sys.path: dist_harness)
-from bench_common import Lines, command_line, load_at_end, load_at_start, loadavg, machine, markdown_table, now  # noqa: E402
+from bench_common import (Lines, command_line, load_at_end, load_at_start, loadavg, machine,  # noqa: E402
+                          markdown_table, now)
 from dist_harness import run_distributed  # noqa: E402
 from schedules_measure import accumulate, timed  # noqa: E402
 from schedules_runs import AGREED, merge_p2p, p2p_costs  # noqa: E402
@@ -55,7 +58,8 @@ from megatron_po.errors import ConfigError  # noqa: E402
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
 from megatron_po.pipeline.partition import ActivationSpecs  # noqa: E402
-from megatron_po.pipeline.schedules import Forward, build_schedule, placement_of  # noqa: E402
+from megatron_po.pipeline.schedules import (BackwardWeight, Forward, Step, build_schedule, comm_of,  # noqa: E402
+                                            placement_of)
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 
 TOLERANCE = 0.03
@@ -117,12 +121,16 @@ def async_prediction(D, k, N, costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
 # --------------------------------------------------------------------------------------------------
 
 
-OP_KINDS = ("F", "B", "W", "S")  # forward, backward (fused, or split: input), weight backward, step
+# forward, backward (fused, or split: input), weight backward, step; P: posting a receive ahead (run_rank
+# does it between ops, so it is in no op's wall time), counted per received message
+OP_KINDS = ("F", "B", "W", "S", "P")
 
 
 def instrument_transport(transport, acc):
-    """Accumulate the time this rank waits in blocking receives, activations and gradients apart."""
+    """Accumulate the time this rank waits in blocking receives, activations and gradients apart, and the
+    time it spends posting receives ahead."""
     recv = transport.recv
+    transport.prepost = accumulate(transport.prepost, acc, "prepost")
 
     def timed_recv(me, peer, key):
         start = time.perf_counter()
@@ -143,12 +151,14 @@ def instrument_runner(runner, acc):
 def op_busy(acc):
     """Seconds this rank computed per op kind: the ops' wall time less the waits in their receives."""
     return {"F": acc.get("F", 0.0) - acc.get("recv_act", 0.0), "B": acc.get("B", 0.0) - acc.get("recv_grad", 0.0),
-            "W": acc.get("W", 0.0), "S": acc.get("step", 0.0)}
+            "W": acc.get("W", 0.0), "S": acc.get("step", 0.0), "P": acc.get("prepost", 0.0)}
 
 
-def op_counts(ops):
-    from megatron_po.pipeline.schedules import BackwardWeight, Step
+def op_counts(schedule, rank):
+    ops = schedule.ops[rank]
     counts = dict.fromkeys(OP_KINDS, 0)
+    counts["P"] = sum(comm_of(op, rank, schedule.num_stages, schedule.num_chunks, schedule.placement)[0] is not None
+                      for op in ops)
     for op in ops:
         counts["F" if isinstance(op, Forward) else "W" if isinstance(op, BackwardWeight)
                else "S" if isinstance(op, Step) else "B"] += 1
@@ -162,14 +172,17 @@ def mean_op_costs(per_rank_busy, per_rank_counts):
     return {k: total[k] / count[k] if count[k] else 0.0 for k in OP_KINDS}
 
 
+def synthetic_batch(mbs):
+    return {"tokens": torch.randn(mbs, zb.WIDTH), "labels": torch.zeros(mbs, zb.WIDTH, dtype=torch.long),
+            "loss_mask": torch.ones(mbs, zb.WIDTH)}
+
+
 def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
     """{(label, M): ([(start, end)] of this rank, its busy seconds per op kind over the measured repetitions,
     its op counts per repetition)}: every case once per repetition, the cases alternating. The chunks sleep
     run_costs[v] per stage; Step(None) sleeps t_step (the optimizer it stands for)."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    x = zb.torch.randn(mbs, zb.WIDTH)
-    batch = {"tokens": x, "labels": zb.torch.zeros(mbs, zb.WIDTH, dtype=zb.torch.long),
-             "loss_mask": zb.torch.ones(mbs, zb.WIDTH)}
+    batch = synthetic_batch(mbs)
     runs, transports, acc = {}, {}, {}
     for label, method, v, M in cases:
         placement = placement_of(method)
@@ -185,7 +198,7 @@ def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
                                  step_fn=accumulate(lambda c: zb.hold(t_step), acc, "step"))
             run_rank(schedule, instrument_runner(runner, acc))
 
-        runs[(label, M)] = (run, op_counts(schedule.ops[r]))
+        runs[(label, M)] = (run, op_counts(schedule, r))
     spans = {key: [] for key in runs}
     busy = {key: dict.fromkeys(OP_KINDS, 0.0) for key in runs}
     for i in range(warmup + reps):
@@ -207,9 +220,7 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
     D = ps.get_pipeline_model_parallel_world_size()
     cfg = Config()
     cfg.model.untie_embeddings_and_output_weights = True
-    x = zb.torch.randn(mbs, zb.WIDTH)
-    batch = {"tokens": x, "labels": zb.torch.zeros(mbs, zb.WIDTH, dtype=zb.torch.long),
-             "loss_mask": zb.torch.ones(mbs, zb.WIDTH)}
+    batch = synthetic_batch(mbs)
     build = lambda cfg, vocab, rank, num_stages, num_chunks, device=None: zb.chunks_of(  # noqa: E731
         rank, num_stages, num_chunks, *run_costs[1])
     ranks, acc = {}, {}
@@ -239,8 +250,9 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
     per_mb = {k: [] for k in intervals}
     step_s, policy_s = {k: [] for k in intervals}, {k: [] for k in intervals}
     busy = {k: dict.fromkeys(OP_KINDS, 0.0) for k in intervals}
-    counts = {k: {kind: n * reps for kind, n in op_counts(build_schedule("async", D, 1, N, update_interval=k).ops[
-        ps.get_pipeline_model_parallel_rank()]).items()} for k in intervals}
+    counts = {k: {kind: n * reps for kind, n in op_counts(build_schedule("async", D, 1, N, update_interval=k),
+                                                          ps.get_pipeline_model_parallel_rank()).items()}
+              for k in intervals}
     for i in range(warmup + reps):
         for k in intervals:
             acc[k].clear()
@@ -277,7 +289,8 @@ def message_costs(mbs, n=20):
     data has arrived (the CPU a receive costs when nobody waits)."""
     merged = merge_p2p(run_distributed(p2p_costs, 2, pp=2, args=(mbs, n), timeout=TIMEOUT))
     return tuple(statistics.median(merged[f"{AGREED}: {what}"]) for what in (
-        "one-way latency, receiver waiting", "send call", "receive posted before the send, wait after the data arrived"))
+        "one-way latency, receiver waiting", "send call",
+        "receive posted before the send, wait after the data arrived"))
 
 
 def code_commit() -> str:
@@ -314,7 +327,6 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     untrimmed, run_costs, cal = zb.trimmed_op_costs(nominal, trim)
     cal_step = step_cost(t_step)
     p2p = message_costs(mbs, 5 if reps == 1 else 20)
-    p2p_run = (p2p[0], 0.0, p2p[2])  # an op's wall time in the run includes its sends, not its receives
     ms = lambda xs: " / ".join(f"{x * 1e3:.3f}" for x in xs)  # noqa: E731
     N = 4 * max(Ms)
     intervals = sorted({1, 2, *Ms})
@@ -355,11 +367,12 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         in_run = mean_op_costs([r[1] for r in results], [r[2] for r in results])
         sim = sync_prediction(method, D, v, M, tuple(c / v for c in nominal), t_step=t_step)
         sim_cal = sync_prediction(method, D, v, M, cal[v], p2p, cal_step)
+        p2p_run = (p2p[0], 0.0, p2p[2] + in_run["P"])  # an op's wall time in the run includes its sends
         sim_run = sync_prediction(method, D, v, M, (in_run["F"], in_run["B"], in_run["W"]), p2p_run, in_run["S"])
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(f"{label} M={M}")
         rows.append([label, M, "-", f"{sim * 1e3:.1f}", f"{measured * 1e3:.1f}", ratio_cell(measured, sim),
-                     f"{measured / sim_cal:.3f}", ms_each(in_run, "FBWS" if in_run["W"] else "FBS"),
+                     f"{measured / sim_cal:.3f}", ms_each(in_run, "FBWSP" if in_run["W"] else "FBSP"),
                      f"{measured / sim_run:.3f}", "-"])
         print("  ", rows[-1], flush=True)
     per_rank = run_distributed(async_runs, D, pp=D, timeout=TIMEOUT,
@@ -371,18 +384,20 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         in_run = mean_op_costs([r[3][k] for r in per_rank], [r[4][k] for r in per_rank])
         sim = async_prediction(D, k, N, (t_f, t_b, t_w), t_step=t_step)
         sim_cal = async_prediction(D, k, N, cal[1], p2p, cal_step)
+        p2p_run = (p2p[0], 0.0, p2p[2] + in_run["P"])
         sim_run = async_prediction(D, k, N, (in_run["F"], in_run["B"], 0.0), p2p_run, in_run["S"])
         label = f"async PipeOptim k={k}" + (f" (k = M at M={k})" if k in Ms else "")
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(label)
         rows.append([label, "stream", k, f"{sim * 1e3:.2f}", f"{measured * 1e3:.2f}", ratio_cell(measured, sim),
-                     f"{measured / sim_cal:.3f}", ms_each(in_run, "FBS"), f"{measured / sim_run:.3f}",
+                     f"{measured / sim_cal:.3f}", ms_each(in_run, "FBSP"), f"{measured / sim_run:.3f}",
                      f"{statistics.median(policy_s[k]) * 1e3:.2f}"])
         print("  ", rows[-1], flush=True)
     emit("Synchronous rows: ms per iteration (M micro-batches, one step). Async rows: ms per micro-batch in the "
          "steady state. `in-run op ms`: the mean wall time of one op inside these runs over all ranks (F / B / "
-         "[W /] step; B of a fused backward includes its W; an op's waits in blocking receives excluded), and `sim "
-         "run` the simulator with those costs and the measured p2p latency: where it matches the measurement and "
+         "[W /] step / posting one receive ahead; B of a fused backward includes its W; an op's waits in blocking "
+         "receives excluded), and `sim run` the simulator with those costs, the posting on the receiving op, and "
+         "the measured receive cost and latency of a message: where it matches the measurement and "
          "`sim` does not, the gap is the ops getting slower on the loaded cores, not the simulator. `policy` = "
          "PipeOptim's hooks per micro-batch on the last rank (prediction, restore; not priced by the simulator).")
     emit()

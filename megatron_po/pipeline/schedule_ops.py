@@ -187,8 +187,9 @@ def check_stream_interleaved(num_stages: int, num_chunks: int, num_microbatches:
     groups of D micro-batches (`microbatch_groups`) where they end, or a segment's drain would reorder its
     last micro-batches and change the steps between their forward and backward (their staleness)."""
     if num_chunks > 1 and num_microbatches % num_stages != 0:
-        raise ConfigError(f"{name} with num_chunks > 1 needs num_microbatches % num_stages == 0 (a segment must end "
-                          f"where the stream's groups of D micro-batches end), got M={num_microbatches}, D={num_stages}")
+        raise ConfigError(f"{name} with num_chunks > 1 needs num_microbatches % num_stages == 0 (a segment must "
+                          f"end where the stream's groups of D micro-batches end), got M={num_microbatches}, "
+                          f"D={num_stages}")
 
 
 def microbatch_groups(num_stages: int, num_microbatches: int) -> list[int]:

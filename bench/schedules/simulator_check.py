@@ -27,7 +27,7 @@ outside 3 % is flagged); `sim cal` = the simulator with the op costs measured in
 step) and the message costs measured between two ranks (bench/schedules_runs.py's p2p_costs: the send
 call and the receive of a message already there on the ops that make them, the one-way latency on every
 message); `sim run` = the simulator with the op costs measured inside the run itself (each op's wall time
-less its waits in blocking receives, averaged over ranks and repetitions), the same receive cost and
+less its waits in blocking receives, per rank, averaged over repetitions), the same receive cost and
 latency, and the time run_rank spends between ops posting receives ahead, on the receiving ops: what the
 ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not, the ops got
 slower, not the simulator wrong.
@@ -59,7 +59,7 @@ from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
 from megatron_po.pipeline.partition import ActivationSpecs  # noqa: E402
 from megatron_po.pipeline.schedules import (BackwardWeight, Forward, Step, build_schedule, comm_of,  # noqa: E402
-                                            placement_of)
+                                            placement_of, rank_chunk_of)
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 
 TOLERANCE = 0.03
@@ -80,23 +80,35 @@ ASYNC_LR = 1e-4
 # --------------------------------------------------------------------------------------------------
 
 
-def with_message_costs(schedule, costs, p2p):
-    """Per virtual stage (t_F, t_B) lists: costs plus, for an op that sends, the send call, and for one that
-    receives, the receive of a message already there (p2p = (latency, send call, receive)): the CPU a
-    message costs its two ranks beside the latency the simulator adds to its arrival."""
-    t_f, t_b, t_w = costs
+def stage_costs(schedule, rank_costs, p2p):
+    """Per virtual stage (t_F, t_B, t_W) lists for the simulator. rank_costs(r) = (t_F, t_B, t_W, extra) of
+    rank r's ops (extra: CPU per received message beside the receive itself); an op that sends adds the send
+    call and one that receives the receive of a message already there, plus extra (p2p = (latency, send
+    call, receive)): the CPU a message costs its two ranks beside the latency the simulator adds to its
+    arrival."""
+    D, v = schedule.num_stages, schedule.num_chunks
     _, send, recv = p2p
-    last = schedule.num_stages * schedule.num_chunks - 1
-    forward = [t_f + (recv if vs > 0 else 0.0) + (send if vs < last else 0.0) for vs in range(last + 1)]
-    backward = [t_b + (recv if vs < last else 0.0) + (send if vs > 0 else 0.0) for vs in range(last + 1)]
-    return forward, backward, t_w
+    last = D * v - 1
+    out = ([], [], [])
+    for vs in range(last + 1):
+        t_f, t_b, t_w, extra = rank_costs(rank_chunk_of(vs, D, schedule.placement)[0])
+        out[0].append(t_f + (recv + extra if vs > 0 else 0.0) + (send if vs < last else 0.0))
+        out[1].append(t_b + (recv + extra if vs < last else 0.0) + (send if vs > 0 else 0.0))
+        out[2].append(t_w)
+    return out
 
 
-def sync_prediction(method, D, v, M, costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
-    """Simulated seconds per iteration; costs = (t_F, t_B, t_W) per v-chunk (a fused backward: t_B + t_W),
-    p2p = (latency, send call, receive) per message."""
+def same_on_every_rank(costs):
+    """rank_costs for op costs (t_F, t_B, t_W) that are the same on every rank, nothing extra per message."""
+    costs = tuple(costs)
+    return lambda rank: (*costs, 0.0)
+
+
+def sync_prediction(method, D, v, M, rank_costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
+    """Simulated seconds per iteration; rank_costs as `stage_costs` takes it (per v-chunk; a fused
+    backward costs t_B + t_W), p2p = (latency, send call, receive) per message."""
     schedule = build_schedule(method, D, v, M)
-    t_f, t_b, t_w = with_message_costs(schedule, costs, p2p)
+    t_f, t_b, t_w = stage_costs(schedule, rank_costs, p2p)
     return simulate(schedule, t_f, t_b, p2p[0], t_step, t_weight=t_w).makespan
 
 
@@ -105,11 +117,11 @@ def steady_window(N):
     return N // 4, 3 * N // 4
 
 
-def async_prediction(D, k, N, costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
+def async_prediction(D, k, N, rank_costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
     """Simulated seconds per micro-batch of the async stream (v=1) between the last stage's losses of the
     window's micro-batches a and b (the end of their forward there), as the run times it."""
     schedule = build_schedule("async", D, 1, N, update_interval=k)
-    t_f, t_b, t_w = with_message_costs(schedule, costs, p2p)
+    t_f, t_b, t_w = stage_costs(schedule, rank_costs, p2p)
     timeline = simulate(schedule, t_f, t_b, p2p[0], t_step, t_weight=t_w)
     loss_at = {e.op.microbatch: e.end for e in timeline.events if e.rank == D - 1 and isinstance(e.op, Forward)}
     a, b = steady_window(N)
@@ -163,6 +175,13 @@ def op_counts(schedule, rank):
         counts["F" if isinstance(op, Forward) else "W" if isinstance(op, BackwardWeight)
                else "S" if isinstance(op, Step) else "B"] += 1
     return counts
+
+
+def in_run_costs(per_rank_results, busy_at, counts_at):
+    """rank_costs (see `stage_costs`) of the ops as they ran on each rank: its mean F, B, W and its time
+    posting receives ahead per received message."""
+    means = [mean_op_costs([r[busy_at]], [r[counts_at]]) for r in per_rank_results]
+    return lambda rank: (means[rank]["F"], means[rank]["B"], means[rank]["W"], means[rank]["P"])
 
 
 def mean_op_costs(per_rank_busy, per_rank_counts):
@@ -327,6 +346,7 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     untrimmed, run_costs, cal = zb.trimmed_op_costs(nominal, trim)
     cal_step = step_cost(t_step)
     p2p = message_costs(mbs, 5 if reps == 1 else 20)
+    p2p_run = (p2p[0], 0.0, p2p[2])  # an op's wall time in the run includes its sends
     ms = lambda xs: " / ".join(f"{x * 1e3:.3f}" for x in xs)  # noqa: E731
     N = 4 * max(Ms)
     intervals = sorted({1, 2, *Ms})
@@ -365,10 +385,9 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         measured = statistics.median(max(r[0][i][1] for r in results) - min(r[0][i][0] for r in results)
                                      for i in range(warmup, warmup + reps))
         in_run = mean_op_costs([r[1] for r in results], [r[2] for r in results])
-        sim = sync_prediction(method, D, v, M, tuple(c / v for c in nominal), t_step=t_step)
-        sim_cal = sync_prediction(method, D, v, M, cal[v], p2p, cal_step)
-        p2p_run = (p2p[0], 0.0, p2p[2] + in_run["P"])  # an op's wall time in the run includes its sends
-        sim_run = sync_prediction(method, D, v, M, (in_run["F"], in_run["B"], in_run["W"]), p2p_run, in_run["S"])
+        sim = sync_prediction(method, D, v, M, same_on_every_rank(tuple(c / v for c in nominal)), t_step=t_step)
+        sim_cal = sync_prediction(method, D, v, M, same_on_every_rank(cal[v]), p2p, cal_step)
+        sim_run = sync_prediction(method, D, v, M, in_run_costs(results, 1, 2), p2p_run, in_run["S"])
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(f"{label} M={M}")
         rows.append([label, M, "-", f"{sim * 1e3:.1f}", f"{measured * 1e3:.1f}", ratio_cell(measured, sim),
@@ -381,11 +400,11 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     load_async = loadavg()[0]
     for k in intervals:
         measured = statistics.median(per_mb[k])
-        in_run = mean_op_costs([r[3][k] for r in per_rank], [r[4][k] for r in per_rank])
-        sim = async_prediction(D, k, N, (t_f, t_b, t_w), t_step=t_step)
-        sim_cal = async_prediction(D, k, N, cal[1], p2p, cal_step)
-        p2p_run = (p2p[0], 0.0, p2p[2] + in_run["P"])
-        sim_run = async_prediction(D, k, N, (in_run["F"], in_run["B"], 0.0), p2p_run, in_run["S"])
+        results = [(r[3][k], r[4][k]) for r in per_rank]
+        in_run = mean_op_costs([r[0] for r in results], [r[1] for r in results])
+        sim = async_prediction(D, k, N, same_on_every_rank(nominal), t_step=t_step)
+        sim_cal = async_prediction(D, k, N, same_on_every_rank(cal[1]), p2p, cal_step)
+        sim_run = async_prediction(D, k, N, in_run_costs(results, 0, 1), p2p_run, in_run["S"])
         label = f"async PipeOptim k={k}" + (f" (k = M at M={k})" if k in Ms else "")
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(label)
@@ -396,8 +415,8 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
     emit("Synchronous rows: ms per iteration (M micro-batches, one step). Async rows: ms per micro-batch in the "
          "steady state. `in-run op ms`: the mean wall time of one op inside these runs over all ranks (F / B / "
          "[W /] step / posting one receive ahead; B of a fused backward includes its W; an op's waits in blocking "
-         "receives excluded), and `sim run` the simulator with those costs, the posting on the receiving op, and "
-         "the measured receive cost and latency of a message: where it matches the measurement and "
+         "receives excluded), and `sim run` the simulator with each rank's own such costs, the posting on the "
+         "receiving op, and the measured receive cost and latency of a message: where it matches the measurement and "
          "`sim` does not, the gap is the ops getting slower on the loaded cores, not the simulator. `policy` = "
          "PipeOptim's hooks per micro-batch on the last rank (prediction, restore; not priced by the simulator).")
     emit()

@@ -6,7 +6,7 @@
 
 The stages are bench/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
 cost, then spins its last 0.5 ms; the sleeps trimmed by the excess an op measures in one process, so an
-op costs its nominal time). Per schedule and M, the same op list goes to the executor (run_rank +
+op costs its nominal time), with one change: the first stage's B sleeps too (`UniformSleepStage`). Per schedule and M, the same op list goes to the executor (run_rank +
 StageRunner + P2PTransport with agreed shapes) and to the simulator with the same per-op costs: t_F, t_B,
 t_W per stage (a fused backward t_B + t_W, a v = 2 chunk half of each), and t_step for every Step op
 (the runs sleep t_step in their step: Step(None) of a synchronous iteration on every rank, Step(c) every
@@ -133,6 +133,19 @@ def async_prediction(D, k, N, rank_costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
 # --------------------------------------------------------------------------------------------------
 
 
+class UniformSleepStage(zb.ZBSleepStage):
+    """bench/zero_bubble.py's stage, with the first stage's input made to require a gradient: there autograd
+    would skip SleepInput's backward (the batch needs no gradient), so the first virtual stage's B would
+    cost nothing where the simulator prices t_B. Here every virtual stage's ops cost the same."""
+
+    def forward(self, input_ids=None, hidden_states=None, labels=None):
+        return self.compute(input_ids.detach().requires_grad_(True) if self.pre_process else hidden_states)
+
+
+def sleeping_chunks(rank, D, v, stage_costs, placement="interleaved"):
+    return zb.chunks_of(rank, D, v, *stage_costs, cls=UniformSleepStage, placement=placement)
+
+
 # forward, backward (fused, or split: input), weight backward, step; P: posting a receive ahead (run_rank
 # does it between ops, so it is in no op's wall time), counted per received message
 OP_KINDS = ("F", "B", "W", "S", "P")
@@ -205,7 +218,7 @@ def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
     runs, transports, acc = {}, {}, {}
     for label, method, v, M in cases:
         placement = placement_of(method)
-        chunks = zb.chunks_of(r, D, v, *run_costs[v], placement=placement)
+        chunks = sleeping_chunks(r, D, v, run_costs[v], placement)
         if v not in transports:
             transports[v] = P2PTransport(D, v, ActivationSpecs((mbs, zb.WIDTH)))
             instrument_transport(transports[v], acc)
@@ -240,8 +253,8 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
     cfg = Config()
     cfg.model.untie_embeddings_and_output_weights = True
     batch = synthetic_batch(mbs)
-    build = lambda cfg, vocab, rank, num_stages, num_chunks, device=None: zb.chunks_of(  # noqa: E731
-        rank, num_stages, num_chunks, *run_costs[1])
+    build = lambda cfg, vocab, rank, num_stages, num_chunks, device=None: sleeping_chunks(  # noqa: E731
+        rank, num_stages, num_chunks, run_costs[1])
     ranks, acc = {}, {}
     for k in intervals:
         rank = AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=k, optimizer_name="adam",

@@ -6,11 +6,11 @@
 
 The stages are bench/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
 cost, then spins its last 0.5 ms; the sleeps trimmed by the excess an op measures in one process, so an
-op costs its nominal time), with one change: the first stage's B sleeps too (`UniformSleepStage`). Per schedule and M, the same op list goes to the executor (run_rank +
-StageRunner + P2PTransport with agreed shapes) and to the simulator with the same per-op costs: t_F, t_B,
-t_W per stage (a fused backward t_B + t_W, a v = 2 chunk half of each), and t_step for every Step op
-(the runs sleep t_step in their step: Step(None) of a synchronous iteration on every rank, Step(c) every
-k backwards in the asynchronous stream).
+op costs its nominal time), with one change: the first stage's B sleeps too (`UniformSleepStage`). Per
+schedule and M, the same op list goes to the executor (run_rank + StageRunner + P2PTransport with agreed
+shapes) and to the simulator with the same per-op costs: t_F, t_B, t_W per stage (a fused backward
+t_B + t_W, a v = 2 chunk half of each), and t_step for every Step op (the runs sleep t_step in their step:
+Step(None) of a synchronous iteration on every rank, Step(c) every k backwards in the asynchronous stream).
 
 - Synchronous schedules: 1F1B, interleaved 1F1B (v=2), ZB-H1, interleaved ZB-H1 (v=2), ZB-H2, ZB-V; the
   measured time per iteration (median over --reps of max end - min start over ranks, after a barrier)
@@ -27,7 +27,7 @@ outside 3 % is flagged); `sim cal` = the simulator with the op costs measured in
 step) and the message costs measured between two ranks (bench/schedules_runs.py's p2p_costs: the send
 call and the receive of a message already there on the ops that make them, the one-way latency on every
 message); `sim run` = the simulator with the op costs measured inside the run itself (each op's wall time
-less its waits in blocking receives, per rank, averaged over repetitions), the same receive cost and
+less its waits in blocking receives, per rank, the median over repetitions), the same receive cost and
 latency, and the time run_rank spends between ops posting receives ahead, on the receiving ops: what the
 ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not, the ops got
 slower, not the simulator wrong.
@@ -190,18 +190,20 @@ def op_counts(schedule, rank):
     return counts
 
 
-def in_run_costs(per_rank_results, busy_at, counts_at):
-    """rank_costs (see `stage_costs`) of the ops as they ran on each rank: its mean F, B, W and its time
-    posting receives ahead per received message."""
-    means = [mean_op_costs([r[busy_at]], [r[counts_at]]) for r in per_rank_results]
-    return lambda rank: (means[rank]["F"], means[rank]["B"], means[rank]["W"], means[rank]["P"])
+def per_op(busy_per_rep, counts):
+    """Seconds per op of each kind on one rank: the median over repetitions (a load spike in one does not
+    move it), 0 where no such op ran."""
+    return {k: statistics.median(b[k] for b in busy_per_rep) / counts[k] if counts[k] else 0.0 for k in OP_KINDS}
 
 
-def mean_op_costs(per_rank_busy, per_rank_counts):
-    """Mean in-run cost of one op of each kind over ranks and repetitions (0 where no such op ran)."""
-    total = {k: sum(b[k] for b in per_rank_busy) for k in OP_KINDS}
-    count = {k: sum(c[k] for c in per_rank_counts) for k in OP_KINDS}
-    return {k: total[k] / count[k] if count[k] else 0.0 for k in OP_KINDS}
+def in_run_costs(per_rank_per_op):
+    """rank_costs (see `stage_costs`) of the ops as they ran on each rank: its F, B, W and its time posting
+    receives ahead per received message."""
+    return lambda rank: tuple(per_rank_per_op[rank][k] for k in ("F", "B", "W", "P"))
+
+
+def mean_over_ranks(per_rank_per_op):
+    return {k: statistics.mean(c[k] for c in per_rank_per_op) for k in OP_KINDS}
 
 
 def synthetic_batch(mbs):
@@ -210,9 +212,9 @@ def synthetic_batch(mbs):
 
 
 def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
-    """{(label, M): ([(start, end)] of this rank, its busy seconds per op kind over the measured repetitions,
-    its op counts per repetition)}: every case once per repetition, the cases alternating. The chunks sleep
-    run_costs[v] per stage; Step(None) sleeps t_step (the optimizer it stands for)."""
+    """{(label, M): ([(start, end)] of this rank, its seconds per op of each kind, `per_op`)}: every case
+    once per repetition, the cases alternating. The chunks sleep run_costs[v] per stage; Step(None) sleeps
+    t_step (the optimizer it stands for)."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     batch = synthetic_batch(mbs)
     runs, transports, acc = {}, {}, {}
@@ -232,15 +234,14 @@ def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
 
         runs[(label, M)] = (run, op_counts(schedule, r))
     spans = {key: [] for key in runs}
-    busy = {key: dict.fromkeys(OP_KINDS, 0.0) for key in runs}
+    busy = {key: [] for key in runs}  # per measured repetition: seconds per op kind
     for i in range(warmup + reps):
         for key, (run, _) in runs.items():
             acc.clear()
             spans[key].append(timed(run))
             if i >= warmup:
-                for kind, seconds in op_busy(acc).items():
-                    busy[key][kind] += seconds
-    return {key: (spans[key], busy[key], {k: n * reps for k, n in counts.items()}) for key, (_, counts) in runs.items()}
+                busy[key].append(op_busy(acc))
+    return {key: (spans[key], per_op(busy[key], counts)) for key, (_, counts) in runs.items()}
 
 
 def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
@@ -281,10 +282,7 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
     a, b = steady_window(N)
     per_mb = {k: [] for k in intervals}
     step_s, policy_s = {k: [] for k in intervals}, {k: [] for k in intervals}
-    busy = {k: dict.fromkeys(OP_KINDS, 0.0) for k in intervals}
-    counts = {k: {kind: n * reps for kind, n in op_counts(build_schedule("async", D, 1, N, update_interval=k),
-                                                          ps.get_pipeline_model_parallel_rank()).items()}
-              for k in intervals}
+    busy = {k: [] for k in intervals}  # per measured repetition: seconds per op kind
     for i in range(warmup + reps):
         for k in intervals:
             acc[k].clear()
@@ -298,10 +296,11 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
                 per_mb[k].append((loss_times[b] - loss_times[a]) / (b - a))
             step_s[k].append(acc[k].get("step", 0.0) / (N // k))
             policy_s[k].append(acc[k].get("policy", 0.0) / N)
-            for kind, seconds in op_busy(acc[k]).items():
-                busy[k][kind] += seconds
+            busy[k].append(op_busy(acc[k]))
     assert D == 1 or all(rank.stage.steps[0] > 0 for rank in ranks.values())
-    return per_mb, step_s, policy_s, busy, counts
+    me = ps.get_pipeline_model_parallel_rank()
+    costs = {k: per_op(busy[k], op_counts(build_schedule("async", D, 1, N, update_interval=k), me)) for k in intervals}
+    return per_mb, step_s, policy_s, costs
 
 
 def step_cost(t_step, n=20):
@@ -397,10 +396,10 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         results = [r[(label, M)] for r in per_rank]
         measured = statistics.median(max(r[0][i][1] for r in results) - min(r[0][i][0] for r in results)
                                      for i in range(warmup, warmup + reps))
-        in_run = mean_op_costs([r[1] for r in results], [r[2] for r in results])
+        in_run = mean_over_ranks([r[1] for r in results])
         sim = sync_prediction(method, D, v, M, same_on_every_rank(tuple(c / v for c in nominal)), t_step=t_step)
         sim_cal = sync_prediction(method, D, v, M, same_on_every_rank(cal[v]), p2p, cal_step)
-        sim_run = sync_prediction(method, D, v, M, in_run_costs(results, 1, 2), p2p_run, in_run["S"])
+        sim_run = sync_prediction(method, D, v, M, in_run_costs([r[1] for r in results]), p2p_run, in_run["S"])
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(f"{label} M={M}")
         rows.append([label, M, "-", f"{sim * 1e3:.1f}", f"{measured * 1e3:.1f}", ratio_cell(measured, sim),
@@ -409,15 +408,15 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
         print("  ", rows[-1], flush=True)
     per_rank = run_distributed(async_runs, D, pp=D, timeout=TIMEOUT,
                                args=(intervals, N, run_costs, t_step, mbs, warmup, reps))
-    per_mb, _, policy_s, _, _ = per_rank[D - 1]
+    per_mb, _, policy_s, _ = per_rank[D - 1]
     load_async = loadavg()[0]
     for k in intervals:
         measured = statistics.median(per_mb[k])
-        results = [(r[3][k], r[4][k]) for r in per_rank]
-        in_run = mean_op_costs([r[0] for r in results], [r[1] for r in results])
+        results = [r[3][k] for r in per_rank]
+        in_run = mean_over_ranks(results)
         sim = async_prediction(D, k, N, same_on_every_rank(nominal), t_step=t_step)
         sim_cal = async_prediction(D, k, N, same_on_every_rank(cal[1]), p2p, cal_step)
-        sim_run = async_prediction(D, k, N, in_run_costs(results, 0, 1), p2p_run, in_run["S"])
+        sim_run = async_prediction(D, k, N, in_run_costs(results), p2p_run, in_run["S"])
         label = f"async PipeOptim k={k}" + (f" (k = M at M={k})" if k in Ms else "")
         if abs(measured / sim - 1) > TOLERANCE:
             outside.append(label)
@@ -426,7 +425,8 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=3, out_path=No
                      f"{statistics.median(policy_s[k]) * 1e3:.2f}"])
         print("  ", rows[-1], flush=True)
     emit("Synchronous rows: ms per iteration (M micro-batches, one step). Async rows: ms per micro-batch in the "
-         "steady state. `in-run op ms`: the mean wall time of one op inside these runs over all ranks (F / B / "
+         "steady state. `in-run op ms`: the wall time of one op inside these runs, the median repetition, the mean "
+         "over ranks (F / B / "
          "[W /] step / posting one receive ahead; B of a fused backward includes its W; an op's waits in blocking "
          "receives excluded), and `sim run` the simulator with each rank's own such costs, the posting on the "
          "receiving op, and the measured receive cost and latency of a message: where it matches the measurement and "

@@ -217,9 +217,12 @@ LAYOUT = [
          lambda c: f"--global-batch-size ({c.gbs}) is not divisible by --micro-batch-size ({c.t.micro_batch_size}) "
                    f"x data-parallel size ({c.dp})"),
     Rule("interleaving-microbatches", lambda c: c.num_mb % c.pp == 0,
-         lambda c: f"interleaved pipeline (--num-layers-per-virtual-pipeline-stage) needs the number of "
-                   f"micro-batches ({c.num_mb} = --global-batch-size / (--micro-batch-size x DP)) divisible by "
-                   f"--pipeline-model-parallel-size ({c.pp})", when=lambda c: virtual_pipeline_size(c.cfg) > 1),
+         lambda c: f"--pipeline-method {c.meth} with an interleaved pipeline (--num-layers-per-virtual-pipeline-stage) "
+                   f"needs the number of micro-batches ({c.num_mb} = --global-batch-size / (--micro-batch-size x DP)) "
+                   f"divisible by --pipeline-model-parallel-size ({c.pp}): the asynchronous stream's segments must "
+                   f"end where its groups of {c.pp} micro-batches end (the synchronous interleaved schedules take any "
+                   f"number)",
+         when=lambda c: virtual_pipeline_size(c.cfg) > 1 and c.is_async),
     Rule("zb-h2-one-chunk", lambda c: c.meth != "zb-h2",
          "--pipeline-method zb-h2 runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage or use "
          "zb-h1 (interleaved zero bubble)", when=lambda c: virtual_pipeline_size(c.cfg) > 1),
@@ -306,13 +309,6 @@ LEARNING_RATE = [
          lambda c: f"--rampup-batch-size changes the micro-batches per iteration, which --pipeline-method {c.meth} "
                    f"streams at a fixed count (its update interval and staleness come from it): use gpipe or 1f1b",
          when=_ramp),
-    Rule("rampup-not-interleaved",
-         lambda c: virtual_pipeline_size(c.cfg) == 1 or ((c.ramp[0] // c.mbs_dp) % c.pp == 0
-                                                         and (c.ramp[1] // c.mbs_dp) % c.pp == 0),
-         lambda c: f"--rampup-batch-size with an interleaved pipeline: every ramp batch must hold a multiple of "
-                   f"--pipeline-model-parallel-size ({c.pp}) micro-batches, so START ({c.ramp[0]}) and INCR "
-                   f"({c.ramp[1]}) must be multiples of {c.pp} x --micro-batch-size x data-parallel size "
-                   f"({c.pp * c.mbs_dp})", when=_ramp),
 ]
 
 DATA = [

@@ -154,7 +154,7 @@ def test_cli_async_prints_staleness(capsys):
 
 def test_cli_bad_input_exits_2_with_one_line(capsys):
     with pytest.raises(SystemExit) as e:
-        simulate_schedule.main(["--pipeline-method", "1f1b", "--num-stages", "4", "--num-chunks", "2",
+        simulate_schedule.main(["--pipeline-method", "async", "--num-stages", "4", "--num-chunks", "2",
                                 "--num-microbatches", "6"])
     assert e.value.code == 2
     err = capsys.readouterr().err

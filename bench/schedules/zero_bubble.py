@@ -204,6 +204,22 @@ def calibrate(t_f, t_b, t_w, n=20):
     return tuple(statistics.median(x[2:]) for x in (f, b, w))
 
 
+def trimmed_op_costs(nominal, trim=True, chunk_counts=(1, 2)):
+    """({v: measured F/B/W op costs per chunk}, {v: per-stage sleeps to run}, {v: their measured op costs}).
+
+    Trimmed: each op sleeps its nominal time less what the op measured above it (autograd, the sleep's
+    wake-up), twice (the second pass corrects the first's measurement noise), so an op costs its nominal
+    time and a simulation at nominal costs is the bound of the ops that really run."""
+    op_costs = lambda v, stage_costs: run_distributed(calibrate, 1, args=tuple(c / v for c in stage_costs))[0]  # noqa: E731
+    untrimmed = {v: op_costs(v, nominal) for v in chunk_counts}
+    run_costs, cal = {v: tuple(nominal) for v in chunk_counts}, dict(untrimmed)
+    for _ in range(2 if trim else 0):
+        run_costs = {v: tuple(max(0.0, r + c - v * m) for r, c, m in zip(run_costs[v], nominal, cal[v]))
+                     for v in chunk_counts}
+        cal = {v: op_costs(v, run_costs[v]) for v in chunk_counts}
+    return untrimmed, run_costs, cal
+
+
 def makespans(per_rank, key, warmup):
     n = len(per_rank[0][key])
     return [max(r[key][i][1] for r in per_rank) - min(r[key][i][0] for r in per_rank) for i in range(n)][warmup:]
@@ -243,16 +259,7 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
     emit()
     ideal = 1.0 / (t_f + t_b + t_w)
     nominal = (t_f, t_b, t_w)
-    op_costs = lambda v, stage_costs: run_distributed(calibrate, 1, args=tuple(c / v for c in stage_costs))[0]  # noqa: E731
-    untrimmed = {v: op_costs(v, nominal) for v in (1, 2)}
-    # Trimmed: each op sleeps its nominal time less what the op measured above it (autograd, the sleep's
-    # wake-up), twice (the second pass corrects the first's measurement noise), so an op costs its nominal
-    # time and `bound` is the bound of the ops that really run.
-    run_costs, cal = {v: nominal for v in (1, 2)}, dict(untrimmed)
-    for _ in range(2 if trim else 0):
-        run_costs = {v: tuple(max(0.0, r + c - v * m) for r, c, m in zip(run_costs[v], nominal, cal[v]))
-                     for v in (1, 2)}
-        cal = {v: op_costs(v, run_costs[v]) for v in (1, 2)}
+    untrimmed, run_costs, cal = trimmed_op_costs(nominal, trim)
     ms = lambda xs: " / ".join(f"{x * 1e3:.2f}" for x in xs)  # noqa: E731
     emit(f"Op costs measured in one process (no p2p; the sleep's wake-up and autograd included), F / B / W: "
          f"{ms(untrimmed[1])} ms per stage, {ms(untrimmed[2])} ms per v=2 chunk for ops that sleep their nominal "

@@ -182,25 +182,46 @@ def check_sizes(num_stages: int, num_chunks: int, num_microbatches: int) -> None
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def check_interleaved(num_stages: int, num_chunks: int, num_microbatches: int, name: str) -> None:
+def check_stream_interleaved(num_stages: int, num_chunks: int, num_microbatches: int, name: str) -> None:
+    """The asynchronous stream keeps M % D == 0 with v > 1: its segments must cut the endless stream's
+    groups of D micro-batches (`microbatch_groups`) where they end, or a segment's drain would reorder its
+    last micro-batches and change the steps between their forward and backward (their staleness)."""
     if num_chunks > 1 and num_microbatches % num_stages != 0:
-        raise ConfigError(f"{name} with num_chunks > 1 needs num_microbatches % num_stages == 0, "
-                          f"got M={num_microbatches}, D={num_stages}")
+        raise ConfigError(f"{name} with num_chunks > 1 needs num_microbatches % num_stages == 0 (a segment must "
+                          f"end where the stream's groups of D micro-batches end), got M={num_microbatches}, "
+                          f"D={num_stages}")
+
+
+def microbatch_groups(num_stages: int, num_microbatches: int) -> list[int]:
+    """Sizes of the micro-batch groups an interleaved schedule walks through all its chunks in turn.
+
+    max(1, M // D) groups, as equal as possible (the larger first): every group holds at least D
+    micro-batches when M >= D, and all M when M < D. Megatron-core's rule is the same in spirit (its
+    `microbatch_group_size_per_vp_stage` N lies in [D, M] and a final group shorter than D is refused:
+    that group's micro-batches would wait on the round trip, and with our warm-up the checker finds
+    deadlocks, e.g. D=8, v=2, M=10 in groups of 8 and 2). torch's ScheduleInterleaved1F1B takes the same
+    max(1, M // D) rounds but needs them equal. M < D, which Megatron refuses, is one group: a blocking
+    receive with isend sends cannot deadlock there (check_schedule proves it for D <= 8).
+    """
+    rounds = max(1, num_microbatches // num_stages)
+    size, larger = divmod(num_microbatches, rounds)
+    return [size + (g < larger) for g in range(rounds)]
 
 
 def interleaved_order(num_stages: int, num_chunks: int, num_microbatches: int, forward: bool
                        ) -> list[tuple[int, int]]:
     """(microbatch, chunk) pairs in the order every rank runs its forwards (or backwards).
 
-    Megatron-core's `get_model_chunk_id`: iteration ids walk micro-batches in groups of D; within a
-    group of D*v ids, chunk = (id mod D*v) // D; backwards mirror the chunk (v-1-c) so the last virtual
-    stage's backward comes first. With v = 1 this is just micro-batches 0..M-1.
+    Megatron-core's schedule table: micro-batches in groups (`microbatch_groups`); a group runs through
+    chunk 0, then chunk 1, ...; backwards mirror the chunk (v-1-c) so the last virtual stage's backward
+    comes first. With M % D == 0 the groups are Megatron's default groups of D; with v = 1 this is just
+    micro-batches 0..M-1.
     """
-    D, v = num_stages, num_chunks
+    v = num_chunks
     order = []
-    for i in range(num_microbatches * v):
-        group, within = divmod(i, D * v)
-        chunk = within // D
-        mb = group * D + within % D
-        order.append((mb, chunk if forward else v - 1 - chunk))
+    first = 0
+    for size in microbatch_groups(num_stages, num_microbatches):
+        for c in range(v):
+            order += [(mb, c if forward else v - 1 - c) for mb in range(first, first + size)]
+        first += size
     return order

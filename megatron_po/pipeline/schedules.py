@@ -25,9 +25,10 @@ from typing import Callable
 from megatron_po.errors import ConfigError
 # Also the names callers import from here (loss_rank, message_tag, placement_of, ...: hence the noqa).
 from megatron_po.pipeline.schedule_ops import (GRADIENT_DONE, Backward, BackwardInput, BackwardWeight,  # noqa: F401
-                                               Forward, MessageKey, Op, Schedule, Step, check_interleaved,
-                                               check_sizes, comm_of, interleaved_order, loss_rank, message_tag,
-                                               op_label, placement_of, rank_chunk_of, tag_period, virtual_stage)
+                                               Forward, MessageKey, Op, Schedule, Step, check_sizes,
+                                               check_stream_interleaved, comm_of, interleaved_order, loss_rank,
+                                               message_tag, microbatch_groups, op_label, placement_of,
+                                               rank_chunk_of, tag_period, virtual_stage)
 from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
 
 
@@ -67,13 +68,15 @@ def gpipe(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
 def _warmup(rank: int, num_stages: int, num_chunks: int, num_microbatches: int) -> int:
     """Forwards a rank runs before its first backward.
 
-    v = 1: PipeDream-Flush's D-r-1. v > 1: Megatron's (D-r-1)*2 + (v-1)*D. The factor 2 lets a rank
-    keep computing while its first gradient makes the round trip through the later ranks; Megatron
-    would also give 2*(D-r-1) for v = 1, but we use D-r-1 there so the interleaved schedule with one
-    chunk is exactly 1F1B.
+    v = 1: PipeDream-Flush's D-r-1. v > 1: Megatron's (D-r-1)*2 + (v-1)*N, N the first (largest)
+    micro-batch group (`microbatch_groups`; N = D when M % D == 0): the rank must have run the
+    first group through chunks 0..v-2 before its first backward (of the last chunk) can be ready, and the
+    factor 2 lets it keep computing while that gradient makes the round trip through the later ranks.
+    Megatron would also give 2*(D-r-1) for v = 1, but we use D-r-1 there so the interleaved schedule with
+    one chunk is exactly 1F1B.
     """
     D, v, M = num_stages, num_chunks, num_microbatches
-    w = D - rank - 1 if v == 1 else (D - rank - 1) * 2 + (v - 1) * D
+    w = D - rank - 1 if v == 1 else (D - rank - 1) * 2 + (v - 1) * microbatch_groups(D, M)[0]
     return min(w, M * v)
 
 
@@ -106,11 +109,12 @@ def interleaved_one_f_one_b(num_stages: int, num_chunks: int, num_microbatches: 
     `_warmup`, steady 1F1B, cool-down, Step. Works for D = 2 (Megatron forbids it) and for v = 1,
     where it equals `one_f_one_b`.
 
-    Unlike Megatron we do not switch to all-forwards-then-all-backwards when M == D: with isend and a
-    blocking recv the regular order cannot deadlock there either (check_schedule proves it).
+    Any M >= 1: micro-batches run in groups of at least D (`microbatch_groups`), or one group of M when
+    M < D (Megatron refuses M < D). Unlike Megatron we do not switch to all-forwards-then-all-backwards
+    when M == D: with isend and a blocking recv the regular order cannot deadlock there either
+    (check_schedule proves it).
     """
     check_sizes(num_stages, num_chunks, num_microbatches)
-    check_interleaved(num_stages, num_chunks, num_microbatches, "interleaved-1f1b")
     D, v, M = num_stages, num_chunks, num_microbatches
     forwards = interleaved_order(D, v, M, forward=True)
     backwards = interleaved_order(D, v, M, forward=False)
@@ -151,7 +155,7 @@ def async_one_f_one_b(num_stages: int, num_chunks: int, num_microbatches: int,
     check_sizes(num_stages, num_chunks, num_microbatches)
     if not isinstance(update_interval, int) or update_interval < 1:
         raise ConfigError(f"update_interval must be an integer >= 1, got {update_interval!r}")
-    check_interleaved(num_stages, num_chunks, num_microbatches, "async 1f1b")
+    check_stream_interleaved(num_stages, num_chunks, num_microbatches, "async 1f1b")
     D, v, M = num_stages, num_chunks, num_microbatches
     forwards = interleaved_order(D, v, M, forward=True)
     backwards = interleaved_order(D, v, M, forward=False)

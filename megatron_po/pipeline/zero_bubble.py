@@ -21,31 +21,33 @@ pipeline gets shorter (no W on the critical path) and the W passes fill the bubb
   with the next iteration, which a synchronous flush here does not do.)
 
 Every function validates its sizes and returns a `Schedule` that `check_schedule` accepts
-(tests/test_zero_bubble.py proves it for D in 2..8, M in D..4D).
+(tests/test_zero_bubble.py proves it for D in 2..8, M in D..4D; tests/test_interleaved_any_m.py for
+interleaved ZB-H1 at every M from 1 to 2D).
 """
 
 from __future__ import annotations
 
 from megatron_po.errors import ConfigError
 from megatron_po.pipeline.schedule_ops import (BackwardInput, BackwardWeight, Forward, Op, Schedule, Step,
-                                               check_interleaved, check_sizes, interleaved_order, virtual_stage)
+                                               check_sizes, interleaved_order, microbatch_groups,
+                                               virtual_stage)
 
 
 def zb_h1(num_stages: int, num_chunks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 (v = 1) / interleaved ZB-H1 (v > 1, needs M % D == 0 like interleaved 1F1B).
+    """ZB-H1 (v = 1) / interleaved ZB-H1 (v > 1, any M, in interleaved 1F1B's micro-batch groups).
 
-    Rank r: w = (v-1)*D + (D-1-r) warm-up forwards (torch's `_get_warmup_ops` with factor 1), then
+    Rank r: w = (v-1)*N + (D-1-r) warm-up forwards, N the first micro-batch group (D when M % D == 0;
+    torch's `_get_warmup_ops` with factor 1), then
     (F, B) pairs and the cool-down Bs, in interleaved 1F1B's micro-batch/chunk order; from the r-th
     backward on, each B is followed by the oldest pending W; the remaining Ws close the iteration."""
     check_sizes(num_stages, num_chunks, num_microbatches)
-    check_interleaved(num_stages, num_chunks, num_microbatches, "zb-h1")
     D, v, M = num_stages, num_chunks, num_microbatches
     forwards = interleaved_order(D, v, M, forward=True)
     backwards = interleaved_order(D, v, M, forward=False)
     n = len(forwards)
     ops: dict[int, list[Op]] = {}
     for r in range(D):
-        warmup = min((v - 1) * D + (D - 1 - r), n)
+        warmup = min((v - 1) * microbatch_groups(D, M)[0] + (D - 1 - r), n)
         rank_ops: list[Op] = [Forward(*f) for f in forwards[:warmup]]
         num_w = 0
         for i in range(n):

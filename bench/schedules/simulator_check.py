@@ -4,7 +4,7 @@
                                                --reps 5 --warmup 1 --out bench/results/simulator_check.md]
     python bench/schedules/simulator_check.py --quick     # D=4, M=2, one repetition, 5 ms ops
 
-The stages are bench/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
+The stages are bench/schedules/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
 cost, then spins its last 0.5 ms; the sleeps trimmed by the excess an op measures in one process, so an
 op costs its nominal time), with one change: the first stage's B sleeps too (`UniformSleepStage`). Per
 schedule and M, the same op list goes to the executor (run_rank + StageRunner + P2PTransport with agreed
@@ -24,7 +24,7 @@ Step(None) of a synchronous iteration on every rank, Step(c) every k backwards i
 
 Columns: `sim` = the simulator at the nominal costs, no message costs (the figure the check is about;
 outside 3 % is flagged); `sim cal` = the simulator with the op costs measured in one process (F, B, W,
-step) and the message costs measured between two ranks (bench/schedules_runs.py's p2p_costs: the send
+step) and the message costs measured between two ranks (bench/schedules/schedules_runs.py's p2p_costs: the send
 call and the receive of a message already there on the ops that make them, the one-way latency on every
 message); `sim run` = the simulator with the op costs measured inside the run itself (each op's wall time
 less its waits in blocking receives, per rank, the median over repetitions), the same receive cost and
@@ -134,7 +134,7 @@ def async_prediction(D, k, N, rank_costs, p2p=(0.0, 0.0, 0.0), t_step=0.0):
 
 
 class UniformSleepStage(zb.ZBSleepStage):
-    """bench/zero_bubble.py's stage, with the first stage's input made to require a gradient: there autograd
+    """bench/schedules/zero_bubble.py's stage, with the first stage's input made to require a gradient: there autograd
     would skip SleepInput's backward (the batch needs no gradient), so the first virtual stage's B would
     cost nothing where the simulator prices t_B. Here every virtual stage's ops cost the same."""
 
@@ -315,7 +315,7 @@ def step_cost(t_step, n=20):
 
 def message_costs(mbs, n=20):
     """Medians, for one [mbs, 16] fp32 message on gloo through our transport with agreed shapes, measured
-    between two ranks (bench/schedules_runs.py's p2p_costs): the one-way latency with the receiver waiting
+    between two ranks (bench/schedules/schedules_runs.py's p2p_costs): the one-way latency with the receiver waiting
     (the simulator's t_p2p), the send call, and the wait of a receive posted ahead (run_rank does) whose
     data has arrived (the CPU a receive costs when nobody waits)."""
     merged = merge_p2p(run_distributed(p2p_costs, 2, pp=2, args=(mbs, n), timeout=TIMEOUT))
@@ -363,7 +363,7 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     N = 4 * max(Ms)
     intervals = sorted({1, 2, *Ms})
     emit(f"D={D} ranks (forked processes, gloo, {os.cpu_count()} CPU cores), M in {list(Ms)}; synthetic sleeping "
-         f"stages of bench/zero_bubble.py: per stage t_F = {t_f * 1e3:g} ms, t_B = {t_b * 1e3:g} ms, t_W = "
+         f"stages of bench/schedules/zero_bubble.py: per stage t_F = {t_f * 1e3:g} ms, t_B = {t_b * 1e3:g} ms, t_W = "
          f"{t_w * 1e3:g} ms (a fused backward {(t_b + t_w) * 1e3:g} ms; v=2: each chunk half), a step {t_step * 1e3:g} "
          f"ms per Step op, [{mbs}, {zb.WIDTH}] activations; median of {reps} after {warmup} warm-up. Async: "
          f"PipeOptim + Adam at k in {intervals}, segments of {N} micro-batches, window {steady_window(N)}.")

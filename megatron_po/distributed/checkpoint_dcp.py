@@ -223,19 +223,22 @@ def dcp_load(state: dict, path: str) -> None:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load(plain, storage_reader=trusted_reader(path), planner=Planner(flatten_state_dict=False))
     except (Exception, CheckpointException) as e:
-        refused = _refusal(e)
-        if refused is not None:
+        refused = _entry_error(e)
+        if isinstance(refused, UntrustedCheckpoint):
             raise refused from None
+        if refused is not None:
+            raise UserError(f"--load {path}: cannot read the checkpoint: {refused}") from None
         raise UserError(f"--load {path}: cannot read the checkpoint: {first_line(e)}") from None
     state.update(plain)
 
 
-def _refusal(e: BaseException) -> UntrustedCheckpoint | None:
-    """The UntrustedCheckpoint behind a (DCP-wrapped, multi-rank) failure, if that is what it was."""
-    if isinstance(e, UntrustedCheckpoint):
-        return e
+def _entry_error(e: BaseException) -> UserError | None:
+    """The refused or corrupt entry (read_byte_entry's UserError) behind a (DCP-wrapped, multi-rank)
+    failure, if that is what it was; a refusal first."""
     failures = getattr(e, "failures", None) or {}
-    return next((exc for _, (exc, _tb) in sorted(failures.items()) if isinstance(exc, UntrustedCheckpoint)), None)
+    found = [e] + [exc for _, (exc, _tb) in sorted(failures.items())]
+    return next((x for x in found if isinstance(x, UntrustedCheckpoint)),
+                next((x for x in found if isinstance(x, UserError)), None))
 
 
 def first_line(e: BaseException) -> str:

@@ -163,35 +163,38 @@ _ZIP = b"PK\x03\x04"  # torch.save's format; our JSON entries start with a JSON 
 def read_byte_entry(data: bytes, file: str, entry: str):
     """The value of a non-tensor checkpoint entry `entry` stored as `data` in `file`: a JSON entry of
     ours, or (torch.save'd by DCP) a weights-only value, whose bytes, in the previous format, are our
-    pickled metadata. Anything else raises UntrustedCheckpoint naming the file and the entry."""
+    pickled metadata. A pickle reaching for anything else raises UntrustedCheckpoint, bytes that are no
+    such entry UserError, each naming the file and the entry."""
     if not data.startswith(_ZIP):
         try:
             return checkpoint_data.loads(data)
         except ValueError as e:
-            raise UntrustedCheckpoint(f"{file}: entry '{entry}' is not checkpoint data: {e}") from None
+            raise UserError(f"{file}: entry '{entry}' is corrupt: {e}") from None
     try:
         value = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UntrustedCheckpoint(f"{file}: entry '{entry}' was refused by torch's weights-only unpickler "
-                                  f"({_weights_only_reason(e)}; {_WHY})") from None
+        raise UntrustedCheckpoint(f"{file}: entry '{entry}' refused: torch's weights-only unpickler does not admit "
+                                  f"{_weights_only_reason(e)} ({_WHY})") from None
     except Exception as e:  # not a readable torch.save file
-        raise UntrustedCheckpoint(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
+        raise UserError(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(value, bytes):
         return value  # e.g. a number in an optimizer's state
     _allow_lists()
     try:
         return LegacyUnpickler(io.BytesIO(value)).load()
     except _Refused as e:
-        raise UntrustedCheckpoint(f"{file}: entry '{entry}' (the previous format's pickled metadata) refused "
-                                  f"to unpickle {e.global_name}, which that format never wrote ({_WHY})") from None
+        raise UntrustedCheckpoint(f"{file}: entry '{entry}' refused: its pickle (the previous format's metadata) "
+                                  f"would call {e.global_name}, which that format never wrote ({_WHY})") from None
     except Exception as e:  # garbled
-        raise UntrustedCheckpoint(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
+        raise UserError(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
 
 
 def _weights_only_reason(e: Exception) -> str:
-    """The line of torch's (long) weights-only refusal that says what it refused."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return next((ln for ln in lines if "Unsupported" in ln or "global" in ln.lower()), lines[0] if lines else "")
+    """What torch's (long, multi-line) weights-only refusal refused: "the global <name>" (its advice, to
+    allow-list that global, is not ours to give), or its first line."""
+    import re
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    return f"the global {found.group(1)}" if found else _first_line(e)
 
 
 def _first_line(e: Exception) -> str:

@@ -188,10 +188,11 @@ def dcp_save(state: dict, path: str) -> None:
     dcp.save(state, checkpoint_id=path, planner=Planner())
 
 
-def dcp_load(state: dict, path: str) -> None:
+def dcp_load(state: dict, path: str, metadata=None) -> None:
     """dcp.load whose failures (DCP raises them on every rank, as a BaseException) become UserError.
     Tensors are filled in place (`FlatRange` entries: the blocks of their pieces); other values are
-    returned in `state`, read by checkpoint_trust.read_byte_entry (never by DCP's plain torch.load)."""
+    returned in `state`, read by checkpoint_trust.read_byte_entry (never by DCP's plain torch.load).
+    `metadata`: the checkpoint's, from `read_metadata` (else read again)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -221,7 +222,7 @@ def dcp_load(state: dict, path: str) -> None:
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(plain, storage_reader=trusted_reader(path), planner=Planner(flatten_state_dict=False))
+            dcp.load(plain, storage_reader=trusted_reader(path, metadata), planner=Planner(flatten_state_dict=False))
     except (Exception, CheckpointException) as e:
         refused = _entry_error(e)
         if isinstance(refused, UntrustedCheckpoint):

@@ -100,7 +100,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
     small.update({k: b"" for k in meta if k.startswith("policy_lr_steps.")} if policy is not None else {})
     small = {k: v for k, v in small.items() if k in meta}
-    dcp_load(small, path)
+    dcp_load(small, path, md)
     extra = small["extra"]
 
     # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
@@ -143,7 +143,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             for key, buf in policy_weights.get(p, {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
-    dcp_load(state, path)
+    dcp_load(state, path, md)
     for k, v in state.items():  # non-tensor values are returned, not filled in place
         if k.startswith("optimizer.") and not (torch.is_tensor(v) or isinstance(v, FlatRange)):
             name, key = k[len("optimizer."):].rsplit(".", 1)
@@ -243,7 +243,7 @@ def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "mode
     path = checkpoint_dir(root, iteration)
     md = read_metadata(path)
     small = {"extra": b""}
-    dcp_load(small, path)
+    dcp_load(small, path, md)
     extra = small["extra"]
     specs = {k: v for k, v in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
@@ -264,7 +264,7 @@ def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "mode
               disable=not progress) as bar:
         for group in groups:
             state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in group.items()}
-            dcp_load(state, path)
+            dcp_load(state, path, md)
             for k, t in state.items():
                 out[k[len(prefix):]] = t
                 bar.update(t.numel() * t.element_size())

@@ -126,17 +126,19 @@ def load_metadata(meta_file: str):
     """The DCP Metadata object of `.metadata` file `meta_file`, unpickled with `MetadataUnpickler`."""
     _allow_lists()
     with open(meta_file, "rb") as f:
+        data = io.BytesIO(f.read())  # one read, not the unpickler's many small ones
         try:
-            return MetadataUnpickler(f).load()
+            return MetadataUnpickler(data).load()
         except _Refused as e:
             raise UntrustedCheckpoint(
                 f"{meta_file}: refused to unpickle {e.global_name}, which is not one of the classes "
                 f"torch.distributed.checkpoint's metadata is made of ({_WHY})") from None
 
 
-def trusted_reader(path: str):
+def trusted_reader(path: str, metadata=None):
     """A torch.distributed.checkpoint FileSystemReader of `path` that reads `.metadata` through
-    `MetadataUnpickler` (the tensors it reads with weights_only=True already)."""
+    `MetadataUnpickler` (the tensors it reads with weights_only=True already), or returns `metadata`,
+    when given, read so before (a load reads a checkpoint in several dcp.load calls)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -144,11 +146,11 @@ def trusted_reader(path: str):
         def read_metadata(self, *args, **kwargs):
             rank = kwargs.get("rank")
             name = ".metadata" if rank is None else f"__{rank}.metadata"
-            metadata = load_metadata(os.path.join(str(self.path), name))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            md = metadata if metadata is not None and rank is None else load_metadata(os.path.join(str(self.path), name))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
 
     return TrustedReader(path)
 

@@ -242,3 +242,31 @@ def test_json_entries_round_trip_exactly():
     for bad in (b'{"$dtype": "load"}', b'{"$ndarray": {"dtype": "|O", "shape": [1], "data": ""}}', b"\x80\x04."):
         with pytest.raises(ValueError):
             checkpoint_data.loads(bad)
+
+
+def _run_bench(out: str) -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("checkpoint_load_time",
+                                                  os.path.join(ROOT, "bench", "micro", "checkpoint_load_time.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--quick", "--out", out])
+
+
+def test_the_load_time_bench_runs_quick_and_writes_its_results(tmp_path):
+    """bench/micro/checkpoint_load_time.py --quick (a forked process: it builds its own process group)."""
+    import multiprocessing as mp
+    import re
+    out = str(tmp_path / "load_time.md")
+    proc = mp.get_context("fork").Process(target=_run_bench, args=(out,))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    text = open(out).read()
+    for field in ("Command: `python bench/micro/checkpoint_load_time.py --quick", "Commit: ", "Device: CPU",
+                  "load average at start", "load average at end"):
+        assert field in text, field
+    medians = {m[0].strip(): float(m[1]) for m in re.findall(r"^\| ([a-z, ]+?)\s*\| ([0-9.]+)", text, re.M)}
+    assert set(medians) == {"previous", "trusted", "trusted, previous format"} and all(v > 0 for v in medians.values())
+    ratio = float(re.search(r"ratio trusted / previous: ([0-9.]+)", text).group(1))
+    assert ratio == pytest.approx(medians["trusted"] / medians["previous"], rel=0.01)

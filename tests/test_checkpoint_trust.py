@@ -15,7 +15,7 @@ metadata (read by checkpoint_trust.LegacyUnpickler), and "torch.save", the DCP w
 with torch's weights-only unpickler; DCP itself reads it with weights_only=False).
 
 Also: --finetune and --use-checkpoint-args of a hostile `.metadata`, and tools/checkpoint_convert.py;
-a checkpoint written by the previous release (tests/fixtures/checkpoint_v0, pickled metadata) still
+a checkpoint written by the previous release (tests/fixtures/checkpoint_v0.tar.xz, pickled metadata) still
 loads, through the allow-list, to the same values; the JSON codec round-trips what we save exactly.
 """
 

@@ -142,7 +142,9 @@ def main(argv=None) -> None:
         ps.destroy_model_parallel()
     med = {v: bench_common.median(t) for v, t in times.items()}
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    rows = [[v, f"{med[v] * 1e3:.2f}", f"{min(times[v]) * 1e3:.2f}", f"{med[v] / med['previous']:.3f}"] for v in VARIANTS]
+    low = {v: min(t) for v, t in times.items()}  # the least disturbed load: steadier than the median under load
+    rows = [[v, f"{med[v] * 1e3:.2f}", f"{low[v] * 1e3:.2f}", f"{med[v] / med['previous']:.3f}",
+             f"{low[v] / low['previous']:.3f}"] for v in VARIANTS]
     ratio = med["trusted"] / med["previous"]
     out = bench_common.Lines()
     out.emit("# Checkpoint load time: previous reader vs trusted reader (issue #35)")
@@ -156,9 +158,10 @@ def main(argv=None) -> None:
              f"variants alternating (order rotated), files in the page cache  ")
     out.emit(start_line)
     out.emit()
-    out.emit(bench_common.markdown_table(["variant", "median ms", "min ms", "median / previous"], rows))
+    out.emit(bench_common.markdown_table(["variant", "median ms", "min ms", "median / previous", "min / previous"], rows))
     out.emit()
-    out.emit(f"ratio trusted / previous: {ratio:.3f} (target <= 1.1)")
+    out.emit(f"ratio trusted / previous: {ratio:.3f} (medians; target <= 1.1); of the minima "
+             f"{low['trusted'] / low['previous']:.3f}")
     out.emit()
     out.emit("previous: the previous format, read with plain pickle (`.metadata`, entries) and DCP's "
              "torch.load(weights_only=False); trusted: JSON entries, `.metadata` through the allow-list; "

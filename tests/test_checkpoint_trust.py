@@ -163,6 +163,28 @@ def test_the_payloads_run_under_the_readers_we_replaced(good, tmp_path):
     assert marker.exists()
 
 
+class StorageCarryingPayload:
+    """Pickles as a tensor storage does (torch.storage._load_from_bytes of torch.save'd bytes), with a
+    FileCreating inside those bytes: the previous format's RNG tensors were pickled so."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (torch_saved(FileCreating(self.marker)),)
+
+
+def test_a_payload_inside_a_pickled_tensor_storage_is_refused(tmp_path):
+    from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, read_byte_entry
+    marker = str(tmp_path / "pwned")
+    entry = torch_saved(pickle.dumps({"torch": StorageCarryingPayload(marker)}))
+    with pytest.raises(UntrustedCheckpoint, match=r"F: entry 'rng.rank0' refused: .* would call exec \(inside a tensor"):
+        read_byte_entry(entry, "F", "rng.rank0")
+    assert not os.path.exists(marker)
+    pickle.loads(torch.load(io.BytesIO(entry), weights_only=False))  # control: the previous loader runs it
+    assert os.path.exists(marker)
+
+
 def test_finetune_use_checkpoint_args_and_the_converter_refuse_a_hostile_metadata(good, tmp_path):
     marker = str(tmp_path / "pwned")
     hostile = str(tmp_path / "hostile")

@@ -42,9 +42,9 @@ class UntrustedCheckpoint(UserError):
 
 
 class _Refused(pickle.UnpicklingError):
-    def __init__(self, module: str, name: str):
-        super().__init__(f"{module}.{name}")
-        self.global_name = f"{module}.{name}"
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.global_name = what
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -57,10 +57,10 @@ class _AllowListUnpickler(pickle.Unpickler):
         try:
             return self.ALLOWED[(module, name)]
         except KeyError:
-            raise _Refused(module, name) from None
+            raise _Refused(f"{module}.{name}") from None
 
     def persistent_load(self, pid):
-        raise _Refused("persistent_id", str(pid)[:40])
+        raise _Refused(f"a persistent id ({str(pid)[:40]})")
 
 
 def _torch_constants() -> dict:
@@ -91,7 +91,10 @@ class MetadataUnpickler(_AllowListUnpickler):
 def _storage_from_bytes(data: bytes):
     """torch.storage._load_from_bytes (how plain pickle stores a tensor's storage), weights-only: the
     original reads the bytes with torch.load(weights_only=False)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _Refused(f"{_weights_only_reason(e).removeprefix('the global ')} (inside a tensor's storage)") from None
 
 
 def _legacy_types() -> dict:

@@ -178,7 +178,8 @@ def test_a_payload_inside_a_pickled_tensor_storage_is_refused(tmp_path):
     from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, read_byte_entry
     marker = str(tmp_path / "pwned")
     entry = torch_saved(pickle.dumps({"torch": StorageCarryingPayload(marker)}))
-    with pytest.raises(UntrustedCheckpoint, match=r"F: entry 'rng.rank0' refused: .* would call exec \(inside a tensor"):
+    refusal = r"F: entry 'rng.rank0' refused: .* would call exec \(inside a tensor"
+    with pytest.raises(UntrustedCheckpoint, match=refusal):
         read_byte_entry(entry, "F", "rng.rank0")
     assert not os.path.exists(marker)
     pickle.loads(torch.load(io.BytesIO(entry), weights_only=False))  # control: the previous loader runs it

@@ -149,7 +149,8 @@ def main(argv=None) -> None:
     out = bench_common.Lines()
     out.emit("# Checkpoint load time: previous reader vs trusted reader (issue #35)")
     out.emit()
-    out.emit(f"Command: `{bench_common.command_line('bench/micro/checkpoint_load_time.py', argv if argv is not None else sys.argv[1:])}`  ")
+    given = argv if argv is not None else sys.argv[1:]
+    out.emit(f"Command: `{bench_common.command_line('bench/micro/checkpoint_load_time.py', given)}`  ")
     out.emit(f"Commit: {commit()}  ")
     out.emit(f"Device: CPU, 1 process (gloo), 1 torch thread; {bench_common.machine()}  ")
     out.emit(f"Settings: tiny GPT (4 layers, hidden 32, vocabulary 128; {n_params} parameters, AdamW state), "
@@ -158,7 +159,8 @@ def main(argv=None) -> None:
              f"variants alternating (order rotated), files in the page cache  ")
     out.emit(start_line)
     out.emit()
-    out.emit(bench_common.markdown_table(["variant", "median ms", "min ms", "median / previous", "min / previous"], rows))
+    header = ["variant", "median ms", "min ms", "median / previous", "min / previous"]
+    out.emit(bench_common.markdown_table(header, rows))
     out.emit()
     out.emit(f"ratio trusted / previous: {ratio:.3f} (medians; target <= 1.1); of the minima "
              f"{low['trusted'] / low['previous']:.3f}")

@@ -149,7 +149,8 @@ def trusted_reader(path: str, metadata=None):
         def read_metadata(self, *args, **kwargs):
             rank = kwargs.get("rank")
             name = ".metadata" if rank is None else f"__{rank}.metadata"
-            md = metadata if metadata is not None and rank is None else load_metadata(os.path.join(str(self.path), name))
+            given = metadata is not None and rank is None
+            md = metadata if given else load_metadata(os.path.join(str(self.path), name))
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

@@ -186,6 +186,19 @@ def test_a_payload_inside_a_pickled_tensor_storage_is_refused(tmp_path):
     assert os.path.exists(marker)
 
 
+def test_a_metadata_pointing_outside_its_directory_is_refused(good, tmp_path):
+    from megatron_po.distributed.checkpoint_dcp import read_metadata
+    from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint
+    path = iteration_dir(shutil.copytree(good, str(tmp_path / "ckpt")))
+    meta_file = os.path.join(path, ".metadata")
+    md = pickle.load(open(meta_file, "rb"))
+    key = next(iter(md.storage_data))
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], relative_path="../../secret")
+    pickle.dump(md, open(meta_file, "wb"))
+    with pytest.raises(UntrustedCheckpoint, match=r"\.metadata: refused: it points at '\.\./\.\./secret', outside"):
+        read_metadata(path)
+
+
 def test_finetune_use_checkpoint_args_and_the_converter_refuse_a_hostile_metadata(good, tmp_path):
     marker = str(tmp_path / "pwned")
     hostile = str(tmp_path / "hostile")

@@ -150,6 +150,8 @@ def read_metadata(path: str):
     except Exception as e:  # truncated or garbled pickle
         raise UserError(f"{meta_file} is corrupt or truncated ({type(e).__name__}: {first_line(e)})") from None
     for rel, size in sorted(needed.items()):
+        if os.path.basename(rel) != rel or rel in ("", ".", ".."):  # DCP reads os.path.join(path, rel)
+            raise UntrustedCheckpoint(f"{meta_file}: refused: it points at {rel!r}, outside the checkpoint directory")
         f = os.path.join(path, rel)
         if not os.path.isfile(f):
             raise UserError(f"{f} is missing (the checkpoint's .metadata refers to it)")

@@ -274,9 +274,9 @@ def _load_onto_meta(name: str, root: str) -> str | None:
 
     meta_chunks, _, fresh = build_run(name, device="meta")
     real_load = checkpoint_load.dcp_load
-    # The small pickled entries are read; the tensors (meta) are left as allocated.
-    checkpoint_load.dcp_load = lambda state, path: (real_load(state, path)
-                                                    if all(isinstance(v, bytes) for v in state.values()) else None)
+    # The small data entries are read; the tensors (meta) are left as allocated.
+    checkpoint_load.dcp_load = lambda state, path, md=None: (real_load(state, path, md)
+                                                             if all(isinstance(v, bytes) for v in state.values()) else None)
     try:
         checkpoint_load.load_checkpoint(root, meta_chunks, fresh, verify=False)
     finally:

@@ -38,7 +38,6 @@ if not __package__:  # run as `python tools/checkpoint_convert.py`: make the rep
 import argparse
 import dataclasses
 import json
-import pickle
 
 import torch
 
@@ -205,21 +204,21 @@ def import_hf(args) -> None:
 def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, padded: int, source: str) -> None:
     """`weights` ({global name: full tensor}) as our checkpoint of iteration 0 under `out`, with the run
     config `cfg` (a Config dict) and the vocabulary sizes; training continues from it with --finetune."""
-    import torch.distributed.checkpoint as dcp
-
+    from megatron_po.distributed.checkpoint_data import JsonEntry
+    from megatron_po.distributed.checkpoint_dcp import dcp_save
     from megatron_po.distributed.checkpoint_format import checkpoint_dir
     from megatron_po.distributed.checkpoint_save import publish
     from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
              "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}
     state = {f"model.{k}": v for k, v in weights.items()}
-    state["extra"] = pickle.dumps(extra)
+    state["extra"] = JsonEntry(extra)
     os.makedirs(out, exist_ok=True)
     partial = checkpoint_dir(out, 0) + ".partial"
     import warnings
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(state, checkpoint_id=partial, no_dist=True)
+        dcp_save(state, partial)
     checksum_checkpoint(partial)  # checksums.json, verified when training loads it
     publish(out, 0)
     print(f"wrote {len(weights)} tensors to {checkpoint_dir(out, 0)}; train from it with\n"

@@ -9,18 +9,22 @@ rank's own ranges back, so sharded and unsharded runs and any DP (TP, PP, virtua
 each other's checkpoints, optimizer state included.
 
 `read_metadata` checks a checkpoint directory before anything reads it; `dcp_load` turns DCP's failures
-into one-line UserErrors (`first_line`).
+into one-line UserErrors (`first_line`). Both read through checkpoint_trust.py, so that no pickle in the
+checkpoint can run code; `JsonEntry` values (our metadata, checkpoint_data.py) are stored as raw JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 
 import torch
 
 from megatron_po import parallel_state as ps
+from megatron_po.distributed.checkpoint_data import JsonEntry
+from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, load_metadata, read_byte_entry, trusted_reader
 from megatron_po.errors import UserError
 
 _MESH = None
@@ -128,22 +132,26 @@ class FlatRange:
 
 def read_metadata(path: str):
     """DCP metadata of a checkpoint directory, after checking that every data file it points to is
-    there and long enough. Bad input raises UserError (one line naming the file)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    there and long enough. Bad input raises UserError (one line naming the file); so does a `.metadata`
+    that would unpickle anything but DCP's metadata classes (checkpoint_trust.py)."""
     meta_file = os.path.join(path, ".metadata")
     if not os.path.isdir(path):
         raise UserError(f"{path}: no such checkpoint directory")
     if not os.path.isfile(meta_file):
         raise UserError(f"{meta_file} is missing: not a complete checkpoint")
     try:
-        md = FileSystemReader(path).read_metadata()
+        md = load_metadata(meta_file)
         storage = md.storage_data
         needed: dict[str, int] = {}
         for info in storage.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except UntrustedCheckpoint:
+        raise
     except Exception as e:  # truncated or garbled pickle
         raise UserError(f"{meta_file} is corrupt or truncated ({type(e).__name__}: {first_line(e)})") from None
     for rel, size in sorted(needed.items()):
+        if os.path.basename(rel) != rel or rel in ("", ".", ".."):  # DCP reads os.path.join(path, rel)
+            raise UntrustedCheckpoint(f"{meta_file}: refused: it points at {rel!r}, outside the checkpoint directory")
         f = os.path.join(path, rel)
         if not os.path.isfile(f):
             raise UserError(f"{f} is missing (the checkpoint's .metadata refers to it)")
@@ -160,7 +168,8 @@ def _split_ranges(state: dict) -> tuple[dict, dict]:
 
 
 def dcp_save(state: dict, path: str) -> None:
-    """dcp.save of `state`, `FlatRange` entries written as chunks of their global tensors."""
+    """dcp.save of `state`, `FlatRange` entries written as chunks of their global tensors, `JsonEntry`
+    values as their raw JSON bytes (DCP would torch.save them: a pickle)."""
     import torch.distributed.checkpoint as dcp  # heavy import (~1-3 s): only when checkpointing
 
     state, ranges = _split_ranges(state)
@@ -175,13 +184,17 @@ def dcp_save(state: dict, path: str) -> None:
         def lookup_object(self, index):
             return ranges[index.fqn].blocks[index.offset] if index.fqn in ranges else super().lookup_object(index)
 
+        def transform_object(self, write_item, obj):
+            return io.BytesIO(obj.data) if isinstance(obj, JsonEntry) else super().transform_object(write_item, obj)
+
     dcp.save(state, checkpoint_id=path, planner=Planner())
 
 
-def dcp_load(state: dict, path: str) -> None:
+def dcp_load(state: dict, path: str, metadata=None) -> None:
     """dcp.load whose failures (DCP raises them on every rank, as a BaseException) become UserError.
     Tensors are filled in place (`FlatRange` entries: the blocks of their pieces); other values are
-    returned in `state`."""
+    returned in `state`, read by checkpoint_trust.read_byte_entry (never by DCP's plain torch.load).
+    `metadata`: the checkpoint's, from `read_metadata` (else read again)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -203,13 +216,32 @@ def dcp_load(state: dict, path: str) -> None:
         def lookup_tensor(self, index):
             return ranges[index.fqn].blocks[index.offset] if index.fqn in ranges else super().lookup_tensor(index)
 
+        def load_bytes(self, read_item, value):
+            fqn = read_item.dest_index.fqn
+            file = os.path.join(path, self.metadata.storage_data[read_item.storage_index].relative_path)
+            self.original_state_dict[fqn] = read_byte_entry(value.getvalue(), file, fqn)  # the dict dcp.load returns
+
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(plain, checkpoint_id=path, planner=Planner())
+            dcp.load(plain, storage_reader=trusted_reader(path, metadata), planner=Planner(flatten_state_dict=False))
     except (Exception, CheckpointException) as e:
+        refused = _entry_error(e)
+        if isinstance(refused, UntrustedCheckpoint):
+            raise refused from None
+        if refused is not None:
+            raise UserError(f"--load {path}: cannot read the checkpoint: {refused}") from None
         raise UserError(f"--load {path}: cannot read the checkpoint: {first_line(e)}") from None
     state.update(plain)
+
+
+def _entry_error(e: BaseException) -> UserError | None:
+    """The refused or corrupt entry (read_byte_entry's UserError) behind a (DCP-wrapped, multi-rank)
+    failure, if that is what it was; a refusal first."""
+    failures = getattr(e, "failures", None) or {}
+    found = [e] + [exc for _, (exc, _tb) in sorted(failures.items())]
+    return next((x for x in found if isinstance(x, UntrustedCheckpoint)),
+                next((x for x in found if isinstance(x, UserError)), None))
 
 
 def first_line(e: BaseException) -> str:

@@ -24,15 +24,18 @@ Keys in a checkpoint directory `iter_XXXXXXX/`:
   optimizer.<name>.<key>         optimizer state; optimizer_state_keys.<name>: which keys exist, group lr
   policy.<name>.<key>            async weight-policy versions; policy_steps = steps every chunk had taken;
                                  policy_lr_steps.stage<vs> = each chunk's lr clock (its applied updates)
-  extra                          pickled dict from the caller (train state, config, vocab sizes)
-  layout, optimizer_type         pickled (tp, pp, dp, chunks per rank) and the inner optimizer's class
+  extra                          dict from the caller (train state, config, vocab sizes)
+  layout, optimizer_type         (tp, pp, dp, chunks per rank) and the inner optimizer's class
   grad_scaler                    fp16 loss-scaler state (grad_scaler.stage<vs>: each virtual stage's own
                                  in asynchronous training; another stage count takes the smallest scale)
   rng.rank<r>                    each rank's RNG states (restored only under the same layout)
-The vocabulary rows (padded to a multiple of --make-vocab-size-divisible-by x TP) are re-padded on load
-when the new layout pads differently.
+The metadata entries (extra, layout, optimizer_type, optimizer_state_keys, policy_steps, policy_lr_steps,
+grad_scaler, rng) are JSON documents (checkpoint_data.py); checkpoints of the previous format hold them pickled, read through an allow-list (checkpoint_trust.py, which also reads DCP's
+`.metadata`). The vocabulary rows (padded to a multiple of --make-vocab-size-divisible-by x TP) are
+re-padded on load when the new layout pads differently.
 
-The modules, bottom up: checkpoint_format.py (this: names), checkpoint_dcp.py (how tensors reach DCP),
+The modules, bottom up: checkpoint_format.py (this: names), checkpoint_data.py (metadata as JSON),
+checkpoint_trust.py (reading without running code), checkpoint_dcp.py (how tensors reach DCP),
 checkpoint_state.py (the entries of a model and its optimizer), checkpoint_rng.py, checkpoint_integrity.py
 (SHA-256 manifest), then checkpoint_save.py and checkpoint_load.py, which use all of them.
 """

@@ -14,7 +14,6 @@ vocabulary rows, padded per layout, are re-padded here.
 from __future__ import annotations
 
 import os
-import pickle
 
 import torch
 import torch.distributed as dist
@@ -93,15 +92,16 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     stepped = stepped_params(optimizer)
     load_optim = load_optim and bool(stepped)
 
-    # Small pickled entries first: extra, which optimizer state to allocate, RNG, policy step count.
+    # Small data entries first: extra, which optimizer state to allocate, RNG, policy step count (JSON,
+    # or a previous format's pickles read by checkpoint_trust's allow-list: dcp_load returns them read).
     rng_key = f"rng.rank{dist.get_rank()}"
     small = {"extra": b"", "layout": b"", "optimizer_type": b"", "policy_steps": b"", rng_key: b""}
     small.update({f"optimizer_state_keys.{n}": b"" for n, _ in names} if load_optim else {})
     small.update({k: b"" for k in meta if k.startswith("grad_scaler")} if load_optim else {})
     small.update({k: b"" for k in meta if k.startswith("policy_lr_steps.")} if policy is not None else {})
     small = {k: v for k, v in small.items() if k in meta}
-    dcp_load(small, path)
-    extra = pickle.loads(small["extra"])
+    dcp_load(small, path, md)
+    extra = small["extra"]
 
     # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
     misfit = _check_fits(md, names, stepped, load_optim, extra.get("vocab_size"))
@@ -118,7 +118,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
 
     if load_optim:
         ours = type(next(iter(stepped.values())).inner).__name__
-        theirs = pickle.loads(small["optimizer_type"]) if "optimizer_type" in small else ours
+        theirs = small["optimizer_type"] if "optimizer_type" in small else ours
         if theirs != ours:  # every rank reads the same entry: no agreement needed
             raise UserError(f"{where}: the checkpoint holds {theirs} optimizer state but this run uses {ours}; "
                             "use --no-load-optim to load the weights only")
@@ -127,11 +127,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             if id(p) not in stepped:
                 continue
             s = stepped[id(p)]
-            saved = pickle.loads(small[f"optimizer_state_keys.{name}"])
+            saved = small[f"optimizer_state_keys.{name}"]
             s.group["lr"] = saved["lr"]
             if s.tensor is not None:  # None: distributed optimizer, other data-parallel ranks own all of it
                 s.prepare_load(saved["keys"])
-        _load_grad_scalers(optimizer, small, pickle.loads(small["layout"]))
+        _load_grad_scalers(optimizer, small, small["layout"])
     state, _ = model_and_optimizer_state(names, stepped, load_optim)
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
@@ -143,7 +143,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             for key, buf in policy_weights.get(p, {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
-    dcp_load(state, path)
+    dcp_load(state, path, md)
     for k, v in state.items():  # non-tensor values are returned, not filled in place
         if k.startswith("optimizer.") and not (torch.is_tensor(v) or isinstance(v, FlatRange)):
             name, key = k[len("optimizer."):].rsplit(".", 1)
@@ -162,11 +162,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     if repad and dist.get_rank() == 0:
         print(f"> {path}: vocabulary re-padded from {repad[0][1].shape[0]} rows to this run's padding", flush=True)
     if load_policy:
-        policy.load_state_dict({"steps": pickle.loads(small["policy_steps"]), "weights": policy_weights,
-                                "lr_steps": _policy_lr_steps(policy, small, pickle.loads(small["layout"]))})
+        policy.load_state_dict({"steps": small["policy_steps"], "weights": policy_weights,
+                                "lr_steps": _policy_lr_steps(policy, small, small["layout"])})
     if load_rng:
-        if rng_key in small and pickle.loads(small["layout"]) == parallel_layout():
-            if not set_rng_state(pickle.loads(small[rng_key])) and dist.get_rank() == 0:
+        if rng_key in small and small["layout"] == parallel_layout():
+            if not set_rng_state(small[rng_key]) and dist.get_rank() == 0:
                 print(f"> {path} was saved on another kind of device: the tensor-parallel random streams "
                       "freshly seeded", flush=True)
         elif dist.get_rank() == 0:
@@ -201,7 +201,7 @@ def _policy_lr_steps(policy, small: dict, saved_layout: tuple) -> list[int] | No
     """Each chunk's lr clock (applied updates, fewer than its steps when fp16 steps were skipped): the
     same key when the checkpoint holds the same layers (same number of virtual stages), else the smallest
     clock saved; None when it holds none (saved before they were kept: no skipped step counted)."""
-    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("policy_lr_steps.")}
+    saved = {k: v for k, v in small.items() if k.startswith("policy_lr_steps.")}
     if not saved:
         return None
     keys = [f"policy_lr_steps.stage{virtual_stage(c)}" for c in range(len(policy.chunks))]
@@ -214,7 +214,7 @@ def _policy_lr_steps(policy, small: dict, saved_layout: tuple) -> list[int] | No
 def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:
     """Restore the loss scalers: the same key when it holds the same layers (same number of virtual
     stages), else the most cautious (smallest) scale saved."""
-    saved = {k: pickle.loads(v) for k, v in small.items() if k.startswith("grad_scaler")}
+    saved = {k: v for k, v in small.items() if k.startswith("grad_scaler")}
     if not saved:
         return
     same_stages = saved_layout[1] * saved_layout[3] == parallel_layout()[1] * parallel_layout()[3]
@@ -243,8 +243,8 @@ def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "mode
     path = checkpoint_dir(root, iteration)
     md = read_metadata(path)
     small = {"extra": b""}
-    dcp_load(small, path)
-    extra = pickle.loads(small["extra"])
+    dcp_load(small, path, md)
+    extra = small["extra"]
     specs = {k: v for k, v in md.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
     out = {}
@@ -264,7 +264,7 @@ def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "mode
               disable=not progress) as bar:
         for group in groups:
             state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in group.items()}
-            dcp_load(state, path)
+            dcp_load(state, path, md)
             for k, t in state.items():
                 out[k[len(prefix):]] = t
                 bar.update(t.numel() * t.element_size())

@@ -13,13 +13,13 @@ naming the path and the OS error, after removing its own `.partial` (docs/checkp
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import time
 
 import torch.distributed as dist
 
 from megatron_po.distributed.agreement import agree
+from megatron_po.distributed.checkpoint_data import JsonEntry
 from megatron_po.distributed.checkpoint_dcp import dcp_save, first_line, global_view
 from megatron_po.distributed.checkpoint_format import (TRACKER, checkpoint_dir, list_iterations,
                                                        named_parameters_global, read_tracker,
@@ -61,22 +61,22 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
     for name, p in names:  # per parameter: identical on TP/DP replicas, so DCP keeps one
         if name in state_keys:
             # The lr in effect now: async PipeOptim/SpecTrain predict with it before the next step sets it.
-            state[f"optimizer_state_keys.{name}"] = pickle.dumps({"keys": state_keys[name],
-                                                                   "lr": stepped[id(p)].group["lr"]})
+            state[f"optimizer_state_keys.{name}"] = JsonEntry({"keys": state_keys[name],
+                                                                "lr": stepped[id(p)].group["lr"]})
     if stepped:  # the inner optimizer's class: its state does not depend on the precision wrapper
-        state["optimizer_type"] = pickle.dumps(type(next(iter(stepped.values())).inner).__name__)
+        state["optimizer_type"] = JsonEntry(type(next(iter(stepped.values())).inner).__name__)
     for key, scaler in (grad_scalers(optimizer) if save_optim else {}).items():  # fp16 loss scales
-        state[key] = pickle.dumps(scaler.state_dict())
+        state[key] = JsonEntry(scaler.state_dict())
     if policy is not None:
         policy_state = policy.state_dict()
         state.update(_policy_state(names, policy_state["weights"]))
-        state["policy_steps"] = pickle.dumps(policy_state["steps"])
+        state["policy_steps"] = JsonEntry(policy_state["steps"])
         for c, n in enumerate(policy_state["lr_steps"]):  # each chunk's lr clock: its applied updates
-            state[f"policy_lr_steps.stage{virtual_stage(c)}"] = pickle.dumps(n)
-    state["extra"] = pickle.dumps(extra)
-    state["layout"] = pickle.dumps(parallel_layout())
+            state[f"policy_lr_steps.stage{virtual_stage(c)}"] = JsonEntry(n)
+    state["extra"] = JsonEntry(extra)
+    state["layout"] = JsonEntry(parallel_layout())
     if save_rng:
-        state[f"rng.rank{dist.get_rank()}"] = pickle.dumps(rng_state())
+        state[f"rng.rank{dist.get_rank()}"] = JsonEntry(rng_state())
     with guard:
         dcp_save(state, partial)
     guard.agree()

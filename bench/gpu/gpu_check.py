@@ -63,6 +63,9 @@ from bench_common import REPO, RESULTS, load_at_start, log, markdown_table, now,
 END_RESERVE_S = 8.0
 KILL_GRACE_S = 3.0
 GPU_MARGIN_S = 6.0
+# A test step is cut off at this multiple of its estimate, so that a suite far slower than expected leaves the
+# sections their time (its log keeps each test's result up to there).
+TEST_CAP = 2.0
 
 # One fast test per test step at --quick, so that a CPU test runs the whole command in seconds: a "cuda" test
 # (skipped with "needs CUDA" on a CPU) and one of the fused-step tests.
@@ -117,6 +120,14 @@ def make_portable(path: str) -> None:
             f.write(portable_here(text))
 
 
+def count_results(log_path: str) -> str:
+    """What a cut-off pytest (-v) had reported: "12 PASSED, 1 FAILED" from its per-test lines."""
+    with open(log_path, errors="replace") as f:
+        found = re.findall(r"(PASSED|FAILED|SKIPPED|ERROR)\b", f.read())
+    counts = {word: found.count(word) for word in ("PASSED", "FAILED", "ERROR", "SKIPPED") if word in found}
+    return ", ".join(f"{n} {word.lower()}" for word, n in counts.items()) or "no test finished"
+
+
 def pytest_summary(log_path: str) -> str:
     """pytest's closing line ("3 failed, 25 passed, 28 deselected in 88.29s"), or ""."""
     if not os.path.exists(log_path):
@@ -135,11 +146,11 @@ def test_command(name: str, quick: bool) -> tuple[list[str], dict]:
     """The command and environment of test step `name`."""
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     k = ["-k", QUICK_TESTS[name]] if quick else []
-    if name == "cuda_tests":
+    if name == "cuda_tests":  # (-vv on the script's -q: one line per test as it ends, kept if the step is cut off)
         env["PYTHON"] = sys.executable
-        return ["bash", "scripts/run_gpu_tests.sh", *k], env
+        return ["bash", "scripts/run_gpu_tests.sh", "-vv", *k], env
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU leg: torch sees no GPU, as on CI
-    return [sys.executable, "-c", PYTEST_WITHOUT_OPTIONAL, "-q", "--durations=10", *CPU_COMPILE_TEST_FILES, *k], env
+    return [sys.executable, "-c", PYTEST_WITHOUT_OPTIONAL, "-v", "--durations=10", *CPU_COMPILE_TEST_FILES, *k], env
 
 
 def shown(cmd: list[str], env_shown: str = "") -> str:
@@ -189,13 +200,18 @@ class Check:
         log_name = f"{name}_{self.args.label}.log"
         self.commands.append(shown(cmd, "CUDA_VISIBLE_DEVICES= " if name == "cpu_compile_tests" else ""))
         log(f"[gpu_check] {name}: {self.commands[-1]} -> {log_name} ({self.left():.0f} s left)")
-        rc, seconds = run_process(cmd, self.path(log_name), self.left(), env)
+        cap = TEST_CAP * estimate
+        by_cap = cap < self.left()
+        rc, seconds = run_process(cmd, self.path(log_name), min(self.left(), cap), env)
         make_portable(self.path(log_name))
         self.files.append(log_name)
         summary = pytest_summary(self.path(log_name))
         status = "cut off" if rc is None else "passed" if rc == 0 else "failed"
-        self.status[name].update(status=status, seconds=seconds, note=summary or (f"exit code {rc}" if rc else ""),
-                                 log=log_name)
+        note = summary or (f"exit code {rc}" if rc else "")
+        if rc is None:
+            why = f"{TEST_CAP:g}x its estimate" if by_cap else "the end of the budget"
+            note = f"killed at {seconds:.0f} s, {why}; {count_results(self.path(log_name))}"
+        self.status[name].update(status=status, seconds=seconds, note=note, log=log_name)
         log(f"[gpu_check] {name}: {status} in {seconds:.0f} s {summary}")
 
     # ---- the sections, in one gpu.py process

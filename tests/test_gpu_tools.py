@@ -140,10 +140,12 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     assert all(st["seconds"] > 0 for st in summary["status"].values())
     assert summary["status"]["cuda_tests"]["note"].startswith("1 skipped" if not HAS_CUDA else "1 passed")
     assert summary["status"]["cpu_compile_tests"]["note"].startswith("1 passed")
+    assert summary["status"]["cpu_compile_tests_rest"]["note"].startswith("2 passed")
     assert "Command: `bash scripts/gpu_check.sh --quick --steps cuda_tests" in md and "--out-dir $OUT" in md
     assert "CUDA_VISIBLE_DEVICES= python -c" in md and "python bench/gpu/gpu.py --only peak gpt" in md
     assert set(summary["files"]) == {"cuda_tests_steps.log", "cpu_compile_tests_steps.log", "gpu_steps.log",
-                                     "gpu_cpu_steps.md", "gpu_cpu_steps.json", "gpu_cpu_steps_cost_model.json"}
+                                     "gpu_cpu_steps.md", "gpu_cpu_steps.json", "gpu_cpu_steps_cost_model.json",
+                                     "cpu_compile_tests_rest_steps.log"}
     log = (out_dir / "gpu_steps.log").read_text()
     assert "[gpu.py] stream" in log and "segment timed op by op" in log  # gpu.py's progress, as it ran
     md = (out_dir / "gpu_cpu_steps.md").read_text()

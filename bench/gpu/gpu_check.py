@@ -13,11 +13,13 @@ part 2 (a second call) the sections part 1 leaves. `bash scripts/gpu_check.sh` r
 Steps, by priority (bench/gpu/gpu_budget.py holds the order, the parts and the estimated seconds):
 
   cuda_tests         bash scripts/run_gpu_tests.sh: the suite's "cuda" tests
-  cpu_compile_tests  tests/test_compiled_layers.py and tests/test_fused_prediction.py (torch.compile'd layers,
-                     steps and the fused prediction, all on a CPU) with CUDA_VISIBLE_DEVICES empty
+  cpu_compile_tests  the compiled optimizer steps' tests of tests/test_fused_prediction.py and the compiled-layer
+                     tests where torch 2.11 broke (CPU_COMPILE_TESTS), with CUDA_VISIBLE_DEVICES empty, beside
+                     cuda_tests (neither is a timing)
   peak ... stream_compiled_muon   bench/gpu/gpu.py's sections, all in one gpu.py process (later sections read
                      earlier ones' figures), with `targets` after them; a section whose ratios read another's
                      (plain and compiled read gpt and plain, MFU the peak) brings it along
+  cpu_compile_tests_rest  the other tests of tests/test_compiled_layers.py, as cpu_compile_tests
 
 The budget (--budget-s, default 540, for a device call of at most 600 s): a step whose estimate exceeds the time
 left is skipped; a step runs with what is left as its timeout, in a process group of its own that is killed
@@ -42,6 +44,7 @@ import time
 STARTED = time.perf_counter()  # the budget counts from here
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -50,6 +53,7 @@ import shlex  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
@@ -68,10 +72,28 @@ GPU_MARGIN_S = 6.0
 TEST_CAP = 2.0
 
 # One fast test per test step at --quick, so that a CPU test runs the whole command in seconds: a "cuda" test
-# (skipped with "needs CUDA" on a CPU) and one of the fused-step tests.
+# (skipped with "needs CUDA" on a CPU) and a compile test of each step.
 QUICK_TESTS = {"cuda_tests": "test_bf16_and_fp16_losses_stay_close_to_fp32",
-               "cpu_compile_tests": "test_requests_are_consumed_once_and_zero_steps_is_the_copy"}
-CPU_COMPILE_TEST_FILES = ["tests/test_compiled_layers.py", "tests/test_fused_prediction.py"]
+               "cpu_compile_tests": "test_a_step_that_does_not_compile_runs_eagerly_with_a_warning",
+               "cpu_compile_tests_rest": "test_backward_reads_the_parameters_a_policy_points_at"}
+# The compile tests on the device's torch, CPU leg: step cpu_compile_tests (part 1) the compiled optimizer steps with
+# the fused prediction (tests/test_fused_prediction.py) and the compiled-layer tests where torch 2.11 broke or that
+# cover a mechanism of their own (TP collectives between graphs, the distributed optimizer's step, checkpoints,
+# PipeOptim's stream, the compile summary); step cpu_compile_tests_rest (part 2, last) every other test of
+# tests/test_compiled_layers.py.
+CPU_COMPILE_TESTS = [f"tests/test_fused_prediction.py::{name}" for name in (
+    "test_compiled_fused_step_equals_eager_without_recompiling",
+    "test_compiled_step_keeps_a_direction_the_separate_prediction_can_use",
+    "test_inductor_compiled_adamw_step_with_bf16_prediction",
+    "test_a_step_that_does_not_compile_runs_eagerly_with_a_warning")] + [
+    f"tests/test_compiled_layers.py::{name}" for name in (
+        "test_1f1b_tp2_pp2_sequence_parallel_compiled_equals_single_process",
+        "test_pipeoptim_pp2_dp2_distributed_optimizer_compiled_equals_eager",
+        "test_checkpoints_load_from_compiled_into_eager_and_back",
+        "test_compile_summary_counts_this_process_and_its_graphs",
+        "test_asynchronous_methods_compiled_equal_eager[pipeoptim]")]
+CPU_COMPILE_TESTS_REST = ["tests/test_compiled_layers.py"] + [
+    arg for test in CPU_COMPILE_TESTS if test.startswith("tests/test_compiled_layers.py") for arg in ("--deselect", test)]
 # The GPU image lacks these three (issue 29); the suites run with them unimportable, as scripts/run_gpu_tests.sh does.
 PYTEST_WITHOUT_OPTIONAL = ("import sys; sys.modules.update(dict.fromkeys(('wandb', 'datasets', 'nltk'))); "
                            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
@@ -150,7 +172,8 @@ def test_command(name: str, quick: bool) -> tuple[list[str], dict]:
         env["PYTHON"] = sys.executable
         return ["bash", "scripts/run_gpu_tests.sh", "-vv", *k], env
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU leg: torch sees no GPU, as on CI
-    return [sys.executable, "-c", PYTEST_WITHOUT_OPTIONAL, "-v", "--durations=10", *CPU_COMPILE_TEST_FILES, *k], env
+    tests = CPU_COMPILE_TESTS if name == "cpu_compile_tests" else CPU_COMPILE_TESTS_REST
+    return [sys.executable, "-c", PYTEST_WITHOUT_OPTIONAL, "-v", "--durations=10", *tests, *k], env
 
 
 def shown(cmd: list[str], env_shown: str = "") -> str:
@@ -182,6 +205,7 @@ class Check:
         self.device = device_info()
         self.started_at, self.load = now(), load_at_start()
         self.files: list[str] = []
+        self.lock = threading.Lock()  # the test steps' threads update the statuses and write the summary
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -192,26 +216,32 @@ class Check:
     # ---- the test steps
 
     def run_tests(self, name: str) -> None:
+        """Test step `name`, in a thread of its own (the summary is written under the lock)."""
         estimate = gpu_budget.seconds(name, self.args.quick)
         if estimate > self.left():
-            self.status[name].update(status="skipped", note=f"time budget: {max(self.left(), 0):.0f} s left")
+            with self.lock:
+                self.status[name].update(status="skipped", note=f"time budget: {max(self.left(), 0):.0f} s left")
             return
         cmd, env = test_command(name, self.args.quick)
         log_name = f"{name}_{self.args.label}.log"
-        self.commands.append(shown(cmd, "CUDA_VISIBLE_DEVICES= " if name == "cpu_compile_tests" else ""))
-        log(f"[gpu_check] {name}: {self.commands[-1]} -> {log_name} ({self.left():.0f} s left)")
+        command = shown(cmd, "CUDA_VISIBLE_DEVICES= " if name.startswith("cpu_compile_tests") else "")
+        with self.lock:
+            self.commands.append(command)
+        log(f"[gpu_check] {name}: {command} -> {log_name} ({self.left():.0f} s left)")
         cap = TEST_CAP * estimate
         by_cap = cap < self.left()
         rc, seconds = run_process(cmd, self.path(log_name), min(self.left(), cap), env)
         make_portable(self.path(log_name))
-        self.files.append(log_name)
         summary = pytest_summary(self.path(log_name))
         status = "cut off" if rc is None else "passed" if rc == 0 else "failed"
         note = summary or (f"exit code {rc}" if rc else "")
         if rc is None:
             why = f"{TEST_CAP:g}x its estimate" if by_cap else "the end of the budget"
             note = f"killed at {seconds:.0f} s, {why}; {count_results(self.path(log_name))}"
-        self.status[name].update(status=status, seconds=seconds, note=note, log=log_name)
+        with self.lock:
+            self.files.append(log_name)
+            self.status[name].update(status=status, seconds=seconds, note=note, log=log_name)
+            self.write()
         log(f"[gpu_check] {name}: {status} in {seconds:.0f} s {summary}")
 
     # ---- the sections, in one gpu.py process
@@ -312,12 +342,19 @@ class Check:
 
     def run(self) -> int:
         self.write()
-        for name in (s for s in self.steps if s in gpu_budget.TEST_STEPS):
-            self.run_tests(name)
-            self.write()
-        sections = [s for s in self.steps if s in gpu_budget.SECTION_ORDER]
-        if sections:
-            self.run_sections(sections)
+        # In the order of priority: adjacent test steps side by side (none is a timing; the CUDA suite leaves most
+        # of 16 CPU cores idle), each in its own thread and process group; adjacent sections in one gpu.py, alone
+        # on the machine.
+        for is_tests, group in itertools.groupby(self.steps, key=lambda step: step in gpu_budget.TEST_STEPS):
+            group = list(group)
+            if is_tests:
+                threads = [threading.Thread(target=self.run_tests, args=(name,)) for name in group]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            else:
+                self.run_sections(group)
             self.write()
         failed = [n for n, st in self.status.items() if st["status"] == "failed"]
         left = self.left_out()

@@ -5,7 +5,7 @@
 #
 #     bash scripts/gpu_check.sh                  # part 1 (first device call): the tests, peak, gpt, plain, compiled
 #     bash scripts/gpu_check.sh --part 2         # part 2 (second call): the sections part 1 leaves
-#     bash scripts/gpu_check.sh --part 2 --budget-s 300 --add compiled   # a shorter call, and what part 1 skipped
+#     bash scripts/gpu_check.sh --part 2 --budget-s 330 --add compiled   # a shorter call, and what part 1 skipped
 #     bash scripts/gpu_check.sh --quick --out-dir "$TMPDIR/c"  # on a CPU: one test per suite, a tiny GPT
 #
 # Results go to $OUT when it is set (the device tool's folder that comes back), else bench/results/gpu_check/.

@@ -5,7 +5,7 @@ part 2 (a second call) the sections part 1 leaves. `bash scripts/gpu_check.sh` r
 
     bash scripts/gpu_check.sh                           # part 1: the tests, peak, gpt, plain, compiled
     bash scripts/gpu_check.sh --part 2                  # part 2: stream_compiled, fused, muon, fp16, stream, ...
-    bash scripts/gpu_check.sh --part 2 --budget-s 300   # as much of part 2 as 300 s allow
+    bash scripts/gpu_check.sh --part 2 --budget-s 330   # as much of part 2 as 330 s allow
     bash scripts/gpu_check.sh --part 2 --add compiled   # part 2 and a step part 1 left (its summary says which)
     bash scripts/gpu_check.sh --steps cuda_tests muon   # exactly these steps (and the baselines they read)
     bash scripts/gpu_check.sh --quick                   # one test of each suite and a tiny GPT: runs on a CPU
@@ -393,6 +393,8 @@ def device_info() -> dict:
             info.update(name=name.strip(), memory=f", {memory.strip()}")
     except (OSError, subprocess.SubprocessError):
         pass
+    if info["name"] == "cpu" and os.path.exists("/dev/nvidia0"):  # a GPU without nvidia-smi: gpu.py names it
+        info["name"] = "gpu"
     info["slug"] = re.sub(r"[^a-z0-9]+", "_", info["name"].lower()).strip("_")
     return info
 

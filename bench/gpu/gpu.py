@@ -75,7 +75,7 @@ offline_env()
 
 import gpu_budget  # noqa: E402
 import torch  # noqa: E402
-from gpu_run import BudgetSpent, Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
+from gpu_run import Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
 from gpu_stream import (D, STREAM_COMPILED_METHODS, STREAM_COMPILED_MUON_METHODS, STREAM_METHOD_KEYS,  # noqa: E402
                         STREAM_METHODS, NoStreamMethod, method_key, section_stream, section_stream_compiled,
                         section_stream_compiled_muon, ttq_cost_model)
@@ -451,8 +451,8 @@ def main(argv=None) -> int:
                                   "bench/results/gpu_<device>[_quick].md")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds for the whole run: a section whose estimate (bench/gpu/gpu_budget.py) exceeds what is left "
-                         "is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
+                    help="seconds for the whole run: a section whose estimate (bench/gpu/gpu_budget.py) exceeds "
+                         "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
                          "and the results are written before the end (default: no budget)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
                     help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
@@ -483,7 +483,8 @@ def main(argv=None) -> int:
     skipped = [n for n, st in statuses.items() if st["status"] == "skipped"]
     bad = [n for n, st in statuses.items() if st["status"] in ("failed", "cut off")]
     log(f"[gpu.py] wrote {', '.join(wrote)} in {(time.perf_counter() - t0) / 60:.1f} min"
-        + (f"; FAILED or CUT OFF: {', '.join(bad)}" if bad else "") + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+        + (f"; FAILED or CUT OFF: {', '.join(bad)}" if bad else "")
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     return 1 if bad else 0
 
 

@@ -43,7 +43,6 @@ import time
 
 STARTED = time.perf_counter()  # the budget counts from here
 
-import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -60,7 +59,7 @@ import bench_common  # noqa: E402  (puts the bench family folders and the repo o
 bench_common.add_repo_to_path()
 
 import gpu_budget  # noqa: E402
-from bench_common import REPO, RESULTS, load_at_start, log, markdown_table, now, portable  # noqa: E402
+from bench_common import REPO, RESULTS, load_at_start, log, now, portable  # noqa: E402
 
 # Seconds kept at the end of the budget: a killed step's group gets KILL_GRACE_S to end after SIGTERM, then the
 # summary is written; gpu.py's own budget ends GPU_MARGIN_S before its step's timeout, so it stops by itself.
@@ -93,7 +92,8 @@ CPU_COMPILE_TESTS = [f"tests/test_fused_prediction.py::{name}" for name in (
         "test_compile_summary_counts_this_process_and_its_graphs",
         "test_asynchronous_methods_compiled_equal_eager[pipeoptim]")]
 CPU_COMPILE_TESTS_REST = ["tests/test_compiled_layers.py"] + [
-    arg for test in CPU_COMPILE_TESTS if test.startswith("tests/test_compiled_layers.py") for arg in ("--deselect", test)]
+    arg for test in CPU_COMPILE_TESTS if test.startswith("tests/test_compiled_layers.py")
+    for arg in ("--deselect", test)]
 # The GPU image lacks these three (issue 29); the suites run with them unimportable, as scripts/run_gpu_tests.sh does.
 PYTEST_WITHOUT_OPTIONAL = ("import sys; sys.modules.update(dict.fromkeys(('wandb', 'datasets', 'nltk'))); "
                            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
@@ -155,7 +155,8 @@ def pytest_summary(log_path: str) -> str:
     if not os.path.exists(log_path):
         return ""
     with open(log_path, errors="replace") as f:
-        found = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|deselected|error).*? in [\d.]+s.*?) ?=*$", f.read(), re.M)
+        found = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|deselected|error).*? in [\d.]+s.*?) ?=*$", f.read(),
+                           re.M)
     return found[-1] if found else ""
 
 

@@ -1,5 +1,5 @@
-"""bench/gpu/gpu.py's sections `stream`, `stream_compiled` and `stream_compiled_muon`: the D = 4 asynchronous stream in the single-process
-emulator, one worker process per method; what each stage costs (`stage_costs`) and the same as
+"""bench/gpu/gpu.py's sections `stream`, `stream_compiled`, `stream_compiled_muon`: the D = 4 asynchronous stream
+in the single-process emulator, one worker process per method; what each stage costs (`stage_costs`) and the same as
 bench/time_to_quality/time_to_quality.py's cost model (`ttq_cost_model`; schema in bench/time_to_quality/ttq_cost_model.py)."""
 
 from __future__ import annotations

@@ -62,9 +62,13 @@ def log(*args) -> None:
 
 def portable(text: str) -> str:
     """`text` with this machine's own paths made portable: the checkout's path becomes relative to the repo,
-    the temporary folder `$TMPDIR` and the home folder `~` (results files never name one machine's paths)."""
+    the device tool's output folder `$OUT` (where the environment names one), the temporary folder `$TMPDIR`
+    and the home folder `~` (results files never name one machine's paths)."""
     import tempfile
     text = text.replace(REPO + os.sep, "").replace(REPO, ".")
+    out = os.environ.get("OUT", "").rstrip(os.sep)
+    if len(out) > 1 and not out.startswith(REPO):
+        text = text.replace(out + os.sep, "$OUT/").replace(out, "$OUT")
     for path, placeholder in ((os.path.realpath(tempfile.gettempdir()), "$TMPDIR"), (tempfile.gettempdir(), "$TMPDIR"),
                               (os.path.expanduser("~"), "~")):
         if len(path) > 1:

@@ -5,13 +5,19 @@
   and a tiny `pretrain_gpt.py --mock-data` run saves a checkpoint and a second one resumes from it;
 - `bash scripts/run_gpu_tests.sh` on a machine without a GPU selects the suite's "cuda" tests and skips
   every one with "needs CUDA" (28 today), exit code 0;
-- `python bench/gpu/gpu.py --quick` (with the three packages unimportable in it and every process it starts)
-  writes its .md and .json where it is told, every section there, with figures the product's code gives:
+- `bash scripts/gpu_check.sh --quick` (issue 34: the command a lent GPU runs, one per device call) runs every
+  step, one test of each suite and `bench/gpu/gpu.py --quick` (with the three packages unimportable in it and
+  every process it starts); its summary names every step with its status, the code commit and no machine path;
+  a tiny --budget-s ends the call before the budget, writes what it has and names what it left with the command
+  that runs it; part 2's steps are the complement of part 1's; a step past its time is killed with its whole
+  process group;
+- gpu.py, there, writes its .md and .json where it is told, every section there, with figures the product's code gives:
   PipeDream holds D - r weight copies on rank r, 2BW two, PipeOptim one (bf16: the prediction is written
   into the bf16 model weights, the fp32 main params stay live); fp16 from a loss scale of 2^32 skips its
   first iterations, halving the scale each time; the per-stage costs hold forward, backward, the step of AdamW
   and Muon and PipeOptim's prediction for each of the 4 stages, and the cost model written beside them loads
-  and prices a D = 8 pipeline in bench/time_to_quality/time_to_quality.py's own code. `--only` / `--skip` choose sections.
+  and prices a D = 8 pipeline in bench/time_to_quality/time_to_quality.py's own code. `--only` / `--skip` choose
+  sections; with --budget-s it skips a section whose estimate does not fit and says so.
 """
 
 import json
@@ -19,9 +25,16 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from cuda_harness import HAS_CUDA, OPTIONAL, ROOT, WITHOUT_OPTIONAL, tiny_args
+from test_no_machine_paths import MACHINE_PATH
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_common  # noqa: E402  (puts the bench family folders on sys.path)
+import gpu_budget  # noqa: E402
+import gpu_check  # noqa: E402
 
 GPU_PATH_MODULES = ["megatron_po.training", "megatron_po.async_training", "megatron_po.training_setup",
                     "megatron_po.gpt_workload", "megatron_po.data.gpt_dataset", "megatron_po.data.tokenizer",
@@ -85,8 +98,9 @@ def test_run_gpu_tests_script_skips_every_cuda_test_without_a_gpu(tmp_path):
 
 SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours beside a plain PyTorch GPT",
                   "GPT through pretrain_gpt.py --torch-compile", "Muon: iteration vs AdamW",
-                  "asynchronous stream in the single-process emulator", "stream under --torch-compile",
-                  "optimizer step with PipeOptim's prediction", "fp16: skipped iterations", "Targets"]
+                  "asynchronous stream in the single-process emulator", "stream under --torch-compile, AdamW",
+                  "stream under --torch-compile, Muon", "optimizer step with PipeOptim's prediction",
+                  "fp16: skipped iterations", "Targets"]
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
@@ -94,22 +108,58 @@ def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
                           env=env_without_optional(tmp_path), capture_output=True, text=True, timeout=600)
 
 
-def test_bench_gpu_quick_writes_every_section(tmp_path):
-    out = tmp_path / "results" / "gpu.md"
-    proc = run_bench(tmp_path, "--quick", "--out", str(out))
+def run_check(tmp_path, out_dir, *args, timeout=900) -> subprocess.CompletedProcess:
+    """`bash scripts/gpu_check.sh ARGS --out-dir OUT_DIR` as the device runs it: its own Python, $OUT set."""
+    env = dict(env_without_optional(tmp_path), PYTHON=sys.executable, OUT=str(out_dir))
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *args, "--out-dir", str(out_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_summary(out_dir, label: str) -> tuple[dict, str]:
+    """The summary's JSON and Markdown, with what every summary must hold: every planned step named with a
+    status, the code commit, and no machine path in any file the check wrote."""
+    data = json.loads((out_dir / f"gpu_check_{label}.json").read_text())
+    md = (out_dir / f"gpu_check_{label}.md").read_text()
+    assert data["commit"] == bench_common.commit() and f"Code: commit {bench_common.commit()}" in md
+    assert set(data["status"]) == set(data["steps_planned"])
+    for step in data["steps_planned"]:
+        assert re.search(rf"^\| {step} \| (passed|done|skipped|cut off|failed|not reached) \|", md, re.M), step
+    for path in out_dir.iterdir():
+        assert not MACHINE_PATH.search(path.read_text(errors="replace")), path
+    return data, md
+
+
+def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_path):
+    out_dir = tmp_path / "results"
+    proc = run_check(tmp_path, out_dir, "--quick", "--steps", *gpu_budget.STEPS, "--budget-s", "1500", timeout=1600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[gpu.py] stream" in proc.stdout and "segment timed op by op" in proc.stdout  # progress as it runs
-    md = out.read_text()
-    assert "Quick size (`--quick`)" in md and "failed" not in md
+    summary, md = check_summary(out_dir, "steps")
+    assert summary["steps_planned"] == gpu_budget.STEPS and summary["not_run_to_the_end"] == []
+    assert {step: st["status"] for step, st in summary["status"].items()} == {
+        step: "passed" if step in gpu_budget.TEST_STEPS else "done" for step in gpu_budget.STEPS}
+    assert all(st["seconds"] > 0 for st in summary["status"].values())
+    assert summary["status"]["cuda_tests"]["note"].startswith("1 skipped" if not HAS_CUDA else "1 passed")
+    assert summary["status"]["cpu_compile_tests"]["note"].startswith("1 passed")
+    assert summary["status"]["cpu_compile_tests_rest"]["note"].startswith("2 passed")
+    assert "Command: `bash scripts/gpu_check.sh --quick --steps cuda_tests" in md and "--out-dir $OUT" in md
+    assert "CUDA_VISIBLE_DEVICES= python -c" in md and "python bench/gpu/gpu.py --only peak gpt" in md
+    assert set(summary["files"]) == {"cuda_tests_steps.log", "cpu_compile_tests_steps.log", "gpu_steps.log",
+                                     "gpu_cpu_steps.md", "gpu_cpu_steps.json", "gpu_cpu_steps_cost_model.json",
+                                     "cpu_compile_tests_rest_steps.log"}
+    log = (out_dir / "gpu_steps.log").read_text()
+    assert "[gpu.py] stream" in log and "segment timed op by op" in log  # gpu.py's progress, as it ran
+    md = (out_dir / "gpu_cpu_steps.md").read_text()
+    assert "Quick size (`--quick`)" in md and "failed" not in md and "Code: commit " in md
     for title in SECTION_TITLES:
         assert title in md, title
     assert "python bench/gpu/gpu_worker.py stream --size quick --method pipedream-2bw --optimizer adamw --k 4" in md
     assert "python pretrain_gpt.py --num-layers 4" in md and "--fp16" in md
 
-    data = json.loads((tmp_path / "results" / "gpu.json").read_text())
+    data = json.loads((out_dir / "gpu_cpu_steps.json").read_text())
     assert data["size"] == "quick" and data["failures"] == [] and data["data_parallel_size"] == 1
-    assert list(data["sections"]) == ["peak", "gpt", "plain", "compiled", "muon", "stream", "stream_compiled", "fused",
-                                      "fp16", "targets"]
+    assert list(data["sections"]) == gpu_budget.SECTION_ORDER
+    assert {name: st["status"] for name, st in data["section_status"].items()} == \
+        dict.fromkeys(gpu_budget.SECTION_ORDER, "done")
     sections = {name: s["figures"] for name, s in data["sections"].items()}
     assert sections["peak"]["tflops"] > 0
     gpt = sections["gpt"]
@@ -125,8 +175,9 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     assert copies == {"async-naive": [1] * 4, "PipeDream": [4, 3, 2, 1], "PipeDream-2BW": [2] * 4,
                       "PipeOptim (AdamW)": [2, 2, 2, 1], "PipeOptim (AdamW), prediction separate": [1] * 4,
                       "async-naive (Muon)": [1] * 4, "PipeOptim (Muon)": [2, 2, 2, 1]}
-    compiled = sections["stream_compiled"]["methods"]
-    assert set(compiled) == {"async-naive", "PipeOptim (AdamW)", "async-naive (Muon)", "PipeOptim (Muon)"}
+    compiled = {**sections["stream_compiled"]["methods"], **sections["stream_compiled_muon"]["methods"]}
+    assert list(sections["stream_compiled"]["methods"]) == ["async-naive", "PipeOptim (AdamW)"]
+    assert list(sections["stream_compiled_muon"]["methods"]) == ["async-naive (Muon)", "PipeOptim (Muon)"]
     assert all(m["compiled"] for m in compiled.values()) and not any(m["compiled"] for m in methods.values())
     assert sections["compiled"]["tokens_per_s"] > 0 and sections["compiled"]["over_plain_compiled"] > 0
     muon = sections["muon"]
@@ -154,20 +205,92 @@ def test_bench_gpu_quick_writes_every_section(tmp_path):
     assert all(cost["stages"][r]["prediction_ms"]["adamw"] > 0 for r in range(3))  # s > 0 there: it predicts
 
     # bench/time_to_quality/time_to_quality.py reads the cost model written beside it (its own loader checks it)
-    assert data["ttq_cost_model"] == "gpu_cost_model.json"
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_common  # noqa: E402
+    assert data["ttq_cost_model"] == "gpu_cpu_steps_cost_model.json"
     bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
-    try:
-        import ttq_cost_model
-        model = ttq_cost_model.load_cost_model(str(tmp_path / "results" / "gpu_cost_model.json"))
-        priced = ttq_cost_model.op_times(model, 8, "muon", ["pipeoptim", "pipedream", "pipedream-2bw"])
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
+    import ttq_cost_model
+    model = ttq_cost_model.load_cost_model(str(out_dir / "gpu_cpu_steps_cost_model.json"))
+    priced = ttq_cost_model.op_times(model, 8, "muon", ["pipeoptim", "pipedream", "pipedream-2bw"])
     assert set(priced) == {"async-naive", "pipeoptim", "pipedream", "pipedream-2bw"} and len(priced["pipeoptim"]) == 8
     assert priced["pipeoptim"]["0"]["Forward"] > priced["async-naive"]["0"]["Forward"]  # the prediction is priced
     assert "muon-run-prediction" in model["variants"]
 
-    only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "--skip", "gpt", "--out", str(tmp_path / "o.md"))
-    assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]
-    assert list(json.loads((tmp_path / "o.json").read_text())["sections"]) == ["peak"]
+    # --only / --skip; and a budget that fits the peak (quick estimate 10 s) but never the eager stream (60 s)
+    only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "stream", "--skip", "gpt", "--budget-s", "40",
+                     "--out", str(tmp_path / "o.md"))
+    data = json.loads((tmp_path / "o.json").read_text())
+    status = {name: st["status"] for name, st in data["section_status"].items()}
+    assert list(status) == ["peak", "stream"] and status["stream"] == "skipped", only.stdout[-3000:]
+    # the peak's worker: done, or (a loaded CPU's imports eating the budget) cut off at the budget, or skipped
+    assert status["peak"] in ("done", "cut off", "skipped")
+    assert list(data["sections"]) == (["peak"] if status["peak"] == "done" else [])
+    assert only.returncode == (1 if status["peak"] == "cut off" else 0)
+    md = (tmp_path / "o.md").read_text()
+    assert "| stream  | skipped |" in md and "stream targets --quick`" in md
+    assert "To measure them: `python bench/gpu/gpu.py --only " in md
+
+
+def test_gpu_check_tiny_budget_ends_in_time_and_names_what_it_left(tmp_path):
+    summaries = {}
+    for part in (1, 2):
+        out_dir = tmp_path / f"part{part}"
+        started = time.perf_counter()
+        proc = run_check(tmp_path, out_dir, "--quick", "--part", str(part), "--budget-s", "10", timeout=120)
+        assert time.perf_counter() - started < 10
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        data, md = check_summary(out_dir, f"part{part}")
+        assert data["steps_planned"] == gpu_budget.PARTS[part]
+        # nothing fits 10 s (every quick estimate but the peak's exceeds 10 - 8 s of reserve): named, with the command
+        assert data["not_run_to_the_end"] == data["steps_planned"]
+        assert all(st["status"] == "skipped" for st in data["status"].values())
+        again = f"bash scripts/gpu_check.sh --steps {' '.join(data['steps_planned'])} --quick"
+        assert data["to_run_them"][0] == again and again in md and "No command ran." in md
+        summaries[part] = data
+    assert summaries[1]["to_run_them"][1] == (f"bash scripts/gpu_check.sh --part 2 --add "
+                                             f"{' '.join(gpu_budget.PARTS[1])} --quick")
+    one, two = set(summaries[1]["steps_planned"]), set(summaries[2]["steps_planned"])
+    assert not one & two and one | two == set(gpu_budget.STEPS)  # part 2 is part 1's complement
+
+
+def test_gpu_check_budget_cuts_off_a_running_section_and_writes_its_summary(tmp_path):
+    """A budget that lets gpu.py start: it ends before the check's budget either way (the peak done, skipped or
+    cut off), and the summary says which."""
+    out_dir = tmp_path / "out"
+    started = time.perf_counter()
+    proc = run_check(tmp_path, out_dir, "--quick", "--steps", "peak", "fp16", "--budget-s", "30", timeout=120)
+    assert time.perf_counter() - started < 30
+    data, md = check_summary(out_dir, "steps")
+    assert data["steps_planned"] == ["peak", "fp16"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    statuses = {step: st["status"] for step, st in data["status"].items()}
+    assert set(statuses.values()) <= {"done", "skipped", "cut off"}, statuses
+    assert data["not_run_to_the_end"] == [s for s in ("peak", "fp16") if statuses[s] != "done"]
+    if data["not_run_to_the_end"]:
+        assert f"bash scripts/gpu_check.sh --steps {' '.join(data['not_run_to_the_end'])} --quick" in md
+    assert "python bench/gpu/gpu.py --only peak fp16 targets --budget-s" in md
+
+
+def test_a_step_past_its_time_is_killed_with_its_process_group(tmp_path):
+    pid_file = tmp_path / "pid"
+    started = time.perf_counter()
+    rc, seconds = gpu_check.run_process(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"],
+                                        str(tmp_path / "log"), timeout=1.0)
+    assert rc is None and 1.0 <= seconds < 1.0 + gpu_check.KILL_GRACE_S + 2 and time.perf_counter() - started < 8
+    child = int(pid_file.read_text())
+    for _ in range(50):  # its own child, the background sleep, was killed with the group
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):  # killed, waiting for init to reap it
+                break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {child} of the killed step still runs")
+    assert gpu_check.run_process(["true"], str(tmp_path / "log2"), timeout=30)[0] == 0
+
+
+def test_gpu_sections_run_in_gpu_budget_order():
+    import gpu
+    assert list(gpu.SECTIONS) == gpu_budget.SECTION_ORDER
+    assert set(gpu_budget.SECTION_SECONDS) == set(gpu_budget.SECTION_ORDER)
+    assert set(gpu_budget.TEST_SECONDS) == set(gpu_budget.TEST_STEPS)

@@ -5,6 +5,10 @@ same figures beside it (device name slugged: gpu_nvidia_h200.md; gpu_cpu.md with
     python bench/gpu/gpu.py --only peak gpt plain    # some sections; --skip leaves some out
     python bench/gpu/gpu.py --quick --out gpu_quick.md  # a tiny GPT, every code path on a CPU in about a minute
     python bench/gpu/gpu.py --only stream --stream-methods async-naive:adamw pipeoptim:adamw   # some methods
+    python bench/gpu/gpu.py --budget-s 500           # start no section that cannot finish in 500 s; stop at 500 s
+
+Sections run in the order below, which is their priority (bench/gpu/gpu_check.py splits them over two device calls),
+except that `gpt` runs before `plain` and `compiled`, whose ratios read it.
 
 Sections (names for --only / --skip), each measured in fresh processes (pretrain_gpt.py, bench/gpu/gpu_worker.py),
 each with its exact command in the results:
@@ -18,7 +22,8 @@ each with its exact command in the results:
   compiled  ours with --torch-compile (compiled layers and optimizer step), beside ours eager and the plain
           GPT compiled: issue 30's >= 1.0x the compiled plain GPT, >= 70 % MFU
   muon    Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue
-          31 (fp32, QKV whole), per iteration beside AdamW's (section gpt); one layer's Newton-Schulz per
+          31 (fp32, QKV whole), per iteration beside AdamW's (section gpt's, or measured here when gpt does not
+          run); one layer's Newton-Schulz per
           precision, unbatched and batched: issue 31's Muon iteration <= 1.25x AdamW's
   stream  the D = 4 asynchronous stream in the single-process emulator (AsyncEmulator, bf16) for async-naive,
           PipeDream, PipeDream-2BW (k = 4), PipeOptim with AdamW (its prediction fused into the step, and
@@ -27,8 +32,9 @@ each with its exact command in the results:
           forward, backward, optimizer step (AdamW, Muon) and PipeOptim prediction, and the step's share of
           forward + backward; the JSON's `stage_costs` holds them per stage, and `<out>_cost_model.json` is
           bench/time_to_quality/time_to_quality.py's cost model of them (`--cost-model PATH`; bench/time_to_quality/ttq_cost_model.py)
-  stream_compiled  the same stream under --torch-compile for async-naive and PipeOptim, AdamW and Muon: issue
-          30's PipeOptim <= 1.01x async-naive per micro-batch
+  stream_compiled  the same stream under --torch-compile for async-naive and PipeOptim with AdamW: issue 30's
+          PipeOptim <= 1.01x async-naive per micro-batch
+  stream_compiled_muon  the same for async-naive and PipeOptim with Muon
   fused   one 302 M-parameter stage's AdamW step with PipeOptim's prediction (none / separate / fused), eager and
           compiled (bench/step/fused_step.py's time_step_variants)
   fp16    pretrain_gpt.py --fp16 from the default initial loss scale 2^32: the iterations skipped while the scale
@@ -45,13 +51,17 @@ flags, for one:
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import re
-import shutil
-import sys
 import time
+
+STARTED = time.perf_counter()  # --budget-s counts from here, before the imports (torch's take seconds)
+
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
 from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
@@ -63,9 +73,12 @@ from bench_common import (RESULTS, load_at_end, load_at_start, loadavg, log, mar
 
 offline_env()
 
+import gpu_budget  # noqa: E402
 import torch  # noqa: E402
 from gpu_run import Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
-from gpu_stream import D, STREAM_METHOD_KEYS, section_stream, section_stream_compiled, ttq_cost_model  # noqa: E402
+from gpu_stream import (D, STREAM_COMPILED_METHODS, STREAM_COMPILED_MUON_METHODS, STREAM_METHOD_KEYS,  # noqa: E402
+                        STREAM_METHODS, NoStreamMethod, method_key, section_stream, section_stream_compiled,
+                        section_stream_compiled_muon, ttq_cost_model)
 from gpu_worker import padded_vocab  # noqa: E402
 
 
@@ -145,25 +158,30 @@ def section_fused(run: Run) -> Section:
 
 def section_muon(run: Run) -> Section:
     """Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue 31
-    (fp32, QKV whole), beside AdamW's iteration (section gpt); one layer's Newton-Schulz per precision."""
+    (fp32, QKV whole), beside AdamW's iteration (section gpt's, or measured here in the same run when gpt did not
+    run: a ratio's baseline comes from the same run); one layer's Newton-Schulz per precision."""
+    adamw = run.done.get("gpt")
+    baseline = None
+    if adamw is None:  # AdamW's iteration measured here, in the same run, when section gpt did not run
+        adamw = baseline = measure_ours(run, "gpt_adamw", "", [])
     muon = measure_ours(run, "gpt_muon", "", ["--optimizer", "muon"])
     before = measure_ours(run, "gpt_muon_fp32", "", ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest",
                                                      "--muon-no-split-qkv"])
     ns, ns_command = run.worker("newton_schulz")
-    adamw = run.done.get("gpt")
     figures = {"muon": muon.figures, "muon_fp32_qkv_whole": before.figures, "newton_schulz": ns}
+    if baseline is not None:
+        figures["adamw"] = baseline.figures
     rows = []
     for name, sec in (("Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)", muon),
                       ("Muon as before issue 31 (fp32, QKV whole)", before)):
-        ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"] if adamw else None
-        sec.figures["over_adamw"] = ratio
-        rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", "n/a" if ratio is None else f"{ratio:.3f}x"])
-    if adamw:
-        rows.insert(0, ["AdamW (section gpt)", f"{adamw.figures['ms_per_iteration']:.1f}", "1x"])
+        sec.figures["over_adamw"] = ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"]
+        rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", f"{ratio:.3f}x"])
+    rows.insert(0, ["AdamW (section gpt)" if baseline is None else "AdamW (measured here: section gpt did not run)",
+                    f"{adamw.figures['ms_per_iteration']:.1f}", "1x"])
     ns_rows = [[key.split(",")[0], key.split(",")[1], f"{ms:.2f}", f"{ms * ns['layers_per_stage']:.1f}"]
                for key, ms in ns["ms"].items()]
-    return Section("Muon: iteration vs AdamW, Newton-Schulz per precision", [*muon.commands, *before.commands,
-                                                                           ns_command], figures, [
+    return Section("Muon: iteration vs AdamW, Newton-Schulz per precision",
+                   [*(baseline.commands if baseline else []), *muon.commands, *before.commands, ns_command], figures, [
         markdown_table(["optimizer", "ms / iteration", "vs AdamW"], rows), "",
         f"Newton-Schulz, {ns['steps']} steps on one layer's four matrices (QKV, projection, MLP up and down; hidden "
         f"{ns['hidden']}), median ms: one call per matrix (unbatched, before issue 31) and stacked by shape "
@@ -235,18 +253,37 @@ def section_fp16(run: Run) -> Section:
         markdown_table(["iteration", "step", "loss scale", "lr", "lm loss", "consumed samples"], rows)])
 
 
-SECTIONS = {  # name -> the function measuring it; run in this order (later sections read earlier figures)
+SECTIONS = {  # name -> the function measuring it; run in this order, their priority (issue 34), but for `gpt`
+    # before `plain` (later sections read earlier figures: MFU the peak, plain and compiled's ratios gpt and plain):
+    # gpu_budget.SECTION_ORDER, where their estimated seconds are
     "peak": section_peak,
     "gpt": section_gpt,
     "plain": section_plain,
     "compiled": section_compiled,
-    "muon": section_muon,
-    "stream": section_stream,
     "stream_compiled": section_stream_compiled,
     "fused": section_fused,
+    "muon": section_muon,
     "fp16": section_fp16,
+    "stream": section_stream,
+    "stream_compiled_muon": section_stream_compiled_muon,
     "targets": section_targets,
 }
+
+STREAM_SECTION_METHODS = {"stream": STREAM_METHODS, "stream_compiled": STREAM_COMPILED_METHODS,
+                          "stream_compiled_muon": STREAM_COMPILED_MUON_METHODS}
+
+
+def section_seconds(name: str, run: Run) -> float:
+    """The estimated seconds of section `name` in this run (bench/gpu/gpu_budget.py's, for its size, the methods
+    --stream-methods leaves it, and whether gpt ran)."""
+    seconds = gpu_budget.seconds(name, quick=run.size_name == "quick")
+    if name == "muon" and "gpt" not in run.done:
+        seconds += section_seconds("gpt", run)
+    methods = STREAM_SECTION_METHODS.get(name)
+    if methods and run.stream_methods is not None:
+        chosen = [m for m in methods if method_key(m[1], m[2], m[4]) in run.stream_methods]
+        seconds *= len(chosen) / len(methods)
+    return seconds
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,24 +326,47 @@ def cost_model_path(path: str) -> str:
     return os.path.splitext(path)[0] + "_cost_model.json"
 
 
-def write_results(path: str, info: dict, command: str, run: Run, started: str, t0: float, failures: list) -> None:
+def status_lines(statuses: dict, run: Run, budget_s: float | None) -> list[str]:
+    """Markdown: each section's status and seconds, and the command that runs what the budget left out."""
+    rows = [[name, st["status"], "" if st.get("seconds") is None else f"{st['seconds']:.0f}", f"{st['estimate_s']:.0f}",
+             st.get("note", "")] for name, st in statuses.items()]
+    lines = ["## Sections: status and time", "",
+             f"Time budget (--budget-s): {'none' if budget_s is None else f'{budget_s:.0f} s'}; estimated seconds from "
+             "bench/gpu/gpu_budget.py.", "",
+             markdown_table(["section", "status", "seconds", "estimated", "note"], rows), ""]
+    left = [name for name, st in statuses.items() if st["status"] in ("skipped", "cut off") and name != "targets"
+            and not st.get("note", "").startswith("none of --stream-methods")]
+    if left:
+        again = ["--only", *left, "targets", *(["--quick"] if run.size_name == "quick" else [])]
+        lines += [f"Not measured in this run: {', '.join(left)}. To measure them: "
+                  f"`{bench_common.command_line('bench/gpu/gpu.py', again)}`", ""]
+    return lines
+
+
+def write_results(path: str, info: dict, command: str, run: Run, started: str, t0: float, failures: list,
+                  statuses: dict | None = None, budget_s: float | None = None) -> None:
+    """The .md, the .json beside it and (with section stream) the cost model; machine paths made portable."""
+    statuses = statuses or {}
     lines = header(info, command, run, started)
     for name, section in run.done.items():
         commands = ["```", *section.commands, "```", ""] if section.commands else []
         lines += [f"## {section.title} (`{name}`)", "", *commands, *section.lines, ""]
     for name, error in failures:
         lines += [f"## `{name}`: failed", "", "```", error, "```", ""]
+    if statuses:
+        lines += status_lines(statuses, run, budget_s)
     lines.append(load_at_end(t0))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(bench_common.portable("\n".join(lines) + "\n"))
     s = run.size
     data = {"schema": "megatron_po bench/gpu/gpu.py 1", "command": command, "size": run.size_name, "started": started,
             "minutes": (time.perf_counter() - t0) / 60, "device": info, "load_average_end": loadavg()[:2],
             "model": {**asdict(s), "padded_vocab": padded_vocab(s), "precision": "bf16"},
             "data_parallel_size": 1, "sections": {name: {"title": sec.title, "commands": sec.commands,
                                                          "figures": sec.figures} for name, sec in run.done.items()},
-            "failures": [{"section": n, "error": e} for n, e in failures]}
+            "failures": [{"section": n, "error": e} for n, e in failures], "budget_s": budget_s,
+            "section_status": statuses}
     stream = run.done.get("stream")
     if stream is not None:
         built = next(iter(stream.figures["methods"].values()))["built"]
@@ -325,9 +385,60 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
         else:
             data["ttq_cost_model"] = os.path.basename(cost_model_path(path))
             with open(cost_model_path(path), "w") as f:
-                json.dump(cost_model, f, indent=1)
+                f.write(bench_common.portable(json.dumps(cost_model, indent=1)))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(bench_common.portable(json.dumps(data, indent=1)))
+
+
+# Seconds kept at the end of --budget-s for writing the results.
+WRITE_RESERVE_S = 2.0
+
+
+class Terminated(BaseException):
+    """SIGTERM (a caller's time limit, bench/gpu/gpu_check.py's): stop measuring, write what was measured. Not an
+    Exception, so that no section's own error handling takes it for a failed measurement."""
+
+
+def on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: let the results be written
+    raise Terminated()
+
+
+def run_sections(run: Run, names: list[str], write) -> tuple[list, dict]:
+    """Measure `names` in SECTIONS' order, each skipped when its estimate exceeds the budget left, `write()`
+    after each; (failures as (name, error), statuses by name: status, seconds, estimate_s, note)."""
+    failures, statuses = [], {}
+    ordered = sorted(names, key=list(SECTIONS).index)
+    for i, name in enumerate(ordered):
+        estimate, left = section_seconds(name, run), run.seconds_left()
+        status = {"status": "skipped", "seconds": None, "estimate_s": estimate}
+        if estimate > left:
+            statuses[name] = {**status, "note": f"time budget: {max(left, 0):.0f} s left"}
+            log(f"[gpu.py] {name} skipped: estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left")
+            continue
+        log(f"[gpu.py] {name} ({(time.perf_counter() - STARTED) / 60:.1f} min)")
+        started, run.cut_off = time.perf_counter(), False
+        try:
+            run.done[name] = SECTIONS[name](run)
+            status["status"] = "cut off" if run.cut_off else "done"
+        except NoStreamMethod as e:
+            status["note"] = str(e)
+        except Terminated:
+            failures.append((name, "terminated (SIGTERM) while measuring"))
+            statuses[name] = {**status, "status": "cut off", "seconds": time.perf_counter() - started,
+                              "note": "terminated (SIGTERM)"}
+            for rest in ordered[i + 1:]:
+                statuses[rest] = {"status": "skipped", "seconds": None, "estimate_s": section_seconds(rest, run),
+                                  "note": "terminated (SIGTERM)"}
+            break
+        except Exception as e:  # noqa: BLE001  (record it, measure the rest)
+            log(f"[gpu.py] {name} failed: {e}")
+            failures.append((name, f"{type(e).__name__}: {e}"))
+            status["status"] = "cut off" if run.cut_off else "failed"
+        status["seconds"] = time.perf_counter() - started
+        statuses[name] = status
+        write(failures, statuses)  # after each: a later crash keeps it
+    return failures, statuses
 
 
 def main(argv=None) -> int:
@@ -339,31 +450,42 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run: a section whose estimate (bench/gpu/gpu_budget.py) exceeds "
+                         "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
+                         "and the results are written before the end (default: no budget)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
                     help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
     args = ap.parse_args(argv)
-    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods)
+    if args.budget_s is not None and args.budget_s <= WRITE_RESERVE_S:
+        ap.error(f"--budget-s must exceed {WRITE_RESERVE_S:.0f} s (kept for writing the results)")
+    t0 = STARTED
+    deadline = None if args.budget_s is None else t0 + args.budget_s - WRITE_RESERVE_S
+    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods,
+              deadline)
+    signal.signal(signal.SIGTERM, on_sigterm)
     info = device_info()
     out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'_quick' if args.quick else ''}.md")
     command = bench_common.command_line("bench/gpu/gpu.py", argv)
-    started, t0, failures = now(), time.perf_counter(), []
+    started = now()
     names = [n for n in (args.only or SECTIONS) if n not in args.skip]
-    log(f"[gpu.py] {info['name']}, torch {info['torch']}, size {run.size_name}: sections {', '.join(names)} -> {out}")
+    log(f"[gpu.py] {info['name']}, torch {info['torch']}, size {run.size_name}: sections {', '.join(names)} -> {out}"
+        + ("" if args.budget_s is None else f"; budget {args.budget_s:.0f} s"))
+
+    def write(failures, statuses):
+        write_results(out, info, command, run, started, t0, failures, statuses, args.budget_s)
     try:
-        for name in sorted(names, key=list(SECTIONS).index):
-            log(f"[gpu.py] {name} ({(time.perf_counter() - t0) / 60:.1f} min)")
-            try:
-                run.done[name] = SECTIONS[name](run)
-            except Exception as e:  # noqa: BLE001  (record it, measure the rest)
-                log(f"[gpu.py] {name} failed: {e}")
-                failures.append((name, f"{type(e).__name__}: {e}"))
-            write_results(out, info, command, run, started, t0, failures)  # after each: a later crash keeps it
+        failures, statuses = run_sections(run, names, write)
+        write(failures, statuses)
     finally:
         shutil.rmtree(run.tmp, ignore_errors=True)
     wrote = [p for p in (out, os.path.splitext(out)[0] + ".json", cost_model_path(out)) if os.path.exists(p)]
+    skipped = [n for n, st in statuses.items() if st["status"] == "skipped"]
+    bad = [n for n, st in statuses.items() if st["status"] in ("failed", "cut off")]
     log(f"[gpu.py] wrote {', '.join(wrote)} in {(time.perf_counter() - t0) / 60:.1f} min"
-        + (f"; FAILED: {', '.join(n for n, _ in failures)}" if failures else ""))
-    return 1 if failures else 0
+        + (f"; FAILED or CUT OFF: {', '.join(bad)}" if bad else "")
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,6 +27,9 @@ add_repo_to_path()
 from gpu_worker import SIZES, Size, padded_vocab  # noqa: E402
 
 
+class BudgetSpent(RuntimeError):
+    """A measuring process not started, or killed, because the run's time budget (--budget-s) ran out."""
+
 
 @dataclass
 class Section:
@@ -38,26 +43,50 @@ class Section:
 
 class Run:
     """One `python bench/gpu/gpu.py` run: its size, the sections done so far (`done`: name -> Section), and the
-    two ways a section measures, each in a fresh process whose output lines are progress."""
+    two ways a section measures, each in a fresh process whose output lines are progress.
 
-    def __init__(self, size_name: str, timeout: float, stream_methods: list[str] | None = None):
+    With a `deadline` (a time.perf_counter() value: --budget-s), no process starts after it and none runs past
+    it: one that would is killed, and `cut_off` says so."""
+
+    def __init__(self, size_name: str, timeout: float, stream_methods: list[str] | None = None,
+                 deadline: float | None = None):
         self.size_name, self.size = size_name, SIZES[size_name]
         self.timeout = timeout
         self.stream_methods = stream_methods  # the stream sections' methods to run (keys; None: all of them)
+        self.deadline = deadline
+        self.cut_off = False  # a process was killed (or not started) because the budget ran out
         self.done: dict[str, Section] = {}
         self.tmp = tempfile.mkdtemp(prefix="bench_gpu_")
 
+    def seconds_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
     def _stream(self, cmd: list[str], shown: str) -> list[str]:
-        """Run `cmd` from the checkout, echo its output as it comes; its output lines. Raises on failure."""
+        """Run `cmd` from the checkout, echo its output as it comes; its output lines. Raises on failure.
+        The process gets a process group of its own, killed whole (compile workers included) when it runs past
+        its timeout, or when this process is interrupted while waiting for it."""
+        timeout, by_budget = self.timeout, False
+        if self.seconds_left() < timeout:
+            timeout, by_budget = self.seconds_left(), True
+            if timeout < 1:
+                self.cut_off = True
+                raise BudgetSpent(f"not started: the time budget is spent: {shown}")
         log(f"  $ {shown}")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         timed_out = threading.Event()
+
+        def kill_group():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # already gone
+                pass
 
         def kill():  # a hung process, printing or not, ends the section
             timed_out.set()
-            proc.kill()
-        killer = threading.Timer(self.timeout, kill)
+            kill_group()
+        killer = threading.Timer(timeout, kill)
         killer.start()
         lines = []
         try:
@@ -68,7 +97,12 @@ class Run:
             proc.wait()
         finally:
             killer.cancel()
+            kill_group()  # what it left running (or all of it, when an exception interrupted the wait)
+            proc.wait()
         if timed_out.is_set():
+            if by_budget:
+                self.cut_off = True
+                raise BudgetSpent(f"cut off at the end of the time budget, after {timeout:.0f} s: {shown}")
             raise RuntimeError(f"killed after {self.timeout:.0f} s: {shown}")
         if proc.returncode != 0:
             raise RuntimeError(f"exit code {proc.returncode}: {shown}\n" + "\n".join(lines[-15:]))

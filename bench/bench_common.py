@@ -122,11 +122,12 @@ def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
-def header(file: str, argv: list[str] | None = None, title: str | None = None) -> list[str]:
-    """The opening lines of a results file: title, command, machine and commit, load average, date."""
+def header(file: str, argv: list[str] | None = None, title: str | None = None, command: str | None = None) -> list[str]:
+    """The opening lines of a results file: title, command (`command` where a caller ran this script's code for
+    its own command line), machine and commit, load average, date."""
     argv = sys.argv[1:] if argv is None else argv
     lines = [f"# {title}", ""] if title else []
-    return lines + [f"Command: `{command_line(script(file), argv)}`", "",
+    return lines + [f"Command: `{command or command_line(script(file), argv)}`", "",
                     f"{machine()}; {load_at_start()}; {now()}.", ""]
 
 

@@ -46,8 +46,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import zero_bubble as zb  # noqa: E402  (also puts tests/ on sys.path: dist_harness)
-from bench_common import (Lines, command_line, load_at_end, load_at_start, loadavg, machine,  # noqa: E402
-                          markdown_table, now)
+from bench_common import Lines, header, load_at_end, loadavg, markdown_table  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from schedules_measure import accumulate, timed  # noqa: E402
 from schedules_runs import AGREED, merge_p2p, p2p_costs  # noqa: E402
@@ -324,18 +323,6 @@ def message_costs(mbs, n=20):
         "receive posted before the send, wait after the data arrived"))
 
 
-def code_commit() -> str:
-    repo = bench_common.REPO
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" (with uncommitted changes)" if dirty else "")
-
-
 # --------------------------------------------------------------------------------------------------
 # The check
 # --------------------------------------------------------------------------------------------------
@@ -350,10 +337,8 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     out = Lines()
     emit = out.emit
     started = time.perf_counter()
-    emit(f"Command: `{command_line('bench/schedules/simulator_check.py', list(argv))}`")
-    emit()
-    emit(f"{machine()}, {load_at_start()}, {now()}, code commit {code_commit()}")
-    emit()
+    for line in header(__file__, list(argv)):
+        emit(line)
     nominal = (t_f, t_b, t_w)
     untrimmed, run_costs, cal = zb.trimmed_op_costs(nominal, trim)
     cal_step = step_cost(t_step)

@@ -52,7 +52,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,  # noqa: E402
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-from bench_common import Lines, command_line, load_at_end, load_at_start, machine, now  # noqa: E402
+from bench_common import Lines, header, load_at_end  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
@@ -246,10 +246,8 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
     out = Lines()
     emit = out.emit
     started = time.perf_counter()
-    emit(f"Command: `{command or command_line('bench/schedules/zero_bubble.py', sys.argv[1:])}`")
-    emit()
-    emit(f"{machine()}, {load_at_start()}, {now()}")
-    emit()
+    for line in header(__file__, sys.argv[1:], command=command):
+        emit(line)
     emit(f"Synthetic sleeping stages (see the docstring of bench/schedules/zero_bubble.py): D={D}, M={M}, per stage t_f="
          f"{t_f * 1e3:g} ms, t_B={t_b * 1e3:g} ms, t_W={t_w * 1e3:g} ms (v=2: each chunk at half), [{mbs}, {WIDTH}] "
          f"activations; median of {reps} after {warmup} warm-up. Fractions are of the ideal "

@@ -17,7 +17,7 @@ def test_quick_check_writes_every_schedule_against_the_simulator(tmp_path):
     assert simulator_check.main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
     assert "Command: `python bench/schedules/simulator_check.py --quick" in text
-    assert "load average at start" in text and "code commit " in text and "Load average (1 min)" in text
+    assert "load average at start" in text and ", commit " in text and "Load average (1 min)" in text
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
                                           if line.startswith("| ") and not line.startswith("| schedule"))}
     labels = [label for label, _, _ in simulator_check.SYNC_ROWS] + ["async PipeOptim k=1",

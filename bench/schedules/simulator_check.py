@@ -41,7 +41,6 @@ bench_common.add_repo_to_path()
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402

@@ -107,10 +107,10 @@ class ModelConfig:
                                     "shape, at the first micro-batches): fused norms, activations and residuals; "
                                     "and the optimizer step with PipeOptim's prediction fused into it; "
                                     "docs/compile.md")
-    chunked_output_loss: bool = _f(True, "the output layer and the cross entropy computed together over chunks of "
-                                         "tokens, never holding the [tokens x vocab] logits (equal within rounding; "
-                                         "compiled with --torch-compile); --no-chunked-output-loss: the logits, "
-                                         "then the vocab-parallel cross entropy; docs/compile.md")
+    chunked_output_loss: bool = _f(True, "with --no-chunked-output-loss the output layer makes the [tokens x vocab] "
+                                         "logits, then the vocab-parallel cross entropy runs on them; by default "
+                                         "the two run together over chunks of tokens and never hold those logits "
+                                         "(equal within rounding; compiled with --torch-compile; docs/compile.md)")
 
 
 @dataclass

@@ -7,8 +7,10 @@ the unfused path (the logits, then `vocab_parallel_cross_entropy`):
   resolution (2^-7 of the largest entry; measured 0.3 %);
 - TP = 2 (plain and sequence parallel, forked gloo ranks) = the single process's unfused results, with
   two all-reduces in the forward where the unfused path makes three;
-- compiled (inductor, fullgraph): = the eager chunks within rounding, two graphs (statistics, gradients),
-  no graph break, and no recompilation for another token count (dynamic in the tokens);
+- compiled (fullgraph): = the eager chunks within rounding, two graphs (statistics, gradients), no graph
+  break, and no recompilation for another token count (dynamic in the tokens). "aot_eager" (TorchDynamo and
+  AOTAutograd without code generation: the compiled branch of the math, the graphs and guards, in seconds);
+  inductor's kernels run in tests/test_compiled_layers.py, whose compiled runs take the chunked loss;
 - inside the pipelines: PipeOptim with every stage predicting (the backward must recompute the logits on
   the forward's weights, kept by the weight policy; the test shows the comparison fails without them),
   zero bubble's B/W split (the W op computes the output layer's weight gradient, as `_Linear`'s), and
@@ -146,7 +148,7 @@ def test_compiled_chunks_equal_eager_in_two_graphs_without_breaks_or_recompiles(
     for seq in (S, 11):  # 21 tokens in 5 chunks of 4-5, then 33 in 9 of 3-4
         x, target, grad = data(seq=seq)
         expected = loss_and_grads(layer, x, target, grad, 0.1, chunked=True)
-        got = loss_and_grads(layer, x, target, grad, 0.1, chunked=True, backend="inductor")
+        got = loss_and_grads(layer, x, target, grad, 0.1, chunked=True, backend="aot_eager")
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, **FP32)
         graphs.append(compile_stats()["graphs"])

@@ -66,18 +66,17 @@ def _chunk_statistics(hidden, weight, masked_target, in_slice, smoothing: bool):
     rank's vocab slice) and, with label smoothing, sum_j z_j."""
     logits = F.linear(hidden, weight).float()
     row_max = logits.amax(dim=-1)
-    sum_exp = (logits - row_max.unsqueeze(-1)).exp().sum(dim=-1)
     target_logit = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_slice, 0.0)
-    if smoothing:
-        return row_max, sum_exp, target_logit, logits.sum(dim=-1)
-    return row_max, sum_exp, target_logit
+    sum_logits = logits.sum(dim=-1) if smoothing else None
+    sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: one [chunk x V] buffer eagerly
+    return (row_max, sum_exp, target_logit) + ((sum_logits,) if smoothing else ())
 
 
 def _chunk_logit_grads(hidden, weight, masked_target, in_slice, log_sum_exp, grad_loss, label_smoothing: float,
                        vocab_size: int):
     """d loss / d logits of the chunk, in the weight's dtype (the unfused path casts it so in `.float()`'s
     backward)."""
-    probs = (F.linear(hidden, weight).float() - log_sum_exp.unsqueeze(-1)).exp()
+    probs = F.linear(hidden, weight).float().sub_(log_sum_exp.unsqueeze(-1)).exp_()
     hit = (1.0 - label_smoothing) * in_slice.to(probs.dtype)
     if torch.compiler.is_compiling():  # one pointwise kernel: the one-hot as a comparison with the column index
         columns = torch.arange(probs.shape[-1], device=probs.device)
@@ -116,6 +115,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, label_smoothing, backend, forward_weights):
         """hidden [T, h] (the TP region's input), weight [V/tp, h], target [T] -> per-token loss [T] (fp32)."""
         statistics, _ = _chunk_functions(backend)
+        # Detached: a compiled graph guards on requires_grad, which an evaluation's input would change
+        hidden_, weight_ = hidden.detach(), weight.detach()
         tp = get_tensor_model_parallel_world_size()
         partition_vocab = weight.shape[0]
         first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -125,9 +126,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         smoothing = label_smoothing > 0
         pieces = []
         for rows in _chunks(hidden.shape[0], partition_vocab):
-            args = (hidden[rows], masked_target[rows], in_slice[rows])
+            args = (hidden_[rows], masked_target[rows], in_slice[rows])
             _token_dim_dynamic(backend, *args)
-            pieces.append(statistics(args[0], weight, args[1], args[2], smoothing))
+            pieces.append(statistics(args[0], weight_, args[1], args[2], smoothing))
         row_max, sum_exp, target_logit, *sum_logits = (torch.cat(p) for p in zip(*pieces))
         # Merge over the TP ranks: the global max, each rank's sum rescaled to it
         global_max = row_max.clone()
@@ -148,7 +149,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, masked_target, in_slice, log_sum_exp = ctx.saved_tensors
-        forward_weight = weight  # the logits' weights: the forward's, kept by the weight policy where they changed
+        hidden = hidden.detach()
+        # The logits' weights: the forward's, kept by the weight policy where they changed since
+        forward_weight = weight.detach()
         if ctx.forward_weights is not None:
             with torch.no_grad(), ctx.forward_weights():
                 forward_weight = weight.detach().clone()
@@ -156,7 +159,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         defer = weight_grads.deferring() and need_weight and ctx.weight.grad_fn is None
         pass_args = (hidden, forward_weight, masked_target, in_slice, log_sum_exp, grad_loss.contiguous(),
                      ctx.label_smoothing, ctx.vocab_size, ctx.backend)
-        grad_input, grad_weight = _grads(*pass_args, input_grad_weight=weight if need_input else None,
+        grad_input, grad_weight = _grads(*pass_args, input_grad_weight=weight.detach() if need_input else None,
                                          weight_grad=need_weight and not defer)
         if defer:  # zero bubble's B op: the W op recomputes the logits for the weight gradient
             weight_grads.defer(functools.partial(_deferred_weight_grad, ctx.weight, pass_args))

@@ -50,7 +50,7 @@ CHUNK_LOGITS = 2 ** 24  # logits per chunk (64 MiB in fp32), at most: tokens per
 def _chunks(num_tokens: int, partition_vocab_size: int):
     """Row ranges of about CHUNK_LOGITS logits each, of sizes differing by at most one (a compiled graph
     specializes a dim of size 1: no last chunk of one token unless the whole is)."""
-    count = -(-num_tokens // max(1, CHUNK_LOGITS // partition_vocab_size))
+    count = max(1, -(-num_tokens // max(1, CHUNK_LOGITS // partition_vocab_size)))
     size, longer = divmod(num_tokens, count)
     start = 0
     for i in range(count):
@@ -190,6 +190,7 @@ def _grads(hidden, forward_weight, masked_target, in_slice, log_sum_exp, grad_lo
     return grad_input, None if grad_weight is None else grad_weight.to(forward_weight.dtype)
 
 
+@torch.no_grad()  # as in the backward: the W op runs outside autograd, and grad mode is a compiled graph's guard
 def _deferred_weight_grad(weight, pass_args):
     _, grad_weight = _grads(*pass_args, weight_grad=True)
     return [(weight, grad_weight)]

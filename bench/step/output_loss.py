@@ -89,7 +89,7 @@ def run_variant(variant: str, size: dict, reps: int) -> dict:
 
 
 def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tuple[list[str], dict]:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), bench_common.load_at_start()
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(rounds):  # alternating processes: load drifts hit every variant alike
         for v in variants:
@@ -106,7 +106,7 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
     lines.emit(f"Command: `{bench_common.command_line('bench/step/output_loss.py', argv)}`  ")
     lines.emit(f"Code commit: {commit}; {bench_common.now()}  ")
     lines.emit(f"Device: CPU, {bench_common.machine()}, {first['threads']} torch threads  ")
-    lines.emit(f"{bench_common.load_at_start()}  ")
+    lines.emit(f"{load_before}  ")
     lines.emit(f"Settings: {size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
                f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; chunks of at most "
                f"{size['chunk_logits']} logits; forward + backward of the mean loss (input and weight gradients); "
@@ -125,6 +125,9 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
                      f"{seconds / base_time:.3f}", f"{results[v][0]['loss']:.6f}"])
     lines.emit(bench_common.markdown_table(["variant", "peak MiB", "vs unfused", "s / pass", "vs unfused",
                                             "sum of losses"], rows))
+    lines.emit()
+    lines.emit("Median pass per round (s): " + "; ".join(
+        f"{v} " + " / ".join(f"{bench_common.median(r['seconds']):.2f}" for r in results[v]) for v in variants))
     lines.emit()
     lines.emit("Target (issue 34): chunked <= 1/4 of the unfused peak in <= 1.1x its time.")
     lines.emit()

@@ -180,15 +180,17 @@ def assert_no_eager_fallback():
 # model, at its first change of length (a size mismatch; dynamic lengths from then on); the optimizer step
 # (optim/fused_prediction.py) once per variant of its prediction jobs: each distinct staleness s of the
 # schedule (a constant of the graph), and the steps that write PipeOptim's prediction against those that do
-# not (the drain's); under zero bubble `linear`, where the layer's graph stops before each GEMM, once per weight
-# shape (QKV, projection, MLP up and down). Nothing else: the chunked output loss's two functions (tensor_parallel/
-# output_cross_entropy.py) never recompile. Any of them in another dtype is a graph of its own (this module
-# runs fp32 and bf16 in one process, and the graphs stay between its tests).
-ANOTHER_DTYPE = "dtype mismatch"
+# not (the drain's); under zero bubble `linear` and the `runs_eagerly` wrapper of its eager GEMM, where the
+# layer's graph stops before each GEMM, once per weight shape (QKV, projection, MLP up and down). Nothing else: the chunked output loss's two functions (tensor_parallel/
+# output_cross_entropy.py) never recompile, but for another output layer's weight. Any of them in another dtype
+# or for another model is a graph of its own (this module runs fp32 and bf16, GPT and NMT, in one process, and
+# the graphs stay between its tests).
+ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER = "dtype mismatch", "tensor 'weight' size mismatch"
 EXPECTED_RECOMPILES = {"forward": ("GLOBAL_STATE changed: grad_mode", "size mismatch", ANOTHER_DTYPE),
                        "group_update": ("jobs", ANOTHER_DTYPE), "linear": ("size mismatch", ANOTHER_DTYPE),
-                       "_chunk_statistics": (ANOTHER_DTYPE,),
-                       "_chunk_logit_grads": (ANOTHER_DTYPE,)}
+                       "wrapper": ("size mismatch", ANOTHER_DTYPE),
+                       "_chunk_statistics": (ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER),
+                       "_chunk_logit_grads": (ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER)}
 
 
 class Recompilations(logging.Handler):

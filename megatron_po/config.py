@@ -107,6 +107,10 @@ class ModelConfig:
                                     "shape, at the first micro-batches): fused norms, activations and residuals; "
                                     "and the optimizer step with PipeOptim's prediction fused into it; "
                                     "docs/compile.md")
+    chunked_output_loss: bool = _f(True, "with --no-chunked-output-loss the output layer makes the [tokens x vocab] "
+                                         "logits, then the vocab-parallel cross entropy runs on them; by default "
+                                         "the two run together over chunks of tokens and never hold those logits "
+                                         "(equal within rounding; compiled with --torch-compile; docs/compile.md)")
 
 
 @dataclass
@@ -256,8 +260,9 @@ class TrainingConfig:
     empty_unused_memory_level: int = _f(0, "release cached device memory: 1 after each iteration, 2 also after "
                                            "evaluation (CUDA caching allocator; nothing to release on CPU)",
                                         choices=[0, 1, 2])
-    cross_entropy_loss_fusion: bool = _f(False, "accepted: the vocab-parallel cross entropy is one function here "
-                                                "(same math as Megatron's fused kernel)")
+    cross_entropy_loss_fusion: bool = _f(False, "accepted: the output layer and the vocab-parallel cross entropy are "
+                                                "fused here by default (--no-chunked-output-loss: the cross entropy "
+                                                "is still one function, Megatron's fused kernel's math)")
     check_for_nan_in_loss_and_grad: bool = _f(True, "stop, naming the iteration, rank and stage, at a NaN/inf loss or "
                                                     "gradient (bf16/fp32) before the step; fp16 skips the step")
     deterministic: bool = _f(False, "bit-reproducible runs on GPUs: deterministic kernels (torch, cuDNN, cuBLAS "

@@ -20,6 +20,11 @@ pipeline method, compile only at the first micro-batches, and leave checkpoints 
   every rank, and at a chunk's first optimizer steps (the same flag compiles the step with PipeOptim's
   prediction fused into it: its 2nd and 3rd steps, and those of the first drain); the NMT layers add their
   dynamic-length graphs at the first change of length, then nothing.
+- Graph breaks and recompilations (`Recompilations`, from TorchDynamo's `recompiles` log): in the emulator runs
+  (TP = 1, no dropout) neither the layers, the optimizer step nor the chunked output loss breaks its graph, and
+  every recompilation is one EXPECTED_RECOMPILES names (a layer's first evaluation and first change of length,
+  the step's staleness and prediction variants), also under zero bubble, bf16 and the NMT model; the chunked
+  output loss never recompiles (tests/test_output_cross_entropy.py counts its graphs too).
 - Checkpoints: a compiled run's checkpoint resumes an eager run and that one's a compiled run again, with
   the losses of one uninterrupted eager run.
 - bench/step/overhead.py --quick runs (its compiled variants included).
@@ -43,6 +48,7 @@ import io
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -104,14 +110,20 @@ def op_kind(runner, op) -> str:
                                                                                          type(op).__name__)
 
 
+LOSS = " (loss)"  # the kind of an op on the chunk that computes the loss: its first compiles the output loss's graphs
+
+
 def record_compiles(log: list):
     """After every op any StageRunner of this process runs, and after every synchronous training step:
-    (kind, compile_stats(), what a Step steps: (rank, chunk), or "sync"). Returns the undo."""
+    (kind, compile_stats(), what a Step steps: (rank, chunk), or "sync"); the kind of a forward, backward or
+    evaluation on the last stage ends with LOSS. Returns the undo."""
     original, original_step = StageRunner.run, training_step.train_step
 
     def run(self, op, sync_grads=False):
         original(self, op, sync_grads)
         kind = op_kind(self, op)
+        if kind in ("forward", "backward", "eval") and self.chunks[op.chunk].post_process:
+            kind += LOSS
         log.append((kind, compile_stats(), (self.rank, op.chunk) if kind == "Step" else None))
 
     def train_step(*args, **kwargs):
@@ -127,8 +139,8 @@ def record_compiles(log: list):
 
 def compiled_only_at_first_ops(log: list, start: dict, expect=("forward", "backward"), step_warmup: int = 3) -> None:
     """Graphs were added only by the first op of a kind that traces new graphs (the first training
-    forward, backward, evaluation forward) or by a chunk's first `step_warmup` steps, and those `expect`ed
-    kinds did compile something.
+    forward, backward, evaluation forward; and those of the last stage, whose chunked output loss is two graphs
+    of its own) or by a chunk's first `step_warmup` steps, and those `expect`ed kinds did compile something.
 
     --torch-compile also compiles each optimizer's step (optim/fused_prediction.py): a chunk's first step runs
     eagerly (it creates the state), the second compiles a graph per param group (static shapes; the lr comes in
@@ -145,10 +157,10 @@ def compiled_only_at_first_ops(log: list, start: dict, expect=("forward", "backw
         if stepped is not None:
             steps[stepped] = steps.get(stepped, 0) + 1
         if stats != before:
-            first_op = kind in ("forward", "backward", "eval") and i == first[kind]
+            first_op = kind.removesuffix(LOSS) in ("forward", "backward", "eval") and i == first[kind]
             assert first_op or (stepped is not None and steps[stepped] <= step_warmup), \
                 f"compiled again at op {i} ({kind}): {before} -> {stats}"
-            grew.add(kind)
+            grew.add(kind.removesuffix(LOSS))
         before = stats
     assert set(expect) <= grew, f"expected graphs at the first {expect}, got them at {grew}"
 
@@ -159,6 +171,68 @@ def assert_no_eager_fallback():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     entries = len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))
     assert 0 < entries < torch._dynamo.config.recompile_limit, entries
+
+
+# ---- graph breaks and recompilations ---------------------------------------------------------------------------------
+
+# What may recompile a compiled region, by the function TorchDynamo names, and the guard that failed as its
+# `recompiles` log words it: a layer at its first evaluation (grad mode off: a graph of its own) and, in the NMT
+# model, at its first change of length (a size mismatch; dynamic lengths from then on); the optimizer step
+# (optim/fused_prediction.py) once per variant of its prediction jobs: each distinct staleness s of the
+# schedule (a constant of the graph), and the steps that write PipeOptim's prediction against those that do
+# not (the drain's); under zero bubble `linear` and the `runs_eagerly` wrapper of its eager GEMM, where the
+# layer's graph stops before each GEMM, once per weight shape (QKV, projection, MLP up and down). Nothing else: the chunked output loss's two functions (tensor_parallel/
+# output_cross_entropy.py) never recompile, but for another output layer's weight. Any of them in another dtype
+# or for another model is a graph of its own (this module runs fp32 and bf16, GPT and NMT, in one process, and
+# the graphs stay between its tests).
+ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER = "dtype mismatch", "tensor 'weight' size mismatch"
+EXPECTED_RECOMPILES = {"forward": ("GLOBAL_STATE changed: grad_mode", "size mismatch", ANOTHER_DTYPE),
+                       "group_update": ("jobs", ANOTHER_DTYPE), "linear": ("size mismatch", ANOTHER_DTYPE),
+                       "wrapper": ("size mismatch", ANOTHER_DTYPE),
+                       "_chunk_statistics": (ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER),
+                       "_chunk_logit_grads": (ANOTHER_DTYPE, ANOTHER_OUTPUT_LAYER)}
+
+
+class Recompilations(logging.Handler):
+    """TorchDynamo's recompilations while installed, from its `recompiles` log: (function, [failed guards])."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[str, list[str]]] = []
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo").addHandler(self)
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Recompiling function "):
+            guards = [g.split("#")[0].strip() for g in re.findall(r"^\s*- \d+/\d+: (.*)$", message, re.M)]
+            self.records.append((message.split()[2], guards))
+
+    def close(self):
+        logging.getLogger("torch._dynamo").removeHandler(self)
+        torch._logging.set_logs()
+        super().close()
+
+    def assert_only_expected(self):
+        unexpected = [(fn, guards) for fn, guards in self.records
+                      if not all(any(k in g for k in EXPECTED_RECOMPILES.get(fn, ())) for g in guards)]
+        assert not unexpected, unexpected
+
+
+@pytest.fixture
+def recompilations():
+    handler = Recompilations()
+    yield handler
+    handler.close()
+
+
+@contextlib.contextmanager
+def no_new_graph_breaks():
+    from torch._dynamo.utils import counters
+    before = dict(counters["graph_break"])
+    yield
+    assert dict(counters["graph_break"]) == before, {k: v for k, v in counters["graph_break"].items()
+                                                     if before.get(k) != v}
 
 
 @pytest.fixture
@@ -282,11 +356,15 @@ def async_run(case, compiled, segments=2, segment=SEGMENT, **model):
 
 
 @pytest.mark.parametrize("case", list(ASYNC))
-def test_asynchronous_methods_compiled_equal_eager(case, compile_log):
+def test_asynchronous_methods_compiled_equal_eager(case, compile_log, recompilations):
+    """Also: no graph break in the layers, the step and the output loss (TP = 1, no dropout), and only the
+    expected recompilations (EXPECTED_RECOMPILES)."""
     eager = async_run(case, False)
     start = compile_stats()
     compile_log.clear()
-    compiled = async_run(case, True)
+    with no_new_graph_breaks():
+        compiled = async_run(case, True)
+    recompilations.assert_only_expected()
     assert_close(compiled, eager, case)
     # The graphs may come from an earlier test of this module (one layer shape): then none is traced here.
     compiled_only_at_first_ops(compile_log, start, expect=(), step_warmup=SEGMENT // ASYNC[case][2])
@@ -309,7 +387,7 @@ def test_recomputation_replays_dropout_through_compiled_layers(granularity, comp
     assert_no_eager_fallback()
 
 
-def test_pipeoptim_bf16_compiled_follows_eager(compile_log):
+def test_pipeoptim_bf16_compiled_follows_eager(compile_log, recompilations):
     """bf16 (predictions written into the bf16 model weights in place): no recompilation either; compiled
     kernels keep fp32 inside a fused kernel where eager rounds every op to bf16, so the runs agree to bf16's
     resolution (measured: losses 7e-4, weights 4e-3)."""
@@ -328,6 +406,7 @@ def test_pipeoptim_bf16_compiled_follows_eager(compile_log):
     assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 5e-3
     assert_close(weights, eager_weights, "bf16 weights", rtol=0, atol=2e-2)
     compiled_only_at_first_ops(compile_log, start, expect=("forward", "backward"), step_warmup=8)
+    recompilations.assert_only_expected()
 
 
 # ---- zero bubble: the split backward -----------------------------------------------------------------------------
@@ -364,7 +443,7 @@ def zero_bubble_run(compiled, iterations=2, D=2, M=4):
     return out, sum(deferred)
 
 
-def test_zero_bubble_split_backward_through_compiled_layers(compile_log):
+def test_zero_bubble_split_backward_through_compiled_layers(compile_log, recompilations):
     eager, eager_deferred = zero_bubble_run(False)
     start = compile_stats()
     compile_log.clear()
@@ -374,6 +453,7 @@ def test_zero_bubble_split_backward_through_compiled_layers(compile_log):
     # the 4 layers and the output layer.
     assert compiled_deferred == eager_deferred == 2 * 4 * (4 * 4 + 1)
     compiled_only_at_first_ops(compile_log, start, expect=("forward", "backward"))
+    recompilations.assert_only_expected()
 
 
 # ---- NMT: encoder and decoder layers over changing lengths ----------------------------------------------------------
@@ -402,10 +482,12 @@ def nmt_run(compiled):
     return losses, [p.grad for p in model.parameters()], out, stats
 
 
-def test_nmt_layers_compile_for_the_first_two_lengths_then_never(monkeypatch):
+def test_nmt_layers_compile_for_the_first_two_lengths_then_never(monkeypatch, recompilations):
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     eager_losses, eager_grads, eager_out, _ = nmt_run(False)
-    losses, grads, out, stats = nmt_run(True)
+    with no_new_graph_breaks():
+        losses, grads, out, stats = nmt_run(True)
+    recompilations.assert_only_expected()
     assert_close(losses, eager_losses, "nmt losses")
     assert_close(grads, eager_grads, "nmt gradients")
     assert out == eager_out  # decoding runs eagerly

@@ -196,11 +196,15 @@ def test_asynchronous_methods_bitwise(method, granularity):
     assert_same(grads, ref_grads, "gradients")
     assert_same(weights, ref_weights, "weights")
     # Weights kept for recomputation: only where the backward runs on other weights than the forward,
-    # and never on the last stage (s = 0) unless PipeOptim predicts ahead anyway (s_offset 1).
+    # and never on the last stage (s = 0) unless PipeOptim predicts ahead anyway (s_offset 1). There the
+    # chunked output loss (--chunked-output-loss) keeps the output layer's forward weights in the run without
+    # recomputation too, which the count (whole copies of the chunk, rounded up) already counts as one more.
     keeps = granularity == "full-uniform" and method not in ("pipedream", "pipedream-2bw")
     for (r, c), n in copies.items():
-        last_stage_keeps = method == "pipeoptim-s_offset1"
-        expect_more = keeps and (r < 2 or last_stage_keeps)
+        if r == 2 and method == "pipeoptim-s_offset1":
+            assert n == ref_copies[(r, c)] == 3, (r, c, n, ref_copies[(r, c)])  # live, prediction, kept
+            continue
+        expect_more = keeps and r < 2
         assert (n > ref_copies[(r, c)]) == expect_more, (r, c, n, ref_copies[(r, c)])
 
 

@@ -20,6 +20,7 @@ PROJECT_ONLY = {
     "--encoder-num-layers", "--decoder-num-layers", "--decoder-seq-length", "--src-lang", "--tgt-lang",
     "--tgt-tokenizer-model", "--untie-encoder-decoder-embeddings", "--max-tokens", "--label-smoothing",
     "--eval-bleu-sentences", "--no-add-bias-linear", "--no-verify-checkpoint", "--torch-compile",
+    "--no-chunked-output-loss",
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",

@@ -48,6 +48,8 @@ def compile_layers(chunks: list, split_backward: bool = False) -> list:
                         module.gemm_in_compiled_graph = False
             layer.compile(backend=BACKEND)
             _compiled_layers += 1
+        if getattr(chunk, "output_layer", None) is not None:  # the chunked output loss's per-chunk math
+            chunk.output_loss_backend = BACKEND
     return chunks
 
 

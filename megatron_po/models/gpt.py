@@ -25,6 +25,7 @@ from megatron_po.models.transformer import (RotaryEmbedding, TransformerLayer, b
                                              rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                          scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from megatron_po.tensor_parallel.output_cross_entropy import output_layer_cross_entropy
 
 
 @contextlib.contextmanager
@@ -116,6 +117,7 @@ class GPTModel(nn.Module):
         self.layers_context = layers_context(cfg)  # FP8 autocast with Transformer Engine + --fp8-format
 
         self.final_norm = self.output_layer = None
+        self.output_loss_backend = None  # torch.compile's backend of the chunked output loss (compiled_layers.py)
         if post_process:
             self.final_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
             with _seeded(seed, -2):
@@ -166,10 +168,20 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
-        logits, _ = self.output_layer(x)  # [s, b, V/tp]; gathers the sequence under sequence parallel
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).t()  # [b, s]
+            return self.output_layer(x)[0]  # [s, b, V/tp]; gathers the sequence under sequence parallel
+        return self.output_loss(x, labels)
+
+    def output_loss(self, x: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+        """Per-token losses [b, s] of the final-normed states `x` [s, b, h] against `labels` [b, s]: chunked
+        (--chunked-output-loss, tensor_parallel/output_cross_entropy.py), else the logits, then the
+        vocab-parallel cross entropy."""
+        target = labels.t().contiguous()
+        if self.cfg.chunked_output_loss:
+            return output_layer_cross_entropy(self.output_layer, x, target, label_smoothing,
+                                              self.output_loss_backend).t()
+        logits, _ = self.output_layer(x)
+        return vocab_parallel_cross_entropy(logits.float(), target, label_smoothing).t()
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

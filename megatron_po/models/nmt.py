@@ -46,8 +46,7 @@ from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
                                              init_normal, sdpa_inputs)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                         gather_from_tensor_model_parallel_region, on_model_parallel_rng,
-                                         vocab_parallel_cross_entropy)
+                                         gather_from_tensor_model_parallel_region, on_model_parallel_rng)
 
 SOURCE_EMBEDDING_PART = -3  # `_seeded` part number of the source embedding (-1, -2: GPT's embedding, head)
 
@@ -216,11 +215,9 @@ class NMTModel(GPTModel):
                                     self._rotary(dec.shape[0], dec.device))
         if not self.post_process:
             return enc, dec
-        logits, _ = self.output_layer(self.final_norm(dec))  # [s_tgt, b, V/tp]
         if "labels" not in batch:
-            return logits
-        return vocab_parallel_cross_entropy(logits.float(), batch["labels"].t().contiguous(),
-                                            self.label_smoothing).t()
+            return self.output_layer(self.final_norm(dec))[0]  # [s_tgt, b, V/tp]
+        return self.output_loss(self.final_norm(dec), batch["labels"], self.label_smoothing)
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")  # --torch-compile: every step has a new length, so decode eagerly

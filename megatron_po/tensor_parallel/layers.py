@@ -234,17 +234,20 @@ class ColumnParallelLinear(nn.Module):
             if self.weight is None:
                 raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
             weight = self.weight
-        if self.sequence_parallel:
-            # [s/tp, b, h] -> [s, b, h]; backward reduce-scatters the partial input grads.
-            input_parallel = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
-        else:
-            # Replicated input; backward all-reduces the partial input grads.
-            input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = linear(input_parallel, weight, bias, self.gemm_in_compiled_graph)
+        output_parallel = linear(self.parallel_input(input_), weight, bias, self.gemm_in_compiled_graph)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         output_bias = self.bias if self.skip_bias_add else None
         return output, output_bias
+
+    def parallel_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The input every TP rank multiplies by its weight slice (also the chunked output loss's,
+        output_cross_entropy.py)."""
+        if self.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]; backward reduce-scatters the partial input grads.
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        # Replicated input; backward all-reduces the partial input grads.
+        return copy_to_tensor_model_parallel_region(input_)
 
     def extra_repr(self):
         return (f"input_size={self.input_size}, output_size={self.output_size} "

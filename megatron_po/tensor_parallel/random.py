@@ -167,6 +167,13 @@ def recompute_weights(provider):
         _recompute_weights = previous
 
 
+def weights_kept_for_recompute(params: list[torch.Tensor]):
+    """For a computation outside `checkpoint` that recomputes from `params` in its backward (the chunked output
+    loss, output_cross_entropy.py), called in its forward: what `checkpoint` asks the installed provider, None
+    or the factory of the context that puts the forward's weights in `params` for the recomputation."""
+    return None if _recompute_weights is None else _recompute_weights(params)
+
+
 # Its context_fn (the replays below) is not one torch.compile traces: a compiled layer (--torch-compile) runs a
 # recomputed region eagerly, in the forward and in the recomputation alike (layers called inside it still run
 # compiled: --recompute-granularity full checkpoints whole compiled layers).

@@ -84,8 +84,8 @@ def study_settings(quick: bool = False) -> cv.Settings:
     2-core machine), validation every 32 micro-batches on 16 x 8 fixed sequences."""
     s = tr.study_settings(False, depths=[D], seeds=3, steps=512, warmup=16, eval_interval=32, eval_batches=16, tail=32)
     if quick:
-        s = dataclasses.replace(cv.quick_settings(s), depths=[D], steps=64, warmup=2, eval_interval=16,
-                                eval_batches=16, tail=16, seeds=2, timing_rounds=1)
+        s = dataclasses.replace(cv.quick_settings(s), depths=[D], steps=32, warmup=1, eval_interval=16,
+                                eval_batches=8, tail=8, seeds=2, timing_rounds=1)
     return s
 
 
@@ -98,38 +98,13 @@ def opt_settings(s: cv.Settings, opt: str) -> cv.Settings:
 # --------------------------------------------------------------------------------------------------
 
 
-def error_feedback_step_ratio(cm: dict) -> float:
-    """Error feedback's work per step, as a multiple of the stage's forward. DERIVED (no GPU figure): it
-    makes about 9 passes over fp32 weight-sized tensors per step (copy W; u = W_before - W; W -= s(u - u_prev);
-    u_prev = u), AdamW's fused step 7 (read p, g, m, v; write p, m, v); both bandwidth-bound, so 9/7 of the
-    model's AdamW step."""
-    return 9 / 7 * cm["ratios"]["step"]["adamw"]
-
-
 def method_costs(cm: dict, opt: str, name: str) -> cmm.StageCosts:
-    """Per-op costs of a method (the synchronous schedules: async-naive's, no policy work) at D stages."""
-    base_opt = OPTIMIZERS[opt][0]
-    if opt == "muon-ns3":  # the step of 3 NS steps: measured Muon step scaled (derived_muon_ns3 below)
+    """Per-op costs of a method (the synchronous schedules: async-naive's, no policy work) at D stages;
+    error feedback's and 2BW's work derived where the model has no figure (cost_model.method_costs)."""
+    if opt == "muon-ns3":  # the step of 3 NS steps: derived from the measured Muon step
         cm = dict(cm, ratios=dict(cm["ratios"], step=dict(cm["ratios"]["step"], muon=muon_ns3_step_ratio(cm))))
-    method = {"sync": "async-naive", "po-ef": "pipeoptim"}.get(name, name)
-    if method not in cm["ratios"].get("policy", {}) and method == "pipedream-2bw":
-        method = "async-naive"  # priced below (derived)
-    c = cmm.stage_costs(cm, D, base_opt, method)
-    extra = {"po-ef": error_feedback_step_ratio(cm),
-             "pipedream-2bw": version_copy_step_ratio(cm) if name not in cm["ratios"].get("policy", {}) else 0.0}
-    if extra.get(name):
-        f = cmm.stage_costs(cm, D, base_opt).forward
-        c = dataclasses.replace(c, step=tuple(st + extra[name] * fw for st, fw in zip(c.step, f)))
-    return c
-
-
-def version_copy_step_ratio(cm: dict) -> float:
-    """PipeDream-2BW's work per step where the model has no figure: one copy of the weights (the older
-    version), 2 passes over weight-sized tensors against AdamW's 7. DERIVED: 2/7 of the AdamW step."""
-    return 2 / 7 * cm["ratios"]["step"]["adamw"]
-
-
-NS_SHARE = 0.8  # share of the measured Muon step that is Newton-Schulz (derived: see muon_ns3_step_ratio)
+    method = {"sync": "1f1b", "po-ef": "pipeoptim"}.get(name, name)
+    return cmm.method_costs(cm, D, OPTIMIZERS[opt][0], method, error_feedback=name == "po-ef")[0]
 
 
 def muon_ns3_step_ratio(cm: dict) -> float:
@@ -276,7 +251,7 @@ def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: lis
 
 
 def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
-              deadline: float | None = None) -> dict:
+              deadline: float | None = None, max_growth: int = MAX_GROWTH) -> dict:
     """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
     while any unit's best lr sits at that edge (at most MAX_GROWTH times); then seeds 2..n at each unit's
     best lr. Returns {"units", "grid", "sweep", "best", "runs", "horizons", "not_run"}."""
@@ -298,11 +273,11 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
         more = False
         for o in grid:
             mine = [u for u in units if u.opt == o and (u, best[u], 1) in results]
-            if any(best[u] == grid[o][0] for u in mine) and grown[o]["low"] < MAX_GROWTH:
+            if any(best[u] == grid[o][0] for u in mine) and grown[o]["low"] < max_growth:
                 grid[o].insert(0, grid[o][0] / 2)
                 grown[o]["low"] += 1
                 more = True
-            if any(best[u] == grid[o][-1] for u in mine) and grown[o]["high"] < MAX_GROWTH:
+            if any(best[u] == grid[o][-1] for u in mine) and grown[o]["high"] < max_growth:
                 grid[o].append(grid[o][-1] * 2)
                 grown[o]["high"] += 1
                 more = True
@@ -387,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
     p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
                    help="the clock that sets every unit's budget (default: the measured H200 model)")
-    p.add_argument("--quick", action="store_true", help="tiny model and horizon, AdamW, 2 lr, 2 seeds")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
+                   "at k = M, one lr (no growth), 2 seeds")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
     p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/.cache/runs")
     p.add_argument("--deadline", default=None, metavar="HH:MM", help="start no run after this UTC time")
@@ -407,6 +383,66 @@ def _deadline(text: str | None) -> float | None:
     return at.timestamp() if at > now else (at + datetime.timedelta(days=1)).timestamp()
 
 
+@dataclasses.dataclass
+class Plan:
+    """What a command runs: settings, clock, units, lr grids and the run's options."""
+    s: cv.Settings
+    cm: dict
+    cost_model_path: str
+    units: list
+    grid: dict
+    max_growth: int
+    deadline: float | None
+    command: str
+    name: str
+
+
+def plan_from_args(given: list[str]) -> Plan:
+    a = build_parser().parse_args(given)
+    s = study_settings(a.quick)
+    for name in ("seeds", "steps"):
+        if getattr(a, name) is not None:
+            setattr(s, name, getattr(a, name))
+    s.jobs, s.resume = a.jobs, a.resume
+    s.out = os.path.abspath(a.out or (OUT + "_quick" if a.quick else OUT))
+    grid = {o: list(v) for o, v in LR_GRID.items()}
+    if a.quick:
+        grid = {o: v[1:2] for o, v in grid.items()}
+    for item in a.lr_grid or []:
+        o, _, v = item.partition("=")
+        try:
+            grid[o] = [float(x) for x in v.split(",")] if o in grid else None
+        except ValueError:
+            grid[o] = None
+        if grid[o] is None:
+            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
+    defaults = build_parser().parse_args([])
+    optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
+    methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
+    ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
+    if any(x != "M" and not x.isdigit() for x in ks):
+        raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
+    bad = [M for M in a.microbatches if M < 1 or s.steps % M or s.eval_interval % M or s.eval_batches % M]
+    if bad:
+        raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
+                         f"{s.eval_interval} and the validation batches {s.eval_batches}")
+    path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
+    command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(x) for x in given)
+    return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
+                plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
+                {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name)
+
+
+def run(plan: Plan, log=print) -> list[str]:
+    """The runs, the JSON, then the report from it: [json, md, png, verdicts]."""
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    study = run_study(plan.s, plan.cm, plan.units, plan.grid, log, plan.deadline, plan.max_growth)
+    path = dump_json(os.path.join(plan.s.out, plan.name + ".json"), plan.s, study, plan.cost_model_path,
+                     plan.command, provenance_now(load0, time.perf_counter() - t0))
+    import deep_pipelines_report as report  # (after the runs: the report is rebuilt from the JSON)
+    return [path, *report.regenerate(path)]
+
+
 def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     a = build_parser().parse_args(given)
@@ -415,34 +451,7 @@ def main(argv=None) -> int:
             import deep_pipelines_report as report
             paths = report.regenerate(a.from_json)
         else:
-            s = study_settings(a.quick)
-            for name in ("seeds", "steps"):
-                if getattr(a, name) is not None:
-                    setattr(s, name, getattr(a, name))
-            s.jobs, s.resume = a.jobs, a.resume
-            s.out = os.path.abspath(a.out or (OUT + "_quick" if a.quick else OUT))
-            grid = {o: list(v) for o, v in LR_GRID.items()}
-            if a.quick:
-                grid = {o: v[1:3] for o, v in grid.items()}
-            for item in a.lr_grid or []:
-                o, _, v = item.partition("=")
-                if o not in grid:
-                    raise SystemExit(f"error: --lr-grid {item!r}: OPT must be one of {', '.join(grid)}")
-                grid[o] = [float(x) for x in v.split(",")]
-            optimizers = ["adamw"] if a.quick and a.optimizers == ["adamw", "muon"] else a.optimizers
-            bad = [M for M in a.microbatches if M < 1 or s.steps % M or s.eval_interval % M or s.eval_batches % M]
-            if bad:
-                raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
-                                 f"{s.eval_interval} and the validation batches {s.eval_batches}")
-            cm = cmm.load_cost_model(a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model))
-            units = plan_units(optimizers, a.microbatches, a.methods, a.ks, a.k1_methods)
-            load0, t0 = os.getloadavg(), time.perf_counter()
-            study = run_study(s, cm, units, {o: grid[o] for o in optimizers}, deadline=_deadline(a.deadline))
-            command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(x) for x in given)
-            path = dump_json(os.path.join(s.out, a.name + ".json"), s, study, a.cost_model, command,
-                             provenance_now(load0, time.perf_counter() - t0))
-            import deep_pipelines_report as report  # (after the runs: the report is rebuilt from the JSON)
-            paths = [path, *report.regenerate(path)]
+            paths = run(plan_from_args(given))
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"> wrote {', '.join(os.path.relpath(p) for p in paths)}")

@@ -312,3 +312,45 @@ def weight_copies(method: str, D: int, k: int = 1, error_feedback: bool = False)
     else:
         raise ConfigError(f"unknown method {method!r}")
     return n + (1 if error_feedback else 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Work a model has no figure for: derived from its AdamW step (stated wherever it is used)
+# --------------------------------------------------------------------------------------------------
+
+# Passes over weight-sized fp32 tensors per step against the fused AdamW step's 7 (read p, g, m, v; write
+# p, m, v), all bandwidth-bound: error feedback ~9 (copy W; u = W_before - W; W -= s(u - u_prev); u_prev = u),
+# PipeDream-2BW's version copy 2 (read and write the weights).
+DERIVED_STEP_PASSES = {"error_feedback": 9, "pipedream-2bw": 2}
+ADAMW_PASSES = 7
+
+
+def derived_step_ratio(cm: dict, what: str) -> float:
+    """Extra work per step of `what` ("error_feedback", "pipedream-2bw") as a multiple of the forward:
+    DERIVED, passes / 7 of the model's AdamW step."""
+    if "adamw" not in cm["ratios"]["step"]:
+        _fail(cm["name"], f"has no AdamW step to derive {what}'s work from")
+    return DERIVED_STEP_PASSES[what] / ADAMW_PASSES * cm["ratios"]["step"]["adamw"]
+
+
+def method_costs(cm: dict, D: int, optimizer: str, method: str, error_feedback: bool = False
+                 ) -> tuple[StageCosts, list[str]]:
+    """A method's per-op costs (synchronous schedules: no policy work) and notes on every derived part:
+    PipeDream-2BW's version copy where the model has no 2BW figure, error feedback's passes."""
+    notes = []
+    policy = cm["ratios"].get("policy", {})
+    base = "async-naive" if is_synchronous(method) else method
+    derived = {}
+    if base == "pipedream-2bw" and base not in policy:
+        base, derived["pipedream-2bw"] = "async-naive", derived_step_ratio(cm, "pipedream-2bw")
+        notes.append("2BW's version copy derived (2/7 of the AdamW step per update)")
+    if error_feedback:
+        derived["error_feedback"] = derived_step_ratio(cm, "error_feedback")
+        notes.append("error feedback derived (9/7 of the AdamW step per update)")
+    c = stage_costs(cm, D, optimizer, base)
+    if derived:
+        f = stage_costs(cm, D, optimizer).forward
+        extra = sum(derived.values())
+        c = StageCosts(c.forward, c.backward_input, c.backward_weight,
+                       tuple(s + extra * x for s, x in zip(c.step, f)), c.p2p)
+    return c, notes

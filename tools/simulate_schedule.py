@@ -42,7 +42,7 @@ from megatron_po.pipeline.simulator import plot_timeline, simulate
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VERDICTS = os.path.join("bench", "results", "time_to_quality", "deep_pipelines_verdicts.json")
+VERDICTS = os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="price every method at D = --num-stages, M = --num-microbatches with this per-op cost model "
                         "(e.g. bench/results/gpu_nvidia_h200_a_cost_model.json, measured) and print the table")
     p.add_argument("--optimizer", default="adamw", help="with --cost-model: whose step to price (default adamw)")
+    p.add_argument("--map", nargs=2, default=None, metavar=("DS", "MS"),
+                   help="with --cost-model: the (D, M) map instead of one table, e.g. --map 4,8,16 2,4,8,16,32: "
+                        "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
     p.add_argument("--verdicts", default=VERDICTS, metavar="PATH",
                    help="with --cost-model: the study's verdicts (default: %(default)s, when it exists)")
     return p.parse_args(argv)
@@ -118,17 +121,56 @@ ASYNC_ROWS = [("async-naive", False, "async-naive"), ("pipedream", False, "PipeD
 
 
 def _verdicts(path: str | None, cm: dict, D: int, M: int, optimizer: str) -> dict:
-    """{row label: verdict} of the study's verdicts file for this (cost model, D, M, optimizer), if any."""
+    """The study's verdict entry for this (cost model, D, M, optimizer) from the verdicts file(s) `path`
+    names (a glob), if any: {"rows": {row label: verdict}, "summary": ..., "source": ...}."""
+    import glob
     if not path:
         return {}
-    full = path if os.path.isabs(path) else os.path.join(REPO, path)
-    if not os.path.isfile(full):
-        return {}
-    with open(full) as f:
-        data = json.load(f)
     key = f"D={D},M={M},{optimizer}"
-    entry = data.get("verdicts", {}).get(key, {})
-    return entry if entry.get("cost_model") in (None, cm["name"]) else {}
+    for full in sorted(glob.glob(path if os.path.isabs(path) else os.path.join(REPO, path))):
+        with open(full) as f:
+            entry = json.load(f).get("verdicts", {}).get(key)
+        if entry and entry.get("cost_model") in (None, cm["name"]):
+            return entry
+    return {}
+
+
+def throughput_map(args) -> str:
+    """Per (D, M): the fastest synchronous schedule's ms per micro-batch and the fastest asynchronous stream's
+    speed against it (the bound on any asynchronous win: equal sample efficiency at best)."""
+    cm = cmm.load_cost_model(args.cost_model)
+    try:
+        ds, ms = ([int(x) for x in v.split(",")] for v in args.map)
+    except ValueError:
+        raise ConfigError(f"--map takes two comma-separated lists of integers, got {' '.join(args.map)}") from None
+    opt = args.optimizer
+    lines = [f"optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}); per cell: best synchronous "
+             "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it",
+             "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
+    for D in ds:
+        cells = []
+        for M in ms:
+            base, _ = cmm.method_costs(cm, D, opt, "1f1b")
+            sync = {}
+            for name, label in SYNC_ROWS:
+                try:
+                    sync[label] = cmm.sync_iteration(name, D, M, base).makespan / M
+                except (ConfigError, ValueError):
+                    continue
+            best = min(sync, key=sync.get)
+            fast = {}
+            for method, ef, label in ASYNC_ROWS:
+                if (method == "pipedream-2bw" and M < D) or method == "pipedream":
+                    continue
+                try:
+                    c, _ = cmm.method_costs(cm, D, opt, method, error_feedback=ef)
+                except ConfigError:
+                    continue
+                fast[label] = cmm.async_per_microbatch(D, M, c).seconds_per_microbatch
+            quick = min(fast, key=fast.get)
+            cells.append(f"{best} {1e3 * sync[best]:.1f} ms; {quick} k={M}: {sync[best] / fast[quick]:.2f}x")
+        lines.append(f"| {D} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def methods_table(args) -> str:
@@ -189,7 +231,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if args.cost_model:
-            print(methods_table(args))
+            print(throughput_map(args) if args.map else methods_table(args))
             return 0
         if args.pipeline_method == "all":
             print(table_of_all(args))

@@ -397,6 +397,14 @@ class Plan:
     name: str
 
 
+def shown_path(arg: str) -> str:
+    """A command-line argument as a results file records it: no machine path (relative inside the checkout,
+    a placeholder outside it)."""
+    if not os.path.isabs(arg):
+        return arg
+    return os.path.relpath(arg, cv.REPO) if arg.startswith(cv.REPO + os.sep) else "<a path outside the checkout>"
+
+
 def plan_from_args(given: list[str]) -> Plan:
     a = build_parser().parse_args(given)
     s = study_settings(a.quick)
@@ -427,7 +435,7 @@ def plan_from_args(given: list[str]) -> Plan:
         raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
                          f"{s.eval_interval} and the validation batches {s.eval_batches}")
     path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
-    command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(x) for x in given)
+    command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
     return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
                 plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
                 {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name)

@@ -291,7 +291,8 @@ def async_per_microbatch(D: int, k: int, c: StageCosts, v: int = 1) -> SteadySta
     per_mb = (long_.makespan - short.makespan) / n
     busy = (sum(long_.busy.values()) - sum(short.busy.values())) / n
     s = max(max(per.values(), default=0) for per in staleness(long_.schedule).values())
-    return SteadyState(per_mb, 1.0 - busy / (D * per_mb) if per_mb > 0 else 0.0,
+    bubble = 1.0 - busy / (D * per_mb) if per_mb > 0 else 0.0
+    return SteadyState(per_mb, 0.0 if abs(bubble) < 1e-9 else bubble,
                        max(long_.peak_activations.values()), s)
 
 

@@ -211,6 +211,30 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str) -> str
     return path
 
 
+def not_run_by_design(study: dict, cm: dict) -> str:
+    """The issue's full plan (AdamW, Muon, the cheaper Muon; M = 2, 4, 8; every method at k = 1, 2, M) less the
+    units this study ran, each with its bound on the measured clock: a unit whose bound is under the bar
+    cannot meet (b) whatever its quality."""
+    ran = set(study["units"])
+    full = dp.plan_units(list(dp.OPTIMIZERS), [2, 4, 8], ["sync", *dp.ASYNC], ["1", "2", "M"])
+    missing = [u for u in full if u not in ran]
+    if not missing:
+        return "Every unit of the issue's plan ran.\n"
+    lines = [f"{len(missing)} units of the issue's plan were not run here (compute: 2 shared CPU cores at a load "
+             "average of 9-15). Their throughput bound on the measured clock (best synchronous schedule's seconds "
+             f"per micro-batch / theirs; under {BAR}x they cannot meet (b) whatever their quality):\n"]
+    by = {}
+    for u in missing:
+        if u.name == "sync":
+            by.setdefault((u.opt, u.M), []).append(f"sync (M={u.M})")
+            continue
+        b = dp.best_sync(cm, u.opt, u.M)[1] / dp.seconds_per_microbatch(cm, u.opt, u.name, u.M, u.k)
+        by.setdefault((u.opt, u.M), []).append(f"{u.label} {b:.2f}x")
+    for (o, M), items in by.items():
+        lines.append(f"- {dp.OPT_LABELS[o]}, M = {M}: " + "; ".join(items))
+    return "\n".join(lines) + "\n"
+
+
 def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | None) -> str:
     s = data["settings"]
     p = data["provenance"]
@@ -327,6 +351,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     if png:
         L.append(f"![validation loss against the measured clock and against samples]({png})\n")
     L.append("## What did not run\n")
+    L.append(not_run_by_design(study, cms["measured"]))
     if data["not_run"]:
         L.append(f"{len(data['not_run'])} planned runs did not run before the deadline (optimizer, method, M, k, lr, "
                  "seed): " + "; ".join(", ".join(str(x) for x in j) for j in data["not_run"]) + ".\n")

@@ -161,8 +161,8 @@ def write_plot(blocks: list[dict], path: str) -> str | None:
         ax_n.axvline(b["H"], color="black", lw=0.6)
         ax_t.set_xlabel("seconds on the measured H200 clock (gpu_nvidia_h200_full, eager steps)")
         ax_n.set_xlabel("micro-batches of B samples")
-        ax_t.set_title(f"D=8 M={b['M']} {dp.OPT_LABELS[b['opt']]}: equal wall-clock budget (vertical line)")
-        ax_n.set_title("the same curves against samples (async runs: their own longer or shorter cosine)")
+        ax_t.set_title(f"D=8 M={b['M']} {dp.OPT_LABELS[b['opt']]}: equal budget (line)", fontsize=10)
+        ax_n.set_title("the same curves against samples (each on its own cosine)", fontsize=10)
         ax_t.legend(fontsize=7)
         lo = min(min(y for _, y in b["sync_curve"]), *(min(y for _, y in r["curve"]) for r in b["rows"] if r["curve"]))
         for ax in (ax_t, ax_n):
@@ -267,7 +267,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         f"every {s['eval_interval']} micro-batches on a fixed {s['eval_batches']} x {s['micro_batch']} sequences; "
         f"unigram loss {data['unigram']:.3f}.\n"
         f"- Horizon H = {s['steps']} micro-batches of B for the synchronous run"
-        f"{' (half the previous study, to fit the shared 2-core machine)' if s['steps'] == 512 else ''}. The synchronous schedules run the same updates (the mean gradient of M "
+        f"{' (the first study ran 1,024: shortened to fit the shared 2-core machine)' if s['steps'] < 1024 else ''}. The synchronous schedules run the same updates (the mean gradient of M "
         "micro-batches, one step), so they share one unpipelined run per (M, optimizer) and differ only on the clock.\n"
         "- **Equal wall-clock budget**: budget = H x S's seconds per micro-batch on the measured clock; each "
         "asynchronous unit trains for floor(budget / its seconds per micro-batch) micro-batches, rounded down to "

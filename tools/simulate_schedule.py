@@ -42,6 +42,7 @@ from megatron_po.pipeline.simulator import plot_timeline, simulate
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BAR = 1.25  # issue 36's target: the same loss this much sooner
 VERDICTS = os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")
 
 
@@ -213,6 +214,11 @@ def methods_table(args) -> str:
             continue
         key = label if k == "-" else f"{label}, k={k}"
         verdict = verdicts.get("rows", {}).get(key)
+        if verdict is None and k != "-" and best_sync / per < BAR:
+            # k = M: the same samples per update as the flush, plus staleness: its throughput bounds its win.
+            # k < M updates more often per sample: it would need BAR / ratio x the flush's sample efficiency.
+            verdict = (f"throughput {best_sync / per:.2f}x < {BAR}x: no {BAR}x win at equal sample efficiency" if k == M
+                       else f"needs {BAR * per / best_sync:.2f}x the sample efficiency of the best sync for a {BAR}x win")
         lines.append(f"{label:<27} {k!s:>2} {1e3 * it:>12.2f} {1e3 * per:>14.3f} {best_sync / per:>11.3f}x "
                      f"{bubble:>7.3f} {copies:>7} {act:>5g}  {note}{'; ' if note and verdict else ''}{verdict or ''}")
     lines.append("ms/iteration: M micro-batches (synchronous: one flush + every rank's step; asynchronous: the "

@@ -57,7 +57,8 @@ def test_report_helpers(dp):
 def test_quick_study_end_to_end(dp, tmp_path):
     corpus = tmp_path / "corpus.jsonl.gz"
     write_corpus(corpus)
-    plan = dp.plan_from_args(["--quick", "--out", str(tmp_path / "out"), "--lr-grid", "adamw=2e-3,4e-3"])
+    plan = dp.plan_from_args(["--quick", "--out", str(tmp_path / "out"), "--lr-grid", "adamw=2e-3,4e-3",
+                              "--equal-samples"])
     plan.s = dataclasses.replace(plan.s, corpus=str(corpus), hidden_size=16, num_attention_heads=2, seq_length=16,
                                  micro_batch=2, vocab_size=120, split="90,10,0", out=str(tmp_path / "out"))
     plan.max_growth = 1
@@ -76,9 +77,13 @@ def test_quick_study_end_to_end(dp, tmp_path):
         assert [r["seed"] for r in u["runs"]] == [1, 2] and all(r["micro_batches"] == u["horizon"] for r in u["runs"])
         assert u["runs"][0]["curve"][-1][0] == u["horizon"]
     assert units[("pipeoptim", 4)]["horizon"] > units[("sync", 4)]["horizon"]  # more samples in the same time
+    # the equal-samples view as runs of their own: H micro-batches at the unit's best lr, every seed
+    same = units[("pipeoptim", 4)]["equal_samples_runs"]
+    assert [r["seed"] for r in same] == [1, 2] and {r["lr"] for r in same} == {units[("pipeoptim", 4)]["best_lr"]}
+    assert all(r["micro_batches"] == units[("sync", 4)]["horizon"] == r["curve"][-1][0] for r in same)
     text = open(md).read()
     assert text.index("## The verdict rule") < text.index("## D = 8, M = 4")
-    assert "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
+    assert "run of H:" in text and "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
     assert open(png, "rb").read(4) == b"\x89PNG"
     v = json.load(open(verdicts))["verdicts"]["D=8,M=4,adamw"]
     assert set(v["rows"]) == {"PipeOptim, k=4"}

@@ -251,7 +251,7 @@ def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: lis
 
 
 def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
-              deadline: float | None = None, max_growth: int = MAX_GROWTH) -> dict:
+              deadline: float | None = None, max_growth: int = MAX_GROWTH, equal_samples: bool = False) -> dict:
     """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
     while any unit's best lr sits at that edge (at most MAX_GROWTH times); then seeds 2..n at each unit's
     best lr. Returns {"units", "grid", "sweep", "best", "runs", "horizons", "not_run"}."""
@@ -294,9 +294,25 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
     planned = {(u, lr, 1) for u in units for lr in grid[u.opt]} | {(u, best[u], sd) for u in units
                                                                     for sd in range(2, s.seeds + 1)}
     not_run = sorted((u.opt, u.name, u.M, u.k, lr, sd) for (u, lr, sd) in planned - set(results))
+    # The equal-samples view as runs of their own: each asynchronous unit at its best lr stopped at H, its
+    # cosine over H (not read off the longer run, whose lr is still high at H).
+    same: dict = {}
+    if equal_samples:
+        jobs = [(u, best[u], sd, s.steps) for u in units if u.name != "sync" and steps[u] != s.steps
+                for sd in range(1, s.seeds + 1)]
+        log(f"> {len(jobs)} equal-samples runs (H = {s.steps} micro-batches, the best lr)")
+        for r in run_jobs(s, jobs, log, deadline):
+            same.setdefault(Unit(**r["unit"]), []).append(r)
+        not_run += sorted((u.opt, u.name, u.M, u.k, lr, sd, f"equal samples {n}") for u, lr, sd, n in jobs
+                          if sd not in {r["seed"] for r in same.get(u, [])})
     return {"units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
             "horizons": steps, "not_run": not_run, "unigram": wl.unigram_baseline(),
-            "train_seconds": sum(r["seconds"] for r in results.values())}
+            "equal_samples": {u: sorted(rs, key=lambda r: r["seed"]) for u, rs in same.items()},
+            "train_seconds": sum(r["seconds"] for r in results.values()) +
+            sum(r["seconds"] for rs in same.values() for r in rs)}
+
+
+RUN_KEYS = ("seed", "lr", "curve", "seconds", "micro_batches", "copies", "steps_taken", "update_interval")
 
 
 def dump_json(path: str, s: cv.Settings, study: dict, cm_path: str, command: str, provenance: dict) -> str:
@@ -305,8 +321,8 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm_path: str, command: str
     for u in study["units"]:
         units.append({**dataclasses.asdict(u), "label": u.label, "horizon": study["horizons"][u],
                       "sweep": {str(lr): v for lr, v in study["sweep"][u].items()}, "best_lr": study["best"][u],
-                      "runs": [{k: r[k] for k in ("seed", "lr", "curve", "seconds", "micro_batches", "copies",
-                                                  "steps_taken", "update_interval")} for r in study["runs"][u]]})
+                      "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]],
+                      "equal_samples_runs": [{k: r[k] for k in RUN_KEYS} for r in study.get("equal_samples", {}).get(u, [])]})
     data = {"command": command, "settings": tr.settings_record(s), "cost_model": cm_path,
             "grid": study["grid"], "grown": study["grown"], "units": units, "not_run": study["not_run"],
             "unigram": study["unigram"], "train_seconds": study["train_seconds"], "provenance": provenance}
@@ -318,14 +334,16 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm_path: str, command: str
 
 
 def study_from_json(data: dict) -> dict:
-    units, sweep, best, runs, horizons = [], {}, {}, {}, {}
+    units, sweep, best, runs, horizons, same = [], {}, {}, {}, {}, {}
     for e in data["units"]:
         u = Unit(e["opt"], e["name"], e["M"], e["k"])
         units.append(u)
         sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
         best[u], horizons[u] = e["best_lr"], e["horizon"]
         runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
-    return {"units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep, "best": best, "runs": runs,
+        if e.get("equal_samples_runs"):
+            same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
+    return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep, "best": best, "runs": runs,
             "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"]}
 
@@ -362,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
     p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
                    help="the clock that sets every unit's budget (default: the measured H200 model)")
+    p.add_argument("--equal-samples", action="store_true",
+                   help="also run every asynchronous unit at its best lr for H micro-batches (its cosine over H): "
+                        "the equal-samples view as runs, beside the equal wall-clock budget")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
                    "at k = M, one lr (no growth), 2 seeds")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
@@ -395,6 +416,7 @@ class Plan:
     deadline: float | None
     command: str
     name: str
+    equal_samples: bool = False
 
 
 def shown_path(arg: str) -> str:
@@ -438,13 +460,14 @@ def plan_from_args(given: list[str]) -> Plan:
     command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
     return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
                 plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
-                {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name)
+                {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name,
+                a.equal_samples)
 
 
 def run(plan: Plan, log=print) -> list[str]:
     """The runs, the JSON, then the report from it: [json, md, png, verdicts]."""
     load0, t0 = os.getloadavg(), time.perf_counter()
-    study = run_study(plan.s, plan.cm, plan.units, plan.grid, log, plan.deadline, plan.max_growth)
+    study = run_study(plan.s, plan.cm, plan.units, plan.grid, log, plan.deadline, plan.max_growth, plan.equal_samples)
     path = dump_json(os.path.join(plan.s.out, plan.name + ".json"), plan.s, study, plan.cost_model_path,
                      plan.command, provenance_now(load0, time.perf_counter() - t0))
     import deep_pipelines_report as report  # (after the runs: the report is rebuilt from the JSON)

@@ -109,6 +109,8 @@ def analyse(study: dict, cms: dict) -> list[dict]:
                 speed = c["budget"] / (reach * tu) if reach else None
                 row["clocks"][key] = {"t": tu, "bound": bound, "speedup": speed, "b": speed is not None and speed >= BAR}
             row["equal_samples"] = at(curve, H) if n >= H else None
+            own = study.get("equal_samples", {}).get(u, [])
+            row["equal_samples_run"] = (mean_std([dp.final_val(r) for r in own]), len(own)) if own else None
             rows.append(row)
         blocks.append({"opt": opt, "M": M, "sync": sync, "H": H, "sync_final": s_final,
                        "sync_n": len(study["runs"][sync]), "sync_curve": mean_curve(study["runs"][sync]),
@@ -332,8 +334,11 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         for r in b["rows"]:
             m, d = r["clocks"]["measured"], r["clocks"]["derived"]
             eq = r["equal_samples"]
-            eq_text = (f"{eq:.3f} ({eq - b['sync_final'][0]:+.3f})" if eq is not None else
+            eq_text = (f"{eq:.3f} ({eq - b['sync_final'][0]:+.3f}) on its longer cosine" if eq is not None else
                        f"ran {r['horizon']} < H")
+            if r["equal_samples_run"]:
+                (m_, s_), n_ = r["equal_samples_run"]
+                eq_text += f"; run of H: {m_:.3f} ± {s_:.3f} ({m_ - b['sync_final'][0]:+.3f}, n = {n_})"
             L.append(f"| {r['unit'].label} | {r['horizon']} | {r['final'][0]:.3f} ± {r['final'][1]:.3f} "
                      f"({r['n_seeds']}) | {'yes' if r['a'] else 'no'} | {1e3 * m['t']:.2f} | {fmt_x(m['bound'])} | "
                      f"{fmt_x(m['speedup'])} | {'yes' if m['b'] else 'no'} | {fmt_x(d['bound'])} | "
@@ -352,7 +357,8 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                  "the measured budget) re-priced on the derived 8,192-token model, with S re-chosen there. Equal "
                  "samples: the unit's seed-mean curve at H micro-batches, ON ITS OWN LONGER COSINE (lr still higher "
                  "than a run stopped at H would have it), not a run stopped at H; a unit that ran fewer than H has "
-                 "none.\n")
+                 "none. \"Run of H\" (where `--equal-samples` ran it): the unit at its best lr trained for H "
+                 "micro-batches, its cosine over H: the equal-samples comparison proper.\n")
     if png:
         L.append(f"![validation loss against the measured clock and against samples]({png})\n")
     L.append("## What did not run\n")

@@ -97,7 +97,7 @@ class Settings:
     muon_fp32_matmul_prec: str = "highest"
     muon_split_qkv: bool = False
     muon_num_ns_steps: int = 5  # --muon-num-ns-steps
-    muon_coefficient_type: str = "simple"  # --muon-coefficient-type (polar_express: issue 36's cheaper Muon)
+    muon_coefficient_type: str = "simple"  # --muon-coefficient-type
     clip_grad: float = 0.0
     # measurement
     eval_interval: int = 64  # micro-batches between evaluations (the async pipeline drains there)

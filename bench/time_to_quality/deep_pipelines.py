@@ -51,12 +51,13 @@ LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V", "i
           "pipeoptim": "PipeOptim", "po-ef": "PipeOptim + error feedback", "sync": "sync (every schedule)"}
 cv.LABELS.setdefault("po-ef", LABELS["po-ef"])
 # Optimizers: the priced Muon (bf16 Newton-Schulz, Q/K/V split: what the cost model's Muon step measured) and
-# a cheaper one (3 Newton-Schulz steps with Polar Express coefficients), priced from the measured step.
+# a cheaper one: 3 Newton-Schulz steps of the simple coefficients (polar_express here needs at least 8 steps:
+# newton_schulz.coefficients), its step priced from the measured one (muon_ns3_step_ratio).
 OPTIMIZERS = {"adamw": ("adamw", {}),
               "muon": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True}),
               "muon-ns3": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True,
-                                    "muon_num_ns_steps": 3, "muon_coefficient_type": "polar_express"})}
-OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)", "muon-ns3": "Muon (bf16 NS x3 polar_express, QKV split)"}
+                                    "muon_num_ns_steps": 3, "muon_coefficient_type": "simple"})}
+OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)", "muon-ns3": "Muon (bf16 NS x3, QKV split)"}
 # One common lr grid per optimizer (factor 2 apart), centred on the previous study's D = 8 optima
 # (time_to_quality_d8_*.md: AdamW sync 2e-3, asynchronous 1e-3..8e-3; Muon sync 8e-3..1.6e-2, asynchronous
 # 2e-3..8e-3); grown by one point on a side for EVERY unit when any unit's best lr is at that edge.

@@ -334,8 +334,9 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         for r in b["rows"]:
             m, d = r["clocks"]["measured"], r["clocks"]["derived"]
             eq = r["equal_samples"]
-            eq_text = (f"{eq:.3f} ({eq - b['sync_final'][0]:+.3f}) on its longer cosine" if eq is not None else
-                       f"ran {r['horizon']} < H")
+            eq_text = (f"ran {r['horizon']} < H" if eq is None else
+                       f"{eq:.3f} ({eq - b['sync_final'][0]:+.3f}): its budget run is H long" if r["horizon"] == b["H"]
+                       else f"{eq:.3f} ({eq - b['sync_final'][0]:+.3f}) on its longer cosine")
             if r["equal_samples_run"]:
                 (m_, s_), n_ = r["equal_samples_run"]
                 eq_text += f"; run of H: {m_:.3f} ± {s_:.3f} ({m_ - b['sync_final'][0]:+.3f}, n = {n_})"

@@ -402,7 +402,9 @@ def _deadline(text: str | None) -> float | None:
     h, m = (int(x) for x in text.split(":"))
     now = datetime.datetime.now(datetime.timezone.utc)
     at = now.replace(hour=h, minute=m, second=0, microsecond=0)
-    return at.timestamp() if at > now else (at + datetime.timedelta(days=1)).timestamp()
+    # A time up to 12 h ago has passed (no new run starts: --resume then reports what the cache holds);
+    # further back, it is tomorrow's.
+    return (at + datetime.timedelta(days=1)).timestamp() if (now - at).total_seconds() > 12 * 3600 else at.timestamp()
 
 
 @dataclasses.dataclass

@@ -47,12 +47,16 @@ def cells(md: str, first: str) -> dict:
 def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
     corpus = tmp_path / "corpus.jsonl.gz"
     write_corpus(corpus)
+    # (the derived seed model: it prices PipeDream, which the measured default does not)
     s, grid = ttq.settings_from_args(["--quick", "--depths", "2", "--methods", "1f1b", "zb-h1", "pipedream",
-                                      "--jobs", "1", "--out", str(tmp_path / "out")])
+                                      "--jobs", "1", "--out", str(tmp_path / "out"),
+                                      "--cost-model", "bench/results/time_to_quality/cost_model_h200_1p3b.json"])
     assert grid["adamw"] == [1e-3, 2e-3] and s.seeds == 2 and s.optimizers == ["adamw"]
+    seed_model = (s.cost_model, s.cost_model_path)  # (not fields: dataclasses.replace drops them)
     s = dataclasses.replace(s, corpus=str(corpus), num_layers=2, hidden_size=16, num_attention_heads=2,
                             seq_length=16, micro_batch=2, vocab_size=120, split="90,10,0", steps=16,
                             eval_interval=8, eval_batches=8, tail=4, warmup=2, check_updates=2)
+    s.cost_model, s.cost_model_path = seed_model
     out = ttq.run(s, grid, log=lambda *_: None)
     md_path, png, js = out["paths"]
     with open(png, "rb") as f:
@@ -112,7 +116,9 @@ def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
     monkey.setattr(tr.cv, "train_job", no_training)
     monkey.setattr(tr.cv, "calibrate_job", no_training)
     try:
-        again = ttq.run(dataclasses.replace(s, resume=True), grid, log=lambda *_: None)["study"]
+        resumed = dataclasses.replace(s, resume=True)
+        resumed.cost_model, resumed.cost_model_path = seed_model
+        again = ttq.run(resumed, grid, log=lambda *_: None)["study"]
     finally:
         monkey.undo()
     assert again["best"] == study["best"] and again["sweep"] == study["sweep"]
@@ -125,13 +131,19 @@ def test_quick_study_tables_come_from_real_runs(ttq, tmp_path):
     monkey.setattr(tr.cv, "train_job", no_training)
     monkey.setattr(tr.cv, "calibrate_job", no_training)
     try:
-        regen = ttq.regenerate(js, [])
+        regen = ttq.regenerate(js, ["--cost-model", "bench/results/time_to_quality/cost_model_h200_1p3b.json"])
     finally:
         monkey.undo()
     md2 = open(regen["paths"][0]).read()
     assert "Regenerated without training from `time_to_quality.json`" in md2
     assert md2.split("## Settings")[1] == md.split("## Settings")[1]  # every table and line the same
     assert md2.split("\n\nRegenerated without training")[0] == md.split("\n\n## Settings")[0]  # original header kept
+
+
+def test_the_default_clock_is_the_measured_h200_model(ttq):
+    s, _ = ttq.settings_from_args([])
+    assert s.cost_model["name"] == "gpu_nvidia_h200_full"
+    assert s.cost_model_path.endswith(os.path.join("bench", "results", "gpu_nvidia_h200_a_cost_model.json"))
 
 
 def test_time_to_target_interpolates_between_evaluations(ttq):

@@ -12,6 +12,14 @@
 t_backward - t_weight) and W (weight gradients, `--t-weight`, default half the backward).
 `--pipeline-method all` prints one row per schedule (bubble fraction, peak in-flight micro-batches
 per rank); interleaved schedules there use `--num-chunks` (2 when it is 1).
+
+Which pipeline should I use at D stages and M micro-batches per update? `--cost-model PATH` prices every
+method, synchronous and asynchronous (k = 1, 2, M), from its own op list at a measured or derived per-op
+cost model (megatron_po/pipeline/cost_model.py), and prints time per iteration, bubble, weight copies,
+activations in flight and the deep-pipeline study's verdict where it has one:
+
+    python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
+        --optimizer muon --num-stages 8 --num-microbatches 4
 """
 
 from __future__ import annotations
@@ -24,9 +32,18 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import json
+import os
+
 from megatron_po.errors import ConfigError, UserError
+from megatron_po.pipeline import cost_model as cmm
 from megatron_po.pipeline.schedules import build_schedule, staleness
 from megatron_po.pipeline.simulator import plot_timeline, simulate
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BAR = 1.25  # issue 36's target: the same loss this much sooner
+VERDICTS = os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--t-step", type=float, default=0.0, help="time of one optimizer step op")
     p.add_argument("--update-interval", type=int, default=1, help="async: step after every k backwards")
     p.add_argument("--png", default=None, help="write the Gantt chart here")
+    p.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="price every method at D = --num-stages, M = --num-microbatches with this per-op cost model "
+                        "(e.g. bench/results/gpu_nvidia_h200_a_cost_model.json, measured) and print the table")
+    p.add_argument("--optimizer", default="adamw", help="with --cost-model: whose step to price (default adamw)")
+    p.add_argument("--map", nargs=2, default=None, metavar=("DS", "MS"),
+                   help="with --cost-model: the (D, M) map instead of one table, e.g. --map 4,8,16 2,4,8,16,32: "
+                        "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
+    p.add_argument("--verdicts", default=VERDICTS, metavar="PATH",
+                   help="with --cost-model: the study's verdicts (default: %(default)s, when it exists)")
     return p.parse_args(argv)
 
 
@@ -88,9 +114,131 @@ def table_of_all(args) -> str:
     return "\n".join(lines)
 
 
+SYNC_ROWS = [("1f1b", "1F1B"), ("interleaved-1f1b", "interleaved 1F1B (v=2)"), ("zb-h1", "ZB-H1"),
+             ("interleaved-zb-h1", "interleaved ZB-H1 (v=2)"), ("zb-h2", "ZB-H2"), ("zb-v", "ZB-V")]
+ASYNC_ROWS = [("async-naive", False, "async-naive"), ("pipedream", False, "PipeDream"),
+              ("pipedream-2bw", False, "PipeDream-2BW"), ("pipeoptim", False, "PipeOptim"),
+              ("pipeoptim", True, "PipeOptim + error feedback")]
+
+
+def _verdicts(path: str | None, cm: dict, D: int, M: int, optimizer: str) -> dict:
+    """The study's verdict entry for this (cost model, D, M, optimizer) from the verdicts file(s) `path`
+    names (a glob), if any: {"rows": {row label: verdict}, "summary": ..., "source": ...}."""
+    import glob
+    if not path:
+        return {}
+    key = f"D={D},M={M},{optimizer}"
+    for full in sorted(glob.glob(path if os.path.isabs(path) else os.path.join(REPO, path))):
+        with open(full) as f:
+            entry = json.load(f).get("verdicts", {}).get(key)
+        if entry and entry.get("cost_model") in (None, cm["name"]):
+            return entry
+    return {}
+
+
+def throughput_map(args) -> str:
+    """Per (D, M): the fastest synchronous schedule's ms per micro-batch and the fastest asynchronous stream's
+    speed against it (the bound on any asynchronous win: equal sample efficiency at best)."""
+    cm = cmm.load_cost_model(args.cost_model)
+    try:
+        ds, ms = ([int(x) for x in v.split(",")] for v in args.map)
+    except ValueError:
+        raise ConfigError(f"--map takes two comma-separated lists of integers, got {' '.join(args.map)}") from None
+    opt = args.optimizer
+    lines = [f"optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}); per cell: best synchronous "
+             "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it",
+             "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
+    for D in ds:
+        cells = []
+        for M in ms:
+            base, _ = cmm.method_costs(cm, D, opt, "1f1b")
+            sync = {}
+            for name, label in SYNC_ROWS:
+                try:
+                    sync[label] = cmm.sync_iteration(name, D, M, base).makespan / M
+                except (ConfigError, ValueError):
+                    continue
+            best = min(sync, key=sync.get)
+            fast = {}
+            for method, ef, label in ASYNC_ROWS:
+                if (method == "pipedream-2bw" and M < D) or method == "pipedream":
+                    continue
+                try:
+                    c, _ = cmm.method_costs(cm, D, opt, method, error_feedback=ef)
+                except ConfigError:
+                    continue
+                fast[label] = cmm.async_per_microbatch(D, M, c).seconds_per_microbatch
+            quick = min(fast, key=fast.get)
+            cells.append(f"{best} {1e3 * sync[best]:.1f} ms; {quick} k={M}: {sync[best] / fast[quick]:.2f}x")
+        lines.append(f"| {D} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def methods_table(args) -> str:
+    """Every method priced at (D, M) on the cost model, fastest first within its family."""
+    cm = cmm.load_cost_model(args.cost_model)
+    D, M, opt = args.num_stages, args.num_microbatches, args.optimizer
+    rows, notes = [], set()
+    base, _ = cmm.method_costs(cm, D, opt, "1f1b")
+    for name, label in SYNC_ROWS:
+        try:
+            tl = cmm.sync_iteration(name, D, M, base)
+        except (ConfigError, ValueError) as e:
+            rows.append((label, "-", None, None, None, None, None, f"not admitted: {e}"))
+            continue
+        v = cmm.chunks_of(name)
+        rows.append((label, "-", tl.makespan, tl.makespan / M, tl.bubble_fraction, cmm.weight_copies(name, D),
+                     max(tl.peak_activations.values()) / v, ""))
+    best_sync = min((r[3] for r in rows if r[3] is not None), default=None)
+    for k in dict.fromkeys((1, 2, M)):
+        for method, ef, label in ASYNC_ROWS:
+            if method == "pipedream-2bw" and k < D:
+                continue  # 2BW accumulates over at least D micro-batches per step
+            try:
+                c, why = cmm.method_costs(cm, D, opt, method, error_feedback=ef)
+            except ConfigError as e:
+                rows.append((label, k, None, None, None, None, None, f"not priced: {str(e).split(': ', 1)[-1]}"))
+                continue
+            notes.update(why)
+            s = cmm.async_per_microbatch(D, k, c)
+            rows.append((label, k, M * s.seconds_per_microbatch, s.seconds_per_microbatch, s.bubble_fraction,
+                         cmm.weight_copies(method, D, k, ef), s.peak_activations, f"staleness <= {s.max_staleness}"))
+    verdicts = _verdicts(args.verdicts, cm, D, M, opt)
+    lines = [f"D={D} M={M} optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}): {cm['device']}; "
+             f"{cm['model']}; p2p {cm.get('p2p_ms', 0.0):g} ms",
+             f"{'method':<27} {'k':>2} {'ms/iteration':>12} {'ms/micro-batch':>14} {'vs best sync':>12} {'bubble':>7} "
+             f"{'weights':>7} {'act.':>5}  notes / verdict"]
+    for label, k, it, per, bubble, copies, act, note in rows:
+        if it is None:
+            lines.append(f"{label:<27} {k!s:>2} {'':>12} {'':>14} {'':>12} {'':>7} {'':>7} {'':>5}  {note}")
+            continue
+        key = label if k == "-" else f"{label}, k={k}"
+        verdict = verdicts.get("rows", {}).get(key)
+        if verdict is None and k != "-" and best_sync / per < BAR:
+            # k = M: the same samples per update as the flush, plus staleness: its throughput bounds its win.
+            # k < M updates more often per sample: it would need BAR / ratio x the flush's sample efficiency.
+            verdict = (f"throughput {best_sync / per:.2f}x < {BAR}x: no {BAR}x win at equal sample efficiency" if k == M
+                       else f"needs {BAR * per / best_sync:.2f}x the sample efficiency of the best sync for a {BAR}x win")
+        lines.append(f"{label:<27} {k!s:>2} {1e3 * it:>12.2f} {1e3 * per:>14.3f} {best_sync / per:>11.3f}x "
+                     f"{bubble:>7.3f} {copies:>7} {act:>5g}  {note}{'; ' if note and verdict else ''}{verdict or ''}")
+    lines.append("ms/iteration: M micro-batches (synchronous: one flush + every rank's step; asynchronous: the "
+                 "stream's steady state, a step per k micro-batches); vs best sync: its ms/micro-batch over this one's; "
+                 "weights: weight-sized copies per chunk; act.: peak activations in flight on a rank, in one stage's "
+                 "micro-batches")
+    lines += [f"note: {n}" for n in sorted(notes)]
+    if verdicts.get("summary"):
+        lines.append(f"study ({verdicts.get('source', args.verdicts)}): {verdicts['summary']}")
+    elif args.verdicts:
+        lines.append("study: no verdict at this (D, M, optimizer, cost model)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.cost_model:
+            print(throughput_map(args) if args.map else methods_table(args))
+            return 0
         if args.pipeline_method == "all":
             print(table_of_all(args))
             return 0

@@ -28,7 +28,8 @@ def _training_config(s: Settings, optimizer: str):
 def _optimizer_kwargs(s: Settings, optimizer: str) -> dict:
     kwargs = {"lr": s.lr[optimizer], "weight_decay": s.weight_decay, "sgd_momentum": s.sgd_momentum}
     if optimizer == "muon":
-        kwargs.update(muon_fp32_matmul_prec=s.muon_fp32_matmul_prec, muon_split_qkv=s.muon_split_qkv)
+        kwargs.update(muon_fp32_matmul_prec=s.muon_fp32_matmul_prec, muon_split_qkv=s.muon_split_qkv,
+                      muon_num_ns_steps=s.muon_num_ns_steps, muon_coefficient_type=s.muon_coefficient_type)
     return kwargs
 
 

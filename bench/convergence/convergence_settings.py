@@ -44,7 +44,9 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "muon")
 MUON_NOTE = ("\n- Muon (optim/muon.py): hidden weight matrices by momentum 0.95 (Nesterov) + 5 Newton-Schulz steps, "
              "update scale 0.2·sqrt(max(rows, cols)) (AdamW's lr and decoupled weight decay carry over); embeddings, "
              "output layer, norms and biases by AdamW.")
-MUON_LEGACY = {"muon_fp32_matmul_prec": "highest", "muon_split_qkv": False}  # what every Muon run before issue 31 ran
+# What every Muon run before issue 31 ran (the Newton-Schulz steps and coefficients: before issue 36's cheaper Muon).
+MUON_LEGACY = {"muon_fp32_matmul_prec": "highest", "muon_split_qkv": False, "muon_num_ns_steps": 5,
+               "muon_coefficient_type": "simple"}
 NS_PRECISION_LABELS = {"medium": "bf16", "high": "TF32", "highest": "fp32", "low": "fp32"}
 
 
@@ -94,6 +96,8 @@ class Settings:
     # every cached Muon run stays reachable; bench/results/muon/ns_precision.md is the bf16 vs fp32 A/B.
     muon_fp32_matmul_prec: str = "highest"
     muon_split_qkv: bool = False
+    muon_num_ns_steps: int = 5  # --muon-num-ns-steps
+    muon_coefficient_type: str = "simple"  # --muon-coefficient-type
     clip_grad: float = 0.0
     # measurement
     eval_interval: int = 64  # micro-batches between evaluations (the async pipeline drains there)

@@ -9,8 +9,9 @@
                                                                       # the report again from its JSON, no training
 
 Every report prints its verdicts on two clocks: the CPU per-op costs measured with the runs, and a hardware
-cost model (`--cost-model`, default bench/results/time_to_quality/cost_model_h200_1p3b.json: one H200, GPT
-1.3B; `--cost-model none` for the CPU clock only; schema and derivations: bench/time_to_quality/ttq_cost_model.py).
+cost model (`--cost-model`, default bench/results/gpu_nvidia_h200_a_cost_model.json: MEASURED on one H200,
+GPT 1.3B, eager optimizer steps (issue 37); the older derived seed: bench/results/time_to_quality/
+cost_model_h200_1p3b.json; `--cost-model none` for the CPU clock only; schema: bench/time_to_quality/ttq_cost_model.py).
 
 Writes bench/results/time_to_quality/time_to_quality.{md,png,json}: command, load, settings, the lr sweep,
 verdict 1 (final validation loss at equal tokens, seed spread), verdict 2 (simulated time to three target
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default bench/results/time_to_quality)")
     p.add_argument("--name", default=None,
                    help="base name of the output files (default time_to_quality; nmt: time_to_quality_nmt)")
-    p.add_argument("--cost-model", default=os.path.relpath(ttq_cost_model.SEED_PATH, tr.cv.REPO), metavar="PATH",
+    p.add_argument("--cost-model", default=os.path.relpath(ttq_cost_model.MEASURED_PATH, tr.cv.REPO), metavar="PATH",
                    help="per-op costs of real hardware for the second clock (bench/time_to_quality/ttq_cost_model.py's schema; "
                         "default: %(default)s); 'none': the CPU clock only")
     p.add_argument("--cost-model-variant", default=None, metavar="NAME",

@@ -42,13 +42,20 @@ import sys
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 REPO = os.path.dirname(BENCH)
-SCHEMA = "ttq-cost-model/1"
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from megatron_po.errors import ConfigError  # noqa: E402
+from megatron_po.pipeline import cost_model as _cm  # noqa: E402
+
+SCHEMA = _cm.SCHEMA
 SEED_PATH = os.path.join(REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b.json")
-KINDS = ("Forward", "Backward", "Step")
-STAGE_SETS = ("stale", "all")
-TOP_KEYS = {"schema", "name", "device", "model", "pipeline_stages", "data_parallel", "tokens_per_microbatch",
-            "forward_ms", "ratios", "variants", "source"}
-RATIO_KEYS = {"backward", "backward_input", "backward_weight", "step", "policy"}
+# The measured H200 model (bench/gpu/gpu.py's stream, docs/gpu.md): the default clock of the studies (issue 37).
+MEASURED_PATH = os.path.join(REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
+DERIVED_SEQ8192_PATH = os.path.join(REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b_seq8192_derived.json")
+KINDS = _cm.KINDS
+STAGE_SETS = _cm.STAGE_SETS
+TOP_KEYS = _cm.TOP_KEYS
+RATIO_KEYS = _cm.RATIO_KEYS
 
 
 def _fail(where: str, what: str):
@@ -109,111 +116,29 @@ def cost_model_from_measurements(*, name: str, device: str, model: str, pipeline
     return cm
 
 
-def _check_ratio(value, what: str, D: int, where: str, positive: bool = False) -> list[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float, list)):
-        _fail(where, f"{what} must be a number or a list of {D} numbers, got {value!r}")
-    values = _per_stage(value, D) if not isinstance(value, list) or all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) else None
-    if values is None:
-        _fail(where, f"{what} must hold numbers, got {value!r}")
-    if len(values) != D:
-        _fail(where, f"{what} has {len(values)} values; pipeline_stages is {D} (one per stage, or one number)")
-    if any(not math.isfinite(v) or v < 0 or (positive and v == 0) for v in values):
-        _fail(where, f"{what} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
-    return values
-
-
-def _check_policy(policy, where: str, what: str, D: int) -> None:
-    if not isinstance(policy, dict):
-        _fail(where, f"{what} must be an object {{method: {{op kind: ratio, 'stages': ...}}}}")
-    for m, e in policy.items():
-        if not isinstance(e, dict):
-            _fail(where, f"{what}.{m} must be an object")
-        bad = set(e) - set(KINDS) - {"stages"}
-        if bad:
-            _fail(where, f"{what}.{m} has unknown keys {sorted(bad)}; allowed: {', '.join(KINDS)}, stages")
-        if e.get("stages", "stale") not in STAGE_SETS:
-            _fail(where, f"{what}.{m}.stages must be one of {', '.join(STAGE_SETS)}, got {e['stages']!r}")
-        for k in KINDS:
-            if k in e:
-                _check_ratio(e[k], f"{what}.{m}.{k}", D, where)
-
-
 def check_cost_model(cm, where: str = "") -> dict:
-    """Raise SystemExit with one line naming the first thing wrong; return cm."""
-    if not isinstance(cm, dict):
-        _fail(where, "must be a JSON object")
-    if cm.get("schema") != SCHEMA:
-        _fail(where, f"schema must be {SCHEMA!r}, got {cm.get('schema')!r}")
-    missing = sorted(TOP_KEYS - {"variants"} - set(cm))
-    if missing:
-        _fail(where, f"missing {', '.join(missing)}")
-    unknown = sorted(set(cm) - TOP_KEYS)
-    if unknown:
-        _fail(where, f"unknown keys {unknown}")
-    D = cm["pipeline_stages"]
-    for key in ("pipeline_stages", "data_parallel", "tokens_per_microbatch"):
-        if isinstance(cm[key], bool) or not isinstance(cm[key], int) or cm[key] < 1:
-            _fail(where, f"{key} must be an integer >= 1, got {cm[key]!r}")
-    _check_ratio(cm["forward_ms"], "forward_ms", D, where, positive=True)
-    r = cm["ratios"]
-    if not isinstance(r, dict):
-        _fail(where, "ratios must be an object")
-    missing = sorted(RATIO_KEYS - {"policy"} - set(r))
-    if missing:
-        _fail(where, f"ratios: missing {', '.join(missing)}")
-    if set(r) - RATIO_KEYS:
-        _fail(where, f"ratios: unknown keys {sorted(set(r) - RATIO_KEYS)}")
-    b = _check_ratio(r["backward"], "ratios.backward", D, where, positive=True)
-    bi = _check_ratio(r["backward_input"], "ratios.backward_input", D, where)
-    bw = _check_ratio(r["backward_weight"], "ratios.backward_weight", D, where)
-    if any(abs(x + y - z) > 1e-4 * z for x, y, z in zip(bi, bw, b)):
-        _fail(where, f"ratios.backward_input + backward_weight must equal ratios.backward, got {bi} + {bw} vs {b}")
-    if not isinstance(r["step"], dict) or not r["step"]:
-        _fail(where, "ratios.step must be a non-empty object {optimizer: ratio}")
-    for o, v in r["step"].items():
-        _check_ratio(v, f"ratios.step.{o}", D, where)
-    _check_policy(r.get("policy", {}), where, "ratios.policy", D)
-    variants = cm.get("variants", {})
-    if not isinstance(variants, dict):
-        _fail(where, "variants must be an object {name: {note, step, policy}}")
-    for n, v in variants.items():
-        if not isinstance(v, dict) or set(v) - {"note", "step", "policy"}:
-            _fail(where, f"variants.{n} may hold only note, step and policy")
-        for o, x in v.get("step", {}).items():
-            _check_ratio(x, f"variants.{n}.step.{o}", D, where)
-        _check_policy(v.get("policy", {}), where, f"variants.{n}.policy", D)
-    if not isinstance(cm["source"], list) or not all(isinstance(x, str) for x in cm["source"]):
-        _fail(where, "source must be a list of strings")
-    return cm
+    """Raise SystemExit with one line naming the first thing wrong; return cm (the check itself is
+    megatron_po/pipeline/cost_model.py's, shared with tools/simulate_schedule.py)."""
+    try:
+        return _cm.check_cost_model(cm, where)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def load_cost_model(path: str, variant: str | None = None) -> dict:
     """The checked cost model at `path`, with `variant`'s entries in place of the default's."""
     try:
-        with open(path) as f:
-            cm = json.load(f)
-    except FileNotFoundError:
-        _fail(path, "file not found")
-    except json.JSONDecodeError as e:
-        _fail(path, f"not valid JSON ({e})")
-    check_cost_model(cm, path)
-    return with_variant(cm, variant, path) if variant else cm
+        return _cm.load_cost_model(path, variant)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def with_variant(cm: dict, variant: str, where: str = "") -> dict:
     """A copy of cm whose step and policy entries are replaced by the variant's (per optimizer / method)."""
-    if variant not in cm.get("variants", {}):
-        _fail(where or cm["name"], f"no variant {variant!r}; it has {', '.join(cm.get('variants', {})) or 'none'}")
-    v = cm["variants"][variant]
-    out = copy.deepcopy(cm)
-    out["ratios"]["step"].update(copy.deepcopy(v.get("step", {})))
-    out["ratios"].setdefault("policy", {}).update(copy.deepcopy(v.get("policy", {})))
-    out["name"] = f"{cm['name']} ({variant})"
-    # The other variants stay with the base model: applied on top of this one they would price neither (a report's
-    # variants table compares each variant with the default, which this copy no longer is).
-    out["variants"] = {}
-    return out
+    try:
+        return _cm.with_variant(cm, variant, where)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,10 +303,84 @@ def h200_1p3b(results_json: str | None = None) -> dict:
         source=source)
 
 
+# --------------------------------------------------------------------------------------------------
+# Derived: the same 1.3B GPT with a micro-batch of one 8,192-token sequence (issue 36), from the measured model
+# --------------------------------------------------------------------------------------------------
+
+HIDDEN, SEQ_MEASURED, SEQ_LONG = 2048, 2048, 8192
+NVLINK_GB_S = 350.0  # effective one-way p2p bandwidth between two H200s of one node (NVLink 4: 450 GB/s nominal)
+
+
+def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
+    """The measured H200 model (micro-batch 4 x 2,048 tokens) re-derived for a micro-batch of 1 x 8,192 tokens of
+    the same model: the same tokens per micro-batch, so every per-token cost (the dense matmuls, norms,
+    element-wise work) and every per-parameter cost (the optimizer steps, PipeOptim's restore and prediction)
+    stays in milliseconds; only causal attention's score and value products grow, from 2*s*h to 2*s'*h FLOPs
+    per token and layer (flash attention skips the masked half of 4*s*h). Each step is written into
+    `derivation`; nothing here was measured at 8,192 tokens."""
+    m = load_cost_model(measured_path)
+    h, s0, s1 = HIDDEN, SEQ_MEASURED, SEQ_LONG
+    dense = 24 * h * h                      # forward matmul FLOPs per token and layer: QKV 6h^2, proj 2h^2, MLP 16h^2
+    attn0, attn1 = 2 * s0 * h, 2 * s1 * h   # causal QK^T and AV forward FLOPs per token and layer
+    f0 = m["forward_ms"]
+    r = m["ratios"]
+    b0 = r["backward"] * f0
+    fwd_factor = (dense + attn1) / (dense + attn0)
+    f1 = f0 * fwd_factor
+    # Backward: dense 2x its forward (input + weight gradients, half each); flash attention's backward 2.5x its
+    # forward (5 products against 2), all of it input gradient (attention's core has no weights).
+    dense_share = 2 * dense / (2 * dense + 2.5 * attn0)  # of the measured backward
+    b_dense = b0 * dense_share
+    b_attn1 = (b0 - b_dense) * s1 / s0
+    b1 = b_dense + b_attn1
+    w1 = b_dense / 2
+    bi1 = b1 - w1
+    msg_mb = s1 * h * 2 / 1e6  # one bf16 activation (or gradient) of a micro-batch
+    p2p = msg_mb / 1e3 / NVLINK_GB_S * 1e3  # ms
+    step_ms = {o: v * f0 for o, v in r["step"].items()}
+    policy = {meth: {**{k: e[k] * f0 for k in KINDS if k in e}, "stages": e.get("stages", "stale")}
+              for meth, e in r.get("policy", {}).items()}
+    fmt = lambda x: f"{x:.3f}"  # noqa: E731
+    derivation = [
+        f"Base: {os.path.relpath(measured_path, REPO)} ({m['name']}, MEASURED: {m['device']}; {m['model']}; "
+        f"D = {m['pipeline_stages']}): forward {fmt(f0)} ms per stage and micro-batch of {m['tokens_per_microbatch']} "
+        f"tokens, backward {fmt(b0)} ms, steps " + ", ".join(f"{o} {fmt(v)} ms" for o, v in step_ms.items()) + ".",
+        f"This model: the same GPT, micro-batch 1 x {s1} tokens (the same {s1} tokens per micro-batch). Per token and "
+        f"layer the forward does {dense / 1e6:.1f} MFLOP of dense matmuls (24h^2, h = {h}) and 2sh of causal "
+        f"attention (QK^T and AV, 4sh halved by the mask): {attn0 / 1e6:.1f} MFLOP at s = {s0}, {attn1 / 1e6:.1f} at "
+        f"s = {s1}. Forward x {fwd_factor:.4f} = {fmt(f1)} ms (attention taken to run at the dense matmuls' "
+        "efficiency; the norms, embedding and output layer are per token and unchanged).",
+        f"Backward: its dense part 2 x the dense forward, attention's 2.5 x (flash attention's backward: 5 products "
+        f"against 2): dense share of the measured backward {dense_share:.4f} = {fmt(b_dense)} ms, kept; attention's "
+        f"{fmt(b0 - b_dense)} ms x {s1}/{s0} = {fmt(b_attn1)} ms; backward {fmt(b1)} ms = {b1 / f1:.4f} x forward.",
+        f"Zero bubble's split (not measured at either length): weight gradients = half of the dense backward = "
+        f"{fmt(w1)} ms; input gradients the rest, attention's backward included = {fmt(bi1)} ms.",
+        "Optimizer steps and PipeOptim's restore and prediction: per parameter, the same milliseconds as measured "
+        "(the same parameters per stage); as ratios to the longer forward they shrink by " + fmt(1 / fwd_factor) + ". "
+        "The steps are the EAGER steps measured (the compiled step was not measured on the H200: docs/gpu.md).",
+        f"p2p: one bf16 activation of {s1} x {h} = {msg_mb:.1f} MB per message at an assumed {NVLINK_GB_S:.0f} GB/s "
+        f"one way (NVLink 4 between two H200s of a node, 450 GB/s nominal) = {p2p:.3f} ms (not measured; the "
+        "measured model has no p2p figure: free there).",
+    ]
+    cm = cost_model_from_measurements(
+        name="h200_1p3b_seq8192_derived", device=m["device"] + "; DERIVED, not measured at this shape",
+        model="GPT 1.3B (24 layers, hidden 2048, 16 heads, vocab 50304), micro-batch 1 x 8192 tokens; one stage = "
+              f"{24 // m['pipeline_stages']} layers at D = {m['pipeline_stages']}",
+        pipeline_stages=m["pipeline_stages"], data_parallel=m["data_parallel"], tokens_per_microbatch=s1,
+        forward_ms=f1, backward_ms=b1, backward_input_ms=bi1, backward_weight_ms=w1, step_ms=step_ms,
+        policy_ms=policy, source=[f"derived from {os.path.relpath(measured_path, REPO)}: see derivation"])
+    cm["source"] = [x for x in cm["source"] if not x.startswith("ZB's split backward not measured")]
+    cm.update(provenance="derived", p2p_ms=round(p2p, 6), derivation=derivation)
+    return check_cost_model(cm, "derived seq8192")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write or check a time-to-quality cost model.")
     p.add_argument("--write-seed", nargs="?", const=SEED_PATH, metavar="PATH",
                    help=f"write the H200 seed (default {os.path.relpath(SEED_PATH, REPO)})")
+    p.add_argument("--write-derived", nargs="?", const=DERIVED_SEQ8192_PATH, metavar="PATH",
+                   help="write the derived 8,192-token model (default "
+                        f"{os.path.relpath(DERIVED_SEQ8192_PATH, REPO)})")
     p.add_argument("--check", metavar="PATH", help="load a cost model and print what it prices")
     a = p.parse_args(argv)
     if a.write_seed:
@@ -389,6 +388,11 @@ def main(argv=None) -> int:
             json.dump(h200_1p3b(), f, indent=1, ensure_ascii=False)
             f.write("\n")
         print(f"> wrote {os.path.relpath(a.write_seed)}")
+    if a.write_derived:
+        with open(a.write_derived, "w") as f:
+            json.dump(h200_1p3b_seq8192_derived(), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        print(f"> wrote {os.path.relpath(a.write_derived)}")
     if a.check:
         print(describe(load_cost_model(a.check)))
     return 0

@@ -9,6 +9,10 @@ Zero-bubble ops (zero_bubble.py): `BackwardInput` costs t_backward, `BackwardWei
 a fused `Backward` costs t_backward + t_weight (t_weight defaults to 0, so callers that give the whole
 backward as t_backward are unchanged).
 
+Optimizer steps: a scalar `t_step` is the cost of every Step op (as before); a list gives one value per
+virtual stage, so Step(c) on rank r costs t_step[c*D + r] and Step(None) (the synchronous end of an
+iteration, every chunk of the rank) the sum over the rank's chunks.
+
 Bubble fraction = 1 - (sum of busy time over ranks) / (D * makespan): the share of rank-time spent idle.
 """
 
@@ -69,16 +73,19 @@ def _per_virtual_stage(cost: Cost, name: str, num_virtual_stages: int) -> list[f
 
 
 def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float = 0.0,
-             t_step: float = 0.0, t_weight: Cost = 0.0) -> Timeline:
-    """Run `schedule` on an idealised machine; `t_step` is the cost of any Step op, `t_weight` that of a
-    BackwardWeight (a fused Backward costs t_backward + t_weight)."""
+             t_step: Cost = 0.0, t_weight: Cost = 0.0) -> Timeline:
+    """Run `schedule` on an idealised machine; `t_step` is the cost of a Step op (a scalar: any Step; a
+    list: per virtual stage), `t_weight` that of a BackwardWeight (a fused Backward costs t_backward + t_weight)."""
     stats = check_schedule(schedule)
     D, v = schedule.num_stages, schedule.num_chunks
     t_f = _per_virtual_stage(t_forward, "t_forward", D * v)
     t_b = _per_virtual_stage(t_backward, "t_backward", D * v)
     t_w = _per_virtual_stage(t_weight, "t_weight", D * v)
-    if t_p2p < 0 or t_step < 0:
-        raise ConfigError(f"t_p2p and t_step must be >= 0, got t_p2p={t_p2p}, t_step={t_step}")
+    if t_p2p < 0:
+        raise ConfigError(f"t_p2p must be >= 0, got t_p2p={t_p2p}")
+    step_per_stage = None if isinstance(t_step, (int, float)) else _per_virtual_stage(t_step, "t_step", D * v)
+    if step_per_stage is None and t_step < 0:
+        raise ConfigError(f"t_step must be >= 0, got t_step={t_step}")
 
     rank_free = {r: 0.0 for r in range(D)}
     arrival: dict[tuple[int, tuple], float] = {}  # (destination rank, message key) -> arrival time
@@ -90,7 +97,11 @@ def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float
         recv, send = comm_of(op, r, D, v, schedule.placement)
         start = rank_free[r] if recv is None else max(rank_free[r], arrival.pop((r, recv[1])))
         if isinstance(op, Step):
-            duration = t_step
+            if step_per_stage is None:
+                duration = t_step
+            else:
+                chunks = range(v) if op.chunk is None else [op.chunk]
+                duration = sum(step_per_stage[virtual_stage(r, c, D, schedule.placement)] for c in chunks)
         else:
             vs = virtual_stage(r, op.chunk, D, schedule.placement)
             if isinstance(op, Forward):

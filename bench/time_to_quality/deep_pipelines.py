@@ -1,0 +1,496 @@
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
+bench_common.add_repo_to_path()
+
+__doc__ = """Where an asynchronous pipeline earns its keep (issue 36): D = 8 with few micro-batches per update (M = 2, 4,
+8), every method trained for the micro-batches it processes in an equal wall-clock budget on the measured
+H200 clock.
+
+    python bench/time_to_quality/deep_pipelines.py --jobs 1 --resume                 # M = 4, AdamW and Muon
+    python bench/time_to_quality/deep_pipelines.py --optimizers muon muon-ns3 --resume
+    python bench/time_to_quality/deep_pipelines.py --quick                           # smoke run (a minute)
+    python bench/time_to_quality/deep_pipelines.py --from-json bench/results/time_to_quality/deep_pipelines.json
+
+The clock is megatron_po/pipeline/cost_model.py's: each method's seconds per micro-batch from its own op list
+(a synchronous schedule's flush + every rank's step; the asynchronous stream's steady state with a step
+after every k backwards) priced by a cost model (default: the measured H200 model,
+bench/results/gpu_nvidia_h200_a_cost_model.json). The budget is the time the best synchronous schedule
+needs for the horizon H (micro-batches of B samples); each asynchronous unit then trains for
+floor(budget / its seconds per micro-batch), rounded down to whole evaluation intervals, with its lr
+schedule (warm-up 1/32 of its run, cosine decay) spanning its own run. The runs (bench/time_to_quality/ttq_run.py's
+workload and bench/convergence/convergence.py's `train_job`, imported): the synchronous schedules share one unpipelined
+run per (M, optimizer) (the mean gradient of M micro-batches, one step); the asynchronous ones run through
+`AsyncEmulator` at D stages and update interval k. The report: deep_pipelines_report.py.
+"""
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import shlex  # noqa: E402
+import time  # noqa: E402
+
+import ttq_run as tr  # noqa: E402
+from megatron_po.errors import ConfigError  # noqa: E402
+from megatron_po.pipeline import cost_model as cmm  # noqa: E402
+
+cv = tr.cv
+OUT = os.path.join(cv.REPO, "bench", "results", "time_to_quality")
+MEASURED = os.path.join(cv.REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
+DERIVED = os.path.join(OUT, "cost_model_h200_1p3b_seq8192_derived.json")
+D = 8
+
+SYNC = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "interleaved-zb-h1")
+ASYNC = ("async-naive", "pipedream-2bw", "pipeoptim", "po-ef")
+# PipeOptim + error feedback: the base method PipeOptim with the error-feedback option (convergence.py's
+# variant hook; registered at import, so the spawned workers know it too).
+cv.PREDICTOR_VARIANTS["po-ef"] = ("pipeoptim", {"error_feedback": True})
+LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V", "interleaved-1f1b": "interleaved 1F1B (v=2)",
+          "interleaved-zb-h1": "interleaved ZB-H1 (v=2)", "async-naive": "async-naive", "pipedream-2bw": "PipeDream-2BW",
+          "pipeoptim": "PipeOptim", "po-ef": "PipeOptim + error feedback", "sync": "sync (every schedule)"}
+cv.LABELS.setdefault("po-ef", LABELS["po-ef"])
+# Optimizers: the priced Muon (bf16 Newton-Schulz, Q/K/V split: what the cost model's Muon step measured) and
+# a cheaper one: 3 Newton-Schulz steps of the simple coefficients (polar_express here needs at least 8 steps:
+# newton_schulz.coefficients), its step priced from the measured one (muon_ns3_step_ratio).
+OPTIMIZERS = {"adamw": ("adamw", {}),
+              "muon": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True}),
+              "muon-ns3": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True,
+                                    "muon_num_ns_steps": 3, "muon_coefficient_type": "simple"})}
+OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)", "muon-ns3": "Muon (bf16 NS x3, QKV split)"}
+# One common lr grid per optimizer (factor 2 apart), centred on the previous study's D = 8 optima
+# (time_to_quality_d8_*.md: AdamW sync 2e-3, asynchronous 1e-3..8e-3; Muon sync 8e-3..1.6e-2, asynchronous
+# 2e-3..8e-3); grown by one point on a side for EVERY unit when any unit's best lr is at that edge.
+LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3], "muon": [4e-3, 8e-3, 1.6e-2], "muon-ns3": [4e-3, 8e-3, 1.6e-2]}
+MAX_GROWTH = 2  # extensions per side at most (compute); a best lr still at an edge is flagged in the report
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One tuned training configuration: optimizer key (OPTIMIZERS), name ("sync" or an ASYNC method), M
+    (micro-batches per synchronous update; the setting an asynchronous unit belongs to) and k (update
+    interval; the synchronous units: M)."""
+    opt: str
+    name: str
+    M: int
+    k: int
+
+    @property
+    def label(self) -> str:
+        return f"sync, M={self.M}" if self.name == "sync" else f"{LABELS[self.name]}, k={self.k}"
+
+
+def study_settings(quick: bool = False) -> cv.Settings:
+    """The horizon H = 512 micro-batches of B = 8 x 64 tokens (half the previous study's, to fit the shared
+    2-core machine), validation every 32 micro-batches on 16 x 8 fixed sequences."""
+    s = tr.study_settings(False, depths=[D], seeds=3, steps=512, warmup=16, eval_interval=32, eval_batches=16, tail=32)
+    if quick:
+        s = dataclasses.replace(cv.quick_settings(s), depths=[D], steps=32, warmup=1, eval_interval=16,
+                                eval_batches=8, tail=8, seeds=2, timing_rounds=1)
+    return s
+
+
+def opt_settings(s: cv.Settings, opt: str) -> cv.Settings:
+    return dataclasses.replace(s, **OPTIMIZERS[opt][1])
+
+
+# --------------------------------------------------------------------------------------------------
+# The clock: seconds per micro-batch of every configuration from its op list
+# --------------------------------------------------------------------------------------------------
+
+
+def method_costs(cm: dict, opt: str, name: str) -> cmm.StageCosts:
+    """Per-op costs of a method (the synchronous schedules: async-naive's, no policy work) at D stages;
+    error feedback's and 2BW's work derived where the model has no figure (cost_model.method_costs)."""
+    if opt == "muon-ns3":  # the step of 3 NS steps: derived from the measured Muon step
+        cm = dict(cm, ratios=dict(cm["ratios"], step=dict(cm["ratios"]["step"], muon=muon_ns3_step_ratio(cm))))
+    method = {"sync": "1f1b", "po-ef": "pipeoptim"}.get(name, name)
+    return cmm.method_costs(cm, D, OPTIMIZERS[opt][0], method, error_feedback=name == "po-ef")[0]
+
+
+def muon_ns3_step_ratio(cm: dict) -> float:
+    """The cheaper Muon's step (3 Newton-Schulz steps instead of 5) as a multiple of the forward. DERIVED:
+    Muon's step minus AdamW's (its non-matrix parameters and the momentum pass are AdamW-like) is taken to be
+    Newton-Schulz, which scales with its step count: adamw + (muon - adamw) x 3/5."""
+    r = cm["ratios"]["step"]
+    return r["adamw"] + (r["muon"] - r["adamw"]) * 3 / 5
+
+
+def seconds_per_microbatch(cm: dict, opt: str, name: str, M: int, k: int = 1) -> float | None:
+    """A configuration's seconds per micro-batch of B samples on cost model cm; None when the schedule
+    does not admit (D, M) (e.g. interleaving at M % D != 0)."""
+    c = method_costs(cm, opt, "sync" if name in SYNC else name)
+    if name in SYNC:
+        try:
+            return cmm.sync_iteration(name, D, M, c).makespan / M
+        except ConfigError:
+            return None
+    return cmm.async_per_microbatch(D, k, c).seconds_per_microbatch
+
+
+def best_sync(cm: dict, opt: str, M: int) -> tuple[str, float]:
+    """The fastest synchronous schedule at (D, M) and its seconds per micro-batch."""
+    priced = {n: seconds_per_microbatch(cm, opt, n, M) for n in SYNC}
+    name = min((n for n, t in priced.items() if t is not None), key=priced.get)
+    return name, priced[name]
+
+
+def horizon(s: cv.Settings, cm: dict, unit: Unit) -> int:
+    """Micro-batches the unit trains for: H for the synchronous run; the asynchronous ones what fits in the
+    best synchronous schedule's time for H, rounded down to whole evaluation intervals."""
+    if unit.name == "sync":
+        return s.steps
+    _, t_sync = best_sync(cm, unit.opt, unit.M)
+    t = seconds_per_microbatch(cm, unit.opt, unit.name, unit.M, unit.k)
+    return max(s.eval_interval, int(s.steps * t_sync / t) // s.eval_interval * s.eval_interval)
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs (cached: <out>/.cache/runs/dp-<key>.json)
+# --------------------------------------------------------------------------------------------------
+
+
+def unit_settings(s: cv.Settings, unit: Unit, lr: float, steps: int) -> cv.Settings:
+    """The run's settings: its optimizer's, its lr, its horizon, warm-up 1/32 of it; a synchronous unit as
+    one update per batch of M*B samples (ttq_run.batch_settings)."""
+    us = dataclasses.replace(opt_settings(s, unit.opt), lr={OPTIMIZERS[unit.opt][0]: lr}, steps=steps,
+                             warmup=max(1, steps // 32))
+    return tr.batch_settings(us, unit.M) if unit.name == "sync" else us
+
+
+def job_path(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> str:
+    us = unit_settings(s, unit, lr, steps)
+    key = cv._job_key(us, ("train", D, OPTIMIZERS[unit.opt][0], f"dp-{unit.name}-m{unit.M}-k{unit.k}", seed))
+    return os.path.join(s.cache(), "runs", f"dp-{key}.json")
+
+
+def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dict:
+    us = unit_settings(s, unit, lr, steps)
+    opt = OPTIMIZERS[unit.opt][0]
+    if unit.name == "sync":
+        r, per = cv.train_job(us, 0, opt, "sync", seed), unit.M
+    else:
+        r, per = cv.train_job(us, D, opt, unit.name, seed, update_interval=unit.k), 1
+    r = {k: v for k, v in r.items() if k != "losses"}  # (the per-micro-batch train losses: not reported)
+    r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps,
+             curve=[(e * per, v) for e, v in r["val"]])
+    path = job_path(s, unit, lr, seed, steps)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(r, f)
+    os.replace(path + ".tmp", path)
+    return r
+
+
+def _run_job_args(args) -> dict:
+    return run_job(*args)
+
+
+def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = None) -> list[dict]:
+    """Cached results of jobs (unit, lr, seed, steps) with --resume, the rest on s.jobs workers; jobs not
+    started by `deadline` (time.time()) are skipped (reported as not run)."""
+    out, todo = [], []
+    for job in jobs:
+        path = job_path(s, *job)
+        if s.resume and os.path.isfile(path):
+            with open(path) as f:
+                out.append(json.load(f))
+        else:
+            todo.append(job)
+    if not todo:
+        return out
+    start = time.perf_counter()
+    pool = None
+    if s.jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(min(s.jobs, len(todo)))
+        it = pool.imap_unordered(_run_job_args, [(s, *j) for j in todo])
+    else:
+        it = (run_job(s, *j) for j in todo if deadline is None or time.time() < deadline)
+    try:
+        for i, r in enumerate(it, 1):
+            out.append(r)
+            u = Unit(**r["unit"])
+            last = r["curve"][-1][1] if r["curve"] else float("nan")
+            log(f"[{i}/{len(todo)}] {OPT_LABELS[u.opt]} {u.label} lr {r['lr']:g} seed {r['seed']} "
+                f"({r['micro_batches']} mb): val {last:.4f} ({r['seconds']:.0f} s) | "
+                f"{(time.perf_counter() - start) / 60:.1f} min, load {os.getloadavg()[0]:.1f}")
+            if pool is not None and deadline is not None and time.time() > deadline:
+                log("> deadline reached: the remaining jobs are not run")
+                pool.terminate()
+                break
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return out
+
+
+def final_val(r: dict) -> float:
+    c = r["curve"]
+    return c[-1][1] if c and c[-1][0] == r["micro_batches"] and math.isfinite(c[-1][1]) else math.inf
+
+
+def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: list[str],
+               k1_methods: list[str] | None = None) -> list[Unit]:
+    """Every unit: per (optimizer, M) the synchronous run and each asynchronous method at k in ks
+    ("1", "2", "M"; k = 1 only for the methods of `k1_methods` when given), PipeDream-2BW only where
+    k >= D (it accumulates over at least D micro-batches)."""
+    units = []
+    for o in optimizers:
+        for M in ms:
+            if any(m in SYNC for m in methods) or "sync" in methods:
+                units.append(Unit(o, "sync", M, M))
+            for m in ASYNC:
+                if m not in methods:
+                    continue
+                for k in dict.fromkeys(M if x == "M" else int(x) for x in ks):
+                    if (m == "pipedream-2bw" and k < D) or (k == 1 and k1_methods is not None and m not in k1_methods):
+                        continue
+                    units.append(Unit(o, m, M, k))
+    return units
+
+
+def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
+              deadline: float | None = None, max_growth: int = MAX_GROWTH, equal_samples: bool = False) -> dict:
+    """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
+    while any unit's best lr sits at that edge (at most MAX_GROWTH times); then seeds 2..n at each unit's
+    best lr. Returns {"units", "grid", "sweep", "best", "runs", "horizons", "not_run"}."""
+    wl = cv.build_workload(s)
+    wl.prepare()
+    for M in sorted({u.M for u in units}):
+        cv.build_workload(tr.batch_settings(s, M)).prepare()
+    steps = {u: horizon(s, cm, u) for u in units}
+    grid = {o: list(v) for o, v in grid.items()}
+    results: dict = {}
+    grown = {o: {"low": 0, "high": 0} for o in grid}
+    while True:
+        jobs = [(u, lr, 1, steps[u]) for u in units for lr in grid[u.opt] if (u, lr, 1) not in results]
+        log(f"> sweep: {len(jobs)} runs (seed 1) over {len(units)} units")
+        for r in run_jobs(s, jobs, log, deadline):
+            results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
+        best = {u: min(grid[u.opt], key=lambda lr: (final_val(results[(u, lr, 1)])
+                                                     if (u, lr, 1) in results else math.inf, lr)) for u in units}
+        more = False
+        for o in grid:
+            mine = [u for u in units if u.opt == o and (u, best[u], 1) in results]
+            if any(best[u] == grid[o][0] for u in mine) and grown[o]["low"] < max_growth:
+                grid[o].insert(0, grid[o][0] / 2)
+                grown[o]["low"] += 1
+                more = True
+            if any(best[u] == grid[o][-1] for u in mine) and grown[o]["high"] < max_growth:
+                grid[o].append(grid[o][-1] * 2)
+                grown[o]["high"] += 1
+                more = True
+        if not more or (deadline is not None and time.time() > deadline):
+            break
+    jobs = [(u, best[u], sd, steps[u]) for u in units for sd in range(2, s.seeds + 1) if (u, best[u]) and
+            (u, best[u], sd) not in results]
+    log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds})")
+    for r in run_jobs(s, jobs, log, deadline):
+        results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
+    sweep = {u: {lr: final_val(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
+    runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
+            for u in units}
+    planned = {(u, lr, 1) for u in units for lr in grid[u.opt]} | {(u, best[u], sd) for u in units
+                                                                    for sd in range(2, s.seeds + 1)}
+    not_run = sorted((u.opt, u.name, u.M, u.k, lr, sd) for (u, lr, sd) in planned - set(results))
+    # The equal-samples view as runs of their own: each asynchronous unit at its best lr stopped at H, its
+    # cosine over H (not read off the longer run, whose lr is still high at H).
+    same: dict = {}
+    if equal_samples:
+        jobs = [(u, best[u], sd, s.steps) for u in units if u.name != "sync" and steps[u] != s.steps
+                for sd in range(1, s.seeds + 1)]
+        log(f"> {len(jobs)} equal-samples runs (H = {s.steps} micro-batches, the best lr)")
+        for r in run_jobs(s, jobs, log, deadline):
+            same.setdefault(Unit(**r["unit"]), []).append(r)
+        not_run += sorted((u.opt, u.name, u.M, u.k, lr, sd, f"equal samples {n}") for u, lr, sd, n in jobs
+                          if sd not in {r["seed"] for r in same.get(u, [])})
+    return {"units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
+            "horizons": steps, "not_run": not_run, "unigram": wl.unigram_baseline(),
+            "equal_samples": {u: sorted(rs, key=lambda r: r["seed"]) for u, rs in same.items()},
+            "train_seconds": sum(r["seconds"] for r in results.values()) +
+            sum(r["seconds"] for rs in same.values() for r in rs)}
+
+
+RUN_KEYS = ("seed", "lr", "curve", "seconds", "micro_batches", "copies", "steps_taken", "update_interval")
+
+
+def dump_json(path: str, s: cv.Settings, study: dict, cm_path: str, command: str, provenance: dict) -> str:
+    """The study's runs, sweeps and settings (relative paths only): what --from-json rebuilds the report from."""
+    units = []
+    for u in study["units"]:
+        units.append({**dataclasses.asdict(u), "label": u.label, "horizon": study["horizons"][u],
+                      "sweep": {str(lr): v for lr, v in study["sweep"][u].items()}, "best_lr": study["best"][u],
+                      "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]],
+                      "equal_samples_runs": [{k: r[k] for k in RUN_KEYS} for r in study.get("equal_samples", {}).get(u, [])]})
+    data = {"command": command, "settings": tr.settings_record(s), "cost_model": cm_path,
+            "grid": study["grid"], "grown": study["grown"], "units": units, "not_run": study["not_run"],
+            "unigram": study["unigram"], "train_seconds": study["train_seconds"], "provenance": provenance}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def study_from_json(data: dict) -> dict:
+    units, sweep, best, runs, horizons, same = [], {}, {}, {}, {}, {}
+    for e in data["units"]:
+        u = Unit(e["opt"], e["name"], e["M"], e["k"])
+        units.append(u)
+        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
+        best[u], horizons[u] = e["best_lr"], e["horizon"]
+        runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
+        if e.get("equal_samples_runs"):
+            same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
+    return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep, "best": best, "runs": runs,
+            "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
+            "train_seconds": data["train_seconds"]}
+
+
+def provenance_now(load0, wall: float) -> dict:
+    import datetime
+    import subprocess
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cv.REPO, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"machine": bench_common.machine(), "load_start": list(load0), "load_end": list(os.getloadavg()),
+            "wall_minutes": wall / 60, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=list(OPTIMIZERS))
+    p.add_argument("--microbatches", "-M", type=int, nargs="+", default=[4], help="M per synchronous update (default 4)")
+    p.add_argument("--methods", nargs="+", default=["sync", *ASYNC], choices=["sync", *ASYNC])
+    p.add_argument("--ks", nargs="+", default=["1", "2", "M"], help="update intervals of the asynchronous units "
+                   "(integers, or M)")
+    p.add_argument("--k1-methods", nargs="+", default=None, choices=list(ASYNC),
+                   help="run k = 1 only for these asynchronous methods (default: every method at every --ks)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default 3; --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="horizon H of the synchronous run in micro-batches (512)")
+    p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
+    p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
+                   help="the clock that sets every unit's budget (default: the measured H200 model)")
+    p.add_argument("--equal-samples", action="store_true",
+                   help="also run every asynchronous unit at its best lr for H micro-batches (its cosine over H): "
+                        "the equal-samples view as runs, beside the equal wall-clock budget")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
+                   "at k = M, one lr (no growth), 2 seeds")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
+    p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/.cache/runs")
+    p.add_argument("--deadline", default=None, metavar="HH:MM", help="start no run after this UTC time")
+    p.add_argument("--out", default=None, help="output directory (default bench/results/time_to_quality)")
+    p.add_argument("--name", default="deep_pipelines", help="base name of the output files")
+    p.add_argument("--from-json", default=None, metavar="PATH", help="the report again from its JSON, no training")
+    return p
+
+
+def _deadline(text: str | None) -> float | None:
+    if text is None:
+        return None
+    import datetime
+    h, m = (int(x) for x in text.split(":"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    at = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    # A time up to 12 h ago has passed (no new run starts: --resume then reports what the cache holds);
+    # further back, it is tomorrow's.
+    return (at + datetime.timedelta(days=1)).timestamp() if (now - at).total_seconds() > 12 * 3600 else at.timestamp()
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a command runs: settings, clock, units, lr grids and the run's options."""
+    s: cv.Settings
+    cm: dict
+    cost_model_path: str
+    units: list
+    grid: dict
+    max_growth: int
+    deadline: float | None
+    command: str
+    name: str
+    equal_samples: bool = False
+
+
+def shown_path(arg: str) -> str:
+    """A command-line argument as a results file records it: no machine path (relative inside the checkout,
+    a placeholder outside it)."""
+    if not os.path.isabs(arg):
+        return arg
+    return os.path.relpath(arg, cv.REPO) if arg.startswith(cv.REPO + os.sep) else "<a path outside the checkout>"
+
+
+def plan_from_args(given: list[str]) -> Plan:
+    a = build_parser().parse_args(given)
+    s = study_settings(a.quick)
+    for name in ("seeds", "steps"):
+        if getattr(a, name) is not None:
+            setattr(s, name, getattr(a, name))
+    s.jobs, s.resume = a.jobs, a.resume
+    s.out = os.path.abspath(a.out or (OUT + "_quick" if a.quick else OUT))
+    grid = {o: list(v) for o, v in LR_GRID.items()}
+    if a.quick:
+        grid = {o: v[1:2] for o, v in grid.items()}
+    for item in a.lr_grid or []:
+        o, _, v = item.partition("=")
+        try:
+            grid[o] = [float(x) for x in v.split(",")] if o in grid else None
+        except ValueError:
+            grid[o] = None
+        if grid[o] is None:
+            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
+    defaults = build_parser().parse_args([])
+    optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
+    methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
+    ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
+    if any(x != "M" and not x.isdigit() for x in ks):
+        raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
+    bad = [M for M in a.microbatches if M < 1 or s.steps % M or s.eval_interval % M or s.eval_batches % M]
+    if bad:
+        raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
+                         f"{s.eval_interval} and the validation batches {s.eval_batches}")
+    path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
+    command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
+    return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
+                plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
+                {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name,
+                a.equal_samples)
+
+
+def run(plan: Plan, log=print) -> list[str]:
+    """The runs, the JSON, then the report from it: [json, md, png, verdicts]."""
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    study = run_study(plan.s, plan.cm, plan.units, plan.grid, log, plan.deadline, plan.max_growth, plan.equal_samples)
+    path = dump_json(os.path.join(plan.s.out, plan.name + ".json"), plan.s, study, plan.cost_model_path,
+                     plan.command, provenance_now(load0, time.perf_counter() - t0))
+    import deep_pipelines_report as report  # (after the runs: the report is rebuilt from the JSON)
+    return [path, *report.regenerate(path)]
+
+
+def main(argv=None) -> int:
+    given = sys.argv[1:] if argv is None else list(argv)
+    a = build_parser().parse_args(given)
+    try:
+        if a.from_json:
+            import deep_pipelines_report as report
+            paths = report.regenerate(a.from_json)
+        else:
+            paths = run(plan_from_args(given))
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"> wrote {', '.join(os.path.relpath(p) for p in paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -221,6 +221,10 @@ class Recompilations(logging.Handler):
 
 @pytest.fixture
 def recompilations():
+    """The recompilations of this test's own graphs: TorchDynamo's caches are emptied first, since graphs an
+    earlier test compiled for another model, dtype or attention backend stay cached in the process, and a call of
+    this test's meeting one of them fails that graph's guards (a recompilation the test did not cause)."""
+    torch._dynamo.reset()
     handler = Recompilations()
     yield handler
     handler.close()

@@ -1,28 +1,13 @@
-import os, sys
+"""The deep-pipeline study's units, budget and runs (bench/deep_pipelines/deep_pipelines.py is the command):
+the settings, each unit's horizon in the equal wall-clock budget, the lr sweep grown at its edges for every unit,
+the seeds, the JSON and the plan the command line makes."""
+
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
-import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
-bench_common.add_repo_to_path()
-
-__doc__ = """Where an asynchronous pipeline earns its keep (issue 36): D = 8 with few micro-batches per update (M = 2, 4,
-8), every method trained for the micro-batches it processes in an equal wall-clock budget on the measured
-H200 clock.
-
-    python bench/time_to_quality/deep_pipelines.py --jobs 1 --resume                 # M = 4, AdamW and Muon
-    python bench/time_to_quality/deep_pipelines.py --optimizers muon muon-ns3 --resume
-    python bench/time_to_quality/deep_pipelines.py --quick                           # smoke run (a minute)
-    python bench/time_to_quality/deep_pipelines.py --from-json bench/results/time_to_quality/deep_pipelines.json
-
-The clock is megatron_po/pipeline/cost_model.py's: each method's seconds per micro-batch from its own op list
-(a synchronous schedule's flush + every rank's step; the asynchronous stream's steady state with a step
-after every k backwards) priced by a cost model (default: the measured H200 model,
-bench/results/gpu_nvidia_h200_a_cost_model.json). The budget is the time the best synchronous schedule
-needs for the horizon H (micro-batches of B samples); each asynchronous unit then trains for
-floor(budget / its seconds per micro-batch), rounded down to whole evaluation intervals, with its lr
-schedule (warm-up 1/32 of its run, cosine decay) spanning its own run. The runs (bench/time_to_quality/ttq_run.py's
-workload and bench/convergence/convergence.py's `train_job`, imported): the synchronous schedules share one unpipelined
-run per (M, optimizer) (the mean gradient of M micro-batches, one step); the asynchronous ones run through
-`AsyncEmulator` at D stages and update interval k. The report: deep_pipelines_report.py.
-"""
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -460,37 +445,8 @@ def plan_from_args(given: list[str]) -> Plan:
         raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
                          f"{s.eval_interval} and the validation batches {s.eval_batches}")
     path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
-    command = "python bench/time_to_quality/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
+    command = "python bench/deep_pipelines/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
     return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
                 plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
                 {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name,
                 a.equal_samples)
-
-
-def run(plan: Plan, log=print) -> list[str]:
-    """The runs, the JSON, then the report from it: [json, md, png, verdicts]."""
-    load0, t0 = os.getloadavg(), time.perf_counter()
-    study = run_study(plan.s, plan.cm, plan.units, plan.grid, log, plan.deadline, plan.max_growth, plan.equal_samples)
-    path = dump_json(os.path.join(plan.s.out, plan.name + ".json"), plan.s, study, plan.cost_model_path,
-                     plan.command, provenance_now(load0, time.perf_counter() - t0))
-    import deep_pipelines_report as report  # (after the runs: the report is rebuilt from the JSON)
-    return [path, *report.regenerate(path)]
-
-
-def main(argv=None) -> int:
-    given = sys.argv[1:] if argv is None else list(argv)
-    a = build_parser().parse_args(given)
-    try:
-        if a.from_json:
-            import deep_pipelines_report as report
-            paths = report.regenerate(a.from_json)
-        else:
-            paths = run(plan_from_args(given))
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    print(f"> wrote {', '.join(os.path.relpath(p) for p in paths)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,20 @@
-import os, sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
-import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
-bench_common.add_repo_to_path()
-
-__doc__ = """The report of the deep-pipeline study (deep_pipelines.py), written from its JSON alone: the verdict rule
+"""The report of the deep-pipeline study (deep_pipelines.py), written from its JSON alone: the verdict rule
 first, then the clocks (measured and derived cost models), the sweep, the equal wall-clock verdict, the
 bound that explains it, the equal-samples view, the plots, and the verdicts file tools/simulate_schedule.py
 `--cost-model` prints from."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 
-import deep_pipelines as dp  # noqa: E402
+import deep_pipelines_runs as dp  # noqa: E402
 from megatron_po.pipeline import cost_model as cmm  # noqa: E402
 
 REPO = dp.cv.REPO
@@ -194,7 +196,7 @@ def regenerate(json_path: str) -> list[str]:
 
 def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str) -> str | None:
     """The study's verdict per (D, M, optimizer) on the measured clock, for tools/simulate_schedule.py."""
-    out = {"note": "written by bench/time_to_quality/deep_pipelines_report.py; read by tools/simulate_schedule.py "
+    out = {"note": "written by bench/deep_pipelines/deep_pipelines_report.py; read by tools/simulate_schedule.py "
                    "--cost-model", "verdicts": {}}
     for b in blocks:
         key = f"D={dp.D},M={b['M']},{b['opt']}"

@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
 bench_common.add_repo_to_path()
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -459,18 +458,10 @@ def why_outside(outside):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stages", type=int, default=8)
+    p = bench_common.parser(__doc__)
+    zb.add_stage_arguments(p, stages=8, reps=5)
     p.add_argument("--M", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--tf", type=float, default=0.02, help="forward time per stage (s)")
-    p.add_argument("--tB", type=float, default=0.02, help="input-gradient backward time per stage (s)")
-    p.add_argument("--tW", type=float, default=0.02, help="weight-gradient backward time per stage (s)")
     p.add_argument("--t-step", type=float, default=0.007, help="optimizer step time, slept in every Step op (s)")
-    p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-trim", action="store_true",
-                   help="ops sleep their nominal time as it is (default: less the excess measured in one process)")
     p.add_argument("--quick", action="store_true",
                    help="D=4, M=2, one repetition, 5 ms ops, no trim (a smoke test: the trim's one-process "
                         "measurement is too noisy at that size on loaded cores)")

@@ -315,21 +315,27 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
     return summary
 
 
-def main():
-    p = bench_common.parser(__doc__)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--M", type=int, default=8)
+def add_stage_arguments(p, stages: int, reps: int) -> None:
+    """The sleeping stages' flags, shared by this script and bench/schedules/simulator_check.py: D, the op times,
+    the micro-batch size, repetitions and warm-up, and the trim."""
+    p.add_argument("--stages", type=int, default=stages)
     p.add_argument("--tf", type=float, default=0.02, help="forward time per stage (s)")
     p.add_argument("--tB", type=float, default=0.02, help="input-gradient backward time per stage (s)")
     p.add_argument("--tW", type=float, default=0.02, help="weight-gradient backward time per stage (s)")
     p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=reps)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-trim", action="store_true",
+                   help="ops sleep their nominal time as it is (default: less the excess measured in one process)")
+
+
+def main():
+    p = bench_common.parser(__doc__)
+    add_stage_arguments(p, stages=4, reps=3)
+    p.add_argument("--M", type=int, default=8)
     p.add_argument("--skip-async", action="store_true")
     p.add_argument("--spin-ms", type=float, default=SPIN_S * 1e3,
                    help="each synthetic op sleeps until this long before its end, then spins (0: time.sleep only)")
-    p.add_argument("--no-trim", action="store_true",
-                   help="ops sleep their nominal time as it is (default: less the excess measured in one process)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero_bubble.md"))
     a = p.parse_args()
     globals()["SPIN_S"] = a.spin_ms / 1e3  # the ranks are forked after this: they inherit it

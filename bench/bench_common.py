@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import platform
 import shlex
@@ -49,6 +50,45 @@ def add_repo_to_path() -> None:
 
 
 add_repo_to_path()
+
+
+def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bool = False, describe=str, log=print,
+                    deadline: float | None = None) -> list[dict]:
+    """Each job's result (a dict): read from its cache file `path_of(job)` with `resume`, else `worker(job)` (a
+    module-level function, so that spawned worker processes can run it) on `workers` processes, a progress line
+    `describe(result)` each; jobs not started by `deadline` (a time.time() value) are left out. The studies'
+    runner (bench/time_to_quality/ttq_run.py, bench/deep_pipelines/deep_pipelines_runs.py)."""
+    out, todo = [], []
+    for job in jobs:
+        path = path_of(job)
+        if resume and os.path.isfile(path):
+            with open(path) as f:
+                out.append(json.load(f))
+        else:
+            todo.append(job)
+    if not todo:
+        return out
+    start, pool = time.perf_counter(), None
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))
+        results = pool.imap_unordered(worker, todo)
+    else:
+        results = (worker(job) for job in todo if deadline is None or time.time() < deadline)
+    try:
+        for i, r in enumerate(results, 1):
+            out.append(r)
+            log(f"[{i}/{len(todo)}] {describe(r)} | {(time.perf_counter() - start) / 60:.1f} min, "
+                f"load {loadavg()[0]:.1f}")
+            if pool is not None and deadline is not None and time.time() > deadline:
+                log("> deadline reached: the remaining jobs are not run")
+                pool.terminate()
+                break
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return out
 
 
 def log(*args) -> None:

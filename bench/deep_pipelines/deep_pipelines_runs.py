@@ -171,44 +171,19 @@ def _run_job_args(args) -> dict:
     return run_job(*args)
 
 
+def _describe(r: dict) -> str:
+    u = Unit(**r["unit"])
+    last = r["curve"][-1][1] if r["curve"] else float("nan")
+    return (f"{OPT_LABELS[u.opt]} {u.label} lr {r['lr']:g} seed {r['seed']} ({r['micro_batches']} mb): "
+            f"val {last:.4f} ({r['seconds']:.0f} s)")
+
+
 def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = None) -> list[dict]:
     """Cached results of jobs (unit, lr, seed, steps) with --resume, the rest on s.jobs workers; jobs not
     started by `deadline` (time.time()) are skipped (reported as not run)."""
-    out, todo = [], []
-    for job in jobs:
-        path = job_path(s, *job)
-        if s.resume and os.path.isfile(path):
-            with open(path) as f:
-                out.append(json.load(f))
-        else:
-            todo.append(job)
-    if not todo:
-        return out
-    start = time.perf_counter()
-    pool = None
-    if s.jobs > 1 and len(todo) > 1:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(min(s.jobs, len(todo)))
-        it = pool.imap_unordered(_run_job_args, [(s, *j) for j in todo])
-    else:
-        it = (run_job(s, *j) for j in todo if deadline is None or time.time() < deadline)
-    try:
-        for i, r in enumerate(it, 1):
-            out.append(r)
-            u = Unit(**r["unit"])
-            last = r["curve"][-1][1] if r["curve"] else float("nan")
-            log(f"[{i}/{len(todo)}] {OPT_LABELS[u.opt]} {u.label} lr {r['lr']:g} seed {r['seed']} "
-                f"({r['micro_batches']} mb): val {last:.4f} ({r['seconds']:.0f} s) | "
-                f"{(time.perf_counter() - start) / 60:.1f} min, load {os.getloadavg()[0]:.1f}")
-            if pool is not None and deadline is not None and time.time() > deadline:
-                log("> deadline reached: the remaining jobs are not run")
-                pool.terminate()
-                break
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    return out
+    return bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+                                        workers=s.jobs, resume=s.resume, describe=_describe, log=log,
+                                        deadline=deadline)
 
 
 def final_val(r: dict) -> float:

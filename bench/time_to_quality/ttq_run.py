@@ -27,7 +27,6 @@ import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
@@ -245,42 +244,18 @@ def _run_job_args(args) -> dict:
     return run_job(*args)
 
 
+def _describe(r: dict) -> str:
+    if r["kind"] != "train":
+        return f"calibration D={r['D']} {r['optimizer']}"
+    u = Unit(**r["unit"])
+    return (f"{u.label} D={u.D} {u.opt} lr {r['lr']:g} seed {r['seed']}: val "
+            f"{r['curve'][-1][1] if r['curve'] else float('nan'):.4f} ({r['seconds']:.0f} s)")
+
+
 def run_jobs(s: cv.Settings, jobs: list[tuple], log) -> list[dict]:
     """Cached results of `jobs` (with --resume), the rest run on `s.jobs` worker processes."""
-    out, todo = [], []
-    for job in jobs:
-        path = job_path(s, job)
-        if s.resume and os.path.isfile(path):
-            with open(path) as f:
-                out.append(json.load(f))
-        else:
-            todo.append(job)
-    if not todo:
-        return out
-    start = time.perf_counter()
-    pool = None
-    if s.jobs > 1 and len(todo) > 1:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(min(s.jobs, len(todo)))
-        it = pool.imap_unordered(_run_job_args, [(s, j) for j in todo])
-    else:
-        it = (run_job(s, j) for j in todo)
-    try:
-        for i, r in enumerate(it, 1):
-            out.append(r)
-            if r["kind"] == "train":
-                u = Unit(**r["unit"])
-                what = (f"{u.label} D={u.D} {u.opt} lr {r['lr']:g} seed {r['seed']}: val "
-                        f"{r['curve'][-1][1] if r['curve'] else float('nan'):.4f} ({r['seconds']:.0f} s)")
-            else:
-                what = f"calibration D={r['D']} {r['optimizer']}"
-            log(f"[{i}/{len(todo)}] {what} | {(time.perf_counter() - start) / 60:.1f} min, "
-                f"load {os.getloadavg()[0]:.1f}")
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    return out
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+                                        workers=s.jobs, resume=s.resume, describe=_describe, log=log)
 
 
 def final_val(r: dict, steps: int) -> float:

@@ -52,6 +52,15 @@ def add_repo_to_path() -> None:
 add_repo_to_path()
 
 
+def write_json_atomic(path: str, obj) -> None:
+    """`obj` as JSON at `path`, written beside it and moved in place: a run killed mid-write leaves no half file
+    for a later --resume to read."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
 def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bool = False, describe=str, log=print,
                     deadline: float | None = None) -> list[dict]:
     """Each job's result (a dict): read from its cache file `path_of(job)` with `resume`, else `worker(job)` (a

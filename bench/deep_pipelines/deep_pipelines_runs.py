@@ -160,10 +160,7 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps,
              curve=[(e * per, v) for e, v in r["val"]])
     path = job_path(s, unit, lr, seed, steps)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(r, f)
-    os.replace(path + ".tmp", path)
+    bench_common.write_json_atomic(path, r)
     return r
 
 

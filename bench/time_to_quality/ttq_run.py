@@ -23,7 +23,6 @@ M > 1 runs accumulating M micro-batches of B (`train_accumulated`), the validati
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -233,10 +232,7 @@ def run_job(s: cv.Settings, job: tuple) -> dict:
         _, D, opt = job
         cs = dataclasses.replace(s, lr={opt: LR_GRID[opt][2]}, methods=_calib_methods(opt, s.methods))
         r = cv.calibrate_job(cs, D, opt)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(r, f)
-    os.replace(path + ".tmp", path)
+    bench_common.write_json_atomic(path, r)
     return r
 
 

@@ -46,6 +46,15 @@ def _all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=get_tensor_model_parallel_group())
 
 
+def local_targets(target: torch.Tensor, partition_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This TP rank's view of `target`: (the index into its vocab slice, 0 where the target is off the slice;
+    the mask of those off it)."""
+    start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        partition_vocab_size, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    off_slice = (target < start) | (target >= end)
+    return (target - start).masked_fill(off_slice, 0), off_slice
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):
@@ -58,12 +67,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         # 2. The target logit, from the one rank whose vocab slice holds the target.
         partition_vocab_size = logits.size(-1)
-        world_size = get_tensor_model_parallel_world_size()
-        vocab_size = partition_vocab_size * world_size
-        vocab_start_index, vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, get_tensor_model_parallel_rank(), world_size)
-        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
-        masked_target = (target - vocab_start_index).masked_fill(target_mask, 0)
+        vocab_size = partition_vocab_size * get_tensor_model_parallel_world_size()
+        masked_target, target_mask = local_targets(target, partition_vocab_size)
         predicted_logits = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1)
         predicted_logits = predicted_logits.masked_fill(target_mask, 0.0)
         if label_smoothing > 0:

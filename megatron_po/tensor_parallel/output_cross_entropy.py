@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron_po.parallel_state import get_tensor_model_parallel_world_size
 from megatron_po.tensor_parallel import weight_grads
-from megatron_po.tensor_parallel.cross_entropy import _all_reduce
-from megatron_po.tensor_parallel.layers import ColumnParallelLinear, VocabUtility
+from megatron_po.tensor_parallel.cross_entropy import _all_reduce, local_targets
+from megatron_po.tensor_parallel.layers import ColumnParallelLinear
 from megatron_po.tensor_parallel.random import weights_kept_for_recompute
 
 CHUNK_LOGITS = 2 ** 24  # logits per chunk (64 MiB in fp32), at most: tokens per chunk ~ this // (V / tp)
@@ -119,10 +119,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_, weight_ = hidden.detach(), weight.detach()
         tp = get_tensor_model_parallel_world_size()
         partition_vocab = weight.shape[0]
-        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab, get_tensor_model_parallel_rank(), tp)
-        in_slice = (target >= first) & (target < last)
-        masked_target = (target - first).masked_fill(~in_slice, 0)
+        masked_target, off_slice = local_targets(target, partition_vocab)
+        in_slice = ~off_slice
         smoothing = label_smoothing > 0
         pieces = []
         for rows in _chunks(hidden.shape[0], partition_vocab):

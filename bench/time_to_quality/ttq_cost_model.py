@@ -34,9 +34,7 @@ clock's per-op costs in the calibration's format. `h200_1p3b()` is the shipped s
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import os
 import sys
 
@@ -67,13 +65,9 @@ def _fail(where: str, what: str):
 # --------------------------------------------------------------------------------------------------
 
 
-def _per_stage(value, D: int) -> list[float]:
-    return [float(value)] * D if isinstance(value, (int, float)) else [float(v) for v in value]
-
-
 def _ratio(ms, forward: list[float]):
     """ms / forward per stage; a number when the measurement is one number and the forward uniform."""
-    values = [m / f for m, f in zip(_per_stage(ms, len(forward)), forward)]
+    values = [m / f for m, f in zip(_cm.per_stage(ms, len(forward)), forward)]
     return round(values[0], 6) if len(set(values)) == 1 and isinstance(ms, (int, float)) else [round(v, 6) for v in values]
 
 
@@ -89,7 +83,7 @@ def cost_model_from_measurements(*, name: str, device: str, model: str, pipeline
     ms of the policy's extra work per op, "stages": "stale" | "all"}}; variants_ms: {name: {"note": str,
     "step_ms": {...}, "policy_ms": {...}}}. Returns the checked dict (ratios to the forward)."""
     D = pipeline_stages
-    fwd = _per_stage(forward_ms, D)
+    fwd = _cm.per_stage(forward_ms, D)
     source = list(source)
     if backward_input_ms is None and backward_weight_ms is None:
         half = backward_ms / 2 if isinstance(backward_ms, (int, float)) else [b / 2 for b in backward_ms]

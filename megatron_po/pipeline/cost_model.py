@@ -52,7 +52,8 @@ def _fail(where: str, what: str):
 # --------------------------------------------------------------------------------------------------
 
 
-def _per_stage(value, D: int) -> list[float]:
+def per_stage(value, D: int) -> list[float]:
+    """A ratio or measurement as one value per stage (a number: the same on every stage)."""
     return [float(value)] * D if isinstance(value, (int, float)) else [float(v) for v in value]
 
 
@@ -61,7 +62,7 @@ def _check_ratio(value, what: str, D: int, where: str, positive: bool = False) -
         _fail(where, f"{what} must be a number or a list of {D} numbers, got {value!r}")
     if isinstance(value, list) and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         _fail(where, f"{what} must hold numbers, got {value!r}")
-    values = _per_stage(value, D)
+    values = per_stage(value, D)
     if len(values) != D:
         _fail(where, f"{what} has {len(values)} values; pipeline_stages is {D} (one per stage, or one number)")
     if any(not math.isfinite(v) or v < 0 or (positive and v == 0) for v in values):

@@ -136,6 +136,18 @@ def _verdicts(path: str | None, cm: dict, D: int, M: int, optimizer: str) -> dic
     return {}
 
 
+def _sync_flushes(D: int, M: int, base) -> dict:
+    """Each synchronous schedule's flush of M micro-batches at D stages on `base` costs, by row label: (schedule
+    name, its Timeline, or the reason the schedule does not admit (D, M))."""
+    out = {}
+    for name, label in SYNC_ROWS:
+        try:
+            out[label] = (name, cmm.sync_iteration(name, D, M, base))
+        except (ConfigError, ValueError) as e:
+            out[label] = (name, e)
+    return out
+
+
 def throughput_map(args) -> str:
     """Per (D, M): the fastest synchronous schedule's ms per micro-batch and the fastest asynchronous stream's
     speed against it (the bound on any asynchronous win: equal sample efficiency at best)."""
@@ -150,14 +162,10 @@ def throughput_map(args) -> str:
              "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
     for D in ds:
         cells = []
+        base, _ = cmm.method_costs(cm, D, opt, "1f1b")
         for M in ms:
-            base, _ = cmm.method_costs(cm, D, opt, "1f1b")
-            sync = {}
-            for name, label in SYNC_ROWS:
-                try:
-                    sync[label] = cmm.sync_iteration(name, D, M, base).makespan / M
-                except (ConfigError, ValueError):
-                    continue
+            sync = {label: tl.makespan / M for label, (_, tl) in _sync_flushes(D, M, base).items()
+                    if not isinstance(tl, Exception)}
             best = min(sync, key=sync.get)
             fast = {}
             for method, ef, label in ASYNC_ROWS:
@@ -180,11 +188,9 @@ def methods_table(args) -> str:
     D, M, opt = args.num_stages, args.num_microbatches, args.optimizer
     rows, notes = [], set()
     base, _ = cmm.method_costs(cm, D, opt, "1f1b")
-    for name, label in SYNC_ROWS:
-        try:
-            tl = cmm.sync_iteration(name, D, M, base)
-        except (ConfigError, ValueError) as e:
-            rows.append((label, "-", None, None, None, None, None, f"not admitted: {e}"))
+    for label, (name, tl) in _sync_flushes(D, M, base).items():
+        if isinstance(tl, Exception):
+            rows.append((label, "-", None, None, None, None, None, f"not admitted: {tl}"))
             continue
         v = cmm.chunks_of(name)
         rows.append((label, "-", tl.makespan, tl.makespan / M, tl.bubble_fraction, cmm.weight_copies(name, D),

@@ -12,6 +12,7 @@ import os
 import time
 from collections import defaultdict
 
+import bench_common
 from bench_common import REPO, log as _print
 from convergence_measure import _async_op_costs, _median, _op_costs, _time_runners, _timed
 from convergence_settings import ASYNC_METHODS, LABELS, MUON_LEGACY, PREDICTOR_VARIANTS, SYNC_METHODS, Settings
@@ -221,11 +222,7 @@ def _run_job(args) -> dict:
         result = calibrate_job(s, *job[1:])
     else:
         result = train_job(s, *job[1:])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, path)
+    bench_common.write_json_atomic(path, result)
     return result
 
 

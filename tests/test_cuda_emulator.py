@@ -6,7 +6,8 @@ PipeDream-2BW with error feedback (k = 4) and PipeNAG; D = 4 stages of the tiny 
 - On the device it equals the emulator on the CPU for a segment: every micro-batch's loss within 1e-4
   and every weight within 1e-3 absolute (the lr: one AdamW step of an element) and 1e-3 relative in
   norm per tensor, at a constant lr that keeps the stream from amplifying rounding (cuda_harness.GENTLE_LR:
-  a 1e-7 relative perturbation of the weights moved losses by <= 1e-6 and weights by <= 3e-6).
+  a 1e-7 relative perturbation of the weights moved losses by <= 1e-6 and weights by <= 3e-6), Muon's
+  Newton-Schulz in fp32 (cuda_harness.GENTLE_EXTRA: bf16 kernels round differently on the two devices).
 - Resume on the same device is bitwise: two segments against one segment, a checkpoint of every stage
   (cuda_harness.save_emulator: weights, optimizer state, the policy's versions and error-feedback buffers),
   a fresh emulator loading it, one segment; with the lr changing every step, deterministic kernels on a

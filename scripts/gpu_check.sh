@@ -3,7 +3,7 @@
 # "When a GPU is lent"): the CUDA test suite, the compile and fused-step tests on the device's own torch with the
 # GPU hidden, then bench/gpu/gpu.py's sections by priority, in a time budget; bench/gpu/gpu_check.py is the logic.
 #
-#     bash scripts/gpu_check.sh                  # part 1 (first device call): the tests, peak, gpt, plain, compiled
+#     bash scripts/gpu_check.sh                  # part 1 (first device call): the CUDA suite, peak, gpt, plain, compiled
 #     bash scripts/gpu_check.sh --part 2         # part 2 (second call): the sections part 1 leaves
 #     bash scripts/gpu_check.sh --part 2 --budget-s 330 --add compiled   # a shorter call, and what part 1 skipped
 #     bash scripts/gpu_check.sh --quick --out-dir "$TMPDIR/c"  # on a CPU: one test per suite, a tiny GPT

@@ -215,14 +215,16 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     assert "muon-run-prediction" in model["variants"]
 
     # --only / --skip; and a budget that fits the peak (quick estimate 10 s) but never the eager stream (60 s)
-    only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "stream", "--skip", "gpt", "--budget-s", "40",
-                     "--out", str(tmp_path / "o.md"))
+    # (targets, which measures nothing, runs whatever is left of the budget: it reads what the others measured)
+    only = run_bench(tmp_path, "--quick", "--only", "peak", "gpt", "stream", "targets", "--skip", "gpt", "--budget-s",
+                     "40", "--out", str(tmp_path / "o.md"))
     data = json.loads((tmp_path / "o.json").read_text())
     status = {name: st["status"] for name, st in data["section_status"].items()}
-    assert list(status) == ["peak", "stream"] and status["stream"] == "skipped", only.stdout[-3000:]
+    assert list(status) == ["peak", "stream", "targets"] and status["stream"] == "skipped", only.stdout[-3000:]
+    assert status["targets"] == "done"
     # the peak's worker: done, or (a loaded CPU's imports eating the budget) cut off at the budget, or skipped
     assert status["peak"] in ("done", "cut off", "skipped")
-    assert list(data["sections"]) == (["peak"] if status["peak"] == "done" else [])
+    assert list(data["sections"]) == (["peak"] if status["peak"] == "done" else []) + ["targets"]
     assert only.returncode == (1 if status["peak"] == "cut off" else 0)
     md = (tmp_path / "o.md").read_text()
     assert "| stream  | skipped |" in md and "stream targets --quick`" in md

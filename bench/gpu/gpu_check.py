@@ -1,9 +1,9 @@
 """Everything a lent GPU should check and measure, in one command per device call (issue 34): the CUDA test
-suite, the compile and fused-step tests on the device's own torch with the GPU hidden (what only that torch
-version breaks), then bench/gpu/gpu.py's sections by priority, inside a time budget. Part 1 is the first call,
+suite, then bench/gpu/gpu.py's sections by priority, then the compile and fused-step tests on the device's own
+torch with the GPU hidden (what only that torch version breaks), inside a time budget. Part 1 is the first call,
 part 2 (a second call) the sections part 1 leaves. `bash scripts/gpu_check.sh` runs it (docs/gpu.md).
 
-    bash scripts/gpu_check.sh                           # part 1: the tests, peak, gpt, plain, compiled
+    bash scripts/gpu_check.sh                           # part 1: the CUDA suite, peak, gpt, plain, compiled
     bash scripts/gpu_check.sh --part 2                  # part 2: stream_compiled, fused, muon, fp16, stream, ...
     bash scripts/gpu_check.sh --part 2 --budget-s 330   # as much of part 2 as 330 s allow
     bash scripts/gpu_check.sh --part 2 --add compiled   # part 2 and a step part 1 left (its summary says which)
@@ -13,13 +13,13 @@ part 2 (a second call) the sections part 1 leaves. `bash scripts/gpu_check.sh` r
 Steps, by priority (bench/gpu/gpu_budget.py holds the order, the parts and the estimated seconds):
 
   cuda_tests         bash scripts/run_gpu_tests.sh: the suite's "cuda" tests
-  cpu_compile_tests  the compiled optimizer steps' tests of tests/test_fused_prediction.py and the compiled-layer
-                     tests where torch 2.11 broke (CPU_COMPILE_TESTS), with CUDA_VISIBLE_DEVICES empty, beside
-                     cuda_tests (neither is a timing)
   peak ... stream_compiled_muon   bench/gpu/gpu.py's sections, all in one gpu.py process (later sections read
                      earlier ones' figures), with `targets` after them; a section whose ratios read another's
                      (plain and compiled read gpt and plain, MFU the peak) brings it along
-  cpu_compile_tests_rest  the other tests of tests/test_compiled_layers.py, as cpu_compile_tests
+  cpu_compile_tests  the compiled optimizer steps' tests of tests/test_fused_prediction.py and the compiled-layer
+                     tests where torch 2.11 broke (CPU_COMPILE_TESTS), with CUDA_VISIBLE_DEVICES empty
+  cpu_compile_tests_rest  the other tests of tests/test_compiled_layers.py, as cpu_compile_tests and beside it
+                     (neither is a timing)
 
 The budget (--budget-s, default 540, for a device call of at most 600 s): a step whose estimate exceeds the time
 left is skipped; a step runs with what is left as its timeout, in a process group of its own that is killed
@@ -75,7 +75,7 @@ TEST_CAP = 2.0
 QUICK_TESTS = {"cuda_tests": "test_bf16_and_fp16_losses_stay_close_to_fp32",
                "cpu_compile_tests": "test_a_step_that_does_not_compile_runs_eagerly_with_a_warning",
                "cpu_compile_tests_rest": "test_backward_reads_the_parameters_a_policy_points_at"}
-# The compile tests on the device's torch, CPU leg: step cpu_compile_tests (part 1) the compiled optimizer steps with
+# The compile tests on the device's torch, CPU leg: step cpu_compile_tests (part 2) the compiled optimizer steps with
 # the fused prediction (tests/test_fused_prediction.py) and the compiled-layer tests where torch 2.11 broke or that
 # cover a mechanism of their own (TP collectives between graphs, the distributed optimizer's step, checkpoints,
 # PipeOptim's stream, the compile summary); step cpu_compile_tests_rest (part 2, last) every other test of

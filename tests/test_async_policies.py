@@ -25,6 +25,7 @@ observed over two segments: 1.6e-6). A wrong formula is off by about one step, ~
 `test_replay_rejects_a_wrong_staleness` checks the replay does fail then.
 """
 
+import contextlib
 import copy
 import math
 
@@ -43,6 +44,7 @@ from megatron_po.pipeline.async_policy import spectrain_staleness
 from megatron_po.pipeline.policies import build_policy
 from megatron_po.pipeline.predicting_policies import PipeOptimPolicy
 from megatron_po.pipeline.schedules import async_one_f_one_b, staleness
+from megatron_po.tensor_parallel.random import recompute_weights
 
 VOCAB = 64
 SEED = 5
@@ -120,6 +122,9 @@ class Recorder(WeightPolicy):
     def copies_per_chunk(self):
         return self.inner.copies_per_chunk()
 
+    def weights_for_recompute(self, mb, c):
+        return self.inner.weights_for_recompute(mb, c)
+
     def before_forward(self, mb, c):
         self.inner.before_forward(mb, c)
         self.current = (mb, c)
@@ -188,11 +193,36 @@ def torch_optimizer(name, model, lr, weight_decay):
     return torch.optim.SGD(groups, lr=lr, momentum=0.9)
 
 
+def keep_forward_weights(params):
+    """A `recompute_weights` provider: keeps `params`' values now (the forward's) and returns the factory of the
+    context that installs them around a recomputation in the backward."""
+    kept = [p.detach().clone() for p in params]
+
+    @contextlib.contextmanager
+    def installed():
+        now = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                p.data.copy_(k)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, n in zip(params, now):
+                    p.data.copy_(n)
+    return installed
+
+
 def hybrid_grad(model, names, w_forward, w_backward, kwargs, out_grad):
     """Parameter gradients of a forward run at `w_forward` whose backward finds `w_backward` in the
-    parameter storage (what autograd computes when the weights are swapped between the two passes)."""
+    parameter storage (what autograd computes when the weights are swapped between the two passes). Where
+    they differ, the forward says so to what recomputes in the backward (the chunked output loss then keeps
+    the forward's weights for its softmax instead of computing its gradients in the forward): a run whose
+    policy claimed otherwise computes other gradients, and the comparison fails."""
     leaves = [w.clone().requires_grad_() for w in w_forward]
-    out = torch.func.functional_call(model, dict(zip(names, leaves)), (), kwargs)
+    changed = any(not torch.equal(a, b) for a, b in zip(w_forward, w_backward))
+    with recompute_weights(keep_forward_weights if changed else None):
+        out = torch.func.functional_call(model, dict(zip(names, leaves)), (), kwargs)
     with torch.no_grad():
         for leaf, w in zip(leaves, w_backward):
             leaf.data.copy_(w)

@@ -1,14 +1,19 @@
 """The chunked output layer + cross entropy (tensor_parallel/output_cross_entropy.py, --chunked-output-loss) equals
 the unfused path (the logits, then `vocab_parallel_cross_entropy`):
 
-- per-token losses, input and weight gradients, with and without label smoothing, over uneven chunks: fp32
-  within rounding (rtol 1e-5 / atol 1e-6; measured: 5e-7 on the losses, 2e-7 relative on the gradients);
-  bf16 weights and input: losses within 1e-5 (the same bf16 logits, in fp32), gradients within bf16's
-  resolution (2^-7 of the largest entry; measured 0.3 %);
-- TP = 2 (plain and sequence parallel, forked gloo ranks) = the single process's unfused results, with
-  two all-reduces in the forward where the unfused path makes three;
-- compiled (fullgraph): = the eager chunks within rounding, two graphs (statistics, gradients), no graph
-  break, and no recompilation for another token count (dynamic in the tokens). "aot_eager" (TorchDynamo and
+- per-token losses, input and weight gradients, with and without label smoothing, over uneven chunks, both
+  ways the backward gets them: the gradients computed in the forward and scaled (the loss's gradient is c *
+  the loss weight given; nothing recomputed) and recomputed (any other gradient: random per token, or a
+  mask the forward was not given): fp32 within rounding (rtol 1e-5 / atol 1e-6; measured: 5e-7 on the
+  losses, 2e-7 relative on the gradients); bf16 weights and input: losses within 1e-5 (the same bf16
+  logits, in fp32), gradients within bf16's resolution of the exact ones, as the unfused path's (2^-7 of
+  the largest entry; measured: both within 0.65 %);
+- TP = 2 (plain and sequence parallel, forked gloo ranks) = the single process's unfused results, both ways,
+  with two all-reduces per chunk in a training forward (the unfused path makes three in all) and two in
+  all in an evaluation;
+- compiled (fullgraph): = the eager chunks within rounding, one graph per piece of math (a training forward's
+  statistics and weighted gradients, a recomputing backward's gradients), no graph break, and no
+  recompilation for another token count (dynamic in the tokens). "aot_eager" (TorchDynamo and
   AOTAutograd without code generation: the compiled branch of the math, the graphs and guards, in seconds);
   inductor's kernels run in tests/test_compiled_layers.py, whose compiled runs take the chunked loss;
 - inside the pipelines: PipeOptim with every stage predicting (the backward must recompute the logits on
@@ -54,38 +59,89 @@ def data(dtype=torch.float32, seq=S):
     return x, target, grad
 
 
+def masked(seq=S):
+    """A loss mask with zeros ([s, b]) and the gradient a masked mean gives each token's loss: c * mask."""
+    mask = (torch.arange(seq * B).view(seq, B) % 5 != 3).float()
+    return mask, mask * 0.37
+
+
 def layer_of(dtype=torch.float32, **kwargs):
     torch.manual_seed(0)  # the full weight, whatever the TP size (layers.py)
     return ColumnParallelLinear(H, V, bias=False, **kwargs).to(dtype)
 
 
-def loss_and_grads(layer, x, target, grad, smoothing, chunked, backend=None):
+def loss_and_grads(layer, x, target, grad, smoothing, chunked, backend=None, loss_weight=None):
     x = x.detach().clone().requires_grad_()
     layer.weight.grad = None
     if chunked:
-        loss = output_cross_entropy.output_layer_cross_entropy(layer, x, target, smoothing, backend)
+        loss = output_cross_entropy.output_layer_cross_entropy(layer, x, target, smoothing, backend, loss_weight)
     else:
         loss = vocab_parallel_cross_entropy(layer(x)[0].float(), target, smoothing)
     loss.backward(grad)
     return loss.detach(), x.grad, layer.weight.grad
 
 
+def recomputations(monkeypatch) -> list:
+    """Counts the backward's passes that recompute the logits (`_grads`)."""
+    calls, grads = [], output_cross_entropy._grads
+    monkeypatch.setattr(output_cross_entropy, "_grads", lambda *a, **k: calls.append(1) or grads(*a, **k))
+    return calls
+
+
+# gradient given to the per-token losses, the loss weight the forward is told, whether the backward recomputes
+GRADIENTS = {"scaled": ("masked", "mask", False), "random": ("random", "mask", True),
+             "untold-mask": ("masked", None, True), "equal": ("equal", None, False)}
+
+
+def gradient_case(case, seq=S):
+    kind, told, recomputes = GRADIENTS[case]
+    mask, masked_grad = masked(seq)
+    grad = {"masked": masked_grad, "random": data(seq=seq)[2], "equal": torch.full((seq, B), 0.37)}[kind]
+    return grad, (mask if told else None), recomputes
+
+
+@pytest.mark.parametrize("case", list(GRADIENTS))
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunked_equals_unfused(dtype, smoothing):
+def test_chunked_equals_unfused(dtype, smoothing, case, monkeypatch):
     layer = layer_of(dtype)
-    x, target, grad = data(dtype)
+    x, target, _ = data(dtype)
+    grad, loss_weight, recomputes = gradient_case(case)
     expected = loss_and_grads(layer, x, target, grad, smoothing, chunked=False)
     chunks = list(output_cross_entropy._chunks(S * B, V))
     assert [r.stop - r.start for r in chunks] == [5, 4, 4, 4, 4]
-    got = loss_and_grads(layer, x, target, grad, smoothing, chunked=True)
+    calls = recomputations(monkeypatch)
+    got = loss_and_grads(layer, x, target, grad, smoothing, chunked=True, loss_weight=loss_weight)
+    assert len(calls) == recomputes
     torch.testing.assert_close(got[0], expected[0], **(FP32 if dtype == torch.float32 else dict(rtol=0, atol=1e-5)))
-    for a, b, what in zip(got[1:], expected[1:], ("input grad", "weight grad")):
+    # bf16: each path within bf16's resolution of the exact gradients (fp32 arithmetic on the same bf16 values);
+    # they round at different places (the loss weight before the GEMMs and c after them), so each other's error
+    # adds up (measured: both <= 0.65 % of the largest entry)
+    exact = expected if dtype == torch.float32 else loss_and_grads(layer_of(dtype).float(), x.float(), target, grad,
+                                                                   smoothing, chunked=False)
+    for a, b, reference, what in zip(got[1:], expected[1:], exact[1:], ("input grad", "weight grad")):
         assert a.dtype == b.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, **FP32, msg=what)
         else:
-            assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max(), what
+            for path in (a, b):
+                assert (path.float() - reference).abs().max() <= 2 ** -7 * reference.abs().max(), what
+
+
+def test_a_second_backward_through_a_kept_graph_recomputes(monkeypatch):
+    layer = layer_of()
+    x, target, _ = data()
+    mask, grad = masked()
+    calls = recomputations(monkeypatch)
+    xi = x.clone().requires_grad_()
+    loss = output_cross_entropy.output_layer_cross_entropy(layer, xi, target, loss_weight=mask)
+    loss.backward(grad, retain_graph=True)
+    assert calls == []  # the forward's gradients, handed out (scaled in place) once
+    loss.backward(grad)
+    assert calls == [1]
+    expected = loss_and_grads(layer_of(), x, target, grad, 0.0, chunked=False)
+    torch.testing.assert_close(xi.grad, 2 * expected[1], **FP32)
+    torch.testing.assert_close(layer.weight.grad, 2 * expected[2], **FP32)
 
 
 # ---- TP = 2 ---------------------------------------------------------------------------------------------------------
@@ -93,7 +149,7 @@ def test_chunked_equals_unfused(dtype, smoothing):
 def _tp_run(seq):
     import torch.distributed as dist
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    x, target, grad = data(seq=seq)
+    x, target, _ = data(seq=seq)
     out = {}
     calls = []
     all_reduce = dist.all_reduce
@@ -105,38 +161,50 @@ def _tp_run(seq):
         layer = layer_of(sequence_parallel=sp)
         xs = x.chunk(tp, dim=0)[rank] if sp else x  # sequence parallel: this rank's part of the sequence
         for smoothing in (0.0, 0.1):
-            calls.clear()
-            dist.all_reduce = counting
-            try:
-                xi = xs.clone().requires_grad_()
-                layer.weight.grad = None
-                loss = output_cross_entropy.output_layer_cross_entropy(layer, xi, target, smoothing)
-            finally:
-                dist.all_reduce = all_reduce
-            loss.backward(grad)
-            out[(sp, smoothing)] = (loss.detach(), xi.grad, layer.weight.grad, len(calls))
+            for case in ("scaled", "random", "evaluation"):
+                grad, loss_weight, _ = gradient_case("scaled" if case == "evaluation" else case, seq)
+                calls.clear()
+                dist.all_reduce = counting
+                try:
+                    xi = xs.clone().requires_grad_()
+                    layer.weight.grad = None
+                    with torch.set_grad_enabled(case != "evaluation"):
+                        loss = output_cross_entropy.output_layer_cross_entropy(layer, xi, target, smoothing,
+                                                                               loss_weight=loss_weight)
+                finally:
+                    dist.all_reduce = all_reduce
+                if case != "evaluation":
+                    loss.backward(grad)
+                out[(sp, smoothing, case)] = (loss.detach(), xi.grad, layer.weight.grad, len(calls))
     return out
 
 
 def test_tp2_chunked_equals_single_process_unfused():
     seq = 8  # sequence parallelism splits the sequence in two
     results = run_distributed(_tp_run, 2, tp=2, args=(seq,))
-    x, target, grad = data(seq=seq)
+    x, target, _ = data(seq=seq)
+    chunks = len(list(output_cross_entropy._chunks(seq * B, V // 2)))
     for sp in (False, True):
         for smoothing in (0.0, 0.1):
-            loss, x_grad, w_grad = loss_and_grads(layer_of(), x, target, grad, smoothing, chunked=False)
-            ranks = [r[(sp, smoothing)] for r in results]
-            for rank_loss, _, _, all_reduces in ranks:
-                torch.testing.assert_close(rank_loss, loss, **FP32)
-                assert all_reduces == 2  # the max, then the rescaled sums with the target logits
-            got_x = torch.cat([r[1] for r in ranks]) if sp else ranks[0][1]
-            torch.testing.assert_close(got_x, x_grad, **FP32)
-            torch.testing.assert_close(gather_tensor([r[2] for r in ranks], 0), w_grad, **FP32)
+            for case in ("scaled", "random", "evaluation"):
+                grad = gradient_case("scaled" if case == "evaluation" else case, seq)[0]
+                loss, x_grad, w_grad = loss_and_grads(layer_of(), x, target, grad, smoothing, chunked=False)
+                ranks = [r[(sp, smoothing, case)] for r in results]
+                for rank_loss, _, _, all_reduces in ranks:
+                    torch.testing.assert_close(rank_loss, loss, **FP32)
+                    # the max, then the rescaled sums with the target logits: per chunk in a training forward
+                    # (the row's softmax before its gradient), once over all chunks in an evaluation
+                    assert all_reduces == (2 if case == "evaluation" else 2 * chunks), (case, all_reduces)
+                if case == "evaluation":
+                    continue
+                got_x = torch.cat([r[1] for r in ranks]) if sp else ranks[0][1]
+                torch.testing.assert_close(got_x, x_grad, **FP32)
+                torch.testing.assert_close(gather_tensor([r[2] for r in ranks], 0), w_grad, **FP32)
 
 
 # ---- compiled: graphs, graph breaks, recompilations --------------------------------------------------------------------
 
-def test_compiled_chunks_equal_eager_in_two_graphs_without_breaks_or_recompiles(monkeypatch):
+def test_compiled_chunks_equal_eager_without_breaks_or_recompiles(monkeypatch):
     from torch._dynamo.utils import counters
 
     from megatron_po.models.compiled_layers import compile_stats
@@ -145,14 +213,18 @@ def test_compiled_chunks_equal_eager_in_two_graphs_without_breaks_or_recompiles(
     monkeypatch.setattr(output_cross_entropy, "_compiled", {})
     layer = layer_of()
     graphs = []
-    for seq in (S, 11):  # 21 tokens in 5 chunks of 4-5, then 33 in 9 of 3-4
-        x, target, grad = data(seq=seq)
-        expected = loss_and_grads(layer, x, target, grad, 0.1, chunked=True)
-        got = loss_and_grads(layer, x, target, grad, 0.1, chunked=True, backend="aot_eager")
+    # 21 tokens in 5 chunks of 4-5, then 33 in 9 of 3-4; the gradients computed in the forward, then recomputed
+    for seq, case in ((S, "scaled"), (11, "scaled"), (S, "random"), (11, "random")):
+        x, target, _ = data(seq=seq)
+        grad, loss_weight, _ = gradient_case(case, seq)
+        expected = loss_and_grads(layer, x, target, grad, 0.1, chunked=True, loss_weight=loss_weight)
+        got = loss_and_grads(layer, x, target, grad, 0.1, chunked=True, backend="aot_eager", loss_weight=loss_weight)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, **FP32)
         graphs.append(compile_stats()["graphs"])
-    assert graphs == [2, 2], graphs  # the chunk statistics and the logit gradients, dynamic in the tokens
+    # a training forward's two graphs (the chunk's statistics and exp, its weighted logit gradients), then the
+    # recomputing backward's (logit gradients), each dynamic in the tokens
+    assert graphs == [2, 2, 3, 3], graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
 
@@ -213,21 +285,24 @@ def zero_bubble_run(chunked, D=2, M=4):
     return [runners[D - 1].losses[m] for m in range(M)], [p.grad for p in params], sum(deferred)
 
 
-def test_zero_bubble_defers_the_output_layer_weight_gradient_to_w():
+def test_zero_bubble_defers_the_output_layer_weight_gradient_to_w(monkeypatch):
     unfused = zero_bubble_run(False)
+    calls = recomputations(monkeypatch)
     chunked = zero_bubble_run(True)
+    assert calls == []  # the executor hands the model its loss mask: the forward's gradients hold
     torch.testing.assert_close(torch.stack(chunked[0]), torch.stack(unfused[0]), **FP32)
     for a, b in zip(chunked[1], unfused[1]):
         torch.testing.assert_close(a, b, **FP32)
     assert chunked[2] == unfused[2] == 4 * (4 * 4 + 1)  # per micro-batch: 4 linears in 4 layers, the output layer
 
 
-def test_nmt_label_smoothed_loss_chunked_equals_unfused():
+def test_nmt_label_smoothed_loss_chunked_equals_unfused(monkeypatch):
     from test_nmt_model import SEED as NMT_SEED, VARIANTS, batches, make_cfg as nmt_cfg
 
     from megatron_po.models.gpt import masked_mean_loss
     from megatron_po.models.nmt import NMTModel
     results = []
+    calls = recomputations(monkeypatch)
     for chunked in (False, True):
         cfg = nmt_cfg("shared")  # tied output layer, label smoothing 0.1
         cfg.model.chunked_output_loss = chunked
@@ -239,6 +314,7 @@ def test_nmt_label_smoothed_loss_chunked_equals_unfused():
             loss.backward()
             losses.append(loss.detach())
         results.append((torch.stack(losses), [p.grad for p in model.parameters()]))
+    assert calls == []  # the batch's loss mask reaches the chunked loss: its gradients are the forward's
     torch.testing.assert_close(results[1][0], results[0][0], **FP32)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, **FP32)

@@ -141,19 +141,22 @@ class GPTModel(nn.Module):
                     self.output_layer.weight.embedding_copy = True  # not counted twice in norms/checkpoints
 
     def forward(self, input_ids: torch.Tensor | dict | None = None, hidden_states: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes `input_ids` [b, s]; later stages take `hidden_states` [s, b, h].
         With `reads_batch` set (--reset-position-ids / --reset-attention-mask) every stage is handed the
         micro-batch dict instead, whose `position_ids` / `document_ids` [b, s] shape positions and mask.
 
         Returns hidden states [s, b, h] (not the last stage), per-token losses [b, s] (last stage with
-        labels) or vocab-parallel logits [s, b, V/tp] (last stage without labels).
+        labels) or vocab-parallel logits [s, b, V/tp] (last stage without labels). `loss_mask` [b, s]: how the
+        caller will weight the per-token losses (the chunked output loss then computes its gradients in the
+        forward, `output_loss`).
         """
         position_ids = attn_mask = None
         if isinstance(input_ids, dict):
             batch = input_ids
             input_ids = batch["tokens"] if self.pre_process else None
             labels = batch.get("labels") if self.post_process else None
+            loss_mask = batch.get("loss_mask") if self.post_process else None
             position_ids = batch.get("position_ids")
             if "document_ids" in batch:
                 attn_mask = document_causal_mask(batch["document_ids"])
@@ -170,16 +173,19 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if labels is None:
             return self.output_layer(x)[0]  # [s, b, V/tp]; gathers the sequence under sequence parallel
-        return self.output_loss(x, labels)
+        return self.output_loss(x, labels, loss_mask=loss_mask)
 
-    def output_loss(self, x: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    def output_loss(self, x: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                    loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token losses [b, s] of the final-normed states `x` [s, b, h] against `labels` [b, s]: chunked
         (--chunked-output-loss, tensor_parallel/output_cross_entropy.py), else the logits, then the
-        vocab-parallel cross entropy."""
+        vocab-parallel cross entropy. `loss_mask` [b, s]: the weights the caller gives the losses (the chunked
+        path's gradients are computed in the forward where the backward's gradient is a multiple of them)."""
         target = labels.t().contiguous()
         if self.cfg.chunked_output_loss:
+            weight = None if loss_mask is None else loss_mask.t()
             return output_layer_cross_entropy(self.output_layer, x, target, label_smoothing,
-                                              self.output_loss_backend).t()
+                                              self.output_loss_backend, weight).t()
         logits, _ = self.output_layer(x)
         return vocab_parallel_cross_entropy(logits.float(), target, label_smoothing).t()
 

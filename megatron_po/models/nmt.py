@@ -217,7 +217,7 @@ class NMTModel(GPTModel):
             return enc, dec
         if "labels" not in batch:
             return self.output_layer(self.final_norm(dec))[0]  # [s_tgt, b, V/tp]
-        return self.output_loss(self.final_norm(dec), batch["labels"], self.label_smoothing)
+        return self.output_loss(self.final_norm(dec), batch["labels"], self.label_smoothing, batch.get("loss_mask"))
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")  # --torch-compile: every step has a new length, so decode eagerly

@@ -258,7 +258,8 @@ class StageRunner:
                 out = chunk(batch, hidden_states=hidden)
             else:
                 out = chunk(input_ids=batch["tokens"] if chunk.pre_process else None, hidden_states=hidden,
-                            labels=batch["labels"] if chunk.post_process else None)
+                            labels=batch["labels"] if chunk.post_process else None,
+                            loss_mask=batch["loss_mask"] if chunk.post_process else None)
             if chunk.post_process:
                 if "loss_normalizer" in batch:  # --calculate-per-token-loss: sum / the global batch's tokens
                     loss = (out * batch["loss_mask"]).sum() / batch["loss_normalizer"]

@@ -48,6 +48,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
+    monkeypatch.setattr(output_cross_entropy, "CHUNKS", 1)  # the count set by the logits per chunk
     monkeypatch.setattr(output_cross_entropy, "CHUNK_LOGITS", CHUNK)
 
 
@@ -126,6 +127,14 @@ def test_chunked_equals_unfused(dtype, smoothing, case, monkeypatch):
         else:
             for path in (a, b):
                 assert (path.float() - reference).abs().max() <= 2 ** -7 * reference.abs().max(), what
+
+
+def test_chunks_are_at_least_chunks_and_at_most_chunk_logits(monkeypatch):
+    monkeypatch.setattr(output_cross_entropy, "CHUNKS", 6)
+    sizes = lambda tokens, vocab: [r.stop - r.start for r in output_cross_entropy._chunks(tokens, vocab)]  # noqa: E731
+    assert sizes(21, 10) == [4, 4, 4, 3, 3, 3]  # CHUNKS, however few logits
+    assert sizes(40, V) == [5] * 8  # 40 x 64 logits, at most 5 x 64 a chunk: more than CHUNKS
+    assert sizes(4, V) == [1] * 4 and sizes(1, V) == [1]  # never an empty chunk
 
 
 def test_a_second_backward_through_a_kept_graph_recomputes(monkeypatch):

@@ -29,8 +29,9 @@ import time  # noqa: E402
 
 VARIANTS = ("unfused", "chunked", "chunked-compiled", "chunked-recompute")
 TARGETED = ("chunked", "chunked-compiled")  # issue 34's target; chunked-recompute is reported beside them
-FULL = dict(tokens=4096, hidden=512, vocab=50257, chunk_logits=None)  # None: output_cross_entropy's
-QUICK = dict(tokens=256, hidden=64, vocab=4000, chunk_logits=2 ** 16)  # 16 chunks
+# chunks, chunk_logits: output_cross_entropy's CHUNKS and CHUNK_LOGITS (None: the module's)
+FULL = dict(tokens=4096, hidden=512, vocab=50257, chunks=None, chunk_logits=None)
+QUICK = dict(tokens=256, hidden=64, vocab=4000, chunks=1, chunk_logits=2 ** 16)  # 16 chunks
 
 
 def _status_kib(field: str) -> int:
@@ -41,7 +42,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure(variant: str, tokens: int, hidden: int, vocab: int, chunk_logits: int, reps: int) -> dict:
+def measure(variant: str, tokens: int, hidden: int, vocab: int, chunks: int, chunk_logits: int, reps: int) -> dict:
     """In this process: peak bytes and seconds per forward + backward of `variant`."""
     import contextlib
 
@@ -49,7 +50,7 @@ def measure(variant: str, tokens: int, hidden: int, vocab: int, chunk_logits: in
 
     from megatron_po.tensor_parallel import ColumnParallelLinear, output_cross_entropy, pad_vocab_size, \
         vocab_parallel_cross_entropy
-    output_cross_entropy.CHUNK_LOGITS = chunk_logits
+    output_cross_entropy.CHUNKS, output_cross_entropy.CHUNK_LOGITS = chunks, chunk_logits
     if variant == "chunked-recompute":  # a provider of the forward's weights: the backward recomputes on them
         output_cross_entropy.weights_kept_for_recompute = lambda params: contextlib.nullcontext
     torch.manual_seed(0)
@@ -83,8 +84,9 @@ def measure(variant: str, tokens: int, hidden: int, vocab: int, chunk_logits: in
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    rows = [r.stop - r.start for r in output_cross_entropy._chunks(tokens, padded)]
     return {"variant": variant, "peak": peak, "seconds": times, "loss": loss, "padded_vocab": padded,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "chunk_rows": [min(rows), max(rows), len(rows)]}
 
 
 def run_variant(variant: str, size: dict, reps: int) -> dict:
@@ -116,8 +118,9 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
     lines.emit(f"Device: CPU, {bench_common.machine()}, {first['threads']} torch threads  ")
     lines.emit(f"{load_before}  ")
     lines.emit(f"Settings: {size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
-               f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; chunks of at most "
-               f"{size['chunk_logits']} logits; forward + backward of the mean loss (input and weight gradients); "
+               f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; {first['chunk_rows'][2]} chunks "
+               f"of {first['chunk_rows'][0]}-{first['chunk_rows'][1]} tokens (CHUNKS {size['chunks']}, CHUNK_LOGITS "
+               f"{size['chunk_logits']}); forward + backward of the mean loss (input and weight gradients); "
                f"{rounds} rounds of one fresh process per variant, alternating; {reps} timed passes each after a "
                f"warm-up")
     lines.emit()
@@ -161,14 +164,16 @@ def main(argv=None) -> None:
                         help="results file (not written with --quick unless given)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a measuring process
     for k in FULL:
-        parser.add_argument(f"--{k.replace('_', '-')}", type=int, help=argparse.SUPPRESS if k != "chunk_logits" else
-                            "logits per chunk (default: output_cross_entropy.CHUNK_LOGITS)")
+        parser.add_argument(f"--{k.replace('_', '-')}", type=int, help={
+            "chunks": "chunks a pass makes, at least (default: output_cross_entropy.CHUNKS)",
+            "chunk_logits": "logits per chunk, at most (default: output_cross_entropy.CHUNK_LOGITS)"}.get(
+                k, argparse.SUPPRESS))
     args = parser.parse_args(argv)
     size = dict(QUICK if args.quick else FULL)
     size.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
-    if size["chunk_logits"] is None:
-        from megatron_po.tensor_parallel.output_cross_entropy import CHUNK_LOGITS
-        size["chunk_logits"] = CHUNK_LOGITS
+    from megatron_po.tensor_parallel import output_cross_entropy
+    size["chunks"] = output_cross_entropy.CHUNKS if size["chunks"] is None else size["chunks"]
+    size["chunk_logits"] = output_cross_entropy.CHUNK_LOGITS if size["chunk_logits"] is None else size["chunk_logits"]
     if args.variant:
         print(json.dumps(measure(args.variant, **size, reps=args.reps)))
         return

@@ -3,8 +3,9 @@ holds the [tokens x V/tp] logits (--chunked-output-loss, the default; docs/compi
 
 The unfused path (`ColumnParallelLinear` then `vocab_parallel_cross_entropy`) materialises the logits, their
 fp32 copy and the softmax: at vocab 50,257 and 4 x 2048 tokens 1.6 GB per fp32 copy, the largest activations
-of the model. Here the tokens go through in chunks of about `CHUNK_LOGITS` logits, and a training forward
-computes the gradients too, while it has each chunk's logits (as Liger-Kernel's fused linear cross entropy):
+of the model. Here the tokens go through in `CHUNKS` chunks (more where one would exceed `CHUNK_LOGITS` logits),
+and a training forward computes the gradients too, while it has each chunk's logits (as Liger-Kernel's fused
+linear cross entropy):
 
     forward, per chunk:   z = x_c W^T (the weight's dtype, then fp32) -> row max m, p = exp(z - m) in place,
                           sum_j p_j, the target's logit (and sum_j z_j with label smoothing);
@@ -55,16 +56,19 @@ from megatron_po.tensor_parallel.cross_entropy import _all_reduce, local_targets
 from megatron_po.tensor_parallel.layers import ColumnParallelLinear
 from megatron_po.tensor_parallel.random import weights_kept_for_recompute
 
-# Logits per chunk (128 MiB in fp32), at most: tokens per chunk ~ this // (V / tp). A training chunk holds its fp32
-# logits, their gradient in the weight's dtype and, eagerly, the rows' temporaries; every chunk also reads and writes
-# the fp32 weight-gradient accumulator [V/tp x h], so fewer, larger chunks move less memory.
-CHUNK_LOGITS = 2 ** 25
+# Chunks a pass makes, at least. Each training chunk holds its fp32 logits (and, eagerly, their gradient in the
+# weight's dtype): about 1/CHUNKS of the unfused path's; and each one reads and writes the fp32 weight-gradient
+# accumulator [V/tp x h] once, so that memory traffic grows with the count (at 4 x 2048 tokens and V 50,304 on a GPU,
+# 25 chunks moved about 31 GB a micro-batch; bench/results/gpu_nvidia_h100_80gb_hbm3_2026-11-27, docs/gpu.md).
+CHUNKS = 6
+# Logits per chunk, at most (1 GiB in fp32): long sequences and large vocabularies take more chunks than CHUNKS.
+CHUNK_LOGITS = 2 ** 28
 
 
 def _chunks(num_tokens: int, partition_vocab_size: int):
-    """Row ranges of about CHUNK_LOGITS logits each, of sizes differing by at most one (a compiled graph
-    specializes a dim of size 1: no last chunk of one token unless the whole is)."""
-    count = max(1, -(-num_tokens // max(1, CHUNK_LOGITS // partition_vocab_size)))
+    """Row ranges: CHUNKS of them, or more where a chunk would exceed CHUNK_LOGITS logits, of sizes differing by
+    at most one (a compiled graph specializes a dim of size 1: no chunk of one token unless the whole is)."""
+    count = max(1, min(num_tokens, max(CHUNKS, -(-num_tokens * partition_vocab_size // CHUNK_LOGITS))))
     size, longer = divmod(num_tokens, count)
     start = 0
     for i in range(count):

@@ -84,8 +84,7 @@ def measure(variant: str, tokens: int, hidden: int, vocab: int, chunks: int, chu
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    rows = [r.stop - r.start for r in output_cross_entropy._chunks(
-        tokens, padded, output_cross_entropy._twice(backend, layer.weight))]
+    rows = [r.stop - r.start for r in output_cross_entropy._chunks(tokens, padded)]
     return {"variant": variant, "peak": peak, "seconds": times, "loss": loss, "padded_vocab": padded,
             "threads": torch.get_num_threads(), "chunk_rows": [min(rows), max(rows), len(rows)]}
 
@@ -97,12 +96,6 @@ def run_variant(variant: str, size: dict, reps: int) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{variant}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def compiled_chunks(results: dict) -> str:
-    """The compiled variant's chunking where it differs (output_cross_entropy._twice: fp32 weights compiled)."""
-    rows = results.get("chunked-compiled", [{}])[0].get("chunk_rows")
-    return "" if rows is None else f", compiled {rows[2]} chunks of {rows[0]}-{rows[1]} tokens"
 
 
 def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tuple[list[str], dict]:
@@ -127,7 +120,7 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
     lines.emit(f"Settings: {size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
                f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; {first['chunk_rows'][2]} chunks "
                f"of {first['chunk_rows'][0]}-{first['chunk_rows'][1]} tokens (CHUNKS {size['chunks']}, CHUNK_LOGITS "
-               f"{size['chunk_logits']}){compiled_chunks(results)}; forward + backward of the mean loss (input and weight gradients); "
+               f"{size['chunk_logits']}); forward + backward of the mean loss (input and weight gradients); "
                f"{rounds} rounds of one fresh process per variant, alternating; {reps} timed passes each after a "
                f"warm-up")
     lines.emit()

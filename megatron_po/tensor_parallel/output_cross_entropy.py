@@ -65,12 +65,10 @@ CHUNKS = 6
 CHUNK_LOGITS = 2 ** 28
 
 
-def _chunks(num_tokens: int, partition_vocab_size: int, twice: bool = False):
+def _chunks(num_tokens: int, partition_vocab_size: int):
     """Row ranges: CHUNKS of them, or more where a chunk would exceed CHUNK_LOGITS logits, of sizes differing by
-    at most one (a compiled graph specializes a dim of size 1: no chunk of one token unless the whole is).
-    `twice`: twice as many (`_twice`)."""
-    count = max(CHUNKS, -(-num_tokens * partition_vocab_size // CHUNK_LOGITS)) * (2 if twice else 1)
-    count = max(1, min(num_tokens, count))
+    at most one (a compiled graph specializes a dim of size 1: no chunk of one token unless the whole is)."""
+    count = max(1, min(num_tokens, max(CHUNKS, -(-num_tokens * partition_vocab_size // CHUNK_LOGITS))))
     size, longer = divmod(num_tokens, count)
     start = 0
     for i in range(count):
@@ -143,14 +141,6 @@ def _chunk_functions(backend: str | None) -> tuple:
     return _compiled[backend]
 
 
-def _twice(backend: str | None, weight) -> bool:
-    """Whether a pass takes twice the chunks: compiled with fp32 weights. Inductor writes each graph's [chunk x V]
-    result to a buffer of its own (where eagerly the exp, the softmax and its gradient overwrite the GEMM's fp32
-    output in place), so such a chunk holds two fp32 buffers where the eager one holds one; with bf16 weights
-    both hold the bf16 GEMM output and one fp32 buffer."""
-    return backend is not None and weight.dtype == torch.float32
-
-
 def _token_dim_dynamic(backend: str | None, *tensors) -> None:
     """Compiled: the token dim (0) is dynamic from the first call (a last, smaller chunk or another length
     reuses the graph)."""
@@ -200,7 +190,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return loss
         statistics = _chunk_functions(backend)[0]
         pieces = []
-        for rows in _chunks(hidden.shape[0], partition_vocab, _twice(backend, weight)):
+        for rows in _chunks(hidden.shape[0], partition_vocab):
             args = (hidden_[rows], masked_target[rows], in_slice[rows])
             _token_dim_dynamic(backend, *args)
             pieces.append(statistics(args[0], weight_, args[1], args[2], label_smoothing > 0))
@@ -248,7 +238,7 @@ def _forward_with_grads(ctx, hidden, weight, masked_target, in_slice, loss_weigh
     grad_input = torch.empty_like(hidden) if want_input else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
     log_sum_exps, losses = [], []
-    for rows in _chunks(hidden.shape[0], weight.shape[0], _twice(backend, weight)):
+    for rows in _chunks(hidden.shape[0], weight.shape[0]):
         x, target, in_slice_c, w = hidden[rows], masked_target[rows], in_slice[rows], loss_weight[rows]
         _token_dim_dynamic(backend, x, target, in_slice_c, w)
         exp, row_max, sum_exp, target_logit, *sum_logits = exp_statistics(x, weight, target, in_slice_c,
@@ -318,7 +308,7 @@ def _grads(hidden, forward_weight, masked_target, in_slice, log_sum_exp, grad_lo
     grad_weight = None
     if weight_grad:
         grad_weight = torch.zeros(forward_weight.shape, dtype=torch.float32, device=forward_weight.device)
-    for rows in _chunks(hidden.shape[0], forward_weight.shape[0], _twice(backend, forward_weight)):
+    for rows in _chunks(hidden.shape[0], forward_weight.shape[0]):
         args = (hidden[rows], masked_target[rows], in_slice[rows], log_sum_exp[rows], grad_loss[rows])
         _token_dim_dynamic(backend, *args)
         grad_logits = logit_grads(args[0], forward_weight, *args[1:], label_smoothing, vocab_size)

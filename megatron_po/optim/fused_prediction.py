@@ -266,8 +266,8 @@ def _slices(count: int, positions: list[int]):
     graph holds its few tensors, and slices alike (shapes, stepping positions) share one (`compiled_update`):
     a model's layers repeat, so the step compiles a few layers' graphs whatever the depth. One graph for a
     whole group grows with its tensor count, inductor's fusion and scheduling faster than linearly: GPT-1.3B's
-    groups (99 and 194 tensors) compiled in ~100 s on an H100 (torch 2.11), 147 s on a 2-core CPU (torch
-    2.13), where their slices compile in 25 s on that CPU (bench/step/fused_step.py --compile-time)."""
+    groups (99 and 194 tensors) compiled in ~100 s on an H100 (torch 2.11) and 103 s on a 2-core CPU (torch
+    2.13), where their slices compile in 19 s (bench/results/step_compile.md)."""
     row = 0
     for first in range(0, count, STEP_SLICE):
         last = min(first + STEP_SLICE, count)

@@ -27,7 +27,10 @@ SECTION_SECONDS = {
     # * 2 methods at 150 s: start-up and build 20 s, its layers' compile about as long as compiled's (140 s less
     # the run) but for 6 layers a stage, 4 stages' optimizer steps, then 24 micro-batches
     "stream_compiled": (300, 25),
-    "fused": (60, 15),  # *
+    # 3 compiled step graphs (naive, separate, fused) of the stage's 144 tensors, 1024 x 2048: cut off after 194 s on
+    # an H100 when each graph held all 144 (the same graphs took 203 s on a 2-core CPU at 1024 x 2), now one 8-tensor
+    # slice each (34 s there; optim/fused_prediction.py's `_slices`), plus start-up and 120 timed steps
+    "fused": (90, 15),  # *
     "muon": (80, 35),  # plus gpt's when that section does not run (muon then measures AdamW's iteration itself)
     "fp16": (35, 15),  # *
     "stream": (190, 60),  # 7 methods at 27 s

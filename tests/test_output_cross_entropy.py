@@ -134,7 +134,7 @@ def test_chunks_are_at_least_chunks_and_at_most_chunk_logits(monkeypatch):
     sizes = lambda tokens, vocab: [r.stop - r.start for r in output_cross_entropy._chunks(tokens, vocab)]  # noqa: E731
     assert sizes(21, 10) == [4, 4, 4, 3, 3, 3]  # CHUNKS, however few logits
     assert sizes(40, V) == [5] * 8  # 40 x 64 logits, at most 5 x 64 a chunk: more than CHUNKS
-    assert sizes(4, V) == [1] * 4 and sizes(1, V) == [1]  # never an empty chunk
+    assert sizes(4, V) == [2, 2] and sizes(3, V) == [3] and sizes(1, V) == [1]  # two tokens at least, or all
 
 
 def test_a_second_backward_through_a_kept_graph_recomputes(monkeypatch):

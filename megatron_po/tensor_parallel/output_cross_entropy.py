@@ -67,8 +67,10 @@ CHUNK_LOGITS = 2 ** 28
 
 def _chunks(num_tokens: int, partition_vocab_size: int):
     """Row ranges: CHUNKS of them, or more where a chunk would exceed CHUNK_LOGITS logits, of sizes differing by
-    at most one (a compiled graph specializes a dim of size 1: no chunk of one token unless the whole is)."""
-    count = max(1, min(num_tokens, max(CHUNKS, -(-num_tokens * partition_vocab_size // CHUNK_LOGITS))))
+    at most one, and of two tokens at least (a compiled graph specializes a dim of size 1: no chunk of one token
+    unless the whole is)."""
+    count = max(CHUNKS, -(-num_tokens * partition_vocab_size // CHUNK_LOGITS))
+    count = max(1, min(count, num_tokens // 2))
     size, longer = divmod(num_tokens, count)
     start = 0
     for i in range(count):

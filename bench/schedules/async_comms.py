@@ -177,7 +177,7 @@ class BulkSleepStage(SleepStage):
         super().__init__(t_f, t_b, pre_process, post_process)
         self.bulk = nn.ParameterList(nn.Parameter(torch.zeros(bulk // BULK_PIECES)) for _ in range(BULK_PIECES))
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None):
+    def forward(self, input_ids=None, hidden_states=None, labels=None, loss_mask=None):
         x = super().forward(input_ids, hidden_states, labels)
         for piece in self.bulk:
             x = _Bulk.apply(x, piece)

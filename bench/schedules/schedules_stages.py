@@ -78,7 +78,7 @@ class SleepStage(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.proj = ColumnParallelLinear(WIDTH, WIDTH)
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None):
+    def forward(self, input_ids=None, hidden_states=None, labels=None, loss_mask=None):
         x = input_ids if self.pre_process else hidden_states
         return Sleep.apply(self.proj(x)[0], self.t_f, self.t_b)
 

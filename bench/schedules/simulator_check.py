@@ -135,7 +135,7 @@ class UniformSleepStage(zb.ZBSleepStage):
     would skip SleepInput's backward (the batch needs no gradient), so the first virtual stage's B would
     cost nothing where the simulator prices t_B. Here every virtual stage's ops cost the same."""
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None):
+    def forward(self, input_ids=None, hidden_states=None, labels=None, loss_mask=None):
         return self.compute(input_ids.detach().requires_grad_(True) if self.pre_process else hidden_states)
 
 

@@ -117,7 +117,7 @@ class ZBSleepStage(nn.Module):
     def compute(self, x):
         return SleepInput.apply(x, self.t_f, self.t_b) * SleepWeight.apply(self.p, self.t_w)
 
-    def forward(self, input_ids=None, hidden_states=None, labels=None):
+    def forward(self, input_ids=None, hidden_states=None, labels=None, loss_mask=None):
         return self.compute(input_ids if self.pre_process else hidden_states)
 
 

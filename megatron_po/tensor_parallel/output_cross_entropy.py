@@ -288,8 +288,8 @@ def _accumulate(grad_weight, grad_logits_t, hidden):
     """grad_weight (fp32) += grad_logits_t @ hidden, in place: for low-precision operands on a GPU one GEMM whose
     fp32 output is the accumulator (cuBLAS accumulates in fp32 anyway; no [V/tp x h] product in between, which
     every chunk would write and read again), else through the product in the operands' dtype."""
-    if grad_logits_t.dtype == torch.float32:
-        grad_weight.addmm_(grad_logits_t, hidden)
+    if grad_logits_t.dtype == torch.float32:  # addmm's out= form, which torch's FLOP counter counts (addmm_ it does not)
+        torch.addmm(grad_weight, grad_logits_t, hidden, out=grad_weight)
         return
     if grad_logits_t.is_cuda and _FP32_OUT_GEMM["usable"]:
         try:

@@ -81,25 +81,20 @@ def _chunks(num_tokens: int, partition_vocab_size: int):
 
 # ---- the per-chunk math (compiled with --torch-compile) ------------------------------------------------------------
 
-def _chunk_statistics(hidden, weight, masked_target, in_slice, smoothing: bool):
-    """Per token of the chunk: the max of its logits, sum_j exp(z_j - max), its target's logit (0 off this
-    rank's vocab slice) and, with label smoothing, sum_j z_j."""
-    logits = F.linear(hidden, weight).float()
-    row_max = logits.amax(dim=-1)
-    target_logit = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_slice, 0.0)
-    sum_logits = logits.sum(dim=-1) if smoothing else None
-    sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)  # in place: one [chunk x V] buffer eagerly
-    return (row_max, sum_exp, target_logit) + ((sum_logits,) if smoothing else ())
-
-
 def _chunk_exp_statistics(hidden, weight, masked_target, in_slice, smoothing: bool):
-    """`_chunk_statistics`, and the chunk's exp(z - row max) [chunk x V] (fp32), kept for its gradient."""
+    """The chunk's exp(z - row max) [chunk x V] (fp32), then per token: the max of its logits, sum_j exp(z_j -
+    max), its target's logit (0 off this rank's vocab slice) and, with label smoothing, sum_j z_j."""
     logits = F.linear(hidden, weight).float()
     row_max = logits.amax(dim=-1)
     target_logit = logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_slice, 0.0)
     sum_logits = logits.sum(dim=-1) if smoothing else None
-    exp = logits.sub_(row_max.unsqueeze(-1)).exp_()
+    exp = logits.sub_(row_max.unsqueeze(-1)).exp_()  # in place: one [chunk x V] buffer eagerly
     return (exp, row_max, exp.sum(dim=-1), target_logit) + ((sum_logits,) if smoothing else ())
+
+
+def _chunk_statistics(hidden, weight, masked_target, in_slice, smoothing: bool):
+    """`_chunk_exp_statistics` without the exp (compiled, the graph does not write it: its sum reads it as made)."""
+    return _chunk_exp_statistics(hidden, weight, masked_target, in_slice, smoothing)[1:]
 
 
 def _logit_grads_of(probs, masked_target, in_slice, row_scale, label_smoothing: float, vocab_size: int, dtype):

@@ -10,8 +10,8 @@ The rule (what the lead, and anyone editing the docs, must comply with):
   a path inside a command is the command's input, not a citation). A cited folder
   stands for every .md/.json/.log file in it; bench/results/ itself stands for nothing (too broad to check).
   A block that cites one is a results block, checked against the files it cites. A table row or list item
-  that cites none takes the files of what introduces it: the paragraph directly above its table or list
-  (for a list that follows a table: that table's introducing paragraph). Other blocks are not checked.
+  also takes the files of what introduces it: the paragraph directly above its table or list (for a list that
+  follows a table: that table's introducing paragraph). Other blocks are not checked.
 - **Figures.** In a results block: every decimal number (1.324, 4.617, 0.2) and every percentage
   (76 %, 52.9 %), with its unit suffix `x`/`×`/`%` if any. Not figures: integers without `%`, anything in
   inline code or a link target, the scientific notation of learning rates (3.2e-2), dotted versions
@@ -187,8 +187,9 @@ def results_blocks(page: str, text: str) -> list[tuple[dict, list[str]]]:
     for b, files in zip(bs, own):
         if b["kind"] == "header":
             continue
-        if not files and b["kind"] in ("row", "item"):
-            files = intro.get(("table", b["table"]) if b["kind"] == "row" else ("list", b["list"]), [])
+        if b["kind"] in ("row", "item"):
+            inherited = intro.get(("table", b["table"]) if b["kind"] == "row" else ("list", b["list"]), [])
+            files = list(dict.fromkeys(files + inherited))
         if files:
             out.append((b, files))
     return out

@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
     p.add_argument("--verdicts", action="append", default=None, metavar="PATH",
                    help="with --cost-model: a study's verdicts file or glob (repeatable; the first with a verdict for "
-                        f"(D, M, optimizer) is used; default: {', '.join(VERDICTS)})")
+                        f"(D, M, optimizer) is used; '' for none; default: {', '.join(VERDICTS)})")
     return p.parse_args(argv)
 
 
@@ -136,8 +136,10 @@ def _verdicts(paths: list[str] | None, cm: dict, D: int, M: int, optimizer: str)
     (settings.steps micro-batches, steps / M updates of the synchronous run; each unit's runs)."""
     import glob
     key = f"D={D},M={M},{optimizer}"
-    for path in paths or []:
+    for path in filter(None, paths or []):  # --verdicts "": none
         for full in sorted(glob.glob(path if os.path.isabs(path) else os.path.join(REPO, path))):
+            if not os.path.isfile(full):
+                continue
             with open(full) as f:
                 entry = json.load(f).get("verdicts", {}).get(key)
             if entry and entry.get("cost_model") in (None, cm["name"]):

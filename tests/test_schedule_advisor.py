@@ -70,20 +70,34 @@ def test_advisor_prices_every_method_it_lists(tmp_path):
 
 
 def test_advisor_prints_the_verdict_with_horizon_seeds_and_range(tmp_path):
+    """The new study's verdicts file (bench/deep_pipelines/deep_pipelines_report.py's keys): each row's seeds
+    and speed-up range from row_stats, the horizon, the synchronous run's seeds, the rule and the status."""
     new = {"verdicts": {"D=8,M=4,muon": {
         "cost_model": "t", "source": "bench/results/deep_pipelines/x.md", "summary": "met by PipeOptim, k=4",
-        "horizon_updates": 512, "horizon_microbatches": 2048, "seeds": 5, "rule": "(a) and (b), 10th percentile",
-        "rows": {"PipeOptim, k=4": {"verdict": "MEETS the target", "seeds": 5, "speedup_median": 1.4123,
-                                    "speedup_p10": 1.2611, "speedup_p90": 1.5502},
-                 "async-naive, k=4": "does not meet: (b)"}}}}
+        "status": "final", "horizon_updates": 512, "horizon_microbatches": 2048, "sync_seeds": 5,
+        "rule": "(a) and (b), 10th percentile",
+        "rows": {"PipeOptim, k=4": "MEETS the target (5 seeds)", "async-naive, k=4": "does not meet: (b) (1 seeds)"},
+        "row_stats": {"PipeOptim, k=4": {"seeds": 5, "speedup_median": 1.4123, "speedup_p10": 1.2611,
+                                         "speedup_p90": 1.5502},
+                      "async-naive, k=4": {"seeds": 1, "speedup_median": None, "speedup_p10": None,
+                                           "speedup_p90": None}}}}}
     out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
     row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
-    assert "MEETS the target; 5 seeds; speed-up median 1.412x, 10-90 % 1.261-1.550x" in row
+    assert "MEETS the target (5 seeds); speed-up median 1.412x, 10-90 % 1.261-1.550x" in row
     naive = next(line for line in out.splitlines() if line.startswith("async-naive ") and line.split()[1] == "4")
-    assert "does not meet: (b); range not computed" in naive
+    assert "does not meet: (b) (1 seeds); range not computed" in naive
     study = out.splitlines()[-1]
     assert study.startswith("study (bench/results/deep_pipelines/x.md): met by PipeOptim, k=4; horizon 512 updates")
-    assert "(2048 micro-batches)" in study and "5 seeds" in study and "rule: (a) and (b), 10th percentile" in study
+    assert "(2048 micro-batches)" in study and "5 seeds of the synchronous run" in study
+    assert "rule: (a) and (b), 10th percentile" in study and "status" not in study
+    # A row given as a dict, and a study still running, are printed as such.
+    new["verdicts"]["D=8,M=4,muon"].update(status="in progress (3 of 12 units)", row_stats={})
+    new["verdicts"]["D=8,M=4,muon"]["rows"]["PipeOptim, k=4"] = {
+        "verdict": "not yet decided", "seeds": 2, "speedup_median": 1.3, "speedup_p10": 1.1, "speedup_p90": 1.5}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
+    row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
+    assert row.endswith("not yet decided; 2 seeds; speed-up median 1.300x, 10-90 % 1.100-1.500x")
+    assert "status: in progress (3 of 12 units)" in out.splitlines()[-1]
 
 
 def test_advisor_derives_horizon_and_seeds_of_an_older_study(tmp_path, monkeypatch):

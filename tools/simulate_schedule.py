@@ -130,9 +130,10 @@ ASYNC_ROWS = [("async-naive", False, "async-naive"), ("pipedream", False, "PipeD
 def _verdicts(paths: list[str] | None, cm: dict, D: int, M: int, optimizer: str) -> dict:
     """The study's verdict entry for this (cost model, D, M, optimizer) from the first verdicts file the globs
     `paths` name that has one (the new study's folder comes first by default): {"rows": {row label: verdict},
-    "summary": ..., "source": ..., and where the file gives them "horizon_updates", "horizon_microbatches",
-    "seeds", "rule"}; a row may be a string or {"verdict": ..., "seeds", "speedup_median", "speedup_p10",
-    "speedup_p90"}. Older files lack the horizon and seeds: they are read from the study's JSON beside its report
+    "summary", "source", and where the file gives them "status", "horizon_updates", "horizon_microbatches",
+    "sync_seeds", "rule", "row_stats": {row label: {"seeds", "speedup_median", "speedup_p10", "speedup_p90"}}}
+    (bench/deep_pipelines/deep_pipelines_report.py writes them; a row may also be such a dict with "verdict").
+    Older files lack the horizon and seeds: they are read from the study's JSON beside its report
     (settings.steps micro-batches, steps / M updates of the synchronous run; each unit's runs)."""
     import glob
     key = f"D={D},M={M},{optimizer}"
@@ -157,13 +158,12 @@ def _with_study_facts(entry: dict, M: int) -> dict:
         data = json.load(f)
     steps = data.get("settings", {}).get("steps")
     if steps:
-        entry.setdefault("horizon_microbatches", steps)
-        entry.setdefault("horizon_updates", steps // M)
+        entry["horizon_microbatches"], entry["horizon_updates"] = steps, steps // M
     seeds = {u.get("label"): len(u.get("runs", [])) for u in data.get("units", [])}
     sync = [n for label, n in seeds.items() if str(label).startswith("sync")]
     if sync:
-        entry.setdefault("seeds", sync[0])
-    entry["unit_seeds"] = seeds
+        entry["sync_seeds"] = sync[0]
+    entry["row_stats"] = {label: {"seeds": n} for label, n in seeds.items()}
     return entry
 
 
@@ -172,29 +172,29 @@ def _row_verdict(verdicts: dict, key: str) -> str | None:
     row = verdicts.get("rows", {}).get(key)
     if row is None:
         return None
-    row = row if isinstance(row, dict) else {"verdict": row}
-    seeds = row.get("seeds", verdicts.get("unit_seeds", {}).get(key))
-    text = row.get("verdict", "")
+    stats = {**verdicts.get("row_stats", {}).get(key, {}), **(row if isinstance(row, dict) else {})}
+    text = row.get("verdict", "") if isinstance(row, dict) else row
+    seeds = stats.get("seeds")
     parts = [text] + ([f"{seeds} seeds"] if seeds and "seeds" not in text else [])
-    if all(row.get(f) is not None for f in ("speedup_median", "speedup_p10", "speedup_p90")):
-        parts.append(f"speed-up median {row['speedup_median']:.3f}x, 10-90 % {row['speedup_p10']:.3f}-"
-                     f"{row['speedup_p90']:.3f}x")
+    if all(stats.get(f) is not None for f in ("speedup_median", "speedup_p10", "speedup_p90")):
+        parts.append(f"speed-up median {stats['speedup_median']:.3f}x, 10-90 % {stats['speedup_p10']:.3f}-"
+                     f"{stats['speedup_p90']:.3f}x")
     else:
         parts.append("range not computed")
     return "; ".join(p for p in parts if p)
 
 
 def _study_line(verdicts: dict, default_source) -> str:
-    """The study's summary with its horizon, seeds and rule."""
-    facts = []
+    """The study's summary with its status, horizon, the synchronous run's seeds and the rule."""
+    facts = [] if verdicts.get("status", "final") == "final" else [f"status: {verdicts['status']}"]
     if verdicts.get("horizon_updates") is not None:
         facts.append(f"horizon {verdicts['horizon_updates']} updates of the synchronous run"
                      + (f" ({verdicts['horizon_microbatches']} micro-batches)"
                         if verdicts.get("horizon_microbatches") is not None else ""))
     else:
         facts.append("horizon not recorded")
-    if verdicts.get("seeds") is not None:
-        facts.append(f"{verdicts['seeds']} seeds of the synchronous run")
+    if verdicts.get("sync_seeds") is not None:
+        facts.append(f"{verdicts['sync_seeds']} seeds of the synchronous run")
     if verdicts.get("rule"):
         facts.append(f"rule: {verdicts['rule']}")
     return f"study ({verdicts.get('source', default_source)}): {verdicts['summary']}; " + "; ".join(facts)

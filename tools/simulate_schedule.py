@@ -15,8 +15,11 @@ per rank); interleaved schedules there use `--num-chunks` (2 when it is 1).
 
 Which pipeline should I use at D stages and M micro-batches per update? `--cost-model PATH` prices every
 method, synchronous and asynchronous (k = 1, 2, M), from its own op list at a measured or derived per-op
-cost model (megatron_po/pipeline/cost_model.py), and prints time per iteration, bubble, weight copies,
-activations in flight and the deep-pipeline study's verdict where it has one:
+cost model (megatron_po/pipeline/cost_model.py; work a model has no figure for, such as PipeDream's stash on a
+model that did not measure it, is derived there and says so), and prints time per iteration, bubble, weight
+copies, activations in flight and the deep-pipeline study's verdict where it has one, with the horizon it was
+judged at (the synchronous run's updates and micro-batches), its seeds and its speed-up range (median and
+10-90 %; "range not computed" where the study did not compute one):
 
     python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
         --optimizer muon --num-stages 8 --num-microbatches 4
@@ -43,7 +46,9 @@ from megatron_po.pipeline.simulator import plot_timeline, simulate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAR = 1.25  # issue 36's target: the same loss this much sooner
-VERDICTS = os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")
+# The study's verdicts: the study at >= 512 updates (issue 41) first, then the older short-horizon one.
+VERDICTS = [os.path.join("bench", "results", "deep_pipelines", "*_verdicts.json"),
+            os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--map", nargs=2, default=None, metavar=("DS", "MS"),
                    help="with --cost-model: the (D, M) map instead of one table, e.g. --map 4,8,16 2,4,8,16,32: "
                         "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
-    p.add_argument("--verdicts", default=VERDICTS, metavar="PATH",
-                   help="with --cost-model: the study's verdicts (default: %(default)s, when it exists)")
+    p.add_argument("--verdicts", action="append", default=None, metavar="PATH",
+                   help="with --cost-model: a study's verdicts file or glob (repeatable; the first with a verdict for "
+                        f"(D, M, optimizer) is used; '' for none; default: {', '.join(VERDICTS)})")
     return p.parse_args(argv)
 
 
@@ -121,19 +127,77 @@ ASYNC_ROWS = [("async-naive", False, "async-naive"), ("pipedream", False, "PipeD
               ("pipeoptim", True, "PipeOptim + error feedback")]
 
 
-def _verdicts(path: str | None, cm: dict, D: int, M: int, optimizer: str) -> dict:
-    """The study's verdict entry for this (cost model, D, M, optimizer) from the verdicts file(s) `path`
-    names (a glob), if any: {"rows": {row label: verdict}, "summary": ..., "source": ...}."""
+def _verdicts(paths: list[str] | None, cm: dict, D: int, M: int, optimizer: str) -> dict:
+    """The study's verdict entry for this (cost model, D, M, optimizer) from the first verdicts file the globs
+    `paths` name that has one (the new study's folder comes first by default): {"rows": {row label: verdict},
+    "summary", "source", and where the file gives them "status", "horizon_updates", "horizon_microbatches",
+    "sync_seeds", "rule", "row_stats": {row label: {"seeds", "speedup_median", "speedup_p10", "speedup_p90"}}}
+    (bench/deep_pipelines/deep_pipelines_report.py writes them; a row may also be such a dict with "verdict").
+    Older files lack the horizon and seeds: they are read from the study's JSON beside its report
+    (settings.steps micro-batches, steps / M updates of the synchronous run; each unit's runs)."""
     import glob
-    if not path:
-        return {}
     key = f"D={D},M={M},{optimizer}"
-    for full in sorted(glob.glob(path if os.path.isabs(path) else os.path.join(REPO, path))):
-        with open(full) as f:
-            entry = json.load(f).get("verdicts", {}).get(key)
-        if entry and entry.get("cost_model") in (None, cm["name"]):
-            return entry
+    for path in filter(None, paths or []):  # --verdicts "": none
+        for full in sorted(glob.glob(path if os.path.isabs(path) else os.path.join(REPO, path))):
+            if not os.path.isfile(full):
+                continue
+            with open(full) as f:
+                entry = json.load(f).get("verdicts", {}).get(key)
+            if entry and entry.get("cost_model") in (None, cm["name"]):
+                return _with_study_facts(dict(entry), M)
     return {}
+
+
+def _with_study_facts(entry: dict, M: int) -> dict:
+    """entry with the horizon and seeds an older verdicts file leaves out, from the study's JSON if it is there."""
+    src = entry.get("source", "")
+    data_path = os.path.join(REPO, os.path.splitext(src)[0] + ".json") if src else ""
+    if "horizon_updates" in entry or not os.path.isfile(data_path):
+        return entry
+    with open(data_path) as f:
+        data = json.load(f)
+    steps = data.get("settings", {}).get("steps")
+    if steps:
+        entry["horizon_microbatches"], entry["horizon_updates"] = steps, steps // M
+    seeds = {u.get("label"): len(u.get("runs", [])) for u in data.get("units", [])}
+    sync = [n for label, n in seeds.items() if str(label).startswith("sync")]
+    if sync:
+        entry["sync_seeds"] = sync[0]
+    entry["row_stats"] = {label: {"seeds": n} for label, n in seeds.items()}
+    return entry
+
+
+def _row_verdict(verdicts: dict, key: str) -> str | None:
+    """One row's verdict with its seeds and its speed-up range (median and 10-90 %), or None."""
+    row = verdicts.get("rows", {}).get(key)
+    if row is None:
+        return None
+    stats = {**verdicts.get("row_stats", {}).get(key, {}), **(row if isinstance(row, dict) else {})}
+    text = row.get("verdict", "") if isinstance(row, dict) else row
+    seeds = stats.get("seeds")
+    parts = [text] + ([f"{seeds} seeds"] if seeds and "seeds" not in text else [])
+    if all(stats.get(f) is not None for f in ("speedup_median", "speedup_p10", "speedup_p90")):
+        parts.append(f"speed-up median {stats['speedup_median']:.3f}x, 10-90 % {stats['speedup_p10']:.3f}-"
+                     f"{stats['speedup_p90']:.3f}x")
+    else:
+        parts.append("range not computed")
+    return "; ".join(p for p in parts if p)
+
+
+def _study_line(verdicts: dict, default_source) -> str:
+    """The study's summary with its status, horizon, the synchronous run's seeds and the rule."""
+    facts = [] if verdicts.get("status", "final") == "final" else [f"status: {verdicts['status']}"]
+    if verdicts.get("horizon_updates") is not None:
+        facts.append(f"horizon {verdicts['horizon_updates']} updates of the synchronous run"
+                     + (f" ({verdicts['horizon_microbatches']} micro-batches)"
+                        if verdicts.get("horizon_microbatches") is not None else ""))
+    else:
+        facts.append("horizon not recorded")
+    if verdicts.get("sync_seeds") is not None:
+        facts.append(f"{verdicts['sync_seeds']} seeds of the synchronous run")
+    if verdicts.get("rule"):
+        facts.append(f"rule: {verdicts['rule']}")
+    return f"study ({verdicts.get('source', default_source)}): {verdicts['summary']}; " + "; ".join(facts)
 
 
 def _sync_flushes(D: int, M: int, base) -> dict:
@@ -160,6 +224,7 @@ def throughput_map(args) -> str:
     lines = [f"optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}); per cell: best synchronous "
              "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it",
              "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
+    runner_up = {label: [] for _, label in SYNC_ROWS}  # per best schedule: the next one's gap per cell, in %
     for D in ds:
         cells = []
         base, _ = cmm.method_costs(cm, D, opt, "1f1b")
@@ -167,9 +232,11 @@ def throughput_map(args) -> str:
             sync = {label: tl.makespan / M for label, (_, tl) in _sync_flushes(D, M, base).items()
                     if not isinstance(tl, Exception)}
             best = min(sync, key=sync.get)
+            second = min((k for k in sync if k != best), key=sync.get)
+            runner_up[best].append((second, 100 * (sync[second] / sync[best] - 1)))
             fast = {}
             for method, ef, label in ASYNC_ROWS:
-                if (method == "pipedream-2bw" and M < D) or method == "pipedream":
+                if method == "pipedream-2bw" and M < D:
                     continue
                 try:
                     c, _ = cmm.method_costs(cm, D, opt, method, error_feedback=ef)
@@ -179,6 +246,12 @@ def throughput_map(args) -> str:
             quick = min(fast, key=fast.get)
             cells.append(f"{best} {1e3 * sync[best]:.1f} ms; {quick} k={M}: {sync[best] / fast[quick]:.2f}x")
         lines.append(f"| {D} | " + " | ".join(cells) + " |")
+    for label, cells in runner_up.items():
+        if cells:
+            gaps = [g for _, g in cells]
+            lines.append(f"where {label} is the best ({len(cells)} cells), the next synchronous schedule "
+                         f"({' / '.join(dict.fromkeys(n for n, _ in cells))}) is {min(gaps):.2f}-{max(gaps):.2f} % "
+                         "slower per micro-batch")
     return "\n".join(lines)
 
 
@@ -209,7 +282,7 @@ def methods_table(args) -> str:
             s = cmm.async_per_microbatch(D, k, c)
             rows.append((label, k, M * s.seconds_per_microbatch, s.seconds_per_microbatch, s.bubble_fraction,
                          cmm.weight_copies(method, D, k, ef), s.peak_activations, f"staleness <= {s.max_staleness}"))
-    verdicts = _verdicts(args.verdicts, cm, D, M, opt)
+    verdicts = _verdicts(args.verdicts or VERDICTS, cm, D, M, opt)
     lines = [f"D={D} M={M} optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}): {cm['device']}; "
              f"{cm['model']}; p2p {cm.get('p2p_ms', 0.0):g} ms",
              f"{'method':<27} {'k':>2} {'ms/iteration':>12} {'ms/micro-batch':>14} {'vs best sync':>12} {'bubble':>7} "
@@ -219,7 +292,7 @@ def methods_table(args) -> str:
             lines.append(f"{label:<27} {k!s:>2} {'':>12} {'':>14} {'':>12} {'':>7} {'':>7} {'':>5}  {note}")
             continue
         key = label if k == "-" else f"{label}, k={k}"
-        verdict = verdicts.get("rows", {}).get(key)
+        verdict = _row_verdict(verdicts, key)
         if verdict is None and k != "-" and best_sync / per < BAR:
             # k = M: the same samples per update as the flush, plus staleness: its throughput bounds its win.
             # k < M updates more often per sample: it would need BAR / ratio x the flush's sample efficiency.
@@ -233,8 +306,8 @@ def methods_table(args) -> str:
                  "micro-batches")
     lines += [f"note: {n}" for n in sorted(notes)]
     if verdicts.get("summary"):
-        lines.append(f"study ({verdicts.get('source', args.verdicts)}): {verdicts['summary']}")
-    elif args.verdicts:
+        lines.append(_study_line(verdicts, args.verdicts))
+    else:
         lines.append("study: no verdict at this (D, M, optimizer, cost model)")
     return "\n".join(lines)
 

@@ -338,12 +338,37 @@ def derived_step_ratio(cm: dict, what: str) -> float:
     return DERIVED_STEP_PASSES[what] / ADAMW_PASSES * cm["ratios"]["step"]["adamw"]
 
 
+# PipeDream's weight stash (policies.PipeDreamPolicy) where a model has no figure for it, in the same passes: on a
+# stage with micro-batches in flight (all but the last), per update the clone of the version the step is about to
+# overwrite (read, write: 2), and per backward the swap of the forward's version in and of the live weights back
+# out (each `_swap` a clone and two copies: 6 passes, twice: 12). Charged on every backward of those stages: exact
+# at k = 1, where every micro-batch there ran its forward on an older version; an upper bound at k > 1, where one
+# whose forward saw the live version swaps nothing. Keeping the versions costs memory (weight_copies), not time.
+PIPEDREAM_STASH_PASSES = {"Backward": 12, "Step": 2}
+
+
+def derived_pipedream_policy(cm: dict) -> dict:
+    """PipeDream's stash as a policy entry (multiples of the forward, stages but the last): DERIVED, passes / 7
+    of the model's AdamW step (PIPEDREAM_STASH_PASSES)."""
+    if "adamw" not in cm["ratios"]["step"]:
+        _fail(cm["name"], "has no AdamW step to derive PipeDream's stash from")
+    adamw = cm["ratios"]["step"]["adamw"]
+    scaled = lambda n: [n / ADAMW_PASSES * a for a in adamw] if isinstance(adamw, list) else n / ADAMW_PASSES * adamw  # noqa: E731
+    return {kind: scaled(n) for kind, n in PIPEDREAM_STASH_PASSES.items()} | {"stages": "stale"}
+
+
 def method_costs(cm: dict, D: int, optimizer: str, method: str, error_feedback: bool = False
                  ) -> tuple[StageCosts, list[str]]:
     """A method's per-op costs (synchronous schedules: no policy work) and notes on every derived part:
-    PipeDream-2BW's version copy where the model has no 2BW figure, error feedback's passes."""
+    PipeDream's stash and PipeDream-2BW's version copy where the model has no figure for them, error feedback's
+    passes."""
     notes = []
     policy = cm["ratios"].get("policy", {})
+    if method == "pipedream" and method not in policy:
+        policy = policy | {"pipedream": derived_pipedream_policy(cm)}
+        cm = cm | {"ratios": cm["ratios"] | {"policy": policy}}
+        notes.append("PipeDream's stash derived (12/7 of the AdamW step per backward, 2/7 per update, stages but the "
+                     "last; an upper bound at k > 1, and where the AdamW step is eager)")
     base = "async-naive" if is_synchronous(method) else method
     derived = {}
     if base == "pipedream-2bw" and base not in policy:

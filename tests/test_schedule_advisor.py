@@ -1,0 +1,133 @@
+"""tools/simulate_schedule.py --cost-model (the advisor): it prices every method it lists, PipeDream as the
+asynchronous stream plus its stash, and prints a study's verdict with its horizon, seeds and speed-up range."""
+
+import json
+import os
+
+import pytest
+
+from megatron_po.pipeline import cost_model as cmm
+from tools import simulate_schedule
+
+MODEL = {"schema": "ttq-cost-model/1", "name": "t", "device": "d", "model": "m", "pipeline_stages": 4,
+         "data_parallel": 1, "tokens_per_microbatch": 8, "forward_ms": 10.0,
+         "ratios": {"backward": 2.0, "backward_input": 1.2, "backward_weight": 0.8,
+                    "step": {"adamw": 0.7, "muon": 2.5},
+                    "policy": {"pipeoptim": {"Forward": 0.1, "Step": 0.2, "stages": "stale"}}},
+         "source": ["test"]}
+
+
+def test_pipedream_is_the_stream_plus_its_stash():
+    D, f = 8, 10.0 * 4 / 8 / 1000  # the same model over 8 stages, in seconds
+    naive, _ = cmm.method_costs(MODEL, D, "muon", "async-naive")
+    dream, notes = cmm.method_costs(MODEL, D, "muon", "pipedream")
+    assert any("PipeDream's stash derived" in n for n in notes)
+    swap, clone = 12 / 7 * 0.7 * f, 2 / 7 * 0.7 * f  # two 6-pass swaps per backward, a 2-pass clone per update
+    for r in range(D - 1):  # the stages that stash
+        assert dream.backward_input[r] == pytest.approx(naive.backward_input[r] + swap)
+        assert dream.step[r] == pytest.approx(naive.step[r] + clone)
+    assert dream.backward_input[D - 1] == naive.backward_input[D - 1] and dream.step[D - 1] == naive.step[D - 1]
+    assert dream.forward == naive.forward and dream.backward_weight == naive.backward_weight
+    for k in (1, 2, D):
+        t_naive = cmm.async_per_microbatch(D, k, naive).seconds_per_microbatch
+        t_dream = cmm.async_per_microbatch(D, k, dream).seconds_per_microbatch
+        assert t_dream > t_naive
+    # With nothing to copy (a free AdamW step prices the passes at 0) PipeDream is async-naive exactly.
+    free = json.loads(json.dumps(MODEL))
+    free["ratios"]["step"]["adamw"] = 0.0
+    zero, _ = cmm.method_costs(free, D, "muon", "pipedream")
+    base, _ = cmm.method_costs(free, D, "muon", "async-naive")
+    assert cmm.async_per_microbatch(D, 2, zero).seconds_per_microbatch == pytest.approx(
+        cmm.async_per_microbatch(D, 2, base).seconds_per_microbatch)
+    # A model that measured the stash uses its own figure.
+    measured = json.loads(json.dumps(MODEL))
+    measured["ratios"]["policy"]["pipedream"] = {"Backward": 0.05, "stages": "stale"}
+    c, notes = cmm.method_costs(measured, D, "muon", "pipedream")
+    assert c.backward_input[0] == pytest.approx(naive.backward_input[0] + 0.05 * f) and not notes
+
+
+def _write(tmp_path, name, obj):
+    path = tmp_path / name
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def _table(tmp_path, *extra):
+    model = _write(tmp_path, "model.json", MODEL)
+    return simulate_schedule.methods_table(simulate_schedule.parse_args(
+        ["--cost-model", model, "--optimizer", "muon", "--num-stages", "8", "--num-microbatches", "4", *extra]))
+
+
+def test_advisor_prices_every_method_it_lists(tmp_path):
+    out = _table(tmp_path, "--verdicts", str(tmp_path / "none_*.json"))
+    assert "not priced" not in out
+    rows = [line for line in out.splitlines() if line.startswith("PipeDream ")]
+    assert len(rows) == 3  # k = 1, 2, M
+    ms = {int(line.split()[1]): float(line.split()[3]) for line in rows}  # ms per micro-batch
+    naive = {int(line.split()[1]): float(line.split()[3]) for line in out.splitlines() if line.startswith("async-naive ")}
+    assert all(ms[k] > naive[k] for k in ms), (ms, naive)
+    assert "study: no verdict" in out
+
+
+def test_advisor_prints_the_verdict_with_horizon_seeds_and_range(tmp_path):
+    """The new study's verdicts file (bench/deep_pipelines/deep_pipelines_report.py's keys): each row's seeds
+    and speed-up range from row_stats, the horizon, the synchronous run's seeds, the rule and the status."""
+    new = {"verdicts": {"D=8,M=4,muon": {
+        "cost_model": "t", "source": "bench/results/deep_pipelines/x.md", "summary": "met by PipeOptim, k=4",
+        "status": "final", "horizon_updates": 512, "horizon_microbatches": 2048, "sync_seeds": 5,
+        "rule": "(a) and (b), 10th percentile",
+        "rows": {"PipeOptim, k=4": "MEETS the target (5 seeds)", "async-naive, k=4": "does not meet: (b) (1 seeds)"},
+        "row_stats": {"PipeOptim, k=4": {"seeds": 5, "speedup_median": 1.4123, "speedup_p10": 1.2611,
+                                         "speedup_p90": 1.5502},
+                      "async-naive, k=4": {"seeds": 1, "speedup_median": None, "speedup_p10": None,
+                                           "speedup_p90": None}}}}}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
+    row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
+    assert "MEETS the target (5 seeds); speed-up median 1.412x, 10-90 % 1.261-1.550x" in row
+    naive = next(line for line in out.splitlines() if line.startswith("async-naive ") and line.split()[1] == "4")
+    assert "does not meet: (b) (1 seeds); range not computed" in naive
+    study = out.splitlines()[-1]
+    assert study.startswith("study (bench/results/deep_pipelines/x.md): met by PipeOptim, k=4; horizon 512 updates")
+    assert "(2048 micro-batches)" in study and "5 seeds of the synchronous run" in study
+    assert "rule: (a) and (b), 10th percentile" in study and "status" not in study
+    # A row given as a dict, and a study still running, are printed as such.
+    new["verdicts"]["D=8,M=4,muon"].update(status="in progress (3 of 12 units)", row_stats={})
+    new["verdicts"]["D=8,M=4,muon"]["rows"]["PipeOptim, k=4"] = {
+        "verdict": "not yet decided", "seeds": 2, "speedup_median": 1.3, "speedup_p10": 1.1, "speedup_p90": 1.5}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
+    row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
+    assert row.endswith("not yet decided; 2 seeds; speed-up median 1.300x, 10-90 % 1.100-1.500x")
+    assert "status: in progress (3 of 12 units)" in out.splitlines()[-1]
+
+
+def test_advisor_derives_horizon_and_seeds_of_an_older_study(tmp_path, monkeypatch):
+    """An older verdicts file has no horizon or seeds: they come from the study's JSON beside its report."""
+    monkeypatch.setattr(simulate_schedule, "REPO", str(tmp_path))
+    study = {"settings": {"steps": 256}, "units": [
+        {"label": "sync, M=4", "runs": [{}, {}, {}]}, {"label": "PipeOptim, k=4", "runs": [{}, {}]}]}
+    os.makedirs(tmp_path / "r")
+    _write(tmp_path / "r", "old.json", study)
+    old = {"verdicts": {"D=8,M=4,muon": {"cost_model": "t", "source": "r/old.md", "summary": "not met",
+                                         "rows": {"PipeOptim, k=4": "does not meet: (a)"}}}}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "old_verdicts.json", old))
+    row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
+    assert row.endswith("does not meet: (a); 2 seeds; range not computed")
+    assert out.splitlines()[-1] == ("study (r/old.md): not met; horizon 64 updates of the synchronous run "
+                                    "(256 micro-batches); 3 seeds of the synchronous run")
+
+
+def test_the_new_study_comes_first(tmp_path):
+    first = {"verdicts": {"D=8,M=4,muon": {"cost_model": "t", "summary": "new", "rows": {}}}}
+    second = {"verdicts": {"D=8,M=4,muon": {"cost_model": "t", "summary": "old", "rows": {}}}}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "a.json", first), "--verdicts", _write(tmp_path, "b.json", second))
+    assert ": new;" in out.splitlines()[-1]
+    assert simulate_schedule.VERDICTS[0].startswith(os.path.join("bench", "results", "deep_pipelines"))
+
+
+def test_the_map_names_the_runner_up():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = simulate_schedule.throughput_map(simulate_schedule.parse_args(
+        ["--cost-model", os.path.join(repo, "bench", "results", "gpu_nvidia_h200_a_cost_model.json"),
+         "--optimizer", "muon", "--map", "8", "2,4"]))
+    last = out.splitlines()[-1]
+    assert last.startswith("where interleaved ZB-H1 (v=2) is the best (2 cells), the next synchronous schedule"), last

@@ -1,12 +1,13 @@
 """Golden loss curves: the loss and grad norm at every iteration of short runs, pinned across commits.
 
 Each configuration below has its curve in tests/golden/<name>.json (with the command that made it, the
-torch version, the commit and a history of intended changes). tests/test_golden.py reruns every
-configuration and compares with its curve; this tool does the same outside pytest and regenerates curves
-on purpose:
+machine: torch version and CPU, the commit and a history of intended changes). tests/test_golden.py
+reruns every configuration and compares with its curve; this tool does the same outside pytest and
+regenerates curves on purpose:
 
     python tools/golden.py list                                  # names, what each covers, its command
     python tools/golden.py check [NAME ...]                      # rerun and compare (all when no name)
+    python tools/golden.py check --as-command [NAME ...]         # the same, launched as the commands say
     python tools/golden.py update --reason "why" NAME [NAME ...] # regenerate, appending to the history
     python tools/golden.py update --reason "why" --all           # regenerate every curve
     python tools/golden.py data DIR                              # the corpora the $DATA commands read
@@ -199,8 +200,9 @@ def prepare_data(directory: str) -> str:
         src = write_chapters(os.path.join(directory, "bible300.jsonl"), 300)
         assert train_tokenizer.main(["--input", src, "--json-keys", "text", "--vocab-size", "500",
                                      "--output-prefix", os.path.join(directory, "tok")]) == 0
-        assert preprocess_data.main(["--input", src, "--json-keys", "text", "--tokenizer-type",
-                                     "SentencePieceTokenizer", "--tokenizer-model", os.path.join(directory, "tok.model"),
+        assert preprocess_data.main(["--input", src, "--json-keys", "text",
+                                     "--tokenizer-type", "SentencePieceTokenizer",
+                                     "--tokenizer-model", os.path.join(directory, "tok.model"),
                                      "--output-prefix", os.path.join(directory, "bible"), "--append-eod",
                                      "--workers", "1"]) == 0
         pairs = os.path.join(directory, "nmt_slice.jsonl")
@@ -244,14 +246,24 @@ def _rank_main(script: str, argv: list[str], out: str) -> int:
     return run_main(argv)
 
 
-def _launch(g: Golden, argv: list[str], out: str) -> list[dict]:
-    """Run `argv` on g.world forked ranks; the per-iteration records of its metrics file."""
+def _launch(g: Golden, argv: list[str], out: str, as_command: bool = False) -> list[dict]:
+    """Run `argv` on g.world forked ranks (`as_command`: as the command says, torchrun or python in a
+    subprocess); the per-iteration records of its metrics file."""
     os.makedirs(out, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    codes = run_distributed(_rank_main, g.world, args=(g.script, argv, out), timeout=300)
+    if as_command:
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(g.world)] \
+            if g.world > 1 else []
+        with open(os.path.join(out, "rank0.log"), "w") as log:
+            code = subprocess.run([sys.executable, *launcher, g.script, *argv], cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+        codes = [code] * g.world
+    else:
+        codes = run_distributed(_rank_main, g.world, args=(g.script, argv, out), timeout=300)
     if codes != [0] * g.world:
-        logs = "".join(open(os.path.join(out, f"rank{r}.log")).read()[-2000:] for r in range(g.world))
+        logs = "".join(open(os.path.join(out, f"rank{r}.log")).read()[-2000:]
+                       for r in range(g.world) if os.path.exists(os.path.join(out, f"rank{r}.log")))
         raise RuntimeError(f"{g.name}: exit codes {codes}\n{logs}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "lm_loss" in r]
@@ -265,7 +277,7 @@ def _curve(records: list[dict]) -> dict:
     return curve
 
 
-def run_command(g: Golden, workdir: str, data: str | None, straight: bool = False) -> dict:
+def run_command(g: Golden, workdir: str, data: str | None, straight: bool = False, as_command: bool = False) -> dict:
     """The curve of a command-line configuration. A resume configuration runs in two halves (save and exit
     at `resume_at`, then resume from that checkpoint) unless `straight`."""
     def argv(out, **extra):
@@ -274,15 +286,17 @@ def run_command(g: Golden, workdir: str, data: str | None, straight: bool = Fals
 
     if g.resume_at is None or straight:
         out = os.path.join(workdir, "run")
-        return _curve(_launch(g, argv(out), out))
+        return _curve(_launch(g, argv(out), out, as_command))
     first, second = os.path.join(workdir, "first"), os.path.join(workdir, "resumed")
     ckpt = os.path.join(workdir, "ckpt")
-    head = _launch(g, argv(first, **{"--save": ckpt, "--exit-interval": g.resume_at}), first)
-    tail = _launch(g, argv(second, **{"--load": ckpt}), second)
+    head = _launch(g, argv(first, **{"--save": ckpt, "--exit-interval": g.resume_at}), first, as_command)
+    tail = _launch(g, argv(second, **{"--load": ckpt}), second, as_command)
     return _curve(head + tail)
 
 
 def emulate(s: dict) -> dict:
+    """The curve of emulator settings `s` (EMULATOR updated by a configuration's `emulate`): every rank of
+    the asynchronous pipeline in this process, fp32, one segment of s["microbatches"] micro-batches."""
     import torch
 
     from megatron_po.config import Config, ModelConfig
@@ -316,17 +330,18 @@ def emulate(s: dict) -> dict:
     return {"iteration": list(range(1, len(losses) + 1)), "loss": losses, "grad_norm": norms}
 
 
-def run(g: Golden, workdir: str, data: str | None = None, straight: bool = False) -> dict:
+def run(g: Golden, workdir: str, data: str | None = None, straight: bool = False, as_command: bool = False) -> dict:
     """The curve of configuration g: {"iteration": [...], "loss": [...], "grad_norm": [...]} (for the
     emulator: the loss of every micro-batch, the loss stage's grad norm at every step). `data`: the
-    directory of `prepare_data`, for configurations that read a corpus."""
+    directory of `prepare_data`, for configurations that read a corpus. `as_command`: launch command-line
+    configurations as their command does, in a subprocess (slower; proves the command gives the curve)."""
     _warm_imports()
     if g.needs_data and data is None:
         raise ValueError(f"{g.name} reads a corpus: pass the directory of prepare_data()")
     if g.emulate is not None:
         sys.stdout.flush()
         return run_distributed(emulate, 1, args=(emulator_settings(g),), timeout=300)[0]
-    return run_command(g, workdir, data, straight)
+    return run_command(g, workdir, data, straight, as_command)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,11 +457,11 @@ def write(g: Golden, measured: dict, reason: str) -> dict:
     return entry
 
 
-def check(g: Golden, workdir: str, data: str | None) -> tuple[str | None, str]:
+def check(g: Golden, workdir: str, data: str | None, as_command: bool = False) -> tuple[str | None, str]:
     """(what moved or None, a line saying how close the run came)."""
     if not os.path.exists(path_of(g.name)):
         return f"{g.name}: no golden curve ({os.path.relpath(path_of(g.name), ROOT)}): run tools/golden.py update", ""
-    golden, measured = load(g.name), run(g, workdir, data)
+    golden, measured = load(g.name), run(g, workdir, data, as_command=as_command)
     problem = compare(g, golden, measured)
     if first_difference(golden, measured) is None:
         return problem, f"{g.name}: matches its golden curve bitwise"
@@ -481,6 +496,9 @@ def main(argv=None) -> int:
     sub.add_parser("list", help="every configuration: name, what it covers, its command")
     p_check = sub.add_parser("check", help="rerun configurations and compare with their golden curves")
     p_check.add_argument("names", nargs="*", help="configurations (default: all)")
+    p_check.add_argument("--as-command", action="store_true",
+                         help="launch command-line configurations with their command (torchrun / python in a "
+                              "subprocess) instead of on forked ranks: slower; proves the command gives the curve")
     p_update = sub.add_parser("update", help="regenerate golden curves, recording why in their history")
     p_update.add_argument("names", nargs="*")
     p_update.add_argument("--all", action="store_true", help="every configuration")
@@ -508,7 +526,7 @@ def main(argv=None) -> int:
         for n in names:
             workdir = os.path.join(tmp, n)
             if args.action == "check":
-                problem, closeness = check(BY_NAME[n], workdir, data)
+                problem, closeness = check(BY_NAME[n], workdir, data, args.as_command)
                 failed += problem is not None
                 print(problem or closeness, flush=True)
             else:

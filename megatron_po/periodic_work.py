@@ -29,7 +29,7 @@ class PeriodicWork:
     def evaluate(self) -> float | None:
         """The validation loss (on the loss rank; None elsewhere and without validation data)."""
         cfg, model, workload, valid_ds = self.cfg, self.model, self.workload, self.valid_ds
-        if valid_ds is None:
+        if valid_ds is None or workload.eval_iters(valid_ds) == 0:  # --eval-iters 0: no validation
             return None
         if model.engine is None:
             return evaluate(cfg, model.chunks, model.ddp, valid_ds, self.num_mb, workload)

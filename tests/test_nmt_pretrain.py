@@ -124,6 +124,15 @@ def test_pipeoptim_trains_the_nmt_model(data, tmp_path):
     assert [r["iteration"] for r in metrics if "val_bleu" in r] == [10]
 
 
+def test_eval_iters_zero_trains_without_validation(data, tmp_path):
+    """--eval-iters 0 means no validation (Megatron's meaning): the run ends cleanly, logs no val_loss (it
+    used to divide by zero in the end-of-training evaluation)."""
+    metrics, _ = run_layout(data, tmp_path, "noeval", 1, **{"--train-iters": 4, "--eval-interval": 2,
+                                                            "--eval-iters": 0, "--save": None})
+    assert [r["iteration"] for r in metrics if "lm_loss" in r] == [2, 4]
+    assert not any("val_loss" in r for r in metrics)
+
+
 def test_micro_batches_respect_sentence_and_token_caps(data):
     from megatron_po.data.nmt_dataset import PairBatches, ParallelCorpus
     corpus = ParallelCorpus(data["prefix"], "train", "en", "fr", 992, 992)

@@ -1,9 +1,10 @@
 """Checkpoints that survive their environment (issue #22, points 1-4).
 
 - A dead launcher stops its workers: `torchrun --nproc-per-node 2 pretrain_gpt.py` saving every
-  iteration; SIGKILL torchrun; every worker is gone within 10 s (parent-death signal) and no `iter_*`
-  appears after the kill (before: they trained and saved on for ~60-120 s, until the heartbeat watchdog
-  found the store gone).
+  iteration; SIGKILL torchrun; every worker is gone (parent-death signal) and no `iter_*` appears after
+  the kill (before: they trained and saved on for ~60-120 s, until the heartbeat watchdog found the store
+  gone). The wait for their exit is a hang guard (30 s, below that watchdog's time), not a timing: the
+  seconds they took are printed.
 - One job per `--save`: a second job (2 ranks) on the directory of a running one exits 2 on every rank
   with one line naming the holder's pid; once the holder is SIGKILLed its lock is stale and the next job
   takes it over (says so) and resumes.
@@ -98,7 +99,7 @@ def test_workers_die_with_their_killed_torchrun_launcher(tmp_path):
         launcher.wait()
         killed_at = time.time()
         published = set(os.listdir(ckpt))
-        wait_for(lambda: not tagged_processes(tag), "exit of every worker", timeout=10)
+        wait_for(lambda: not tagged_processes(tag), "exit of every worker", timeout=30)
         gone_after = time.time() - killed_at
         time.sleep(2)  # an orphan would save again within this (a save every iteration, ~0.1 s each)
         new = sorted(n for n in set(os.listdir(ckpt)) - published if n.startswith("iter_") and "." not in n)

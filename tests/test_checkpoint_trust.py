@@ -122,11 +122,24 @@ def snapshot(root: str) -> dict:
     return out
 
 
-CASES = [(".metadata", None)] + [(e, "pickle") for e in ENTRIES] + [(e, "torch.save") for e in ENTRIES]
+TENSOR = "a-tensor"  # a tensor entry of the checkpoint (the first a rank reads; tensor_entry)
+CASES = [(".metadata", None)] + [(e, "pickle") for e in ENTRIES] + [(e, "torch.save") for e in ENTRIES + [TENSOR]]
+
+
+def tensor_entry(good: str, prefix: str = "") -> str:
+    """The first tensor entry (under `prefix`) in checkpoint `good`'s `.metadata` (a whole tensor or a chunk)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    with open(os.path.join(iteration_dir(good), ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    return next(k.fqn for k in md.storage_data if k.fqn.startswith(prefix)
+                and isinstance(md.state_dict_metadata[k.fqn], TensorStorageMetadata))
 
 
 @pytest.mark.parametrize("entry,place", CASES, ids=[f"{e}-{p}" if p else e for e, p in CASES])
 def test_a_hostile_entry_fails_start_up_with_one_line_and_runs_nothing(entry, place, good, tmp_path):
+    """Every refused entry, tensor or not, gets the same line: `error: <file>: entry '<entry>' refused: ...`
+    (no terminal escape codes: torch's own weights-only message carries some, and many lines)."""
+    entry = tensor_entry(good) if entry == TENSOR else entry
     marker = str(tmp_path / "pwned")
     data = marker.encode() if place is None else payload(place, marker)
     hostile_file = hostile_copy(good, str(tmp_path / "hostile"), entry, data)
@@ -141,11 +154,34 @@ def test_a_hostile_entry_fails_start_up_with_one_line_and_runs_nothing(entry, pl
     assert len(lines) == 1 and "Traceback" not in results[0][1], results[0][1]
     line = lines[0]
     assert line.startswith("error: ") and hostile_file in line, line
-    assert "refused" in line and (entry == ".metadata" or f"'{entry}'" in line), line
+    assert "refused" in line and (entry == ".metadata" or line.startswith(f"error: {hostile_file}: entry '{entry}' "
+                                                                       f"refused: ")), line
+    assert "\x1b" not in results[0][1] and "refused" not in results[1][1], results
     assert not os.path.exists(marker)
     assert snapshot(save) == before
     assert not os.path.exists(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) or \
         "lm_loss" not in open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")).read()  # no iteration ran
+
+
+def test_a_refused_tensor_entry_reads_as_a_refused_metadata_entry(good, tmp_path):
+    """Issue 42: the same one line, torch's weights-only refusal of a tensor entry (DCP's own torch.load) and of
+    a non-tensor entry (ours): the file and the entry named, what was refused, no terminal escape codes."""
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
+    from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint
+    marker = str(tmp_path / "pwned")
+    after_entry = {}
+    for entry in (tensor_entry(good, "model."), "extra"):
+        hostile = str(tmp_path / entry)
+        hostile_file = hostile_copy(good, hostile, entry, payload("torch.save", marker))
+        with pytest.raises(UntrustedCheckpoint) as refused:
+            read_full_checkpoint(hostile, progress=False)  # one process: the converter's reader
+        message = str(refused.value)
+        assert "\n" not in message and "\x1b" not in message, message
+        assert message.startswith(f"{hostile_file}: entry '{entry}' refused: "), message
+        after_entry[entry] = message.split(f"'{entry}'", 1)[1]
+    assert len(set(after_entry.values())) == 1, after_entry
+    assert " refused: torch's weights-only unpickler does not admit the global exec (" in after_entry["extra"]
+    assert not os.path.exists(marker)
 
 
 def test_the_payloads_run_under_the_readers_we_replaced(good, tmp_path):

@@ -7,7 +7,8 @@ here, by an unpickler that admits a fixed list of globals, or not at all:
   admits only the classes torch.distributed.checkpoint's metadata is made of. `TrustedReader` is the
   FileSystemReader that reads it so; every load (`--load`, `--finetune`, `--use-checkpoint-args`,
   tools/checkpoint_convert.py, tools/translate.py) goes through it (checkpoint_dcp.py).
-- The tensors: DCP reads them with `torch.load(weights_only=True)` already.
+- The tensors: DCP reads them with `torch.load(weights_only=True)` already; `TrustedReader` names the entry
+  that call refuses (torch's own refusal is many lines of advice, terminal escape codes included).
 - Non-tensor entries (DCP's BYTE_IO items, `read_byte_entry`): ours are JSON since this format
   (checkpoint_data.py). Entries torch.save'd by DCP -- the previous format's metadata, pickled bytes
   inside, and non-tensor optimizer state -- are read with `torch.load(weights_only=True)` (DCP itself
@@ -15,8 +16,8 @@ here, by an unpickler that admits a fixed list of globals, or not at all:
   only the types that format wrote: containers and numbers (no globals needed), torch dtypes and CPU
   tensors (the RNG states), NumPy arrays (NumPy's RNG state).
 
-A refused global fails the load with one line naming the file and the entry (`UntrustedCheckpoint`),
-before anything is loaded into the model; nothing of the pickle has run.
+A refused global fails the load with one line naming the file and the entry (`UntrustedCheckpoint`), the same
+for a tensor entry and any other, before anything is loaded into the model; nothing of the pickle has run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 from collections import OrderedDict
 
 import numpy as np
@@ -141,7 +143,8 @@ def load_metadata(meta_file: str):
 def trusted_reader(path: str, metadata=None):
     """A torch.distributed.checkpoint FileSystemReader of `path` that reads `.metadata` through
     `MetadataUnpickler` (the tensors it reads with weights_only=True already), or returns `metadata`,
-    when given, read so before (a load reads a checkpoint in several dcp.load calls)."""
+    when given, read so before (a load reads a checkpoint in several dcp.load calls). A tensor entry that
+    torch's weights-only unpickler refuses raises UntrustedCheckpoint naming the file and the entry."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -155,6 +158,19 @@ def trusted_reader(path: str, metadata=None):
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
+
+        def _slice_file(self, file, sinfo):
+            self.reading = sinfo  # FileSystemReader slices each entry's bytes just before it reads them
+            return super()._slice_file(file, sinfo)
+
+        def read_data(self, plan, planner):
+            try:
+                return super().read_data(plan, planner)
+            except pickle.UnpicklingError as e:  # a tensor's torch.load(weights_only=True): non-tensor
+                sinfo = getattr(self, "reading", None)  # entries raise UntrustedCheckpoint themselves
+                entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
+                file = os.path.join(str(self.path), sinfo.relative_path) if sinfo is not None else str(self.path)
+                raise refused_by_weights_only(file, entries[0] if entries else "?", e) from None
 
     return TrustedReader(path)
 
@@ -179,8 +195,7 @@ def read_byte_entry(data: bytes, file: str, entry: str):
     try:
         value = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UntrustedCheckpoint(f"{file}: entry '{entry}' refused: torch's weights-only unpickler does not admit "
-                                  f"{_weights_only_reason(e)} ({_WHY})") from None
+        raise refused_by_weights_only(file, entry, e) from None
     except Exception as e:  # not a readable torch.save file
         raise UserError(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(value, bytes):
@@ -195,13 +210,26 @@ def read_byte_entry(data: bytes, file: str, entry: str):
         raise UserError(f"{file}: entry '{entry}' is corrupt ({type(e).__name__}: {_first_line(e)})") from None
 
 
+def refused_by_weights_only(file: str, entry: str, e: Exception) -> UntrustedCheckpoint:
+    """The one line for an entry, tensor or not, that torch's weights-only unpickler refused (`e`)."""
+    return UntrustedCheckpoint(f"{file}: entry '{entry}' refused: torch's weights-only unpickler does not admit "
+                               f"{_weights_only_reason(e)} ({_WHY})")
+
+
 def _weights_only_reason(e: Exception) -> str:
-    """What torch's (long, multi-line) weights-only refusal refused: "the global <name>" (its advice, to
-    allow-list that global, is not ours to give), or its first line."""
-    import re
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-    return f"the global {found.group(1)}" if found else _first_line(e)
+    """What torch's (long, multi-line) weights-only refusal refused: "the global <name>", else the unpickler's
+    own error (torch's advice around it, to allow-list a global or to load with weights_only=False, is not
+    ours to give), else its first line."""
+    text = _ESCAPE.sub("", str(e))
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        return f"the global {found.group(1)}"
+    found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    return found.group(1).strip() if found else _first_line(e)
+
+
+_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal escape codes (torch's refusal sets bold type)
 
 
 def _first_line(e: Exception) -> str:
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return next((ln.strip() for ln in _ESCAPE.sub("", str(e)).splitlines() if ln.strip()), "")

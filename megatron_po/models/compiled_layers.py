@@ -29,6 +29,7 @@ the training log prints it once, when the first iteration is done (training_log.
 
 from __future__ import annotations
 
+from megatron_po.dynamo_import import import_dynamo
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, graph_breaks
 
 BACKEND = "inductor"  # torch.compile's backend (tests may pick a cheaper one)
@@ -39,6 +40,7 @@ def compile_layers(chunks: list, split_backward: bool = False) -> list:
     """Compile every transformer layer of `chunks` (each chunk's `layers`) in place; returns `chunks`.
     `split_backward`: the schedule splits backwards into B and W ops (zero bubble)."""
     global _compiled_layers
+    import_dynamo()  # before torch.compile would, holding our callers' frames (dynamo_import.py)
     graph_breaks.install()
     for chunk in chunks:
         for layer in chunk.layers:

@@ -41,6 +41,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig, NMTConfig, recompute_granularity
+from megatron_po.dynamo_import import import_dynamo
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.models.transformer import (TransformerLayer, attention_kernel_context, build_norm, dropout,
@@ -142,6 +143,9 @@ def _embed_from(embedding: Embedding, ids: torch.Tensor, start: int) -> torch.Te
     if embedding.position_embeddings is not None:
         x = x + embedding.position_embeddings(torch.arange(start, start + ids.shape[1], device=ids.device))[None]
     return x.transpose(0, 1).contiguous()
+
+
+import_dynamo()  # `set_stance` below imports it: here, not from a caller's frames (dynamo_import.py)
 
 
 class NMTModel(GPTModel):

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from megatron_po.dynamo_import import import_dynamo
+
 
 def steps_per_group(steps, num_groups: int) -> list[float]:
     """One step count per param group from a number, a tensor or a sequence."""
@@ -332,6 +334,7 @@ def compiled_update(optimizer, index: int, piece: tuple):
         # buffer (the gradient buffer's) once automatic dynamic shapes make its storage size symbolic
         # ("aten.set_.source_Storage ... size_bytes_is_heap_allocated_"), and fell back to the eager step.
         options = _UNCACHED if COMPILE_BACKEND == "inductor" else None  # other backends take no such options
+        import_dynamo()  # before torch.compile would, holding our callers' frames (dynamo_import.py)
         by_kind[kind] = torch.compile(_own_copy(group_update), backend=COMPILE_BACKEND, dynamic=False,
                                       options=options)
     return by_kind[kind]

@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from megatron_po.dynamo_import import import_dynamo
 from megatron_po.optim.fused_prediction import PredictionRequest, _add_scaled, _addcdiv, _per_step, run_group
 
 
@@ -112,6 +113,7 @@ class PredictiveOptimizer(torch.optim.Optimizer):
         self._kept_direction: dict[int, tuple] = {}  # id(state) -> (numerator, denominator, divisor)
         self._planned: list[PredictionRequest] = []  # predictions the next step writes (fused_prediction.py)
         self._compiled_updates: dict[int, Callable] = {}  # param group index -> compiled `_group_update`
+        import_dynamo()  # torch.optim's add_param_group would, holding our callers' frames (dynamo_import.py)
         super().__init__(params, defaults)
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]):

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_po.dynamo_import import import_dynamo
 from megatron_po.parallel_state import get_tensor_model_parallel_world_size
 from megatron_po.tensor_parallel import weight_grads
 from megatron_po.tensor_parallel.cross_entropy import _all_reduce, local_targets
@@ -134,6 +135,7 @@ def _chunk_functions(backend: str | None) -> tuple:
     if backend is None:
         return _MATH
     if backend not in _compiled:
+        import_dynamo()  # before torch.compile would, holding our callers' frames (dynamo_import.py)
         _compiled[backend] = tuple(torch.compile(fn, backend=backend, fullgraph=True) for fn in _MATH)
     return _compiled[backend]
 

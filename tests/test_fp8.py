@@ -21,8 +21,10 @@ What these tests show (tolerances stated where a test is not bitwise; "measured"
   a bf16 run, and a bf16 checkpoint into an FP8 run (each continuing within 0.005 of the straight run).
 - Bad input: one line, exit 2, from the entry point (FP8 with --fp16, a GPU below compute capability 8.9 faked,
   GEMM dims not multiples of 16); the other rules' lines are rows of tests/test_config_rules.py.
+- The GPU check's fp8 section (bench/gpu/gpu_fp8.py) runs at its quick size, eager (FP8 emulated).
 """
 
+import json
 import subprocess
 import sys
 from functools import partial
@@ -305,3 +307,22 @@ def test_bad_fp8_input_is_one_line_at_start_up(case, flags, capability, words, t
     code, err = run_distributed(partial(_run_argv, capability=capability), 1, args=(argv,))[0]
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and words in lines[0], err
+
+
+# ---- the GPU check's fp8 section, at its quick size (FP8 emulated) -------------------------------------------
+
+def test_gpu_fp8_section_runs_at_the_quick_size(tmp_path):
+    """bench/gpu/gpu_fp8.py --quick --eager-only (the compiled runs take inductor's minutes on a CPU; the compiled
+    FP8 layer is tested above): it measures ours bf16 and FP8 and the plain GPT under torchao's FP8, and writes the
+    results with the loss target read off its own runs."""
+    out = tmp_path / "fp8.md"
+    proc = subprocess.run([sys.executable, "bench/gpu/gpu_fp8.py", "--quick", "--eager-only", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = out.read_text()
+    assert "Quick size on cpu: FP8 emulated" in md and "python bench/gpu/gpu_fp8.py plain_fp8 --size quick" in md
+    assert "--fp8-format hybrid --fp8-recipe tensorwise" in md and "not measured (--eager-only)" in md
+    data = json.loads(out.with_suffix(".json").read_text())["figures"]
+    assert set(data) >= {"bf16", "fp8", "plain_fp8", "loss", "ratios", "targets"}
+    assert data["plain_fp8"]["fp8"].endswith("(emulated)") and data["fp8"]["tokens_per_s"] > 0
+    assert data["targets"]["loss_delta"]["met"] and data["loss"]["fp8"] != data["loss"]["bf16"]

@@ -3,7 +3,8 @@ tensorwise) against our bf16, in the same run, eager and compiled, and against t
 PyTorch GPT the check already measures. Writes bench/results/gpu_fp8_<device>[_quick].md and a .json beside it.
 
     python bench/gpu/gpu_fp8.py                      # GPT-1.3B (bench/gpu/gpu_worker.py's "full" size), on a GPU
-    python bench/gpu/gpu_fp8.py --quick --out x.md   # the tiny GPT on a CPU (FP8 emulated): runs every path
+    python bench/gpu/gpu_fp8.py --quick --out x.md   # the tiny GPT on a CPU (FP8 emulated): every path, ~7 min
+    python bench/gpu/gpu_fp8.py --quick --eager-only # without the compiled runs (tests/test_fp8.py)
     python bench/gpu/gpu_fp8.py plain_fp8 --size full [--compile]   # one measurement: the plain GPT under FP8
 
 Measured, each in a fresh process: the bf16 matmul peak (MFU's denominator, gpu_worker.py peak); ours through
@@ -14,8 +15,9 @@ tied F.linear and stays bf16, like ours), compiled, run by gpu_worker.py's `plai
 iteration of each of ours is compared with bf16's. Targets: FP8 compiled >= 1.25x our bf16 compiled (tokens/s),
 >= 1.0x the plain FP8 GPT compiled, last loss within 0.02 of bf16's.
 
-bench/gpu/gpu.py's check calls `section_fp8(run)` with its `Run` (then the bf16 figures of its sections `gpt`
-and `compiled`, measured in the same run, are reused rather than measured again). torchao must be importable:
+bench/gpu/gpu.py's check can call `section_fp8(run)` with its `Run` (registered in its SECTIONS; then the peak and
+the bf16 figures of its sections `gpt` and `compiled`, measured in the same run, are reused rather than measured
+again). This module imports nothing from gpu.py, so that gpu.py can import it. torchao must be importable:
 on a device call, carry `.gpu_wheels/` (scripts/gpu_wheels.sh, docs/fp8.md).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()
 
-from bench_common import RESULTS, load_at_end, load_at_start, log, markdown_table, now, offline_env  # noqa: E402
+from bench_common import RESULTS, load_at_end, log, markdown_table, offline_env  # noqa: E402
 from gpu_run import Run, Section, measure_ours, num, pct  # noqa: E402
 
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -106,42 +109,54 @@ def ours(run: Run, label: str, extra: list[str], reuse: str | None = None) -> tu
     return measure_ours(run, label, "", extra), last_loss(run, label)
 
 
-def section_fp8(run: Run) -> Section:
+# (key, row, label, flags, gpu.py's section measuring the same run) of ours; "_compiled" ones need --torch-compile
+VARIANTS = [("bf16", "ours bf16, eager", "fp8_bf16", [], "gpt"),
+            ("bf16_compiled", "ours bf16, --torch-compile", "fp8_bf16_compiled", ["--torch-compile"], "compiled"),
+            ("fp8", "ours FP8, eager", "fp8_eager", FP8_FLAGS, None),
+            ("fp8_compiled", "ours FP8, --torch-compile", "fp8_compiled", ["--torch-compile", *FP8_FLAGS], None)]
+
+
+def section_fp8(run: Run, compiled: bool = True) -> Section:
+    """The section; `compiled=False` (--eager-only) leaves out the compiled runs and their targets (a CPU test
+    has not the minutes inductor takes there) and times the plain FP8 GPT eager instead."""
     from gpu_run import throughput
-    if "peak" not in run.done:  # MFU's denominator, measured in this run
-        from gpu import section_peak
-        run.done["peak"] = section_peak(run)
-    bf16, bf16_loss = ours(run, "fp8_bf16", [], "gpt")
-    bf16_c, bf16_c_loss = ours(run, "fp8_bf16_compiled", ["--torch-compile"], "compiled")
-    fp8, fp8_loss = ours(run, "fp8_eager", FP8_FLAGS)
-    fp8_c, fp8_c_loss = ours(run, "fp8_compiled", ["--torch-compile", *FP8_FLAGS])
-    plain, plain_command = worker(run, "--compile")
-    plain.update(throughput(run, plain["ms_per_iteration"]))
-    figures = {"bf16": bf16.figures, "bf16_compiled": bf16_c.figures, "fp8": fp8.figures, "fp8_compiled": fp8_c.figures,
-               "plain_fp8_compiled": plain, "loss": {"bf16": bf16_loss, "bf16_compiled": bf16_c_loss, "fp8": fp8_loss,
-                                                        "fp8_compiled": fp8_c_loss}}
-    ratios = {"eager_over_bf16_eager": fp8.figures["tokens_per_s"] / bf16.figures["tokens_per_s"],
-              "compiled_over_bf16_compiled": fp8_c.figures["tokens_per_s"] / bf16_c.figures["tokens_per_s"],
-              "compiled_over_plain_fp8_compiled": fp8_c.figures["tokens_per_s"] / plain["tokens_per_s"],
-              "loss_delta": max(abs(fp8_loss - bf16_loss), abs(fp8_c_loss - bf16_c_loss))}
-    figures["ratios"] = ratios
-    met = {k: (ratios[k] <= bound if k == "loss_delta" else ratios[k] >= bound) for k, bound in TARGETS.items()}
-    figures["targets"] = {k: {"bound": TARGETS[k], "measured": ratios[k], "met": met[k]} for k in TARGETS}
-    rows = [[name, f"{f['ms_per_iteration']:.1f}", f"{f['tokens_per_s']:,.0f}", num(f["model_tflops"]), pct(f["mfu"]),
-             "n/a" if loss is None else f"{loss:.4f}"]
-            for name, f, loss in (("ours bf16, eager", bf16.figures, bf16_loss),
-                                  ("ours bf16, --torch-compile", bf16_c.figures, bf16_c_loss),
-                                  ("ours FP8, eager", fp8.figures, fp8_loss),
-                                  ("ours FP8, --torch-compile", fp8_c.figures, fp8_c_loss),
-                                  ("plain PyTorch GPT, torchao FP8, torch.compile", plain, None))]
-    target_rows = [["FP8 compiled / bf16 compiled (tokens/s) >= 1.25", f"{ratios['compiled_over_bf16_compiled']:.3f}x",
-                    "met" if met["compiled_over_bf16_compiled"] else "NOT MET"],
-                   ["FP8 compiled / plain FP8 compiled (tokens/s) >= 1.0",
-                    f"{ratios['compiled_over_plain_fp8_compiled']:.3f}x",
-                    "met" if met["compiled_over_plain_fp8_compiled"] else "NOT MET"],
-                   ["|last loss FP8 - bf16| <= 0.02 (eager, compiled)", f"{ratios['loss_delta']:.4f}", "met" if met["loss_delta"] else "NOT MET"]]
-    commands = [c for s in (bf16, bf16_c, fp8, fp8_c) for c in s.commands] + [plain_command]
-    reused = [name for name in ("gpt", "compiled") if run.done.get(name) in (bf16, bf16_c)]
+    if "peak" not in run.done:  # MFU's denominator, measured in this run (gpu.py's section peak, when it ran)
+        result, command = run.worker("peak")
+        run.done["peak"] = Section("bf16 matmul peak", [command], result)
+    measured, losses, commands = {}, {}, []
+    for key, _, label, flags, reuse in VARIANTS:
+        if compiled or not key.endswith("_compiled"):
+            section, losses[key] = ours(run, label, flags, reuse)
+            measured[key] = section.figures
+            commands += section.commands
+    plain_key = "plain_fp8_compiled" if compiled else "plain_fp8"
+    plain, plain_command = worker(run, *(["--compile"] if compiled else []))
+    measured[plain_key] = {**plain, **throughput(run, plain["ms_per_iteration"])}
+    commands.append(plain_command)
+    tokens = {k: f["tokens_per_s"] for k, f in measured.items()}
+    ratios = {"eager_over_bf16_eager": tokens["fp8"] / tokens["bf16"],
+              "loss_delta": max(abs(losses[k] - losses[k.replace("fp8", "bf16")]) for k in losses if "fp8" in k)}
+    if compiled:
+        ratios["compiled_over_bf16_compiled"] = tokens["fp8_compiled"] / tokens["bf16_compiled"]
+        ratios["compiled_over_plain_fp8_compiled"] = tokens["fp8_compiled"] / tokens["plain_fp8_compiled"]
+    else:
+        ratios["eager_over_plain_fp8_eager"] = tokens["fp8"] / tokens["plain_fp8"]
+    met = {k: (ratios[k] <= bound if k == "loss_delta" else ratios[k] >= bound) for k, bound in TARGETS.items()
+           if k in ratios}
+    figures = {**measured, "loss": losses, "ratios": ratios,
+               "targets": {k: {"bound": TARGETS[k], "measured": ratios[k], "met": met[k]} for k in met}}
+    rows = [[name, f"{measured[key]['ms_per_iteration']:.1f}", f"{tokens[key]:,.0f}",
+             num(measured[key]["model_tflops"]), pct(measured[key]["mfu"]), f"{losses[key]:.4f}"]
+            for key, name, *_ in VARIANTS if key in measured]
+    rows.append([f"plain PyTorch GPT, torchao FP8{', torch.compile' if compiled else ', eager'}",
+                 f"{plain['ms_per_iteration']:.1f}", f"{tokens[plain_key]:,.0f}",
+                 num(measured[plain_key]["model_tflops"]), pct(measured[plain_key]["mfu"]), "n/a"])
+    described = {"compiled_over_bf16_compiled": ("FP8 compiled / bf16 compiled, tokens/s, >= 1.25", "x"),
+                 "compiled_over_plain_fp8_compiled": ("FP8 compiled / plain FP8 compiled, tokens/s, >= 1.0", "x"),
+                 "loss_delta": ("last loss, FP8 against bf16, absolute difference <= 0.02", "")}
+    target_rows = [[what, "not measured (--eager-only)" if k not in ratios else f"{ratios[k]:.4f}{unit}",
+                    "" if k not in met else ("met" if met[k] else "NOT MET")] for k, (what, unit) in described.items()]
+    reused = [reuse for *_, reuse in VARIANTS if reuse in run.done]
     return Section("FP8 (torchao) against bf16 and the plain GPT under torchao's FP8", commands, figures, [
         f"--fp8-format hybrid (E4M3 forward, E5M2 gradients), recipe tensorwise, in the QKV, attention-projection and "
         f"MLP GEMMs; embedding and output layer bf16. FP8 eager / bf16 eager: "
@@ -173,27 +188,30 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny GPT: every path on a CPU (FP8 emulated)")
     ap.add_argument("--out", help="the .md to write (the .json beside it); default bench/results/gpu_fp8_<device>.md")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600)")
+    ap.add_argument("--eager-only", action="store_true", help="leave out the compiled runs (inductor's minutes on a "
+                                                              "CPU): what the CPU test runs")
     args = ap.parse_args(argv)
-    from gpu import device_info
-    t0, started, info = time.perf_counter(), now(), device_info()
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    t0 = time.perf_counter()
     run = Run("quick" if args.quick else "full", args.timeout or 600)
-    out = args.out or os.path.join(RESULTS, f"gpu_fp8_{info['slug']}{'_quick' if args.quick else ''}.md")
-    command = bench_common.command_line("bench/gpu/gpu_fp8.py", argv)
-    section = section_fp8(run)
+    out = args.out or os.path.join(RESULTS, f"gpu_fp8_{slug}{'_quick' if args.quick else ''}.md")
+    command = bench_common.command_line(bench_common.script(__file__), argv)
+    head = bench_common.header(__file__, argv, f"FP8 (torchao) on {device}", command)
+    section = section_fp8(run, compiled=not args.eager_only)
     s = run.size
-    lines = [f"# FP8 (torchao) on {info['name']}", "", f"Command: `{command}`  ", f"Started {started}; {load_at_start()}  ",
-             f"Device: {info['name']}; torch {info['torch']}, CUDA {info['cuda']}  ", f"Code: commit {info['commit']}  ",
-             f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
+    lines = [*head, f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
              f"{s.micro_batch}, global batch {s.global_batch}, vocab {s.vocab}, mock data, one process.", ""]
     if args.quick:
-        lines += [f"> **Quick size on {info['name']}: FP8 emulated where there is no GPU; its numbers measure "
-                  "nothing.**", ""]
+        lines += [f"> **Quick size on {device}: FP8 emulated where there is no GPU; its numbers measure nothing.**", ""]
     lines += [f"## {section.title}", "", "```", *section.commands, "```", "", *section.lines, "", load_at_end(t0)]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(bench_common.portable("\n".join(lines) + "\n"))
     data = {"schema": "megatron_po bench/gpu/gpu_fp8.py 1", "command": command, "size": run.size_name,
-            "started": started, "device": info, "figures": section.figures, "commands": section.commands}
+            "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
+            "figures": section.figures, "commands": section.commands}
     with open(os.path.splitext(out)[0] + ".json", "w") as f:
         f.write(bench_common.portable(json.dumps(data, indent=1)))
     log(f"[gpu_fp8.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")

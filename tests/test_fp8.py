@@ -33,6 +33,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it lazily, ~1 s: once here, not in forked ranks)
 import torch.nn.functional as F
+from cuda_harness import one_thread  # noqa: F401  (autouse fixture: one intra-op thread for the tiny models)
 from dist_harness import run_distributed
 from test_checkpoint import losses, run_capturing, tiny_args, train
 
@@ -43,15 +44,6 @@ from megatron_po.tensor_parallel.fp8 import FP8Gemm, float8_config, fp8_linear
 RECIPES = [("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("rowwise", "e4m3")]
 QUIET = {"--hidden-dropout": 0.0, "--attention-dropout": 0.0}
 FP8 = {"--fp8-format": "hybrid"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is ~10x faster than two on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def gemm(recipe="tensorwise", fmt="hybrid", emulate=True) -> FP8Gemm:

@@ -292,6 +292,9 @@ RULES = [
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
     ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
     # FP8: backend and recipe (models/fp8.py; more cases, the GPU capability among them, in tests/test_fp8.py)
+    ("fp8-flags-need-format", 1, MOCK + ["--fp8-recipe", "rowwise"], ["--fp8-recipe applies to FP8 training",
+                                                                      "add --fp8-format hybrid"]),
+    ("fp8-flags-need-format/backend", 1, MOCK + ["--fp8-backend", "torchao"], ["--fp8-backend applies to FP8"]),
     ("fp8-not-fp16", 1, MOCK + ["--fp8-format", "hybrid", "--fp16"], ["--fp8-format hybrid with --fp16", "--bf16"]),
     ("fp8-te-needs-te-impl", 1, MOCK + ["--fp8-format", "hybrid", "--fp8-backend", "te"],
      ["--fp8-backend te", "add --transformer-impl transformer_engine"]),

@@ -91,6 +91,9 @@ def _recipe_message(c: Ctx) -> str:
 
 
 FP8_RULES = [
+    Rule("fp8-flags-need-format", lambda c: c.m.fp8_recipe is None and c.m.fp8_backend == "auto",
+         lambda c: f"{'--fp8-recipe' if c.m.fp8_recipe is not None else '--fp8-backend'} applies to FP8 training: add "
+                   f"--fp8-format hybrid (or e4m3)", when=lambda c: not _fp8(c)),
     Rule("fp8-not-fp16", lambda c: not c.pr.fp16,
          lambda c: f"--fp8-format {c.m.fp8_format} with --fp16: FP8 training here keeps bf16 (or fp32) weights and "
                    f"activations around its FP8 GEMMs; use --bf16", when=_fp8),

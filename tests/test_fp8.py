@@ -5,7 +5,8 @@ What these tests show (tolerances stated where a test is not bitwise; "measured"
 - The GEMM (tensor_parallel/fp8.py) is torchao's: for tensorwise x {hybrid, e4m3} and rowwise x e4m3, in fp32
   and bf16, output, input gradient and weight gradient equal torchao's own `Float8Linear` bitwise, and differ
   from the exact matmul (relative error > 1e-3: FP8 is really on). Zero bubble's B op computes the input
-  gradient alone and the W op gives the fused backward's weight gradient bitwise. The backward casts the live
+  gradient alone and the W op gives the fused backward's weight gradient bitwise, also in a compiled layer (its
+  FP8 GEMMs then run outside the graph, as the bf16 ones do). The backward casts the live
   weights (a weight policy swaps the parameter's storage between forward and backward), eager and compiled:
   compiled equals eager there bitwise.
 - FP8 off changes nothing: no linear gets a GEMM, torchao is never imported; FP8 on marks exactly QKV, the
@@ -143,6 +144,31 @@ def test_backward_casts_the_live_weights_eager_and_compiled():
             p.copy_(w)
     wrong = layer_grads(on_prediction, x, predicted, "pointer")
     assert rel(wrong[0], expected[0]) > 1e-2
+
+
+def test_zero_bubble_split_in_a_compiled_layer():
+    """Under a split backward a compiled layer runs its FP8 GEMMs outside its graph (`layers.linear`), so the B op
+    still defers their weight gradients: the same gradients as the eager layer's fused backward, bitwise."""
+    from megatron_po.tensor_parallel import graph_breaks
+    graph_breaks.install()
+    eager, compiled = fp8_mlp(), fp8_mlp()
+    for linear in (compiled.fc1, compiled.fc2):
+        linear.gemm_in_compiled_graph = False
+    compiled.compile(backend="aot_eager")  # the graph around the GEMMs; inductor's kernels are tested above
+    x = torch.randn(16, 2, 32)
+    grads = []
+    for mlp, split in ((eager, False), (compiled, True)):
+        xi = x.clone().requires_grad_()
+        loss = mlp(xi).square().sum()
+        if split:
+            with weight_grads.defer_weight_grads() as queue:
+                loss.backward()
+            assert mlp.fc1.weight.grad is None and mlp.fc2.weight.grad is None and len(queue) == 2
+            weight_grads.apply_weight_grads(queue)
+        else:
+            loss.backward()
+        grads.append([xi.grad] + [p.grad for p in mlp.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 # ---- the model: what FP8 marks, and that FP8 off is untouched ------------------------------------------------

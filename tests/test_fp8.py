@@ -270,7 +270,8 @@ def test_recomputation_distributed_optimizer_and_muon_under_fp8(tmp_path):
     assert sharded == dp2
     muon = {"--optimizer": "muon", "--save": str(tmp_path / "muon_ckpt"), "--save-interval": 6}
     muon_fp8 = losses(train(str(tmp_path / "muon"), 1, **flags, **muon))
-    muon_plain = losses(train(str(tmp_path / "muon_plain"), 1, **{**flags, "--fp8-format": None, "--optimizer": "muon"}))
+    muon_plain = losses(train(str(tmp_path / "muon_plain"), 1, **{**flags, "--fp8-format": None,
+                                                                   "--optimizer": "muon"}))
     assert max_delta(muon_fp8, muon_plain) <= 2e-3
     from megatron_po.distributed.checkpoint_load import read_full_checkpoint
     state = read_full_checkpoint(str(tmp_path / "muon_ckpt"), 6, prefix="", progress=False)[0]

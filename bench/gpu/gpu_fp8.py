@@ -40,7 +40,8 @@ from gpu_run import Run, Section, measure_ours, num, pct  # noqa: E402
 
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 TARGETS = {"compiled_over_bf16_compiled": 1.25, "compiled_over_plain_fp8_compiled": 1.0, "loss_delta": 0.02}
-ESTIMATED_SECONDS = {"full": 540, "quick": 420}  # with section gpt and compiled's bf16 runs reused: full ~300
+ESTIMATED_SECONDS = {"full": 540, "quick": 210}  # full: a guess (no GPU lent); ~300 with gpt and compiled reused.
+# quick: 3.4 min measured on a loaded 2-core CPU (bench/results/gpu_fp8_cpu_quick.md); --eager-only about 70 s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -72,7 +73,8 @@ def plain_fp8(size, args) -> dict:
         result = gpu_worker.plain(size, args)
     finally:
         overhead.PlainGPT = plain_gpt
-    return {**result, "fp8": "torchao convert_to_float8_training, tensorwise" + (" (emulated)" if config.emulate else "")}
+    how = "torchao convert_to_float8_training, tensorwise" + (" (emulated)" if config.emulate else "")
+    return {**result, "fp8": how}
 
 
 def worker(run: Run, *flags: str) -> tuple[dict, str]:

@@ -308,7 +308,8 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = linear(input_parallel, self.weight, None, self.gemm_in_compiled_graph, self.fp8)  # partial sums
+        # Partial sums of the output, reduced below.
+        output_parallel = linear(input_parallel, self.weight, None, self.gemm_in_compiled_graph, self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

@@ -19,7 +19,8 @@ What these tests show (tolerances stated where a test is not bitwise; "measured"
   recomputation and the distributed optimizer change nothing (bitwise); Muon with FP8 within 2e-3 of Muon
   without (measured 4e-4), all weights and optimizer state in high precision.
 - Checkpoints: an FP8 run resumes bitwise; its checkpoint holds the tensors a bf16 run's holds, and loads into
-  a bf16 run, and a bf16 checkpoint into an FP8 run (each continuing within 0.005 of the straight run).
+  a bf16 run, and a bf16 checkpoint into an FP8 run (each continuing within 0.005 of the run that saved it;
+  measured 1.2e-4 and 3.6e-5).
 - Bad input: one line, exit 2, from the entry point (FP8 with --fp16, a GPU below compute capability 8.9 faked,
   GEMM dims not multiples of 16); the other rules' lines are rows of tests/test_config_rules.py.
 - The GPU check's fp8 section (bench/gpu/gpu_fp8.py) runs at its quick size, eager (FP8 emulated).

@@ -97,8 +97,16 @@ class ModelConfig:
     transformer_impl: str = _f("local", "transformer layers: local (PyTorch) or transformer_engine (NVIDIA "
                                         "Transformer Engine, GPUs; requirements-gpu.txt)",
                                choices=["local", "transformer_engine"])
-    fp8_format: str | None = _f(None, "FP8 GEMMs in the transformer layers (Transformer Engine): hybrid (E4M3 "
-                                      "forward, E5M2 gradients) or e4m3", choices=["hybrid", "e4m3"])
+    fp8_format: str | None = _f(None, "FP8 GEMMs in the transformer layers (QKV, attention projection, MLP): hybrid "
+                                      "(E4M3 forward, E5M2 gradients) or e4m3; through --fp8-backend (docs/fp8.md)",
+                                choices=["hybrid", "e4m3"])
+    fp8_recipe: str | None = _f(None, "FP8 scaling recipe: delayed (Transformer Engine, its default), tensorwise "
+                                      "(torchao, its default) or rowwise (torchao, with --fp8-format e4m3); mxfp8 and "
+                                      "blockwise (Megatron's, Blackwell) are not available here",
+                                choices=["delayed", "tensorwise", "rowwise", "mxfp8", "blockwise"])
+    fp8_backend: str = _f("auto", "who runs --fp8-format: te (Transformer Engine's layers), torchao (torchao's float8 "
+                                  "GEMMs in the local layers; emulated on a CPU) or auto (te with --transformer-impl "
+                                  "transformer_engine, else torchao)", choices=["auto", "te", "torchao"])
     fp8_margin: int = _f(0, "FP8 delayed scaling: scaling factor margin (powers of 2)")
     fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: amax history length")
     fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: amax taken from the history",
@@ -488,6 +496,23 @@ def num_query_groups(m: ModelConfig) -> int:
 def recompute_granularity(m: ModelConfig) -> str | None:
     """The activation recomputation in effect: --recompute-activations is Megatron's alias of selective."""
     return "selective" if m.recompute_activations else m.recompute_granularity
+
+
+def fp8_backend(m: ModelConfig) -> str | None:
+    """Who runs FP8 (None: FP8 off): "te" (Transformer Engine's layers) or "torchao" (the local layers)."""
+    if m.fp8_format is None:
+        return None
+    if m.fp8_backend == "auto":
+        return "te" if m.transformer_impl == "transformer_engine" else "torchao"
+    return m.fp8_backend
+
+
+def fp8_recipe(m: ModelConfig) -> str | None:
+    """--fp8-recipe, or its backend's default: delayed (Transformer Engine) or tensorwise (torchao)."""
+    backend = fp8_backend(m)
+    if backend is None:
+        return None
+    return m.fp8_recipe or ("delayed" if backend == "te" else "tensorwise")
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

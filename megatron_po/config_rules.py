@@ -7,7 +7,8 @@ rule, so the table's order decides which line a config that breaks several rules
 the rules that divide by those sizes). The error carries the rule's `name`, which names its row in
 tests/test_config_rules.py: that test reads this table and fails when a rule has no row.
 
-The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`). This
+The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`), the FP8
+backend's and recipe's in models/fp8.py (`FP8_RULES`). This
 module sits above config.py (the tree and its derived values) and models/, so config.py imports nothing
 from models/.
 """
@@ -22,6 +23,7 @@ from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_s
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
+from megatron_po.models.fp8 import FP8_RULES
 from megatron_po.models.te_transformer import TE_RULES
 from megatron_po.optim.newton_schulz import coefficients
 from megatron_po.run_rules import SEED_LIMIT, SEED_STRIDE_PER_STAGE
@@ -610,4 +612,4 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + TE_RULES + NMT)
+                             + MEGATRON_SWITCHES + FP8_RULES + TE_RULES + NMT)

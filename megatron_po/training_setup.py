@@ -17,6 +17,7 @@ from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import UserError
+from megatron_po.models.fp8 import fp8_summary
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MixedPrecisionOptimizer, build_grad_scaler, grad_buffer_dtype,
@@ -31,8 +32,8 @@ from megatron_po.training_step import Trainable, TrainState
 
 
 # Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
-NOT_CHECKPOINT_ARGS = ("hidden_dropout", "attention_dropout", "transformer_impl", "fp8_format", "fp8_margin",
-                       "fp8_amax_history_len", "fp8_amax_compute_algo", "torch_compile")
+NOT_CHECKPOINT_ARGS = ("hidden_dropout", "attention_dropout", "transformer_impl", "fp8_format", "fp8_recipe",
+                       "fp8_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "torch_compile")
 
 
 def apply_checkpoint_args(cfg: Config) -> Config:
@@ -160,6 +161,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
         if cfg.model.transformer_impl == "transformer_engine":  # weights change only at steps, after a flush
             from megatron_po.models.te_transformer import enable_fp8_weight_cache
             enable_fp8_weight_cache(chunks)
+    if fp8_summary(cfg.model):
+        print_rank0(fp8_summary(cfg.model))  # which FP8 backend and recipe run, emulated or not
     n_params = sum(p.numel() for c in model.chunks for p in c.parameters())
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
                 f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "

@@ -14,4 +14,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GPU_CHECK_VIA=scripts/gpu_check.sh
+source scripts/gpu_wheels.sh  # torchao from .gpu_wheels/ when carried (docs/fp8.md)
 exec "${PYTHON:-python3}" bench/gpu/gpu_check.py "$@"

@@ -18,6 +18,7 @@ if ! "$PY" -c "import torch, pytest" 2>/dev/null; then
   exit 2
 fi
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+source scripts/gpu_wheels.sh  # torchao from .gpu_wheels/ when carried (docs/fp8.md)
 # cuBLAS reads this once per process, at its first use: the deterministic tests need it set before then.
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 "$PY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|',

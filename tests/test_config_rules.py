@@ -15,7 +15,7 @@ from megatron_po import config_rules
 from megatron_po.config import normalize_nmt, parse_args
 from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
-from megatron_po.models import te_transformer
+from megatron_po.models import fp8, te_transformer
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
@@ -291,9 +291,28 @@ RULES = [
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
     ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
+    # FP8: backend and recipe (models/fp8.py; more cases, the GPU capability among them, in tests/test_fp8.py)
+    ("fp8-flags-need-format", 1, MOCK + ["--fp8-recipe", "rowwise"], ["--fp8-recipe applies to FP8 training",
+                                                                      "add --fp8-format hybrid"]),
+    ("fp8-flags-need-format/backend", 1, MOCK + ["--fp8-backend", "torchao"], ["--fp8-backend applies to FP8"]),
+    ("fp8-not-fp16", 1, MOCK + ["--fp8-format", "hybrid", "--fp16"], ["--fp8-format hybrid with --fp16", "--bf16"]),
+    ("fp8-te-needs-te-impl", 1, MOCK + ["--fp8-format", "hybrid", "--fp8-backend", "te"],
+     ["--fp8-backend te", "add --transformer-impl transformer_engine"]),
+    ("fp8-torchao-needs-local", 1, TE_FP8 + ["--fp8-backend", "torchao"],
+     ["--fp8-backend torchao", "needs --transformer-impl local"]),
+    ("fp8-recipe-vs-backend", 1, MOCK + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+     ["--fp8-recipe delayed is not available with --fp8-backend torchao", "tensorwise, rowwise"]),
+    ("fp8-recipe-vs-backend/te", 1, TE_FP8 + ["--fp8-recipe", "tensorwise"],
+     ["--fp8-recipe tensorwise is not available with --fp8-backend te", "runs delayed here"]),
+    ("fp8-rowwise-e4m3", 1, MOCK + ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+     ["--fp8-recipe rowwise", "use --fp8-format e4m3"]),
+    ("fp8-dims-by-16", 2, MOCK + ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--hidden-size", "80",
+                                  "--num-attention-heads", "4", "--seq-length", "12", "--micro-batch-size", "2"],
+     ["divisible by 16; not: QKV outputs per TP rank 120, attention-projection inputs per TP rank 40, ",
+      "tokens per micro-batch (--seq-length x --micro-batch-size) 24"]),
+    ("fp8-gpu-capability", 1, MOCK + ["--fp8-format", "hybrid"],
+     ["needs a GPU of compute capability >= 8.9", "(NVIDIA A100) is 8.0"]),
     # Transformer Engine (the FP8 rules come before the import, so they hold without TE)
-    ("fp8-needs-te", 1, MOCK + ["--fp8-format", "hybrid"],
-     ["--fp8-format hybrid needs --transformer-impl transformer_engine"]),
     ("fp8-amax-history>=1", 1, TE_FP8 + ["--fp8-amax-history-len", "0"],
      ["--fp8-amax-history-len must be >= 1 (got 0)"]),
     ("fp8-margin>=0", 1, TE_FP8 + ["--fp8-margin", "-1"], ["--fp8-margin must be >= 0 (got -1)"]),
@@ -352,6 +371,7 @@ NMT_RULES = [
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
                                           "--recompute-num-layers", "1"],
      ["--recompute-granularity full is wired for GPT (pretrain_gpt.py) only", "--recompute-granularity selective"]),
+    ("fp8-torchao-gpt-only", 1, NMT + ["--fp8-format", "hybrid"], ["--fp8-backend torchao is wired for GPT"]),
     ("te-gpt-only", 1, NMT + TE, ["--transformer-impl transformer_engine is wired for GPT (pretrain_gpt.py) only"]),
     ("group-query-attention-gpt-only", 1, NMT + ["--group-query-attention"],
      ["--group-query-attention applies to pretrain_gpt.py"]),
@@ -398,6 +418,8 @@ def no_visible_gpu(monkeypatch):
     """`te-importable` fails on every machine: TE's import fails without TE, and with it no GPU is visible."""
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: False)
     monkeypatch.setattr(config_rules, "_cuda_device", lambda: False)  # --attention-backend flash/fused need one
+    # `fp8-gpu-capability`'s row runs on a faked A100 (compute capability 8.0); the other rows fail before it.
+    monkeypatch.setattr(fp8, "_cuda_capability", lambda: ("NVIDIA A100", (8, 0)))
 
 
 def _validate(argv, world, workload="gpt"):
@@ -442,6 +464,9 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     _validate(NMT, 1, "nmt")
     _validate(NMT + ["--max-position-embeddings", "128", "--max-tokens", "128", "--tgt-tokenizer-model", "fr.model",
                      "--untie-encoder-decoder-embeddings"], 1, "nmt")
+    monkeypatch.setattr(fp8, "_cuda_capability", lambda: None)  # FP8 on a CPU: torchao's emulation
+    validate(parse_args(MOCK + ["--fp8-format", "hybrid", "--bf16"]), 1)
+    validate(parse_args(MOCK + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]), 1)
     fake_transformer_engine.install()
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
     try:

@@ -189,7 +189,8 @@ def test_fp8_amaxes_are_reduced_within_the_pipeline_stage(fake_te):
 
 
 def test_flag_rules(fake_te):
-    for argv, needle in [(BASE + ["--fp8-format", "hybrid"], "needs --transformer-impl transformer_engine"),
+    for argv, needle in [(BASE + ["--fp8-format", "hybrid", "--fp8-backend", "te"],
+                          "add --transformer-impl transformer_engine"),
                          (BASE + TE + ["--fp8-format", "e4m3", "--hidden-size", "40", "--num-attention-heads", "4"],
                           "divisible by 16"),
                          (BASE + TE + ["--fp8-format", "e4m3", "--seq-length", "6", "--micro-batch-size", "1"],

@@ -20,6 +20,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
 from megatron_po.data.document_masks import document_causal_mask
+from megatron_po.models.fp8 import enable_fp8, uses_torchao
 from megatron_po.models.recompute import layer_groups, run_layers
 from megatron_po.models.transformer import (RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal,
                                              rotary_dim)
@@ -47,6 +48,8 @@ def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Mod
     """A pre-norm layer of the configured implementation. Both start from the same weights: the
     Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
     layer = TransformerLayer(cfg, sequence_parallel)
+    if uses_torchao(cfg):  # --fp8-format on the local layers: their linears' GEMMs in FP8 (models/fp8.py)
+        enable_fp8(layer, cfg)
     if cfg.transformer_impl == "transformer_engine":
         from megatron_po.models.te_transformer import TETransformerLayer  # imports transformer_engine
         layer = TETransformerLayer(cfg, sequence_parallel, initial=layer)
@@ -55,7 +58,7 @@ def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Mod
 
 def layers_context(cfg: ModelConfig):
     """A zero-argument callable giving the context the layers of a forward run in: Transformer Engine's
-    FP8 autocast with --fp8-format, else nothing."""
+    FP8 autocast with --fp8-format (torchao's FP8 needs none: its linears carry their FP8 GEMM), else nothing."""
     if cfg.transformer_impl == "transformer_engine" and cfg.fp8_format is not None:
         from megatron_po.models.te_transformer import FP8Autocast
         return FP8Autocast(cfg)

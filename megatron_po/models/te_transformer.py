@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
+from megatron_po.config import (ModelConfig, ffn_hidden_size, fp8_backend, kv_channels, num_query_groups,
                                  recompute_granularity)
 from megatron_po.config_check import Check, Ctx, Rule, raised
 from megatron_po.errors import ConfigError
@@ -188,7 +188,7 @@ def enable_fp8_weight_cache(chunks) -> None:
 
 
 def _fp8(c: Ctx) -> bool:
-    return c.m.fp8_format is not None
+    return fp8_backend(c.m) == "te"
 
 
 def _te(c: Ctx) -> bool:
@@ -207,12 +207,10 @@ def _te_error(c: Ctx) -> str | None:
     return raised(import_te)
 
 
-# --transformer-impl and --fp8-*: the flag rules and FP8's shape rules come before the import, so they hold
-# without TE. config_rules.RULES checks them after the Megatron switches.
+# --transformer-impl and --fp8-* with --fp8-backend te: the flag rules and FP8's shape rules come before the import,
+# so they hold without TE. config_rules.RULES checks them after the Megatron switches and models/fp8.py's FP8_RULES
+# (which choose the backend and its recipe).
 TE_RULES = [
-    Rule("fp8-needs-te", _te,
-         lambda c: f"--fp8-format {c.m.fp8_format} needs --transformer-impl transformer_engine (FP8 GEMMs are "
-                   f"Transformer Engine's)", when=_fp8),
     Rule("fp8-amax-history>=1", lambda c: c.m.fp8_amax_history_len >= 1,
          lambda c: f"--fp8-amax-history-len must be >= 1 (got {c.m.fp8_amax_history_len})", when=_fp8),
     Rule("fp8-margin>=0", lambda c: c.m.fp8_margin >= 0, lambda c: f"--fp8-margin must be >= 0 (got {c.m.fp8_margin})",

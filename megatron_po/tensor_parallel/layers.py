@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from megatron_po.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from megatron_po.tensor_parallel import weight_grads
+from megatron_po.tensor_parallel.fp8 import fp8_linear
 from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 from megatron_po.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -176,12 +177,22 @@ def _linear_outside_compiled_graph(input_, weight, bias):
     return _Linear.apply(input_, weight, bias)
 
 
+@runs_eagerly
+def _fp8_linear_outside_compiled_graph(input_, weight, bias, fp8):
+    return fp8_linear(input_, weight, bias, fp8)
+
+
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           in_compiled_graph: bool = True) -> torch.Tensor:
+           in_compiled_graph: bool = True, fp8=None) -> torch.Tensor:
     """`_Linear`. Traced by torch.compile (a compiled layer, models/compiled_layers.py) it is F.linear, whose
     AOTAutograd backward reads the weight through the Parameter too (a graph input is saved as itself), so
     the same weight policies work (tests/test_compiled_layers.py checks it); `in_compiled_graph=False` (split
-    backward) leaves the graph for `_Linear`, whose B op can defer the weight gradient."""
+    backward) leaves the graph for `_Linear`, whose B op can defer the weight gradient. `fp8` (an FP8Gemm,
+    tensor_parallel/fp8.py): the same, its GEMMs in FP8."""
+    if fp8 is not None:
+        if torch.compiler.is_compiling() and not in_compiled_graph:
+            return _fp8_linear_outside_compiled_graph(input_, weight, bias, fp8)
+        return fp8_linear(input_, weight, bias, fp8)
     if torch.compiler.is_compiling():
         if in_compiled_graph:
             return F.linear(input_, weight, bias)
@@ -211,6 +222,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.gemm_in_compiled_graph = True  # False: a compiled layer runs the GEMM eagerly (see `linear`)
+        self.fp8 = None  # an FP8Gemm: the local GEMM in FP8 (tensor_parallel/fp8.py; set by models/fp8.py)
         world_size = get_tensor_model_parallel_world_size()
         self.output_size_per_partition = divide(output_size, world_size)
         init_method = init_method or init_method_normal(0.02)
@@ -235,7 +247,7 @@ class ColumnParallelLinear(nn.Module):
                 raise RuntimeError("ColumnParallelLinear built with skip_weight_param_allocation needs `weight`")
             weight = self.weight
         bias = None if self.skip_bias_add else self.bias
-        output_parallel = linear(self.parallel_input(input_), weight, bias, self.gemm_in_compiled_graph)
+        output_parallel = linear(self.parallel_input(input_), weight, bias, self.gemm_in_compiled_graph, self.fp8)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         output_bias = self.bias if self.skip_bias_add else None
         return output, output_bias
@@ -276,6 +288,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.gemm_in_compiled_graph = True  # False: a compiled layer runs the GEMM eagerly (see `linear`)
+        self.fp8 = None  # an FP8Gemm: the local GEMM in FP8 (tensor_parallel/fp8.py; set by models/fp8.py)
         world_size = get_tensor_model_parallel_world_size()
         self.input_size_per_partition = divide(input_size, world_size)
         init_method = init_method or init_method_normal(0.02)
@@ -295,7 +308,8 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = linear(input_parallel, self.weight, None, self.gemm_in_compiled_graph)  # partial sums
+        # Partial sums of the output, reduced below.
+        output_parallel = linear(input_parallel, self.weight, None, self.gemm_in_compiled_graph, self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

@@ -6,8 +6,11 @@ compilation are its own (a method's peak memory is then measured in isolation):
     python bench/gpu/gpu_worker.py stream --size full --method pipeoptim --optimizer adamw --k 1 [--compile] [--separate]
     python bench/gpu/gpu_worker.py newton_schulz --size full      # one layer's Newton-Schulz per precision (Muon)
     python bench/gpu/gpu_worker.py fused_step --size full         # one stage's step + prediction, eager and compiled
+    python bench/gpu/gpu_worker.py gpipe --size full              # ours --torch-compile in GPipe's order: peak memory
+    python bench/gpu/gpu_worker.py plain --size full --compile --gpipe   # the plain GPT compiled in the same order
 
-Progress lines go to stdout as they come; the last line is `RESULT <json>`. `SIZES` are the model and run
+Progress lines go to stdout as they come; `FIGURE <json>` lines are figures as they are measured (gpu_run.Run
+keeps them, so a worker killed half-way leaves them in the results); the last line is `RESULT <json>`. `SIZES` are the model and run
 sizes bench/gpu/gpu.py passes by name: "full" (GPT-1.3B) and "quick" (a tiny GPT that runs on a CPU).
 
 The asynchronous stream (`stream`): the single-process emulator (`AsyncEmulator`) of the D = 4 pipeline, bf16,
@@ -90,6 +93,11 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
+def figure(**figures) -> None:
+    """Figures measured so far, for the results as they come (bench/gpu/gpu_run.py reads `FIGURE` lines)."""
+    print("FIGURE " + json.dumps(figures), flush=True)
+
+
 def device() -> torch.device:
     from megatron_po import parallel_state as ps
     return ps.get_device()
@@ -136,6 +144,7 @@ def plain(size: Size, args) -> dict:
     """bench/step/overhead.py's PlainGPT as a user would train it: fp32 weights, bf16 autocast, SDPA, fused
     AdamW (foreach on a CPU), gradient accumulation over the global batch's micro-batches, clip 1.0."""
     from overhead import PlainGPT
+    baseline_rss = peak_rss_bytes()
     where = device()
     vocab = padded_vocab(size)  # the same output layer as ours
     torch.manual_seed(0)
@@ -149,7 +158,14 @@ def plain(size: Size, args) -> dict:
     tokens = [torch.randint(0, size.vocab, (size.micro_batch, size.seq + 1), device=where) for _ in range(micro)]
 
     def step():
-        for t in tokens:
+        if args.gpipe:  # GPipe's order: every micro-batch's forward (its activations held), then the backwards
+            losses = []
+            for t in tokens:
+                with torch.autocast(where.type, dtype=torch.bfloat16):
+                    losses.append(forward(t[:, :-1], t[:, 1:]))
+            for loss in losses:
+                (loss / micro).backward()
+        for t in ([] if args.gpipe else tokens):
             with torch.autocast(where.type, dtype=torch.bfloat16):
                 loss = forward(t[:, :-1], t[:, 1:])
             (loss / micro).backward()
@@ -166,12 +182,14 @@ def plain(size: Size, args) -> dict:
         times.append(time.perf_counter() - t0)
         log(f"  plain{' compiled' if args.compile else ''} iteration {i + 1}/{size.iterations}: "
             f"{times[-1] * 1e3:.1f} ms")
+        figure(iteration_ms=[t * 1e3 for t in times])
     ms = statistics.median(times[size.warmup:]) * 1e3
     out = {"ms_per_iteration": ms, "tokens_per_s": size.global_batch * size.seq / ms * 1e3, "parameters": params,
            "first_iteration_ms": times[0] * 1e3, "compiled": bool(args.compile),
-           "compile_backend": size.compile_backend if args.compile else None}
-    if where.type == "cuda":
-        out["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+           "compile_backend": size.compile_backend if args.compile else None, "order": "gpipe" if args.gpipe else
+           "one micro-batch's forward and backward after another"}
+    out["max_memory_bytes"] = torch.cuda.max_memory_allocated() if where.type == "cuda" else \
+        peak_rss_bytes() - baseline_rss
     return out
 
 
@@ -283,7 +301,10 @@ def stream(size: Size, args) -> dict:
         return seconds
 
     segment(size.stream_warmup, "warm-up")
-    short, long = segment(size.stream_short, "short segment"), segment(size.stream_long, "long segment")
+    short = segment(size.stream_short, "short segment")
+    figure(short_segment_s=short)
+    long = segment(size.stream_long, "long segment")
+    figure(long_segment_s=long, ms_per_microbatch=(long - short) / (size.stream_long - size.stream_short) * 1e3)
     timer.active = True
     segment(size.stream_ops, "segment timed op by op")
     timer.active = False
@@ -328,11 +349,49 @@ def fused_step(size: Size, args) -> dict:
     where, numel = device(), stage_parameters(size)
     use_compile_backend(size)
     log(f"  one stage of {numel / 1e6:.3g} M parameters: step + prediction, eager and compiled, on {where}")
-    rows = time_step_variants(where, numel=numel, bf16=True, reps=size.matmul_reps)
+    rows = []
+    for compiled in (False, True):  # eager first: its rows are kept (FIGURE) if the compiles run out of time
+        rows += time_step_variants(where, numel=numel, bf16=True, reps=size.matmul_reps, compiled=(compiled,))
+        figure(rows=rows)
     return {"parameters": numel, "rows": rows}
 
 
-WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step}
+def gpipe(size: Size, args) -> dict:
+    """Ours --torch-compile through pretrain_gpt.py's own loop (`training.run_main`, bf16, this size), every
+    iteration in GPipe's order at one stage: the executor runs the "none" schedule at PP = 1 (F0 B0 F1 B1 ...), so
+    that schedule's entry is given GPipe's ops (F0 F1 F2 F3 B0 B1 B2 B3). Peak memory over the process, ms per
+    iteration (median after the first two: the compiles)."""
+    import tempfile
+
+    from megatron_po.pipeline import executor
+    from megatron_po.pipeline.schedules import gpipe as gpipe_schedule
+    from megatron_po.training import run_main
+    baseline_rss = peak_rss_bytes()
+    micro = size.global_batch // size.micro_batch
+    executor._SCHEDULE_CACHE[("none", 1, 1, micro)] = gpipe_schedule(1, 1, micro)
+    iterations = size.warmup + 3
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        argv = size.gpt_flags() + ["--bf16", "--torch-compile", "--train-iters", str(iterations), "--log-interval",
+                                   "1", "--eval-interval", str(10 * iterations), "--eval-iters", "1",
+                                   "--metrics-file", metrics, "--data-cache-path", os.path.join(tmp, "cache")]
+        use_compile_backend(size)
+        if run_main(argv) != 0:
+            raise SystemExit("pretrain_gpt.py's loop failed")
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+    timed = sorted(size.global_batch * size.seq / r["tokens_per_sec"] * 1e3 for r in records
+                   if "tokens_per_sec" in r)[:-2] or [float("nan")]
+    out = {"ms_per_iteration": statistics.median(timed), "iterations": iterations, "order": "gpipe",
+           "schedule_ops": " ".join(type(op).__name__[0] + str(getattr(op, "microbatch", "")) for op in
+                                    executor._SCHEDULE_CACHE[("none", 1, 1, micro)].ops[0])}
+    out["max_memory_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else \
+        peak_rss_bytes() - baseline_rss
+    return out
+
+
+WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step,
+           "gpipe": gpipe}
 
 
 def main(argv=None) -> None:
@@ -341,6 +400,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", choices=list(SIZES), default="full")
     ap.add_argument("--compile", action="store_true", help="plain: torch.compile the model; stream: --torch-compile")
     ap.add_argument("--separate", action="store_true", help="stream: predict before each forward, not in the step")
+    ap.add_argument("--gpipe", action="store_true", help="plain: every forward of an iteration, then the backwards")
     ap.add_argument("--method", default="pipeoptim", help="stream: the asynchronous method")
     ap.add_argument("--optimizer", default="adamw", help="stream: the optimizer")
     ap.add_argument("--k", type=int, default=1, help="stream: the update interval")

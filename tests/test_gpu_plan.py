@@ -106,9 +106,30 @@ def test_budget_keeps_what_fits_in_order_and_reused_baselines_cost_nothing(tmp_p
     by = {p.step: p for p in plan}
     assert by["compiled"].chosen and by["compiled"].brings == [] and by["peak"].seconds == 0.0
     assert gpu_plan.run_order(plan)[:2] == ["cuda_tests", "compiled"]
+    # what an earlier call on this machine ran at this code does not run again, the CUDA suite included
+    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=None, cached={"peak"},
+                              done_here={"cuda_tests", "gpipe", "peak"})
+    by = {p.step: p for p in plan}
+    assert not by["cuda_tests"].chosen and not by["gpipe"].chosen and by["peak"].chosen  # peak: reused
+    assert by["gpipe"].note == "not run again: the same code on the same machine"
+    assert gpu_plan.run_order(plan)[:3] == ["gpt", "plain", "compiled"]  # its baselines but the reused peak
     # nothing fits: every row says why
     plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=5)
     assert gpu_plan.run_order(plan) == [] and all("does not fit" in p.note for p in plan)
+
+
+def test_a_second_call_on_the_same_machine_runs_what_the_first_left(tmp_path):
+    """The lease docs/gpu.md describes: call 1 in 540 s, then call 2 on the same warm machine in 300 s, which
+    neither re-runs call 1's steps (the CUDA suite included) nor re-measures its baselines."""
+    recs, now = synthetic(tmp_path)
+    first = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.STEPS, recs, now, 540 - 14))
+    here = [gpu_plan.Measured(s, "2026-12-01 00:00:00", "cccc333", now[s], 1.0, "this machine (call1)") for s in first]
+    recs = gpu_plan.records(gpu_plan.read_results(str(tmp_path / "results"), str(tmp_path)), str(tmp_path), here)
+    cached = {s for s in first if gpu_budget.BY_NAME[s].reusable}
+    second = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.STEPS, recs, now, 300 - 14, cached=cached,
+                                                   done_here=set(first)))
+    assert first[0] == "cuda_tests" and "cuda_tests" not in second
+    assert not (set(first) - cached) & set(second) and second
 
 
 def test_code_hash_is_git_blob_ids_of_the_step_files(tmp_path):

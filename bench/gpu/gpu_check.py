@@ -223,7 +223,7 @@ class Check:
         self.state_dir, self.plan, self.hashes = state_dir, plan, hashes
         self.deadline = STARTED + args.budget_s - END_RESERVE_S
         self.timed = gpu_plan.run_order(plan)
-        self.background = [s for s in args.candidates if s in gpu_budget.CPU_TEST_STEPS]
+        self.background = [s for s in args.candidates if s in gpu_budget.CPU_TEST_STEPS and s not in args.done_here]
         self.steps = self.timed + [p.step for p in plan if not p.chosen] + self.background
         seconds = {p.step: p.seconds for p in plan}
         self.status: dict[str, dict] = {name: {"status": "not reached", "seconds": None,
@@ -549,10 +549,13 @@ def main(argv=None) -> int:
     recs = gpu_plan.records(gpu_plan.read_results(RESULTS, REPO) if not args.quick else [], REPO, this_machine)
     cached = {n for n in gpu_state.reusable(state_dir, hashes)
               if gpu_state.baselines(state_dir)[n].get("size") == size}
+    done_here = {step for step, e in gpu_state.measured(state_dir).items()
+                 if e.get("size") == size and e.get("code_hash") == hashes.get(step)}
+    args.done_here = done_here
     plan = gpu_plan.make_plan(args.candidates, recs, hashes, args.budget_s - END_RESERVE_S - GPU_MARGIN_S,
-                              args.quick, cached)
+                              args.quick, cached, done_here)
     if args.plan:
-        background = [s for s in args.candidates if s in gpu_budget.CPU_TEST_STEPS]
+        background = [s for s in args.candidates if s in gpu_budget.CPU_TEST_STEPS and s not in done_here]
         print("\n".join(gpu_plan.plan_lines(plan, args.budget_s, background)))
         return 0
     label = gpu_state.new_call(state_dir)

@@ -14,9 +14,11 @@ The inputs:
   it is computed from git at their commit (`git ls-tree`), and where neither is known (no commit recorded, a
   `-dirty` tree, no git) the code counts as changed.
 
-The order: the CUDA suite first; then the sections never measured; then those whose code hash differs from the
+The order: the CUDA suite first (unless an earlier call on this machine ran it at this code); then the sections
+never measured; then those whose code hash differs from the
 last measurement's; then the rest (unchanged), each class in the table's order of priority; a section brings the
-baselines it is read against, unless this machine already measured them at the same code (reused: no time). The
+baselines it is read against, unless this machine already measured them at the same code (reused: no time); a step
+an earlier call on this machine ran at this code does not run again. The
 budget (`--budget-s`) then walks that order and keeps each step whose seconds fit in what is left: its last
 measured seconds (its last done run's, anywhere), else the table's estimate. The compile tests on the CPU are not
 in the budget's walk: they run beside the timed steps (gpu_check.py).
@@ -256,14 +258,18 @@ def classify(name: str, rec: Record, now_hash: str) -> tuple[str, str]:
 
 
 def make_plan(candidates: list[str], recs: dict[str, Record], hashes: dict[str, str], budget_s: float | None,
-              quick: bool = False, cached: set[str] = frozenset()) -> list[Planned]:
+              quick: bool = False, cached: set[str] = frozenset(), done_here: set[str] = frozenset()) -> list[Planned]:
     """The timed steps of `candidates` in the order they run (module docstring), each chosen or not by the budget
-    (None: every one). `cached`: baselines this machine measured at the same code (they cost nothing)."""
+    (None: every one). `cached`: baselines this machine measured at the same code (they cost nothing); `done_here`:
+    steps an earlier call on this machine ran at the same code (not run again, the CUDA suite included)."""
     timed = [n for n in candidates if n in gpu_budget.BY_NAME and gpu_budget.BY_NAME[n].kind != "cpu_tests"
              and n != "targets"]
     rows = {}
     for name in timed:
         why, reason = classify(name, recs[name], hashes.get(name, ""))
+        if name in done_here and name not in cached:
+            last = recs[name].last
+            why, reason = "unchanged", f"ran on this machine at this code ({last.file if last else 'an earlier call'})"
         seconds, source = step_seconds(name, recs[name], quick)
         rows[name] = Planned(name, why, reason, seconds, source)
     order = sorted(timed, key=lambda n: (CLASSES.index(rows[n].why), gpu_budget.STEPS.index(n)))
@@ -279,6 +285,9 @@ def make_plan(candidates: list[str], recs: dict[str, Record], hashes: dict[str, 
         if name in cached:
             row.chosen, row.seconds, row.note = True, 0.0, "reused: measured on this machine at this code"
             chosen.add(name)
+            continue
+        if name in done_here:
+            row.note = "not run again: the same code on the same machine"
             continue
         if cost > left:
             row.note = f"does not fit: {cost:.0f} s with its baselines, {max(left, 0):.0f} s left"

@@ -100,7 +100,7 @@ SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours besid
                   "GPT through pretrain_gpt.py --torch-compile", "Muon: iteration vs AdamW",
                   "asynchronous stream in the single-process emulator", "stream under --torch-compile, AdamW",
                   "stream under --torch-compile, Muon", "optimizer step with PipeOptim's prediction",
-                  "fp16: skipped iterations", "Targets"]
+                  "fp16: skipped iterations", "Peak memory in GPipe's order", "One compiled iteration profiled", "Targets"]
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
@@ -189,6 +189,9 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     gpipe = sections["gpipe"]
     assert gpipe["ours"]["schedule_ops"] == "F0 F1 B0 B1 S" and gpipe["plain_compiled"]["order"] == "gpipe"
     assert gpipe["ours_over_plain_memory"] > 0
+    profile = sections["profile"]
+    assert profile["ours"]["cpu_ops"] > 0 and profile["plain_compiled"]["cpu_ops"] > 0
+    assert profile["ours"]["unique_graphs"] >= 1 and profile["plain_compiled"]["unique_graphs"] >= 1
     assert set(muon["newton_schulz"]["ms"]) == {f"{p},{how}" for p in ("highest", "high", "medium")
                                                 for how in ("unbatched", "batched")}
     assert {(r["variant"], r["compiled"]) for r in sections["fused"]["rows"]} == \

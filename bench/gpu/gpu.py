@@ -224,6 +224,24 @@ def section_targets(run: Run) -> Section:
         markdown_table(["target", "measured", "", "from"], rows)])
 
 
+PROFILE_ROWS = [("unique_graphs", "TorchDynamo graphs compiled"), ("graph_breaks", "graph breaks"),
+                ("recompiles", "recompiles"), ("compiled_graph_calls", "compiled-graph calls"),
+                ("device_kernels", "device kernels"), ("host_syncs", "host syncs (item, is_nonzero, synchronize)"),
+                ("copies", "copies (copy_, _to_copy, clone, contiguous, cat)"), ("cpu_ops", "CPU ops in all")]
+
+
+def section_profile(run: Run) -> Section:
+    """One compiled iteration after the warm-up, profiled (bench/gpu/gpu_worker.py profile): ours --torch-compile
+    beside the plain GPT compiled, what each runs per iteration."""
+    result, command = run.worker("profile")
+    rows = [[what, *(str(result[who].get(key, "")) for who in ("ours", "plain_compiled"))] for key, what in PROFILE_ROWS]
+    return Section("One compiled iteration profiled: ours beside the plain GPT", [command], result, [
+        "torch.profiler over one iteration after the warm-up (the compiles): ours through pretrain_gpt.py --profile, "
+        "then the plain GPT compiled in the same process; TorchDynamo's counts are what each one's compile added. "
+        "What ours does that the plain one does not is where the compiled gap lies.", "",
+        markdown_table(["per iteration", "ours --torch-compile", "plain GPT compiled"], rows)])
+
+
 def section_gpipe(run: Run) -> Section:
     """Peak memory in GPipe's order: ours --torch-compile and the plain GPT compiled (bench/gpu/gpu_worker.py
     gpipe), each in a process of its own; the target reads ours / plain."""
@@ -330,6 +348,9 @@ def header(info: dict, command: str, run: Run, started: str) -> list[str]:
     if run.size_name == "quick":
         lines += ["", f"> **Quick size (`--quick`): every figure below is from the tiny model above on {info['name']}.** "
                   "It exists so that the script runs in a test; its numbers measure nothing."]
+    if run.size_name == "small":
+        lines += ["", f"> **Small size (`--size small`): GPT-1.3B's shape scaled down, compiled with inductor, on "
+                  f"{info['name']}.** For what a compiled iteration runs (graphs, host syncs, copies), not for speed."]
     return lines + [""]
 
 
@@ -503,6 +524,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = bench_common.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="the tiny size: every section on a CPU in about a minute")
+    ap.add_argument("--size", choices=["full", "quick", "small"], default=None,
+                    help="full (GPT-1.3B), quick (= --quick) or small (GPT-1.3B's shape scaled down, inductor: the "
+                         "section profile on a CPU)")
     ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections, in this order")
     ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
@@ -526,8 +550,8 @@ def main(argv=None) -> int:
         ap.error(f"--budget-s must exceed {WRITE_RESERVE_S:.0f} s (kept for writing the results)")
     t0 = STARTED
     deadline = None if args.budget_s is None else t0 + args.budget_s - WRITE_RESERVE_S
-    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods,
-              deadline)
+    size = args.size or ("quick" if args.quick else "full")
+    run = Run(size, args.timeout or (300 if size == "quick" else 600), args.stream_methods, deadline)
     for pair in args.seconds:
         name, _, value = pair.partition("=")
         run.estimates[name] = float(value)
@@ -535,7 +559,7 @@ def main(argv=None) -> int:
     run.machine = {"gpu_uuid": gpu_state.gpu_uuid(), "boot_id": gpu_state.boot_id()}
     signal.signal(signal.SIGTERM, on_sigterm)
     info = device_info()
-    out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'_quick' if args.quick else ''}.md")
+    out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'' if size == 'full' else '_' + size}.md")
     command = bench_common.command_line("bench/gpu/gpu.py", argv)
     started = now()
     names = [n for n in (args.only or SECTIONS) if n not in args.skip]

@@ -70,6 +70,9 @@ TABLE = [
     Step("fp16", "section", (35, 15), OURS, run="section_fp16"),  # *
     Step("stream", "section", (190, 60), STREAM, run="section_stream"),  # 7 methods at 27 s
     Step("stream_compiled_muon", "section", (330, 25), STREAM, run="section_stream_compiled_muon"),  # *
+    # * one compiled iteration of ours and of the plain GPT profiled (graphs, kernels, host syncs, copies): ours'
+    # compiles as in compiled, the plain's as in plain
+    Step("profile", "section", (150, 60), OURS + ("bench/step/overhead.py",), run="section_profile"),
     Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset

@@ -8,6 +8,7 @@ compilation are its own (a method's peak memory is then measured in isolation):
     python bench/gpu/gpu_worker.py fused_step --size full         # one stage's step + prediction, eager and compiled
     python bench/gpu/gpu_worker.py gpipe --size full              # ours --torch-compile in GPipe's order: peak memory
     python bench/gpu/gpu_worker.py plain --size full --compile --gpipe   # the plain GPT compiled in the same order
+    python bench/gpu/gpu_worker.py profile --size small           # one compiled iteration, ours vs the plain GPT
 
 Progress lines go to stdout as they come; `FIGURE <json>` lines are figures as they are measured (gpu_run.Run
 keeps them, so a worker killed half-way leaves them in the results); the last line is `RESULT <json>`. `SIZES` are the model and run
@@ -82,6 +83,11 @@ SIZES = {
     "full": Size(layers=24, hidden=2048, heads=16, seq=2048, micro_batch=4, global_batch=16, vocab=50257,
                  iterations=12, warmup=3, matmul_n=8192, matmul_reps=20, stream_warmup=4, stream_short=8,
                  stream_long=24, stream_ops=8, fp16_iterations=16, compile_backend="inductor"),
+    # GPT-1.3B's shape scaled down for a CPU profile with inductor (worker `profile`): what the compiled iteration
+    # runs (graphs, kernels, host syncs, copies), not how fast.
+    "small": Size(layers=2, hidden=128, heads=4, seq=128, micro_batch=2, global_batch=8, vocab=2048,
+                  iterations=5, warmup=3, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,
+                  stream_long=8, stream_ops=4, fp16_iterations=4, compile_backend="inductor"),
     # A tiny GPT: every code path runs on a CPU in seconds; its figures measure nothing.
     "quick": Size(layers=4, hidden=32, heads=2, seq=32, micro_batch=2, global_batch=4, vocab=256,
                   iterations=3, warmup=1, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,
@@ -140,7 +146,7 @@ def peak(size: Size, args) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def plain(size: Size, args) -> dict:
+def plain(size: Size, args, on_iteration=None) -> dict:
     """bench/step/overhead.py's PlainGPT as a user would train it: fp32 weights, bf16 autocast, SDPA, fused
     AdamW (foreach on a CPU), gradient accumulation over the global batch's micro-batches, clip 1.0."""
     from overhead import PlainGPT
@@ -177,7 +183,7 @@ def plain(size: Size, args) -> dict:
     for i in range(size.iterations):
         synchronize()
         t0 = time.perf_counter()
-        step()
+        step() if on_iteration is None else on_iteration(i, step)
         synchronize()
         times.append(time.perf_counter() - t0)
         log(f"  plain{' compiled' if args.compile else ''} iteration {i + 1}/{size.iterations}: "
@@ -390,8 +396,81 @@ def gpipe(size: Size, args) -> dict:
     return out
 
 
+# What a profile counts per iteration (torch.profiler's CPU ops): the host syncs (a GPU waits idle for the host
+# while the host waits for them), the copies, and the compiled graphs' and kernels' calls.
+HOST_SYNCS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize")
+COPIES = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat")
+
+
+def trace_counts(path: str) -> dict:
+    """Counts of one profiled iteration's chrome trace: CPU ops in all, host syncs, copies, compiled-graph calls
+    (`CompiledFunction`, `Torch-Compiled Region`), device kernels (GPU), eager aten ops outside compiled graphs."""
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    names = [e.get("name", "") for e in events]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    count = {n: names.count(n) for n in (*HOST_SYNCS, *COPIES) if n in names}
+    return {"cpu_ops": len(ops), "host_syncs": sum(names.count(n) for n in HOST_SYNCS),
+            "copies": sum(names.count(n) for n in COPIES),
+            "compiled_graph_calls": sum(1 for n in names if n.startswith(("CompiledFunction", "Torch-Compiled Region",
+                                                                          "## Call CompiledFxGraph"))),
+            "device_kernels": sum(1 for e in events if e.get("cat") == "kernel"), "by_name": count}
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
+
+
+def profile(size: Size, args) -> dict:
+    """One iteration after the warm-up (its compiles), profiled: ours --torch-compile through pretrain_gpt.py's loop
+    (--profile), then the plain GPT compiled (bench/step/overhead.py's, in this process after ours), each with the
+    TorchDynamo counts its compile added and its trace's counts (`trace_counts`). Same model, batch and backend."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from megatron_po.training import run_main
+    use_compile_backend(size)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = dynamo_counts()
+        argv = size.gpt_flags() + ["--bf16", "--torch-compile", "--train-iters", str(size.iterations),
+                                   "--log-interval", "1", "--eval-interval", str(10 * size.iterations),
+                                   "--eval-iters", "1", "--profile", "--profile-step-start", str(size.warmup + 1),
+                                   "--profile-step-end", str(size.warmup + 2), "--tensorboard-dir", tmp,
+                                   "--data-cache-path", os.path.join(tmp, "cache")]
+        if run_main(argv) != 0:
+            raise SystemExit("pretrain_gpt.py's loop failed")
+        trace = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".pt.trace.json"))
+        after = dynamo_counts()
+        out["ours"] = {**trace_counts(trace), **{k: after[k] - before[k] for k in after}}
+        figure(ours=out["ours"])
+        args.compile, args.gpipe = True, False
+        before = dynamo_counts()
+        iterations, size_warm = size.iterations, size.warmup
+        traced = os.path.join(tmp, "plain.json")
+
+        def on_iteration(i, step):  # the plain loop's iteration after the warm-up, profiled
+            if i != size_warm:
+                return step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with torch_profile(activities=activities) as prof:
+                step()
+            prof.export_chrome_trace(traced)
+        plain(Size(**{**size.__dict__, "iterations": iterations}), args, on_iteration=on_iteration)
+        after = dynamo_counts()
+        out["plain_compiled"] = {**trace_counts(traced), **{k: after[k] - before[k] for k in after}}
+    out["size"] = {k: getattr(size, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "global_batch",
+                                                  "vocab", "compile_backend")}
+    return out
+
+
 WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step,
-           "gpipe": gpipe}
+           "gpipe": gpipe, "profile": profile}
 
 
 def main(argv=None) -> None:

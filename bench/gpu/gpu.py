@@ -64,6 +64,7 @@ import time
 STARTED = time.perf_counter()  # --budget-s counts from here, before the imports (torch's take seconds)
 
 import importlib  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -239,7 +240,13 @@ def section_profile(run: Run) -> Section:
         "torch.profiler over one iteration after the warm-up (the compiles): ours through pretrain_gpt.py --profile, "
         "then the plain GPT compiled in the same process; TorchDynamo's counts are what each one's compile added. "
         "What ours does that the plain one does not is where the compiled gap lies.", "",
-        markdown_table(["per iteration", "ours --torch-compile", "plain GPT compiled"], rows)])
+        markdown_table(["per iteration", "ours --torch-compile", "plain GPT compiled"], rows), "",
+        "Where the host syncs and copies happen (the outermost enclosing op that is not an aten op; the 10 most "
+        "frequent of each):", "",
+        markdown_table(["ours --torch-compile", "n", "plain GPT compiled", "n"],
+                       [[*a, *b] for a, b in itertools.zip_longest(
+                           *([[k, str(v)] for k, v in list(result[who].get("where", {}).items())[:10]]
+                             for who in ("ours", "plain_compiled")), fillvalue=["", ""])])])
 
 
 def section_gpipe(run: Run) -> Section:

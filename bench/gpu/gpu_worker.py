@@ -411,8 +411,17 @@ def trace_counts(path: str) -> dict:
     names = [e.get("name", "") for e in events]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     count = {n: names.count(n) for n in (*HOST_SYNCS, *COPIES) if n in names}
+    # where they happen: the outermost enclosing op that is not an aten op (an autograd Function, a compiled graph)
+    spans = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ops if not e["name"].startswith("aten::")),
+                   key=lambda t: (t[0], -t[1]))
+    inside: dict = {}
+    for e in ops:
+        if e["name"] in HOST_SYNCS or e["name"] in COPIES:
+            outer = next((n for a, b, n in spans if a <= e["ts"] and e["ts"] + e["dur"] <= b), "top level")
+            key = f"{e['name']} in {outer.replace('autograd::engine::evaluate_function: ', '')}"
+            inside[key] = inside.get(key, 0) + 1
     return {"cpu_ops": len(ops), "host_syncs": sum(names.count(n) for n in HOST_SYNCS),
-            "copies": sum(names.count(n) for n in COPIES),
+            "copies": sum(names.count(n) for n in COPIES), "where": dict(sorted(inside.items(), key=lambda kv: -kv[1])),
             "compiled_graph_calls": sum(1 for n in names if n.startswith(("CompiledFunction", "Torch-Compiled Region",
                                                                           "## Call CompiledFxGraph"))),
             "device_kernels": sum(1 for e in events if e.get("cat") == "kernel"), "by_name": count}

@@ -65,7 +65,7 @@ def test_plan_runs_the_cuda_suite_then_never_measured_then_changed_then_unchange
     recs, now = synthetic(tmp_path)
     assert recs["fused"].last.code_hash == "old-fused" and recs["fused"].cut_off_seconds == 194.0
     assert recs["muon"].last.code_hash == now["muon"] and recs["muon"].seconds == [70.0, 75.0]  # the newest last
-    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=None)
+    plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=None)
     order = [p.step for p in plan]
     never = ["compiled", "gpipe", "stream_compiled", "fp16", "stream", "stream_compiled_muon"]
     assert order == ["cuda_tests", *never, "gpt", "fused", "peak", "plain", "muon"]
@@ -87,10 +87,10 @@ def test_plan_runs_the_cuda_suite_then_never_measured_then_changed_then_unchange
 
 def test_budget_keeps_what_fits_in_order_and_reused_baselines_cost_nothing(tmp_path):
     recs, now = synthetic(tmp_path)
-    est = {n: gpu_budget.seconds(n, False) for n in gpu_budget.STEPS}
+    est = {n: gpu_budget.seconds(n, False) for n in gpu_budget.PLANNED}
     # cuda 137 + compiled with its baselines (peak 8, gpt 33, plain 50) + ... in a budget that fits those and gpipe
     budget = 137 + est["compiled"] + 8 + 33 + 50 + est["gpipe"] + 1
-    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=budget)
+    plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=budget)
     chosen = gpu_plan.run_order(plan)
     assert chosen == ["cuda_tests", "peak", "gpt", "plain", "compiled", "gpipe"]
     by = {p.step: p for p in plan}
@@ -98,23 +98,23 @@ def test_budget_keeps_what_fits_in_order_and_reused_baselines_cost_nothing(tmp_p
     assert not by["stream_compiled"].chosen and "does not fit" in by["stream_compiled"].note
     # a smaller step later in the order still fits where a bigger one did not
     budget = 137 + est["fp16"] + 1
-    chosen = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=budget))
+    chosen = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=budget))
     assert chosen == ["cuda_tests", "fp16"]
     # baselines this machine measured at this code: reused, at no cost, so compiled fits alone
     budget = 137 + est["compiled"] + 1
-    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=budget, cached={"peak", "gpt", "plain"})
+    plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=budget, cached={"peak", "gpt", "plain"})
     by = {p.step: p for p in plan}
     assert by["compiled"].chosen and by["compiled"].brings == [] and by["peak"].seconds == 0.0
     assert gpu_plan.run_order(plan)[:2] == ["cuda_tests", "compiled"]
     # what an earlier call on this machine ran at this code does not run again, the CUDA suite included
-    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=None, cached={"peak"},
+    plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=None, cached={"peak"},
                               done_here={"cuda_tests", "gpipe", "peak"})
     by = {p.step: p for p in plan}
     assert not by["cuda_tests"].chosen and not by["gpipe"].chosen and by["peak"].chosen  # peak: reused
     assert by["gpipe"].note == "not run again: the same code on the same machine"
     assert gpu_plan.run_order(plan)[:3] == ["gpt", "plain", "compiled"]  # its baselines but the reused peak
     # nothing fits: every row says why
-    plan = gpu_plan.make_plan(gpu_budget.STEPS, recs, now, budget_s=5)
+    plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=5)
     assert gpu_plan.run_order(plan) == [] and all("does not fit" in p.note for p in plan)
 
 
@@ -122,11 +122,11 @@ def test_a_second_call_on_the_same_machine_runs_what_the_first_left(tmp_path):
     """The lease docs/gpu.md describes: call 1 in 540 s, then call 2 on the same warm machine in 300 s, which
     neither re-runs call 1's steps (the CUDA suite included) nor re-measures its baselines."""
     recs, now = synthetic(tmp_path)
-    first = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.STEPS, recs, now, 540 - 14))
+    first = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, 540 - 14))
     here = [gpu_plan.Measured(s, "2026-12-01 00:00:00", "cccc333", now[s], 1.0, "this machine (call1)") for s in first]
     recs = gpu_plan.records(gpu_plan.read_results(str(tmp_path / "results"), str(tmp_path)), str(tmp_path), here)
     cached = {s for s in first if gpu_budget.BY_NAME[s].reusable}
-    second = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.STEPS, recs, now, 300 - 14, cached=cached,
+    second = gpu_plan.run_order(gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, 300 - 14, cached=cached,
                                                    done_here=set(first)))
     assert first[0] == "cuda_tests" and "cuda_tests" not in second
     assert not (set(first) - cached) & set(second) and second
@@ -163,6 +163,7 @@ def test_plan_prints_on_a_cpu():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
     assert rows and "| cuda_tests |" in rows[0] and "Timed steps chosen: cuda_tests" in proc.stdout
     assert "Beside them from the start, on cores of their own: cpu_compile_tests" in proc.stdout
+    assert "| profile |" not in proc.stdout and "profile" in gpu_budget.STEPS  # a diagnosis: on request only
 
 
 def run_check(tmp_path, out: str, gpu: str, boot: str, state: str, *args):

@@ -248,14 +248,14 @@ def test_gpu_check_tiny_budget_ends_in_time_and_names_what_it_left(tmp_path):
     assert time.perf_counter() - started < 10 + gpu_check.KILL_GRACE_S
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data, md = check_summary(out_dir, "call1")
-    assert data["steps_planned"] == gpu_budget.STEPS
-    timed = [s for s in gpu_budget.STEPS if s not in gpu_budget.CPU_TEST_STEPS]
+    assert data["steps_planned"] == gpu_budget.PLANNED
+    timed = [s for s in gpu_budget.PLANNED if s not in gpu_budget.CPU_TEST_STEPS]
     # no timed step fits 10 s (every quick estimate exceeds 10 - 8 - 6 s of reserve): named, with the command; the
     # compile tests beside them start and are cut off at the end, or find the call over
     assert all(data["status"][s]["status"] == "skipped" for s in timed)
     assert all(data["status"][s]["status"] in ("cut off", "skipped") for s in gpu_budget.CPU_TEST_STEPS)
-    assert data["not_run_to_the_end"] == gpu_budget.STEPS
-    again = f"bash scripts/gpu_check.sh --steps {' '.join(gpu_budget.STEPS)} --quick"
+    assert data["not_run_to_the_end"] == gpu_budget.PLANNED
+    again = f"bash scripts/gpu_check.sh --steps {' '.join(gpu_budget.PLANNED)} --quick"
     assert data["to_run_them"] == [again] and again in md
     assert "`bash scripts/gpu_check.sh --steps cuda_tests --quick`" in proc.stdout  # the closing screen
 

@@ -42,6 +42,7 @@ class Step:
     baselines: tuple[str, ...] = ()  # sections its figures are read against, in the same run or on the same machine
     run: str = ""  # a section's function: "section_x" in bench/gpu/gpu.py, or "module:function" in bench/gpu
     reusable: bool = False  # a baseline: its figures serve any later call on the same machine at the same code
+    on_request: bool = False  # a diagnosis, not a target's figure: planned only when --steps names it
 
 
 # In the order of priority (issue 34): the CUDA suite, then the sections (gpt before plain and compiled, whose
@@ -71,8 +72,9 @@ TABLE = [
     Step("stream", "section", (190, 60), STREAM, run="section_stream"),  # 7 methods at 27 s
     Step("stream_compiled_muon", "section", (330, 25), STREAM, run="section_stream_compiled_muon"),  # *
     # * one compiled iteration of ours and of the plain GPT profiled (graphs, kernels, host syncs, copies): ours'
-    # compiles as in compiled, the plain's as in plain
-    Step("profile", "section", (150, 60), OURS + ("bench/step/overhead.py",), run="section_profile"),
+    # compiles as in compiled, the plain's as in plain. On request (--steps profile): it would displace a target's
+    # section from a lease's second call
+    Step("profile", "section", (150, 60), OURS + ("bench/step/overhead.py",), run="section_profile", on_request=True),
     Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset
@@ -85,6 +87,7 @@ TABLE = [
 
 BY_NAME = {step.name: step for step in TABLE}
 STEPS = [s.name for s in TABLE if s.name != "targets"]  # what --steps takes
+PLANNED = [s.name for s in TABLE if s.name != "targets" and not s.on_request]  # what a check plans by default
 SECTION_ORDER = [s.name for s in TABLE if s.kind == "section"]  # gpu.py's sections, in their priority
 TEST_STEPS = [s.name for s in TABLE if s.kind in ("tests", "cpu_tests")]
 CPU_TEST_STEPS = [s.name for s in TABLE if s.kind == "cpu_tests"]

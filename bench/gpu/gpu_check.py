@@ -538,7 +538,7 @@ def main(argv=None) -> int:
             if util.find_spec(module) is None:
                 ap.error(f"{sys.executable} cannot import {module}; run with an interpreter that has torch and "
                          "pytest (PYTHON=... bash scripts/gpu_check.sh)")
-    args.candidates = gpu_budget.with_baselines(args.steps) if args.steps else list(gpu_budget.STEPS)
+    args.candidates = gpu_budget.with_baselines(args.steps) if args.steps else list(gpu_budget.PLANNED)
     state_dir = gpu_state.machine_dir(REPO)
     hashes = gpu_plan.current_hashes(REPO)
     size = "quick" if args.quick else "full"

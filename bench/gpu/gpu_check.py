@@ -316,7 +316,7 @@ class Check:
         env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         rc, seconds = run_process(cmd, self.path(log_name), self.left(), env, preexec_fn=pinned(self.timed_cores))
         make_portable(self.path(log_name))
-        data = gpu_state_read(self.path(results[:-3] + ".json"))
+        data = gpu_state.read(self.path(results[:-3] + ".json"))
         statuses, errors = data.get("section_status", {}), {e["section"]: e["error"] for e in data.get("failures", [])}
         with self.lock:
             self.files = [f for f in self.files if os.path.exists(self.path(f))]
@@ -348,7 +348,7 @@ class Check:
 
     def target_lines(self) -> list[str]:
         """The closing screen: every target with its figure at this commit, or the last commit's that measured it."""
-        here = gpu_state_read(self.path(self.results_name()[:-3] + ".json"))
+        here = gpu_state.read(self.path(self.results_name()[:-3] + ".json"))
         figures = {n: sec.get("figures", {}) for n, sec in here.get("sections", {}).items()}
         reused = {n: sec["reused"] for n, sec in here.get("sections", {}).items() if sec.get("reused")}
         committed = committed_figures(self.args.quick)
@@ -457,21 +457,12 @@ def cores_text(cores: set[int] | None) -> str:
     return f"{c[0]}-{c[-1]}" if len(c) > 1 and c[-1] - c[0] == len(c) - 1 else ",".join(map(str, c))
 
 
-def gpu_state_read(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def committed_figures(quick: bool) -> list[dict]:
     """Every committed gpu.py result (full size), newest first: {"figures": {section: figures}, "commit", "started",
     "device", "file"}."""
     out = []
     for path in glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True):
-        data = gpu_state_read(path)
+        data = gpu_state.read(path)
         if not str(data.get("schema", "")).startswith(gpu_plan.SECTION_SCHEMA) or "sections" not in data \
                 or data.get("size", "full") != "full":
             continue

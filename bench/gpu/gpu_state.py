@@ -58,7 +58,8 @@ def machine_dir(repo: str, key: str | None = None) -> str:
     return os.path.join(os.environ.get("GPU_CHECK_STATE_DIR") or os.path.join(repo, STATE_DIR), key or machine_key())
 
 
-def _read(path: str) -> dict:
+def read(path: str) -> dict:
+    """A JSON object file's contents, {} when it is missing or not one."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -77,13 +78,13 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def _update(path: str, key: str, value: dict) -> None:
-    data = _read(path)
+    data = read(path)
     data[key] = value
     write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def baselines(state_dir: str) -> dict:
-    return _read(os.path.join(state_dir, "baselines.json"))
+    return read(os.path.join(state_dir, "baselines.json"))
 
 
 def save_baseline(state_dir: str, section: str, entry: dict) -> None:
@@ -91,7 +92,7 @@ def save_baseline(state_dir: str, section: str, entry: dict) -> None:
 
 
 def measured(state_dir: str) -> dict:
-    return _read(os.path.join(state_dir, "measured.json"))
+    return read(os.path.join(state_dir, "measured.json"))
 
 
 def save_measured(state_dir: str, step: str, entry: dict) -> None:

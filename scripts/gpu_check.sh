@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should check and measure, in one command per device call (issue 34; docs/gpu.md,
-# "When a GPU is lent"): the CUDA test suite, the compile and fused-step tests on the device's own torch with the
-# GPU hidden, then bench/gpu/gpu.py's sections by priority, in a time budget; bench/gpu/gpu_check.py is the logic.
+# Everything a lent GPU should check and measure, the same command in every device call (issues 34, 44; docs/gpu.md,
+# "When a GPU is lent"): what no run has measured yet first (the CUDA suite, then sections never measured, then those
+# whose code changed, then the rest), inside a time budget; the baselines once per machine; the compile tests on the
+# device's torch beside the timed steps. bench/gpu/gpu_check.py is the logic, bench/gpu/gpu_plan.py the order.
 #
-#     bash scripts/gpu_check.sh                  # part 1 (first device call): the CUDA suite, peak, gpt, plain, compiled
-#     bash scripts/gpu_check.sh --part 2         # part 2 (second call): the sections part 1 leaves
-#     bash scripts/gpu_check.sh --part 2 --budget-s 330 --add compiled   # a shorter call, and what part 1 skipped
+#     bash scripts/gpu_check.sh                  # a device call: the plan, inside 540 s
+#     bash scripts/gpu_check.sh --budget-s 300   # a later call on the same machine, with what the lease has left
+#     bash scripts/gpu_check.sh --plan           # the order and why, nothing run (on a CPU too)
+#     bash scripts/gpu_check.sh --steps profile  # only these steps (and the baselines they read)
 #     bash scripts/gpu_check.sh --quick --out-dir "$TMPDIR/c"  # on a CPU: one test per suite, a tiny GPT
 #
 # Results go to $OUT when it is set (the device tool's folder that comes back), else bench/results/gpu_check/.

@@ -5,12 +5,13 @@
   and a tiny `pretrain_gpt.py --mock-data` run saves a checkpoint and a second one resumes from it;
 - `bash scripts/run_gpu_tests.sh` on a machine without a GPU selects the suite's "cuda" tests and skips
   every one with "needs CUDA" (28 today), exit code 0;
-- `bash scripts/gpu_check.sh --quick` (issue 34: the command a lent GPU runs, one per device call) runs every
+- `bash scripts/gpu_check.sh --quick` (issues 34, 44: the command a lent GPU runs, one per device call) runs every
   step, one test of each suite and `bench/gpu/gpu.py --quick` (with the three packages unimportable in it and
-  every process it starts); its summary names every step with its status, the code commit and no machine path;
-  a tiny --budget-s skips the steps that do not fit, writes what it has and names what it left with the command
-  that runs it; part 2's steps are the complement of part 1's; a step past its time is killed with its whole
-  process group (no test times the call: how long it takes depends on the machine and its load);
+  every process it starts), in at most the 8 files the device tool brings back; its summary names every step with
+  its status, the code commit and no machine path; a tiny --budget-s ends the call before the budget, writes what
+  it has and names what it left with the command that runs it; a step past its time is killed with its whole
+  process group (no test times the call: how long it takes depends on the machine and its load;
+  tests/test_gpu_plan.py: the order, the budget, the baselines per machine, the partial figures);
 - gpu.py, there, writes its .md and .json where it is told, every section there, with figures the product's code gives:
   PipeDream holds D - r weight copies on rank r, 2BW two, PipeOptim one (bf16: the prediction is written
   into the bf16 model weights, the fp32 main params stay live); fp16 from a loss scale of 2^32 skips its
@@ -100,7 +101,7 @@ SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours besid
                   "GPT through pretrain_gpt.py --torch-compile", "Muon: iteration vs AdamW",
                   "asynchronous stream in the single-process emulator", "stream under --torch-compile, AdamW",
                   "stream under --torch-compile, Muon", "optimizer step with PipeOptim's prediction",
-                  "fp16: skipped iterations", "Targets"]
+                  "fp16: skipped iterations", "Peak memory in GPipe's order", "One compiled iteration profiled", "Targets"]
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
@@ -109,8 +110,10 @@ def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:
 
 
 def run_check(tmp_path, out_dir, *args, timeout=900) -> subprocess.CompletedProcess:
-    """`bash scripts/gpu_check.sh ARGS --out-dir OUT_DIR` as the device runs it: its own Python, $OUT set."""
-    env = dict(env_without_optional(tmp_path), PYTHON=sys.executable, OUT=str(out_dir))
+    """`bash scripts/gpu_check.sh ARGS --out-dir OUT_DIR` as the device runs it: its own Python, $OUT set; a
+    machine state of its own (a fresh machine: its first call, nothing to reuse)."""
+    env = dict(env_without_optional(tmp_path), PYTHON=sys.executable, OUT=str(out_dir),
+               GPU_CHECK_STATE_DIR=str(out_dir) + "_state")
     return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *args, "--out-dir", str(out_dir)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -133,7 +136,7 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     out_dir = tmp_path / "results"
     proc = run_check(tmp_path, out_dir, "--quick", "--steps", *gpu_budget.STEPS, "--budget-s", "1500", timeout=1600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary, md = check_summary(out_dir, "steps")
+    summary, md = check_summary(out_dir, "call1")
     assert summary["steps_planned"] == gpu_budget.STEPS and summary["not_run_to_the_end"] == []
     assert {step: st["status"] for step, st in summary["status"].items()} == {
         step: "passed" if step in gpu_budget.TEST_STEPS else "done" for step in gpu_budget.STEPS}
@@ -143,19 +146,20 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     assert summary["status"]["cpu_compile_tests_rest"]["note"].startswith("2 passed")
     assert "Command: `bash scripts/gpu_check.sh --quick --steps cuda_tests" in md and "--out-dir $OUT" in md
     assert "CUDA_VISIBLE_DEVICES= python -c" in md and "python bench/gpu/gpu.py --only peak gpt" in md
-    assert set(summary["files"]) == {"cuda_tests_steps.log", "cpu_compile_tests_steps.log", "gpu_steps.log",
-                                     "gpu_cpu_steps.md", "gpu_cpu_steps.json", "gpu_cpu_steps_cost_model.json",
-                                     "cpu_compile_tests_rest_steps.log"}
-    log = (out_dir / "gpu_steps.log").read_text()
+    assert set(summary["files"]) == {"cuda_tests_call1.log", "cpu_compile_tests_call1.log", "gpu_call1.log",
+                                     "gpu_cpu_call1.md", "gpu_cpu_call1.json", "gpu_cpu_call1_cost_model.json"}
+    assert len(os.listdir(out_dir)) <= 8  # what the device tool brings back
+    assert "## Targets" in proc.stdout.split("[gpu_check] call1 in")[-1]  # the output ends with the one screen
+    log = (out_dir / "gpu_call1.log").read_text()
     assert "[gpu.py] stream" in log and "segment timed op by op" in log  # gpu.py's progress, as it ran
-    md = (out_dir / "gpu_cpu_steps.md").read_text()
+    md = (out_dir / "gpu_cpu_call1.md").read_text()
     assert "Quick size (`--quick`)" in md and "failed" not in md and "Code: commit " in md
     for title in SECTION_TITLES:
         assert title in md, title
     assert "python bench/gpu/gpu_worker.py stream --size quick --method pipedream-2bw --optimizer adamw --k 4" in md
     assert "python pretrain_gpt.py --num-layers 4" in md and "--fp16" in md
 
-    data = json.loads((out_dir / "gpu_cpu_steps.json").read_text())
+    data = json.loads((out_dir / "gpu_cpu_call1.json").read_text())
     assert data["size"] == "quick" and data["failures"] == [] and data["data_parallel_size"] == 1
     assert list(data["sections"]) == gpu_budget.SECTION_ORDER
     assert {name: st["status"] for name, st in data["section_status"].items()} == \
@@ -182,12 +186,19 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     assert sections["compiled"]["tokens_per_s"] > 0 and sections["compiled"]["over_plain_compiled"] > 0
     muon = sections["muon"]
     assert muon["muon"]["over_adamw"] > 0 and muon["muon_fp32_qkv_whole"]["over_adamw"] > 0
+    assert muon["muon_gram"]["over_adamw"] > 0  # the opt-in Gram Newton-Schulz, against the same AdamW
+    gpipe = sections["gpipe"]
+    assert gpipe["ours"]["schedule_ops"] == "F0 F1 B0 B1 S" and gpipe["plain_compiled"]["order"] == "gpipe"
+    assert gpipe["ours_over_plain_memory"] > 0
+    profile = sections["profile"]
+    assert profile["ours"]["cpu_ops"] > 0 and profile["plain_compiled"]["cpu_ops"] > 0
+    assert profile["ours"]["unique_graphs"] >= 1 and profile["plain_compiled"]["unique_graphs"] >= 1
     assert set(muon["newton_schulz"]["ms"]) == {f"{p},{how}" for p in ("highest", "high", "medium")
                                                 for how in ("unbatched", "batched")}
     assert {(r["variant"], r["compiled"]) for r in sections["fused"]["rows"]} == \
         {(v, c) for v in ("naive", "separate", "fused") for c in (False, True)}
     targets = sections["targets"]["targets"]
-    assert len(targets) == 5 and all(t[1] != "not measured" and t[2] in ("met", "NOT MET") for t in targets)
+    assert len(targets) == 7 and all(t[1] != "not measured" and t[2] in ("met", "NOT MET") for t in targets)
     # (ms per micro-batch is a difference of two timed segments: on a loaded CPU at this size it may be anything)
     assert all(m["memory"]["peak_bytes"] > 0 and m["built"]["parameters"] > 0 for m in methods.values())
     fp16 = sections["fp16"]
@@ -205,10 +216,10 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
     assert all(cost["stages"][r]["prediction_ms"]["adamw"] > 0 for r in range(3))  # s > 0 there: it predicts
 
     # bench/time_to_quality/time_to_quality.py reads the cost model written beside it (its own loader checks it)
-    assert data["ttq_cost_model"] == "gpu_cpu_steps_cost_model.json"
+    assert data["ttq_cost_model"] == "gpu_cpu_call1_cost_model.json"
     bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
     import ttq_cost_model
-    model = ttq_cost_model.load_cost_model(str(out_dir / "gpu_cpu_steps_cost_model.json"))
+    model = ttq_cost_model.load_cost_model(str(out_dir / "gpu_cpu_call1_cost_model.json"))
     priced = ttq_cost_model.op_times(model, 8, "muon", ["pipeoptim", "pipedream", "pipedream-2bw"])
     assert set(priced) == {"async-naive", "pipeoptim", "pipedream", "pipedream-2bw"} and len(priced["pipeoptim"]) == 8
     assert priced["pipeoptim"]["0"]["Forward"] > priced["async-naive"]["0"]["Forward"]  # the prediction is priced
@@ -232,38 +243,35 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
 
 
 def test_gpu_check_tiny_budget_skips_every_step_and_names_what_it_left(tmp_path):
-    summaries = {}
-    for part in (1, 2):
-        out_dir = tmp_path / f"part{part}"
-        proc = run_check(tmp_path, out_dir, "--quick", "--part", str(part), "--budget-s", "10", timeout=120)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        data, md = check_summary(out_dir, f"part{part}")
-        assert data["steps_planned"] == gpu_budget.PARTS[part]
-        # nothing fits 10 s (every quick estimate but the peak's exceeds 10 - 8 s of reserve): named, with the command
-        assert data["not_run_to_the_end"] == data["steps_planned"]
-        assert all(st["status"] == "skipped" for st in data["status"].values())
-        again = f"bash scripts/gpu_check.sh --steps {' '.join(data['steps_planned'])} --quick"
-        assert data["to_run_them"][0] == again and again in md and "No command ran." in md
-        summaries[part] = data
-    assert summaries[1]["to_run_them"][1] == (f"bash scripts/gpu_check.sh --part 2 --add "
-                                             f"{' '.join(gpu_budget.PARTS[1])} --quick")
-    one, two = set(summaries[1]["steps_planned"]), set(summaries[2]["steps_planned"])
-    assert not one & two and one | two == set(gpu_budget.STEPS)  # part 2 is part 1's complement
+    out_dir = tmp_path / "call"
+    proc = run_check(tmp_path, out_dir, "--quick", "--budget-s", "10", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data, md = check_summary(out_dir, "call1")
+    assert data["steps_planned"] == gpu_budget.PLANNED
+    timed = [s for s in gpu_budget.PLANNED if s not in gpu_budget.CPU_TEST_STEPS]
+    # no timed step fits 10 s (every quick estimate exceeds 10 - 8 - 6 s of reserve): named, with the command; the
+    # compile tests beside them start and are cut off at the end, or find the call over
+    assert all(data["status"][s]["status"] == "skipped" for s in timed)
+    assert all(data["status"][s]["status"] in ("cut off", "skipped") for s in gpu_budget.CPU_TEST_STEPS)
+    assert data["not_run_to_the_end"] == gpu_budget.PLANNED
+    again = f"bash scripts/gpu_check.sh --steps {' '.join(gpu_budget.PLANNED)} --quick"
+    assert data["to_run_them"] == [again] and again in md
+    assert "`bash scripts/gpu_check.sh --steps cuda_tests --quick`" in proc.stdout  # the closing screen
 
 
 def test_gpu_check_budget_cuts_off_a_running_section_and_writes_its_summary(tmp_path):
     """A budget that lets gpu.py start: the peak is done, skipped or cut off (which one depends on the machine and
-    its load), and the summary says which."""
+    its load), and the summary says which; fp16 does not fit the plan and is named."""
     out_dir = tmp_path / "out"
     proc = run_check(tmp_path, out_dir, "--quick", "--steps", "peak", "fp16", "--budget-s", "30", timeout=120)
-    data, md = check_summary(out_dir, "steps")
+    data, md = check_summary(out_dir, "call1")
     assert data["steps_planned"] == ["peak", "fp16"], proc.stdout[-3000:] + proc.stderr[-3000:]
     statuses = {step: st["status"] for step, st in data["status"].items()}
-    assert set(statuses.values()) <= {"done", "skipped", "cut off"}, statuses
+    assert statuses["fp16"] == "skipped" and "does not fit" in data["status"]["fp16"]["note"]
+    assert statuses["peak"] in ("done", "cut off", "skipped"), statuses  # skipped: gpu.py's imports ate the budget
     assert data["not_run_to_the_end"] == [s for s in ("peak", "fp16") if statuses[s] != "done"]
-    if data["not_run_to_the_end"]:
-        assert f"bash scripts/gpu_check.sh --steps {' '.join(data['not_run_to_the_end'])} --quick" in md
-    assert "python bench/gpu/gpu.py --only peak fp16 targets --budget-s" in md
+    assert f"bash scripts/gpu_check.sh --steps {' '.join(data['not_run_to_the_end'])} --quick" in md
+    assert "python bench/gpu/gpu.py --only peak targets --budget-s" in md
 
 
 def test_a_step_past_its_time_is_killed_with_its_process_group(tmp_path):
@@ -286,8 +294,8 @@ def test_a_step_past_its_time_is_killed_with_its_process_group(tmp_path):
     assert gpu_check.run_process(["true"], str(tmp_path / "log2"), timeout=30)[0] == 0
 
 
-def test_gpu_sections_run_in_gpu_budget_order():
+def test_gpu_sections_are_the_table_entries_and_each_has_its_function():
     import gpu
     assert list(gpu.SECTIONS) == gpu_budget.SECTION_ORDER
-    assert set(gpu_budget.SECTION_SECONDS) == set(gpu_budget.SECTION_ORDER)
-    assert set(gpu_budget.TEST_SECONDS) == set(gpu_budget.TEST_STEPS)
+    assert all(callable(gpu.section_function(name)) for name in gpu.SECTIONS)
+    assert set(gpu_budget.STEPS) == set(gpu_budget.SECTION_ORDER) - {"targets"} | set(gpu_budget.TEST_STEPS)

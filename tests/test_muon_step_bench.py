@@ -33,3 +33,20 @@ def test_gpu_entry_points_run_on_cpu():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
     result = muon_step.muon_vs_adamw_step_ms([model], reps=1, muon_fp32_matmul_prec="highest")
     assert result["muon_ms"] > 0 and result["ratio"] == result["muon_ms"] / result["adamw_ms"]
+
+
+def test_newton_schulz_variants_against_the_default(tmp_path):
+    """--newton-schulz-variants (issue 44) at a small hidden size: every variant in both tables, the default's
+    distance to itself 0, the Gram iteration the default's to 1e-3 in fp32, fewer steps farther from U·Vᵀ."""
+    out = tmp_path / "v.md"
+    assert muon_step.main(["--newton-schulz-variants", "--hidden", "32", "--bf16-hidden", "16", "--out",
+                           str(out)]) == 0
+    text = out.read_text()
+    assert "Command: `python bench/step/muon_step.py --newton-schulz-variants --hidden 32" in text
+    for name, *_ in muon_step.NS_VARIANTS:
+        assert text.count(f"| {name} ") == 2, name
+    rows = {r["variant"]: r for r in muon_step.newton_schulz_variants(32)}
+    default, gram = rows["default: simple, 5 steps"], rows["Gram, simple, 5 steps"]
+    assert default["vs_default"] == 0 and gram["vs_default"] < 1e-3 and gram["gflops"] < default["gflops"]
+    assert rows["simple, 4 steps"]["polar"] > default["polar"] > rows["polar_express, 8 steps"]["polar"]
+    assert "Same result, to a stated tolerance" in text

@@ -353,7 +353,7 @@ def check_page(page: str, text: str | None = None) -> list[str]:
 
 # Pages another branch is rewriting when this test came in; each must comply once merged (strict: an XPASS fails,
 # so the entry is removed as soon as the page passes). Keep this empty otherwise.
-PENDING = {os.path.join("docs", "gpu.md"): "being rewritten on the gpucheck branch (issue 41 lists its drifted figures)"}
+PENDING: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PENDING[rel(p)]))

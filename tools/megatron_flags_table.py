@@ -12,7 +12,7 @@ from megatron_po.config import build_parser
 
 # Flags Megatron-LM does not have: this project's own (pipeline methods, predictors, logging sinks, NMT).
 PROJECT_ONLY = {
-    "--max-skipped-steps",
+    "--max-skipped-steps", "--muon-gram-newton-schulz",
     "--pipeline-method", "--async-update-interval", "--pipeoptim-s-offset", "--pipeoptim-sgd-direction",
     "--pipeoptim-extrapolate-weight-decay", "--weight-predictor", "--rollout-gradient", "--prediction-horizon",
     "--delay-compensation-lambda", "--delay-compensation-adaptive", "--staleness-lr-scaling", "--ddp-bucket-size",

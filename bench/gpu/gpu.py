@@ -39,11 +39,22 @@ each with its exact command in the results:
           compiled (bench/step/fused_step.py's time_step_variants)
   fp16    pretrain_gpt.py --fp16 from the default initial loss scale 2^32: the iterations skipped while the scale
           falls, with the loss scale and lr over them
-  targets the GPU targets of issues 30 and 31, read from the sections above: met or not
+  gpipe   peak memory in GPipe's order (all forwards, then all backwards): ours --torch-compile beside the plain
+          GPT compiled, each in a process of its own
+  profile one compiled iteration after the warm-up, ours and the plain GPT, under torch.profiler: TorchDynamo
+          graphs, compiled-graph calls, device kernels, host syncs, copies and where they happen (on request in
+          the check: --steps profile; `--size small` runs it on a CPU at GPT-1.3B's shape scaled down)
+  targets the GPU targets (bench/gpu/gpu_targets.py), read from the sections above: met or not
+
+Sections run in the order --only gives (bench/gpu/gpu_check.py puts baselines first), `targets` last. With
+--state-dir (the check's, bench/gpu/gpu_state.py: this GPU since this boot), a baseline (peak, gpt, plain) that an
+earlier call measured on this machine at the same code is taken from there instead of measured again, and every
+figure read against it says so. Figures are kept as they are measured: the results are rewritten after each one
+(atomically), so a section killed half-way leaves its partial figures (`partial` in the JSON).
 
 Adding a measured section: a function `def section_<name>(run: Run) -> Section` (measure through `run.worker`
-or `run.pretrain`, read earlier sections' figures from `run.done`) and one line in SECTIONS. Ours with other
-flags, for one:
+or `run.pretrain`, read earlier sections' figures from `run.done`) and one entry in bench/gpu/gpu_budget.py's
+TABLE (its function, estimated seconds, the files it measures, its baselines). Ours with other flags, for one:
 
     def section_gpt_compiled(run: Run) -> Section:
         return measure_ours(run, "gpt_compiled", "GPT through pretrain_gpt.py --torch-compile", ["--torch-compile"])
@@ -55,6 +66,8 @@ import time
 
 STARTED = time.perf_counter()  # --budget-s counts from here, before the imports (torch's take seconds)
 
+import importlib  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -74,8 +87,11 @@ from bench_common import (RESULTS, load_at_end, load_at_start, loadavg, log, mar
 offline_env()
 
 import gpu_budget  # noqa: E402
+import gpu_plan  # noqa: E402
+import gpu_state  # noqa: E402
+import gpu_targets  # noqa: E402
 import torch  # noqa: E402
-from gpu_run import Run, Section, failed_lines, measure_ours, num, pct, throughput  # noqa: E402
+from gpu_run import Run, Section, failed_lines, gib, measure_ours, num, pct, throughput  # noqa: E402
 from gpu_stream import (D, STREAM_COMPILED_METHODS, STREAM_COMPILED_MUON_METHODS, STREAM_METHOD_KEYS,  # noqa: E402
                         STREAM_METHODS, NoStreamMethod, method_key, section_stream, section_stream_compiled,
                         section_stream_compiled_muon, ttq_cost_model)
@@ -165,14 +181,21 @@ def section_muon(run: Run) -> Section:
     if adamw is None:  # AdamW's iteration measured here, in the same run, when section gpt did not run
         adamw = baseline = measure_ours(run, "gpt_adamw", "", [])
     muon = measure_ours(run, "gpt_muon", "", ["--optimizer", "muon"])
+    run.figure("muon ms_per_iteration", muon.figures["ms_per_iteration"])
+    # opt-in (issue 44): the same Newton-Schulz iterations through the Gram matrix on the MLP's matrices
+    gram = measure_ours(run, "gpt_muon_gram", "", ["--optimizer", "muon", "--muon-gram-newton-schulz"])
+    run.figure("muon_gram ms_per_iteration", gram.figures["ms_per_iteration"])
     before = measure_ours(run, "gpt_muon_fp32", "", ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest",
                                                      "--muon-no-split-qkv"])
+    run.figure("muon_fp32_qkv_whole ms_per_iteration", before.figures["ms_per_iteration"])
     ns, ns_command = run.worker("newton_schulz")
-    figures = {"muon": muon.figures, "muon_fp32_qkv_whole": before.figures, "newton_schulz": ns}
+    figures = {"muon": muon.figures, "muon_gram": gram.figures, "muon_fp32_qkv_whole": before.figures,
+               "newton_schulz": ns}
     if baseline is not None:
         figures["adamw"] = baseline.figures
     rows = []
     for name, sec in (("Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)", muon),
+                      ("Muon, --muon-gram-newton-schulz (opt-in: Gram iterations on the MLP's matrices)", gram),
                       ("Muon as before issue 31 (fp32, QKV whole)", before)):
         sec.figures["over_adamw"] = ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"]
         rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", f"{ratio:.3f}x"])
@@ -181,7 +204,8 @@ def section_muon(run: Run) -> Section:
     ns_rows = [[key.split(",")[0], key.split(",")[1], f"{ms:.2f}", f"{ms * ns['layers_per_stage']:.1f}"]
                for key, ms in ns["ms"].items()]
     return Section("Muon: iteration vs AdamW, Newton-Schulz per precision",
-                   [*(baseline.commands if baseline else []), *muon.commands, *before.commands, ns_command], figures, [
+                   [*(baseline.commands if baseline else []), *muon.commands, *gram.commands, *before.commands,
+                    ns_command], figures, [
         markdown_table(["optimizer", "ms / iteration", "vs AdamW"], rows), "",
         f"Newton-Schulz, {ns['steps']} steps on one layer's four matrices (QKV, projection, MLP up and down; hidden "
         f"{ns['hidden']}), median ms: one call per matrix (unbatched, before issue 31) and stacked by shape "
@@ -190,43 +214,65 @@ def section_muon(run: Run) -> Section:
                        ns_rows)])
 
 
-def target_rows(run: Run) -> list[list]:
-    """The issues' GPU targets, each: target, measured, met? ("not measured" where its sections did not run)."""
-    done = {name: sec.figures for name, sec in run.done.items()}
-
-    def row(target: str, value: float | None, bound: float, higher_is_better: bool, how: str) -> list:
-        if value is None:
-            return [target, "not measured", "", how]
-        met = value >= bound if higher_is_better else value <= bound
-        return [target, f"{value:.3f}", "met" if met else "NOT MET", how]
-
-    def stream_ratio(section: str, label: str, base: str) -> float | None:
-        methods = done.get(section, {}).get("methods", {})
-        if label in methods and base in methods:
-            return methods[label]["ms_per_microbatch"] / methods[base]["ms_per_microbatch"]
-        return None
-
-    compiled = done.get("compiled", {})
-    muon = done.get("muon", {}).get("muon", {})
-    return [
-        row("issue 30: compiled ours / compiled plain PyTorch GPT (tokens/s) >= 1.0",
-            compiled.get("over_plain_compiled"), 1.0, True, "sections plain, compiled"),
-        row("issue 30: MFU of compiled ours >= 0.70 (an H200)", compiled.get("mfu"), 0.70, True,
-            "sections peak, compiled"),
-        row("issue 30: D = 4 stream, PipeOptim / async-naive per micro-batch <= 1.01 (--torch-compile)",
-            stream_ratio("stream_compiled", "PipeOptim (AdamW)", "async-naive"), 1.01, False, "section stream_compiled"),
-        row("issue 31: Muon iteration / AdamW iteration <= 1.25 (DP = 1)", muon.get("over_adamw"), 1.25, False,
-            "sections gpt, muon"),
-        row("issue 31: D = 4 stream, PipeOptim-Muon / PipeOptim-AdamW per micro-batch <= 1.8 (eager)",
-            stream_ratio("stream", "PipeOptim (Muon)", "PipeOptim (AdamW)"), 1.8, False, "section stream"),
-    ]
+def reused_sections(run: Run) -> dict[str, str]:
+    """{section: how} for the baselines this run took from an earlier call on the same machine."""
+    return {name: sec.reused for name, sec in run.done.items() if sec.reused}
 
 
 def section_targets(run: Run) -> Section:
-    rows = target_rows(run)
+    rows = gpu_targets.rows({name: sec.figures for name, sec in run.done.items()}, reused_sections(run))
     return Section("Targets", [], {"targets": rows}, [
-        "The GPU targets of issues 30 and 31, read from the sections above (no measurement of its own).", "",
+        "The GPU targets (issue 44), read from the sections above (no measurement of its own): each a ratio of "
+        "figures of this run (\"same run\"), or of this run and a baseline an earlier call measured on this "
+        "machine, same GPU since the same boot (\"same machine\").", "",
         markdown_table(["target", "measured", "", "from"], rows)])
+
+
+PROFILE_ROWS = [("unique_graphs", "TorchDynamo graphs compiled"), ("graph_breaks", "graph breaks"),
+                ("recompiles", "recompiles"), ("compiled_graph_calls", "compiled-graph calls"),
+                ("device_kernels", "device kernels"), ("host_syncs", "host syncs (item, is_nonzero, synchronize)"),
+                ("copies", "copies (copy_, _to_copy, clone, contiguous, cat)"), ("cpu_ops", "CPU ops in all")]
+
+
+def section_profile(run: Run) -> Section:
+    """One compiled iteration after the warm-up, profiled (bench/gpu/gpu_worker.py profile): ours --torch-compile
+    beside the plain GPT compiled, what each runs per iteration."""
+    result, command = run.worker("profile")
+    rows = [[what, *(str(result[who].get(key, "")) for who in ("ours", "plain_compiled"))] for key, what in PROFILE_ROWS]
+    return Section("One compiled iteration profiled: ours beside the plain GPT", [command], result, [
+        "torch.profiler over one iteration after the warm-up (the compiles): ours through pretrain_gpt.py --profile, "
+        "then the plain GPT compiled in the same process; TorchDynamo's counts are what each one's compile added. "
+        "What ours does that the plain one does not is where the compiled gap lies.", "",
+        markdown_table(["per iteration", "ours --torch-compile", "plain GPT compiled"], rows), "",
+        "Where the host syncs and copies happen (the outermost enclosing op that is not an aten op; the 10 most "
+        "frequent of each):", "",
+        markdown_table(["ours --torch-compile", "n", "plain GPT compiled", "n"],
+                       [[*a, *b] for a, b in itertools.zip_longest(
+                           *([[k, str(v)] for k, v in list(result[who].get("where", {}).items())[:10]]
+                             for who in ("ours", "plain_compiled")), fillvalue=["", ""])])])
+
+
+def section_gpipe(run: Run) -> Section:
+    """Peak memory in GPipe's order: ours --torch-compile and the plain GPT compiled (bench/gpu/gpu_worker.py
+    gpipe), each in a process of its own; the target reads ours / plain."""
+    errors: list = []
+    ours, ours_command = run.worker("gpipe", errors=errors)
+    if ours is not None:
+        run.figure("ours max_memory_bytes", ours["max_memory_bytes"])
+    plain, plain_command = run.worker("plain", "--compile", "--gpipe", errors=errors)
+    if ours is None or plain is None:
+        raise RuntimeError("; ".join(message.splitlines()[0] for _, message in errors))
+    figures = {"ours": ours, "plain_compiled": plain,
+               "ours_over_plain_memory": ours["max_memory_bytes"] / plain["max_memory_bytes"]}
+    rows = [["ours, --torch-compile", f"{ours['ms_per_iteration']:.1f}", gib(ours["max_memory_bytes"])],
+            ["plain PyTorch, torch.compile", f"{plain['ms_per_iteration']:.1f}", gib(plain["max_memory_bytes"])]]
+    return Section("Peak memory in GPipe's order", [ours_command, plain_command], figures, [
+        f"Each iteration runs the {run.size.global_batch // run.size.micro_batch} micro-batches' forwards, then their "
+        "backwards (GPipe's order on one stage: every micro-batch's activations, and ours' output-loss gradients, "
+        "held at once), then the step. Ours: pretrain_gpt.py's training step with the GPipe schedule at one stage; "
+        "the plain GPT: its losses kept, then backward one by one.", "",
+        markdown_table(["", "ms / iteration", "peak GiB"], rows), "",
+        f"ours / plain peak memory: **{figures['ours_over_plain_memory']:.3f}**"])
 
 
 def section_fp16(run: Run) -> Section:
@@ -253,21 +299,15 @@ def section_fp16(run: Run) -> Section:
         markdown_table(["iteration", "step", "loss scale", "lr", "lm loss", "consumed samples"], rows)])
 
 
-SECTIONS = {  # name -> the function measuring it; run in this order, their priority (issue 34), but for `gpt`
-    # before `plain` (later sections read earlier figures: MFU the peak, plain and compiled's ratios gpt and plain):
-    # gpu_budget.SECTION_ORDER, where their estimated seconds are
-    "peak": section_peak,
-    "gpt": section_gpt,
-    "plain": section_plain,
-    "compiled": section_compiled,
-    "stream_compiled": section_stream_compiled,
-    "fused": section_fused,
-    "muon": section_muon,
-    "fp16": section_fp16,
-    "stream": section_stream,
-    "stream_compiled_muon": section_stream_compiled_muon,
-    "targets": section_targets,
-}
+SECTIONS = {step.name: step for step in gpu_budget.TABLE if step.kind == "section"}  # bench/gpu/gpu_budget.py
+
+
+def section_function(name: str):
+    """The function measuring section `name`: its table entry's `run`, here or in a module of bench/gpu (imported
+    only when the section runs)."""
+    module, _, function = SECTIONS[name].run.rpartition(":")
+    return getattr(importlib.import_module(module), function) if module else globals()[function]
+
 
 STREAM_SECTION_METHODS = {"stream": STREAM_METHODS, "stream_compiled": STREAM_COMPILED_METHODS,
                           "stream_compiled_muon": STREAM_COMPILED_MUON_METHODS}
@@ -276,7 +316,7 @@ STREAM_SECTION_METHODS = {"stream": STREAM_METHODS, "stream_compiled": STREAM_CO
 def section_seconds(name: str, run: Run) -> float:
     """The estimated seconds of section `name` in this run (bench/gpu/gpu_budget.py's, for its size, the methods
     --stream-methods leaves it, and whether gpt ran)."""
-    seconds = gpu_budget.seconds(name, quick=run.size_name == "quick")
+    seconds = run.estimates.get(name) or gpu_budget.seconds(name, quick=run.size_name == "quick")
     if name == "muon" and "gpt" not in run.done:
         seconds += section_seconds("gpt", run)
     methods = STREAM_SECTION_METHODS.get(name)
@@ -318,6 +358,9 @@ def header(info: dict, command: str, run: Run, started: str) -> list[str]:
     if run.size_name == "quick":
         lines += ["", f"> **Quick size (`--quick`): every figure below is from the tiny model above on {info['name']}.** "
                   "It exists so that the script runs in a test; its numbers measure nothing."]
+    if run.size_name == "small":
+        lines += ["", f"> **Small size (`--size small`): GPT-1.3B's shape scaled down, compiled with inductor, on "
+                  f"{info['name']}.** For what a compiled iteration runs (graphs, host syncs, copies), not for speed."]
     return lines + [""]
 
 
@@ -350,23 +393,34 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
     lines = header(info, command, run, started)
     for name, section in run.done.items():
         commands = ["```", *section.commands, "```", ""] if section.commands else []
-        lines += [f"## {section.title} (`{name}`)", "", *commands, *section.lines, ""]
+        reused = [f"> **Reused, not measured in this run**: {section.reused}.", ""] if section.reused else []
+        read = [b for b in gpu_budget.baselines(name) if b in run.done and run.done[b].reused and not section.reused]
+        if read:
+            reused = [f"> Its ratios read {', '.join(read)} from an earlier call on this machine (the same GPU since the "
+                      "same boot): **same-machine** ratios, not same-run.", ""]
+        lines += [f"## {section.title} (`{name}`)", "", *reused, *commands, *section.lines, ""]
+    for name, figures in run.partial.items():  # what a section that did not finish had measured
+        if name not in run.done and figures:
+            lines += [f"## `{name}`: did not finish; what it measured before", "", "```",
+                      *(f"{k}: {json.dumps(v)}" for k, v in figures.items()), "```", ""]
     for name, error in failures:
         lines += [f"## `{name}`: failed", "", "```", error, "```", ""]
     if statuses:
         lines += status_lines(statuses, run, budget_s)
     lines.append(load_at_end(t0))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(bench_common.portable("\n".join(lines) + "\n"))
+    gpu_state.write_atomic(path, bench_common.portable("\n".join(lines) + "\n"))
     s = run.size
     data = {"schema": "megatron_po bench/gpu/gpu.py 1", "command": command, "size": run.size_name, "started": started,
             "minutes": (time.perf_counter() - t0) / 60, "device": info, "load_average_end": loadavg()[:2],
             "model": {**asdict(s), "padded_vocab": padded_vocab(s), "precision": "bf16"},
             "data_parallel_size": 1, "sections": {name: {"title": sec.title, "commands": sec.commands,
-                                                         "figures": sec.figures} for name, sec in run.done.items()},
+                                                         "figures": sec.figures, **({"reused": sec.reused}
+                                                                                    if sec.reused else {})}
+                                                  for name, sec in run.done.items()},
+            "partial": {name: figures for name, figures in run.partial.items() if name not in run.done and figures},
             "failures": [{"section": n, "error": e} for n, e in failures], "budget_s": budget_s,
-            "section_status": statuses}
+            "section_status": statuses, "code_hashes": {n: run.code_hashes.get(n) for n in statuses},
+            "machine": run.machine}
     stream = run.done.get("stream")
     if stream is not None:
         built = next(iter(stream.figures["methods"].values()))["built"]
@@ -384,10 +438,8 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
             data["ttq_cost_model"] = f"not written: {e}"
         else:
             data["ttq_cost_model"] = os.path.basename(cost_model_path(path))
-            with open(cost_model_path(path), "w") as f:
-                f.write(bench_common.portable(json.dumps(cost_model, indent=1)))
-    with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        f.write(bench_common.portable(json.dumps(data, indent=1)))
+            gpu_state.write_atomic(cost_model_path(path), bench_common.portable(json.dumps(cost_model, indent=1)))
+    gpu_state.write_atomic(os.path.splitext(path)[0] + ".json", bench_common.portable(json.dumps(data, indent=1)))
 
 
 # Seconds kept at the end of --budget-s for writing the results.
@@ -404,12 +456,45 @@ def on_sigterm(signum, frame):
     raise Terminated()
 
 
-def run_sections(run: Run, names: list[str], write) -> tuple[list, dict]:
-    """Measure `names` in SECTIONS' order, each skipped when its estimate exceeds the budget left, `write()`
-    after each; (failures as (name, error), statuses by name: status, seconds, estimate_s, note)."""
+def take_baselines(run: Run, names: list[str], state_dir: str | None, statuses: dict) -> None:
+    """The baselines among `names` that an earlier call measured on this machine at the same code: into `run.done`
+    as they were, marked reused (their status: reused)."""
+    if not state_dir:
+        return
+    for name, entry in gpu_state.baselines(state_dir).items():
+        if name in names and entry.get("code_hash") == run.code_hashes.get(name) and entry.get("size") == run.size_name:
+            how = (f"measured on this machine (GPU {run.machine['gpu_uuid']}, boot {run.machine['boot_id']}) by "
+                   f"{entry['call']} at {entry['measured_at']}, code hash {entry['code_hash']}")
+            run.done[name] = Section(entry["title"], entry["commands"], entry["figures"], entry["lines"], reused=how)
+            statuses[name] = {"status": "reused", "seconds": 0.0, "estimate_s": 0.0, "note": how}
+            log(f"[gpu.py] {name}: reused, {how}")
+
+
+def remember(run: Run, name: str, status: dict, state_dir: str | None, call: str) -> None:
+    """What this machine measured, for its later calls: the section (a baseline: its figures) at this code."""
+    if not state_dir:
+        return
+    sec = run.done[name]
+    gpu_state.save_measured(state_dir, name, {"code_hash": run.code_hashes.get(name), "seconds": status["seconds"],
+                                              "status": "done", "call": call, "started": now(),
+                                              "size": run.size_name, "commit": bench_common.commit()})
+    if gpu_budget.BY_NAME[name].reusable:
+        gpu_state.save_baseline(state_dir, name, {"title": sec.title, "commands": sec.commands, "figures": sec.figures,
+                                                  "lines": sec.lines, "code_hash": run.code_hashes.get(name),
+                                                  "call": call, "measured_at": now(), "size": run.size_name})
+
+
+def run_sections(run: Run, names: list[str], write, state_dir: str | None = None, call: str = "") -> tuple[list, dict]:
+    """Measure `names` in the order given (`targets` last), each skipped when its estimate exceeds the budget left,
+    a baseline this machine measured at this code taken from `state_dir`; `write()` after each section and
+    after each figure; (failures as (name, error), statuses by name: status, seconds, estimate_s, note)."""
     failures, statuses = [], {}
-    ordered = sorted(names, key=list(SECTIONS).index)
+    ordered = [n for n in names if n != "targets"] + [n for n in names if n == "targets"]
+    take_baselines(run, ordered, state_dir, statuses)
+    run.on_figure = lambda: write(failures, statuses)
     for i, name in enumerate(ordered):
+        if name in statuses:  # reused
+            continue
         estimate, left = section_seconds(name, run), run.seconds_left()
         status = {"status": "skipped", "seconds": None, "estimate_s": estimate}
         if estimate > left and estimate > 0:  # a section that measures nothing (targets) always runs
@@ -417,9 +502,10 @@ def run_sections(run: Run, names: list[str], write) -> tuple[list, dict]:
             log(f"[gpu.py] {name} skipped: estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left")
             continue
         log(f"[gpu.py] {name} ({(time.perf_counter() - STARTED) / 60:.1f} min)")
-        started, run.cut_off = time.perf_counter(), False
+        started, run.cut_off, run.section = time.perf_counter(), False, name
+        statuses[name] = {**status, "status": "running"}
         try:
-            run.done[name] = SECTIONS[name](run)
+            run.done[name] = section_function(name)(run)
             status["status"] = "cut off" if run.cut_off else "done"
         except NoStreamMethod as e:
             status["note"] = str(e)
@@ -437,7 +523,10 @@ def run_sections(run: Run, names: list[str], write) -> tuple[list, dict]:
             status["status"] = "cut off" if run.cut_off else "failed"
         status["seconds"] = time.perf_counter() - started
         statuses[name] = status
+        if status["status"] == "done" and name != "targets":
+            remember(run, name, status, state_dir, call)
         write(failures, statuses)  # after each: a later crash keeps it
+    run.section = None
     return failures, statuses
 
 
@@ -445,7 +534,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = bench_common.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="the tiny size: every section on a CPU in about a minute")
-    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
+    ap.add_argument("--size", choices=["full", "quick", "small"], default=None,
+                    help="full (GPT-1.3B), quick (= --quick) or small (GPT-1.3B's shape scaled down, inductor: the "
+                         "section profile on a CPU)")
+    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections, in this order")
     ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
@@ -454,6 +546,13 @@ def main(argv=None) -> int:
                     help="seconds for the whole run: a section whose estimate (bench/gpu/gpu_budget.py) exceeds "
                          "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
                          "and the results are written before the end (default: no budget)")
+    ap.add_argument("--seconds", nargs="+", default=[], metavar="SECTION=S",
+                    help="the seconds to expect of these sections (the check's plan: their last measured), instead "
+                         "of bench/gpu/gpu_budget.py's estimates")
+    ap.add_argument("--state-dir", default=None,
+                    help="this machine's state (bench/gpu/gpu_state.py): baselines measured there at this code are "
+                         "reused, what this run measures is recorded there")
+    ap.add_argument("--call", default="", help="this call's label in the state (the check's: call1, call2, ...)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
                     help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
     args = ap.parse_args(argv)
@@ -461,11 +560,16 @@ def main(argv=None) -> int:
         ap.error(f"--budget-s must exceed {WRITE_RESERVE_S:.0f} s (kept for writing the results)")
     t0 = STARTED
     deadline = None if args.budget_s is None else t0 + args.budget_s - WRITE_RESERVE_S
-    run = Run("quick" if args.quick else "full", args.timeout or (300 if args.quick else 600), args.stream_methods,
-              deadline)
+    size = args.size or ("quick" if args.quick else "full")
+    run = Run(size, args.timeout or (300 if size == "quick" else 600), args.stream_methods, deadline)
+    for pair in args.seconds:
+        name, _, value = pair.partition("=")
+        run.estimates[name] = float(value)
+    run.code_hashes = gpu_plan.current_hashes(bench_common.REPO, list(SECTIONS))
+    run.machine = {"gpu_uuid": gpu_state.gpu_uuid(), "boot_id": gpu_state.boot_id()}
     signal.signal(signal.SIGTERM, on_sigterm)
     info = device_info()
-    out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'_quick' if args.quick else ''}.md")
+    out = args.out or os.path.join(RESULTS, f"gpu_{info['slug']}{'' if size == 'full' else '_' + size}.md")
     command = bench_common.command_line("bench/gpu/gpu.py", argv)
     started = now()
     names = [n for n in (args.only or SECTIONS) if n not in args.skip]
@@ -475,7 +579,7 @@ def main(argv=None) -> int:
     def write(failures, statuses):
         write_results(out, info, command, run, started, t0, failures, statuses, args.budget_s)
     try:
-        failures, statuses = run_sections(run, names, write)
+        failures, statuses = run_sections(run, names, write, args.state_dir, args.call)
         write(failures, statuses)
     finally:
         shutil.rmtree(run.tmp, ignore_errors=True)

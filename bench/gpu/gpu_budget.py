@@ -1,82 +1,122 @@
-"""What a GPU check runs and how long each piece takes: the steps in order of priority, their split over two
-device calls, and the seconds each is estimated to take, so that a time budget starts only what can finish.
+"""Every step a GPU check can run, in one table: what it is, what it costs, which files it measures, and what it
+is read against. Adding a section is one entry here and its function (`run`, in bench/gpu/gpu.py or a module of
+bench/gpu of its own); bench/gpu/gpu_plan.py orders the steps, bench/gpu/gpu_check.py runs them.
 
-Torch-free (bench/gpu/gpu_check.py reads it before anything imports torch; bench/gpu/gpu.py reads it too).
+Torch-free (bench/gpu/gpu_check.py and gpu_plan.py read it before anything imports torch; bench/gpu/gpu.py too).
 
-Full-size figures are for one H100 or H200: measured on one H200 on 2026-11-26 (docs/gpu.md, "Results on an
-H200": peak 5 s, gpt 25 s, plain 85 s of which its compile 51 s, compiled 162 s, muon 70 s, the eager stream
-27 s a method, the CUDA tests 88 s) and on one H100 on 2026-11-27 (bench/results/gpu_nvidia_h100_80gb_hbm3_2026-11-27:
-peak 8-9 s, gpt 32-33 s, plain 50-88 s, compiled 166 s, the CUDA tests 137 s, the part-1 compile tests 205 s beside
-them) plus process start-up, rounded up; estimated where no run measured it (marked *). The quick figures are a
-loaded 2-core CPU's, rounded up.
+Estimated seconds are for one H100 or H200, from the leases (docs/gpu.md): one H200 on 2026-11-26 (peak 5 s,
+gpt 25 s, plain 85 s of which its compile 51 s, compiled 162 s, muon 70 s, the eager stream 27 s a method, the
+CUDA tests 88 s) and one H100 on 2026-11-27 (bench/results/gpu_nvidia_h100_80gb_hbm3_2026-11-27: peak 8-9 s, gpt
+32-33 s, plain 50-88 s, compiled 166 s, the CUDA tests 137 s, the part-1 compile tests 205 s beside them), plus
+process start-up, rounded up; estimated where no run measured it (marked *). A plan prefers a step's last
+measured seconds to these (gpu_plan.py). The quick figures are a loaded 2-core CPU's, rounded up.
+
+`files`: the code a step measures or tests, as globs over the checkout (`**` any folders, `!` excludes): its
+code hash (gpu_plan.code_hash) changes when one of them does, and the plan then runs it before the unchanged
+ones. The bench harness itself (bench/gpu/gpu.py, gpu_run.py, gpu_check.py, gpu_plan.py, this file) is in no
+step's files: changing how a figure is reported does not make a measurement new.
 """
 
 from __future__ import annotations
 
-# bench/gpu/gpu.py's sections, in the order they run, which is their priority (issue 34), except that gpt runs
-# before plain and compiled, whose ratios read it. `targets` measures nothing: it reads the others.
-SECTION_ORDER = ["peak", "gpt", "plain", "compiled", "stream_compiled", "fused", "muon", "fp16", "stream",
-                 "stream_compiled_muon", "targets"]
+from dataclasses import dataclass
 
-# seconds: (full size on one H100/H200, quick size on a CPU)
-SECTION_SECONDS = {
-    "peak": (10, 10),
-    "gpt": (35, 15),
-    "plain": (90, 25),
-    "compiled": (190, 20),  # H100: 166 s, of which the compiled optimizer step's first compile ~100 s (iteration 2)
-    # * 2 methods at 150 s: start-up and build 20 s, its layers' compile about as long as compiled's (140 s less
-    # the run) but for 6 layers a stage, 4 stages' optimizer steps, then 24 micro-batches
-    "stream_compiled": (300, 25),
-    # 3 compiled step graphs (naive, separate, fused) of the stage's 144 tensors, 1024 x 2048: cut off after 194 s on
-    # an H100 when each graph held all 144 (the same graphs took 203 s on a 2-core CPU at 1024 x 2), now one 8-tensor
-    # slice each (34 s there; optim/fused_prediction.py's `_slices`), plus start-up and 120 timed steps
-    "fused": (90, 15),  # *
-    "muon": (80, 35),  # plus gpt's when that section does not run (muon then measures AdamW's iteration itself)
-    "fp16": (35, 15),  # *
-    "stream": (190, 60),  # 7 methods at 27 s
-    "stream_compiled_muon": (330, 25),  # * 2 methods, Newton-Schulz in each step's graph
-    "targets": (0, 0),
-}
+# The single-process training path every measurement of ours runs (pretrain_gpt.py at PP = TP = DP = 1), less
+# the optimizers and pipelines the AdamW GPT does not run.
+OURS = ("pretrain_gpt.py", "megatron_po/**/*.py", "!megatron_po/optim/muon*.py", "!megatron_po/optim/newton_schulz.py",
+        "!megatron_po/optim/nag.py", "!megatron_po/optim/nadamw.py", "!megatron_po/pipeline/async_*.py",
+        "!megatron_po/pipeline/pipenag.py", "!megatron_po/nmt_workload.py", "!megatron_po/models/nmt.py",
+        "!megatron_po/data/nmt_dataset.py", "!megatron_po/models/hf_export.py", "!megatron_po/models/te_*.py")
+MUON = ("megatron_po/optim/muon*.py", "megatron_po/optim/newton_schulz.py")
+STREAM = ("megatron_po/pipeline/**/*.py", "megatron_po/optim/**/*.py", "megatron_po/models/**/*.py",
+          "megatron_po/tensor_parallel/**/*.py", "megatron_po/config*.py", "bench/gpu/gpu_worker.py",
+          "bench/gpu/gpu_stream.py")
 
-# The test steps of bench/gpu/gpu_check.py; adjacent ones run side by side (none is a timing).
-TEST_STEPS = ["cuda_tests", "cpu_compile_tests", "cpu_compile_tests_rest"]
-TEST_SECONDS = {
-    "cuda_tests": (140, 40),  # H100: 137 s (26 of 28 passing)
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    kind: str  # "tests" (on the GPU, timed with the sections), "section" (gpu.py), "cpu_tests" (beside them)
+    seconds: tuple[float, float]  # estimated: (full size on one H100/H200, quick size on a CPU)
+    files: tuple[str, ...]  # the code it measures (globs; module docstring)
+    baselines: tuple[str, ...] = ()  # sections its figures are read against, in the same run or on the same machine
+    run: str = ""  # a section's function: "section_x" in bench/gpu/gpu.py, or "module:function" in bench/gpu
+    reusable: bool = False  # a baseline: its figures serve any later call on the same machine at the same code
+    on_request: bool = False  # a diagnosis, not a target's figure: planned only when --steps names it
+
+
+# In the order of priority (issue 34): the CUDA suite, then the sections (gpt before plain and compiled, whose
+# ratios read it), `targets` (reads the others, measures nothing), then the compile tests on the device's torch,
+# which run beside the timed steps from the start (bench/gpu/gpu_check.py).
+TABLE = [
+    Step("cuda_tests", "tests", (140, 40), ("tests/test_cuda_*.py", "tests/cuda_harness.py", "scripts/run_gpu_tests.sh",
+                                            "pretrain_gpt.py", "megatron_po/**/*.py")),
+    Step("peak", "section", (10, 10), ("bench/step/overhead.py",), run="section_peak", reusable=True),
+    Step("gpt", "section", (35, 15), OURS, ("peak",), run="section_gpt", reusable=True),
+    Step("plain", "section", (90, 25), ("bench/step/overhead.py",), ("peak", "gpt"), run="section_plain",
+         reusable=True),
+    # H100: 166 s, of which the compiled optimizer step's first compile ~100 s (iteration 2; sliced since: 19 s
+    # instead of 103 s on a CPU)
+    Step("compiled", "section", (190, 20), OURS, ("peak", "gpt", "plain"), run="section_compiled"),
+    # * ours --torch-compile in GPipe's order (all forwards, then all backwards) beside the plain GPT compiled in
+    # the same order: two processes of 4 iterations each, compiles included
+    Step("gpipe", "section", (150, 40), OURS + ("bench/step/overhead.py",), run="section_gpipe"),
+    # * 2 methods at 150 s: start-up and build 20 s, 6 layers a stage compiled, 4 stages' steps, 24 micro-batches
+    Step("stream_compiled", "section", (300, 25), STREAM, run="section_stream_compiled"),
+    # 3 compiled step graphs (naive, separate, fused) of 8-tensor slices (optim/fused_prediction.py's `_slices`;
+    # cut off after 194 s on an H100 when each graph held a stage's 144 tensors), plus start-up and 120 timed steps
+    Step("fused", "section", (90, 15), ("megatron_po/optim/*.py", "bench/step/fused_step.py"), run="section_fused"),
+    # plus gpt's when that section does not run; now also the opt-in faster Newton-Schulz (Gram, Polar Express)
+    Step("muon", "section", (110, 45), OURS + MUON + ("bench/step/muon_step.py",), ("gpt",), run="section_muon"),
+    Step("fp16", "section", (35, 15), OURS, run="section_fp16"),  # *
+    Step("stream", "section", (190, 60), STREAM, run="section_stream"),  # 7 methods at 27 s
+    Step("stream_compiled_muon", "section", (330, 25), STREAM, run="section_stream_compiled_muon"),  # *
+    # * one compiled iteration of ours and of the plain GPT profiled (graphs, kernels, host syncs, copies): ours'
+    # compiles as in compiled, the plain's as in plain. On request (--steps profile): it would displace a target's
+    # section from a lease's second call
+    Step("profile", "section", (150, 60), OURS + ("bench/step/overhead.py",), run="section_profile", on_request=True),
+    Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset
-    "cpu_compile_tests": (210, 45),
-    "cpu_compile_tests_rest": (300, 60),
-}
+    Step("cpu_compile_tests", "cpu_tests", (210, 45), ("tests/test_fused_prediction.py", "tests/test_compiled_layers.py",
+                                                        "megatron_po/**/*.py")),
+    Step("cpu_compile_tests_rest", "cpu_tests", (300, 60), ("tests/test_compiled_layers.py", "megatron_po/**/*.py")),
+]
+# The FP8 section (bench/gpu/gpu_fp8.py, issue 43; its own estimate: 540 s full, ~300 s with gpt and compiled
+# reused, 210 s quick) joins with one entry above, before targets:
+#     Step("fp8", "section", (300, 210), OURS + ("bench/gpu/gpu_fp8.py",), ("peak", "gpt", "compiled"),
+#          run="gpu_fp8:section_fp8"),
 
-# Every step a check can run, by priority: the CUDA suite, the sections (targets always runs with them), then the
-# compile tests on the device's CPU (the subset that found torch-2.11 bugs, then the rest). The first H100 run had
-# the compile tests second, beside the CUDA suite: they took 205 s there and pushed `compiled`, the section with
-# issue 34's main target, out of part 1; at that commit they passed on torch 2.11.
-STEPS = TEST_STEPS[:1] + [name for name in SECTION_ORDER if name != "targets"] + TEST_STEPS[1:]
-
-# Two device calls: part 1 the CUDA suite and the top sections (about 465 s by the estimates above, inside the
-# default 540 s budget), part 2 the rest (about 1,600 s, more than a call: it runs by priority what its --budget-s
-# allows, stream_compiled first, and names the rest in its summary).
-PARTS = {
-    1: ["cuda_tests", "peak", "gpt", "plain", "compiled"],
-    2: ["stream_compiled", "fused", "muon", "fp16", "stream", "stream_compiled_muon", "cpu_compile_tests",
-        "cpu_compile_tests_rest"],
-}
-
-# The sections a section's figures are read against, in the same run (its ratios' baselines, MFU's peak): a check
-# that runs a section adds these when its steps lack them.
-BASELINES = {"gpt": ["peak"], "plain": ["peak", "gpt"], "compiled": ["peak", "gpt", "plain"]}
+BY_NAME = {step.name: step for step in TABLE}
+STEPS = [s.name for s in TABLE if s.name != "targets"]  # what --steps takes
+PLANNED = [s.name for s in TABLE if s.name != "targets" and not s.on_request]  # what a check plans by default
+SECTION_ORDER = [s.name for s in TABLE if s.kind == "section"]  # gpu.py's sections, in their priority
+TEST_STEPS = [s.name for s in TABLE if s.kind in ("tests", "cpu_tests")]
+CPU_TEST_STEPS = [s.name for s in TABLE if s.kind == "cpu_tests"]
+REUSABLE = [s.name for s in TABLE if s.reusable]
 
 
 def seconds(name: str, quick: bool) -> float:
-    """The estimated seconds of step or section `name` at the full or the quick size."""
-    full, small = {**SECTION_SECONDS, **TEST_SECONDS}[name]
+    """The estimated seconds of step `name` at the full or the quick size."""
+    full, small = BY_NAME[name].seconds
     return small if quick else full
+
+
+def baselines(name: str) -> list[str]:
+    """The sections step `name` is read against, and theirs, in the order of priority."""
+    chosen: set[str] = set()
+    todo = list(BY_NAME[name].baselines)
+    while todo:
+        base = todo.pop()
+        if base not in chosen:
+            chosen.add(base)
+            todo += BY_NAME[base].baselines
+    return [s for s in STEPS if s in chosen]
 
 
 def with_baselines(steps: list[str]) -> list[str]:
     """`steps` and the sections their figures are read against, in the order of priority."""
     chosen = set(steps)
     for name in steps:
-        chosen.update(BASELINES.get(name, []))
+        chosen.update(baselines(name))
     return [name for name in STEPS if name in chosen]

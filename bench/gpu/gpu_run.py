@@ -39,6 +39,7 @@ class Section:
     commands: list[str] = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
+    reused: str = ""  # not measured in this run: a baseline an earlier call measured on this machine (when, which)
 
 
 class Run:
@@ -46,7 +47,12 @@ class Run:
     two ways a section measures, each in a fresh process whose output lines are progress.
 
     With a `deadline` (a time.perf_counter() value: --budget-s), no process starts after it and none runs past
-    it: one that would is killed, and `cut_off` says so."""
+    it: one that would is killed, and `cut_off` says so.
+
+    Figures are kept as they are measured (issue 44): a worker prints `FIGURE <json>` lines, a section calls
+    `figure(key, value)` after each of its measurements, and pretrain_gpt.py's per-iteration records are read as
+    they come; each lands in `partial[section]` and `on_figure()` (gpu.py: rewrite the results) runs at once, so a
+    section killed half-way leaves what it had measured in the results."""
 
     def __init__(self, size_name: str, timeout: float, stream_methods: list[str] | None = None,
                  deadline: float | None = None):
@@ -57,12 +63,26 @@ class Run:
         self.cut_off = False  # a process was killed (or not started) because the budget ran out
         self.done: dict[str, Section] = {}
         self.tmp = tempfile.mkdtemp(prefix="bench_gpu_")
+        self.section: str | None = None  # the section measuring now
+        self.partial: dict[str, dict] = {}  # section -> the figures it has measured so far
+        self.on_figure = None  # called after every figure
+        self.estimates: dict[str, float] = {}  # seconds to expect per section (the check's plan), over gpu_budget's
+        self.code_hashes: dict[str, str] = {}  # gpu_plan.current_hashes: the code each section measures
+        self.machine: dict[str, str] = {}  # GPU UUID and boot id (gpu_state)
+
+    def figure(self, key: str, value) -> None:
+        """Keep one figure of the section measuring now, and have the results rewritten with it."""
+        self.partial.setdefault(self.section or "?", {})[key] = value
+        if self.on_figure is not None:
+            self.on_figure()
 
     def seconds_left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
-    def _stream(self, cmd: list[str], shown: str) -> list[str]:
+    def _stream(self, cmd: list[str], shown: str, prefix: str = "", on_line=None) -> list[str]:
         """Run `cmd` from the checkout, echo its output as it comes; its output lines. Raises on failure.
+        `FIGURE {"key": value, ...}` lines become figures `<prefix><key>` as they come; `on_line(line)` sees
+        every line.
         The process gets a process group of its own, killed whole (compile workers included) when it runs past
         its timeout, or when this process is interrupted while waiting for it."""
         timeout, by_budget = self.timeout, False
@@ -92,8 +112,13 @@ class Run:
         try:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
-                if not line.startswith("RESULT "):
+                if line.startswith("FIGURE "):
+                    for key, value in json.loads(line[len("FIGURE "):]).items():
+                        self.figure(prefix + key, value)
+                elif not line.startswith("RESULT "):
                     log("    " + line.rstrip("\n"))
+                if on_line is not None:
+                    on_line(line)
             proc.wait()
         finally:
             killer.cancel()
@@ -120,7 +145,8 @@ class Run:
             except RuntimeError as e:
                 errors.append((shown, str(e)))
                 return None, shown
-        lines = self._stream([sys.executable, os.path.join(HERE, "gpu_worker.py"), *argv], shown)
+        label = " ".join([name, *(f.lstrip("-") for f in flags if f.startswith("-"))])
+        lines = self._stream([sys.executable, os.path.join(HERE, "gpu_worker.py"), *argv], shown, prefix=f"{label}: ")
         result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
         if result is None:
             raise RuntimeError(f"no RESULT line from: {shown}")
@@ -134,9 +160,33 @@ class Run:
         argv = [*flags, "--metrics-file", os.path.join(out, "metrics.jsonl"), "--data-cache-path",
                 os.path.join(out, "cache")]
         shown = " ".join(["python", "pretrain_gpt.py", *argv]).replace(self.tmp, "$TMP")
-        lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f], shown, lines
+        metrics = os.path.join(out, "metrics.jsonl")
+        seen = [0]
+
+        def iterations_so_far(line: str) -> None:  # each new per-iteration record: figures kept at once
+            if "iteration" not in line or not os.path.exists(metrics):
+                return
+            records = [r for r in read_records(metrics) if "tokens_per_sec" in r]
+            if len(records) > seen[0]:
+                seen[0] = len(records)
+                self.figure(f"{label}: tokens_per_s by iteration", [r["tokens_per_sec"] for r in records])
+                if records[-1].get("max_memory_gb") is not None:
+                    self.figure(f"{label}: max_memory_bytes", records[-1]["max_memory_gb"] * 2**30)
+        lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown,
+                             on_line=iterations_so_far)
+        return read_records(metrics), shown, lines
+
+
+def read_records(path: str) -> list[dict]:
+    """pretrain_gpt.py's metrics records so far (a line it is still writing is left for later)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                break
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

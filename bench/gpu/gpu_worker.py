@@ -6,8 +6,12 @@ compilation are its own (a method's peak memory is then measured in isolation):
     python bench/gpu/gpu_worker.py stream --size full --method pipeoptim --optimizer adamw --k 1 [--compile] [--separate]
     python bench/gpu/gpu_worker.py newton_schulz --size full      # one layer's Newton-Schulz per precision (Muon)
     python bench/gpu/gpu_worker.py fused_step --size full         # one stage's step + prediction, eager and compiled
+    python bench/gpu/gpu_worker.py gpipe --size full              # ours --torch-compile in GPipe's order: peak memory
+    python bench/gpu/gpu_worker.py plain --size full --compile --gpipe   # the plain GPT compiled in the same order
+    python bench/gpu/gpu_worker.py profile --size small           # one compiled iteration, ours vs the plain GPT
 
-Progress lines go to stdout as they come; the last line is `RESULT <json>`. `SIZES` are the model and run
+Progress lines go to stdout as they come; `FIGURE <json>` lines are figures as they are measured (gpu_run.Run
+keeps them, so a worker killed half-way leaves them in the results); the last line is `RESULT <json>`. `SIZES` are the model and run
 sizes bench/gpu/gpu.py passes by name: "full" (GPT-1.3B) and "quick" (a tiny GPT that runs on a CPU).
 
 The asynchronous stream (`stream`): the single-process emulator (`AsyncEmulator`) of the D = 4 pipeline, bf16,
@@ -79,6 +83,11 @@ SIZES = {
     "full": Size(layers=24, hidden=2048, heads=16, seq=2048, micro_batch=4, global_batch=16, vocab=50257,
                  iterations=12, warmup=3, matmul_n=8192, matmul_reps=20, stream_warmup=4, stream_short=8,
                  stream_long=24, stream_ops=8, fp16_iterations=16, compile_backend="inductor"),
+    # GPT-1.3B's shape scaled down for a CPU profile with inductor (worker `profile`): what the compiled iteration
+    # runs (graphs, kernels, host syncs, copies), not how fast.
+    "small": Size(layers=2, hidden=128, heads=4, seq=128, micro_batch=2, global_batch=8, vocab=2048,
+                  iterations=5, warmup=3, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,
+                  stream_long=8, stream_ops=4, fp16_iterations=4, compile_backend="inductor"),
     # A tiny GPT: every code path runs on a CPU in seconds; its figures measure nothing.
     "quick": Size(layers=4, hidden=32, heads=2, seq=32, micro_batch=2, global_batch=4, vocab=256,
                   iterations=3, warmup=1, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,
@@ -88,6 +97,11 @@ SIZES = {
 
 def log(*args) -> None:
     print(*args, flush=True)
+
+
+def figure(**figures) -> None:
+    """Figures measured so far, for the results as they come (bench/gpu/gpu_run.py reads `FIGURE` lines)."""
+    print("FIGURE " + json.dumps(figures), flush=True)
 
 
 def device() -> torch.device:
@@ -132,10 +146,11 @@ def peak(size: Size, args) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def plain(size: Size, args) -> dict:
+def plain(size: Size, args, on_iteration=None) -> dict:
     """bench/step/overhead.py's PlainGPT as a user would train it: fp32 weights, bf16 autocast, SDPA, fused
     AdamW (foreach on a CPU), gradient accumulation over the global batch's micro-batches, clip 1.0."""
     from overhead import PlainGPT
+    baseline_rss = peak_rss_bytes()
     where = device()
     vocab = padded_vocab(size)  # the same output layer as ours
     torch.manual_seed(0)
@@ -149,7 +164,14 @@ def plain(size: Size, args) -> dict:
     tokens = [torch.randint(0, size.vocab, (size.micro_batch, size.seq + 1), device=where) for _ in range(micro)]
 
     def step():
-        for t in tokens:
+        if args.gpipe:  # GPipe's order: every micro-batch's forward (its activations held), then the backwards
+            losses = []
+            for t in tokens:
+                with torch.autocast(where.type, dtype=torch.bfloat16):
+                    losses.append(forward(t[:, :-1], t[:, 1:]))
+            for loss in losses:
+                (loss / micro).backward()
+        for t in ([] if args.gpipe else tokens):
             with torch.autocast(where.type, dtype=torch.bfloat16):
                 loss = forward(t[:, :-1], t[:, 1:])
             (loss / micro).backward()
@@ -161,17 +183,19 @@ def plain(size: Size, args) -> dict:
     for i in range(size.iterations):
         synchronize()
         t0 = time.perf_counter()
-        step()
+        step() if on_iteration is None else on_iteration(i, step)
         synchronize()
         times.append(time.perf_counter() - t0)
         log(f"  plain{' compiled' if args.compile else ''} iteration {i + 1}/{size.iterations}: "
             f"{times[-1] * 1e3:.1f} ms")
+        figure(iteration_ms=[t * 1e3 for t in times])
     ms = statistics.median(times[size.warmup:]) * 1e3
     out = {"ms_per_iteration": ms, "tokens_per_s": size.global_batch * size.seq / ms * 1e3, "parameters": params,
            "first_iteration_ms": times[0] * 1e3, "compiled": bool(args.compile),
-           "compile_backend": size.compile_backend if args.compile else None}
-    if where.type == "cuda":
-        out["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+           "compile_backend": size.compile_backend if args.compile else None, "order": "gpipe" if args.gpipe else
+           "one micro-batch's forward and backward after another"}
+    out["max_memory_bytes"] = torch.cuda.max_memory_allocated() if where.type == "cuda" else \
+        peak_rss_bytes() - baseline_rss
     return out
 
 
@@ -283,7 +307,10 @@ def stream(size: Size, args) -> dict:
         return seconds
 
     segment(size.stream_warmup, "warm-up")
-    short, long = segment(size.stream_short, "short segment"), segment(size.stream_long, "long segment")
+    short = segment(size.stream_short, "short segment")
+    figure(short_segment_s=short)
+    long = segment(size.stream_long, "long segment")
+    figure(long_segment_s=long, ms_per_microbatch=(long - short) / (size.stream_long - size.stream_short) * 1e3)
     timer.active = True
     segment(size.stream_ops, "segment timed op by op")
     timer.active = False
@@ -328,11 +355,131 @@ def fused_step(size: Size, args) -> dict:
     where, numel = device(), stage_parameters(size)
     use_compile_backend(size)
     log(f"  one stage of {numel / 1e6:.3g} M parameters: step + prediction, eager and compiled, on {where}")
-    rows = time_step_variants(where, numel=numel, bf16=True, reps=size.matmul_reps)
+    rows = []
+    for compiled in (False, True):  # eager first: its rows are kept (FIGURE) if the compiles run out of time
+        rows += time_step_variants(where, numel=numel, bf16=True, reps=size.matmul_reps, compiled=(compiled,))
+        figure(rows=rows)
     return {"parameters": numel, "rows": rows}
 
 
-WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step}
+def gpipe(size: Size, args) -> dict:
+    """Ours --torch-compile through pretrain_gpt.py's own loop (`training.run_main`, bf16, this size), every
+    iteration in GPipe's order at one stage: the executor runs the "none" schedule at PP = 1 (F0 B0 F1 B1 ...), so
+    that schedule's entry is given GPipe's ops (F0 F1 F2 F3 B0 B1 B2 B3). Peak memory over the process, ms per
+    iteration (median after the first two: the compiles)."""
+    import tempfile
+
+    from megatron_po.pipeline import executor
+    from megatron_po.pipeline.schedules import gpipe as gpipe_schedule
+    from megatron_po.training import run_main
+    baseline_rss = peak_rss_bytes()
+    micro = size.global_batch // size.micro_batch
+    executor._SCHEDULE_CACHE[("none", 1, 1, micro)] = gpipe_schedule(1, 1, micro)
+    iterations = size.warmup + 3
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        argv = size.gpt_flags() + ["--bf16", "--torch-compile", "--train-iters", str(iterations), "--log-interval",
+                                   "1", "--eval-interval", str(10 * iterations), "--eval-iters", "1",
+                                   "--metrics-file", metrics, "--data-cache-path", os.path.join(tmp, "cache")]
+        use_compile_backend(size)
+        if run_main(argv) != 0:
+            raise SystemExit("pretrain_gpt.py's loop failed")
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+    timed = sorted(size.global_batch * size.seq / r["tokens_per_sec"] * 1e3 for r in records
+                   if "tokens_per_sec" in r)[:-2] or [float("nan")]
+    out = {"ms_per_iteration": statistics.median(timed), "iterations": iterations, "order": "gpipe",
+           "schedule_ops": " ".join(type(op).__name__[0] + str(getattr(op, "microbatch", "")) for op in
+                                    executor._SCHEDULE_CACHE[("none", 1, 1, micro)].ops[0])}
+    out["max_memory_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else \
+        peak_rss_bytes() - baseline_rss
+    return out
+
+
+# What a profile counts per iteration (torch.profiler's CPU ops): the host syncs (a GPU waits idle for the host
+# while the host waits for them), the copies, and the compiled graphs' and kernels' calls.
+HOST_SYNCS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize")
+COPIES = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat")
+
+
+def trace_counts(path: str) -> dict:
+    """Counts of one profiled iteration's chrome trace: CPU ops in all, host syncs, copies, compiled-graph calls
+    (`CompiledFunction`, `Torch-Compiled Region`), device kernels (GPU), eager aten ops outside compiled graphs."""
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    names = [e.get("name", "") for e in events]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    count = {n: names.count(n) for n in (*HOST_SYNCS, *COPIES) if n in names}
+    # where they happen: the outermost enclosing op that is not an aten op (an autograd Function, a compiled graph)
+    spans = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ops if not e["name"].startswith("aten::")),
+                   key=lambda t: (t[0], -t[1]))
+    inside: dict = {}
+    for e in ops:
+        if e["name"] in HOST_SYNCS or e["name"] in COPIES:
+            outer = next((n for a, b, n in spans if a <= e["ts"] and e["ts"] + e["dur"] <= b), "top level")
+            key = f"{e['name']} in {outer.replace('autograd::engine::evaluate_function: ', '')}"
+            inside[key] = inside.get(key, 0) + 1
+    return {"cpu_ops": len(ops), "host_syncs": sum(names.count(n) for n in HOST_SYNCS),
+            "copies": sum(names.count(n) for n in COPIES), "where": dict(sorted(inside.items(), key=lambda kv: -kv[1])),
+            "compiled_graph_calls": sum(1 for n in names if n.startswith(("CompiledFunction", "Torch-Compiled Region",
+                                                                          "## Call CompiledFxGraph"))),
+            "device_kernels": sum(1 for e in events if e.get("cat") == "kernel"), "by_name": count}
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
+
+
+def profile(size: Size, args) -> dict:
+    """One iteration after the warm-up (its compiles), profiled: ours --torch-compile through pretrain_gpt.py's loop
+    (--profile), then the plain GPT compiled (bench/step/overhead.py's, in this process after ours), each with the
+    TorchDynamo counts its compile added and its trace's counts (`trace_counts`). Same model, batch and backend."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from megatron_po.training import run_main
+    use_compile_backend(size)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = dynamo_counts()
+        argv = size.gpt_flags() + ["--bf16", "--torch-compile", "--train-iters", str(size.iterations),
+                                   "--log-interval", "1", "--eval-interval", str(10 * size.iterations),
+                                   "--eval-iters", "1", "--profile", "--profile-step-start", str(size.warmup + 1),
+                                   "--profile-step-end", str(size.warmup + 2), "--tensorboard-dir", tmp,
+                                   "--data-cache-path", os.path.join(tmp, "cache")]
+        if run_main(argv) != 0:
+            raise SystemExit("pretrain_gpt.py's loop failed")
+        trace = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".pt.trace.json"))
+        after = dynamo_counts()
+        out["ours"] = {**trace_counts(trace), **{k: after[k] - before[k] for k in after}}
+        figure(ours=out["ours"])
+        args.compile, args.gpipe = True, False
+        before = dynamo_counts()
+        iterations, size_warm = size.iterations, size.warmup
+        traced = os.path.join(tmp, "plain.json")
+
+        def on_iteration(i, step):  # the plain loop's iteration after the warm-up, profiled
+            if i != size_warm:
+                return step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with torch_profile(activities=activities) as prof:
+                step()
+            prof.export_chrome_trace(traced)
+        plain(Size(**{**size.__dict__, "iterations": iterations}), args, on_iteration=on_iteration)
+        after = dynamo_counts()
+        out["plain_compiled"] = {**trace_counts(traced), **{k: after[k] - before[k] for k in after}}
+    out["size"] = {k: getattr(size, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "global_batch",
+                                                  "vocab", "compile_backend")}
+    return out
+
+
+WORKERS = {"peak": peak, "plain": plain, "stream": stream, "newton_schulz": newton_schulz, "fused_step": fused_step,
+           "gpipe": gpipe, "profile": profile}
 
 
 def main(argv=None) -> None:
@@ -341,6 +488,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", choices=list(SIZES), default="full")
     ap.add_argument("--compile", action="store_true", help="plain: torch.compile the model; stream: --torch-compile")
     ap.add_argument("--separate", action="store_true", help="stream: predict before each forward, not in the step")
+    ap.add_argument("--gpipe", action="store_true", help="plain: every forward of an iteration, then the backwards")
     ap.add_argument("--method", default="pipeoptim", help="stream: the asynchronous method")
     ap.add_argument("--optimizer", default="adamw", help="stream: the optimizer")
     ap.add_argument("--k", type=int, default=1, help="stream: the update interval")

@@ -1,6 +1,7 @@
 """Muon's step per micro-batch before and after issue 31, as ratios to AdamW's step measured in the same run.
 
     python bench/step/muon_step.py [--hidden 256 --heads 4 --layers 2 --ffn 1024 --reps 5 --tokens 8192] [--quick]
+    python bench/step/muon_step.py --newton-schulz-variants [--hidden 2048 --bf16-hidden 512] --out FILE
 
 A GPT (GELU MLP, multi-head attention: per layer a fused QKV [3h, h], the projection [h, h], the MLP's
 [ffn, h] and [h, ffn]) gets random gradients and one optimizer step, k = 1, so a step's time is its time per
@@ -18,6 +19,14 @@ micro-batch. Variants, alternating round by round in the same processes (this bo
 
 Also printed: Newton-Schulz GFLOPs per step (whole model; the largest per-rank share at DP = 2) and their
 ratio to the forward+backward FLOPs of the same matrices on `--tokens` tokens (6·params·tokens).
+
+`--newton-schulz-variants` (issue 44): faster orthogonalisations, all opt-in, against the default (5 "simple" steps,
+the standard iteration) on one GPT-1.3B layer's matrices (Q, K, V and the projection [h, h], the MLP's [4h, h] and
+[h, 4h]) whose singular values fall from 1 to 1e-3 (a momentum's spectrum), fp32: ms on this CPU, GFLOPs, the
+distance to the default's output (the "same result" check), the singular-value band (orthogonality) and the
+distance to the exact polar factor U·Vᵀ (SVD); the same in bf16 at `--bf16-hidden` (bf16 matmuls are emulated and
+slow on this CPU). Variants: the Gram iteration (`--muon-gram-newton-schulz`), fewer steps (4), and the other
+coefficient sets. `newton_schulz_variants` is what bench/gpu/gpu.py can time on a GPU.
 
 For bench/gpu/gpu.py (GPU timings; the device is where the given tensors/chunks live):
 - `layer_newton_schulz_ms(hidden, ffn, device, ...)`: Newton-Schulz of one (or `layers`) layer's four matrices
@@ -126,6 +135,114 @@ def muon_vs_adamw_step_ms(chunks, reps: int = 5, lr: float = LR, weight_decay: f
     out = {key: statistics.median(v) for key, v in times.items()}
     out["ratio"] = out["muon_ms"] / out["adamw_ms"]
     return out
+
+
+# (name, steps, coefficient type, gram): the default first, every other one opt-in
+NS_VARIANTS = [("default: simple, 5 steps", 5, "simple", False), ("Gram, simple, 5 steps", 5, "simple", True),
+               ("simple, 4 steps", 4, "simple", False), ("Gram, simple, 4 steps", 4, "simple", True),
+               ("quintic, 5 steps", 5, "quintic", False), ("Gram, quintic, 5 steps", 5, "quintic", True),
+               ("polar_express, 8 steps", 8, "polar_express", False)]
+
+
+def momentum_like(rows: int, cols: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """A rows x cols matrix with random singular vectors and singular values from 1 down to 1e-3 (log-spaced)."""
+    k = min(rows, cols)
+    u = torch.linalg.qr(torch.randn(rows, k, generator=gen, device=device)).Q
+    v = torch.linalg.qr(torch.randn(cols, k, generator=gen, device=device)).Q
+    return (u * torch.logspace(0, -3, k, device=device)) @ v.mT
+
+
+def newton_schulz_variants(hidden: int, precision: str = "highest", reps: int = 1, device="cpu",
+                           variants=NS_VARIANTS, outputs: bool = False) -> list[dict] | list[torch.Tensor]:
+    """Each variant on one layer's six matrices at `hidden` (module docstring): [{"variant", "ms", "gflops",
+    "vs_default" (relative Frobenius distance of the outputs), "band" (min, max singular value), "polar" (relative
+    distance to U·Vᵀ)}], the worst matrix for each distance. `outputs`: the first variant's outputs instead."""
+    from megatron_po.optim.newton_schulz import gram_newton_schulz_flops, newton_schulz, newton_schulz_flops
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(hidden, hidden)] * 4 + [(4 * hidden, hidden), (hidden, 4 * hidden)]
+    mats = [momentum_like(r, c, gen, device) for r, c in shapes]
+    if outputs:  # the first variant's outputs alone
+        _, steps, kind, gram = variants[0]
+        return [newton_schulz(m, steps, kind, precision, gram=gram).float() for m in mats]
+    polars = []
+    for m in mats:
+        u, _, vh = torch.linalg.svd(m, full_matrices=False)
+        polars.append(u @ vh)
+    rows, default = [], None
+    for name, steps, kind, gram in variants:
+        def run(steps=steps, kind=kind, gram=gram):
+            return [newton_schulz(m, steps, kind, precision, gram=gram).float() for m in mats]
+        ms = _median_ms(run, device, reps, warmup=0)
+        outs = run()
+        default = default or outs
+        bands = [torch.linalg.svdvals(o) for o in outs]
+        flops = sum((gram_newton_schulz_flops(r, c, steps, precision == "medium")
+                     if gram and max(r, c) >= 2 * min(r, c) else newton_schulz_flops(r, c, steps)) for r, c in shapes)
+        rows.append({"variant": name, "steps": steps, "coefficients": kind, "gram": gram, "ms": ms,
+                     "gflops": flops / 1e9,
+                     "vs_default": max(((o - d).norm() / d.norm()).item() for o, d in zip(outs, default)),
+                     "band": (min(b.min().item() for b in bands), max(b.max().item() for b in bands)),
+                     "polar": max(((o - p).norm() / p.norm()).item() for o, p in zip(outs, polars))})
+    return rows
+
+
+def variants_table(rows: list[dict], default_ms: bool = True) -> str:
+    first = rows[0]
+    return markdown_table(
+        ["variant", "GFLOP", "ms (this CPU)", "vs default ms", "distance to the default's output",
+         "singular values", "distance to U·Vᵀ"],
+        [[r["variant"], f"{r['gflops']:.1f}", f"{r['ms']:.0f}", f"{r['ms'] / first['ms']:.2f}x",
+          f"{r['vs_default']:.1e}", f"[{r['band'][0]:.3f}, {r['band'][1]:.3f}]", f"{r['polar']:.3f}"] for r in rows])
+
+
+def results_lines(title: str, argv, machine_end: str) -> Lines:
+    """A results file's opening: the title, the command, the machine, load and time."""
+    lines = Lines()
+    lines.emit(title)
+    lines.emit("")
+    lines.emit(f"Command: `{command_line('bench/step/muon_step.py', argv)}`")
+    lines.emit("")
+    lines.emit(f"{machine()}; {load_at_start()}; {now()}{machine_end}")
+    return lines
+
+
+def variants_main(a, argv) -> int:
+    started = time.perf_counter()
+    lines = results_lines("# Newton-Schulz variants for Muon, at GPT-1.3B's shapes (CPU)", argv,
+                          f"; torch threads {torch.get_num_threads()}.")
+    lines.emit("")
+    h = a.hidden
+    lines.emit(f"One layer's matrices at hidden {h}: four [{h}, {h}] (Q, K, V split, and the projection), the MLP's "
+               f"[{4 * h}, {h}] and [{h}, {4 * h}]; each with singular values log-spaced from 1 to 1e-3 and random "
+               "singular vectors. Distances are relative Frobenius norms, the largest over the six matrices; "
+               f"singular values: the smallest and largest over them. ms: median of {a.reps}, one call per matrix.")
+    lines.emit("")
+    lines.emit(f"## fp32 (`--muon-fp32-matmul-prec highest`), hidden {h}")
+    lines.emit("")
+    fp32 = newton_schulz_variants(h, "highest", a.reps)
+    lines.emit(variants_table(fp32))
+    lines.emit("")
+    hb = a.bf16_hidden
+    lines.emit(f"## bf16 (`medium`, the default precision), hidden {hb} (bf16 matmuls are emulated on this CPU: "
+               "its ms say nothing of a GPU's)")
+    lines.emit("")
+    bf16 = newton_schulz_variants(hb, "medium", 1)
+    mats_fp32 = newton_schulz_variants(hb, "highest", 1, variants=NS_VARIANTS[:1], outputs=True)
+    mats_bf16 = newton_schulz_variants(hb, "medium", 1, variants=NS_VARIANTS[:1], outputs=True)
+    bf16_moves = max(((b - f).norm() / f.norm()).item() for b, f in zip(mats_bf16, mats_fp32))
+    lines.emit(variants_table(bf16))
+    lines.emit("")
+    gram = {r["variant"]: r for r in bf16}["Gram, simple, 5 steps"]
+    fp32_gram = {r["variant"]: r for r in fp32}["Gram, simple, 5 steps"]
+    lines.emit(f"Same result, to a stated tolerance: the Gram iteration is the default's iteration in exact arithmetic. "
+               f"In fp32 its output is {fp32_gram['vs_default']:.1e} of the default's away (tolerance: 1e-3, "
+               f"fp32 rounding accumulated in the product Q); in bf16 {gram['vs_default']:.1e}, where bf16 itself "
+               f"moves the default {bf16_moves:.1e} away from the fp32 default (tolerance: no more than that); "
+               "its singular-value band and distance to U·Vᵀ are in the tables beside the default's.")
+    lines.emit("")
+    lines.emit(load_at_end(started))
+    lines.write(a.out)
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,17 +407,23 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch for the FLOP ratio")
     p.add_argument("--bucket", type=int, default=200_000, help="DDP bucket size (elements) at DP = 2")
     p.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (the CPU test)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "muon_step.md"))
+    p.add_argument("--out", default=None, help="default bench/results/muon_step.md (--newton-schulz-variants: "
+                                               "bench/results/muon_newton_schulz_variants.md)")
+    p.add_argument("--newton-schulz-variants", action="store_true",
+                   help="the faster Newton-Schulz variants against the default, at --hidden (default 2048) in fp32 "
+                        "and --bf16-hidden in bf16")
+    p.add_argument("--bf16-hidden", type=int, default=512)
     a = p.parse_args(argv)
+    if a.newton_schulz_variants:
+        a.hidden = 2048 if "--hidden" not in (argv or sys.argv) else a.hidden
+        a.reps = 1 if "--reps" not in (argv or sys.argv) else a.reps
+        a.out = a.out or os.path.join(ROOT, "bench", "results", "muon_newton_schulz_variants.md")
+        return variants_main(a, argv if argv is not None else sys.argv[1:])
+    a.out = a.out or os.path.join(ROOT, "bench", "results", "muon_step.md")
     if a.quick:
         a.hidden, a.heads, a.layers, a.ffn, a.vocab, a.reps, a.bucket = 64, 4, 1, 256, 128, 2, 10_000
     started = time.perf_counter()
-    lines = Lines()
-    lines.emit("# Muon step per micro-batch vs AdamW (CPU)")
-    lines.emit("")
-    lines.emit(f"Command: `{command_line('bench/step/muon_step.py', argv if argv is not None else sys.argv[1:])}`")
-    lines.emit("")
-    lines.emit(f"{machine()}; {load_at_start()}; {now()}.")
+    lines = results_lines("# Muon step per micro-batch vs AdamW (CPU)", argv if argv is not None else sys.argv[1:], ".")
     lines.emit(f"Model: GPT, {a.layers} layers, hidden {a.hidden}, {a.heads} heads (multi-head), MLP {a.ffn} (GELU); "
                f"one step per micro-batch (k = 1); median of {a.reps} alternating rounds, one torch thread per "
                f"process; DP = 2: two forked gloo processes, DDP bucket {a.bucket:,} elements.")

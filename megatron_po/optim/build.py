@@ -38,6 +38,7 @@ def build_optimizer(
     muon_coefficient_type: str = "simple",
     muon_split_qkv: bool = True,
     muon_tp_mode: str = "duplicated",
+    muon_gram_newton_schulz: bool = False,
     nadam_momentum_decay: float = 4e-3,
     compile_step: bool = False,
 ) -> PredictiveOptimizer:
@@ -74,7 +75,8 @@ def build_optimizer(
                              num_ns_steps=muon_num_ns_steps, scale_mode=muon_scale_mode,
                              extra_scale_factor=muon_extra_scale_factor, betas=(adam_beta1, adam_beta2),
                              eps=adam_eps, weight_decay=weight_decay, fp32_matmul_prec=muon_fp32_matmul_prec,
-                             coefficient_type=muon_coefficient_type, split_qkv=muon_split_qkv, tp_mode=muon_tp_mode)
+                             coefficient_type=muon_coefficient_type, split_qkv=muon_split_qkv, tp_mode=muon_tp_mode,
+                             gram_newton_schulz=muon_gram_newton_schulz)
         elif name == "nadamw":  # optim/nadamw.py
             optimizer = NAdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps,
                                weight_decay=weight_decay, momentum_decay=nadam_momentum_decay)

@@ -9,7 +9,8 @@ One optimizer object, two rules chosen per param group by its "use_muon" key (`m
   NewtonSchulz (optim/newton_schulz.py): `num_ns_steps` (5) quintic iterations with the coefficient set of
   `--muon-coefficient-type` (default "simple": Keller Jordan's (3.4445, -4.7750, 2.0315) every step), matmuls
   at `--muon-fp32-matmul-prec` (default "medium": bf16, as Megatron-LM; "high" TF32, "highest" fp32).
-  Same-shape matrices are orthogonalised together, one batched call per shape. The momentum is the undamped
+  Same-shape matrices are orthogonalised together, one batched call per shape. `--muon-gram-newton-schulz`
+  (opt-in) runs the same iterations through the Gram matrix on the wide matrices (the MLP's): fewer FLOPs. The momentum is the undamped
   sum B ← μB + G of the shared doc; Keller Jordan's current code keeps the EMA (1-μ)·B instead, which only
   scales U by (1-μ): the orthogonalisation removes the scale, so both give the same O up to the 1e-7 in the
   normalisation.
@@ -132,7 +133,7 @@ def muon_kwargs(training_config) -> dict:
                 muon_num_ns_steps=t.muon_num_ns_steps, muon_scale_mode=t.muon_scale_mode,
                 muon_extra_scale_factor=t.muon_extra_scale_factor, muon_fp32_matmul_prec=t.muon_fp32_matmul_prec,
                 muon_coefficient_type=t.muon_coefficient_type, muon_split_qkv=t.muon_split_qkv,
-                muon_tp_mode=t.muon_tp_mode)
+                muon_tp_mode=t.muon_tp_mode, muon_gram_newton_schulz=t.muon_gram_newton_schulz)
 
 
 class Muon(AdamW):
@@ -148,7 +149,7 @@ class Muon(AdamW):
                  num_ns_steps: int = 5, scale_mode: str = "spectral", extra_scale_factor: float = 0.2,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  fp32_matmul_prec: str = "medium", coefficient_type: str = "simple", split_qkv: bool = True,
-                 tp_mode: str = "duplicated"):
+                 tp_mode: str = "duplicated", gram_newton_schulz: bool = False):
         _check_non_negative(lr=lr, eps=eps, weight_decay=weight_decay, extra_scale_factor=extra_scale_factor)
         _check_betas(betas)
         if not 0.0 <= momentum < 1.0:
@@ -162,6 +163,7 @@ class Muon(AdamW):
             raise ValueError(f"invalid muon TP mode {tp_mode!r} (must be one of {', '.join(TP_MODES)})")
         self.fp32_matmul_prec, self.coefficient_type = fp32_matmul_prec, coefficient_type
         self.split_qkv, self.tp_mode = split_qkv, tp_mode
+        self.gram_newton_schulz = gram_newton_schulz  # opt-in (--muon-gram-newton-schulz): newton_schulz.py
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, use_muon=False,
                         momentum=momentum, nesterov=nesterov, num_ns_steps=num_ns_steps, scale_mode=scale_mode,
                         extra_scale_factor=extra_scale_factor)
@@ -435,7 +437,8 @@ class Muon(AdamW):
         for batch in batches.values():
             _, _, _, transpose, tp_group = batch[0]
             o = newton_schulz(torch.stack([u for _, u, _, _, _ in batch]), group["num_ns_steps"],
-                              self.coefficient_type, self.fp32_matmul_prec, transpose=transpose, tp_group=tp_group)
+                              self.coefficient_type, self.fp32_matmul_prec, transpose=transpose, tp_group=tp_group,
+                              gram=self.gram_newton_schulz)
             done.update((key, x.mT if flip else x) for (key, _, flip, _, _), x in zip(batch, o.unbind(0)))
         return done
 

@@ -261,8 +261,9 @@ def _scale_of_kept_grads(grad_loss, loss_weight):
     """c where `grad_loss` = c * loss_weight (to rounding): the forward's gradients then hold, scaled by c (a
     0-dim tensor); else None. One host sync."""
     grad_loss = grad_loss.float()
-    at = loss_weight.abs().argmax()
-    scale = torch.where(loss_weight[at] != 0, grad_loss[at] / loss_weight[at], 0.0)
+    at = loss_weight.abs().argmax().view(1)  # read through index_select: indexing with a tensor would sync twice more
+    weight_at, grad_at = loss_weight.index_select(0, at)[0], grad_loss.index_select(0, at)[0]
+    scale = torch.where(weight_at != 0, grad_at / weight_at, 0.0)
     expected = scale * loss_weight
     if not bool(((grad_loss - expected).abs() <= 1e-6 * expected.abs()).all()):
         return None

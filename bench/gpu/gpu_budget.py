@@ -75,6 +75,11 @@ TABLE = [
     # compiles as in compiled, the plain's as in plain. On request (--steps profile): it would displace a target's
     # section from a lease's second call
     Step("profile", "section", (150, 60), OURS + ("bench/step/overhead.py",), run="section_profile", on_request=True),
+    # * FP8 through torchao (bench/gpu/gpu_fp8.py, issue 43): ours bf16 and FP8, eager and compiled, and the plain GPT
+    # under torchao's own recipe, compiled; 540 s full, ~300 s with gpt and compiled reused; needs torchao carried
+    # in (.gpu_wheels/, docs/fp8.md)
+    Step("fp8", "section", (300, 210), OURS + ("bench/gpu/gpu_fp8.py",), ("peak", "gpt", "compiled"),
+         run="gpu_fp8:section_fp8"),
     Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset
@@ -82,11 +87,6 @@ TABLE = [
                                                         "megatron_po/**/*.py")),
     Step("cpu_compile_tests_rest", "cpu_tests", (300, 60), ("tests/test_compiled_layers.py", "megatron_po/**/*.py")),
 ]
-# The FP8 section (bench/gpu/gpu_fp8.py, issue 43; its own estimate: 540 s full, ~300 s with gpt and compiled
-# reused, 210 s quick) joins with one entry above, before targets:
-#     Step("fp8", "section", (300, 210), OURS + ("bench/gpu/gpu_fp8.py",), ("peak", "gpt", "compiled"),
-#          run="gpu_fp8:section_fp8"),
-
 BY_NAME = {step.name: step for step in TABLE}
 STEPS = [s.name for s in TABLE if s.name != "targets"]  # what --steps takes
 PLANNED = [s.name for s in TABLE if s.name != "targets" and not s.on_request]  # what a check plans by default

@@ -31,6 +31,8 @@ def _stream_ratio(sections: dict, section: str, label: str, base: str):
 
 
 PLAIN_COMPILED = "plain PyTorch, torch.compile"
+# FP8's bounds (issue 43) on the ratios bench/gpu/gpu_fp8.py computes within its own run (it reads them from here)
+FP8_BOUNDS = {"compiled_over_bf16_compiled": 1.25, "compiled_over_plain_fp8_compiled": 1.0, "loss_delta": 0.02}
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,14 @@ TARGETS = [
            lambda s: _get(s, "muon", "muon", "over_adamw")),
     Target("D = 4 eager stream, PipeOptim-Muon / PipeOptim-AdamW per micro-batch <= 1.8 (issue 31)", 1.8, False,
            ("stream",), lambda s: _stream_ratio(s, "stream", "PipeOptim (Muon)", "PipeOptim (AdamW)")),
+    Target("FP8 --torch-compile / ours bf16 --torch-compile, tokens/s >= 1.25",
+           FP8_BOUNDS["compiled_over_bf16_compiled"], True, ("fp8",),
+           lambda s: _get(s, "fp8", "ratios", "compiled_over_bf16_compiled")),
+    Target("FP8 --torch-compile / plain GPT under torchao's FP8, compiled, tokens/s >= 1.0",
+           FP8_BOUNDS["compiled_over_plain_fp8_compiled"], True, ("fp8",),
+           lambda s: _get(s, "fp8", "ratios", "compiled_over_plain_fp8_compiled")),
+    Target("FP8 last loss - bf16 last loss, |delta| <= 0.02", FP8_BOUNDS["loss_delta"], False, ("fp8",),
+           lambda s: _get(s, "fp8", "ratios", "loss_delta")),
 ]
 
 

@@ -104,8 +104,8 @@ def test_tool_prints_every_method_at_d_and_m(capsys):
     out = capsys.readouterr().out
     assert "(MEASURED)" in out
     assert any(line.startswith("interleaved ZB-H1 (v=2)") and "1.000x" in line for line in out.splitlines())
-    assert any(line.startswith("ZB-V") and "0.994x" in line for line in out.splitlines())
-    assert any(line.startswith("interleaved 1F1B (v=2)") and "0.729x" in line for line in out.splitlines())
+    assert any(line.startswith("ZB-V") and "0.995x" in line for line in out.splitlines())
+    assert any(line.startswith("interleaved 1F1B (v=2)") and "0.736x" in line for line in out.splitlines())
     k4 = [line for line in out.splitlines() if line.startswith("PipeOptim  ") and line[27:30].strip() == "4"]
     assert len(k4) == 1 and "staleness <= 2" in k4[0]
 

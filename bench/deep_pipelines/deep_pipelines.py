@@ -23,7 +23,10 @@ is a block with its own JSON, report and verdicts file, run in order; finished r
 <out>/runs/ (committed), so --resume continues on a fresh clone. The report: deep_pipelines_report.py.
 """
 
+import argparse
+import dataclasses
 import os
+import shlex
 import sys
 import time
 
@@ -32,9 +35,142 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import deep_pipelines_report as report  # noqa: E402
-from deep_pipelines_runs import (Plan, Progress, best_sync, build_parser, dump_json, plan_from_args,  # noqa: E402
-                                 plan_size, provenance_now, run_study)
+from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAX_GROWTH, MEASURED,  # noqa: E402
+                                 OPTIMIZERS, OUT, STUDY_BLOCKS, STUDY_SEEDS, STUDY_UPDATES, Progress, best_sync, cmm, cv,
+                                 dump_json, plan_size, plan_units, provenance_now, run_study, shown_path,
+                                 study_settings, study_units)
 from megatron_po.errors import ConfigError  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", action="store_true", help="issue 41's study (module docstring): Muon at M = 2, 4 and "
+                   "AdamW at M = 4, in that order, H = 512 x M; ignores --optimizers, -M, --methods, --ks")
+    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=list(OPTIMIZERS))
+    p.add_argument("--microbatches", "-M", type=int, nargs="+", default=[4], help="M per synchronous update (default 4)")
+    p.add_argument("--methods", nargs="+", default=["sync", *ASYNC], choices=["sync", *ASYNC])
+    p.add_argument("--ks", nargs="+", default=["1", "2", "M"], help="update intervals of the asynchronous units "
+                   "(integers, or M)")
+    p.add_argument("--k1-methods", nargs="+", default=None, choices=list(ASYNC),
+                   help="run k = 1 only for these asynchronous methods (default: every method at every --ks)")
+    p.add_argument("--seeds", type=int, default=None, help=f"seeds of S and of every unit within {CLOSE_NAT} nat of "
+                   f"it (default {STUDY_SEEDS}; --quick 2)")
+    p.add_argument("--far-seeds", type=int, default=None, help=f"seeds of a unit more than {CLOSE_NAT} nat behind S "
+                   f"(seed 1) (default {FAR_SEEDS}; --quick: --seeds)")
+    p.add_argument("--steps", type=int, default=None, help=f"horizon H of S in micro-batches at every M (default "
+                   f"{STUDY_UPDATES} x M: {STUDY_UPDATES} updates)")
+    p.add_argument("--hidden", type=int, default=None, help="model width (default 64; issue 41 item 4: 128, with "
+                   "the same depth and heads; part of every run's cache key)")
+    p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
+    p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
+                   help="the clock that sets every unit's budget (default: the measured H200 model)")
+    p.add_argument("--equal-samples", action="store_true",
+                   help="also run every asynchronous unit at its best lr for H micro-batches (its cosine over H): "
+                        "the equal-samples view as runs, beside the equal wall-clock budget")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
+                   "at k = M, one lr (no growth), 2 seeds")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
+    p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/runs (committed)")
+    p.add_argument("--report-only", action="store_true", help="no training: the reports from the runs <out>/runs "
+                   "holds (a partial one says so: in progress, N of K runs, verdict not yet decided)")
+    p.add_argument("--deadline", default=None, metavar="HH:MM", help="start no run after this UTC time")
+    p.add_argument("--out", default=None, help="output directory (default bench/results/deep_pipelines)")
+    p.add_argument("--name", default="deep_pipelines", help="first part of the output files' names (then D, M, "
+                   "optimizer, horizon)")
+    p.add_argument("--from-json", default=None, metavar="PATH", help="the report again from its JSON, no training")
+    return p
+
+
+def _deadline(text: str | None) -> float | None:
+    if text is None:
+        return None
+    import datetime
+    h, m = (int(x) for x in text.split(":"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    at = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    # A time up to 12 h ago has passed (no new run starts: --resume then reports what the cache holds);
+    # further back, it is tomorrow's.
+    return (at + datetime.timedelta(days=1)).timestamp() if (now - at).total_seconds() > 12 * 3600 else at.timestamp()
+
+
+@dataclasses.dataclass
+class Block:
+    """One (optimizer, M) of a command: its settings (H = s.steps), units, conditional units, output name."""
+    s: cv.Settings
+    units: list
+    conditional: list
+    name: str
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a command runs: the blocks in order, the clock, lr grids and the run's options."""
+    blocks: list
+    cm: dict
+    cost_model_path: str
+    grid: dict
+    max_growth: int
+    deadline: float | None
+    command: str
+    equal_samples: bool = False
+    close_nat: float = CLOSE_NAT
+    far_seeds: int = FAR_SEEDS
+
+
+def plan_from_args(given: list[str]) -> Plan:
+    a = build_parser().parse_args(given)
+    s = study_settings(a.quick)
+    s.seeds = a.seeds if a.seeds is not None else (s.seeds if a.quick else STUDY_SEEDS)
+    far = a.far_seeds if a.far_seeds is not None else (s.seeds if a.quick else FAR_SEEDS)
+    if s.seeds < 1 or far < 1 or far > s.seeds:
+        raise SystemExit(f"error: need 1 <= --far-seeds ({far}) <= --seeds ({s.seeds})")
+    if a.hidden is not None:
+        if a.hidden < s.num_attention_heads or a.hidden % s.num_attention_heads:
+            raise SystemExit(f"error: --hidden {a.hidden} must be a multiple of the {s.num_attention_heads} heads")
+        s.hidden_size = a.hidden
+    s.jobs, s.resume = (1, True) if a.report_only else (a.jobs, a.resume)
+    s.out = os.path.abspath(a.out or (os.path.join(OUT, ".cache", "quick") if a.quick else OUT))
+    grid = {o: list(v) for o, v in LR_GRID.items()}
+    if a.quick:
+        grid = {o: v[1:2] for o, v in grid.items()}
+    for item in a.lr_grid or []:
+        o, _, v = item.partition("=")
+        try:
+            grid[o] = [float(x) for x in v.split(",")] if o in grid else None
+        except ValueError:
+            grid[o] = None
+        if grid[o] is None:
+            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
+    defaults = build_parser().parse_args([])
+    if a.study:
+        pairs = [(o, M, *study_units(o, M)) for o, M in STUDY_BLOCKS]
+    else:
+        optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
+        methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
+        ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
+        if any(x != "M" and not x.isdigit() for x in ks):
+            raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
+        pairs = [(o, M, plan_units([o], [M], methods, ks, a.k1_methods), []) for o in optimizers for M in a.microbatches]
+    blocks = []
+    for o, M, units, cond in pairs:
+        H = a.steps if a.steps is not None else (s.steps if a.quick else STUDY_UPDATES * M)
+        bs = dataclasses.replace(s, steps=H)
+        if M < 1 or H % M or s.eval_interval % M or s.eval_batches % M or H % s.eval_interval:
+            raise SystemExit(f"error: M={M} must divide the horizon {H}, the evaluation interval {s.eval_interval} "
+                             f"and the validation batches {s.eval_batches}; the interval must divide H")
+        name = f"{a.name}_d{D}_m{M}_{o.replace('-', '_')}_h{H}" + (f"_hidden{s.hidden_size}" if a.hidden else "")
+        blocks.append(Block(bs, units, cond, name))
+    path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
+    command = "python bench/deep_pipelines/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
+    deadline = 0.0 if a.report_only else _deadline(a.deadline)
+    return Plan(blocks, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
+                {o: grid[o] for o in dict.fromkeys(u.opt for b in blocks for u in b.units)},
+                0 if a.quick else MAX_GROWTH, deadline, command, a.equal_samples, CLOSE_NAT, far)
 
 
 def run(plan: Plan, log=print) -> list[str]:

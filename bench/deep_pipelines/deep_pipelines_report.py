@@ -326,22 +326,28 @@ def _load_text(p: dict) -> str:
     return text
 
 
+def _cpu_text(data: dict) -> str:
+    cpu, n = data.get("train_cpu_seconds") or (0, 0)
+    return f", {cpu / 3600:.2f} CPU-hours over the {n} runs that record their CPU time" if n else ""
+
+
 def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | None) -> str:
     s = data["settings"]
     p = data["provenance"]
     status = in_progress(data)
     L = []
-    b0 = blocks[0] if blocks else None
-    title = (f"D = 8, M = {b0['M']}, {dp.OPT_LABELS[b0['opt']]}, H = {b0['H']} micro-batches ({b0['H'] // b0['M']} "
-             f"updates of S)" if b0 else "D = 8")
+    opt, M, H = next(((u.opt, u.M, study["horizons"][u]) for u in study["units"] if u.name == "sync"), (None,) * 3)
+    title = (f"D = 8, M = {M}, {dp.OPT_LABELS[opt]}, H = {H} micro-batches ({H // M} updates of S)" if opt else "D = 8")
     L.append(f"# Where an asynchronous pipeline earns its keep: {title}\n")
     if status:
         L.append(f"**{status.upper()}.** The tables below hold the runs finished so far; a unit's seeds, its lr and "
-                 "the study's verdict may still change as the remaining runs finish "
-                 "(`python bench/deep_pipelines/deep_pipelines.py --study --jobs 2 --resume` continues it).\n")
+                 "the study's verdict may still change as the remaining runs finish (the command that makes its runs, "
+                 "with `--resume`, continues it: for the study `python bench/deep_pipelines/deep_pipelines.py --study "
+                 "--jobs 2 --resume`).\n")
     L.append(f"Command: `{data['command']}`  \nCode: {p['machine']}; {_load_text(p)} (2 CPU cores shared with other "
              f"sessions); wall time {p['wall_minutes']:.0f} min; {data['train_seconds'] / 3600:.2f} h of single-thread "
-             f"training in the tables; {p['date']}.  \nNo GPU ran here: every GPU time is the measured H200 cost "
+             f"training in the tables (each run's wall time on the loaded machine){_cpu_text(data)}; {p['date']}.  \n"
+             "No GPU ran here: every GPU time is the measured H200 cost "
              "model's or derived from it, as labelled.\n")
     L.append("## The study (fixed before any run)\n")
     for key, d in (data.get("definition") or {}).items():

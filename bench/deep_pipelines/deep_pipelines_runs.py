@@ -170,6 +170,7 @@ def job_path(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> st
 def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dict:
     us = unit_settings(s, unit, lr, steps)
     opt = OPTIMIZERS[unit.opt][0]
+    cpu0 = time.process_time()  # (the study's cost in CPU-hours: wall seconds on the shared machine say less)
     if unit.name == "sync":
         r, per = cv.train_job(us, 0, opt, "sync", seed), unit.M
     else:
@@ -177,7 +178,8 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     # Small enough to commit: no per-micro-batch train losses, the validation curve once (5 decimals).
     curve = [(e * per, round(v, 5)) for e, v in r["val"]]
     r = {k: v for k, v in r.items() if k not in ("losses", "val", "bleu")}
-    r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps, seconds=round(r["seconds"], 1), curve=curve)
+    r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps, seconds=round(r["seconds"], 1),
+             cpu_seconds=round(time.process_time() - cpu0, 1), curve=curve)
     path = job_path(s, unit, lr, seed, steps)
     bench_common.write_json_atomic(path, r)
     return r
@@ -395,7 +397,9 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
             "seeds_rule": {"close_nat": close_nat, "seeds": s.seeds, "far_seeds": far_seeds},
             "equal_samples": {u: sorted(rs, key=lambda r: r["seed"]) for u, rs in same.items()},
             "train_seconds": sum(r["seconds"] for r in results.values()) +
-            sum(r["seconds"] for rs in same.values() for r in rs)}
+            sum(r["seconds"] for rs in same.values() for r in rs),
+            "train_cpu_seconds": [sum(r["cpu_seconds"] for r in results.values() if "cpu_seconds" in r),
+                                  sum(1 for r in results.values() if "cpu_seconds" in r)]}
 
 
 RUN_KEYS = ("seed", "lr", "curve", "seconds", "micro_batches", "copies", "steps_taken", "update_interval")
@@ -428,7 +432,8 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, co
             "units": units, "not_run": study["not_run"], "planned_runs": study.get("planned"),
             "done_runs": study.get("done"), "conditional": study.get("conditional"),
             "seeds_rule": study.get("seeds_rule"), "unigram": study["unigram"],
-            "train_seconds": study["train_seconds"], "provenance": provenance}
+            "train_seconds": study["train_seconds"], "train_cpu_seconds": study.get("train_cpu_seconds"),
+            "provenance": provenance}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -458,7 +463,8 @@ def study_from_json(data: dict) -> dict:
             same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
     return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
             "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
-            "train_seconds": data["train_seconds"], "planned": data.get("planned_runs"),
+            "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
+            "planned": data.get("planned_runs"),
             "done": data.get("done_runs"), "conditional": data.get("conditional"),
             "seeds_rule": data.get("seeds_rule")}
 

@@ -4,7 +4,8 @@ H200 clock.
 
     python bench/deep_pipelines/deep_pipelines.py --study --jobs 2 --resume        # issue 41's study (hours)
     python bench/deep_pipelines/deep_pipelines.py --study --report-only            # reports from the runs so far
-    python bench/deep_pipelines/deep_pipelines.py --study --hidden 128 --seeds 3 --far-seeds 3 ...  # item 4
+    python bench/deep_pipelines/deep_pipelines.py --optimizers muon -M <M> --methods sync <method> --ks <k> \
+        --hidden 128 --seeds 3 --far-seeds 3 --jobs 2 --resume   # issue 41 item 4: S and the best unit, wider
     python bench/deep_pipelines/deep_pipelines.py --optimizers muon -M 2 --methods sync pipeoptim --ks M --resume
     python bench/deep_pipelines/deep_pipelines.py --quick                           # smoke run (a minute)
     python bench/deep_pipelines/deep_pipelines.py --from-json bench/results/deep_pipelines/<name>.json

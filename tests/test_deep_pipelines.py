@@ -103,6 +103,7 @@ def test_quick_study_end_to_end(dp, tmp_path):
         text.index("## Result: D = 8, M = 4")
     assert "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
     assert "p2p 0.10587 ms" in text and "IN PROGRESS" not in text and "5-27" not in text
+    assert "Equal samples (`--equal-samples`" in text
     assert open(png, "rb").read(4) == b"\x89PNG"
     v = json.load(open(verdicts))["verdicts"]["D=8,M=4,adamw"]
     assert set(v["rows"]) == {"PipeOptim, k=4"} and v["status"] == "final"

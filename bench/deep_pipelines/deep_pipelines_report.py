@@ -471,6 +471,13 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                      f"micro-batches to reach it) >= {BAR}.\n")
         L.append("Derived clock: the same curves (their runs planned for the measured budget) re-priced on the "
                  "derived 8,192-token model, with S re-chosen there.\n")
+        same = [r for r in b["rows"] if r["equal_samples_run"]]
+        if same:  # --equal-samples: each unit again for H micro-batches, its cosine over H
+            L.append("Equal samples (`--equal-samples`: the unit at its best lr trained for H micro-batches, its "
+                     "cosine over H): " + "; ".join(
+                         f"{r['unit'].label} {r['equal_samples_run'][0][0]:.4f} ± {r['equal_samples_run'][0][1]:.4f} "
+                         f"({r['equal_samples_run'][0][0] - b['sync_final'][0]:+.4f} to S, n = {r['equal_samples_run'][1]})"
+                         for r in same) + ".\n")
     if png:
         L.append(f"![validation loss against the measured clock and against samples]({png})\n")
     L.append("## What did not run\n")

@@ -223,22 +223,19 @@ def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = No
     (reported as not run)."""
     jobs = sorted(jobs, key=lambda j: -j[3] * SECONDS_PER_MB["sync" if j[0].name == "sync" else "async"])
     cached = {job_path(s, *j) for j in jobs if s.resume and os.path.isfile(job_path(s, *j))}
+    if progress is not None:  # the cached runs count as done before the first trained one is logged
+        for path in sorted(cached):
+            with open(path) as f:
+                progress.add(json.load(f), False)
 
     def describe(r: dict) -> str:
         text = _describe(r)
         if progress is not None:
-            u = Unit(**r["unit"])
-            text += " | " + progress.add(r, job_path(s, u, r["lr"], r["seed"], r["micro_batches"]) not in cached)
+            text += " | " + progress.add(r, True)
         return text
-    out = bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
-                                       workers=s.jobs, resume=s.resume, describe=describe, log=log,
-                                       deadline=deadline)
-    if progress is not None:  # the cached ones (run_cached_jobs logs only the runs it trains)
-        for r in out:
-            u = Unit(**r["unit"])
-            if job_path(s, u, r["lr"], r["seed"], r["micro_batches"]) in cached:
-                progress.add(r, False)
-    return out
+    return bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+                                        workers=s.jobs, resume=s.resume, describe=describe, log=log,
+                                        deadline=deadline)
 
 
 def final_val(r: dict) -> float:

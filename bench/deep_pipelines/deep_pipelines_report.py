@@ -409,7 +409,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     for e in data["units"]:
         ran = e.get("ran") or {}
         L.append(f"| {e['label']} | {e['horizon']} | {ran.get('updates', '?')} | {ran.get('warmup_micro_batches', '?')} | "
-                 f"{e['best_lr']:g} | {len(e['runs'])} |")
+                 f"{format(e['best_lr'], 'g') if e['runs'] else '–'} | {len(e['runs'])} |")
     L.append("")
     L.append("## Clocks (per-op cost models; seconds per micro-batch from each method's own op list)\n")
     for key, cm in cms.items():
@@ -438,8 +438,9 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         grid = data["grid"][u.opt]
         edge = study["best"][u] in (grid[0], grid[-1]) and sw
         cells = ", ".join(f"{lr:g}: {v:.3f}" for lr, v in sorted(sw.items()))
-        L.append(f"| {u.label} | {study['horizons'][u]} | {cells or 'not run'} | "
-                 f"{study['best'][u]:g}{' (edge of grid)' if edge else ''} |")
+        chosen = (f"{study['best'][u]:g}{' (edge of grid)' if edge else ''}"
+                  f"{' (so far)' if len(sw) < len(grid) else ''}" if sw else "–")
+        L.append(f"| {u.label} | {study['horizons'][u]} | {cells or 'not run'} | {chosen} |")
     L.append("")
     for b in blocks:
         c = b["clocks"]["measured"]

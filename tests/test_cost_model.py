@@ -109,3 +109,39 @@ def test_shipped_cost_models_load(path):
     c = cmm.stage_costs(cm, 8, "muon", "pipeoptim")
     assert all(math.isfinite(x) and x > 0 for x in c.forward + c.step)
     assert cmm.provenance(cm) == ("derived" if "derived" in path else "measured")
+
+
+def test_p2p_message_is_priced_from_its_size():
+    # 33.6 MB (8192 tokens x hidden 2048 x bf16) at 350 GB/s one way + 10 us = 0.10587 ms
+    assert cmm.activation_bytes(8192, 2048) == 8192 * 2048 * 2
+    assert cmm.p2p_message_ms(8192 * 2048 * 2) == pytest.approx(0.01 + 33554432 / 350e9 * 1e3)
+    assert cmm.p2p_message_ms(0, latency_us=0) == 0.0
+    with pytest.raises(ConfigError, match="p2p message"):
+        cmm.p2p_message_ms(1.0, bandwidth_gb_s=0)
+
+
+@pytest.mark.parametrize("path", ["bench/results/gpu_nvidia_h200_a_cost_model.json",
+                                  "bench/results/time_to_quality/cost_model_h200_1p3b_seq8192_derived.json"])
+def test_both_h200_clocks_price_p2p_by_the_derivation(path):
+    import os
+    cm = cmm.load_cost_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path))
+    ms, text = cmm.p2p_derivation(cm["tokens_per_microbatch"], 2048)
+    assert cm["p2p_ms"] == pytest.approx(ms, abs=1e-6) and cm["p2p_ms"] > 0.1
+    assert any(text in line for line in cm.get("derivation", []) + cm["source"])
+    assert cmm.stage_costs(cm, 8, "adamw").p2p == pytest.approx(cm["p2p_ms"] / 1000)  # not scaled by D
+
+
+def test_every_send_of_the_op_lists_pays_p2p():
+    p = 0.1
+    # D = 2, M = 1: one forward and one backward message on the critical path
+    assert (cmm.sync_iteration("1f1b", 2, 1, uniform(2, p2p=p)).makespan
+            - cmm.sync_iteration("1f1b", 2, 1, uniform(2)).makespan) == pytest.approx(2 * p)
+    for name in ("1f1b", "zb-h1", "zb-v", "interleaved-zb-h1"):
+        for M in (2, 4):
+            grown = cmm.sync_iteration(name, 8, M, uniform(8, p2p=p)).makespan - \
+                cmm.sync_iteration(name, 8, M, uniform(8)).makespan
+            assert grown >= 2 * 7 * p - 1e-9  # the first forward down and the last backward up, at least
+    # the asynchronous stream: a step every k micro-batches leaves a rank waiting for a message
+    for k in (2, 4):
+        assert cmm.async_per_microbatch(8, k, uniform(8, p2p=p)).seconds_per_microbatch > \
+            cmm.async_per_microbatch(8, k, uniform(8)).seconds_per_microbatch + 0.05

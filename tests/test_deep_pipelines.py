@@ -1,6 +1,7 @@
-"""bench/deep_pipelines/deep_pipelines.py (issue 36): the equal wall-clock budget from the op-list clock, the
-common lr grid that grows for every unit, a real quick study end to end and its report's verdict rule; and
-tools/simulate_schedule.py --cost-model, the user-facing table."""
+"""bench/deep_pipelines/deep_pipelines.py (issues 36, 41): the equal wall-clock budget from the op-list clock (p2p
+priced), the study's plan fixed before its runs, the common lr grid that grows for every unit, the verdict rule
+(a) and (b) on curves with known answers, the committed run cache that --resume reuses, a real quick study end to
+end with its interim (in-progress) report; and tools/simulate_schedule.py --cost-model, the user-facing table."""
 
 import dataclasses
 import json
@@ -24,7 +25,7 @@ def dp():
     bench_common.add_repo_to_path()
     import deep_pipelines
     import deep_pipelines_runs
-    return types.SimpleNamespace(**vars(deep_pipelines_runs), run=deep_pipelines.run, main=deep_pipelines.main)
+    return types.SimpleNamespace(**{**vars(deep_pipelines_runs), **vars(deep_pipelines)})
 
 
 def test_units_and_budget(dp):
@@ -36,7 +37,7 @@ def test_units_and_budget(dp):
     only = dp.plan_units(["adamw"], [4], ["sync", "pipeoptim"], ["1", "M"], k1_methods=[])
     assert [(u.name, u.k) for u in only] == [("sync", 4), ("pipeoptim", 4)]
     cm = cmm.load_cost_model(MEASURED)
-    s = dp.study_settings()
+    s = dataclasses.replace(dp.study_settings(), steps=2048)
     name, t_sync = dp.best_sync(cm, "muon", 4)
     assert name == "interleaved-zb-h1"  # interleaving admits M = 4 < D: 0.6 % ahead of ZB-V on this clock
     for u in units:
@@ -62,13 +63,20 @@ def test_report_helpers(dp):
 def test_quick_study_end_to_end(dp, tmp_path):
     corpus = tmp_path / "corpus.jsonl.gz"
     write_corpus(corpus)
-    plan = dp.plan_from_args(["--quick", "--out", str(tmp_path / "out"), "--lr-grid", "adamw=2e-3,4e-3",
-                              "--equal-samples"])
-    plan.s = dataclasses.replace(plan.s, corpus=str(corpus), hidden_size=16, num_attention_heads=2, seq_length=16,
-                                 micro_batch=2, vocab_size=120, split="90,10,0", out=str(tmp_path / "out"))
-    plan.max_growth = 1
+    out = tmp_path / "out"
+    args = ["--quick", "--out", str(out), "--lr-grid", "adamw=2e-3,4e-3", "--equal-samples"]
+
+    def plan_of(extra=()):
+        plan = dp.plan_from_args(args + list(extra))
+        plan.blocks = [dataclasses.replace(b, s=dataclasses.replace(
+            b.s, corpus=str(corpus), hidden_size=16, num_attention_heads=2, seq_length=16, micro_batch=2,
+            vocab_size=120, split="90,10,0", out=str(out))) for b in plan.blocks]
+        plan.max_growth = 1
+        return plan
     logs = []
-    js, md, png, verdicts = dp.run(plan, log=logs.append)
+    js, md, png, verdicts = dp.run(plan_of(), log=logs.append)
+    assert os.path.basename(js) == "deep_pipelines_d8_m4_adamw_h32.json"
+    assert any("study: " in line and "ETA" in line for line in logs)  # progress: runs done / planned, ETA
     data = json.load(open(js))
     units = {(u["name"], u["k"]): u for u in data["units"]}
     assert set(units) == {("sync", 4), ("pipeoptim", 4)}
@@ -82,19 +90,115 @@ def test_quick_study_end_to_end(dp, tmp_path):
         assert [r["seed"] for r in u["runs"]] == [1, 2] and all(r["micro_batches"] == u["horizon"] for r in u["runs"])
         assert u["runs"][0]["curve"][-1][0] == u["horizon"]
     assert units[("pipeoptim", 4)]["horizon"] > units[("sync", 4)]["horizon"]  # more samples in the same time
+    # settings as they ran: the unit's own lr schedule, never the base settings' lr / warm-up
+    assert "lr" not in data["settings"] and "warmup" not in data["settings"]
+    assert units[("sync", 4)]["ran"]["updates"] == 8 and data["definition"]["adamw,M=4"]["H"] == 32
+    assert data["planned_runs"] == data["done_runs"] == len(grid) * 2 + 2
     # the equal-samples view as runs of their own: H micro-batches at the unit's best lr, every seed
     same = units[("pipeoptim", 4)]["equal_samples_runs"]
     assert [r["seed"] for r in same] == [1, 2] and {r["lr"] for r in same} == {units[("pipeoptim", 4)]["best_lr"]}
     assert all(r["micro_batches"] == units[("sync", 4)]["horizon"] == r["curve"][-1][0] for r in same)
     text = open(md).read()
-    assert text.index("## The verdict rule") < text.index("## D = 8, M = 4")
-    assert "run of H:" in text and "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
+    assert text.index("## The study (fixed before any run)") < text.index("## The verdict rule") < \
+        text.index("## Result: D = 8, M = 4")
+    assert "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
+    assert "p2p 0.10587 ms" in text and "IN PROGRESS" not in text and "5-27" not in text
+    assert "Equal samples (`--equal-samples`" in text
     assert open(png, "rb").read(4) == b"\x89PNG"
     v = json.load(open(verdicts))["verdicts"]["D=8,M=4,adamw"]
-    assert set(v["rows"]) == {"PipeOptim, k=4"}
+    assert set(v["rows"]) == {"PipeOptim, k=4"} and v["status"] == "final"
+    assert v["horizon_microbatches"] == 32 and v["horizon_updates"] == 8 and v["seeds"] == 2 == v["sync_seeds"]
+    assert v["speedup_p10"] <= v["speedup_median"] <= v["speedup_p90"] and v["rule"].startswith("(a)")
     # --from-json rebuilds the same report without training
     before = open(md).read()
     assert dp.main(["--from-json", js]) == 0 and open(md).read() == before
+    # the run cache is <out>/runs (committed for the real study); --report-only trains nothing and says what is
+    # missing: one run taken away leaves an interim report, labelled as one
+    runs = sorted((out / "runs").glob("dp-*.json"))
+    assert len(runs) == data["planned_runs"] + 2  # (+ the two equal-samples runs)
+    sync_seed2 = next(p for p in runs if json.load(open(p))["unit"]["name"] == "sync" and json.load(open(p))["seed"] == 2)
+    sync_seed2.unlink()
+    logs = []
+    js2, md2, _, verdicts2 = dp.run(plan_of(["--report-only"]), log=logs.append)
+    assert not any(line.startswith("[") for line in logs)  # no run trained
+    partial = json.load(open(js2))
+    assert partial["done_runs"] == partial["planned_runs"] - 1
+    assert f"IN PROGRESS: {partial['done_runs']} OF {partial['planned_runs']} RUNS, VERDICT NOT YET DECIDED" in open(md2).read()
+    assert json.load(open(verdicts2))["verdicts"]["D=8,M=4,adamw"]["status"].startswith("in progress")
+
+
+def test_resume_reuses_committed_runs(dp, tmp_path, monkeypatch):
+    plan = dp.plan_from_args(["--study"])
+    assert os.path.dirname(os.path.dirname(dp.job_path(plan.blocks[0].s, plan.blocks[0].units[0], 8e-3, 1, 1024))) \
+        == os.path.join(REPO, "bench", "results", "deep_pipelines")
+    import subprocess
+    ignored = subprocess.run(["git", "check-ignore", "-q", "bench/results/deep_pipelines/runs/dp-x.json"], cwd=REPO)
+    assert ignored.returncode == 1  # not git-ignored: the cache is committed
+    # a run file present at its key is read, not trained
+    s = dataclasses.replace(plan.blocks[0].s, out=str(tmp_path), resume=True, jobs=1)
+    u = plan.blocks[0].units[1]
+    fake = {"unit": dataclasses.asdict(u), "lr": 8e-3, "seed": 1, "micro_batches": 64, "seconds": 1.0,
+            "curve": [[32, 5.0], [64, 4.0]]}
+    path = dp.job_path(s, u, 8e-3, 1, 64)
+    os.makedirs(os.path.dirname(path))
+    json.dump(fake, open(path, "w"))
+    monkeypatch.setattr(sys.modules["deep_pipelines_runs"], "run_job", lambda *a: pytest.fail("trained a cached run"))
+    progress = dp.Progress(2, 128)
+    assert dp.run_jobs(s, [(u, 8e-3, 1, 64)], print, progress=progress) == [fake]
+    assert (progress.done_runs, progress.done_mb, progress.trained_mb) == (1, 64, 0)
+
+
+def test_study_plan_is_fixed(dp):
+    plan = dp.plan_from_args(["--study"])
+    assert [(b.units[0].opt, b.units[0].M, b.s.steps) for b in plan.blocks] == \
+        [("muon", 2, 1024), ("muon", 4, 2048), ("adamw", 4, 2048)]  # M = 2 Muon first; 512 updates of S each
+    m2 = plan.blocks[0]
+    assert [(u.name, u.k) for u in m2.units] == [("sync", 2), ("async-naive", 2), ("pipeoptim", 2), ("po-ef", 2),
+                                                  ("pipeoptim", 1)]
+    assert [(u.name, u.k) for u in m2.conditional] == [("async-naive", 1), ("po-ef", 1)]
+    assert [(u.name, u.k) for u in plan.blocks[2].units] == [("sync", 4), ("pipeoptim", 4), ("po-ef", 4)]
+    assert plan.blocks[2].conditional == [] and m2.s.seeds == 5 and plan.far_seeds == 1
+    assert dp.OPTIMIZERS["muon"][1] == {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True}
+    assert plan.cm["p2p_ms"] > 0  # the clock that sets every budget prices the messages
+    # the k = M/2 rule and the seeds rule, on made-up seed-1 results
+    sync, po1, naive2 = m2.units[0], m2.units[4], m2.units[1]
+    best = {u: 8e-3 for u in m2.units}
+    res = lambda u, v: {(u, 8e-3, 1): {"curve": [(16, v)], "micro_batches": 16}}  # noqa: E731
+    both = {**res(sync, 4.0), **res(po1, 4.09), **res(naive2, 4.2)}
+    assert dp.conditional_units(both, best, m2.units, m2.conditional, 0.1) is True
+    assert dp.conditional_units({**both, **res(po1, 4.11)}, best, m2.units, m2.conditional, 0.1) is False
+    assert dp.conditional_units(res(sync, 4.0), best, m2.units, m2.conditional, 0.1) is None
+    assert dp.seeds_of(po1, both, best, sync, 5, 1, 0.1) == 5 and dp.seeds_of(naive2, both, best, sync, 5, 1, 0.1) == 1
+    assert dp.seeds_of(sync, both, best, sync, 5, 1, 0.1) == 5
+    # --hidden: a wider model, another cache key
+    wide = dp.plan_from_args(["--study", "--hidden", "128"])
+    assert wide.blocks[0].s.hidden_size == 128 and wide.blocks[0].name.endswith("_hidden128")
+    assert dp.job_path(wide.blocks[0].s, sync, 8e-3, 1, 1024) != dp.job_path(m2.s, sync, 8e-3, 1, 1024)
+    with pytest.raises(SystemExit, match="--hidden 66"):
+        dp.plan_from_args(["--study", "--hidden", "66"])
+
+
+def test_rule_a_and_b_on_known_curves(dp):
+    import deep_pipelines_report as rep
+    # (a): diff against one standard error of the difference of the means
+    a = rep.rule_a([4.02, 4.04], [4.00, 4.02])  # diff 0.02, se = sqrt(2 * 0.01414^2 / 2) = 0.01414
+    assert a["diff"] == pytest.approx(0.02) and a["se"] == pytest.approx(math.sqrt(0.0002 / 2 + 0.0002 / 2))
+    assert not a["pass"] and rep.rule_a([4.01, 4.03], [4.00, 4.02])["pass"]  # diff 0.01 < se
+    one = rep.rule_a([4.05], [4.0, 4.1])  # one seed: S's sd taken for it
+    assert one["se"] == pytest.approx(math.sqrt(0.005 / 1 + 0.005 / 2))  # S's variance 0.005, n = 1 and 2
+    # (b): S's budget H x t_S = 100 x 1.0 s; a unit at t_u = 0.5 s whose curve falls linearly 5 -> 3 over
+    # 200 micro-batches reaches S's final loss 4.0 at 100 micro-batches (2.0x) and 3.5 at 150 (1.333x)
+    unit = [{"curve": [(0, 5.0), (200, 3.0)]}]
+    sync = [{"curve": [(100, 4.0)], "micro_batches": 100}, {"curve": [(100, 3.5)], "micro_batches": 100},
+            {"curve": [(100, 2.0)], "micro_batches": 100}]
+    speeds = rep.pair_speedups(unit, sync, 100.0, 0.5)
+    assert speeds == pytest.approx([2.0, 100 / 75, 0.0])  # never reaching 2.0 counts as 0
+    assert rep.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 10) == pytest.approx(2.0)
+    assert rep.percentile([0.0, 4 / 3, 2.0], 50) == pytest.approx(4 / 3)
+    st = rep.speed_stats(speeds)
+    assert st["p10"] == pytest.approx(0.2 * 4 / 3) and not st["b"]
+    assert rep.speed_stats([1.3] * 24 + [1.0])["b"]  # 10th percentile of 25 pairings: one low pairing passes
+    assert not rep.speed_stats([1.3] * 22 + [1.0] * 3)["b"]
 
 
 def test_tool_prints_every_method_at_d_and_m(capsys):
@@ -104,8 +208,8 @@ def test_tool_prints_every_method_at_d_and_m(capsys):
     out = capsys.readouterr().out
     assert "(MEASURED)" in out
     assert any(line.startswith("interleaved ZB-H1 (v=2)") and "1.000x" in line for line in out.splitlines())
-    assert any(line.startswith("ZB-V") and "0.994x" in line for line in out.splitlines())
-    assert any(line.startswith("interleaved 1F1B (v=2)") and "0.729x" in line for line in out.splitlines())
+    assert any(line.startswith("ZB-V") and "0.995x" in line for line in out.splitlines())
+    assert any(line.startswith("interleaved 1F1B (v=2)") and "0.736x" in line for line in out.splitlines())
     k4 = [line for line in out.splitlines() if line.startswith("PipeOptim  ") and line[27:30].strip() == "4"]
     assert len(k4) == 1 and "staleness <= 2" in k4[0]
 

@@ -1,6 +1,15 @@
 """The deep-pipeline study's units, budget and runs (bench/deep_pipelines/deep_pipelines.py is the command):
 the settings, each unit's horizon in the equal wall-clock budget, the lr sweep grown at its edges for every unit,
-the seeds, the JSON and the plan the command line makes."""
+the seeds and the JSON (the command line and its plan: deep_pipelines.py).
+
+The study of issue 41 (`STUDY`, fixed before any of its runs and printed in its reports): D = 8; Muon (bf16
+Newton-Schulz, Q/K/V split) at M = 2 and M = 4, AdamW at M = 4, in that order; S, the synchronous baseline,
+makes 512 updates (H = 512 x M micro-batches). Per (optimizer, M): S, and at k = M async-naive, PipeOptim and
+PipeOptim + error feedback; at k = M/2 PipeOptim, and async-naive and PipeOptim + error feedback at k = M/2
+only if PipeOptim at k = M/2 (seed 1, its best lr) ends within 0.1 nat of S (seed 1) (`conditional_units`).
+AdamW: S, PipeOptim and PipeOptim + error feedback at k = M. Seeds: 5 for S and every unit whose seed-1 loss
+is within 0.1 nat of S's; 1 for the others (`seeds_of`). The finished runs are cached as small JSON files in
+<out>/runs/ (default bench/results/deep_pipelines/runs/, COMMITTED: --resume on a fresh clone reuses them)."""
 
 import os
 import sys
@@ -9,11 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import shlex  # noqa: E402
 import time  # noqa: E402
 
 import ttq_run as tr  # noqa: E402
@@ -21,9 +28,9 @@ from megatron_po.errors import ConfigError  # noqa: E402
 from megatron_po.pipeline import cost_model as cmm  # noqa: E402
 
 cv = tr.cv
-OUT = os.path.join(cv.REPO, "bench", "results", "time_to_quality")
+OUT = os.path.join(cv.REPO, "bench", "results", "deep_pipelines")
 MEASURED = os.path.join(cv.REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
-DERIVED = os.path.join(OUT, "cost_model_h200_1p3b_seq8192_derived.json")
+DERIVED = os.path.join(cv.REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b_seq8192_derived.json")
 D = 8
 
 SYNC = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "interleaved-zb-h1")
@@ -49,6 +56,17 @@ OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)", "muon-ns
 LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3], "muon": [4e-3, 8e-3, 1.6e-2], "muon-ns3": [4e-3, 8e-3, 1.6e-2]}
 MAX_GROWTH = 2  # extensions per side at most (compute); a best lr still at an edge is flagged in the report
 
+# The study of issue 41 (module docstring), in the order it runs.
+STUDY_BLOCKS = (("muon", 2), ("muon", 4), ("adamw", 4))
+STUDY_UPDATES = 512  # S's optimizer updates at every M: H = 512 x M micro-batches
+STUDY_METHODS = {"muon": ("async-naive", "pipeoptim", "po-ef"), "adamw": ("pipeoptim", "po-ef")}  # at k = M
+CLOSE_NAT = 0.1  # a unit whose seed-1 final loss is within this of S's gets S's seeds (else FAR_SEEDS)
+STUDY_SEEDS, FAR_SEEDS = 5, 1
+# Seconds of single-thread training per micro-batch of B, for the plan's CPU-hours estimate only (the
+# committed H = 256 study, bench/results/time_to_quality/deep_pipelines_m2_muon.json: sync at M = 2 12.6-14.1 s
+# per 256, PipeOptim at D = 8 32-52 s per 544, on the loaded 2-core machine).
+SECONDS_PER_MB = {"sync": 0.055, "async": 0.085}
+
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
@@ -66,8 +84,8 @@ class Unit:
 
 
 def study_settings(quick: bool = False) -> cv.Settings:
-    """The horizon H = 512 micro-batches of B = 8 x 64 tokens (half the previous study's, to fit the shared
-    2-core machine), validation every 32 micro-batches on 16 x 8 fixed sequences."""
+    """Micro-batches of B = 8 x 64 tokens, validation every 32 micro-batches on 16 x 8 fixed sequences; the
+    horizon (`steps`) is set per M by the plan (H = STUDY_UPDATES x M; --steps: one H for every M)."""
     s = tr.study_settings(False, depths=[D], seeds=3, steps=512, warmup=16, eval_interval=32, eval_batches=16, tail=32)
     if quick:
         s = dataclasses.replace(cv.quick_settings(s), depths=[D], steps=32, warmup=1, eval_interval=16,
@@ -131,7 +149,7 @@ def horizon(s: cv.Settings, cm: dict, unit: Unit) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Runs (cached: <out>/.cache/runs/dp-<key>.json)
+# Runs (cached: <out>/runs/dp-<key>.json, committed; the data cache stays in the git-ignored <out>/.cache)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -146,19 +164,22 @@ def unit_settings(s: cv.Settings, unit: Unit, lr: float, steps: int) -> cv.Setti
 def job_path(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> str:
     us = unit_settings(s, unit, lr, steps)
     key = cv._job_key(us, ("train", D, OPTIMIZERS[unit.opt][0], f"dp-{unit.name}-m{unit.M}-k{unit.k}", seed))
-    return os.path.join(s.cache(), "runs", f"dp-{key}.json")
+    return os.path.join(s.out, "runs", f"dp-{key}.json")
 
 
 def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dict:
     us = unit_settings(s, unit, lr, steps)
     opt = OPTIMIZERS[unit.opt][0]
+    cpu0 = time.process_time()  # (the study's cost in CPU-hours: wall seconds on the shared machine say less)
     if unit.name == "sync":
         r, per = cv.train_job(us, 0, opt, "sync", seed), unit.M
     else:
         r, per = cv.train_job(us, D, opt, unit.name, seed, update_interval=unit.k), 1
-    r = {k: v for k, v in r.items() if k != "losses"}  # (the per-micro-batch train losses: not reported)
-    r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps,
-             curve=[(e * per, v) for e, v in r["val"]])
+    # Small enough to commit: no per-micro-batch train losses, the validation curve once (5 decimals).
+    curve = [(e * per, round(v, 5)) for e, v in r["val"]]
+    r = {k: v for k, v in r.items() if k not in ("losses", "val", "bleu")}
+    r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps, seconds=round(r["seconds"], 1),
+             cpu_seconds=round(time.process_time() - cpu0, 1), curve=curve)
     path = job_path(s, unit, lr, seed, steps)
     bench_common.write_json_atomic(path, r)
     return r
@@ -175,11 +196,45 @@ def _describe(r: dict) -> str:
             f"val {last:.4f} ({r['seconds']:.0f} s)")
 
 
-def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = None) -> list[dict]:
-    """Cached results of jobs (unit, lr, seed, steps) with --resume, the rest on s.jobs workers; jobs not
-    started by `deadline` (time.time()) are skipped (reported as not run)."""
+class Progress:
+    """Runs done against the plan across the whole command (every block), with an ETA from this session's pace:
+    the planned micro-batches left x the wall seconds per micro-batch trained so far (cached runs count as done,
+    not as pace)."""
+
+    def __init__(self, planned_runs: int, planned_mb: int):
+        self.planned_runs, self.planned_mb = planned_runs, planned_mb
+        self.done_runs = self.done_mb = self.trained_mb = 0
+        self.start = time.time()
+
+    def add(self, r: dict, trained: bool) -> str:
+        self.done_runs += 1
+        self.done_mb += r["micro_batches"]
+        self.trained_mb += r["micro_batches"] if trained else 0
+        left = max(0, self.planned_mb - self.done_mb)
+        eta = (time.time() - self.start) / self.trained_mb * left if self.trained_mb else math.nan
+        return (f"study: {self.done_runs}/~{self.planned_runs} runs, {self.done_mb}/~{self.planned_mb} micro-batches"
+                + (f", ETA {eta / 3600:.1f} h" if math.isfinite(eta) else ""))
+
+
+def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = None,
+             progress: Progress | None = None) -> list[dict]:
+    """Cached results of jobs (unit, lr, seed, steps) with --resume, the rest on s.jobs workers (the longest
+    first, so two workers finish a phase together); jobs not started by `deadline` (time.time()) are skipped
+    (reported as not run)."""
+    jobs = sorted(jobs, key=lambda j: -j[3] * SECONDS_PER_MB["sync" if j[0].name == "sync" else "async"])
+    cached = {job_path(s, *j) for j in jobs if s.resume and os.path.isfile(job_path(s, *j))}
+    if progress is not None:  # the cached runs count as done before the first trained one is logged
+        for path in sorted(cached):
+            with open(path) as f:
+                progress.add(json.load(f), False)
+
+    def describe(r: dict) -> str:
+        text = _describe(r)
+        if progress is not None:
+            text += " | " + progress.add(r, True)
+        return text
     return bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
-                                        workers=s.jobs, resume=s.resume, describe=_describe, log=log,
+                                        workers=s.jobs, resume=s.resume, describe=describe, log=log,
                                         deadline=deadline)
 
 
@@ -208,29 +263,82 @@ def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: lis
     return units
 
 
+def study_units(opt: str, M: int) -> tuple[list[Unit], list[Unit]]:
+    """Issue 41's units for one (optimizer, M): (always run, run only if `conditional_units` says so)."""
+    units = [Unit(opt, "sync", M, M)] + [Unit(opt, m, M, M) for m in STUDY_METHODS[opt]]
+    if opt != "muon" or M < 2:
+        return units, []
+    units.append(Unit(opt, "pipeoptim", M, M // 2))
+    return units, [Unit(opt, m, M, M // 2) for m in ("async-naive", "po-ef")]
+
+
+def conditional_units(results: dict, best: dict, units: list[Unit], conditional: list[Unit],
+                      close_nat: float) -> bool | None:
+    """Whether the other methods at k = M/2 run (the rule fixed before the runs): PipeOptim at k = M/2 (seed 1,
+    its best lr) within close_nat of S (seed 1, its best lr). None while either seed-1 result is missing."""
+    if not conditional:
+        return False
+    sync = next(u for u in units if u.name == "sync")
+    po = next(u for u in units if u.name == "pipeoptim" and u.k == conditional[0].k)
+    r_s, r_p = results.get((sync, best[sync], 1)), results.get((po, best[po], 1))
+    if r_s is None or r_p is None:
+        return None
+    return final_val(r_p) <= final_val(r_s) + close_nat
+
+
+def seeds_of(u: Unit, results: dict, best: dict, sync: Unit | None, seeds: int, far_seeds: int,
+             close_nat: float) -> int:
+    """S's seeds for S and every unit whose seed-1 final loss is within close_nat of S's; far_seeds for the
+    others (a unit that far behind fails (a) by several seed standard deviations). `seeds` while unknown."""
+    if u.name == "sync" or sync is None:
+        return seeds
+    r_s, r_u = results.get((sync, best[sync], 1)), results.get((u, best[u], 1))
+    if r_s is None or r_u is None:
+        return seeds
+    return seeds if final_val(r_u) <= final_val(r_s) + close_nat else far_seeds
+
+
+def plan_size(s: cv.Settings, cm: dict, units: list[Unit], grid_points: int) -> tuple[int, int, float]:
+    """(runs, micro-batches, single-thread CPU-hours at SECONDS_PER_MB) of a block before any run: the sweep at
+    the initial grid and S's seeds for every unit (an upper bound on the seeds; growth of the grid not counted)."""
+    runs = mb = seconds = 0
+    for u in units:
+        n, h = grid_points + s.seeds - 1, horizon(s, cm, u)
+        runs, mb = runs + n, mb + n * h
+        seconds += n * h * SECONDS_PER_MB["sync" if u.name == "sync" else "async"]
+    return runs, mb, seconds / 3600
+
+
 def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
-              deadline: float | None = None, max_growth: int = MAX_GROWTH, equal_samples: bool = False) -> dict:
+              deadline: float | None = None, max_growth: int = MAX_GROWTH, equal_samples: bool = False,
+              conditional: list[Unit] = (), close_nat: float = CLOSE_NAT, far_seeds: int | None = None,
+              progress: Progress | None = None) -> dict:
     """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
-    while any unit's best lr sits at that edge (at most MAX_GROWTH times); then seeds 2..n at each unit's
-    best lr. Returns {"units", "grid", "sweep", "best", "runs", "horizons", "not_run"}."""
+    while any unit's best lr sits at that edge (at most max_growth times; judged on units whose sweep is
+    complete); add the `conditional` units where `conditional_units` says so (they sweep the grid as grown,
+    and may grow it for every unit); then seeds 2..n at each unit's best lr (`seeds_of`). Returns {"units",
+    "grid", "sweep", "best", "runs", "horizons", "not_run", "planned", "conditional", ...}."""
+    far_seeds = s.seeds if far_seeds is None else far_seeds
     wl = cv.build_workload(s)
     wl.prepare()
+    units, conditional = list(units), list(conditional)
     for M in sorted({u.M for u in units}):
         cv.build_workload(tr.batch_settings(s, M)).prepare()
-    steps = {u: horizon(s, cm, u) for u in units}
+    steps = {u: horizon(s, cm, u) for u in units + conditional}
     grid = {o: list(v) for o, v in grid.items()}
     results: dict = {}
     grown = {o: {"low": 0, "high": 0} for o in grid}
+    decided: bool | None = None if conditional else False
     while True:
         jobs = [(u, lr, 1, steps[u]) for u in units for lr in grid[u.opt] if (u, lr, 1) not in results]
         log(f"> sweep: {len(jobs)} runs (seed 1) over {len(units)} units")
-        for r in run_jobs(s, jobs, log, deadline):
+        for r in run_jobs(s, jobs, log, deadline, progress):
             results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
         best = {u: min(grid[u.opt], key=lambda lr: (final_val(results[(u, lr, 1)])
                                                      if (u, lr, 1) in results else math.inf, lr)) for u in units}
         more = False
         for o in grid:
-            mine = [u for u in units if u.opt == o and (u, best[u], 1) in results]
+            mine = [u for u in units if u.opt == o and all((u, lr, 1) in results for lr in grid[o])]
             if any(best[u] == grid[o][0] for u in mine) and grown[o]["low"] < max_growth:
                 grid[o].insert(0, grid[o][0] / 2)
                 grown[o]["low"] += 1
@@ -239,25 +347,40 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
                 grid[o].append(grid[o][-1] * 2)
                 grown[o]["high"] += 1
                 more = True
-        if not more or (deadline is not None and time.time() > deadline):
-            break
-    jobs = [(u, best[u], sd, steps[u]) for u in units for sd in range(2, s.seeds + 1) if (u, best[u]) and
-            (u, best[u], sd) not in results]
-    log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds})")
-    for r in run_jobs(s, jobs, log, deadline):
+        if more:
+            continue
+        if decided is None:
+            decided = conditional_units(results, best, units, conditional, close_nat)
+            if decided:
+                log(f"> PipeOptim at k = {conditional[0].k} ends within {close_nat} nat of S (seed 1): adding "
+                    + ", ".join(u.label for u in conditional))
+                units += conditional
+                continue
+        break
+    sync = next((u for u in units if u.name == "sync"), None)
+    n_seeds = {u: seeds_of(u, results, best, sync, s.seeds, far_seeds, close_nat) for u in units}
+    jobs = [(u, best[u], sd, steps[u]) for u in units for sd in range(2, n_seeds[u] + 1)
+            if (u, best[u], sd) not in results]
+    log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds} where within {close_nat} nat of S, else "
+        f"{far_seeds} seed)")
+    for r in run_jobs(s, jobs, log, deadline, progress):
         results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
     sweep = {u: {lr: final_val(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
     runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
             for u in units}
     planned = {(u, lr, 1) for u in units for lr in grid[u.opt]} | {(u, best[u], sd) for u in units
-                                                                    for sd in range(2, s.seeds + 1)}
-    not_run = sorted((u.opt, u.name, u.M, u.k, lr, sd) for (u, lr, sd) in planned - set(results))
+                                                                    for sd in range(2, n_seeds[u] + 1)}
+    if decided is None:  # not yet known: the conditional units' sweep is planned (their seeds too, at most)
+        planned |= {(u, lr, 1) for u in conditional for lr in grid[u.opt]}
+        planned |= {(u, None, sd) for u in conditional for sd in range(2, s.seeds + 1)}
+    not_run = sorted(((u.opt, u.name, u.M, u.k, lr, sd) for (u, lr, sd) in planned - set(results)),
+                     key=lambda x: (x[:4], x[4] or 0, x[5]))
     # The equal-samples view as runs of their own: each asynchronous unit at its best lr stopped at H, its
     # cosine over H (not read off the longer run, whose lr is still high at H).
     same: dict = {}
     if equal_samples:
         jobs = [(u, best[u], sd, s.steps) for u in units if u.name != "sync" and steps[u] != s.steps
-                for sd in range(1, s.seeds + 1)]
+                for sd in range(1, n_seeds[u] + 1)]
         log(f"> {len(jobs)} equal-samples runs (H = {s.steps} micro-batches, the best lr)")
         for r in run_jobs(s, jobs, log, deadline):
             same.setdefault(Unit(**r["unit"]), []).append(r)
@@ -265,30 +388,64 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
                           if sd not in {r["seed"] for r in same.get(u, [])})
     return {"units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
             "horizons": steps, "not_run": not_run, "unigram": wl.unigram_baseline(),
+            "planned": len(planned), "done": len(planned & set(results)),
+            "conditional": {"units": [u.label for u in conditional],
+                            "decided": "not yet" if decided is None else ("run" if decided else "not run")},
+            "seeds_rule": {"close_nat": close_nat, "seeds": s.seeds, "far_seeds": far_seeds},
             "equal_samples": {u: sorted(rs, key=lambda r: r["seed"]) for u, rs in same.items()},
             "train_seconds": sum(r["seconds"] for r in results.values()) +
-            sum(r["seconds"] for rs in same.values() for r in rs)}
+            sum(r["seconds"] for rs in same.values() for r in rs),
+            "train_cpu_seconds": [sum(r["cpu_seconds"] for r in results.values() if "cpu_seconds" in r),
+                                  sum(1 for r in results.values() if "cpu_seconds" in r)]}
 
 
 RUN_KEYS = ("seed", "lr", "curve", "seconds", "micro_batches", "copies", "steps_taken", "update_interval")
+# Settings that vary per unit (its lr, warm-up, horizon: recorded per unit) or were never the run's.
+PER_UNIT = ("lr", "warmup", "steps")
 
 
-def dump_json(path: str, s: cv.Settings, study: dict, cm_path: str, command: str, provenance: dict) -> str:
-    """The study's runs, sweeps and settings (relative paths only): what --from-json rebuilds the report from."""
+def settings_as_run(s: cv.Settings, opt: str) -> dict:
+    """The settings every run of an optimizer's block ran with (its optimizer options applied); lr, warm-up and
+    horizon are each unit's own (dump_json records them per unit)."""
+    return {k: v for k, v in tr.settings_record(opt_settings(s, opt)).items() if k not in PER_UNIT + ("sync_ms",)}
+
+
+def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, command: str, provenance: dict) -> str:
+    """The study's runs, sweeps and settings as they ran (relative paths only): what --from-json rebuilds the
+    report from. `study["definition"]`: S, its horizon and budget and the rules, fixed before the runs."""
     units = []
     for u in study["units"]:
-        units.append({**dataclasses.asdict(u), "label": u.label, "horizon": study["horizons"][u],
+        n = study["horizons"][u]
+        units.append({**dataclasses.asdict(u), "label": u.label, "horizon": n,
+                      "ran": {"micro_batches": n, "updates": n // u.k, "warmup_micro_batches": max(1, n // 32) if
+                              u.name != "sync" else max(1, round(max(1, n // 32) / u.M)) * u.M,
+                              "lr_schedule": "linear warm-up, cosine to 0.1 x over its own run"},
                       "sweep": {str(lr): v for lr, v in study["sweep"][u].items()}, "best_lr": study["best"][u],
                       "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]],
                       "equal_samples_runs": [{k: r[k] for k in RUN_KEYS} for r in study.get("equal_samples", {}).get(u, [])]})
-    data = {"command": command, "settings": tr.settings_record(s), "cost_model": cm_path,
-            "grid": study["grid"], "grown": study["grown"], "units": units, "not_run": study["not_run"],
-            "unigram": study["unigram"], "train_seconds": study["train_seconds"], "provenance": provenance}
+    opts = sorted({u.opt for u in study["units"]})
+    data = {"command": command, "settings": settings_as_run(s, opts[0]), "cost_model": cm_path,
+            "definition": definition(s, cm, study["units"]), "grid": study["grid"], "grown": study["grown"],
+            "units": units, "not_run": study["not_run"], "planned_runs": study.get("planned"),
+            "done_runs": study.get("done"), "conditional": study.get("conditional"),
+            "seeds_rule": study.get("seeds_rule"), "unigram": study["unigram"],
+            "train_seconds": study["train_seconds"], "train_cpu_seconds": study.get("train_cpu_seconds"),
+            "provenance": provenance}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
     return path
+
+
+def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:
+    """S and the budget per (optimizer, M) on the clock that plans the runs: fixed before any run."""
+    out = {}
+    for opt, M in dict.fromkeys((u.opt, u.M) for u in units):
+        name, t = best_sync(cm, opt, M)
+        out[f"{opt},M={M}"] = {"S": name, "S_ms_per_microbatch": 1e3 * t, "H": s.steps, "updates": s.steps // M,
+                               "budget_s": s.steps * t, "p2p_ms": cm.get("p2p_ms", 0.0)}
+    return out
 
 
 def study_from_json(data: dict) -> dict:
@@ -301,82 +458,22 @@ def study_from_json(data: dict) -> dict:
         runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
         if e.get("equal_samples_runs"):
             same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
-    return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep, "best": best, "runs": runs,
-            "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
-            "train_seconds": data["train_seconds"]}
+    return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
+            "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
+            "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
+            "planned": data.get("planned_runs"),
+            "done": data.get("done_runs"), "conditional": data.get("conditional"),
+            "seeds_rule": data.get("seeds_rule")}
 
 
-def provenance_now(load0, wall: float) -> dict:
+def provenance_now(load0, wall: float, loads: list[float]) -> dict:
+    """Machine, commit (-dirty when the tree differs), the load average at start and end, and the 1-minute
+    load sampled at every finished run (min and max: measured, never a constant)."""
     import datetime
-    import subprocess
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cv.REPO, capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     return {"machine": bench_common.machine(), "load_start": list(load0), "load_end": list(os.getloadavg()),
-            "wall_minutes": wall / 60, "commit": commit,
+            "load_during": [min(loads), max(loads), len(loads)] if loads else None,
+            "wall_minutes": wall / 60, "commit": bench_common.commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=list(OPTIMIZERS))
-    p.add_argument("--microbatches", "-M", type=int, nargs="+", default=[4], help="M per synchronous update (default 4)")
-    p.add_argument("--methods", nargs="+", default=["sync", *ASYNC], choices=["sync", *ASYNC])
-    p.add_argument("--ks", nargs="+", default=["1", "2", "M"], help="update intervals of the asynchronous units "
-                   "(integers, or M)")
-    p.add_argument("--k1-methods", nargs="+", default=None, choices=list(ASYNC),
-                   help="run k = 1 only for these asynchronous methods (default: every method at every --ks)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default 3; --quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="horizon H of the synchronous run in micro-batches (512)")
-    p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
-    p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
-                   help="the clock that sets every unit's budget (default: the measured H200 model)")
-    p.add_argument("--equal-samples", action="store_true",
-                   help="also run every asynchronous unit at its best lr for H micro-batches (its cosine over H): "
-                        "the equal-samples view as runs, beside the equal wall-clock budget")
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
-                   "at k = M, one lr (no growth), 2 seeds")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
-    p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/.cache/runs")
-    p.add_argument("--deadline", default=None, metavar="HH:MM", help="start no run after this UTC time")
-    p.add_argument("--out", default=None, help="output directory (default bench/results/time_to_quality)")
-    p.add_argument("--name", default="deep_pipelines", help="base name of the output files")
-    p.add_argument("--from-json", default=None, metavar="PATH", help="the report again from its JSON, no training")
-    return p
-
-
-def _deadline(text: str | None) -> float | None:
-    if text is None:
-        return None
-    import datetime
-    h, m = (int(x) for x in text.split(":"))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    at = now.replace(hour=h, minute=m, second=0, microsecond=0)
-    # A time up to 12 h ago has passed (no new run starts: --resume then reports what the cache holds);
-    # further back, it is tomorrow's.
-    return (at + datetime.timedelta(days=1)).timestamp() if (now - at).total_seconds() > 12 * 3600 else at.timestamp()
-
-
-@dataclasses.dataclass
-class Plan:
-    """What a command runs: settings, clock, units, lr grids and the run's options."""
-    s: cv.Settings
-    cm: dict
-    cost_model_path: str
-    units: list
-    grid: dict
-    max_growth: int
-    deadline: float | None
-    command: str
-    name: str
-    equal_samples: bool = False
 
 
 def shown_path(arg: str) -> str:
@@ -385,40 +482,3 @@ def shown_path(arg: str) -> str:
     if not os.path.isabs(arg):
         return arg
     return os.path.relpath(arg, cv.REPO) if arg.startswith(cv.REPO + os.sep) else "<a path outside the checkout>"
-
-
-def plan_from_args(given: list[str]) -> Plan:
-    a = build_parser().parse_args(given)
-    s = study_settings(a.quick)
-    for name in ("seeds", "steps"):
-        if getattr(a, name) is not None:
-            setattr(s, name, getattr(a, name))
-    s.jobs, s.resume = a.jobs, a.resume
-    s.out = os.path.abspath(a.out or (OUT + "_quick" if a.quick else OUT))
-    grid = {o: list(v) for o, v in LR_GRID.items()}
-    if a.quick:
-        grid = {o: v[1:2] for o, v in grid.items()}
-    for item in a.lr_grid or []:
-        o, _, v = item.partition("=")
-        try:
-            grid[o] = [float(x) for x in v.split(",")] if o in grid else None
-        except ValueError:
-            grid[o] = None
-        if grid[o] is None:
-            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
-    defaults = build_parser().parse_args([])
-    optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
-    methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
-    ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
-    if any(x != "M" and not x.isdigit() for x in ks):
-        raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
-    bad = [M for M in a.microbatches if M < 1 or s.steps % M or s.eval_interval % M or s.eval_batches % M]
-    if bad:
-        raise SystemExit(f"error: M={bad[0]} must divide the horizon {s.steps}, the evaluation interval "
-                         f"{s.eval_interval} and the validation batches {s.eval_batches}")
-    path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
-    command = "python bench/deep_pipelines/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
-    return Plan(s, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
-                plan_units(optimizers, a.microbatches, methods, ks, a.k1_methods),
-                {o: grid[o] for o in optimizers}, 0 if a.quick else MAX_GROWTH, _deadline(a.deadline), command, a.name,
-                a.equal_samples)

@@ -302,7 +302,6 @@ def h200_1p3b(results_json: str | None = None) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 HIDDEN, SEQ_MEASURED, SEQ_LONG = 2048, 2048, 8192
-NVLINK_GB_S = 350.0  # effective one-way p2p bandwidth between two H200s of one node (NVLink 4: 450 GB/s nominal)
 
 
 def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
@@ -329,8 +328,7 @@ def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
     b1 = b_dense + b_attn1
     w1 = b_dense / 2
     bi1 = b1 - w1
-    msg_mb = s1 * h * 2 / 1e6  # one bf16 activation (or gradient) of a micro-batch
-    p2p = msg_mb / 1e3 / NVLINK_GB_S * 1e3  # ms
+    p2p, p2p_text = _cm.p2p_derivation(s1, h)  # one bf16 activation (or gradient) of a micro-batch
     step_ms = {o: v * f0 for o, v in r["step"].items()}
     policy = {meth: {**{k: e[k] * f0 for k in KINDS if k in e}, "stages": e.get("stages", "stale")}
               for meth, e in r.get("policy", {}).items()}
@@ -352,9 +350,7 @@ def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
         "Optimizer steps and PipeOptim's restore and prediction: per parameter, the same milliseconds as measured "
         "(the same parameters per stage); as ratios to the longer forward they shrink by " + fmt(1 / fwd_factor) + ". "
         "The steps are the EAGER steps measured (the compiled step was not measured on the H200: docs/gpu.md).",
-        f"p2p: one bf16 activation of {s1} x {h} = {msg_mb:.1f} MB per message at an assumed {NVLINK_GB_S:.0f} GB/s "
-        f"one way (NVLink 4 between two H200s of a node, 450 GB/s nominal) = {p2p:.3f} ms (not measured; the "
-        "measured model has no p2p figure: free there).",
+        p2p_text + " (the measured model prices the same message the same way).",
     ]
     cm = cost_model_from_measurements(
         name="h200_1p3b_seq8192_derived", device=m["device"] + "; DERIVED, not measured at this shape",

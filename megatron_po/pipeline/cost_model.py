@@ -10,8 +10,9 @@ forward of one micro-batch:
 - `ratios.policy`: {asynchronous method: its weight policy's extra work per op kind ("Forward",
   "Backward", "Step": PipeOptim's restore and prediction, PipeDream's version swap, ...), on the
   "stale" stages (all but the last) or "all"}; async-naive has none;
-- optional `p2p_ms` (one activation or gradient message between neighbouring stages; absent: free) and
-  `provenance` ("measured" or "derived": how the figures were obtained, printed with every clock);
+- optional `p2p_ms` (one activation or gradient message between neighbouring stages; absent: free; the H200
+  models price it with `p2p_message_ms`, derivation below) and `provenance` ("measured" or "derived": how the
+  figures were obtained, printed with every clock);
 - `variants`: named replacements of step / policy entries; `source`: one note per figure.
 
 `stage_costs(cm, D, optimizer, method)` gives one method's per-op durations at D stages;
@@ -173,6 +174,50 @@ def load_cost_model(path: str, variant: str | None = None) -> dict:
 def provenance(cm: dict) -> str:
     """"measured" or "derived" (a model without the field was measured: the field came with derived ones)."""
     return cm.get("provenance", "measured")
+
+
+# --------------------------------------------------------------------------------------------------
+# Messages between neighbouring stages (issue 41: the clocks priced p2p at 0 ms)
+# --------------------------------------------------------------------------------------------------
+
+# NOT MEASURED (no multi-GPU p2p measurement exists in this project: the H200 runs were one GPU): a stated,
+# derived figure for two H200s of one HGX node. NVLink 4 gives 18 links x 25 GB/s = 450 GB/s one way (900 GB/s
+# bidirectional, the H200 datasheet); nccl-tests reach 460-480 GB/s "busbw" for all-reduce on 8 x H100 SXM
+# NVLink-4 (reported reference numbers), but one send/recv pair drives one peer's links without NVLS, so we take
+# 350 GB/s one way (78 % of nominal). Latency: NCCL's per-message cost on NVLink (kernel launch, protocol
+# handshake) is of the order of 10 us for small messages in nccl-tests' sendrecv; taken as 10 us, added once
+# per message. A message is one micro-batch's activation (forward) or its gradient (backward) at a stage
+# boundary: tokens x hidden x 2 bytes (bf16), independent of D (the same model over more stages sends the same
+# tensor). Each op list's sends pay it as their arrival delay (simulator.simulate: a send never blocks the rank,
+# the receiver waits for it): synchronous flushes and the asynchronous stream alike.
+H200_NVLINK_P2P_GB_S = 350.0
+H200_NCCL_P2P_LATENCY_US = 10.0
+
+
+def activation_bytes(tokens: int, hidden: int, bytes_per_element: int = 2) -> int:
+    """One micro-batch's activation (or its gradient) at a stage boundary: B x seq tokens x hidden elements."""
+    return tokens * hidden * bytes_per_element
+
+
+def p2p_message_ms(message_bytes: float, bandwidth_gb_s: float = H200_NVLINK_P2P_GB_S,
+                   latency_us: float = H200_NCCL_P2P_LATENCY_US) -> float:
+    """Milliseconds of one point-to-point message: latency + bytes / bandwidth (GB = 1e9 bytes)."""
+    if message_bytes < 0 or bandwidth_gb_s <= 0 or latency_us < 0:
+        raise ConfigError(f"p2p message: bytes {message_bytes}, bandwidth {bandwidth_gb_s} GB/s and latency "
+                          f"{latency_us} us must be >= 0 (bandwidth > 0)")
+    return latency_us / 1e3 + message_bytes / (bandwidth_gb_s * 1e9) * 1e3
+
+
+def p2p_derivation(tokens: int, hidden: int, bandwidth_gb_s: float = H200_NVLINK_P2P_GB_S,
+                   latency_us: float = H200_NCCL_P2P_LATENCY_US) -> tuple[float, str]:
+    """(p2p_ms, the sentence a cost model's JSON records for it) for a bf16 activation of tokens x hidden."""
+    nbytes = activation_bytes(tokens, hidden)
+    ms = p2p_message_ms(nbytes, bandwidth_gb_s, latency_us)
+    return ms, (f"p2p (DERIVED, not measured; megatron_po/pipeline/cost_model.py): one bf16 activation or gradient "
+                f"of {tokens} tokens x hidden {hidden} = {nbytes / 1e6:.1f} MB per message, at {bandwidth_gb_s:g} GB/s "
+                f"one way (NVLink 4 between two H200s of one node: 450 GB/s nominal, 78 % taken) + "
+                f"{latency_us:g} us NCCL latency = {ms:.4f} ms; every send of an op list pays it (forward and "
+                "backward at each stage boundary)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ RESULTS = os.path.join(REPO, "bench", "results")
 # folders, so a script imports any other bench module by its flat name once `add_repo_to_path` has put every
 # family on sys.path, ahead of bench/ itself (a folder shares its name with its entry point:
 # bench/schedules/schedules.py).
-FAMILIES = ("convergence", "time_to_quality", "deep_pipelines", "schedules", "step", "gpu", "memory", "micro")
+FAMILIES = ("convergence", "time_to_quality", "deep_pipelines", "schedules", "step", "gpu", "gpu_check", "memory",
+            "micro")
 
 
 def offline_env() -> None:

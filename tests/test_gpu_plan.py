@@ -1,6 +1,6 @@
 """What a GPU check runs first, what it reuses and what it keeps (issue 44), on a CPU:
 
-- the plan (bench/gpu/gpu_plan.py) on a synthetic results tree: the CUDA suite first, then the sections never
+- the plan (bench/gpu_check/gpu_plan.py) on a synthetic results tree: the CUDA suite first, then the sections never
   measured, then those whose code hash changed, then the unchanged ones; `--budget-s` keeps what fits, each step
   costed at its last measured seconds where a run measured it (else its estimate), a section with the baselines it
   brings, a baseline this machine measured at this code at no cost; `--plan` prints it on a CPU;
@@ -157,7 +157,7 @@ def test_code_hash_is_git_blob_ids_of_the_step_files(tmp_path):
 
 
 def test_plan_prints_on_a_cpu():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu", "gpu_check.py"), "--plan",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check", "gpu_check.py"), "--plan",
                            "--budget-s", "540"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]

@@ -7,7 +7,7 @@ same figures beside it (device name slugged: gpu_nvidia_h200.md; gpu_cpu.md with
     python bench/gpu/gpu.py --only stream --stream-methods async-naive:adamw pipeoptim:adamw   # some methods
     python bench/gpu/gpu.py --budget-s 500           # start no section that cannot finish in 500 s; stop at 500 s
 
-Sections run in the order below, which is their priority (bench/gpu/gpu_check.py splits them over two device calls),
+Sections run in the order below, which is their priority (bench/gpu_check/gpu_check.py splits them over two device calls),
 except that `gpt` runs before `plain` and `compiled`, whose ratios read it.
 
 Sections (names for --only / --skip), each measured in fresh processes (pretrain_gpt.py, bench/gpu/gpu_worker.py),
@@ -44,16 +44,16 @@ each with its exact command in the results:
   profile one compiled iteration after the warm-up, ours and the plain GPT, under torch.profiler: TorchDynamo
           graphs, compiled-graph calls, device kernels, host syncs, copies and where they happen (on request in
           the check: --steps profile; `--size small` runs it on a CPU at GPT-1.3B's shape scaled down)
-  targets the GPU targets (bench/gpu/gpu_targets.py), read from the sections above: met or not
+  targets the GPU targets (bench/gpu_check/gpu_targets.py), read from the sections above: met or not
 
-Sections run in the order --only gives (bench/gpu/gpu_check.py puts baselines first), `targets` last. With
---state-dir (the check's, bench/gpu/gpu_state.py: this GPU since this boot), a baseline (peak, gpt, plain) that an
+Sections run in the order --only gives (bench/gpu_check/gpu_check.py puts baselines first), `targets` last. With
+--state-dir (the check's, bench/gpu_check/gpu_state.py: this GPU since this boot), a baseline (peak, gpt, plain) that an
 earlier call measured on this machine at the same code is taken from there instead of measured again, and every
 figure read against it says so. Figures are kept as they are measured: the results are rewritten after each one
 (atomically), so a section killed half-way leaves its partial figures (`partial` in the JSON).
 
 Adding a measured section: a function `def section_<name>(run: Run) -> Section` (measure through `run.worker`
-or `run.pretrain`, read earlier sections' figures from `run.done`) and one entry in bench/gpu/gpu_budget.py's
+or `run.pretrain`, read earlier sections' figures from `run.done`) and one entry in bench/gpu_check/gpu_budget.py's
 TABLE (its function, estimated seconds, the files it measures, its baselines). Ours with other flags, for one:
 
     def section_gpt_compiled(run: Run) -> Section:
@@ -299,7 +299,7 @@ def section_fp16(run: Run) -> Section:
         markdown_table(["iteration", "step", "loss scale", "lr", "lm loss", "consumed samples"], rows)])
 
 
-SECTIONS = {step.name: step for step in gpu_budget.TABLE if step.kind == "section"}  # bench/gpu/gpu_budget.py
+SECTIONS = {step.name: step for step in gpu_budget.TABLE if step.kind == "section"}  # bench/gpu_check/gpu_budget.py
 
 
 def section_function(name: str):
@@ -314,7 +314,7 @@ STREAM_SECTION_METHODS = {"stream": STREAM_METHODS, "stream_compiled": STREAM_CO
 
 
 def section_seconds(name: str, run: Run) -> float:
-    """The estimated seconds of section `name` in this run (bench/gpu/gpu_budget.py's, for its size, the methods
+    """The estimated seconds of section `name` in this run (bench/gpu_check/gpu_budget.py's, for its size, the methods
     --stream-methods leaves it, and whether gpt ran)."""
     seconds = run.estimates.get(name) or gpu_budget.seconds(name, quick=run.size_name == "quick")
     if name == "muon" and "gpt" not in run.done:
@@ -375,7 +375,7 @@ def status_lines(statuses: dict, run: Run, budget_s: float | None) -> list[str]:
              st.get("note", "")] for name, st in statuses.items()]
     lines = ["## Sections: status and time", "",
              f"Time budget (--budget-s): {'none' if budget_s is None else f'{budget_s:.0f} s'}; estimated seconds from "
-             "bench/gpu/gpu_budget.py.", "",
+             "bench/gpu_check/gpu_budget.py.", "",
              markdown_table(["section", "status", "seconds", "estimated", "note"], rows), ""]
     left = [name for name, st in statuses.items() if st["status"] in ("skipped", "cut off") and name != "targets"
             and not st.get("note", "").startswith("none of --stream-methods")]
@@ -447,7 +447,7 @@ WRITE_RESERVE_S = 2.0
 
 
 class Terminated(BaseException):
-    """SIGTERM (a caller's time limit, bench/gpu/gpu_check.py's): stop measuring, write what was measured. Not an
+    """SIGTERM (a caller's time limit, bench/gpu_check/gpu_check.py's): stop measuring, write what was measured. Not an
     Exception, so that no section's own error handling takes it for a failed measurement."""
 
 
@@ -543,14 +543,14 @@ def main(argv=None) -> int:
                                   "bench/results/gpu_<device>[_quick].md")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds for the whole run: a section whose estimate (bench/gpu/gpu_budget.py) exceeds "
+                    help="seconds for the whole run: a section whose estimate (bench/gpu_check/gpu_budget.py) exceeds "
                          "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
                          "and the results are written before the end (default: no budget)")
     ap.add_argument("--seconds", nargs="+", default=[], metavar="SECTION=S",
                     help="the seconds to expect of these sections (the check's plan: their last measured), instead "
-                         "of bench/gpu/gpu_budget.py's estimates")
+                         "of bench/gpu_check/gpu_budget.py's estimates")
     ap.add_argument("--state-dir", default=None,
-                    help="this machine's state (bench/gpu/gpu_state.py): baselines measured there at this code are "
+                    help="this machine's state (bench/gpu_check/gpu_state.py): baselines measured there at this code are "
                          "reused, what this run measures is recorded there")
     ap.add_argument("--call", default="", help="this call's label in the state (the check's: call1, call2, ...)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",

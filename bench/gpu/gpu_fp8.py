@@ -40,7 +40,7 @@ from gpu_run import Run, Section, measure_ours, num, pct  # noqa: E402
 from gpu_targets import FP8_BOUNDS  # noqa: E402
 
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
-TARGETS = FP8_BOUNDS  # bench/gpu/gpu_targets.py: the check's closing screen reads the same bounds
+TARGETS = FP8_BOUNDS  # bench/gpu_check/gpu_targets.py: the check's closing screen reads the same bounds
 ESTIMATED_SECONDS = {"full": 540, "quick": 210}  # full: a guess (no GPU lent); ~300 with gpt and compiled reused.
 # quick: 3.4 min measured on a loaded 2-core CPU (bench/results/gpu_fp8_cpu_quick.md); --eager-only about 70 s
 

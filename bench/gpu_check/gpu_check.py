@@ -7,11 +7,11 @@ measured yet first, inside a time budget. `bash scripts/gpu_check.sh` runs it (d
     bash scripts/gpu_check.sh --steps cuda_tests muon   # only these steps (and the baselines they read)
     bash scripts/gpu_check.sh --quick                   # one test of each suite and a tiny GPT: runs on a CPU
 
-The plan (bench/gpu/gpu_plan.py): the CUDA suite first, then the sections no committed result measured, then those
-whose code (the files of their entry in bench/gpu/gpu_budget.py) changed since their last measurement, then the
+The plan (bench/gpu_check/gpu_plan.py): the CUDA suite first, then the sections no committed result measured, then those
+whose code (the files of their entry in bench/gpu_check/gpu_budget.py) changed since their last measurement, then the
 rest; each chosen when its last measured seconds (else its estimate) fit in the time left. A section brings the
 baselines it is read against, unless an earlier call on this machine measured them at the same code
-(bench/gpu/gpu_state.py: same GPU UUID and boot id; they are reused, and their ratios say "same machine").
+(bench/gpu_check/gpu_state.py: same GPU UUID and boot id; they are reused, and their ratios say "same machine").
 
   cuda_tests         bash scripts/run_gpu_tests.sh: the suite's "cuda" tests (timed with the sections: it uses the GPU)
   peak ... gpipe     bench/gpu/gpu.py's sections, all in one gpu.py process in the plan's order, `targets` after them
@@ -553,7 +553,7 @@ def main(argv=None) -> int:
     out_dir = os.path.abspath(args.out_dir or os.environ.get("OUT") or os.path.join(RESULTS, "gpu_check"))
     os.makedirs(out_dir, exist_ok=True)
     via = os.environ.get("GPU_CHECK_VIA")  # scripts/gpu_check.sh says it started us
-    command = portable(" ".join([via and f"bash {via}" or "python bench/gpu/gpu_check.py",
+    command = portable(" ".join([via and f"bash {via}" or "python bench/gpu_check/gpu_check.py",
                                  *(shlex.quote(a) for a in argv)]))
     check = Check(args, command, out_dir, label, state_dir, plan, hashes)
     log(f"[gpu_check] {label} on {check.device['name']}, torch {check.device['torch']}: "

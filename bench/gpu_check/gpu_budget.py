@@ -1,8 +1,8 @@
 """Every step a GPU check can run, in one table: what it is, what it costs, which files it measures, and what it
 is read against. Adding a section is one entry here and its function (`run`, in bench/gpu/gpu.py or a module of
-bench/gpu of its own); bench/gpu/gpu_plan.py orders the steps, bench/gpu/gpu_check.py runs them.
+bench/gpu of its own); bench/gpu_check/gpu_plan.py orders the steps, bench/gpu_check/gpu_check.py runs them.
 
-Torch-free (bench/gpu/gpu_check.py and gpu_plan.py read it before anything imports torch; bench/gpu/gpu.py too).
+Torch-free (bench/gpu_check/gpu_check.py and gpu_plan.py read it before anything imports torch; bench/gpu/gpu.py too).
 
 Estimated seconds are for one H100 or H200, from the leases (docs/gpu.md): one H200 on 2026-11-26 (peak 5 s,
 gpt 25 s, plain 85 s of which its compile 51 s, compiled 162 s, muon 70 s, the eager stream 27 s a method, the
@@ -47,7 +47,7 @@ class Step:
 
 # In the order of priority (issue 34): the CUDA suite, then the sections (gpt before plain and compiled, whose
 # ratios read it), `targets` (reads the others, measures nothing), then the compile tests on the device's torch,
-# which run beside the timed steps from the start (bench/gpu/gpu_check.py).
+# which run beside the timed steps from the start (bench/gpu_check/gpu_check.py).
 TABLE = [
     Step("cuda_tests", "tests", (140, 40), ("tests/test_cuda_*.py", "tests/cuda_harness.py", "scripts/run_gpu_tests.sh",
                                             "pretrain_gpt.py", "megatron_po/**/*.py")),

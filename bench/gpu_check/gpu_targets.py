@@ -1,5 +1,5 @@
 """The GPU targets (issue 44; issues 30, 31 and 34 before it), read from gpu.py's figures: one table that gpu.py's
-section `targets` and the check's closing screen (bench/gpu/gpu_check.py) both use. Torch-free.
+section `targets` and the check's closing screen (bench/gpu_check/gpu_check.py) both use. Torch-free.
 
 Each target is a ratio of two figures of the same run, or of this run and a baseline measured on the same machine
 by an earlier call (gpu_state.py: the figures then say `reused`); `value(sections)` takes the JSON's

@@ -10,7 +10,7 @@ one rebooted, has another key and measures its own. Torch-free.
   section of gpu_budget.REUSABLE as gpu.py measured it; gpu.py takes it instead of measuring again when the code
   hash is the same, and every ratio read against it says "same machine" (not "same run").
 - `measured.json`: {step: {"code_hash", "seconds", "status", "call", "started"}}: what earlier calls on this machine
-  ran to the end (bench/gpu/gpu_plan.py counts them as the newest measurements).
+  ran to the end (bench/gpu_check/gpu_plan.py counts them as the newest measurements).
 - `calls`: one line per call (its label), so each call's files get their own names (`call1`, `call2`, ...).
 
 `GPU_CHECK_GPU_UUID` and `GPU_CHECK_BOOT_ID` override the two halves of the key (tests fake machines with them),

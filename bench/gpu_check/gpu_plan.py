@@ -1,13 +1,13 @@
 """What a GPU check runs first (issue 44): the step no run has measured yet before the one whose code changed since
 it was measured, before the rest, inside a time budget. Torch-free, and runs on a CPU:
 
-    python bench/gpu/gpu_check.py --plan --budget-s 540    # the order, why, and what fits (a dry run)
+    python bench/gpu_check/gpu_check.py --plan --budget-s 540    # the order, why, and what fits (a dry run)
 
 The inputs:
 - the committed results: every gpu.py results file (`"schema": "megatron_po bench/gpu/gpu.py 1"`) and check summary
   (`"megatron_po bench/gpu/gpu_check.py 1"`) under bench/results, full size only. A section counts as measured
   where its status was done (a test step: passed or failed, i.e. ran to its end); cut off and skipped do not;
-- what earlier calls on this machine measured (bench/gpu/gpu_state.py's `measured.json`: the same GPU and
+- what earlier calls on this machine measured (bench/gpu_check/gpu_state.py's `measured.json`: the same GPU and
   boot), which count as the newest measurements;
 - each step's code hash (`code_hash`): the git blob ids of the files its table entry names (gpu_budget.Step.files),
   hashed together. Results store the hash they were measured at (`code_hashes`); for older results without one

@@ -351,13 +351,7 @@ def check_page(page: str, text: str | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-# Pages another branch is rewriting when this test came in; each must comply once merged (strict: an XPASS fails,
-# so the entry is removed as soon as the page passes). Keep this empty otherwise.
-PENDING: dict[str, str] = {}
-
-
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PENDING[rel(p)]))
-                                  if rel(p) in PENDING else p for p in pages()], ids=rel)
+@pytest.mark.parametrize("page", pages(), ids=rel)
 def test_quoted_figures_are_in_their_results_files(page):
     problems = check_page(page)
     assert not problems, ("figures quoted from results files that the files do not hold (quote them exactly as "

@@ -178,6 +178,16 @@ def test_study_plan_is_fixed(dp):
         dp.plan_from_args(["--study", "--hidden", "66"])
 
 
+@pytest.mark.parametrize("bad", ["25:00", "abc", "9:5", "12:60"])
+def test_bad_deadline_is_one_line(dp, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        dp.plan_from_args(["--study", "--deadline", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"argument --deadline: expected a UTC time HH:MM, got {bad!r}") and "Traceback" not in err
+    assert dp.plan_from_args(["--study", "--deadline", "09:05"]).deadline is not None
+
+
 def test_rule_a_and_b_on_known_curves(dp):
     import deep_pipelines_report as rep
     # (a): diff against one standard error of the difference of the means

@@ -79,12 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="reuse finished runs from <out>/runs (committed)")
     p.add_argument("--report-only", action="store_true", help="no training: the reports from the runs <out>/runs "
                    "holds (a partial one says so: in progress, N of K runs, verdict not yet decided)")
-    p.add_argument("--deadline", default=None, metavar="HH:MM", help="start no run after this UTC time")
+    p.add_argument("--deadline", default=None, metavar="HH:MM", type=_hhmm, help="start no run after this UTC time")
     p.add_argument("--out", default=None, help="output directory (default bench/results/deep_pipelines)")
     p.add_argument("--name", default="deep_pipelines", help="first part of the output files' names (then D, M, "
                    "optimizer, horizon)")
     p.add_argument("--from-json", default=None, metavar="PATH", help="the report again from its JSON, no training")
     return p
+
+
+def _hhmm(text: str) -> str:
+    """--deadline's check at parse time: bad input is one argparse error line, not a traceback mid-plan."""
+    h, _, m = text.partition(":")
+    if not (h.isdigit() and m.isdigit() and len(m) == 2 and int(h) < 24 and int(m) < 60):
+        raise argparse.ArgumentTypeError(f"expected a UTC time HH:MM, got {text!r}")
+    return text
 
 
 def _deadline(text: str | None) -> float | None:

@@ -179,7 +179,8 @@ def verdict_text(row: dict, key: str = "measured") -> str:
     if not row["a"]:
         why.append(f"(a) {row['rule_a']['diff']:+.3f} nat > 1 SE ({row['rule_a']['se']:.3f})")
     if not c["b"]:
-        why.append(f"(b) 10th percentile {fmt_x(c['p10'])} < {BAR}x")
+        why.append(f"(b) 10th percentile {fmt_x(c['p10'])} < {BAR}x" if c["p10"] else
+                   "(b) at the 10th percentile the unit never reaches S's final loss")
     return "does not meet: " + ", ".join(why)
 
 
@@ -275,7 +276,7 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status
     for b in blocks:
         key = f"D={dp.D},M={b['M']},{b['opt']}"
         label = lambda r: f"{dp.LABELS[r['unit'].name]}, k={r['unit'].k}"  # noqa: E731
-        rows = {label(r): ("not yet decided" if status else verdict_text(r)) + f" ({r['n_seeds']} seeds)"
+        rows = {label(r): ("not yet decided" if status else verdict_text(r)) + f" ({r['n_seeds']} seed{'s' if r['n_seeds'] != 1 else ''})"
                 for r in b["rows"]}
         met = [label(r) for r in b["rows"] if r["a"] and r["clocks"]["measured"]["b"]]
         top = headline(b)

@@ -403,6 +403,22 @@ def garble(path):
         f.write(b"\0" * 64)
 
 
+def garble_a_tensor(end: bool):
+    """Zeros over 32 bytes of the first tensor entry stored in __1_0.distcp: its start (the zip header: torch.load
+    reads the bytes as a bare pickle, whose opcode 0 its weights-only unpickler refuses) or its end (the zip's
+    central directory: torch.load's RuntimeError)."""
+    def damage(d, file="__1_0.distcp"):
+        from megatron_po.distributed.checkpoint_trust import load_metadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        md = load_metadata(os.path.join(d, ".metadata"))
+        info = min((info for index, info in md.storage_data.items() if info.relative_path == file
+                    and isinstance(md.state_dict_metadata[index.fqn], TensorStorageMetadata)), key=lambda i: i.offset)
+        with open(os.path.join(d, file), "r+b") as f:
+            f.seek(info.offset + info.length - 32 if end else info.offset)
+            f.write(b"\0" * 32)
+    return damage
+
+
 BAD_LOADS = {
     # case: (world, flags, damage, words the error line must hold)
     "missing-path": (1, {"--pipeline-model-parallel-size": 1}, "nowhere", ["no such directory", "nowhere"]),
@@ -418,7 +434,13 @@ BAD_LOADS = {
     "garbled-shard": (2, {}, lambda d: garble(os.path.join(d, "__1_0.distcp")), ["__1_0.distcp", "corrupt", "SHA-256"]),
     # ... and without the check only the ranks that read it notice; DCP shares the failure.
     "garbled-shard-unverified": (2, {"--no-verify-checkpoint": True}, lambda d: garble(os.path.join(d, "__1_0.distcp")),
-                                 ["cannot read the checkpoint"]),
+                                 ["cannot read the checkpoint", "__1_0.distcp: entry '", "' is corrupt"]),
+    # ... a tensor entry's too (its zip header garbled: torch.load's error, named by file and entry).
+    "garbled-tensor-start-unverified": (2, {"--no-verify-checkpoint": True}, garble_a_tensor(end=False),
+                                        ["__1_0.distcp: entry 'model.", "' refused: ", "opcode 0 (corrupt bytes"]),
+    "garbled-tensor-end-unverified": (2, {"--no-verify-checkpoint": True}, garble_a_tensor(end=True),
+                                      ["cannot read the checkpoint", "__1_0.distcp: entry 'model.",
+                                       "' is corrupt (RuntimeError: "]),
     "other-optimizer": (2, {"--optimizer": "sgd"}, None, ["SGD", "--no-load-optim"]),
 }
 

@@ -17,7 +17,8 @@ here, by an unpickler that admits a fixed list of globals, or not at all:
   tensors (the RNG states), NumPy arrays (NumPy's RNG state).
 
 A refused global fails the load with one line naming the file and the entry (`UntrustedCheckpoint`), the same
-for a tensor entry and any other, before anything is loaded into the model; nothing of the pickle has run.
+for a tensor entry and any other, before anything is loaded into the model; nothing of the pickle has run. A
+garbled entry (a load that skipped the checksums) is named the same way, as corrupt (`UserError`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,16 @@ def trusted_reader(path: str, metadata=None):
                 entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
                 file = os.path.join(str(self.path), sinfo.relative_path) if sinfo is not None else str(self.path)
                 raise refused_by_weights_only(file, entries[0] if entries else "?", e) from None
+            except (UserError, AssertionError):  # a non-tensor entry's own line; DCP's size check (planned)
+                raise
+            except Exception as e:  # garbled bytes (a load that skipped the checksums): name the entry too
+                sinfo = getattr(self, "reading", None)
+                if sinfo is None:
+                    raise
+                entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
+                file = os.path.join(str(self.path), sinfo.relative_path)
+                raise UserError(f"{file}: entry '{entries[0] if entries else '?'}' is corrupt "
+                                f"({type(e).__name__}: {_first_line(e)})") from None
 
     return TrustedReader(path)
 
@@ -224,6 +235,9 @@ def _weights_only_reason(e: Exception) -> str:
     found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
     if found:
         return f"the global {found.group(1)}"
+    found = re.search(r"Unsupported operand (\S+)", text)
+    if found:  # garbled bytes read as a pickle look the same as a hostile opcode: either way, not loaded
+        return f"opcode {found.group(1)} (corrupt bytes, or a pickle that is not data)"
     found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
     return found.group(1).strip() if found else _first_line(e)
 

@@ -104,6 +104,10 @@ def test_quick_study_end_to_end(dp, tmp_path):
     assert "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
     assert "p2p 0.10587 ms" in text and "IN PROGRESS" not in text and "5-27" not in text
     assert "Equal samples (`--equal-samples`" in text
+    # the load the runs met: each run's own record (not the command's, which trains nothing with --report-only)
+    lo, hi, n, total = data["run_loads"]
+    assert n == total == data["done_runs"] and 0 <= lo <= hi
+    assert f"the runs: 1-minute load at the end of each, {lo:.1f}-{hi:.1f} ({n} of the {n} runs record it)" in text
     assert open(png, "rb").read(4) == b"\x89PNG"
     v = json.load(open(verdicts))["verdicts"]["D=8,M=4,adamw"]
     assert set(v["rows"]) == {"PipeOptim, k=4"} and v["status"] == "final"
@@ -124,6 +128,8 @@ def test_quick_study_end_to_end(dp, tmp_path):
     partial = json.load(open(js2))
     assert partial["done_runs"] == partial["planned_runs"] - 1
     assert f"IN PROGRESS: {partial['done_runs']} OF {partial['planned_runs']} RUNS, VERDICT NOT YET DECIDED" in open(md2).read()
+    assert "--report-only` (no training: the report from the committed runs)" in open(md2).read()
+    assert partial["run_loads"][2] == partial["done_runs"] and "wall_minutes" in partial["provenance"]
     assert json.load(open(verdicts2))["verdicts"]["D=8,M=4,adamw"]["status"].startswith("in progress")
 
 

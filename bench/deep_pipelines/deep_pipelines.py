@@ -196,23 +196,17 @@ def run(plan: Plan, log=print) -> list[str]:
             f"(p2p {plan.cm.get('p2p_ms', 0.0):g} ms); H = {b.s.steps} micro-batches ({b.s.steps // u.M} updates); "
             f"budget {b.s.steps * t:.3f} s")
     progress = Progress(sum(x[0] for x in sizes), sum(x[1] for x in sizes))
-    loads: list[float] = []
-
-    def logged(text: str) -> None:
-        loads.append(os.getloadavg()[0])
-        log(text)
     paths = []
     for b in plan.blocks:
         load0, t0 = os.getloadavg(), time.perf_counter()
-        loads.clear()
-        study = run_study(b.s, plan.cm, b.units, {o: plan.grid[o] for o in {u.opt for u in b.units}}, logged,
+        study = run_study(b.s, plan.cm, b.units, {o: plan.grid[o] for o in {u.opt for u in b.units}}, log,
                           plan.deadline, plan.max_growth, plan.equal_samples, b.conditional, plan.close_nat,
                           plan.far_seeds, progress)
         if not any(study["runs"].values()):
             log(f"> {b.name}: no finished run yet, no report")
             continue
         path = dump_json(os.path.join(b.s.out, b.name + ".json"), b.s, study, plan.cm, plan.cost_model_path,
-                         plan.command, provenance_now(load0, time.perf_counter() - t0, loads))
+                         plan.command, provenance_now(load0, time.perf_counter() - t0))
         paths.append(path)
         try:  # a report bug must not stop the study: the JSON holds everything (--from-json redoes it)
             paths += report.regenerate(path)

@@ -318,12 +318,17 @@ def not_run_bounds(study: dict, cm: dict) -> str:
             f"{BAR}x a unit needs {BAR} / bound x S's sample efficiency to meet (b)): " + "; ".join(items) + ".\n")
 
 
-def _load_text(p: dict) -> str:
-    text = (f"load average at start {' '.join(f'{x:.2f}' for x in p['load_start'])}, at end "
+def _load_text(data: dict) -> str:
+    """This command's load (start, end) and the load the runs met (each run records the 1-minute load at its
+    end: measured, in whichever session ran it; runs cached before that record existed are counted as not)."""
+    p = data["provenance"]
+    text = (f"this command: load average at start {' '.join(f'{x:.2f}' for x in p['load_start'])}, at end "
             f"{' '.join(f'{x:.2f}' for x in p['load_end'])}")
-    if p.get("load_during"):
-        lo, hi, n = p["load_during"]
-        text += f", 1-minute load during the runs {lo:.1f}-{hi:.1f} ({n} samples, one per progress line)"
+    lo, hi, n, total = data.get("run_loads") or (None, None, 0, 0)
+    if n:
+        text += f"; the runs: 1-minute load at the end of each, {lo:.1f}-{hi:.1f} ({n} of the {total} runs record it)"
+    elif total:
+        text += f"; the runs' load not recorded (none of the {total} runs records it)"
     return text
 
 
@@ -345,7 +350,10 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                  "the study's verdict may still change as the remaining runs finish (the command that makes its runs, "
                  "with `--resume`, continues it: for the study `python bench/deep_pipelines/deep_pipelines.py --study "
                  "--jobs 2 --resume`).\n")
-    L.append(f"Command: `{data['command']}`  \nCode: {p['machine']}; {_load_text(p)} (2 CPU cores shared with other "
+    regenerated = "--report-only" in data["command"].split()
+    L.append(f"Command: `{data['command']}`" + (" (no training: the report from the committed runs)" if regenerated
+                                                else "") +
+             f"  \nCode: {p['machine']}; {_load_text(data)} (2 CPU cores shared with other "
              f"sessions); wall time {p['wall_minutes']:.0f} min; {data['train_seconds'] / 3600:.2f} h of single-thread "
              f"training in the tables (each run's wall time on the loaded machine){_cpu_text(data)}; {p['date']}.  \n"
              "No GPU ran here: every GPU time is the measured H200 cost "

@@ -179,7 +179,8 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     curve = [(e * per, round(v, 5)) for e, v in r["val"]]
     r = {k: v for k, v in r.items() if k not in ("losses", "val", "bleu")}
     r.update(unit=dataclasses.asdict(unit), lr=lr, micro_batches=steps, seconds=round(r["seconds"], 1),
-             cpu_seconds=round(time.process_time() - cpu0, 1), curve=curve)
+             cpu_seconds=round(time.process_time() - cpu0, 1), curve=curve,
+             load_1min=round(os.getloadavg()[0], 2))  # the machine's load as it ran: its seconds' context
     path = job_path(s, unit, lr, seed, steps)
     bench_common.write_json_atomic(path, r)
     return r
@@ -396,7 +397,15 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
             "train_seconds": sum(r["seconds"] for r in results.values()) +
             sum(r["seconds"] for rs in same.values() for r in rs),
             "train_cpu_seconds": [sum(r["cpu_seconds"] for r in results.values() if "cpu_seconds" in r),
-                                  sum(1 for r in results.values() if "cpu_seconds" in r)]}
+                                  sum(1 for r in results.values() if "cpu_seconds" in r)],
+            "run_loads": run_loads(list(results.values()))}
+
+
+def run_loads(runs: list[dict]) -> list | None:
+    """[min, max, runs that record it, runs] of the 1-minute load at the end of each run (`load_1min`): the load
+    the block's runs met, in whichever session ran them (a --report-only command trains nothing)."""
+    loads = [r["load_1min"] for r in runs if "load_1min" in r]
+    return [min(loads), max(loads), len(loads), len(runs)] if loads else [None, None, 0, len(runs)]
 
 
 RUN_KEYS = ("seed", "lr", "curve", "seconds", "micro_batches", "copies", "steps_taken", "update_interval")
@@ -430,7 +439,7 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, co
             "done_runs": study.get("done"), "conditional": study.get("conditional"),
             "seeds_rule": study.get("seeds_rule"), "unigram": study["unigram"],
             "train_seconds": study["train_seconds"], "train_cpu_seconds": study.get("train_cpu_seconds"),
-            "provenance": provenance}
+            "run_loads": study.get("run_loads"), "provenance": provenance}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -461,17 +470,16 @@ def study_from_json(data: dict) -> dict:
     return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
             "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
-            "planned": data.get("planned_runs"),
+            "run_loads": data.get("run_loads"), "planned": data.get("planned_runs"),
             "done": data.get("done_runs"), "conditional": data.get("conditional"),
             "seeds_rule": data.get("seeds_rule")}
 
 
-def provenance_now(load0, wall: float, loads: list[float]) -> dict:
-    """Machine, commit (-dirty when the tree differs), the load average at start and end, and the 1-minute
-    load sampled at every finished run (min and max: measured, never a constant)."""
+def provenance_now(load0, wall: float) -> dict:
+    """Machine, commit (-dirty when the tree differs), this command's load average at start and end and its wall
+    time (the load the runs met is each run's own record: `run_loads`)."""
     import datetime
     return {"machine": bench_common.machine(), "load_start": list(load0), "load_end": list(os.getloadavg()),
-            "load_during": [min(loads), max(loads), len(loads)] if loads else None,
             "wall_minutes": wall / 60, "commit": bench_common.commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 

@@ -83,9 +83,16 @@ def test_advisor_prints_the_verdict_with_horizon_seeds_and_range(tmp_path):
                                            "speedup_p90": None}}}}}
     out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
     row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
-    assert "MEETS the target (5 seeds); speed-up median 1.412x, 10-90 % 1.261-1.550x" in row
+    assert "MEETS the target (5 seeds); speed-up median 1.412x, 10-90 % 1.261x-1.550x" in row  # rounded down
     naive = next(line for line in out.splitlines() if line.startswith("async-naive ") and line.split()[1] == "4")
     assert "does not meet: (b) (1 seeds); range not computed" in naive
+    # a 10th percentile that never reaches S's loss reads "never"; one seed is "1 seed"
+    new["verdicts"]["D=8,M=4,muon"]["rows"]["async-naive, k=4"] = "does not meet: (b)"
+    new["verdicts"]["D=8,M=4,muon"]["row_stats"]["async-naive, k=4"] = {"seeds": 1, "speedup_median": 1.0169,
+                                                                          "speedup_p10": 0.0, "speedup_p90": 1.0889}
+    out = _table(tmp_path, "--verdicts", _write(tmp_path, "never_verdicts.json", new))
+    naive = next(line for line in out.splitlines() if line.startswith("async-naive ") and line.split()[1] == "4")
+    assert naive.endswith("does not meet: (b); 1 seed; speed-up median 1.016x, 10-90 % never-1.088x")
     study = out.splitlines()[-1]
     assert study.startswith("study (bench/results/deep_pipelines/x.md): met by PipeOptim, k=4; horizon 512 updates")
     assert "(2048 micro-batches)" in study and "5 seeds of the synchronous run" in study
@@ -96,7 +103,7 @@ def test_advisor_prints_the_verdict_with_horizon_seeds_and_range(tmp_path):
         "verdict": "not yet decided", "seeds": 2, "speedup_median": 1.3, "speedup_p10": 1.1, "speedup_p90": 1.5}
     out = _table(tmp_path, "--verdicts", _write(tmp_path, "new_verdicts.json", new))
     row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
-    assert row.endswith("not yet decided; 2 seeds; speed-up median 1.300x, 10-90 % 1.100-1.500x")
+    assert row.endswith("not yet decided; 2 seeds; speed-up median 1.300x, 10-90 % 1.100x-1.500x")
     assert "status: in progress (3 of 12 units)" in out.splitlines()[-1]
 
 

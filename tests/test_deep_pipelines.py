@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 
 import pytest
@@ -116,6 +117,14 @@ def test_quick_study_end_to_end(dp, tmp_path):
     # --from-json rebuilds the same report without training
     before = open(md).read()
     assert dp.main(["--from-json", js]) == 0 and open(md).read() == before
+    # a --hidden run (its files named _hidden<N>) keys its verdicts apart: the advisor keeps the study's
+    wide = js[:-len(".json")] + f"_hidden{data['settings']['hidden_size']}.json"
+    shutil.copy(js, wide)
+    assert dp.main(["--from-json", wide]) == 0
+    wide_v = json.load(open(wide[:-len(".json")] + "_verdicts.json"))["verdicts"]
+    assert list(wide_v) == [f"D=8,M=4,adamw,hidden={data['settings']['hidden_size']}"]
+    for p in (out.glob("*_hidden*")):
+        p.unlink()
     # the run cache is <out>/runs (committed for the real study); --report-only trains nothing and says what is
     # missing: one run taken away leaves an interim report, labelled as one
     runs = sorted((out / "runs").glob("dp-*.json"))

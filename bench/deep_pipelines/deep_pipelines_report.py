@@ -251,7 +251,9 @@ def regenerate(json_path: str) -> list[str]:
     md = base + ".md"
     with open(md, "w") as f:
         f.write(markdown(data, study, blocks, cms, os.path.basename(png) if png else None))
-    verdicts = write_verdicts(blocks, cms, base + "_verdicts.json", rel(md), in_progress(data))
+    hidden = data["settings"].get("hidden_size")
+    verdicts = write_verdicts(blocks, cms, base + "_verdicts.json", rel(md), in_progress(data),
+                              hidden if base.endswith(f"_hidden{hidden}") else None)  # --hidden names the files
     return [p for p in (md, png, verdicts) if p]
 
 
@@ -267,14 +269,18 @@ def headline(b: dict) -> dict | None:
     return max(pool, key=lambda r: r["clocks"]["measured"]["p10"]) if pool else None
 
 
-def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status: str | None = None) -> str | None:
+def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status: str | None = None,
+                   hidden: int | None = None) -> str | None:
     """The study's verdict per (D, M, optimizer) on the measured clock, for tools/simulate_schedule.py: the
     original keys (cost_model, source, rows, summary) and the horizon, seeds, range and rule of the row the
-    summary names (`unit`), each row's figures in `row_stats`, and `status` (final, or in progress)."""
+    summary names (`unit`), each row's figures in `row_stats`, and `status` (final, or in progress). A run at
+    `--hidden N` (issue 41 item 4) keys its verdicts ",hidden=N": the advisor's D = 8 verdict stays the
+    study's, whichever file sorts first."""
+    wide = f",hidden={hidden}" if hidden else ""
     out = {"note": "written by bench/deep_pipelines/deep_pipelines_report.py; read by tools/simulate_schedule.py "
                    "--cost-model", "verdicts": {}}
     for b in blocks:
-        key = f"D={dp.D},M={b['M']},{b['opt']}"
+        key = f"D={dp.D},M={b['M']},{b['opt']}{wide}"
         label = lambda r: f"{dp.LABELS[r['unit'].name]}, k={r['unit'].k}"  # noqa: E731
         rows = {label(r): ("not yet decided" if status else verdict_text(r)) + f" ({r['n_seeds']} seed{'s' if r['n_seeds'] != 1 else ''})"
                 for r in b["rows"]}

@@ -363,7 +363,7 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
     jobs = [(u, best[u], sd, steps[u]) for u in units for sd in range(2, n_seeds[u] + 1)
             if (u, best[u], sd) not in results]
     log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds} where within {close_nat} nat of S, else "
-        f"{far_seeds} seed)")
+        f"{far_seeds} seed{'s' if far_seeds != 1 else ''})")
     for r in run_jobs(s, jobs, log, deadline, progress):
         results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
     sweep = {u: {lr: final_val(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}

@@ -36,7 +36,6 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
-import math
 import os
 
 from megatron_po.errors import ConfigError, UserError
@@ -178,17 +177,11 @@ def _row_verdict(verdicts: dict, key: str) -> str | None:
     seeds = stats.get("seeds")
     parts = [text] + ([f"{seeds} seed{'s' if seeds != 1 else ''}"] if seeds and " seed" not in text else [])
     if all(stats.get(f) is not None for f in ("speedup_median", "speedup_p10", "speedup_p90")):
-        parts.append(f"speed-up median {_speedup(stats['speedup_median'])}, 10-90 % {_speedup(stats['speedup_p10'])}-"
-                     f"{_speedup(stats['speedup_p90'])}")
+        parts.append(f"speed-up median {cmm.format_speedup(stats['speedup_median'])}, 10-90 % {cmm.format_speedup(stats['speedup_p10'])}-"
+                     f"{cmm.format_speedup(stats['speedup_p90'])}")
     else:
         parts.append("range not computed")
     return "; ".join(p for p in parts if p)
-
-
-def _speedup(x: float) -> str:
-    """As the study's report prints it (deep_pipelines_report.fmt_x): rounded down, so a figure under the bar never
-    prints at it and the two agree digit for digit; 0 (a pairing that never reaches S's loss) as "never"."""
-    return "never" if x == 0 else f"{math.floor(x * 1000) / 1000:.3f}x"
 
 
 def _study_line(verdicts: dict, default_source) -> str:

@@ -113,10 +113,7 @@ def fmt_range(st: dict) -> str:
 def fmt_x(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "–"
-    if x == 0:
-        return "never"
-    text = f"{math.floor(x * 1000) / 1000:.3f}"  # rounded down: a value under the bar never prints at it
-    return text + "x"
+    return cmm.format_speedup(x)  # rounded down, "never" for 0: the advisor prints the verdicts file the same
 
 
 def clock_rows(cm: dict, opt: str, M: int, units: list) -> dict:

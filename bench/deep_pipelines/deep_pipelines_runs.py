@@ -401,7 +401,7 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
             "run_loads": run_loads(list(results.values()))}
 
 
-def run_loads(runs: list[dict]) -> list | None:
+def run_loads(runs: list[dict]) -> list:
     """[min, max, runs that record it, runs] of the 1-minute load at the end of each run (`load_1min`): the load
     the block's runs met, in whichever session ran them (a --report-only command trains nothing)."""
     loads = [r["load_1min"] for r in runs if "load_1min" in r]

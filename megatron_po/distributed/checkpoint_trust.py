@@ -164,23 +164,27 @@ def trusted_reader(path: str, metadata=None):
             self.reading = sinfo  # FileSystemReader slices each entry's bytes just before it reads them
             return super()._slice_file(file, sinfo)
 
+        def _entry_being_read(self) -> tuple[str, str] | None:
+            """(file, entry) of the entry `_slice_file` last handed to torch.load, or None before any."""
+            sinfo = getattr(self, "reading", None)
+            if sinfo is None:
+                return None
+            entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
+            return os.path.join(str(self.path), sinfo.relative_path), entries[0] if entries else "?"
+
         def read_data(self, plan, planner):
             try:
                 return super().read_data(plan, planner)
             except pickle.UnpicklingError as e:  # a tensor's torch.load(weights_only=True): non-tensor
-                sinfo = getattr(self, "reading", None)  # entries raise UntrustedCheckpoint themselves
-                entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
-                file = os.path.join(str(self.path), sinfo.relative_path) if sinfo is not None else str(self.path)
-                raise refused_by_weights_only(file, entries[0] if entries else "?", e) from None
+                where = self._entry_being_read() or (str(self.path), "?")  # entries raise UntrustedCheckpoint
+                raise refused_by_weights_only(*where, e) from None
             except (UserError, AssertionError):  # a non-tensor entry's own line; DCP's size check (planned)
                 raise
             except Exception as e:  # garbled bytes (a load that skipped the checksums): name the entry too
-                sinfo = getattr(self, "reading", None)
-                if sinfo is None:
+                where = self._entry_being_read()
+                if where is None:
                     raise
-                entries = [index.fqn for index, info in self.storage_data.items() if info is sinfo]
-                file = os.path.join(str(self.path), sinfo.relative_path)
-                raise UserError(f"{file}: entry '{entries[0] if entries else '?'}' is corrupt "
+                raise UserError(f"{where[0]}: entry '{where[1]}' is corrupt "
                                 f"({type(e).__name__}: {_first_line(e)})") from None
 
     return TrustedReader(path)

@@ -176,6 +176,12 @@ def provenance(cm: dict) -> str:
     return cm.get("provenance", "measured")
 
 
+def format_speedup(x: float) -> str:
+    """A study's speed-up as its report and the advisor print it: rounded down to 3 decimals, so a value under
+    the bar never prints at it; 0 (a pairing that never reaches the target loss) as "never"."""
+    return "never" if x == 0 else f"{math.floor(x * 1000) / 1000:.3f}x"
+
+
 # --------------------------------------------------------------------------------------------------
 # Messages between neighbouring stages (issue 41: the clocks priced p2p at 0 ms)
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ Layout differences handled here:
 - GPT-2 uses Conv1D modules whose weights are stored transposed ([in, out]) relative to nn.Linear.
 - RoPE: ours is the rotate-half (GPT-NeoX) convention, which is what HF's Llama implements, so q/k rows
   need no permutation (the permutation in HF's own converter undoes Meta's interleaved convention).
+- RoPE scaling: --rotary-seq-len-interpolation-factor is HF's "linear" rope type, --use-rope-scaling (Llama
+  3.1's frequencies) its "llama3" type with Megatron's fixed constants (_LLAMA3_CONSTANTS); one config holds
+  one type, so the two together are refused, and an import with other llama3 constants too.
 - Biases: GPT-2 always has them (a model trained with --no-add-bias-linear exports zeros, which computes
   the same function); Llama's `attention_bias`/`mlp_bias` follow --add-bias-linear.
 - Tied or untied output layer: `tie_word_embeddings`.

@@ -72,10 +72,10 @@ def _gather_counts(counts: torch.Tensor, group, n: int) -> torch.Tensor:
     if n == 1:
         return counts[None]
     sent = counts.to(torch.uint8) if counts.dtype == torch.bool else counts.contiguous()  # gloo has no bool
-    out = sent.new_empty((n,) + tuple(counts.shape))
+    out = sent.new_empty((n * sent.shape[0],) + tuple(sent.shape[1:]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10
     gather(out, sent, group=group)
-    return out.to(counts.dtype)
+    return out.view((n,) + tuple(counts.shape)).to(counts.dtype)
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor):

@@ -56,6 +56,7 @@ def grouped_mm_error(device_type: str, dtype: torch.dtype, dims: tuple[int, ...]
 def _mark(p: nn.Parameter, etp: int, partition_dim: int) -> nn.Parameter:
     p.expert_parallel = True
     p.allreduce = False  # Megatron's mark of expert parameters
+    p.expert_tp_dim = partition_dim if etp > 1 else -1  # the dim split over the expert TP ranks (dim 0: experts)
     p.sequence_parallel = False
     sharded = etp > 1 and etp == ps.get_tensor_model_parallel_world_size()
     p.tensor_model_parallel, p.partition_dim, p.partition_stride = sharded, partition_dim if sharded else -1, 1

@@ -90,7 +90,7 @@ def full_grad(p: torch.Tensor) -> torch.Tensor:
 def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: str = "1f1b", num_chunks: int = 1,
                     sequence_parallel: bool = False):
     """This rank's part of the global batch (M micro-batches per DP rank) through the synchronous executor and
-    DDP: (mean loss on the loss rank or None, {global name: full grad}, {layer: record})."""
+    DDP: (mean loss on the loss rank or None, {global name: full grad}, {layer: record}, grad norms)."""
     torch.set_num_threads(1)
     ps.initialize_expert_parallel(ep, etp)
     model_parallel_seed(SEED)
@@ -110,7 +110,23 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         loss = loss / dp
     grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
-    return (loss.item() if loss is not None else None), grads, take_records(chunks)
+    return (loss.item() if loss is not None else None), grads, take_records(chunks), grad_norms(ddp.params)
+
+
+def grad_norms(params) -> tuple[float, float]:
+    """The global gradient norm as synchronous training takes it (clip_grads) and as the mixed-precision
+    optimizer does (its found-inf agreement included)."""
+    from megatron_po.optim import build_optimizer
+    from megatron_po.optim.clip_grads import global_grad_norm
+    from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer
+    experts = ps.get_expert_tensor_model_pipeline_parallel_group()
+    plain = global_grad_norm(params, ps.get_model_parallel_group(), experts)
+    wrapped = MixedPrecisionOptimizer(lambda groups: build_optimizer("sgd", groups, lr=0.1), params,
+                                      model_parallel_group=ps.get_model_parallel_group(), expert_group=experts)
+    for p in params:  # the wrapper reads the DDP buffer (`main_grad`)
+        assert p.main_grad is p.grad
+    wrapped._main_grads()  # what its step does first
+    return plain, wrapped.grad_norm()
 
 
 def check_equal(results, ref, rtol=1e-5, atol=1e-6):
@@ -121,14 +137,18 @@ def check_equal(results, ref, rtol=1e-5, atol=1e-6):
     assert losses
     for loss in losses:
         assert abs(loss - ref_loss) < rtol * max(1.0, abs(ref_loss)), (loss, ref_loss)
+    ref_norm = torch.stack([g.double().square().sum() for g in ref_grads.values()]).sum().sqrt().item()
+    for *_, norms in results:  # every expert counted once, on every rank
+        for norm in norms:
+            assert abs(norm - ref_norm) < rtol * ref_norm, (norms, ref_norm)
     merged = {}
-    for _, grads, _ in results:
+    for _, grads, *_ in results:
         merged.update(grads)
     assert merged.keys() == ref_grads.keys(), set(merged) ^ set(ref_grads)
     for k, g in merged.items():
         torch.testing.assert_close(g, ref_grads[k], rtol=rtol, atol=atol, msg=k)
     totals: dict = {}
-    for _, _, records in results:
+    for _, _, records, _ in results:
         for layer, rec in records.items():
             t = totals.setdefault(layer, {"tokens_per_expert": torch.zeros(len(rec["tokens_per_expert"]),
                                                                            dtype=torch.int64), "dropped_tokens": 0})

@@ -98,11 +98,12 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=cfg.init_method_std)
         # Replicated; under sequence parallelism each TP rank's gradient covers its own tokens: summed over TP.
         self.weight.sequence_parallel = sequence_parallel
-        self.expert_bias = self.tokens_per_expert = None
-        if cfg.moe_router_enable_expert_bias:
+        if cfg.moe_router_enable_expert_bias:  # a buffer: checkpointed, never stepped by the optimizer
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
             self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
                                  persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
         self.record = None  # a MoERecord (layer.py) the forward adds its losses and loads to
 
     def _apply(self, fn, recurse=True):

@@ -48,3 +48,16 @@ def test_expert_parallel_with_tensor_parallel_matches_one_process(etp, model):
 def test_expert_parallel_with_pipeline_matches_one_process(method, v):
     ref = reference(M * 2)  # PP 2 x DP 2, EP 2 on each stage
     check_equal(run_distributed(distributed_run, 4, pp=2, args=({}, 2, None, method, v)), ref)
+
+
+@pytest.mark.parametrize("model", [
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"torch_compile": True},
+], ids=["full-recompute", "torch-compile"])
+def test_recomputation_and_compiled_layers_under_expert_parallelism(model, monkeypatch):
+    """The recomputation runs the dispatch's collectives again in the backward on every EP rank alike (and
+    counts nothing twice); compiled layers leave the routed part eager between their graphs. TorchDynamo and
+    AOTAutograd without code generation (aot_eager): the subject is where the graphs are cut."""
+    from megatron_po.models import compiled_layers
+    monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
+    check_equal(run_distributed(distributed_run, 2, args=(model, 2)), reference(M * 2))

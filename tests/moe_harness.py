@@ -49,7 +49,7 @@ def microbatches(n: int) -> list[dict]:
 
 
 def reference(n: int = M, **model):
-    """One process, `n` micro-batches: (mean loss, {name: grad}, {layer: record})."""
+    """One process, `n` micro-batches: (mean loss, {name: grad}, {layer: record}, the parameters' norm)."""
     torch.set_num_threads(1)
     model_parallel_seed(SEED)
     net = GPTModel(make_cfg(**model).model, VOCAB, SEED)
@@ -60,7 +60,8 @@ def reference(n: int = M, **model):
             (loss / n).backward()
         losses.append(loss.detach())
     grads = {f"model.{k}": p.grad for k, p in net.named_parameters()}
-    return torch.stack(losses).mean().item(), grads, take_records([net])
+    params_norm = torch.stack([p.detach().double().square().sum() for p in net.parameters()]).sum().sqrt().item()
+    return torch.stack(losses).mean().item(), grads, take_records([net]), params_norm
 
 
 def _all_gather(t: torch.Tensor, group, n: int) -> list[torch.Tensor]:
@@ -90,7 +91,7 @@ def full_grad(p: torch.Tensor) -> torch.Tensor:
 def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: str = "1f1b", num_chunks: int = 1,
                     sequence_parallel: bool = False):
     """This rank's part of the global batch (M micro-batches per DP rank) through the synchronous executor and
-    DDP: (mean loss on the loss rank or None, {global name: full grad}, {layer: record}, grad norms)."""
+    DDP: (mean loss on the loss rank or None, {global name: full grad}, {layer: record}, (grad norms, params norm))."""
     torch.set_num_threads(1)
     ps.initialize_expert_parallel(ep, etp)
     model_parallel_seed(SEED)
@@ -110,7 +111,8 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         loss = loss / dp
     grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
-    return (loss.item() if loss is not None else None), grads, take_records(chunks), grad_norms(ddp.params)
+    return ((loss.item() if loss is not None else None), grads, take_records(chunks),
+            grad_norms(ddp.params) + (params_norm(ddp.params),))
 
 
 def grad_norms(params) -> tuple[float, float]:
@@ -129,18 +131,26 @@ def grad_norms(params) -> tuple[float, float]:
     return plain, wrapped.grad_norm()
 
 
+def params_norm(params) -> float:
+    """--log-params-norm's reading (run_controls.replica_sums)."""
+    from megatron_po.run_controls import replica_sums
+    return replica_sums(params, ps.get_model_parallel_group(),
+                        ps.get_expert_tensor_model_pipeline_parallel_group())["params_norm"]
+
+
 def check_equal(results, ref, rtol=1e-5, atol=1e-6):
     """Every rank's loss and gradients equal the reference's; the routers' records summed over the ranks too
     (each rank records its own tokens): the same tokens per expert, the same dropped tokens."""
-    ref_loss, ref_grads, ref_records = ref
+    ref_loss, ref_grads, ref_records, ref_params_norm = ref
     losses = [r[0] for r in results if r[0] is not None]
     assert losses
     for loss in losses:
         assert abs(loss - ref_loss) < rtol * max(1.0, abs(ref_loss)), (loss, ref_loss)
     ref_norm = torch.stack([g.double().square().sum() for g in ref_grads.values()]).sum().sqrt().item()
     for *_, norms in results:  # every expert counted once, on every rank
-        for norm in norms:
+        for norm in norms[:2]:
             assert abs(norm - ref_norm) < rtol * ref_norm, (norms, ref_norm)
+        assert abs(norms[2] - ref_params_norm) < 1e-9 * ref_params_norm, (norms, ref_params_norm)
     merged = {}
     for _, grads, *_ in results:
         merged.update(grads)

@@ -286,3 +286,28 @@ def test_fp8_moe_model_runs_its_shared_experts_in_fp8(monkeypatch):
     masked_mean_loss(net(input_ids=mb["tokens"], labels=mb["labels"]), mb["loss_mask"]).backward()
     assert moe.experts.fc1.grad.abs().sum() > 0
     assert "routed experts' and the router's stay in bf16" in fp8.fp8_summary(cfg)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_gemm_on_cuda_where_it_runs():
+    """torch._grouped_mm's CUDA kernels take bf16 (Hopper and newer): there it gives the loop's numbers to bf16's
+    resolution (another GEMM kernel: not bitwise); the probe names the dtypes it cannot run, which the config
+    rule refuses."""
+    error = grouped_mm_error("cuda", torch.bfloat16, (32, 32))
+    if error is not None:
+        pytest.skip(f"no bf16 grouped GEMM on this GPU: {error}")
+    cfg = moe_cfg()
+    torch.manual_seed(0)
+    loop = GroupedExperts(cfg, range(8), 1, 0, grouped_gemm=False).to("cuda", torch.bfloat16)
+    grouped = GroupedExperts(cfg, range(8), 1, 0, grouped_gemm=True).to("cuda", torch.bfloat16)
+    grouped.load_state_dict(loop.state_dict())
+    counts = torch.tensor([5, 0, 3, 8, 16, 1, 0, 31], device="cuda")
+    x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for experts in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        y = experts(xi, counts)
+        y.float().square().sum().backward()
+        outs.append([y, xi.grad] + [p.grad for p in experts.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -10,9 +10,26 @@ expert TP = TP and with expert TP 1 (experts whole, EP spanning the TP ranks), E
 
 import pytest
 from dist_harness import run_distributed
-from moe_harness import M, distributed_run, check_equal, reference
+from moe_harness import M, check_equal, distributed_run, reference
+
+from megatron_po.errors import ConfigError
+from megatron_po.parallel_state import expert_layout
 
 CAPACITY = {"moe_expert_capacity_factor": 1.0}
+
+
+def test_expert_layout_is_megatrons():
+    """A stage of TP 2 x DP 4 (ranks 0-7, TP fastest) read as expert TP x EP x expert DP. With expert TP = TP
+    an EP group is EP consecutive data-parallel ranks of one TP coordinate (DP ranks of tp 0: 0, 2, 4, 6)."""
+    layout = expert_layout(list(range(8)), etp=2, ep=2)
+    assert layout["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["dispatch"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    whole = expert_layout(list(range(8, 12)), etp=1, ep=4)  # experts whole, EP over TP and DP ranks of stage 2
+    assert whole["ep"] == [[8, 9, 10, 11]] and whole["edp"] == [[8], [9], [10], [11]]
+    with pytest.raises(ConfigError, match="does not divide the 8 ranks"):
+        expert_layout(list(range(8)), etp=1, ep=3)
 
 
 @pytest.mark.parametrize("world,ep,model", [

@@ -9,6 +9,8 @@ Muon over experts, checkpoints of experts).
 
 from __future__ import annotations
 
+import torch
+
 from megatron_po.config import fp8_backend, recompute_granularity
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.models.moe.experts import grouped_mm_error
@@ -57,7 +59,6 @@ _REFUSED = [
 
 def _grouped_gemm_error(c: Ctx) -> str | None:
     from megatron_po.parallel_state import get_device  # the one place that picks the device
-    import torch
     dtype = torch.bfloat16 if c.pr.bf16 else torch.float16 if c.pr.fp16 else torch.float32
     why = grouped_mm_error(get_device().type, dtype, (c.m.hidden_size, expert_ffn_hidden_size(c.m) // etp(c)))
     if why is None:

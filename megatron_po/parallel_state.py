@@ -254,9 +254,9 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    global _STATE
+    global _STATE, _EXPERT
     stop_watchdog()
-    _STATE = None
+    _STATE = _EXPERT = None
 
 
 def _st() -> _State:
@@ -340,6 +340,133 @@ def is_pipeline_first_stage() -> bool:
 
 def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert parallelism (Mixture of Experts), Megatron's layout
+# --------------------------------------------------------------------------------------------------
+#
+# A pipeline stage's ranks, in rank order (TP fastest, then the data-parallel ranks), are laid out again
+# for the experts as ETP x EP x EDP (expert tensor parallel fastest, then expert parallel, then expert
+# data parallel), as Megatron-core's expert rank generator does. With ETP = TP (the default) an EP group is
+# EP consecutive data-parallel ranks of one (tp, pp) coordinate: the experts are split over ranks carved
+# out of the data-parallel ones, and the expert-data-parallel group holds the ranks with the same experts.
+# Every rank of a stage holds distinct tokens (MoE with TP > 1 needs sequence parallelism, as in Megatron),
+# so a token may go to any expert of its dispatch group (ETP x EP ranks). Only the stage's rank list enters
+# here: a layout that adds context-parallel ranks to the stage carves the experts from those too.
+
+
+@dataclass
+class _ExpertState:
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
+    ep_group: object = None  # ranks holding different experts (same ETP rank): the alltoall
+    etp_group: object = None  # ranks holding different slices of the same experts
+    dispatch_group: object = None  # ETP x EP: the ranks whose tokens reach each other's experts
+    edp_group: object = None  # ranks holding the same expert slices: their gradients are summed
+    expert_mp_group: object = None  # ETP x EP x PP: every expert slice of the model once (gradient norm)
+    ep_rank: int = 0
+    etp_rank: int = 0
+
+
+_EXPERT: _ExpertState | None = None
+
+
+def stage_ranks(pp_rank: int) -> list[int]:
+    """The global ranks of pipeline stage `pp_rank`, in rank order (TP fastest, then DP)."""
+    st = _st()
+    return [rank_of(t, d, pp_rank, st.tp, st.dp) for d in range(st.dp) for t in range(st.tp)]
+
+
+def expert_layout(stage: list[int], etp: int, ep: int) -> dict[str, list[list[int]]]:
+    """The expert groups of one pipeline stage, its ranks `stage` in rank order re-read as ETP x EP x EDP
+    (ETP fastest): {"etp": [...], "ep": [...], "dispatch": [...], "edp": [...]}, each a list of rank lists."""
+    n = len(stage)
+    if n % (etp * ep):
+        raise ConfigError(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) = {etp * ep} "
+                          f"does not divide the {n} ranks of a pipeline stage (tensor x data parallel)")
+    edp = n // (etp * ep)
+    at = lambda t, e, d: stage[t + etp * (e + ep * d)]  # noqa: E731
+    return {"etp": [[at(t, e, d) for t in range(etp)] for d in range(edp) for e in range(ep)],
+            "ep": [[at(t, e, d) for e in range(ep)] for d in range(edp) for t in range(etp)],
+            "dispatch": [[at(t, e, d) for e in range(ep) for t in range(etp)] for d in range(edp)],
+            "edp": [[at(t, e, d) for d in range(edp)] for e in range(ep) for t in range(etp)]}
+
+
+def initialize_expert_parallel(expert_model_parallel_size: int = 1,
+                               expert_tensor_parallel_size: int | None = None) -> None:
+    """Build the expert groups (after `initialize_model_parallel`; every rank calls it with the same sizes).
+    `expert_tensor_parallel_size` None: the TP size (Megatron's default)."""
+    global _EXPERT
+    st, rank = _st(), dist.get_rank()
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or st.tp
+    ex = _ExpertState(ep=ep, etp=etp, edp=st.tp * st.dp // (ep * etp))
+    mp = {}  # ETP x EP x PP: the same (edp, ep, etp position) on every stage
+    for p in range(st.pp):
+        layout = expert_layout(stage_ranks(p), etp, ep)
+        for kind, field_name in (("etp", "etp_group"), ("ep", "ep_group"), ("dispatch", "dispatch_group"),
+                                 ("edp", "edp_group")):
+            for ranks in layout[kind]:
+                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                if rank in ranks:
+                    setattr(ex, field_name, g)
+                    if kind == "ep":
+                        ex.ep_rank = ranks.index(rank)
+                    if kind == "etp":
+                        ex.etp_rank = ranks.index(rank)
+        for d, ranks in enumerate(layout["dispatch"]):
+            mp.setdefault(d, []).extend(ranks)
+    for d in sorted(mp):
+        g = dist.new_group(sorted(mp[d]), timeout=_TIMEOUT)
+        if rank in mp[d]:
+            ex.expert_mp_group = g
+    _EXPERT = ex
+
+
+def expert_parallel_is_initialized() -> bool:
+    return _EXPERT is not None
+
+
+# Before `initialize_expert_parallel` the layout is EP = 1, ETP = TP: every rank holds every expert, split like
+# the dense layers over TP, and the expert groups are the dense ones.
+
+def get_expert_model_parallel_world_size() -> int:
+    return _EXPERT.ep if _EXPERT else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _EXPERT.ep_rank if _EXPERT else 0
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _EXPERT.etp if _EXPERT else get_tensor_model_parallel_world_size()
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _EXPERT.etp_rank if _EXPERT else get_tensor_model_parallel_rank()
+
+
+def get_expert_model_parallel_group():
+    return _EXPERT.ep_group if _EXPERT else None
+
+
+def get_expert_tensor_parallel_group():
+    return _EXPERT.etp_group if _EXPERT else (_STATE.tp_group if _STATE else None)
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """ETP x EP ranks (Megatron's expert tensor and model parallel group)."""
+    return _EXPERT.dispatch_group if _EXPERT else (_STATE.tp_group if _STATE else None)
+
+
+def get_expert_data_parallel_group():
+    return _EXPERT.edp_group if _EXPERT else (_STATE.dp_group if _STATE else None)
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    """ETP x EP x PP ranks: every expert slice of the model once (Megatron's expert tensor-model-pipeline group)."""
+    return _EXPERT.expert_mp_group if _EXPERT else (_STATE.model_parallel_group if _STATE else None)
 
 
 # --------------------------------------------------------------------------------------------------

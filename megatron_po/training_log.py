@@ -45,7 +45,8 @@ def replica_metrics(cfg: Config, params) -> dict:
     lc = cfg.logging
     if not (lc.log_params_norm or lc.log_num_zeros_in_grad):
         return {}
-    sums = replica_sums(params, ps.get_model_parallel_group())
+    experts = ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
+    sums = replica_sums(params, ps.get_model_parallel_group(), experts)
     return {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
 
 

@@ -18,6 +18,7 @@ from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
+from megatron_po.models.moe.rules import moe_summary
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MixedPrecisionOptimizer, build_grad_scaler, grad_buffer_dtype,
@@ -28,7 +29,7 @@ from megatron_po.output_paths import prepare_outputs
 from megatron_po.run_rules import check_resume_iteration, load_plan, no_validation_warning
 from megatron_po.tensor_parallel import model_parallel_seed
 from megatron_po.training_log import print_rank0
-from megatron_po.training_step import Trainable, TrainState
+from megatron_po.training_step import Trainable, TrainState, expert_norm_group
 
 
 # Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
@@ -91,6 +92,8 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
+    if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the data-parallel ranks
+        ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
     prepare_outputs(cfg, log=print_rank0)  # writable output paths, the --save lock: before any model or resume
     torch.manual_seed(cfg.training.seed)
@@ -136,7 +139,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     if pr.use_distributed_optimizer:
         return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group())
     if pr.bf16 or pr.fp16:
-        return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group())
+        return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group(),
+                                       expert_group=expert_norm_group(cfg))
     return inner(groups)
 
 
@@ -167,6 +171,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
                 f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
+    if cfg.model.num_experts is not None:
+        print_rank0(moe_summary(cfg))
     return model
 
 

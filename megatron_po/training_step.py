@@ -22,6 +22,7 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import UserError
 from megatron_po.gpt_workload import GPTWorkload
+from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
 from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.lr_scheduler import set_lr
@@ -115,10 +116,23 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
     return float(x) / ps.get_data_parallel_world_size()
 
 
+def expert_norm_group(cfg: Config):
+    """The group the MoE experts' gradient squares are summed over (optim/clip_grads.py); None without experts."""
+    return ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
+
+
 def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, decoupled_lr: float | None = None):
     """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
     step was skipped for inf/NaN gradients). `decoupled_lr`: the lr of the "decoupled" groups
-    (--decoupled-lr: input embedding and output layer)."""
+    (--decoupled-lr: input embedding and output layer). MoE: right after the optimizer step every expert bias
+    moves by the tokens its router counted in this iteration (--moe-router-enable-expert-bias), also after a
+    step skipped for inf/NaN gradients, as Megatron (which updates it before the optimizer decides)."""
+    loss, grad_norm = _forward_backward_step(cfg, chunks, ddp, optimizer, batches, lr, workload, decoupled_lr)
+    update_expert_bias(chunks)
+    return loss, grad_norm
+
+
+def _forward_backward_step(cfg, chunks, ddp, optimizer, batches, lr, workload, decoupled_lr):
     wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
     with timers("forward-backward", 1):
@@ -136,7 +150,8 @@ def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, d
                     group["lr"] = decoupled_lr
         if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
             return loss, optimizer.step().grad_norm
-        grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
+        grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group(),
+                                    expert_norm_group(cfg))
         if math.isfinite(grad_norm) or not cfg.training.check_for_nan_in_loss_and_grad:
             optimizer.step()  # else the run stops (check_finite) with the weights of the last good step
     return loss, grad_norm

@@ -44,10 +44,11 @@ def _seeded(seed: int, part: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None = None) -> nn.Module:
     """A pre-norm layer of the configured implementation. Both start from the same weights: the
-    Transformer Engine layer copies those of the local layer built here (same seed, same draws)."""
-    layer = TransformerLayer(cfg, sequence_parallel)
+    Transformer Engine layer copies those of the local layer built here (same seed, same draws).
+    `layer_number`: the global layer number (which layers are MoE layers)."""
+    layer = TransformerLayer(cfg, sequence_parallel, layer_number)
     if uses_torchao(cfg):  # --fp8-format on the local layers: their linears' GEMMs in FP8 (models/fp8.py)
         enable_fp8(layer, cfg)
     if cfg.transformer_impl == "transformer_engine":
@@ -115,7 +116,7 @@ class GPTModel(nn.Module):
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with _seeded(seed, i):
-                layers.append(build_transformer_layer(cfg, sequence_parallel))
+                layers.append(build_transformer_layer(cfg, sequence_parallel, i))
         self.layers = nn.ModuleList(layers)
         self.recompute_groups = layer_groups(cfg, n)  # --recompute-granularity full: checkpointed layer ranges
         self.layers_context = layers_context(cfg)  # FP8 autocast with Transformer Engine + --fp8-format

@@ -20,6 +20,8 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
                                  recompute_granularity)
+from megatron_po.models.moe.layer import MoELayer
+from megatron_po.models.moe.layout import moe_layer_pattern
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, on_model_parallel_rng
 
@@ -244,9 +246,10 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, hidden_size: int | None = None):
+        """`hidden_size`: the MLP's own (MoE's shared experts), else --ffn-hidden-size."""
         super().__init__()
-        h, f = cfg.hidden_size, ffn_hidden_size(cfg)
+        h, f = cfg.hidden_size, hidden_size or ffn_hidden_size(cfg)
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         col = lambda: ColumnParallelLinear(h, f, bias=cfg.add_bias_linear, gather_output=False,  # noqa: E731
                                            init_method=init_normal(cfg.init_method_std),
@@ -269,17 +272,28 @@ class MLP(nn.Module):
         return out
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None) -> nn.Module:
+    """The MLP of global layer `layer_number`: a mixture of experts where --num-experts and --moe-layer-freq
+    say so (models/moe/), else the dense MLP."""
+    if layer_number is None or not moe_layer_pattern(cfg)[layer_number]:
+        return MLP(cfg, sequence_parallel)
+    size = cfg.moe_shared_expert_intermediate_size
+    shared = (lambda: MLP(cfg, sequence_parallel, size)) if size else None  # noqa: E731
+    return MoELayer(cfg, sequence_parallel, layer_number, shared_experts=shared)
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). `layer_number`: the global layer
+    number (a mixture of experts for the MLP where --moe-layer-freq says; None: dense)."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None = None):
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = cfg.hidden_dropout
         self.input_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
         self.attention = SelfAttention(cfg, sequence_parallel)
         self.post_attention_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
-        self.mlp = MLP(cfg, sequence_parallel)
+        self.mlp = build_mlp(cfg, sequence_parallel, layer_number)
 
     def forward(self, x: torch.Tensor, rotary=None, attn_mask=None) -> torch.Tensor:
         """`attn_mask` [b, 1, s, s] bool (--reset-attention-mask's document-level causal mask; None: causal)."""

@@ -107,6 +107,9 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _looped(x, weight, bias, counts):
         pieces = x.split(counts.tolist())
-        outs = [piece @ weight[e].t() if bias is None else piece @ weight[e].t() + bias[e]
-                for e, piece in enumerate(pieces)]
+        # unbind: one backward (a stack) for every expert's slice; weight[e] would give each expert a zero-filled
+        # gradient of the whole stack, summed E times (bench/step/moe_layer.py measured it)
+        weights = weight.unbind(0)
+        biases = bias.unbind(0) if bias is not None else [None] * len(pieces)
+        outs = [piece @ w.t() if b is None else piece @ w.t() + b for piece, w, b in zip(pieces, weights, biases)]
         return torch.cat(outs) if outs else x.new_empty(0, weight.shape[1])

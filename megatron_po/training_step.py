@@ -24,7 +24,7 @@ from megatron_po.errors import UserError
 from megatron_po.gpt_workload import GPTWorkload
 from megatron_po.monitor import timers
 from megatron_po.optim.clip_grads import clip_grad_norm_
-from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import set_lr
 from megatron_po.optim.mixed_precision import MainParamsOptimizer
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_rules import SkipGuard, any_rank, loss_is_nonfinite

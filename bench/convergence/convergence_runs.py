@@ -46,7 +46,7 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int,
     `update_interval`: micro-batches per step (default 1; PipeDream-2BW: D); "sync" with k = M is the
     unpipelined reference accumulating M micro-batches of B per update (bench/time_to_quality/ttq_run.py's NMT units)."""
     import torch
-    from megatron_po.optim.lr_scheduler import lr_at
+    from megatron_po.optim.sample_schedule import microbatch_lr
     from megatron_po.pipeline.async_pipeline import AsyncEmulator
     from megatron_po.tensor_parallel import model_parallel_seed
 
@@ -59,9 +59,7 @@ def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int,
     stages = 1 if sync else D
     base, options = method_spec(method, wl)
     k = update_interval or (D if base == "pipedream-2bw" else 1)
-    # The LR schedule runs on the micro-batch clock: step i of a chunk that steps every k micro-batches
-    # uses the lr of micro-batch i*k, so warm-up and decay span the same samples for every method.
-    lr_fn = lambda step: lr_at(step * k, t)  # noqa: E731
+    lr_fn = lambda step: microbatch_lr(step, k, t)  # noqa: E731 (the lr of micro-batch step * k)
     model_parallel_seed(seed)
     emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive" if sync else base, stages, 1, k, optimizer,
                         _optimizer_kwargs(s, optimizer), lr_fn, s.clip_grad, build_chunks=wl.build_chunks, **options)
@@ -105,7 +103,7 @@ class SyncPipeline:
     def step(self, batch: dict) -> float:
         import torch
         from megatron_po.optim.clip_grads import clip_grad_norm_
-        from megatron_po.optim.lr_scheduler import set_lr
+        from megatron_po.optim.sample_schedule import set_lr
         from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
         D, M = self.D, self.M
         micro = [{key: v.chunk(M)[i] for key, v in batch.items()} for i in range(M)]
@@ -141,7 +139,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
        1F1B pool their op times (the same ops in another order).
     """
     import torch
-    from megatron_po.optim.lr_scheduler import lr_at
+    from megatron_po.optim.sample_schedule import microbatch_lr
     from megatron_po.pipeline.async_pipeline import AsyncEmulator
     from megatron_po.tensor_parallel import model_parallel_seed
 
@@ -152,7 +150,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     n = s.check_updates
     model_parallel_seed(seed)
     ref = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, 1, optimizer,
-                        _optimizer_kwargs(s, optimizer), lambda step: lr_at(step, t), s.clip_grad,
+                        _optimizer_kwargs(s, optimizer), lambda step: microbatch_lr(step, 1, t), s.clip_grad,
                         build_chunks=wl.build_chunks)
     ref_losses = ref.train_segment(get_batch, n)
     out = {"kind": "calibrate", "D": D, "optimizer": optimizer, "seed": seed, "ref_losses": ref_losses,
@@ -162,7 +160,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     sync = {}
     for name in SYNC_METHODS:
         times[name] = sync_times
-        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, lambda step: lr_at(step, t), sync_times)
+        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, lambda step: microbatch_lr(step, 1, t), sync_times)
         losses = [sync[name].step(get_batch(u)) for u in range(n)]
         out["check"][name] = {"losses": losses, "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                               "M": sync[name].M}
@@ -174,7 +172,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
         k = D if base == "pipedream-2bw" else 1
         model_parallel_seed(seed)
         emulators[m] = AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer,
-                                     _optimizer_kwargs(s, optimizer), lambda step, k=k: lr_at(step * k, t),
+                                     _optimizer_kwargs(s, optimizer), lambda step, k=k: microbatch_lr(step, k, t),
                                      s.clip_grad, build_chunks=wl.build_chunks, **options)
         times[m] = defaultdict(list)
         _time_runners(emulators[m], times[m])

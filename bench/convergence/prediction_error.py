@@ -39,7 +39,7 @@ PREDICTORS = {
 def measure(depth: int, optimizer: str, steps: int, seed: int, log=print) -> dict:
     import torch
     import convergence as cb
-    from megatron_po.optim.lr_scheduler import lr_at
+    from megatron_po.optim.sample_schedule import microbatch_lr
     from megatron_po.optim.predictors import build_predictor
     from megatron_po.pipeline.async_pipeline import AsyncEmulator
     from megatron_po.tensor_parallel import model_parallel_seed
@@ -51,7 +51,7 @@ def measure(depth: int, optimizer: str, steps: int, seed: int, log=print) -> dic
     t = cb._training_config(s, optimizer)
     model_parallel_seed(seed)
     emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "pipeoptim", depth, 1, 1, optimizer,
-                        cb._optimizer_kwargs(s, optimizer), lambda i: lr_at(i, t), s.clip_grad)
+                        cb._optimizer_kwargs(s, optimizer), lambda i: microbatch_lr(i, 1, t), s.clip_grad)
     errors = defaultdict(lambda: defaultdict(list))  # rank -> column -> [‖Ŵ − W_B‖ per micro-batch]
     pending = {}
 

@@ -88,7 +88,7 @@ from megatron_po.optim import build_optimizer
 from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
-from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import set_lr
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
 from megatron_po.pipeline.cuts import EVAL_ID_OFFSET, hooks_at_cuts

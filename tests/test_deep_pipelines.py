@@ -160,7 +160,7 @@ def test_resume_reuses_committed_runs(dp, tmp_path, monkeypatch):
     json.dump(fake, open(path, "w"))
     monkeypatch.setattr(sys.modules["deep_pipelines_runs"], "run_job", lambda *a: pytest.fail("trained a cached run"))
     progress = dp.Progress(2, 128)
-    assert dp.run_jobs(s, [(u, 8e-3, 1, 64)], print, progress=progress) == [fake]
+    assert dp.run_jobs(s, [(u, 8e-3, 1, 64)], print, progress=progress) == {(u, 8e-3, 1): fake}
     assert (progress.done_runs, progress.done_mb, progress.trained_mb) == (1, 64, 0)
 
 

@@ -214,13 +214,14 @@ def _job_key(s: Settings, job: tuple) -> str:
     return hashlib.md5(json.dumps([relevant, list(job)], sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _job_path(s: Settings, job: tuple) -> str:
+    return os.path.join(s.cache(), "runs", f"{_job_key(s, job)}.json")
+
+
 def _run_job(args) -> dict:
-    s, job, path = args
-    if job[0] == "calibrate":
-        result = calibrate_job(s, *job[1:])
-    else:
-        result = train_job(s, *job[1:])
-    bench_common.write_json_atomic(path, result)
+    s, job = args
+    result = calibrate_job(s, *job[1:]) if job[0] == "calibrate" else train_job(s, *job[1:])
+    bench_common.write_json_atomic(_job_path(s, job), result)
     return result
 
 
@@ -246,44 +247,19 @@ def plan_jobs(s: Settings) -> list[tuple]:
     return jobs
 
 
+def _describe(r: dict) -> str:
+    if r["kind"] == "calibrate":
+        return (f"calibration D={r['D']} {r['optimizer']}: GPipe/1F1B vs unpipelined max |dloss| "
+                f"{r['check']['gpipe']['max_abs_diff']:.1e}/{r['check']['1f1b']['max_abs_diff']:.1e}, "
+                f"op costs of {len(r['op_times'])} methods")
+    depth = "sync" if r["method"] == "sync" else f"D={r['D']}"
+    last = r["val"][-1][1] if r["val"] else float("nan")
+    return f"{depth} {r['optimizer']} {LABELS[r['method']]} seed {r['seed']}: val {last:.4f} ({r['seconds']:.0f} s)"
+
+
 def run_jobs(s: Settings, jobs: list[tuple], log=_print) -> tuple[list[dict], int]:
-    runs_dir = os.path.join(s.cache(), "runs")
-    results, todo = [], []
-    for job in jobs:
-        path = os.path.join(runs_dir, f"{_job_key(s, job)}.json")
-        if s.resume and os.path.isfile(path):
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            todo.append((s, job, path))
-    reused = len(results)
-    if reused:
-        log(f"> resumed {reused} finished run(s) from {runs_dir}")
-    start = time.perf_counter()
-    if s.jobs <= 1:
-        iterator = map(_run_job, todo)
-        pool = None
-    else:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(s.jobs)
-        iterator = pool.imap_unordered(_run_job, todo)
-    try:
-        for i, r in enumerate(iterator, start=1):
-            results.append(r)
-            elapsed = time.perf_counter() - start
-            eta = elapsed / i * (len(todo) - i)
-            if r["kind"] == "calibrate":
-                what = (f"calibration D={r['D']} {r['optimizer']}: GPipe/1F1B vs unpipelined max |dloss| "
-                        f"{r['check']['gpipe']['max_abs_diff']:.1e}/{r['check']['1f1b']['max_abs_diff']:.1e}, "
-                        f"op costs of {len(r['op_times'])} methods")
-            else:
-                depth = "sync" if r["method"] == "sync" else f"D={r['D']}"
-                last = r["val"][-1][1] if r["val"] else float("nan")
-                what = (f"{depth} {r['optimizer']} {LABELS[r['method']]} seed {r['seed']}: val {last:.4f} "
-                        f"({r['seconds']:.0f} s)")
-            log(f"[{i}/{len(todo)}] {what} | elapsed {elapsed / 60:.1f} min, eta {eta / 60:.1f} min")
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    return results, reused
+    """Every job's result (bench_common.run_cached_jobs: `<cache>/runs/<key>.json` with --resume, the rest on
+    s.jobs workers) and how many came from the cache."""
+    reused = sum(os.path.isfile(_job_path(s, j)) for j in jobs) if s.resume else 0
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], lambda a: _job_path(*a), _run_job, workers=s.jobs,
+                                        resume=s.resume, describe=_describe, log=log), reused

@@ -103,9 +103,7 @@ def report(errors: dict, command: str, depth: int, optimizer: str, steps: int, s
         half = len(base) // 2
         for part, lo in (("all", 0), ("second half", half)):
             rows.append([str(r), part] + [f"{sum(errors[r][c][lo:]) / sum(base[lo:]):.3f}" for c in columns])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    table = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+    table = bench_common.markdown_table(header, rows)
     return f"""# Prediction error of the weight predictors (D = {depth}, {optimizer}, seed {seed})
 
 Command: `{command}`; commit {bench_common.commit()}
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=bench_common.RESULTS)
     args = p.parse_args(argv)
     command = "python bench/convergence/prediction_error.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     result = measure(args.depth, args.optimizer, args.steps, args.seed)

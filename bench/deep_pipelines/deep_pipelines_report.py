@@ -17,6 +17,7 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 
 import deep_pipelines_runs as dp  # noqa: E402
+from bench_common import first_reach  # noqa: E402 (rep.first_reach: deep_pipelines_predict.py)
 from megatron_po.pipeline import cost_model as cmm  # noqa: E402
 
 REPO = dp.cv.REPO
@@ -40,20 +41,6 @@ def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
         return []
     common = set.intersection(*({x for x, _ in r["curve"]} for r in runs))
     return sorted((x, statistics.fmean(dict(r["curve"])[x] for r in runs)) for x in common)
-
-
-def first_reach(curve: list, target: float) -> float | None:
-    """Micro-batches at which the curve first reaches target, linear between evaluations (from 0 at loss
-    +inf: a first evaluation already below counts at its own x)."""
-    prev = None
-    for x, y in curve:
-        if math.isfinite(y) and y <= target:
-            if prev is None or prev[1] == y:
-                return float(x)
-            x0, y0 = prev
-            return x0 + (x - x0) * (y0 - target) / (y0 - y)
-        prev = (x, y)
-    return None
 
 
 def at(curve: list, x: float) -> float | None:
@@ -110,10 +97,7 @@ def fmt_range(st: dict) -> str:
     return f"{fmt_x(st['median'])} [{fmt_x(st['p10'])}–{fmt_x(st['p90'])}]"
 
 
-def fmt_x(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "–"
-    return cmm.format_speedup(x)  # rounded down, "never" for 0: the advisor prints the verdicts file the same
+fmt_x = cmm.format_speedup  # rounded down, "never" for 0: the advisor prints the verdicts file the same
 
 
 def clock_rows(cm: dict, opt: str, M: int, units: list, D: int) -> dict:
@@ -442,7 +426,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L.append(
         f"- Workload: bench/convergence/convergence.py's GPT ({s['num_layers']} layers, hidden {s['hidden_size']}, "
         f"{s['num_attention_heads']} heads, sequence {s['seq_length']}, vocab {s['vocab_size']}; corpus "
-        f"`{dp.shown_path(s['corpus'])}`), D = {D} stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
+        f"`{bench_common.portable(s['corpus'])}`), D = {D} stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
         f"validation every {s['eval_interval']} micro-batches on a fixed {s['eval_batches']} x {s['micro_batch']} "
         f"sequences; unigram loss {data['unigram']:.3f}.\n"
         f"- Optimizer: {', '.join(dp.OPT_LABELS[o] for o in data['grid'])}; weight decay {s['weight_decay']}, clipping "

@@ -25,11 +25,12 @@ Simulated time (free communication, stages in parallel):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import ttq_cost_model
 import ttq_run as tr
-from ttq_run import ASYNC, LABELS, SYNC_SCHEDULES, Unit, cv
+from bench_common import first_reach
+from megatron_po.pipeline.cost_model import format_speedup as fmt_speedup  # noqa: F401 (tc.fmt_speedup)
+from ttq_run import LABELS, SYNC_SCHEDULES, Unit, cv
 
 COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "pipedream-2bw": "tab:green",
           "pipeoptim": "tab:red", "pipenag": "tab:purple", "2bw-ef": "tab:olive"}
@@ -141,16 +142,9 @@ def async_seconds_per_mb(op: dict, D: int, k: int) -> float:
 
 def time_to(curve: list, target: float, sec_per_mb: float) -> float | None:
     """Simulated seconds until the validation curve [(micro-batches, loss)] first reaches `target`,
-    interpolated linearly between evaluations; None if it never does."""
-    prev = None
-    for x, y in curve:
-        if math.isfinite(y) and y <= target:
-            if prev is None or not math.isfinite(prev[1]) or prev[1] == y:
-                return x * sec_per_mb
-            x0, y0 = prev
-            return (x0 + (x - x0) * (y0 - target) / (y0 - y)) * sec_per_mb
-        prev = (x, y)
-    return None
+    interpolated linearly between evaluations (bench_common.first_reach); None if it never does."""
+    x = first_reach(curve, target)
+    return None if x is None else x * sec_per_mb
 
 
 def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -> list[dict]:
@@ -175,11 +169,8 @@ def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -
         sec = equal_updates_seconds_per_mb(ops["async-naive"], D)
         rows.append({"name": "sync", "label": EQUAL_UPDATES_LABEL, "unit": u, "sec_per_mb": sec, "tps": tpm / sec,
                      "M": 1, "color": "black", "style": SYNC_STYLE[1]})
-    for m in ASYNC:
-        if m in tr.ACTUAL_OPT and o != "adamw":
-            continue  # PipeNAG (its own optimizer) is shown with the AdamW rows only
-        u = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-        block = clock.block(D, u.opt)
+    for u in tr.async_units(o, D):
+        m, block = u.name, clock.block(D, u.opt)
         if u not in study["runs"] or block is None or m not in block:
             continue
         k = update_interval(m, D)
@@ -190,21 +181,8 @@ def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -
 
 
 # --------------------------------------------------------------------------------------------------
-# Speed-ups: printing against the bar, and the largest step cost that still clears it
+# The largest step cost at which a speed-up still clears the bar (printing: cost_model.format_speedup)
 # --------------------------------------------------------------------------------------------------
-
-
-def fmt_speedup(x: float | None, bar: float = 1.25) -> str:
-    """x rounded down to 3 decimals (more where needed), so that a value under the bar never prints as the
-    bar or above it: 1.2486 -> 1.248x; 1.25 -> 1.250x."""
-    if x is None or not math.isfinite(x):
-        return "–"
-    digits = 3
-    while True:
-        text = f"{math.floor(x * 10 ** digits) / 10 ** digits:.{digits}f}"
-        if not (x < bar <= float(text)) or digits >= 15:
-            return text + "x"
-        digits += 1
 
 
 def largest_ratio(speedup_at, bar: float, hi: float = 64.0, tol: float = 1e-6) -> float | None:

@@ -67,7 +67,7 @@ def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]
     """Final validation loss at equal tokens: the equal-updates reference (sync, M = 1), the practical
     synchronous runs (M = 2D, 4D) and the asynchronous methods (k = 1; 2BW k = D)."""
     units = [Unit(o, "sync", 0, M) for M in (1, 2 * D, 4 * D)]
-    units += [Unit(tr.ACTUAL_OPT.get(m, o), m, D) for m in ASYNC if m not in tr.ACTUAL_OPT or o == "adamw"]
+    units += tr.async_units(o, D)
     ref1, ref2 = (study["runs"].get(Unit(o, "sync", 0, M)) for M in (1, 2 * D))
     header = ["D", "optimizer", "run", "lr (best of grid)", "updates", "samples/update", "final val loss",
               "vs sync, 1 update/micro-batch", "vs 1F1B M=2D"] + (["final val BLEU"] if s.workload == "nmt" else [])

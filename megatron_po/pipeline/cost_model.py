@@ -176,10 +176,20 @@ def provenance(cm: dict) -> str:
     return cm.get("provenance", "measured")
 
 
-def format_speedup(x: float) -> str:
-    """A study's speed-up as its report and the advisor print it: rounded down to 3 decimals, so a value under
-    the bar never prints at it; 0 (a pairing that never reaches the target loss) as "never"."""
-    return "never" if x == 0 else f"{math.floor(x * 1000) / 1000:.3f}x"
+def format_speedup(x: float | None, bar: float = 1.25) -> str:
+    """A speed-up as the studies' reports and the advisor print it: rounded down to 3 decimals, more where needed
+    so that a value under the bar never prints at or above it (1.2486 -> 1.248x; 1.25 - 1e-16 -> 1.2499...x);
+    0 (a pairing that never reaches the target loss) as "never", None or a non-finite value as "–"."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    if x == 0:
+        return "never"
+    digits = 3
+    while True:
+        text = f"{math.floor(x * 10 ** digits) / 10 ** digits:.{digits}f}"
+        if not (x < bar <= float(text)) or digits >= 15:
+            return text + "x"
+        digits += 1
 
 
 # --------------------------------------------------------------------------------------------------

@@ -183,6 +183,20 @@ def first_reach(curve: list, target: float) -> float | None:
     return None
 
 
+def units_from_json(data: dict, unit) -> dict:
+    """The units of a study JSON (`unit(entry)` makes each), with their sweeps {lr: final loss}, best lrs and runs
+    at the best lr: what the studies' reports read back."""
+    entries = dict(zip((unit(e) for e in data["units"]), data["units"]))
+    return {"units": list(entries), "best": {u: e["best_lr"] for u, e in entries.items()},
+            "sweep": {u: {float(lr): v for lr, v in e["sweep"].items()} for u, e in entries.items()},
+            "runs": {u: runs_from_json(e["runs"]) for u, e in entries.items()}}
+
+
+def runs_from_json(runs: list[dict]) -> list[dict]:
+    """Runs read back from a study JSON, in seed order, their curves as (micro-batches, loss) tuples."""
+    return sorted(({**r, "curve": [tuple(p) for p in r["curve"]]} for r in runs), key=lambda r: r["seed"])
+
+
 def parse_lr_grid(items: list[str], grid: dict) -> dict:
     """`--lr-grid OPT=LR,LR,...` items over the default grids: a copy of `grid` with each named optimizer's list
     replaced (one error line for an unknown optimizer or a malformed list)."""

@@ -68,8 +68,8 @@ offline_env()
 from convergence_measure import async_tokens_per_s  # noqa: E402,F401
 from convergence_plots import plot, plot_predictors  # noqa: E402
 from convergence_report import main_table, predictor_table, write_report  # noqa: E402,F401
-from convergence_runs import (_job_key, _optimizer_kwargs, _print, _training_config, calibrate_job,  # noqa: E402,F401
-                              plan_jobs, run_jobs, train_job)
+from convergence_runs import (_job_key, _optimizer_kwargs, _print, _training_config, build_emulator,  # noqa: E402,F401
+                              calibrate_job, default_interval, plan_jobs, run_jobs, train_job)
 from convergence_settings import (ALL_METHODS, LABELS, MUON_NOTE, OPT_LABELS, OPTIMIZERS,  # noqa: E402,F401
                                   PREDICTOR_VARIANTS, Settings, nmt_settings, quick_settings, validate)
 from convergence_stats import _final_val, compare, fmt, gap_closed, mean_std, summarize  # noqa: E402,F401

@@ -40,29 +40,43 @@ def method_spec(method: str, wl) -> tuple[str, dict]:
     return base, {k: (wl.tokens_per_microbatch if v == "tokens" else v) for k, v in options.items()}
 
 
+def default_interval(method: str, D: int) -> int:
+    """Micro-batches per step of an asynchronous method as published: 1; PipeDream-2BW (and its variants) D."""
+    return D if PREDICTOR_VARIANTS.get(method, (method, {}))[0] == "pipedream-2bw" else 1
+
+
+def lr_fn(s: Settings, optimizer: str, k: int = 1):
+    """The lr of a chunk's step i on the micro-batch clock: micro-batch i*k's (sample_schedule.microbatch_lr),
+    warm-up and decay spanning the same samples for every method and update interval k."""
+    from megatron_po.optim.sample_schedule import microbatch_lr
+    t = _training_config(s, optimizer)
+    return lambda step: microbatch_lr(step, k, t)
+
+
+def build_emulator(s: Settings, wl, method: str, D: int, k: int, optimizer: str, seed: int):
+    """`AsyncEmulator` of a method or predictor variant at D stages stepping every k micro-batches, seeded."""
+    from megatron_po.pipeline.async_pipeline import AsyncEmulator
+    from megatron_po.tensor_parallel import model_parallel_seed
+    base, options = method_spec(method, wl)
+    model_parallel_seed(seed)
+    return AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer, _optimizer_kwargs(s, optimizer),
+                         lr_fn(s, optimizer, k), s.clip_grad, build_chunks=wl.build_chunks, **options)
+
+
 def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int,
               update_interval: int | None = None) -> dict:
     """One training run. method "sync" = the unpipelined reference (GPipe and 1F1B updates), D ignored.
     `update_interval`: micro-batches per step (default 1; PipeDream-2BW: D); "sync" with k = M is the
     unpipelined reference accumulating M micro-batches of B per update (bench/time_to_quality/ttq_run.py's NMT units)."""
     import torch
-    from megatron_po.optim.sample_schedule import microbatch_lr
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
-
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     wl = build_workload(s)
     get_batch, valid = wl.train_batch(seed), wl.valid_batches()
-    t = _training_config(s, optimizer)
     sync = method == "sync"
     stages = 1 if sync else D
-    base, options = method_spec(method, wl)
-    k = update_interval or (D if base == "pipedream-2bw" else 1)
-    lr_fn = lambda step: microbatch_lr(step, k, t)  # noqa: E731 (the lr of micro-batch step * k)
-    model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive" if sync else base, stages, 1, k, optimizer,
-                        _optimizer_kwargs(s, optimizer), lr_fn, s.clip_grad, build_chunks=wl.build_chunks, **options)
+    k = update_interval or default_interval(method, D)
+    emu = build_emulator(s, wl, "async-naive" if sync else method, stages, k, optimizer, seed)
     losses, val = [], []
     for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
         losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
@@ -82,20 +96,20 @@ class SyncPipeline:
     (`emulate` + `StageRunner`, gradients accumulated over the flush), clips by the global norm and steps
     every stage: the semantics of `synchronous_forward_backward` + `training_step.train_step`."""
 
-    def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
+    def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, times: dict):
         from megatron_po.optim import build_optimizer
         from megatron_po.optim.muon import optimizer_param_groups
         from megatron_po.pipeline.schedules import build_schedule
         from megatron_po.tensor_parallel import model_parallel_seed
         model_parallel_seed(seed)
         cfg = wl.config(seed)
-        self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn, times
+        self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn(s, optimizer), times
         self.chunks = [wl.build_chunks(cfg, wl.padded_vocab, r, D, 1)[0] for r in range(D)]
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
         wd = kw.pop("weight_decay")
-        self.opts = [build_optimizer(optimizer, optimizer_param_groups(optimizer, [c], wd), lr_fn(0), weight_decay=wd, **kw)
-                     for c in self.chunks]
+        self.opts = [build_optimizer(optimizer, optimizer_param_groups(optimizer, [c], wd), self.lr_fn(0),
+                                     weight_decay=wd, **kw) for c in self.chunks]
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.schedule = build_schedule(name, D, 1, self.M)
         self.updates = 0
@@ -139,20 +153,11 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
        1F1B pool their op times (the same ops in another order).
     """
     import torch
-    from megatron_po.optim.sample_schedule import microbatch_lr
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
-
     torch.set_num_threads(1)
     wl = build_workload(s)
     get_batch = wl.train_batch(seed)
-    t = _training_config(s, optimizer)
     n = s.check_updates
-    model_parallel_seed(seed)
-    ref = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, 1, optimizer,
-                        _optimizer_kwargs(s, optimizer), lambda step: microbatch_lr(step, 1, t), s.clip_grad,
-                        build_chunks=wl.build_chunks)
-    ref_losses = ref.train_segment(get_batch, n)
+    ref_losses = build_emulator(s, wl, "async-naive", 1, 1, optimizer, seed).train_segment(get_batch, n)
     out = {"kind": "calibrate", "D": D, "optimizer": optimizer, "seed": seed, "ref_losses": ref_losses,
            "check": {}, "op_times": {}, "update_interval": {}}
     times: dict = {}
@@ -160,7 +165,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     sync = {}
     for name in SYNC_METHODS:
         times[name] = sync_times
-        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, lambda step: microbatch_lr(step, 1, t), sync_times)
+        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, sync_times)
         losses = [sync[name].step(get_batch(u)) for u in range(n)]
         out["check"][name] = {"losses": losses, "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                               "M": sync[name].M}
@@ -168,12 +173,8 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     for m in ASYNC_METHODS + tuple(PREDICTOR_VARIANTS):
         if m not in s.methods or (m == "spectrain" and optimizer != "sgd"):
             continue
-        base, options = method_spec(m, wl)
-        k = D if base == "pipedream-2bw" else 1
-        model_parallel_seed(seed)
-        emulators[m] = AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer,
-                                     _optimizer_kwargs(s, optimizer), lambda step, k=k: microbatch_lr(step, k, t),
-                                     s.clip_grad, build_chunks=wl.build_chunks, **options)
+        k = default_interval(m, D)
+        emulators[m] = build_emulator(s, wl, m, D, k, optimizer, seed)
         times[m] = defaultdict(list)
         _time_runners(emulators[m], times[m])
         out["update_interval"][m] = k

@@ -39,19 +39,13 @@ PREDICTORS = {
 def measure(depth: int, optimizer: str, steps: int, seed: int, log=print) -> dict:
     import torch
     import convergence as cb
-    from megatron_po.optim.sample_schedule import microbatch_lr
     from megatron_po.optim.predictors import build_predictor
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
 
     torch.set_num_threads(1)
     s = cb.Settings(steps=steps)
     wl = cb.build_workload(s)
     wl.prepare()
-    t = cb._training_config(s, optimizer)
-    model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "pipeoptim", depth, 1, 1, optimizer,
-                        cb._optimizer_kwargs(s, optimizer), lambda i: microbatch_lr(i, 1, t), s.clip_grad)
+    emu = cb.build_emulator(s, wl, "pipeoptim", depth, 1, optimizer, seed)  # (the micro-batch lr clock, k = 1)
     errors = defaultdict(lambda: defaultdict(list))  # rank -> column -> [‖Ŵ − W_B‖ per micro-batch]
     pending = {}
 

@@ -415,17 +415,12 @@ def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:
 
 
 def study_from_json(data: dict) -> dict:
-    units, sweep, best, runs, horizons, same = [], {}, {}, {}, {}, {}
-    for e in data["units"]:
-        u = Unit(e["opt"], e["name"], e["M"], e["k"])
-        units.append(u)
-        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
-        best[u], horizons[u] = e["best_lr"], e["horizon"]
-        runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
-        if e.get("equal_samples_runs"):
-            same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
-    return {"D": data["settings"]["depths"][0], "equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
-            "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
+    study = bench_common.units_from_json(data, lambda e: Unit(e["opt"], e["name"], e["M"], e["k"]))
+    entries = dict(zip(study["units"], data["units"]))
+    return {**study, "D": data["settings"]["depths"][0], "horizons": {u: e["horizon"] for u, e in entries.items()},
+            "equal_samples": {u: bench_common.runs_from_json(e["equal_samples_runs"]) for u, e in entries.items()
+                              if e.get("equal_samples_runs")},
+            "grid": data["grid"], "grown": data["grown"], "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
             "run_loads": data.get("run_loads"), "planned": data.get("planned_runs"),
             "done": data.get("done_runs"), "conditional": data.get("conditional"),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -128,8 +127,7 @@ def regenerate(path: str, given: list[str], workload: bool = True) -> dict:
     s.out, s.name, s.command = os.path.dirname(os.path.abspath(path)), os.path.basename(path)[:-len(".json")], data["command"]
     provenance = data.get("provenance")
     study = tr.study_from_json(s, data, workload)
-    shown = os.path.relpath(path, tr.cv.REPO) if os.path.abspath(path).startswith(tr.cv.REPO + os.sep) else path
-    by = "python bench/time_to_quality/time_to_quality.py --from-json " + " ".join(shlex.quote(x) for x in [shown, *given])
+    by = bench_common.command_line("bench/time_to_quality/time_to_quality.py", ["--from-json", path, *given], quote=True)
     paths = ttq_report.write(s, grid, study, os.getloadavg(), 0.0, s.name, s.cost_model,
                              {"by": by, "from": os.path.basename(path), "provenance": provenance},
                              cost_model_path=s.cost_model_path)
@@ -149,10 +147,8 @@ def main(argv=None) -> int:
         rest = [x for i, x in enumerate(given) if x != "--from-json" and (i == 0 or given[i - 1] != "--from-json")
                 and not x.startswith("--from-json=")]
         out = regenerate(a.from_json, rest)
-        print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")
-        return 0
-    s, grid = settings_from_args(argv)
-    out = run(s, grid)
+    else:
+        out = run(*settings_from_args(argv))
     print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")
     return 0
 

@@ -131,9 +131,7 @@ def equal_updates_seconds_per_mb(op: dict, D: int) -> float:
     return sync_seconds_per_update("1f1b", op, D, D, scale=1.0 / D)
 
 
-def update_interval(name: str, D: int) -> int:
-    base = cv.PREDICTOR_VARIANTS.get(name, (name, {}))[0]
-    return D if base == "pipedream-2bw" else 1
+update_interval = cv.default_interval  # (1; PipeDream-2BW and its variants: D)
 
 
 def async_seconds_per_mb(op: dict, D: int, k: int) -> float:

@@ -15,6 +15,7 @@ import platform
 import time
 
 import bench_common
+import ttq_cost_model
 import ttq_goal as tg
 import ttq_run as tr
 from ttq_clock import (SYNC_STYLE, Clock, configurations, cpu_clock, fmt_speedup,  # noqa: F401 (re-exported)
@@ -287,7 +288,7 @@ def clock_blocks(s, study: dict, clocks: list[Clock]) -> str:
         out.append(f"### {c.key.upper()} clock: {c.label}\n")
         if c.cost_model:
             cm = c.cost_model
-            out.append(f"Per-op costs from `{c.source or cm['name']}`: {describe_cost_model(cm)}. "
+            out.append(f"Per-op costs from `{c.source or cm['name']}`: {ttq_cost_model.describe(cm)}. "
                        f"tokens/s: the D-stage pipeline's at that model's {cm['tokens_per_microbatch']:,} tokens per "
                        f"micro-batch; seconds: the study's micro-batches at that model's per-op costs (at D other "
                        f"than {cm['pipeline_stages']}, the same model split into D stages). Methods the cost model "
@@ -333,11 +334,6 @@ at M = 2D ("never": not even with a free step; methods some seed of which never 
                  "on every seed; the variants' notes are in the cost model's JSON):\n\n" +
                  (cv.markdown_table(*variants) if variants[1] else "(no asynchronous method reaches T1 on every seed)") + "\n")
     return text
-
-
-def describe_cost_model(cm: dict) -> str:
-    from ttq_cost_model import describe
-    return describe(cm)
 
 
 def write(s, grid: dict, study: dict, load0: tuple, elapsed: float, name: str | None = None,

@@ -42,10 +42,11 @@ VARIANTS = {"pipenag": ("pipenag", {}), "2bw-ef": ("pipedream-2bw", {"error_feed
             "po-ef": ("pipeoptim", {"error_feedback": True})}
 cv.PREDICTOR_VARIANTS.update(VARIANTS)
 # Both studies' names (deep_pipelines_runs.LABELS is this).
-LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V", "interleaved-1f1b": "interleaved 1F1B (v=2)",
-          "interleaved-zb-h1": "interleaved ZB-H1 (v=2)", "sync": "sync", "async-naive": "async-naive",
-          "pipedream": "PipeDream", "pipedream-2bw": "PipeDream-2BW", "pipeoptim": "PipeOptim",
-          "pipenag": "PipeNAG (NAG)", "2bw-ef": "2BW + error feedback", "po-ef": "PipeOptim + error feedback"}
+LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V",
+          "interleaved-1f1b": "interleaved 1F1B (v=2)", "interleaved-zb-h1": "interleaved ZB-H1 (v=2)", "sync": "sync",
+          "async-naive": "async-naive", "pipedream": "PipeDream", "pipedream-2bw": "PipeDream-2BW",
+          "pipeoptim": "PipeOptim", "pipenag": "PipeNAG (NAG)", "2bw-ef": "2BW + error feedback",
+          "po-ef": "PipeOptim + error feedback"}
 cv.LABELS.update({m: LABELS[m] for m in VARIANTS})
 OPTIMIZERS = ("adamw", "muon")
 # The optimizer a method trains with in an optimizer's panel (PipeNAG is its own optimizer).
@@ -315,18 +316,12 @@ def study_from_json(s: cv.Settings, data: dict, workload: bool = True) -> dict:
     wl = cv.build_workload(s) if workload else None
     if wl is not None:
         wl.prepare()
-    units, sweep, best, runs = [], {}, {}, {}
-    for e in data["units"]:
-        u = Unit(e["opt"], e["name"], e["D"], e["M"])
-        units.append(u)
-        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
-        best[u] = e["best_lr"]
-        runs[u] = sorted(({**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]), key=lambda r: r["seed"])
+    study = bench_common.units_from_json(data, lambda e: Unit(e["opt"], e["name"], e["D"], e["M"]))
     calib = {}
     for key, ops in data["op_times"].items():
         d, opt = key.split(",")
         calib[(int(d.removeprefix("D=")), opt)] = {"op_times": ops}
     tpm = data.get("tokens_per_microbatch") or (wl.tokens_per_microbatch if wl else s.micro_batch * s.seq_length)
-    return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
-            "train_seconds": sum(r["seconds"] for rs in runs.values() for r in rs), "unigram": data["unigram"],
-            "workload": wl, "tokens_per_microbatch": tpm}
+    return {**study, "calibrations": calib, "unigram": data["unigram"], "workload": wl, "tokens_per_microbatch": tpm,
+            "train_seconds": sum(r["seconds"] for rs in study["runs"].values() for r in rs)}
+

@@ -91,14 +91,15 @@ class Progress:
 
 def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bool = False, describe=str, log=print,
                     deadline: float | None = None, progress: Progress | None = None) -> list[dict]:
-    """Each job's result (a dict): read from its cache file `path_of(job)` with `resume`, else `worker(job)` (a
-    module-level function, so that spawned worker processes can run it; it writes the cache file, if any: `path_of`
-    None) on `workers` processes, a progress line `describe(result)` each (and `progress`'s, which counts the
-    cached runs first); jobs not started by `deadline` (a time.time() value) are left out. Every study's runner."""
+    """Each job's result (a dict; a job is a tuple of arguments): read from its cache file `path_of(*job)` with
+    `resume`, else `worker(*job)` (a module-level function, so that spawned worker processes can run it; it writes
+    the cache file, if any: `path_of` None) on `workers` processes, a progress line `describe(result)` each (and
+    `progress`'s, which counts the cached runs first); jobs not started by `deadline` (a time.time() value) are
+    left out. Every study's runner."""
     out, todo = [], []
     for job in jobs:
-        if resume and os.path.isfile(path_of(job)):
-            with open(path_of(job)) as f:
+        if resume and os.path.isfile(path_of(*job)):
+            with open(path_of(*job)) as f:
                 out.append(json.load(f))
             if progress is not None:
                 progress.add(out[-1], False)
@@ -112,9 +113,9 @@ def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bo
     if workers > 1 and len(todo) > 1:
         import multiprocessing
         pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))
-        results = pool.imap_unordered(worker, todo)
+        results = pool.imap_unordered(_call, [(worker, job) for job in todo])
     else:
-        results = (worker(job) for job in todo if deadline is None or time.time() < deadline)
+        results = (worker(*job) for job in todo if deadline is None or time.time() < deadline)
     try:
         for i, r in enumerate(results, 1):
             out.append(r)
@@ -130,6 +131,11 @@ def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bo
             pool.close()
             pool.join()
     return out
+
+
+def _call(worker_and_job: tuple):
+    worker, job = worker_and_job
+    return worker(*job)
 
 
 def tune(units: list, grid: dict, run, final, *, max_growth: int = 0, grown: dict | None = None,

@@ -219,8 +219,7 @@ def _job_path(s: Settings, job: tuple) -> str:
     return os.path.join(s.cache(), "runs", f"{_job_key(s, job)}.json")
 
 
-def _run_job(args) -> dict:
-    s, job = args
+def _run_job(s: Settings, job: tuple) -> dict:
     result = calibrate_job(s, *job[1:]) if job[0] == "calibrate" else train_job(s, *job[1:])
     bench_common.write_json_atomic(_job_path(s, job), result)
     return result
@@ -262,5 +261,5 @@ def run_jobs(s: Settings, jobs: list[tuple], log=_print) -> tuple[list[dict], in
     """Every job's result (bench_common.run_cached_jobs: `<cache>/runs/<key>.json` with --resume, the rest on
     s.jobs workers) and how many came from the cache."""
     reused = sum(os.path.isfile(_job_path(s, j)) for j in jobs) if s.resume else 0
-    return bench_common.run_cached_jobs([(s, j) for j in jobs], lambda a: _job_path(*a), _run_job, workers=s.jobs,
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], _job_path, _run_job, workers=s.jobs,
                                         resume=s.resume, describe=_describe, log=log), reused

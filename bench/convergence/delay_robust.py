@@ -71,10 +71,6 @@ def train(s: cv.Settings, label: str, seed: int) -> dict:
     return r
 
 
-def _train_args(args) -> dict:
-    return train(*args)
-
-
 def _describe(r: dict) -> str:
     return f"{r['label']} seed {r['seed']}: val {r['val'][-1][1] if r['val'] else float('nan'):.4f} ({r['seconds']:.0f} s)"
 
@@ -95,7 +91,7 @@ def main(argv=None) -> int:
     cv.build_workload(s).prepare()  # tokenizer, corpus, indices: once, into <out>/.cache/data
     start = time.perf_counter()
     results = bench_common.run_cached_jobs([(s, label, seed) for seed in range(1, a.seeds + 1) for label in a.runs],
-                                           None, _train_args, workers=a.jobs, describe=_describe)
+                                           None, train, workers=a.jobs, describe=_describe)
     ref = {label: cv.mean_std([cv._final_val(r, s.steps) for r in results if r["label"] == label]) for label in a.runs}
 
     def verdict(label, other):

@@ -192,10 +192,6 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     return r
 
 
-def _run_job_args(args) -> dict:
-    return run_job(*args)
-
-
 def _describe(r: dict) -> str:
     u = Unit(**r["unit"])
     last = r["curve"][-1][1] if r["curve"] else float("nan")
@@ -209,7 +205,7 @@ def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = No
     (the longest first, so two workers finish a phase together); jobs not started by `deadline` (time.time())
     are skipped (reported as not run)."""
     jobs = sorted(jobs, key=lambda j: -j[3] * SECONDS_PER_MB["sync" if j[0].name == "sync" else "async"])
-    runs = bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+    runs = bench_common.run_cached_jobs([(s, *j) for j in jobs], job_path, run_job,
                                         workers=s.jobs, resume=s.resume, describe=_describe, log=log,
                                         deadline=deadline, progress=progress)
     return {(Unit(**r["unit"]), r["lr"], r["seed"]): r for r in runs}

@@ -244,10 +244,6 @@ def run_job(s: cv.Settings, job: tuple) -> dict:
     return r
 
 
-def _run_job_args(args) -> dict:
-    return run_job(*args)
-
-
 def _describe(r: dict) -> str:
     if r["kind"] != "train":
         return f"calibration D={r['D']} {r['optimizer']}"
@@ -258,7 +254,7 @@ def _describe(r: dict) -> str:
 
 def run_jobs(s: cv.Settings, jobs: list[tuple], log) -> list[dict]:
     """Cached results of `jobs` (with --resume), the rest run on `s.jobs` worker processes."""
-    return bench_common.run_cached_jobs([(s, j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], job_path, run_job,
                                         workers=s.jobs, resume=s.resume, describe=_describe, log=log)
 
 

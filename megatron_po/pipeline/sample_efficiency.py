@@ -87,6 +87,8 @@ def predict(fit: dict, method: str, D: int, M: int, k: int, bound: float) -> dic
 def describe(p: dict, fmt) -> str:
     """One line: the predicted median [pairings' 10-90 %], its 80 % interval and the verdict it implies (fmt
     formats a speed-up as the reports do)."""
-    return (f"predicted {fmt(p['speedup'])} [{fmt(p['speedup_p10'])}–{fmt(p['speedup_p90'])}], median's 80 % "
+    if p["median_hi"] == 0.0:
+        return f"never reaches it in the budget (r {p['r']:.2f} > bound): {p['verdict']}"
+    return (f"{fmt(p['speedup'])} [{fmt(p['speedup_p10'])}–{fmt(p['speedup_p90'])}], median's 80 % "
             f"interval {fmt(p['median_lo'])}–{fmt(p['median_hi'])}: {p['verdict']}"
             + ("" if p["firm"] else f" (uncertain: the interval crosses {BAR}x)"))

@@ -58,7 +58,7 @@ def test_report_helpers(dp):
     import deep_pipelines_report as rep
     curve = [(32, 5.0), (64, 4.5), (96, 4.0)]
     assert rep.first_reach(curve, 4.25) == pytest.approx(80.0)
-    assert rep.first_reach(curve, 3.0) is None and rep.at(curve, 48) == pytest.approx(4.75)
+    assert rep.first_reach(curve, 3.0) is None and rep.first_reach(curve, 4.75) == pytest.approx(48.0)
     assert rep.fmt_x(1.2499) == "1.249x"
 
 

@@ -6,13 +6,13 @@ A clock is a set of per-op costs per (D, optimizer) in the calibration's format 
 - the CPU clock: the study's own calibration (the tiny model on one CPU thread, `calibrate_job`);
 - a cost-model clock: bench/time_to_quality/ttq_cost_model.py's per-op ratios measured on real hardware (`--cost-model`).
 The curves (validation loss against micro-batches) are the same under every clock; only the seconds per
-micro-batch change. `with_step_ratio` prices the optimizer steps at a given step/(forward+backward), the rest
-of the clock fixed (the report's sensitivity line).
+micro-batch change. `scale_steps` prices the optimizer steps at a given step/(forward+backward), the rest of
+the clock fixed (the report's sensitivity line).
 
 Simulated time (free communication, stages in parallel):
-- synchronous, M micro-batches of B samples per update: one flush of the schedule's op list (`simulate`) +
-  the slowest stage's optimizer step, op costs = the clock's async-naive costs (the shared base cost of a
-  forward / backward of B samples, no policy work). Interleaved 1F1B (v = 2): each chunk costs half its
+- synchronous, M micro-batches of B samples per update (`convergence.sync_seconds_per_update`): one flush of
+  the schedule's op list (`simulate`) + the slowest stage's optimizer step, op costs = the clock's async-naive
+  costs (the shared base cost of a forward / backward of B samples, no policy work). Interleaved 1F1B (v = 2): each chunk costs half its
   stage; ZB-H1: the backward split into input and weight gradients (the clock's BackwardInput /
   BackwardWeight where it has them, else B = W = half of the backward, as bench/schedules/zero_bubble.py assumes);
 - synchronous at equal updates (one update per micro-batch of B): 1F1B over M = D micro-batches of B/D (the
@@ -42,21 +42,16 @@ EQUAL_UPDATES_LABEL = "sync, 1 update per micro-batch (1F1B, M=D of B/D)"
 @dataclasses.dataclass(frozen=True)
 class Clock:
     """Per-op costs of one clock: `ops[(D, optimizer)]` in the calibration's format; `tokens_per_mb` for its
-    tokens/s column; `step_ratio`: when set, the optimizer steps cost that multiple of forward+backward
-    (`scale_steps`)."""
+    tokens/s column."""
     key: str
     label: str
     ops: dict
     tokens_per_mb: float
-    step_ratio: float | None = None
     cost_model: dict | None = None
     source: str | None = None  # the cost model's file
 
     def block(self, D: int, opt: str) -> dict | None:
-        ops = self.ops.get((D, opt))
-        if ops is None or self.step_ratio is None:
-            return ops
-        return scale_steps(ops, self.step_ratio)
+        return self.ops.get((D, opt))
 
 
 def cpu_clock(study: dict) -> Clock:
@@ -73,10 +68,6 @@ def model_clock(cm: dict, study: dict, source: str | None = None) -> Clock:
             ops[(D, opt)] = block
     return Clock("gpu", f"cost model {cm['name']} ({cm['device']})", ops, cm["tokens_per_microbatch"], cost_model=cm,
                  source=source)
-
-
-def with_step_ratio(clock: Clock, ratio: float) -> Clock:
-    return dataclasses.replace(clock, step_ratio=ratio)
 
 
 def scale_steps(ops: dict, ratio: float) -> dict:
@@ -107,31 +98,13 @@ def step_ratio_of(ops: dict) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def sync_seconds_per_update(schedule: str, op: dict, D: int, M: int, scale: float = 1.0) -> float:
-    """One flush of M micro-batches (each op costing `scale` x its cost) + the slowest stage's step."""
-    from megatron_po.pipeline.schedules import build_schedule
-    from megatron_po.pipeline.simulator import simulate
-    t_f = [op[str(r)]["Forward"] * scale for r in range(D)]
-    t_b = [op[str(r)]["Backward"] * scale for r in range(D)]
-    step = max(op[str(r)]["Step"] for r in range(D))
-    if schedule == "interleaved-1f1b":
-        half = lambda t: [t[vs % D] / 2 for vs in range(2 * D)]  # noqa: E731 (vs = chunk*D + rank)
-        makespan = simulate(build_schedule("interleaved-1f1b", D, 2, M), half(t_f), half(t_b)).makespan
-    elif schedule == "zb-h1":
-        t_bi = [op[str(r)].get("BackwardInput", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
-        t_w = [op[str(r)].get("BackwardWeight", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
-        makespan = simulate(build_schedule("zb-h1", D, 1, M), t_f, t_bi, t_weight=t_w).makespan
-    else:
-        makespan = simulate(build_schedule(schedule, D, 1, M), t_f, t_b).makespan
-    return makespan + step
-
-
 def equal_updates_seconds_per_mb(op: dict, D: int) -> float:
     """Synchronous training at one update per micro-batch of B: 1F1B over D micro-batches of B/D + a step."""
     return sync_seconds_per_update("1f1b", op, D, D, scale=1.0 / D)
 
 
 update_interval = cv.default_interval  # (1; PipeDream-2BW and its variants: D)
+sync_seconds_per_update = cv.sync_seconds_per_update  # (one flush + the slowest stage's step)
 
 
 def async_seconds_per_mb(op: dict, D: int, k: int) -> float:

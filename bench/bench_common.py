@@ -1,6 +1,7 @@
 """The harness every bench family shares: where the checkout is and the family folders on sys.path, the offline
 environment, the argument parser, the results header (command, machine, commit, load, date), Markdown tables and
-small statistics.
+small statistics; and the studies' one engine: their run cache and worker pool, the progress line, the lr sweep,
+their runs' curves and JSONs read back.
 
 A distinct name (not `common`) because bench/ goes on sys.path, where a generic name could shadow a package.
 Importing this module is cheap: no torch at import time (benchmark worker processes import it too).
@@ -345,4 +346,3 @@ def markdown_table(header: list, rows: list[list]) -> str:
 
 def median(xs):
     return statistics.median(xs)
-

@@ -320,4 +320,3 @@ def study_from_json(s: cv.Settings, data: dict, workload: bool = True) -> dict:
     tpm = data.get("tokens_per_microbatch") or (wl.tokens_per_microbatch if wl else s.micro_batch * s.seq_length)
     return {**study, "calibrations": calib, "unigram": data["unigram"], "workload": wl, "tokens_per_microbatch": tpm,
             "train_seconds": sum(r["seconds"] for rs in study["runs"].values() for r in rs)}
-

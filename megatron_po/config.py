@@ -83,8 +83,9 @@ class ModelConfig:
                                 choices=["auto", "flash", "fused", "unfused", "local"])
     cp_comm_type: str = _f("p2p", "how context-parallel attention meets the other ranks' keys and values: p2p (ring "
                                   "attention: K/V blocks passed around the CP ring, the next transfer overlapping "
-                                  "the current block's attention) or all_gather (K/V gathered once per layer)",
-                           choices=["p2p", "all_gather"])
+                                  "the current block's attention) or allgather (K/V gathered once per layer; "
+                                  "all_gather is the same); Megatron's a2a and a2a+p2p are not available here",
+                           choices=["p2p", "allgather", "all_gather"])
     attention_softmax_in_fp32: bool = _f(False, "with --bf16/--fp16 compute attention (softmax included) in fp32")
     use_mcore_models: bool = _f(False, "accepted for Megatron-LM scripts; no effect (one model implementation, "
                                        "Megatron Core's layout)")

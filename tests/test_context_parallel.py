@@ -122,7 +122,7 @@ def run_both(cp: int, flags: dict, tp: int = 1, pp: int = 1, dp: int = 1, vpp=No
 CASES = {  # id: (cp, flags, layout)
     "cp2": (2, {}, {}),
     "cp4-llama-gqa": (4, LLAMA, {}),
-    "cp2-all-gather": (2, {**LLAMA, "--cp-comm-type": "all_gather"}, {}),
+    "cp2-all-gather": (2, {**LLAMA, "--cp-comm-type": "allgather"}, {}),
     "cp4-all-gather-documents": (4, {**DOCS, "--cp-comm-type": "all_gather"}, {}),
     "cp2-documents": (2, {**LLAMA, **DOCS}, {}),
     "cp2-tp2-sequence-parallel": (2, {**LLAMA, "--tensor-model-parallel-size": 2, "--sequence-parallel": True},

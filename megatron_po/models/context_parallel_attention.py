@@ -1,7 +1,8 @@
 """Causal self-attention over a sequence split across the context-parallel (CP) ranks (--context-parallel-size).
 
 Each CP rank holds 2 of the sequence's 2·CP chunks (data/context_split.py: rank i holds chunks i and
-2·CP−1−i), so its queries need the keys and values of the other ranks. Two ways (--cp-comm-type), as
+2·CP−1−i), so its queries need the keys and values of the other ranks. Two ways (--cp-comm-type p2p or
+allgather), as
 Megatron-LM / Transformer Engine's `attn_forward_func_with_cp`:
 
 p2p (ring attention). The K/V blocks travel around the ring: at step t rank i holds the block of rank
@@ -18,7 +19,7 @@ blocks around the ring again, each with an fp32 accumulator of its dK/dV that ev
 to; after CP steps the accumulator of rank i's block has gone round and reaches rank i. Memory per rank:
 its own q, k, v, out, lse (what one rank's attention keeps anyway) plus two K/V blocks in flight.
 
-all_gather. K and V are gathered from every CP rank once (into the whole sequence's order), each local
+allgather. K and V are gathered from every CP rank once (into the whole sequence's order), each local
 query chunk attends to the keys before it (F.scaled_dot_product_attention, causal from the bottom right),
 and the backward reduce-scatters dK/dV. Memory: the whole sequence's K/V per layer, kept for the backward.
 
@@ -234,6 +235,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     whole sequence are given), of this CP rank's queries q [b, heads, 2c, d] against every rank's keys and values
     k, v [b, groups, 2c, d] (module docstring). `math_kernel`: the explicit fp32 softmax for the ring's blocks
     (--attention-backend local/unfused)."""
-    if comm_type == "all_gather":
+    if comm_type in ("allgather", "all_gather"):  # Megatron's spelling, and the one with an underscore
         return _all_gather_attention(q, k, v, document_ids)
     return _RingAttention.apply(q, k, v, document_ids, math_kernel)

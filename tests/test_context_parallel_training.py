@@ -14,6 +14,9 @@ FP8, pretrain_gpt.py's entry and checkpoints across CP sizes.
   CP = 1 under FP8 (measured 6.2e-4), as TP = 2 is held in tests/test_fp8.py.
 - Checkpoints: CP shards no weights, so a run saved at CP = 2 resumes at CP = 1 and at CP = 4 (its 4 next losses
   within 1e-5 of CP = 2's own continuation; measured 4.8e-7 and 6.0e-7) and at CP = 2 bit for bit.
+- Bad input (CP not dividing the world, a sequence not cut into 2 x CP chunks, attention dropout, Megatron's a2a
+  comm type): exit code 2 and one line from the entry point; every CP rule's line is a row of
+  tests/test_config_rules.py.
 """
 
 import os
@@ -145,3 +148,32 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_cp4_and_bitwise_at_cp2(tmp_path)
         other = _run(tmp_path, f"cp{cp}", world, **{**flags, "--context-parallel-size": cp}, **resume,
                      **{"--save": str(tmp_path / f"ck-cp{cp}")})
         assert max_delta(other, straight[4:]) <= 1e-5, (cp, other, straight[4:])
+
+
+# ---- bad input: one line at start-up -------------------------------------------------------------------------
+
+BAD = {  # id: (world size, flags, words of the line)
+    "cp-vs-world": (3, {"--context-parallel-size": 2}, ["world size 3 is not divisible", "--context-parallel-size (2)"]),
+    "seq-vs-2cp": (4, {"--context-parallel-size": 4, "--seq-length": 36},
+                   ["--seq-length (36) is not divisible by 2 x --context-parallel-size (4) = 8"]),
+    "attention-dropout": (2, {"--context-parallel-size": 2, "--attention-dropout": 0.1},
+                          ["--attention-dropout 0.1", "add --attention-dropout 0"]),
+    "comm-type": (2, {"--context-parallel-size": 2, "--cp-comm-type": "a2a"}, ["--cp-comm-type", "a2a"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_context_parallel_input_is_one_line_at_start_up(case, tmp_path, monkeypatch, capsys):
+    """Through run_main before any process group (the world size read from the launch environment): exit code
+    2 and one `error:` line naming the flags."""
+    from test_checkpoint import tiny_args
+
+    from megatron_po.training import run_main
+    world, flags, words = BAD[case]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code = run_main(tiny_args(str(tmp_path), **{"--attention-dropout": 0.0, **flags}))
+    lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])

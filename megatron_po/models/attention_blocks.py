@@ -151,6 +151,15 @@ def forward(q, k, v, causal: bool = False, mask: torch.Tensor | None = None, mat
     return out, lse.float()
 
 
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """(out, lse) of the attention over the keys of (out, lse) and of a further block (block_out, block_lse), fp32:
+    lse' = log(e^lse + e^lse_b), out' = out + e^(lse_b - lse')·(out_b − out), the softmax-weighted sum in a form
+    that stays finite (a row that has seen no key yet: lse = −inf, out = 0)."""
+    merged = torch.logaddexp(lse, block_lse)
+    weight = torch.where(torch.isfinite(merged), torch.exp(block_lse - merged), 0.0)[..., None]
+    return out + weight * (block_out.float() - out), merged
+
+
 def backward(dout, q, k, v, out, lse, causal: bool = False, mask: torch.Tensor | None = None,
              math_kernel: bool = False):
     """(dq, dk, dv) of this block, given the output and lse of the whole attention (module docstring)."""

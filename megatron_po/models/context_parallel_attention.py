@@ -13,8 +13,8 @@ follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
     j < i     every query sees the block's first chunk (j < i), none its second: q x K[:c], unmasked
     j > i     only the second query chunk sees anything, both key chunks: Q[c:] x k, unmasked
 so every step after the first costs the same (c x 2c scores). The blocks' outputs merge by their
-log-sum-exps (attention_blocks.py gives each block's lse): out ← out − σ(lse_b − lse)·(out − out_b),
-lse ← lse − log σ(lse − lse_b), the stable form of the softmax-weighted sum. The backward passes the
+log-sum-exps (attention_blocks.py gives each block's lse, and `merge`): lse' = log(e^lse + e^lse_b),
+out' = out + e^(lse_b − lse')·(out_b − out), the softmax-weighted sum. The backward passes the
 blocks around the ring again, each with an fp32 accumulator of its dK/dV that every rank adds its share
 to; after CP steps the accumulator of rank i's block has gone round and reaches rank i. Memory per rank:
 its own q, k, v, out, lse (what one rank's attention keeps anyway) plus two K/V blocks in flight.
@@ -120,10 +120,7 @@ class _RingAttention(torch.autograd.Function):
             if out is None:
                 out, lse = block_out.float(), block_lse
             else:
-                o, s = out[:, :, qs], lse[:, :, qs]
-                weight = torch.sigmoid(block_lse - s)[..., None]
-                out[:, :, qs] = o - weight * (o - block_out.float())
-                lse[:, :, qs] = s - F.logsigmoid(s - block_lse)
+                out[:, :, qs], lse[:, :, qs] = attention_blocks.merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             _wait(works)
             if t < ring.size - 1:
                 kv = next_kv

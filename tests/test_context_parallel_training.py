@@ -9,11 +9,13 @@ FP8, pretrain_gpt.py's entry and checkpoints across CP sizes.
 - The distributed optimizer sharded over DP x CP, with PipeOptim's packed prediction gather, equals the plain
   optimizer bitwise at PP = 2 x CP = 2 (gloo's reduce-scatter is an all-reduce over the same two ranks).
 - Through `training.run_main` on mock data (AdamW, 8 iterations): CP = 2 follows CP = 1's loss curve within 1e-5,
-  and PipeOptim at PP = 2 x CP = 2 follows PP = 2's within 1e-5 (both measured 4.8e-7, the losses ~4.8); FP8
+  PipeOptim at PP = 2 x CP = 2 follows PP = 2's and DP = 2 x CP = 2 with the distributed optimizer (sharded over
+  DP x CP) follows DP = 2's within 1e-5 (measured 4.8e-7, the losses ~4.8); FP8
   (torchao, emulated; its tensorwise scales see each rank's tokens, so the FP8 roundings differ) within 2e-3 of
   CP = 1 under FP8 (measured 6.2e-4), as TP = 2 is held in tests/test_fp8.py.
 - Checkpoints: CP shards no weights, so a run saved at CP = 2 resumes at CP = 1 and at CP = 4 (its 4 next losses
-  within 1e-5 of CP = 2's own continuation; measured 4.8e-7 and 6.0e-7) and at CP = 2 bit for bit.
+  within 1e-5 of CP = 2's own continuation; measured 4.8e-7 and 6.0e-7) and at CP = 2 bit for bit; with the
+  distributed optimizer too (its shards over DP x CP: 2, then 1 and 4).
 - Bad input (CP not dividing the world, a sequence not cut into 2 x CP chunks, attention dropout, Megatron's a2a
   comm type): exit code 2 and one line from the entry point; every CP rule's line is a row of
   tests/test_config_rules.py.
@@ -126,6 +128,14 @@ def test_pipeoptim_pp2_cp2_run_follows_pp2(tmp_path):
     assert max_delta(pp2_cp2, pp2) <= 1e-5
 
 
+def test_cp2_dp2_distributed_optimizer_follows_dp2(tmp_path):
+    """Synchronous training with the distributed optimizer sharded over DP x CP (4 shards) against DP = 2 (2)."""
+    flags = {"--use-distributed-optimizer": True, "--global-batch-size": 8}
+    dp2 = _run(tmp_path, "dp2", 2, **flags)
+    dp2_cp2 = _run(tmp_path, "dp2cp2", 4, **flags, **CP_FLAGS)
+    assert max_delta(dp2_cp2, dp2) <= 1e-5
+
+
 def test_cp2_under_fp8_follows_cp1(tmp_path):
     fp8 = {"--fp8-format": "hybrid"}
     one = _run(tmp_path, "cp1", 1, **fp8)
@@ -136,8 +146,11 @@ def test_cp2_under_fp8_follows_cp1(tmp_path):
 # ---- checkpoints ---------------------------------------------------------------------------------------------
 
 
-def test_checkpoint_saved_at_cp2_resumes_at_cp1_cp4_and_bitwise_at_cp2(tmp_path):
-    flags = {**CP_FLAGS, "--seq-length": 32, "--save-interval": 4}
+@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_cp4_and_bitwise_at_cp2(tmp_path, optimizer):
+    """With the distributed optimizer the shards change with CP (DP x CP of them): 2, then 1 and 4."""
+    flags = {**CP_FLAGS, "--seq-length": 32, "--save-interval": 4,
+             "--use-distributed-optimizer": optimizer == "distributed"}
     ckpt = str(tmp_path / "ckpt")
     straight = _run(tmp_path, "straight", 2, **flags, **{"--save": ckpt})
     assert os.path.isdir(ckpt) and len(straight) == 8

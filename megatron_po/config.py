@@ -58,6 +58,11 @@ class ModelConfig:
                                     "rest pass through")
     rotary_seq_len_interpolation_factor: int | None = _f(None, "RoPE position interpolation: positions are divided "
                                                                "by this factor (HF Llama's linear rope scaling)")
+    use_rope_scaling: bool = _f(False, "RoPE frequency scaling of Llama 3.1 (HF's llama3 rope type): frequencies whose "
+                                       "wavelength exceeds 8192 positions are divided by --rope-scaling-factor, "
+                                       "those under 2048 are kept, those between are blended")
+    rope_scaling_factor: float = _f(8.0, "--use-rope-scaling: the factor the low frequencies are divided by (Llama "
+                                         "3.1: 8, Llama 3.2: 32)")
     normalization: str = _f("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "epsilon of the normalization layers")
     apply_layernorm_1p: bool = _f(False, "zero-centered norm weights: the norms multiply by (1 + weight), weight "

@@ -199,6 +199,15 @@ LAYOUT = [
          lambda c: c.m.rotary_seq_len_interpolation_factor is None or c.m.rotary_seq_len_interpolation_factor >= 1,
          lambda c: f"--rotary-seq-len-interpolation-factor must be >= 1 (got "
                    f"{c.m.rotary_seq_len_interpolation_factor})"),
+    Rule("rope-scaling-needs-rope", lambda c: c.m.position_embedding_type == "rope",
+         lambda c: f"--use-rope-scaling applies to --position-embedding-type rope, not {c.m.position_embedding_type}",
+         when=lambda c: c.m.use_rope_scaling),
+    Rule("rope-scaling-factor>=1", lambda c: 1.0 <= c.m.rope_scaling_factor < math.inf,
+         lambda c: f"--rope-scaling-factor must be a finite number >= 1 (got {c.m.rope_scaling_factor}): the low "
+                   f"RoPE frequencies are divided by it", when=lambda c: c.m.use_rope_scaling),
+    Rule("rope-scaling-factor-needs-scaling", lambda c: c.m.rope_scaling_factor == 8.0,
+         lambda c: f"--rope-scaling-factor {c.m.rope_scaling_factor} has no effect without --use-rope-scaling "
+                   f"(add it for Llama 3.1's frequency scaling)", when=lambda c: not c.m.use_rope_scaling),
     Rule("no-position-embedding-learned",
          lambda c: c.m.add_position_embedding or c.m.position_embedding_type != "learned_absolute",
          "--no-position-embedding with --position-embedding-type learned_absolute: choose --position-embedding-type "

@@ -7,10 +7,13 @@
   one with grouped-query attention (4 heads, 2 key/value groups), --kv-channels 12 (not hidden / heads),
   --apply-layernorm-1p, --rotary-base 500000 and --rotary-seq-len-interpolation-factor 2 (HF's linear rope
   scaling), trained with TP=2 (one group per rank), exports to a LlamaForCausalLM with num_key_value_heads
-  2 and head_dim 12 and the same logits.
+  2 and head_dim 12 and the same logits. A Llama-3.1-style one with --use-rope-scaling --rope-scaling-factor 8
+  (head dimension 16, --rotary-base 500000: 3 of its 8 frequencies divided by 8, one blended) exports HF's
+  "llama3" rope type and the same logits; init std 0.1 makes the positions matter enough that the same
+  model without the scaling is 1e-3 or more away (at 0.02 it would be 5e-6, under the tolerance).
 - import-hf round-trips exactly: every tensor of import(export(ckpt)) equals the checkpoint's (the
   padded vocabulary rows, which the export drops, come back as zeros), and re-exporting reproduces the
-  HF tensors bit for bit. The imported checkpoint trains with --finetune.
+  HF tensors bit for bit and the same RoPE parameters. The imported checkpoint trains with --finetune.
 - Unsupported combinations and bad paths give one error line.
 """
 
@@ -33,7 +36,13 @@ ARCHS = {
                       "--disable-bias-linear": True, "--group-query-attention": True, "--num-query-groups": 2,
                       "--kv-channels": 12, "--apply-layernorm-1p": True, "--rotary-base": 500000,
                       "--rotary-seq-len-interpolation-factor": 2}),
+    "llama3-rope-scaling": (2, {"--tensor-model-parallel-size": 2, "--normalization": "RMSNorm", "--swiglu": True,
+                                "--position-embedding-type": "rope", "--untie-embeddings-and-output-weights": True,
+                                "--disable-bias-linear": True, "--kv-channels": 16, "--rotary-base": 500000,
+                                "--use-rope-scaling": True, "--rope-scaling-factor": 8, "--init-method-std": 0.1}),
 }
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -87,6 +96,12 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
         theirs = hf(ids).logits
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= 1e-5
+    if trained["arch"] == "llama3-rope-scaling":
+        assert hf.config.rope_parameters == LLAMA3_ROPE
+        unscaled = AutoModelForCausalLM.from_pretrained(
+            str(d / "hf"), rope_parameters={"rope_type": "default", "rope_theta": 500000.0}).eval()
+        with torch.no_grad():
+            assert (unscaled(ids).logits - theirs).abs().max().item() >= 1e-3  # the check above can fail
 
     # Back into our format: the same tensors (padded vocabulary rows as zeros), then the same HF tensors.
     assert main(["import-hf", "--hf", str(d / "hf"), "--out", str(d / "imported"),
@@ -108,6 +123,8 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
     assert main(["export-hf", "--load", str(d / "imported"), "--out", str(d / "hf2"), "--no-progress"]) == 0
     first, second = load_file(str(d / "hf" / "model.safetensors")), load_file(str(d / "hf2" / "model.safetensors"))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    with open(d / "hf" / "config.json") as f, open(d / "hf2" / "config.json") as g:
+        assert json.load(f).get("rope_parameters") == json.load(g).get("rope_parameters")
 
     if trained["arch"] == "llama":  # the imported checkpoint is a starting point for training
         world, flags = ARCHS["llama"]

@@ -248,3 +248,44 @@ def test_tool_bad_cost_model_is_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "schema must be" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 50: the prediction made before the runs (deep_pipelines_predict.py, pipeline/sample_efficiency.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_mean_staleness_is_read_off_the_op_lists():
+    from megatron_po.pipeline.sample_efficiency import mean_staleness
+    for D in (2, 4, 8, 16):
+        for k in (1, 2, 4):
+            # the straight stream: stage r's micro-batches see (D - r - 1) / k updates on average
+            assert mean_staleness(D, k) == pytest.approx((D - 1) / (2 * k))
+
+
+def test_predict_closed_form_and_never():
+    from megatron_po.pipeline import sample_efficiency as se
+    fit = {"methods": ["pipeoptim", "async-naive"], "coefficients": [0.2, 0.3, -0.1], "sigma": 0.0,
+           "covariance": [[0.0] * 3 for _ in range(3)], "dof": 3, "seed_offsets": [-0.05, 0.05]}
+    p = se.predict(fit, "pipeoptim", 8, 4, 2, bound=2.0)
+    ln_r = 0.2 * 1.75 - 0.1 * 1.0  # tau(8, 2) = 1.75, log2(4 / 2) = 1
+    assert p["r"] == pytest.approx(math.exp(ln_r)) and p["speedup"] == pytest.approx(2.0 / math.exp(ln_r))
+    assert p["speedup_p10"] == pytest.approx(2.0 / math.exp(ln_r + 0.05))
+    assert p["median_lo"] == pytest.approx(p["speedup"]) and p["firm"]  # no model error: a point interval
+    assert p["verdict"] == ("met" if p["speedup_p10"] >= 1.25 else "not met")
+    assert se.predict(fit, "async-naive", 16, 1, 1, bound=3.0)["speedup"] == 0.0  # r = e^2.25 > bound: never
+    assert se.predict(fit, "pipedream", 8, 4, 4, bound=2.0) is None  # no coefficient: no prediction
+
+
+def test_committed_predictions_refit_from_the_committed_runs(dp):
+    """predictions.json holds what the fit of the committed D = 8 runs gives (nothing typed in by hand), and it
+    predicts every unit of issue 50's study."""
+    import deep_pipelines_predict as pr
+    with open(pr.PREDICTIONS) as f:
+        committed = json.load(f)
+    obs = [o for name in pr.FIT_FILES for o in pr.observations(os.path.join(dp.OUT, name))]
+    model = pr.fit(obs)
+    assert model["coefficients"] == pytest.approx(committed["fit"]["coefficients"], rel=1e-9)
+    assert model["sigma"] == pytest.approx(committed["fit"]["sigma"], rel=1e-9)
+    assert {(p["D"], p["M"], p["method"], p["k"]) for p in committed["predictions"]} == set(pr.new_settings())
+    assert all(o["D"] == 8 for o in obs)  # fitted on D = 8 alone

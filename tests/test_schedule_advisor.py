@@ -54,9 +54,11 @@ def _write(tmp_path, name, obj):
 
 
 def _table(tmp_path, *extra):
+    """The table at D = 8, M = 4 on MODEL, without predictions (their own test below) unless `extra` asks."""
     model = _write(tmp_path, "model.json", MODEL)
     return simulate_schedule.methods_table(simulate_schedule.parse_args(
-        ["--cost-model", model, "--optimizer", "muon", "--num-stages", "8", "--num-microbatches", "4", *extra]))
+        ["--cost-model", model, "--optimizer", "muon", "--num-stages", "8", "--num-microbatches", "4",
+         "--predictions", "", *extra]))
 
 
 def test_advisor_prices_every_method_it_lists(tmp_path):
@@ -139,6 +141,28 @@ def test_the_map_names_the_runner_up():
          "--optimizer", "muon", "--map", "8", "2,4"]))
     last = out.splitlines()[-1]
     assert last.startswith("where interleaved ZB-H1 (v=2) is the best (2 cells), the next synchronous schedule"), last
+
+
+def test_advisor_prints_the_prediction_beside_the_bound(tmp_path, capsys):
+    """Issue 50 item 3: at any (D, M) the fitted model's prediction, marked as one, with its interval, evaluated as
+    the study's predictions file evaluates it; none for an optimizer it was not fitted on, none with ''."""
+    from megatron_po.pipeline import sample_efficiency as se
+    path = os.path.join("bench", "results", "gpu_nvidia_h200_a_cost_model.json")
+    fit = json.load(open(os.path.join(simulate_schedule.REPO, simulate_schedule.PREDICTIONS)))["fit"]
+    simulate_schedule.main(["--cost-model", path, "--optimizer", "muon", "--num-stages", "16", "--num-microbatches", "4"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("PipeOptim ") and line.split()[1] == "4")
+    bound = float(row.split()[4].rstrip("x"))
+    p = se.predict(fit, "pipeoptim", 16, 4, 4, bound)
+    assert simulate_schedule.FITTED in row and cmm.format_speedup(p["speedup"]) in row
+    assert f"80 % interval {cmm.format_speedup(p['median_lo'])}" in row and p["verdict"] in row
+    assert "study: no verdict" in out  # no measured verdict at D = 16 (yet): the prediction stands alone
+    simulate_schedule.main(["--cost-model", path, "--optimizer", "adamw", "--num-stages", "16", "--num-microbatches", "4"])
+    out = capsys.readouterr().out
+    assert simulate_schedule.FITTED not in out and "fitted on Muon" in out
+    simulate_schedule.main(["--cost-model", path, "--optimizer", "muon", "--num-stages", "16", "--num-microbatches", "4",
+                            "--predictions", ""])
+    assert simulate_schedule.FITTED not in capsys.readouterr().out
 
 
 # ---- long sequences (issue 49): the per-micro-batch cost at another sequence length and CP ------------------

@@ -19,7 +19,12 @@ cost model (megatron_po/pipeline/cost_model.py; work a model has no figure for, 
 model that did not measure it, is derived there and says so), and prints time per iteration, bubble, weight
 copies, activations in flight and the deep-pipeline study's verdict where it has one, with the horizon it was
 judged at (the synchronous run's updates and micro-batches), its seeds and its speed-up range (median and
-10-90 %; "range not computed" where the study did not compute one):
+10-90 %; "range not computed" where the study did not compute one). For Muon it also prints, for any (D, M), the
+speed-up PREDICTED for PipeOptim, PipeOptim + error feedback and async-naive (median, 10-90 % over seed pairings,
+the median's 80 % interval, the verdict it implies) by the sample-efficiency model fitted on the D = 8 study
+(megatron_po/pipeline/sample_efficiency.py: ln r = beta[method] x tau(D, k) + gamma x log2(M / k), tau the mean
+staleness in updates read off the op lists; the fit: bench/results/deep_pipelines/predictions.md, which also
+says how well it did on the settings it had not seen):
 
     python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
         --optimizer muon --num-stages 8 --num-microbatches 4
@@ -49,6 +54,7 @@ import os
 
 from megatron_po.errors import ConfigError, UserError
 from megatron_po.pipeline import cost_model as cmm
+from megatron_po.pipeline import sample_efficiency as se
 from megatron_po.pipeline.schedules import build_schedule, staleness
 from megatron_po.pipeline.simulator import plot_timeline, simulate
 
@@ -58,6 +64,9 @@ BAR = 1.25  # issue 36's target: the same loss this much sooner
 # The study's verdicts: the study at >= 512 updates (issue 41) first, then the older short-horizon one.
 VERDICTS = [os.path.join("bench", "results", "deep_pipelines", "*_verdicts.json"),
             os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")]
+# The sample-efficiency model the predictions come from (bench/deep_pipelines/deep_pipelines_predict.py).
+PREDICTIONS = os.path.join("bench", "results", "deep_pipelines", "predictions.json")
+FITTED = "predicted (model fitted on the D = 8 study: Muon, hidden 64, 512 updates)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +105,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verdicts", action="append", default=None, metavar="PATH",
                    help="with --cost-model: a study's verdicts file or glob (repeatable; the first with a verdict for "
                         f"(D, M, optimizer) is used; '' for none; default: {', '.join(VERDICTS)})")
+    p.add_argument("--predictions", default=PREDICTIONS, metavar="PATH",
+                   help="with --cost-model and --optimizer muon: the fitted sample-efficiency model the predicted "
+                        f"speed-ups come from ('' for none; default {PREDICTIONS})")
     return p.parse_args(argv)
+
+
+def _fit(path: str | None, optimizer: str) -> dict | None:
+    """The fitted model of `path` (predictions.json's "fit"), or None: no file, or an optimizer it was not fitted
+    on (Muon only)."""
+    if not path or optimizer != "muon":
+        return None
+    full = path if os.path.isabs(path) else os.path.join(REPO, path)
+    if not os.path.isfile(full):
+        return None
+    with open(full) as f:
+        return json.load(f)["fit"]
+
+
+def _predicted(fit: dict | None, method: str, ef: bool, D: int, M: int, k, bound: float) -> str | None:
+    """The prediction of one asynchronous row, marked as such, or None where the model has no coefficient."""
+    p = se.predict(fit, "po-ef" if ef else method, D, M, k, bound) if fit else None
+    return f"{FITTED}: {se.describe(p, cmm.format_speedup)}" if p else None
 
 
 def _simulate(args, method: str, num_chunks: int):
@@ -249,8 +279,10 @@ def throughput_map(args) -> str:
     except ValueError:
         raise ConfigError(f"--map takes two comma-separated lists of integers, got {' '.join(args.map)}") from None
     opt = args.optimizer
+    fit = _fit(args.predictions, opt)
     lines = [f"optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}); per cell: best synchronous "
-             "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it",
+             "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it"
+             + (f"; PipeOptim's speed-up to its final loss at k = M, {FITTED}" if fit else ""),
              "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
     runner_up = {label: [] for _, label in SYNC_ROWS}  # per best schedule: the next one's gap per cell, in %
     for D in ds:
@@ -272,7 +304,10 @@ def throughput_map(args) -> str:
                     continue
                 fast[label] = cmm.async_per_microbatch(D, M, c).seconds_per_microbatch
             quick = min(fast, key=fast.get)
-            cells.append(f"{best} {1e3 * sync[best]:.1f} ms; {quick} k={M}: {sync[best] / fast[quick]:.2f}x")
+            p = se.predict(fit, "pipeoptim", D, M, M, sync[best] / fast["PipeOptim"]) if fit else None
+            cells.append(f"{best} {1e3 * sync[best]:.1f} ms; {quick} k={M}: {sync[best] / fast[quick]:.2f}x"
+                         + (f"; PipeOptim k={M} predicted {cmm.format_speedup(p['speedup'])} ({p['verdict']}"
+                            f"{'' if p['firm'] else ', uncertain'})" if p else ""))
         lines.append(f"| {D} | " + " | ".join(cells) + " |")
     for label, cells in runner_up.items():
         if cells:
@@ -287,7 +322,7 @@ def methods_table(args) -> str:
     """Every method priced at (D, M) on the cost model, fastest first within its family."""
     cm, derived = cost_model_of(args)
     D, M, opt = args.num_stages, args.num_microbatches, args.optimizer
-    rows, notes = [], set()
+    rows, notes, predicted = [], set(), {}
     base, _ = cmm.method_costs(cm, D, opt, "1f1b")
     for label, (name, tl) in _sync_flushes(D, M, base).items():
         if isinstance(tl, Exception):
@@ -310,7 +345,9 @@ def methods_table(args) -> str:
             s = cmm.async_per_microbatch(D, k, c)
             rows.append((label, k, M * s.seconds_per_microbatch, s.seconds_per_microbatch, s.bubble_fraction,
                          cmm.weight_copies(method, D, k, ef), s.peak_activations, f"staleness <= {s.max_staleness}"))
+            predicted[(label, k)] = (method, ef)
     verdicts = _verdicts(args.verdicts or VERDICTS, cm, D, M, opt)
+    fit = _fit(args.predictions, opt)
     lines = [f"D={D} M={M} optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}): {cm['device']}; "
              f"{cm['model']}; p2p {cm.get('p2p_ms', 0.0):g} ms",
              f"{'method':<27} {'k':>2} {'ms/iteration':>12} {'ms/micro-batch':>14} {'vs best sync':>12} {'bubble':>7} "
@@ -326,6 +363,9 @@ def methods_table(args) -> str:
             # k < M updates more often per sample: it would need BAR / ratio x the flush's sample efficiency.
             verdict = (f"throughput {best_sync / per:.2f}x < {BAR}x: no {BAR}x win at equal sample efficiency" if k == M
                        else f"needs {BAR * per / best_sync:.2f}x the sample efficiency of the best sync for a {BAR}x win")
+        if (label, k) in predicted:  # beside the bound and any measured verdict, marked as a prediction
+            said = _predicted(fit, *predicted[(label, k)], D, M, k, best_sync / per)
+            verdict = "; ".join(x for x in (verdict, said) if x) or None
         lines.append(f"{label:<27} {k!s:>2} {1e3 * it:>12.2f} {1e3 * per:>14.3f} {best_sync / per:>11.3f}x "
                      f"{bubble:>7.3f} {copies:>7} {act:>5g}  {note}{'; ' if note and verdict else ''}{verdict or ''}")
     lines.append("ms/iteration: M micro-batches (synchronous: one flush + every rank's step; asynchronous: the "
@@ -338,6 +378,14 @@ def methods_table(args) -> str:
         lines.append(_study_line(verdicts, args.verdicts))
     else:
         lines.append("study: no verdict at this (D, M, optimizer, cost model)")
+    if fit:
+        lines.append(f"predictions: speed-up to the best synchronous schedule's final loss = bound / r, ln r = "
+                     "beta[method] x tau + gamma x log2(M / k) (tau: mean staleness in updates from the op list); "
+                     "median [10-90 % over seed pairings], the median's 80 % interval, rule (b) on the predicted 10th "
+                     f"percentile; fitted on the D = 8 study alone ({args.predictions}; how it did on the settings it "
+                     "had not seen: the study's reports, docs/benchmarks.md)")
+    elif opt != "muon":
+        lines.append("predictions: none for this optimizer (the sample-efficiency model is fitted on Muon)")
     return "\n".join(lines)
 
 

@@ -36,10 +36,10 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import deep_pipelines_report as report  # noqa: E402
-from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAX_GROWTH, MEASURED,  # noqa: E402
-                                 OPTIMIZERS, OUT, STUDY_BLOCKS, STUDY_SEEDS, STUDY_UPDATES, Progress, best_sync, cmm, cv,
-                                 dump_json, plan_size, plan_units, provenance_now, run_study, shown_path,
-                                 study_settings, study_units)
+from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAP_BLOCKS, MAX_GROWTH,  # noqa: E402
+                                 MEASURED, OPTIMIZERS, OUT, STUDY_BLOCKS, STUDY_SEEDS, STUDY_UPDATES, Progress,
+                                 best_sync, cmm, cv, dump_json, map_units, plan_size, plan_units, provenance_now,
+                                 run_study, shown_path, study_settings, study_units)
 from megatron_po.errors import ConfigError  # noqa: E402
 
 
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", action="store_true", help="issue 41's study (module docstring): Muon at M = 2, 4 and "
                    "AdamW at M = 4, in that order, H = 512 x M; ignores --optimizers, -M, --methods, --ks")
+    p.add_argument("--map-study", action="store_true", help="issue 50's study (the pipeline map beyond D = 8): Muon "
+                   "at (D, M) = (4, 1), (8, 1), (16, 4), in that order, H = 512 x M; S, PipeOptim and async-naive at "
+                   "k = M, PipeOptim at k = 2 where M = 1; ignores --depth, --optimizers, -M, --methods, --ks")
+    p.add_argument("--depth", "-D", type=int, default=D, help=f"pipeline stages D, one layer each (default {D})")
     p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=list(OPTIMIZERS))
     p.add_argument("--microbatches", "-M", type=int, nargs="+", default=[4], help="M per synchronous update (default 4)")
     p.add_argument("--methods", nargs="+", default=["sync", *ASYNC], choices=["sync", *ASYNC])
@@ -133,7 +137,9 @@ class Plan:
 
 def plan_from_args(given: list[str]) -> Plan:
     a = build_parser().parse_args(given)
-    s = study_settings(a.quick)
+    if a.depth < 2 or (a.quick and a.depth != D):
+        raise SystemExit(f"error: --depth {a.depth}: need D >= 2 (--quick runs at D = {D})")
+    s = study_settings(a.quick, a.depth)
     s.seeds = a.seeds if a.seeds is not None else (s.seeds if a.quick else STUDY_SEEDS)
     far = a.far_seeds if a.far_seeds is not None else (s.seeds if a.quick else FAR_SEEDS)
     if s.seeds < 1 or far < 1 or far > s.seeds:
@@ -157,22 +163,25 @@ def plan_from_args(given: list[str]) -> Plan:
             raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
     defaults = build_parser().parse_args([])
     if a.study:
-        pairs = [(o, M, *study_units(o, M)) for o, M in STUDY_BLOCKS]
+        pairs = [(D, o, M, *study_units(o, M)) for o, M in STUDY_BLOCKS]
+    elif a.map_study:
+        pairs = [(depth, o, M, map_units(o, M), []) for depth, o, M in MAP_BLOCKS]
     else:
         optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
         methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
         ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
         if any(x != "M" and not x.isdigit() for x in ks):
             raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
-        pairs = [(o, M, plan_units([o], [M], methods, ks, a.k1_methods), []) for o in optimizers for M in a.microbatches]
+        pairs = [(a.depth, o, M, plan_units([o], [M], methods, ks, a.k1_methods, a.depth), [])
+                 for o in optimizers for M in a.microbatches]
     blocks = []
-    for o, M, units, cond in pairs:
+    for depth, o, M, units, cond in pairs:
         H = a.steps if a.steps is not None else (s.steps if a.quick else STUDY_UPDATES * M)
-        bs = dataclasses.replace(s, steps=H)
+        bs = dataclasses.replace(s, steps=H, depths=[depth], num_layers=depth if not a.quick else s.num_layers)
         if M < 1 or H % M or s.eval_interval % M or s.eval_batches % M or H % s.eval_interval:
             raise SystemExit(f"error: M={M} must divide the horizon {H}, the evaluation interval {s.eval_interval} "
                              f"and the validation batches {s.eval_batches}; the interval must divide H")
-        name = f"{a.name}_d{D}_m{M}_{o.replace('-', '_')}_h{H}" + (f"_hidden{s.hidden_size}" if a.hidden else "")
+        name = f"{a.name}_d{depth}_m{M}_{o.replace('-', '_')}_h{H}" + (f"_hidden{s.hidden_size}" if a.hidden else "")
         blocks.append(Block(bs, units, cond, name))
     path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
     command = "python bench/deep_pipelines/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
@@ -191,7 +200,7 @@ def run(plan: Plan, log=print) -> list[str]:
         "seeds for every unit: an upper bound on seeds, grid growth not counted)")
     for b in plan.blocks:
         u = b.units[0]
-        name, t = best_sync(plan.cm, u.opt, u.M)
+        name, t = best_sync(plan.cm, u.opt, u.M, b.s.depths[0])
         log(f"> {b.name}: S = {name} at {1e3 * t:.3f} ms per micro-batch on {plan.cost_model_path} "
             f"(p2p {plan.cm.get('p2p_ms', 0.0):g} ms); H = {b.s.steps} micro-batches ({b.s.steps // u.M} updates); "
             f"budget {b.s.steps * t:.3f} s")

@@ -116,12 +116,12 @@ def fmt_x(x: float | None) -> str:
     return cmm.format_speedup(x)  # rounded down, "never" for 0: the advisor prints the verdicts file the same
 
 
-def clock_rows(cm: dict, opt: str, M: int, units: list) -> dict:
+def clock_rows(cm: dict, opt: str, M: int, units: list, D: int) -> dict:
     """{name or (name, k): seconds per micro-batch} for every synchronous schedule and asynchronous unit."""
-    out = {n: dp.seconds_per_microbatch(cm, opt, n, M) for n in dp.SYNC}
+    out = {n: dp.seconds_per_microbatch(cm, opt, n, M, D=D) for n in dp.SYNC}
     for u in units:
         if u.name != "sync":
-            out[(u.name, u.k)] = dp.seconds_per_microbatch(cm, opt, u.name, M, u.k)
+            out[(u.name, u.k)] = dp.seconds_per_microbatch(cm, opt, u.name, M, u.k, D)
     return out
 
 
@@ -141,7 +141,7 @@ def analyse(study: dict, cms: dict) -> list[dict]:
         s_final = mean_std(s_finals)
         clocks = {}
         for key, cm in cms.items():
-            t = clock_rows(cm, opt, M, units)
+            t = clock_rows(cm, opt, M, units, study["D"])
             best = min((n for n in dp.SYNC if t[n] is not None), key=t.get)
             clocks[key] = {"t": t, "best": best, "budget": H * t[best]}
         rows = []
@@ -163,7 +163,7 @@ def analyse(study: dict, cms: dict) -> list[dict]:
             own = study.get("equal_samples", {}).get(u, [])
             row["equal_samples_run"] = (mean_std([dp.final_val(r) for r in own]), len(own)) if own else None
             rows.append(row)
-        blocks.append({"opt": opt, "M": M, "sync": sync, "H": H, "sync_final": s_final, "sync_finals": s_finals,
+        blocks.append({"D": study["D"], "opt": opt, "M": M, "sync": sync, "H": H, "sync_final": s_final, "sync_finals": s_finals,
                        "sync_n": len(s_runs), "sync_curve": mean_curve(s_runs), "clocks": clocks, "rows": rows})
     return blocks
 
@@ -213,7 +213,7 @@ def write_plot(blocks: list[dict], path: str) -> str | None:
         ax_n.axvline(b["H"], color="black", lw=0.6)
         ax_t.set_xlabel("seconds on the measured H200 clock (eager steps, p2p priced)")
         ax_n.set_xlabel("micro-batches of B samples")
-        ax_t.set_title(f"D=8 M={b['M']} {dp.OPT_LABELS[b['opt']]}, H={b['H']}: equal budget (line)", fontsize=10)
+        ax_t.set_title(f"D={b['D']} M={b['M']} {dp.OPT_LABELS[b['opt']]}, H={b['H']}: equal budget (line)", fontsize=10)
         ax_n.set_title("the same curves against samples (each on its own cosine)", fontsize=10)
         ax_t.legend(fontsize=7)
         lo = min(min(y for _, y in b["sync_curve"]), *(min(y for _, y in r["curve"]) for r in b["rows"] if r["curve"]))
@@ -277,7 +277,7 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status
     out = {"note": "written by bench/deep_pipelines/deep_pipelines_report.py; read by tools/simulate_schedule.py "
                    "--cost-model", "verdicts": {}}
     for b in blocks:
-        key = f"D={dp.D},M={b['M']},{b['opt']}{wide}"
+        key = f"D={b['D']},M={b['M']},{b['opt']}{wide}"
         label = lambda r: f"{dp.LABELS[r['unit'].name]}, k={r['unit'].k}"  # noqa: E731
         rows = {label(r): ("not yet decided" if status else verdict_text(r)) + f" ({r['n_seeds']} seed{'s' if r['n_seeds'] != 1 else ''})"
                 for r in b["rows"]}
@@ -311,14 +311,49 @@ def not_run_bounds(study: dict, cm: dict) -> str:
     with its bound on the measured clock: under the bar a unit needs more sample efficiency than S to win."""
     ran = set(study["units"])
     pairs = dict.fromkeys((u.opt, u.M) for u in study["units"])
-    full = [u for o, M in pairs for u in dp.plan_units([o], [M], ["sync", *dp.ASYNC], ["1", "2", "M"])]
+    D = study["D"]
+    full = [u for o, M in pairs for u in dp.plan_units([o], [M], ["sync", *dp.ASYNC], ["1", "2", "M"], D=D)]
     missing = [u for u in full if u not in ran and u.name != "sync"]
     if not missing:
         return ""
-    items = [f"{u.label} {dp.best_sync(cm, u.opt, u.M)[1] / dp.seconds_per_microbatch(cm, u.opt, u.name, u.M, u.k):.2f}x"
+    items = [f"{u.label} {dp.best_sync(cm, u.opt, u.M, D)[1] / dp.seconds_per_microbatch(cm, u.opt, u.name, u.M, u.k, D):.2f}x"
              for u in missing]
     return (f"Not in this study's plan (bound on the measured clock: S's seconds per micro-batch / the unit's; under "
             f"{BAR}x a unit needs {BAR} / bound x S's sample efficiency to meet (b)): " + "; ".join(items) + ".\n")
+
+
+def predictions_for(D: int, M: int, path: str = os.path.join(dp.OUT, "predictions.json")) -> dict:
+    """{(method, k): the prediction committed before the runs (issue 50)} for (D, M), from predictions.json."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        preds = json.load(f)["predictions"]
+    return {(p["method"], p["k"]): p for p in preds if (p["D"], p["M"]) == (D, M)}
+
+
+def prediction_lines(b: dict, status: str | None) -> list[str]:
+    """The block's units beside what bench/results/deep_pipelines/predictions.md predicted for them before their
+    runs (none for a setting it did not predict), and where the prediction failed."""
+    preds = predictions_for(b["D"], b["M"])
+    rows = [(r, preds[(r["unit"].name, r["unit"].k)]) for r in b["rows"] if (r["unit"].name, r["unit"].k) in preds]
+    if not rows:
+        return []
+    L = ["Predicted before the runs ([predictions.md](predictions.md): ln r = beta[method] x tau + gamma x log2(M/k), "
+         "fitted on the D = 8 runs) against the outcome, measured H200 clock:\n",
+         "| unit | predicted: median [10-90 %], median's 80 % interval, verdict | measured: median [10-90 %], verdict "
+         "| prediction |", "|---|---|---|---|"]
+    for r, p in rows:
+        a, m = p["measured"], r["clocks"]["measured"]
+        said = f"{fmt_x(a['speedup'])} [{fmt_x(a['speedup_p10'])}–{fmt_x(a['speedup_p90'])}], " \
+               f"{fmt_x(a['median_lo'])}–{fmt_x(a['median_hi'])}, {a['verdict']}"
+        got = "met" if r["a"] and m["b"] else "not met"
+        inside = a["median_lo"] <= m["median"] <= a["median_hi"]
+        outcome = ("not yet decided" if status else
+                   ("verdict right" if got == a["verdict"] else "**verdict WRONG**") +
+                   ("; median inside its 80 % interval" if inside else "; **median outside its 80 % interval**"))
+        L.append(f"| {r['unit'].label} | {said} | {fmt_range(m)}, {'not yet decided' if status else got} | {outcome} |")
+    L.append("")
+    return L
 
 
 def _load_text(data: dict) -> str:
@@ -346,7 +381,8 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     status = in_progress(data)
     L = []
     opt, M, H = next(((u.opt, u.M, study["horizons"][u]) for u in study["units"] if u.name == "sync"), (None,) * 3)
-    title = (f"D = 8, M = {M}, {dp.OPT_LABELS[opt]}, H = {H} micro-batches ({H // M} updates of S)" if opt else "D = 8")
+    D = study["D"]
+    title = (f"D = {D}, M = {M}, {dp.OPT_LABELS[opt]}, H = {H} micro-batches ({H // M} updates of S)" if opt else f"D = {D}")
     L.append(f"# Where an asynchronous pipeline earns its keep: {title}\n")
     if status:
         L.append(f"**{status.upper()}.** The tables below hold the runs finished so far; a unit's seeds, its lr and "
@@ -406,14 +442,14 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L.append(
         f"- Workload: bench/convergence/convergence.py's GPT ({s['num_layers']} layers, hidden {s['hidden_size']}, "
         f"{s['num_attention_heads']} heads, sequence {s['seq_length']}, vocab {s['vocab_size']}; corpus "
-        f"`{dp.shown_path(s['corpus'])}`), D = 8 stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
+        f"`{dp.shown_path(s['corpus'])}`), D = {D} stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
         f"validation every {s['eval_interval']} micro-batches on a fixed {s['eval_batches']} x {s['micro_batch']} "
         f"sequences; unigram loss {data['unigram']:.3f}.\n"
         f"- Optimizer: {', '.join(dp.OPT_LABELS[o] for o in data['grid'])}; weight decay {s['weight_decay']}, clipping "
         f"{s['clip_grad'] or 'none'}" + (f"; Muon options as run: {extra}" if any(o != "adamw" for o in data["grid"])
                                         else "") + ". lr, warm-up and horizon per unit (below).\n"
         "- S's schedules run the same updates (the mean gradient of M micro-batches, one step): one unpipelined run "
-        "per seed, priced per schedule on the clock. Asynchronous units run through `AsyncEmulator` at D = 8 and "
+        f"per seed, priced per schedule on the clock. Asynchronous units run through `AsyncEmulator` at D = {D} and "
         "update interval k: one step per k micro-batches, lr of micro-batch i*k at step i. PipeOptim + error "
         "feedback: PipeOptim with `error_feedback=True`.\n")
     L.append("| unit | micro-batches | updates | warm-up (micro-batches) | best lr | seeds |")
@@ -441,7 +477,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
             L.append(f"| {key} | {dp.OPT_LABELS[b['opt']]} | {b['M']} | " + " | ".join(cells) +
                      f" | {dp.LABELS[c['best']]} |")
     L.append("\nms per micro-batch of B (a flush of M micro-batches + every rank's step, over M); \"not admitted\" "
-             "where this code's schedule does not admit (D = 8, M).\n")
+             f"where this code's schedule does not admit (D = {D}, M).\n")
     L.append("## Sweep (seed 1): final validation loss at each lr\n")
     L.append("| unit | micro-batches | final val loss at each lr | chosen lr |")
     L.append("|---|---|---|---|")
@@ -456,7 +492,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L.append("")
     for b in blocks:
         c = b["clocks"]["measured"]
-        L.append(f"## Result: D = 8, M = {b['M']}, {dp.OPT_LABELS[b['opt']]}\n")
+        L.append(f"## Result: D = {D}, M = {b['M']}, {dp.OPT_LABELS[b['opt']]}\n")
         L.append(f"S = **{dp.LABELS[c['best']]}**, {1e3 * c['t'][c['best']]:.3f} ms per micro-batch; budget = {b['H']} "
                  f"x that = {c['budget']:.3f} s. S's final validation loss: **{b['sync_final'][0]:.4f} ± "
                  f"{b['sync_final'][1]:.4f}** (mean ± sd, n = {b['sync_n']}).\n")
@@ -484,6 +520,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                      f"micro-batches to reach it) >= {BAR}.\n")
         L.append("Derived clock: the same curves (their runs planned for the measured budget) re-priced on the "
                  "derived 8,192-token model, with S re-chosen there.\n")
+        L += prediction_lines(b, status)
         same = [r for r in b["rows"] if r["equal_samples_run"]]
         if same:  # --equal-samples: each unit again for H micro-batches, its cosine over H
             L.append("Equal samples (`--equal-samples`: the unit at its best lr trained for H micro-batches, its "

@@ -31,7 +31,7 @@ cv = tr.cv
 OUT = os.path.join(cv.REPO, "bench", "results", "deep_pipelines")
 MEASURED = os.path.join(cv.REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
 DERIVED = os.path.join(cv.REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b_seq8192_derived.json")
-D = 8
+D = 8  # the study's default depth (issue 41); --depth sets another (issue 50): one layer per stage
 
 SYNC = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "interleaved-zb-h1")
 ASYNC = ("async-naive", "pipedream-2bw", "pipeoptim", "po-ef")
@@ -60,9 +60,14 @@ MAX_GROWTH = 2  # extensions per side at most (compute); a best lr still at an e
 STUDY_BLOCKS = (("muon", 2), ("muon", 4), ("adamw", 4))
 STUDY_UPDATES = 512  # S's optimizer updates at every M: H = 512 x M micro-batches
 STUDY_METHODS = {"muon": ("async-naive", "pipeoptim", "po-ef"), "adamw": ("pipeoptim", "po-ef")}  # at k = M
+# The study of issue 50 (the pipeline map beyond D = 8), fixed before its runs with its predictions
+# (bench/results/deep_pipelines/predictions.md): Muon at (D, M), in the order they run (the cheap ones first);
+# S, PipeOptim and async-naive at k = M, and at M = 1 PipeOptim at k = 2 (an update every two micro-batches).
+MAP_BLOCKS = ((4, "muon", 1), (8, "muon", 1), (16, "muon", 4))
 CLOSE_NAT = 0.1  # a unit whose seed-1 final loss is within this of S's gets S's seeds (else FAR_SEEDS)
 STUDY_SEEDS, FAR_SEEDS = 5, 1
-# Seconds of single-thread training per micro-batch of B, for the plan's CPU-hours estimate only (the
+# Seconds of single-thread training per micro-batch of B of the 8-layer model (scaled by the layers), for the
+# plan's CPU-hours estimate only (the
 # committed H = 256 study, bench/results/time_to_quality/deep_pipelines_m2_muon.json: sync at M = 2 12.6-14.1 s
 # per 256, PipeOptim at D = 8 32-52 s per 544, on the loaded 2-core machine).
 SECONDS_PER_MB = {"sync": 0.055, "async": 0.085}
@@ -83,14 +88,21 @@ class Unit:
         return f"sync, M={self.M}" if self.name == "sync" else f"{LABELS[self.name]}, k={self.k}"
 
 
-def study_settings(quick: bool = False) -> cv.Settings:
-    """Micro-batches of B = 8 x 64 tokens, validation every 32 micro-batches on 16 x 8 fixed sequences; the
-    horizon (`steps`) is set per M by the plan (H = STUDY_UPDATES x M; --steps: one H for every M)."""
-    s = tr.study_settings(False, depths=[D], seeds=3, steps=512, warmup=16, eval_interval=32, eval_batches=16, tail=32)
+def study_settings(quick: bool = False, depth: int = D) -> cv.Settings:
+    """Micro-batches of B = 8 x 64 tokens, validation every 32 micro-batches on 16 x 8 fixed sequences; D =
+    `depth` stages of one layer each (`depths`, `num_layers`); the horizon (`steps`) is set per M by the plan
+    (H = STUDY_UPDATES x M; --steps: one H for every M)."""
+    s = tr.study_settings(False, depths=[depth], num_layers=depth, seeds=3, steps=512, warmup=16, eval_interval=32,
+                          eval_batches=16, tail=32)
     if quick:
-        s = dataclasses.replace(cv.quick_settings(s), depths=[D], steps=32, warmup=1, eval_interval=16,
+        s = dataclasses.replace(cv.quick_settings(s), depths=[depth], steps=32, warmup=1, eval_interval=16,
                                 eval_batches=8, tail=8, seeds=2, timing_rounds=1)
     return s
+
+
+def depth_of(s: cv.Settings) -> int:
+    """The study's D: its settings' one depth."""
+    return s.depths[0]
 
 
 def opt_settings(s: cv.Settings, opt: str) -> cv.Settings:
@@ -102,7 +114,7 @@ def opt_settings(s: cv.Settings, opt: str) -> cv.Settings:
 # --------------------------------------------------------------------------------------------------
 
 
-def method_costs(cm: dict, opt: str, name: str) -> cmm.StageCosts:
+def method_costs(cm: dict, opt: str, name: str, D: int = D) -> cmm.StageCosts:
     """Per-op costs of a method (the synchronous schedules: async-naive's, no policy work) at D stages;
     error feedback's and 2BW's work derived where the model has no figure (cost_model.method_costs)."""
     if opt == "muon-ns3":  # the step of 3 NS steps: derived from the measured Muon step
@@ -119,10 +131,10 @@ def muon_ns3_step_ratio(cm: dict) -> float:
     return r["adamw"] + (r["muon"] - r["adamw"]) * 3 / 5
 
 
-def seconds_per_microbatch(cm: dict, opt: str, name: str, M: int, k: int = 1) -> float | None:
-    """A configuration's seconds per micro-batch of B samples on cost model cm; None when the schedule
-    does not admit (D, M) (e.g. interleaving at M % D != 0)."""
-    c = method_costs(cm, opt, "sync" if name in SYNC else name)
+def seconds_per_microbatch(cm: dict, opt: str, name: str, M: int, k: int = 1, D: int = D) -> float | None:
+    """A configuration's seconds per micro-batch of B samples on cost model cm at D stages; None when the
+    schedule does not admit (D, M) (e.g. interleaving at M % D != 0)."""
+    c = method_costs(cm, opt, "sync" if name in SYNC else name, D)
     if name in SYNC:
         try:
             return cmm.sync_iteration(name, D, M, c).makespan / M
@@ -131,9 +143,9 @@ def seconds_per_microbatch(cm: dict, opt: str, name: str, M: int, k: int = 1) ->
     return cmm.async_per_microbatch(D, k, c).seconds_per_microbatch
 
 
-def best_sync(cm: dict, opt: str, M: int) -> tuple[str, float]:
+def best_sync(cm: dict, opt: str, M: int, D: int = D) -> tuple[str, float]:
     """The fastest synchronous schedule at (D, M) and its seconds per micro-batch."""
-    priced = {n: seconds_per_microbatch(cm, opt, n, M) for n in SYNC}
+    priced = {n: seconds_per_microbatch(cm, opt, n, M, D=D) for n in SYNC}
     name = min((n for n, t in priced.items() if t is not None), key=priced.get)
     return name, priced[name]
 
@@ -143,8 +155,8 @@ def horizon(s: cv.Settings, cm: dict, unit: Unit) -> int:
     best synchronous schedule's time for H, rounded down to whole evaluation intervals."""
     if unit.name == "sync":
         return s.steps
-    _, t_sync = best_sync(cm, unit.opt, unit.M)
-    t = seconds_per_microbatch(cm, unit.opt, unit.name, unit.M, unit.k)
+    _, t_sync = best_sync(cm, unit.opt, unit.M, depth_of(s))
+    t = seconds_per_microbatch(cm, unit.opt, unit.name, unit.M, unit.k, depth_of(s))
     return max(s.eval_interval, int(s.steps * t_sync / t) // s.eval_interval * s.eval_interval)
 
 
@@ -163,7 +175,7 @@ def unit_settings(s: cv.Settings, unit: Unit, lr: float, steps: int) -> cv.Setti
 
 def job_path(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> str:
     us = unit_settings(s, unit, lr, steps)
-    key = cv._job_key(us, ("train", D, OPTIMIZERS[unit.opt][0], f"dp-{unit.name}-m{unit.M}-k{unit.k}", seed))
+    key = cv._job_key(us, ("train", depth_of(s), OPTIMIZERS[unit.opt][0], f"dp-{unit.name}-m{unit.M}-k{unit.k}", seed))
     return os.path.join(s.out, "runs", f"dp-{key}.json")
 
 
@@ -174,7 +186,7 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     if unit.name == "sync":
         r, per = cv.train_job(us, 0, opt, "sync", seed), unit.M
     else:
-        r, per = cv.train_job(us, D, opt, unit.name, seed, update_interval=unit.k), 1
+        r, per = cv.train_job(us, depth_of(s), opt, unit.name, seed, update_interval=unit.k), 1
     # Small enough to commit: no per-micro-batch train losses, the validation curve once (5 decimals).
     curve = [(e * per, round(v, 5)) for e, v in r["val"]]
     r = {k: v for k, v in r.items() if k not in ("losses", "val", "bleu")}
@@ -245,7 +257,7 @@ def final_val(r: dict) -> float:
 
 
 def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: list[str],
-               k1_methods: list[str] | None = None) -> list[Unit]:
+               k1_methods: list[str] | None = None, D: int = D) -> list[Unit]:
     """Every unit: per (optimizer, M) the synchronous run and each asynchronous method at k in ks
     ("1", "2", "M"; k = 1 only for the methods of `k1_methods` when given), PipeDream-2BW only where
     k >= D (it accumulates over at least D micro-batches)."""
@@ -271,6 +283,12 @@ def study_units(opt: str, M: int) -> tuple[list[Unit], list[Unit]]:
         return units, []
     units.append(Unit(opt, "pipeoptim", M, M // 2))
     return units, [Unit(opt, m, M, M // 2) for m in ("async-naive", "po-ef")]
+
+
+def map_units(opt: str, M: int) -> list[Unit]:
+    """Issue 50's units for one (D, M): S, PipeOptim and async-naive at k = M; PipeOptim at k = 2 where M = 1."""
+    return [Unit(opt, "sync", M, M), Unit(opt, "pipeoptim", M, M), Unit(opt, "async-naive", M, M)] + (
+        [Unit(opt, "pipeoptim", M, 2)] if M == 1 else [])
 
 
 def conditional_units(results: dict, best: dict, units: list[Unit], conditional: list[Unit],
@@ -306,7 +324,7 @@ def plan_size(s: cv.Settings, cm: dict, units: list[Unit], grid_points: int) -> 
     for u in units:
         n, h = grid_points + s.seeds - 1, horizon(s, cm, u)
         runs, mb = runs + n, mb + n * h
-        seconds += n * h * SECONDS_PER_MB["sync" if u.name == "sync" else "async"]
+        seconds += n * h * SECONDS_PER_MB["sync" if u.name == "sync" else "async"] * s.num_layers / 8  # (per layer)
     return runs, mb, seconds / 3600
 
 
@@ -387,7 +405,7 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
             same.setdefault(Unit(**r["unit"]), []).append(r)
         not_run += sorted((u.opt, u.name, u.M, u.k, lr, sd, f"equal samples {n}") for u, lr, sd, n in jobs
                           if sd not in {r["seed"] for r in same.get(u, [])})
-    return {"units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
+    return {"D": depth_of(s), "units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
             "horizons": steps, "not_run": not_run, "unigram": wl.unigram_baseline(),
             "planned": len(planned), "done": len(planned & set(results)),
             "conditional": {"units": [u.label for u in conditional],
@@ -451,7 +469,7 @@ def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:
     """S and the budget per (optimizer, M) on the clock that plans the runs: fixed before any run."""
     out = {}
     for opt, M in dict.fromkeys((u.opt, u.M) for u in units):
-        name, t = best_sync(cm, opt, M)
+        name, t = best_sync(cm, opt, M, depth_of(s))
         out[f"{opt},M={M}"] = {"S": name, "S_ms_per_microbatch": 1e3 * t, "H": s.steps, "updates": s.steps // M,
                                "budget_s": s.steps * t, "p2p_ms": cm.get("p2p_ms", 0.0)}
     return out
@@ -467,7 +485,7 @@ def study_from_json(data: dict) -> dict:
         runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
         if e.get("equal_samples_runs"):
             same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
-    return {"equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
+    return {"D": data["settings"]["depths"][0], "equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
             "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
             "run_loads": data.get("run_loads"), "planned": data.get("planned_runs"),

@@ -117,7 +117,8 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = self.tie_output
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor)
+            self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor,
+                                          cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
         layers = []
         for i in range(layer_offset, layer_offset + n):
             with _seeded(seed, i):

@@ -19,6 +19,9 @@ Layout differences handled here:
 - GPT-2 uses Conv1D modules whose weights are stored transposed ([in, out]) relative to nn.Linear.
 - RoPE: ours is the rotate-half (GPT-NeoX) convention, which is what HF's Llama implements, so q/k rows
   need no permutation (the permutation in HF's own converter undoes Meta's interleaved convention).
+- RoPE scaling: --rotary-seq-len-interpolation-factor is HF's "linear" rope type, --use-rope-scaling (Llama
+  3.1's frequencies) its "llama3" type with Megatron's fixed constants (_LLAMA3_CONSTANTS); one config holds
+  one type, so the two together are refused, and an import with other llama3 constants too.
 - Biases: GPT-2 always has them (a model trained with --no-add-bias-linear exports zeros, which computes
   the same function); Llama's `attention_bias`/`mlp_bias` follow --add-bias-linear.
 - Tied or untied output layer: `tie_word_embeddings`.
@@ -36,9 +39,14 @@ import dataclasses
 import torch
 
 from megatron_po.errors import UserError
+from megatron_po.models.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
+                                            LLAMA3_ORIGINAL_MAX_POSITIONS)
 
 GPT2 = "gpt2"
 LLAMA = "llama"
+# HF's "llama3" rope type spells out the constants Megatron's --use-rope-scaling fixes.
+_LLAMA3_CONSTANTS = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                     "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS}
 
 
 def with_defaults(model: dict) -> dict:
@@ -60,6 +68,9 @@ def hf_architecture(model: dict) -> str:
     if combo == ("RMSNorm", "SwiGLU", "rope"):
         if model["rotary_percent"] != 1.0:
             raise UserError(f"--rotary-percent {model['rotary_percent']}: Llama rotates whole heads")
+        if model["use_rope_scaling"] and model["rotary_seq_len_interpolation_factor"] is not None:
+            raise UserError("--use-rope-scaling with --rotary-seq-len-interpolation-factor: a Llama config has one "
+                            "RoPE type (llama3 or linear), not both")
         return LLAMA
     raise UserError(f"no Hugging Face equivalent for normalization={combo[0]}, MLP={combo[1]}, positions={combo[2]}: "
                     "export supports LayerNorm + GELU + learned_absolute (GPT-2) and RMSNorm + SwiGLU + rope (Llama)")
@@ -124,8 +135,12 @@ def hf_config(model: dict, vocab_size: int):
 
 
 def _rope_parameters(model: dict) -> dict:
-    """--rotary-base, and --rotary-seq-len-interpolation-factor as HF's "linear" scaling (positions / factor)."""
+    """--rotary-base, --rotary-seq-len-interpolation-factor as HF's "linear" scaling (positions / factor), and
+    --use-rope-scaling as its "llama3" type with --rope-scaling-factor and Megatron's fixed constants."""
     theta, factor = float(model["rotary_base"]), model["rotary_seq_len_interpolation_factor"]
+    if model["use_rope_scaling"]:
+        return {"rope_type": "llama3", "rope_theta": theta, "factor": float(model["rope_scaling_factor"]),
+                **_LLAMA3_CONSTANTS}
     if factor is None:
         return {"rope_type": "default", "rope_theta": theta}
     return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
@@ -216,8 +231,15 @@ def model_config_from_hf(hf: dict) -> dict:
             raise UserError(f"Llama activation {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear"):
-            raise UserError(f"RoPE scaling {rope_type!r} is not supported (default and linear are)")
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UserError(f"RoPE scaling {rope_type!r} is not supported (default, linear and llama3 are)")
+        if rope_type == "llama3":
+            got = {k: rope.get(k) for k in _LLAMA3_CONSTANTS}
+            if got != _LLAMA3_CONSTANTS:
+                raise UserError(f"llama3 RoPE scaling with {got}: --use-rope-scaling (as Megatron's) fixes "
+                                f"{_LLAMA3_CONSTANTS}")
+            if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
+                raise UserError(f"llama3 RoPE scaling factor {rope.get('factor')!r} is not a number >= 1")
         factor = rope.get("factor") if rope_type == "linear" else None
         if factor is not None and float(factor) != int(factor):
             raise UserError(f"linear RoPE scaling factor {factor} is not an integer "
@@ -233,6 +255,8 @@ def model_config_from_hf(hf: dict) -> dict:
                     seq_length=hf.get("max_position_embeddings", 2048),
                     position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
                     rotary_seq_len_interpolation_factor=None if factor is None else int(factor),
+                    use_rope_scaling=rope_type == "llama3",
+                    rope_scaling_factor=float(rope["factor"]) if rope_type == "llama3" else 8.0,
                     norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                     untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
                     hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),

@@ -69,15 +69,41 @@ def dropout(x: torch.Tensor, p: float, training: bool, split_across_tp: bool) ->
     return F.dropout(x, p, True)
 
 
+# Llama 3.1's frequency scaling (Megatron's --use-rope-scaling; HF's "llama3" rope type): these three are fixed
+# there as here (Megatron has no flags for them); only the factor is a flag.
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_MAX_POSITIONS = 1.0, 4.0, 8192
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Frequencies with a wavelength 2 pi / f over LLAMA3_ORIGINAL_MAX_POSITIONS / LOW_FREQ_FACTOR are divided by
+    `factor` (they never completed a turn within the original context, so they are stretched to the longer
+    one), those under ORIGINAL / HIGH_FREQ_FACTOR kept (local positions), those between blended linearly in
+    ORIGINAL / wavelength. The same operations in the same order as Megatron Core's and HF's, so the
+    frequencies match theirs bit for bit."""
+    low_freq_wavelen = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_LOW_FREQ_FACTOR
+    high_freq_wavelen = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = ((LLAMA3_ORIGINAL_MAX_POSITIONS / wavelen - LLAMA3_LOW_FREQ_FACTOR)
+              / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR))
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half (GPT-NeoX / Llama) convention over the first `rotary_dim` dimensions of a
     head (Megatron's --rotary-percent x head dimension); `apply_rotary` passes the rest through. Positions
-    are divided by `interpolation_factor` (--rotary-seq-len-interpolation-factor)."""
+    are divided by `interpolation_factor` (--rotary-seq-len-interpolation-factor); with `llama3_factor`
+    (--use-rope-scaling --rope-scaling-factor) the frequencies are Llama 3.1's (`llama3_scaled_inv_freq`)."""
 
-    def __init__(self, rotary_dim: int, base: int, interpolation_factor: int | None = None):
+    def __init__(self, rotary_dim: int, base: int, interpolation_factor: int | None = None,
+                 llama3_factor: float | None = None):
         super().__init__()
         self.interpolation_factor = interpolation_factor
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        if llama3_factor is not None:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_len: int, device, position_ids: torch.Tensor | None = None,
@@ -85,7 +111,10 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [s, 1, 1, head_dim]; with `position_ids` [b, s] (--reset-position-ids) [s, b, 1, head_dim].
         `positions` [s]: the rows' places in the whole sequence (context parallelism), else 0 .. s-1."""
         if position_ids is not None:
-            freqs = position_ids.t().to(torch.float32)[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
+            t = position_ids.t().to(torch.float32)  # [s, b]
+            if self.interpolation_factor is not None:
+                t = t / self.interpolation_factor
+            freqs = t[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
             emb = torch.cat([freqs, freqs], dim=-1)
             return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
         t = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None

@@ -5,6 +5,8 @@ on its two chunks (data/context_split.py) and compares its rows of the output an
 F.scaled_dot_product_attention over the whole sequence (causal, or the document mask of
 --reset-attention-mask with a boundary inside a chunk and one on a chunk border). fp32; the blocks' merge
 and the ring's fp32 accumulation change the order of sums only: rtol 1e-5, atol 5e-6 (values ~1).
+Also: the load-balanced split itself, a block whose mask leaves a row without keys, and the rank layout and
+process groups (TP fastest, then CP, DP, PP; gradients over DP x CP).
 """
 
 from functools import partial
@@ -105,3 +107,35 @@ def test_block_kernel_gives_empty_rows_no_weight():
         assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8)) and torch.isinf(lse[:, :, 1]).all()
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         torch.testing.assert_close(out[:, :, [0, 2, 3]], ref[:, :, [0, 2, 3]], rtol=1e-5, atol=1e-6)
+
+
+def test_rank_layout_is_tp_then_cp_then_dp_then_pp():
+    """Megatron's order: TP fastest, then CP, then DP, then PP (parallel_state.rank_of / coords_of)."""
+    from megatron_po.parallel_state import context_parallel_rank_of, coords_of, rank_of
+    tp, cp, dp, pp = 2, 2, 3, 2
+    seen = set()
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                for t in range(tp):
+                    r = rank_of(t, d, p, tp, dp, c, cp)
+                    assert coords_of(r, tp, dp, cp) == (t, d, p) and context_parallel_rank_of(r, tp, cp) == c
+                    seen.add(r)
+    assert seen == set(range(tp * cp * dp * pp))
+    assert [rank_of(0, 0, 0, tp, dp, c, cp) for c in range(cp)] == [0, 2]  # a CP ring: TP ranks apart
+    assert rank_of(0, 1, 0, tp, dp, 0, cp) == 4 and rank_of(0, 0, 1, tp, dp, 0, cp) == 12
+
+
+def _groups():
+    return (ps.get_context_parallel_ranks(), ps.get_data_parallel_ranks(),
+            ps.get_data_parallel_ranks(with_context_parallel=True), ps.get_pipeline_model_parallel_ranks(),
+            ps.get_data_parallel_world_size(with_context_parallel=True), ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def test_process_groups_at_tp2_cp2_dp2():
+    """Rank 5 = (TP 1, CP 0, DP 1): its CP ring {5, 7}, its DP group {1, 5}, DP x CP {1, 3, 5, 7} (gradients), and
+    its rank there, DP rank x CP + CP rank."""
+    results = run_distributed(_groups, 8, tp=2, cp=2)
+    cp_ranks, dp_ranks, dp_cp_ranks, pp_ranks, size, rank = results[5]
+    assert (cp_ranks, dp_ranks, dp_cp_ranks, pp_ranks) == ((5, 7), (1, 5), (1, 3, 5, 7), (5,))
+    assert (size, rank) == (4, 2) and results[7][5] == 3 and results[0][5] == 0

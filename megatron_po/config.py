@@ -86,6 +86,11 @@ class ModelConfig:
     attention_backend: str = _f("auto", "attention kernel: auto (PyTorch picks), local/unfused (explicit "
                                         "softmax(QK^T)V, any device), flash/fused (flash / cuDNN kernels, CUDA)",
                                 choices=["auto", "flash", "fused", "unfused", "local"])
+    cp_comm_type: str = _f("p2p", "how context-parallel attention meets the other ranks' keys and values: p2p (ring "
+                                  "attention: K/V blocks passed around the CP ring, the next transfer overlapping "
+                                  "the current block's attention) or allgather (K/V gathered once per layer; "
+                                  "all_gather is the same); Megatron's a2a and a2a+p2p are not available here",
+                           choices=["p2p", "allgather", "all_gather"])
     attention_softmax_in_fp32: bool = _f(False, "with --bf16/--fp16 compute attention (softmax included) in fp32")
     use_mcore_models: bool = _f(False, "accepted for Megatron-LM scripts; no effect (one model implementation, "
                                        "Megatron Core's layout)")
@@ -124,6 +129,52 @@ class ModelConfig:
                                          "logits, then the vocab-parallel cross entropy runs on them; by default "
                                          "the two run together over chunks of tokens and never hold those logits "
                                          "(equal within rounding; compiled with --torch-compile; docs/compile.md)")
+    # Mixture of Experts (Megatron-core's flags and meanings; megatron_po/models/moe/, docs/moe.md)
+    num_experts: int | None = _f(None, "MoE: routed experts per MoE layer (default: none, dense MLPs)")
+    moe_ffn_hidden_size: int | None = _f(None, "MoE: hidden size of one expert's MLP (default --ffn-hidden-size)")
+    moe_router_topk: int = _f(2, "MoE: experts each token is routed to")
+    moe_layer_freq: str = _f("1", "MoE: which layers are MoE: N = every N-th layer from the first, or Megatron's "
+                                  "list form with one 0/1 per layer, e.g. '([0]*1+[1]*3)' (1 = MoE)")
+    moe_shared_expert_intermediate_size: int | None = _f(None, "MoE: hidden size of the shared experts every token "
+                                                               "goes through (default: none)")
+    moe_router_score_function: str = _f("softmax", "MoE: router scores", choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = _f(False, "MoE: softmax over all experts before the top-k (default: over the "
+                                             "top-k logits)")
+    moe_router_topk_scaling_factor: float | None = _f(None, "MoE: multiply the top-k routing weights by this")
+    moe_router_load_balancing_type: str = _f("aux_loss", "MoE: load balancing: aux_loss (Switch Transformer's, "
+                                                         "per micro-batch), seq_aux_loss (per sequence), none; "
+                                                         "sinkhorn is refused here",
+                                             choices=["aux_loss", "seq_aux_loss", "none", "sinkhorn"])
+    moe_aux_loss_coeff: float = _f(0.0, "MoE: coefficient of the load-balancing loss (0: none)")
+    moe_z_loss_coeff: float | None = _f(None, "MoE: coefficient of the router z-loss (ST-MoE)")
+    moe_router_enable_expert_bias: bool = _f(False, "MoE: DeepSeek-V3's aux-loss-free balancing: a per-expert bias "
+                                                    "on the routing scores, moved after every step toward equal loads")
+    moe_router_bias_update_rate: float = _f(1e-3, "MoE: step of the expert bias update")
+    moe_expert_capacity_factor: float | None = _f(None, "MoE: expert capacity = factor x tokens x top-k / experts per "
+                                                        "micro-batch; tokens past it are dropped (default: dropless)")
+    moe_token_drop_policy: str = _f("probs", "MoE: which tokens an over-capacity expert keeps: the highest routing "
+                                             "weights (probs) or the first (position)", choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = _f(False, "MoE: every expert gets exactly its capacity of tokens "
+                                                       "(padded; fixed shapes)")
+    moe_token_dispatcher_type: str = _f("allgather", "MoE: how tokens reach their experts over the expert-parallel "
+                                                     "ranks: allgather or alltoall (flex is refused here)",
+                                        choices=["allgather", "alltoall", "flex"])
+    moe_grouped_gemm: bool = _f(False, "MoE: the local experts as one grouped GEMM (torch._grouped_mm; default: a "
+                                       "loop over the local experts, the same numbers)")
+    moe_router_num_groups: int | None = _f(None, "MoE: Megatron's group-limited routing: not implemented here, "
+                                                 "refused with one line")
+    moe_router_group_topk: int | None = _f(None, "MoE: Megatron's group-limited routing: not implemented here, "
+                                                 "refused with one line")
+    moe_router_dtype: str | None = _f(None, "MoE: Megatron's router precision switch: not implemented here (the "
+                                            "routing scores are fp32), refused with one line", choices=["fp32", "fp64"])
+    moe_input_jitter_eps: float | None = _f(None, "MoE: Megatron's router input jitter: not implemented here, "
+                                                  "refused with one line")
+    moe_permute_fusion: bool = _f(False, "MoE: Megatron's fused permutation kernels (Transformer Engine): not "
+                                         "available here, refused with one line")
+    moe_shared_expert_overlap: bool = _f(False, "MoE: Megatron's shared-expert/dispatch overlap: not implemented "
+                                                "here, refused with one line")
+    moe_layer_recompute: bool = _f(False, "MoE: Megatron's MoE-layer-only recomputation: not implemented here (use "
+                                          "--recompute-granularity full), refused with one line")
 
 
 @dataclass
@@ -162,13 +213,20 @@ class ParallelConfig:
     ddp_bucket_size: int = _f(40_000_000, "DDP gradient bucket size in elements")
     distributed_timeout_minutes: float = _f(10.0, "timeout of every collective and p2p operation; a dead rank is "
                                                   "detected (heartbeat) within half of it, at most 60 s")
-    context_parallel_size: int = _f(1, "context-parallel size: accepted as 1 only (no context parallelism here)")
+    context_parallel_size: int = _f(1, "context-parallel size: every sequence split over this many ranks in 2 x CP "
+                                       "chunks, rank i holding chunks i and 2CP-1-i (load-balanced causal "
+                                       "attention); weights replicated, gradients averaged over DP x CP; "
+                                       "docs/context_parallel.md")
     overlap_grad_reduce: bool = _f(False, "Megatron's DP gradient-reduce overlap: always on here (each bucket's "
                                           "reduce starts during the backward), so a documented no-op")
     overlap_p2p_communication: bool = _f(False, "Megatron's p2p overlap: always on here (pipeline sends and receives "
                                                 "are posted asynchronously), so a documented no-op")
     distributed_backend: str | None = _f(None, "torch.distributed backend (default: nccl on CUDA, gloo on CPU; nccl "
                                                "needs CUDA)", choices=["nccl", "gloo"])
+    expert_model_parallel_size: int = _f(1, "MoE: expert-parallel size: the experts split over this many ranks, "
+                                            "carved out of the data-parallel ranks (Megatron's layout)")
+    expert_tensor_parallel_size: int | None = _f(None, "MoE: tensor-parallel size of each expert (default "
+                                                       "--tensor-model-parallel-size, as Megatron)")
 
 
 @dataclass
@@ -524,7 +582,10 @@ def fp8_recipe(m: ModelConfig) -> str | None:
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    return world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    """Replicas that read different samples: the world over TP x PP x CP (the CP ranks of one DP rank share
+    its samples, each holding a part of every sequence)."""
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:

@@ -91,18 +91,25 @@ class RunControls:
             gc.enable()
 
 
-def replica_sums(params, group) -> dict[str, float]:
-    """`params_norm` and `num_zeros_in_grad` of one model replica, summed over `group` (model parallel)."""
-    counted = [p for p in params if counts_toward_norm(p)]
-    sq = torch.zeros((), dtype=torch.float64, device=ps.get_device())
-    zeros = torch.zeros((), dtype=torch.float64, device=ps.get_device())
-    for p in counted:
-        sq += p.detach().double().square().sum()
-        grad = getattr(p, "main_grad", None)
-        grad = p.grad if grad is None else grad
-        if grad is not None:
-            zeros += (grad == 0).sum()
-    both = torch.stack([sq, zeros])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(both, group=group)
+def replica_sums(params, group, expert_group=None) -> dict[str, float]:
+    """`params_norm` and `num_zeros_in_grad` of one model replica, summed over `group` (model parallel); MoE
+    experts over `expert_group` (the expert model-parallel group, optim/clip_grads.py) when given."""
+    sums = []
+    for experts in ((False, True) if expert_group is not None else (None,)):
+        sq = torch.zeros((), dtype=torch.float64, device=ps.get_device())
+        zeros = torch.zeros((), dtype=torch.float64, device=ps.get_device())
+        for p in params:
+            if not counts_toward_norm(p) or experts not in (None, getattr(p, "expert_parallel", False)):
+                continue
+            sq += p.detach().double().square().sum()
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None:
+                zeros += (grad == 0).sum()
+        both = torch.stack([sq, zeros])
+        over = expert_group if experts else group
+        if over is not None and dist.get_world_size(over) > 1:
+            dist.all_reduce(both, group=over)
+        sums.append(both)
+    both = torch.stack(sums).sum(dim=0)
     return {"params_norm": float(both[0].sqrt()), "num_zeros_in_grad": int(both[1])}

@@ -24,7 +24,8 @@ from megatron_po.run_controls import replica_sums
 def logging_rank(cfg: Config) -> int:
     from megatron_po.pipeline.schedules import loss_rank
     return ps.rank_of(0, 0, loss_rank(cfg.parallel.pipeline_method, ps.get_pipeline_model_parallel_world_size()),
-                      ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+                      ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                      cp=ps.get_context_parallel_world_size())
 
 
 def start_logging(cfg: Config, workload, schedule: SampleSchedule, iteration: int) -> Progress:
@@ -45,7 +46,8 @@ def replica_metrics(cfg: Config, params) -> dict:
     lc = cfg.logging
     if not (lc.log_params_norm or lc.log_num_zeros_in_grad):
         return {}
-    sums = replica_sums(params, ps.get_model_parallel_group())
+    experts = ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
+    sums = replica_sums(params, ps.get_model_parallel_group(), experts)
     return {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
 
 

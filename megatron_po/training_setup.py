@@ -18,6 +18,7 @@ from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
+from megatron_po.models.moe.rules import moe_summary
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MixedPrecisionOptimizer, build_grad_scaler, grad_buffer_dtype,
@@ -28,7 +29,7 @@ from megatron_po.output_paths import prepare_outputs
 from megatron_po.run_rules import check_resume_iteration, load_plan, no_validation_warning
 from megatron_po.tensor_parallel import model_parallel_seed
 from megatron_po.training_log import print_rank0
-from megatron_po.training_step import Trainable, TrainState
+from megatron_po.training_step import Trainable, TrainState, expert_norm_group
 
 
 # Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).
@@ -90,7 +91,10 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     workload.cfg = cfg
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
+                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None,
+                                 context_parallel_size=p.context_parallel_size)
+    if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the DP x CP ranks
+        ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
     prepare_outputs(cfg, log=print_rank0)  # writable output paths, the --save lock: before any model or resume
     torch.manual_seed(cfg.training.seed)
@@ -136,7 +140,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     if pr.use_distributed_optimizer:
         return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group())
     if pr.bf16 or pr.fp16:
-        return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group())
+        return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group(),
+                                       expert_group=expert_norm_group(cfg))
     return inner(groups)
 
 
@@ -152,7 +157,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     else:
         pr = cfg.precision
         chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in workload.model_chunks()]
-        ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size,
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients averaged over DP x CP
+        ddp = DistributedDataParallel(chunks, dp_cp_group, p.ddp_bucket_size,
                                       grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                    pr.accumulate_allreduce_grads_in_fp32),
                                       use_distributed_optimizer=pr.use_distributed_optimizer,
@@ -164,9 +170,12 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     if fp8_summary(cfg.model):
         print_rank0(fp8_summary(cfg.model))  # which FP8 backend and recipe run, emulated or not
     n_params = sum(p.numel() for c in model.chunks for p in c.parameters())
+    cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
-                f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
+                f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
+    if cfg.model.num_experts is not None:
+        print_rank0(moe_summary(cfg))
     return model
 
 

@@ -22,6 +22,7 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import UserError
 from megatron_po.gpt_workload import GPTWorkload
+from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
 from megatron_po.optim.clip_grads import clip_grad_norm_
 from megatron_po.optim.sample_schedule import set_lr
@@ -89,10 +90,12 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
 def per_token_normalizer(batches: list[dict]) -> None:
     """--calculate-per-token-loss: each micro-batch's loss becomes its summed token losses / (T / (M x DP)),
     T the loss tokens of the whole global batch (all micro-batches, all DP ranks), so the mean over the M
-    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T."""
+    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T. With context
+    parallelism each rank holds its share of the tokens and DDP averages over DP x CP: T / (M x DP x CP)."""
     local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
-    dist.all_reduce(local, group=ps.get_data_parallel_group())
-    normalizer = (local / (len(batches) * ps.get_data_parallel_world_size())).clamp(min=1e-12).float()
+    dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
+    replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
+    normalizer = (local / (len(batches) * replicas)).clamp(min=1e-12).float()
     for b in batches:
         b["loss_normalizer"] = normalizer
 
@@ -107,18 +110,32 @@ def holds_loss(cfg: Config) -> bool:
 def average_over_dp(x: torch.Tensor | None) -> float | None:
     """Mean over data-parallel replicas of a loss held by the last pipeline stage. `x` may live anywhere (an
     evaluation's float comes as a CPU tensor): it is copied to the backend's device first, as NCCL takes
-    only GPU tensors."""
+    only GPU tensors. With context parallelism the mean is over DP x CP: each CP rank holds its tokens'
+    share of the loss times CP (data/context_split.py), so that mean is the loss of the whole sequences."""
     if x is None:
         return None
     x = x.detach().to(device=ps.get_device(), dtype=torch.float64, copy=True)
-    dist.all_reduce(x, group=ps.get_data_parallel_group())
-    return float(x) / ps.get_data_parallel_world_size()
+    dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(x) / ps.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def expert_norm_group(cfg: Config):
+    """The group the MoE experts' gradient squares are summed over (optim/clip_grads.py); None without experts."""
+    return ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
 
 
 def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, decoupled_lr: float | None = None):
     """One synchronous iteration. Returns (loss on the last stage or None, grad norm or None when the
     step was skipped for inf/NaN gradients). `decoupled_lr`: the lr of the "decoupled" groups
-    (--decoupled-lr: input embedding and output layer)."""
+    (--decoupled-lr: input embedding and output layer). MoE: right after the optimizer step every expert bias
+    moves by the tokens its router counted in this iteration (--moe-router-enable-expert-bias), also after a
+    step skipped for inf/NaN gradients, as Megatron (which updates it before the optimizer decides)."""
+    loss, grad_norm = _forward_backward_step(cfg, chunks, ddp, optimizer, batches, lr, workload, decoupled_lr)
+    update_expert_bias(chunks)
+    return loss, grad_norm
+
+
+def _forward_backward_step(cfg, chunks, ddp, optimizer, batches, lr, workload, decoupled_lr):
     wrapped = isinstance(optimizer, MainParamsOptimizer)
     ddp.zero_grad()
     with timers("forward-backward", 1):
@@ -136,7 +153,8 @@ def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, d
                     group["lr"] = decoupled_lr
         if wrapped:  # fp32 main params: unscale, skip on inf/NaN, clip and step inside (sharded or not)
             return loss, optimizer.step().grad_norm
-        grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group())
+        grad_norm = clip_grad_norm_(ddp.params, cfg.training.clip_grad, ps.get_model_parallel_group(),
+                                    expert_norm_group(cfg))
         if math.isfinite(grad_norm) or not cfg.training.check_for_nan_in_loss_and_grad:
             optimizer.step()  # else the run stops (check_finite) with the weights of the last good step
     return loss, grad_norm

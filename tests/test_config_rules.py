@@ -22,6 +22,7 @@ PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-a
 TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
+CP2 = MOCK + ["--context-parallel-size", "2", "--attention-dropout", "0"]  # valid on 2 ranks
 
 # (id, world size, argv, words the error line must contain)
 RULES = [
@@ -68,6 +69,20 @@ RULES = [
      ["world size 3 is not divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"]),
     ("world-vs-tpxpp", 4, MOCK + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
      ["world size 4", "= 8"]),
+    ("context-parallel-size>=1", 1, MOCK + ["--context-parallel-size", "0"],
+     ["--context-parallel-size must be >= 1 (got 0)"]),
+    ("world-vs-tpxppxcp", 6, CP2 + ["--tensor-model-parallel-size", "2"],
+     ["world size 6 is not divisible by", "--context-parallel-size (2) = 4"]),
+    ("context-parallel-seq-length", 2, CP2 + ["--seq-length", "126"],
+     ["--seq-length (126) is not divisible by 2 x --context-parallel-size (2) = 4"]),
+    ("context-parallel-sequence-parallel", 8, CP2 + ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+                                                     "--seq-length", "20"],
+     ["--sequence-parallel with --context-parallel-size 2", "each CP rank's 10 tokens", "(4)"]),
+    ("context-parallel-local-layers", 2, CP2 + TE, ["--context-parallel-size 2", "--transformer-impl local"]),
+    ("context-parallel-attention-dropout", 2, MOCK + ["--context-parallel-size", "2"],
+     ["--context-parallel-size 2 with --attention-dropout 0.1", "add --attention-dropout 0"]),
+    ("context-parallel-attention-backend", 2, CP2 + ["--attention-backend", "flash", "--bf16"],
+     ["--context-parallel-size 2 with --attention-backend flash", "(auto)", "local, unfused"]),
     ("hidden-vs-heads", 1, MOCK + ["--hidden-size", "100", "--num-attention-heads", "3"],
      ["--hidden-size (100) is not divisible by --num-attention-heads (3)"]),
     ("hidden-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--hidden-size", "33",
@@ -277,7 +292,6 @@ RULES = [
      ["--reset-attention-mask needs --transformer-impl local"]),
     ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
      ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
-    ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),
     ("exit-duration>0", 1, MOCK + ["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins must be > 0"]),
     ("manual-gc-interval>=0", 1, MOCK + ["--manual-gc", "--manual-gc-interval", "-1"],
      ["--manual-gc-interval must be >= 0"]),
@@ -370,6 +384,72 @@ RULES = [
      ["--reset-position-ids needs --transformer-impl local"]),
     ("log-num-zeros-in-grad-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-num-zeros-in-grad"],
      ["--log-num-zeros-in-grad is logged by the synchronous methods"]),
+    # Mixture of Experts (models/moe/rules.py)
+    *[(f"{flag[2:]}>=1", 1, MOCK + [flag, "0"], [f"{flag} must be >= 1 (got 0)"])
+      for flag in ["--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+                   "--expert-tensor-parallel-size", "--expert-model-parallel-size"]],
+    *[(f"{argv[0][2:]}-needs-experts", 2, MOCK + argv, [f"{argv[0]} applies to a mixture of experts: add --num-experts"])
+      for argv in [["--expert-model-parallel-size", "2"], ["--expert-tensor-parallel-size", "1"],
+                   ["--moe-ffn-hidden-size", "8"], ["--moe-shared-expert-intermediate-size", "8"],
+                   ["--moe-aux-loss-coeff", "0.1"], ["--moe-z-loss-coeff", "0.1"], ["--moe-router-enable-expert-bias"],
+                   ["--moe-expert-capacity-factor", "1"], ["--moe-pad-expert-input-to-capacity"], ["--moe-grouped-gemm"],
+                   ["--moe-layer-freq", "2"]]],
+    *[(f"{argv[0][2:]}-refused", 1, MOCK + ["--num-experts", "8"] + argv, [f"{argv[0]} is Megatron's, not implemented"])
+      for argv in [["--moe-router-num-groups", "2"], ["--moe-router-group-topk", "1"], ["--moe-router-dtype", "fp32"],
+                   ["--moe-input-jitter-eps", "0.01"], ["--moe-permute-fusion"], ["--moe-shared-expert-overlap"],
+                   ["--moe-layer-recompute"]]],
+    ("moe-sinkhorn-refused", 1, MOCK + ["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
+     ["--moe-router-load-balancing-type sinkhorn is Megatron's, not implemented here"]),
+    ("moe-flex-refused", 1, MOCK + ["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
+     ["--moe-token-dispatcher-type flex (DeepEP)", "use alltoall or allgather"]),
+    ("moe-topk-range", 1, MOCK + ["--num-experts", "8", "--moe-router-topk", "9"],
+     ["--moe-router-topk (9) must be in [1, --num-experts (8)]"]),
+    ("moe-layer-freq", 1, MOCK + ["--num-experts", "8", "--moe-layer-freq", "[0]*3"],
+     ["--moe-layer-freq '[0]*3' must list one 0 or 1 per layer: 3 entries for --num-layers 2"]),
+    ("moe-layer-freq/not-a-list", 1, MOCK + ["--num-experts", "8", "--moe-layer-freq", "open('x')"],
+     ["--moe-layer-freq \"open('x')\" is not an integer N"]),
+    ("experts-vs-ep", 3, MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "3"],
+     ["--num-experts (8) is not divisible by --expert-model-parallel-size (3)"]),
+    ("ep-x-etp-vs-stage", 2, MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "4"],
+     ["--expert-model-parallel-size (4) x --expert-tensor-parallel-size (1) = 4 does not divide the ranks of a "
+      "pipeline stage (tensor x context x data parallel = 1 x 1 x 2)"]),
+    ("moe-tp-needs-sequence-parallel", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2"],
+     ["MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"]),
+    ("moe-ffn-vs-etp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                  "--moe-ffn-hidden-size", "33"],
+     ["the expert MLP size (33) is not divisible by --expert-tensor-parallel-size (2)"]),
+    ("moe-shared-vs-tp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--moe-shared-expert-intermediate-size", "33"],
+     ["--moe-shared-expert-intermediate-size (33) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("moe-bias-vs-etp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     ["expert biases with --expert-tensor-parallel-size 2", "--disable-bias-linear"]),
+    ("moe-expert-bias-needs-sigmoid", 1, MOCK + ["--num-experts", "8", "--moe-router-enable-expert-bias"],
+     ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
+    ("moe-coefficients>=0", 1, MOCK + ["--num-experts", "8", "--moe-aux-loss-coeff", "-1"],
+     ["--moe-aux-loss-coeff (-1.0)", "must be >= 0"]),
+    ("moe-capacity>0", 1, MOCK + ["--num-experts", "8", "--moe-expert-capacity-factor", "0"],
+     ["--moe-expert-capacity-factor must be > 0 (got 0.0)"]),
+    ("moe-pad-needs-capacity", 1, MOCK + ["--num-experts", "8", "--moe-pad-expert-input-to-capacity"],
+     ["--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"]),
+    ("moe-drop-policy-needs-capacity", 1, MOCK + ["--num-experts", "8", "--moe-token-drop-policy", "position"],
+     ["--moe-token-drop-policy position", "add --moe-expert-capacity-factor"]),
+    ("moe-grouped-gemm-dtype", 1, MOCK + ["--num-experts", "8", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "30"],
+     ["--moe-grouped-gemm cannot run the float32 expert GEMMs here: dimensions [30] x 4 bytes"]),
+    ("moe-local-layers", 1, MOCK + TE + ["--num-experts", "8"], ["--num-experts needs --transformer-impl local"]),
+    ("moe-per-token-loss", 1, MOCK + ["--num-experts", "8", "--calculate-per-token-loss"],
+     ["--calculate-per-token-loss with --num-experts"]),
+    ("moe-sync-methods-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--num-experts", "8"],
+     ["--pipeline-method pipeoptim with --num-experts: asynchronous pipelines over MoE models are not wired yet"]),
+    ("moe-no-distributed-optimizer", 1, MOCK + ["--num-experts", "8", "--use-distributed-optimizer"],
+     ["--use-distributed-optimizer with --num-experts", "(issue 48 item 4)"]),
+    ("moe-no-muon", 1, MOCK + ["--num-experts", "8", "--optimizer", "muon"], ["--optimizer muon with --num-experts"]),
+    ("moe-no-checkpoints", 1, MOCK + ["--num-experts", "8", "--save", "ck"], ["--save/--load with --num-experts"]),
+    ("moe-no-context-parallel", 4, MOCK + ["--num-experts", "8", "--context-parallel-size", "2", "--seq-length", "16",
+                                       "--attention-dropout", "0"],
+     ["--context-parallel-size 2 with --num-experts"]),
+    ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
+                                       "--moe-shared-expert-intermediate-size", "40"],
+     ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),
 ]
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
@@ -408,12 +488,15 @@ NMT_RULES = [
      ["--max-tokens (100) must hold one sentence", "max(--seq-length, --decoder-seq-length) = 130"]),
     ("eval-bleu-sentences>=0", 1, NMT + ["--eval-bleu-sentences", "-1"],
      ["--eval-bleu-sentences must be >= 0 (got -1)"]),
+    ("context-parallel-gpt-only", 2, NMT + ["--context-parallel-size", "2", "--attention-dropout", "0"],
+     ["--context-parallel-size 2 splits the causal self-attention of pretrain_gpt.py", "use 1"]),
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv,
        [f"{argv[0]} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py"])
       for argv in [["--reset-position-ids"], ["--reset-attention-mask"], ["--calculate-per-token-loss"],
                    ["--decoupled-lr", "1e-3"]]],
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
+    ("moe-gpt-only", 1, NMT + ["--num-experts", "8"], ["--num-experts is wired for pretrain_gpt.py only"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
         [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]
@@ -464,6 +547,9 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings; FP8 on a usable
     Transformer Engine, here the fake one; an NMT corpus) passes."""
     validate(parse_args(MOCK), 1)
+    validate(parse_args(CP2), 2)
+    validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
     validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
     validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)
@@ -474,6 +560,10 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     monkeypatch.setattr(fp8, "_cuda_capability", lambda: None)  # FP8 on a CPU: torchao's emulation
     validate(parse_args(MOCK + ["--fp8-format", "hybrid", "--bf16"]), 1)
     validate(parse_args(MOCK + ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]), 1)
+    validate(parse_args(MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                                "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-expert-capacity-factor", "1.5"]), 2)
+    validate(parse_args(MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                "2", "--sequence-parallel", "--disable-bias-linear"]), 4)
     fake_transformer_engine.install()
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
     try:

@@ -25,7 +25,9 @@ PROJECT_ONLY = {
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
          "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
-REFUSED = {"--tiktoken-pattern", "--fp8-param-gather"}
+REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-router-num-groups", "--moe-router-group-topk",
+           "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-permute-fusion", "--moe-shared-expert-overlap",
+           "--moe-layer-recompute"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -79,6 +81,13 @@ Notes where our reading differs in detail:
   (`--fp8-backend torchao`, recipes tensorwise, its default, and rowwise, torchao's, which Megatron-LM lacks; on a
   CPU emulated); auto picks te with `--transformer-impl transformer_engine`. Megatron's mxfp8 and blockwise
   (Blackwell) are refused with one line. See docs/fp8.md.
+- MoE (`--num-experts` and the `--moe-*` flags, `--expert-model-parallel-size`, `--expert-tensor-parallel-size`):
+  Megatron-core's names, defaults and meanings (models/moe/). Where the details differ: a micro-batch's routing
+  (capacity, dropped tokens, auxiliary losses) is decided over all its tokens also under sequence parallelism
+  (Megatron: each TP rank's own), so any layout drops the tokens the one-process run drops; the drop policies
+  break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
+  dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
+  distributed optimizer, Muon and checkpoints are refused with MoE until issue 48's later items wire them.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

@@ -352,6 +352,7 @@ def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
         policy_ms=policy, source=[f"derived from {os.path.relpath(measured_path, REPO)}: see derivation"])
     cm["source"] = [x for x in cm["source"] if not x.startswith("ZB's split backward not measured")]
     cm.update(provenance="derived", p2p_ms=round(p2p, 6), derivation=derivation)
+    cm["dims"] = {"hidden_size": h, "seq_length": s1, "micro_batch_size": 1}
     return check_cost_model(cm, "derived seq8192")
 
 

@@ -2,7 +2,8 @@
 
 Every parameter's gradient lives in one flat buffer, so micro-batch gradients accumulate in place and a
 bucket is a contiguous slice that one collective handles. Buckets hold parameters in reverse
-registration order, roughly the order backward produces their gradients; as soon as every parameter of
+registration order, roughly the order backward produces their gradients (MoE expert parameters after all
+the others, in buckets of their own reduced over the expert-data-parallel group); as soon as every parameter of
 a bucket has its final gradient for this step, the bucket's reduction starts asynchronously and
 overlaps the rest of the backward pass. `no_sync()` suppresses that during the first micro-batches of a
 step (gradient accumulation); `finish_grad_sync()` launches what is left and waits. Gradients are
@@ -65,11 +66,25 @@ class Bucket:
     num_ready: int = 0
     handle: object = None  # the pending gradient reduction
     gather_handle: object = None  # the pending parameter all-gather (distributed optimizer)
+    expert: bool = False  # holds MoE expert parameters: reduced over the expert-data-parallel group
 
     def shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """[start, end) of the part of this bucket that data-parallel rank `dp_rank` owns."""
         size = (self.end - self.start) // dp_size
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+class _Done:
+    """The handle of a reduction over a group of one rank (nothing to wait for)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """A MoE expert parameter (models/moe/experts.py): its gradient is reduced over the expert-data-parallel
+    group, the ranks holding the same expert slice, instead of the data-parallel group."""
+    return getattr(p, "expert_parallel", False)
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -104,6 +119,12 @@ class DistributedDataParallel:
                     params.append(p)
         self.params = params
         device = params[0].device if params else torch.device("cpu")
+        # MoE experts: their own buckets, summed over the expert-data-parallel group (every expert's gradient
+        # there already sums the tokens of all EP ranks), scaled by the same 1/DP as the dense ones.
+        self.expert_group = ps.get_expert_data_parallel_group() if any(map(is_expert, params)) else None
+        if self.expert_group is not None and use_distributed_optimizer:
+            raise ConfigError("--use-distributed-optimizer with MoE experts: sharding expert parameters over the "
+                              "expert-data-parallel group is not implemented yet")
 
         # Lay parameters out in reverse order, cutting a new bucket when one exceeds bucket_size.
         self.buckets: list[Bucket] = []
@@ -116,13 +137,16 @@ class DistributedDataParallel:
             bucket.end = -(-bucket.end // pad_to) * pad_to if bucket.end > bucket.start else bucket.end
             return bucket.end
 
-        for p in reversed(params):
+        # Experts after the dense parameters: one run of expert buckets (Megatron keeps them in a buffer of their own).
+        ordered = [p for p in reversed(params) if not is_expert(p)] + [p for p in reversed(params) if is_expert(p)]
+        for p in ordered:
             own_bucket = use_distributed_optimizer and getattr(p, "shared_embedding", False)
             if bucket is None or offset - bucket.start >= bucket_size or own_bucket or (
-                    use_distributed_optimizer and getattr(bucket.params[-1], "shared_embedding", False)):
+                    use_distributed_optimizer and getattr(bucket.params[-1], "shared_embedding", False)) or (
+                    bucket.expert != is_expert(p)):
                 if bucket is not None:
                     offset = close(bucket)
-                bucket = Bucket(start=offset, end=offset)
+                bucket = Bucket(start=offset, end=offset, expert=is_expert(p))
                 self.buckets.append(bucket)
             n = p.numel()
             self.param_range[id(p)] = (offset, offset + n)
@@ -193,7 +217,11 @@ class DistributedDataParallel:
             return
         view = self.grad_buffer[bucket.start:bucket.end]
         view.div_(self.dp_size)
-        if self.use_distributed_optimizer and not self.full_grads:
+        if bucket.expert:
+            group = self.expert_group
+            multi = group is not None and dist.get_world_size(group) > 1
+            bucket.handle = dist.all_reduce(view, group=group, async_op=True) if multi else _Done()
+        elif self.use_distributed_optimizer and not self.full_grads:
             start, end = bucket.shard(self.dp_rank, self.dp_size)
             # In place: the owned range of the input receives the reduced values (safe on gloo and NCCL).
             bucket.handle = reduce_scatter_single(self.grad_buffer[start:end], view, self.dp_group, async_op=True)

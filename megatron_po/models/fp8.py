@@ -137,7 +137,10 @@ def enable_fp8(layer: torch.nn.Module, cfg: ModelConfig) -> None:
     FP8 GEMM of --fp8-recipe / --fp8-format. Their parameters, names and initialization stay as they are."""
     gemm = _gemm(fp8_recipe(cfg), cfg.fp8_format, emulated())
     attention, mlp = layer.attention, layer.mlp
-    for linear in (attention.qkv, attention.proj, mlp.fc1, mlp.fc1_gate, mlp.fc2):
+    if hasattr(mlp, "experts"):  # a mixture of experts: its shared experts in FP8, the routed ones not (fp8_summary)
+        mlp = mlp.shared_experts
+    mlp_linears = (mlp.fc1, mlp.fc1_gate, mlp.fc2) if mlp is not None else ()
+    for linear in (attention.qkv, attention.proj, *mlp_linears):
         if linear is not None:
             linear.fp8 = gemm
 
@@ -152,4 +155,7 @@ def fp8_summary(cfg: ModelConfig) -> str | None:
             f"layer unchanged")
     if backend == "torchao" and emulated():
         line += "; emulated on the CPU (FP8 roundings through fp32 matmuls: slow)"
+    if cfg.num_experts is not None:
+        line += ("; MoE: the shared experts' GEMMs in FP8, the routed experts' and the router's stay in bf16 (FP8 "
+                 "GEMMs take token counts in multiples of 16, and torchao's FP8 grouped GEMM is not wired here)")
     return line

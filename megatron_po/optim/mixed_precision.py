@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_po.errors import ConfigError
-from megatron_po.optim.clip_grads import counts_toward_norm
+from megatron_po.optim.clip_grads import squared_sums
 from megatron_po.optim.fused_prediction import PredictionRequest, steps_per_group, write_group
 from megatron_po.optim.optimizers import PredictiveOptimizer
 
@@ -209,6 +209,7 @@ class MainParamsOptimizer:
     clip_grad: float
     predict_chunk_numel: int
     _planned: list[PredictionRequest] = []  # predictions the next step writes (`plan_prediction`)
+    expert_group = None  # MoE: the expert model-parallel group the experts' squares are summed over
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -270,24 +271,27 @@ class MainParamsOptimizer:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         # Every rank must skip together: a step on some ranks only would desynchronise the replicas. The
         # flags are summed with the squares (any non-zero sum = some rank found inf/NaN).
-        stats = torch.stack([found[0].to(torch.float64), self._local_grad_sq()])
+        return self._agree(found[0].to(torch.float64))
+
+    def _agree(self, found: Tensor) -> tuple[bool, float]:
+        """(found inf/NaN on any rank, global grad norm): `found` and the squares summed over the agreement
+        groups; with MoE experts (`expert_group`, clip_grads.py) then the flag and the experts' squares over
+        the expert model-parallel group, which reaches the ranks holding other experts."""
+        sums = squared_sums(self._norm_pieces(), self._device)
+        dense = sums[0] if self.expert_group is not None else sums.sum()
+        stats = torch.stack([found, dense])
         for group in _multi_rank_groups(self._agreement_groups()):
             dist.all_reduce(stats, group=group)
-        return bool(stats[0] > 0), float(stats[1].sqrt())
-
-    def _local_grad_sq(self) -> Tensor:
-        """Sum of squares (float64) of this rank's main grads that count toward the global norm."""
-        grads = [g for g, p in self._norm_pieces() if counts_toward_norm(p)]
-        if grads:
-            return torch.stack(torch._foreach_norm(grads, 2.0)).square().sum().to(torch.float64)
-        return torch.zeros((), dtype=torch.float64, device=self._device)
+        if self.expert_group is None:
+            return bool(stats[0] > 0), float(stats[1].sqrt())
+        experts = torch.stack([stats[0], sums[1]])
+        for group in _multi_rank_groups([self.expert_group]):
+            dist.all_reduce(experts, group=group)
+        return bool(experts[0] > 0), float((stats[1] + experts[1]).sqrt())
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) main grads, each parameter counted once over the groups."""
-        sq = self._local_grad_sq()
-        for group in _multi_rank_groups(self._agreement_groups()):
-            dist.all_reduce(sq, group=group)
-        return float(sq.sqrt())
+        return self._agree(torch.zeros((), dtype=torch.float64, device=self._device))[1]
 
     def plan_prediction(self, *requests: PredictionRequest) -> None:
         """Have the next step also write these predictions of the model weights (optim/fused_prediction.py);
@@ -341,6 +345,8 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
     model_parallel_group: group over which found-inf and the grad norm are agreed: the model-parallel
         group (TP x PP) in synchronous training, the TP group (stage-local) in async pipelines, None
         for a single process. DP replicas already hold identical (reduced) grads.
+    expert_group: with MoE experts, the expert model-parallel group (optim/clip_grads.py): the flag and the
+        experts' squares are agreed over it too.
 
     Model grads are read from `p.main_grad` (DDP buffer) when present, else `p.grad`; an fp32 gradient
     is used in place (unscaling and clipping modify it), a bf16/fp16 one is copied to fp32 per step.
@@ -348,7 +354,7 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
 
     def __init__(self, inner_optimizer_factory: Callable[[list[dict]], PredictiveOptimizer], model_param_groups,
                  grad_scaler=None, clip_grad: float = 0.0, model_parallel_group=None,
-                 predict_chunk_numel: int = 1 << 20):
+                 predict_chunk_numel: int = 1 << 20, expert_group=None):
         groups = normalize_param_groups(model_param_groups)
         self.model_groups = [g["params"] for g in groups]
         self.model_params = [p for g in self.model_groups for p in g]
@@ -366,6 +372,7 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
+        self.expert_group = expert_group
         self.predict_chunk_numel = predict_chunk_numel
         self._device = self.main_params[0].device
 

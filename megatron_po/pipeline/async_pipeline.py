@@ -528,7 +528,7 @@ class AsyncPipelineRank:
                                                                          clip_grad)
         chunks = build_chunks(cfg, padded_vocab, self.rank, D, v, ps.get_device())
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
-                                lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
+                                lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
                                 tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
                                 ddp_bucket_size=cfg.parallel.ddp_bucket_size, compile_step=cfg.model.torch_compile,
                                 **policy_options)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.models.gpt import masked_mean_loss
+from megatron_po.models.moe.aux_losses import aux_loss_scale
 from megatron_po.monitor import timers
 from megatron_po.pipeline.schedules import (GRADIENT_DONE, Backward, BackwardInput, BackwardWeight, Forward, Schedule,
                                              Step, comm_of, message_tag, rank_chunk_of, tag_period, virtual_stage)
@@ -295,7 +296,8 @@ class StageRunner:
         if self.grad_sync is not None:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        with timers("backward-compute", self.detail_level):  # includes launching the DDP reduce it overlaps
+        # The MoE auxiliary losses of this micro-batch get the gradient its loss got (models/moe/aux_losses.py).
+        with timers("backward-compute", self.detail_level), aux_loss_scale(self.loss_scale):
             if split:
                 with weight_grads.defer_weight_grads() as queue:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -174,6 +174,15 @@ def weights_kept_for_recompute(params: list[torch.Tensor]):
     return None if _recompute_weights is None else _recompute_weights(params)
 
 
+_recomputing: list = []  # non-empty while a checkpointed region runs again in the backward
+
+
+def is_recomputing() -> bool:
+    """A checkpointed region is being recomputed: what its forward counted (e.g. the MoE router's tokens per
+    expert) must not be counted again."""
+    return bool(_recomputing)
+
+
 # Its context_fn (the replays below) is not one torch.compile traces: a compiled layer (--torch-compile) runs a
 # recomputed region eagerly, in the forward and in the recomputation alike (layers called inside it still run
 # compiled: --recompute-granularity full checkpoints whole compiled layers).
@@ -204,10 +213,12 @@ def checkpoint(function, *args, params=()):
         current = tracker.get_states()
         tracker.set_states(snapshot)
         weights = installed[0] if installed and installed[0] is not None else contextlib.nullcontext
+        _recomputing.append(True)
         try:
             with weights():
                 yield
         finally:
+            _recomputing.pop()
             tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(

@@ -1,0 +1,112 @@
+"""The experts a rank holds: one MLP each (SwiGLU with --swiglu, else GELU, as the dense MLP), their weights
+stacked expert-major as torchtitan's GroupedExperts stores them:
+
+    fc1, fc1_gate  [local experts, ffn / ETP, hidden]    column-parallel over the expert TP ranks
+    fc2            [local experts, hidden, ffn / ETP]    row-parallel (partial sums, reduced by the dispatcher)
+
+and biases (--add-bias-linear, expert TP 1 only, as Megatron) fc1_bias [local, ffn], fc2_bias [local, hidden].
+The tokens come grouped by expert (`counts[e]` rows for local expert e, in order). --moe-grouped-gemm runs
+each projection as one `torch._grouped_mm` (`grouped_mm_error` says where it cannot run: config_rules refuses
+the flag there); otherwise a loop over the local experts runs one matmul each. Both add the biases after the
+matmul, so they give the same numbers (bitwise in fp32 on a CPU: tests/test_moe_layer.py).
+
+Initialization does not depend on the layout: the full weights of all experts are drawn (fc1, then the gate,
+then fc2, each [experts, ...]) from the layer's seed and every rank keeps its experts' slices, so the EP = 4 x
+ETP = 2 model holds exactly the pieces of the one-process model.
+
+Parameter attributes: `expert_parallel` (and Megatron's `allreduce = False`): DDP reduces these gradients over
+the expert-data-parallel group, the gradient norm counts each expert slice once over the expert model-parallel
+group; `tensor_model_parallel` / `partition_dim` when split over ETP = TP ranks (as the dense TP shards).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import ModelConfig
+from megatron_po.models.moe.layout import expert_ffn_hidden_size
+
+
+@functools.cache
+def grouped_mm_error(device_type: str, dtype: torch.dtype, dims: tuple[int, ...]) -> str | None:
+    """Why `torch._grouped_mm` cannot run the expert GEMMs here (None: it can): it needs 16-byte aligned rows
+    (every GEMM dimension times the element size a multiple of 16) and a kernel for the device and dtype,
+    which a tiny product on the device finds out."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bad = [d for d in dims if (d * size) % 16]
+    if bad:
+        return f"dimensions {bad} x {size} bytes are not multiples of 16 bytes"
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    try:
+        x = torch.ones(16, 16, dtype=dtype, device=device_type)
+        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._grouped_mm has no {dtype} kernel on {device_type} ({str(e).splitlines()[0][:80]})"
+    return None
+
+
+def _mark(p: nn.Parameter, etp: int, partition_dim: int) -> nn.Parameter:
+    p.expert_parallel = True
+    p.allreduce = False  # Megatron's mark of expert parameters
+    p.expert_tp_dim = partition_dim if etp > 1 else -1  # the dim split over the expert TP ranks (dim 0: experts)
+    p.sequence_parallel = False
+    sharded = etp > 1 and etp == ps.get_tensor_model_parallel_world_size()
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = sharded, partition_dim if sharded else -1, 1
+    return p
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: range, etp: int, etp_rank: int, grouped_gemm: bool = False):
+        super().__init__()
+        self.experts, self.swiglu, self.grouped_gemm = experts, cfg.swiglu, grouped_gemm
+        h, f = cfg.hidden_size, expert_ffn_hidden_size(cfg)
+        rows = slice(etp_rank * f // etp, (etp_rank + 1) * f // etp)
+        local = slice(experts.start, experts.stop)
+
+        def draw(shape, std):  # every expert's full weight, as the one-process model draws it
+            return nn.init.normal_(torch.empty(cfg.num_experts, *shape), mean=0.0, std=std)
+
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.fc1 = _mark(nn.Parameter(draw((f, h), cfg.init_method_std)[local, rows].contiguous()), etp, 1)
+        self.fc1_gate = None
+        if cfg.swiglu:
+            self.fc1_gate = _mark(nn.Parameter(draw((f, h), cfg.init_method_std)[local, rows].contiguous()), etp, 1)
+        self.fc2 = _mark(nn.Parameter(draw((h, f), out_std)[local][:, :, rows].contiguous()), etp, 2)
+        self.fc1_bias = self.fc1_gate_bias = self.fc2_bias = None
+        if cfg.add_bias_linear:  # expert TP 1 (config rule): whole experts
+            self.fc1_bias = _mark(nn.Parameter(torch.zeros(len(experts), f)), 1, -1)
+            if cfg.swiglu:
+                self.fc1_gate_bias = _mark(nn.Parameter(torch.zeros(len(experts), f)), 1, -1)
+            self.fc2_bias = _mark(nn.Parameter(torch.zeros(len(experts), h)), 1, -1)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden], grouped by local expert (`counts` [local experts] rows each) -> [N, hidden]: each
+        row through its expert's MLP (a partial sum over the ffn slices under expert TP)."""
+        project = self._grouped if self.grouped_gemm else self._looped
+        up = project(x, self.fc1, self.fc1_bias, counts)
+        if self.swiglu:
+            act = F.silu(project(x, self.fc1_gate, self.fc1_gate_bias, counts)) * up
+        else:
+            act = F.gelu(up, approximate="tanh")
+        return project(act, self.fc2, self.fc2_bias, counts)
+
+    @staticmethod
+    def _grouped(x, weight, bias, counts):
+        offs = counts.cumsum(0).to(torch.int32)
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+        return out if bias is None else out + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+
+    @staticmethod
+    def _looped(x, weight, bias, counts):
+        pieces = x.split(counts.tolist())
+        outs = [piece @ weight[e].t() if bias is None else piece @ weight[e].t() + bias[e]
+                for e, piece in enumerate(pieces)]
+        return torch.cat(outs) if outs else x.new_empty(0, weight.shape[1])

@@ -1,0 +1,192 @@
+"""The router: a token's scores over the experts, its top-k experts and their weights, the capacity drop,
+the auxiliary losses and DeepSeek-V3's expert bias (Megatron-core's TopKRouter, its semantics).
+
+Scores: softmax over the top-k logits (default), softmax over all logits before the top-k
+(--moe-router-pre-softmax), or sigmoid (--moe-router-score-function sigmoid: the top-k scores normalized
+to sum 1 when k > 1); times --moe-router-topk-scaling-factor. With --moe-router-enable-expert-bias the top-k
+is taken over score + bias (sigmoid), the weights stay the unbiased scores; the bias moves after every
+optimizer step by `rate x sign(mean load - load)` of the tokens each expert got since the last update
+(`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation).
+
+Capacity (--moe-expert-capacity-factor f): an expert takes at most ceil(f x T x k / E) of a micro-batch's T
+tokens, those with the highest weights (--moe-token-drop-policy probs) or the first ones (position); with
+--moe-pad-expert-input-to-capacity every expert gets exactly that many (padding tokens of weight 0). Ties are
+broken by position (a stable sort), so the choice is reproducible.
+
+One micro-batch's routing is decided over all of its tokens. Under sequence parallelism each TP rank holds a
+slice of the sequence: the router logits (a [tokens, experts] tensor, small) are gathered over the TP group,
+every TP rank routes the whole micro-batch and keeps its own rows. So the capacity, the dropped tokens and the
+auxiliary losses are those of the one-process run at any TP size (Megatron instead computes the capacity of
+each rank's own tokens). Under expert parallelism the router runs before the dispatch, on the rank's own
+micro-batch: nothing to gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_po import parallel_state as ps
+from megatron_po.config import ModelConfig
+from megatron_po.models.moe.aux_losses import attach, load_balancing_loss, sequence_load_balancing_loss, z_loss
+from megatron_po.tensor_parallel import gather_from_sequence_parallel_region
+from megatron_po.tensor_parallel.layers import linear
+from megatron_po.tensor_parallel.random import is_recomputing
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Megatron's get_capacity over the token-expert pairs of one micro-batch."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
+    """(weights [T, E] fp32, zero outside the top-k; routing map [T, E] bool) of logits [T, E] (fp32)."""
+    if score_function == "softmax":
+        if pre_softmax:
+            weights, top = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+        else:
+            top_logits, top = logits.topk(topk, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            top = (scores + expert_bias).topk(topk, dim=-1).indices
+            weights = scores.gather(1, top)
+        else:
+            weights, top = scores.topk(topk, dim=-1)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        weights = weights * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, top, weights)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return probs, routing_map
+
+
+def capacity_mask(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, drop_policy: str) -> torch.Tensor:
+    """[T, E] bool: the `capacity` tokens each expert keeps, by weight (probs) or position, routed ones first."""
+    num_tokens = probs.shape[0]
+    if capacity >= num_tokens:
+        return torch.ones_like(routing_map)
+    key = probs.detach() if drop_policy == "probs" else routing_map.to(torch.int8)
+    order = torch.sort(key, dim=0, descending=True, stable=True).indices[:capacity]
+    return torch.zeros_like(routing_map).scatter(0, order, True)
+
+
+def routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str):
+    """(scores [T, E], their top-k map): what the load-balancing losses measure (no bias, no capacity)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top = scores.topk(topk, dim=-1).indices
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
+        self.sequence_parallel = sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        nn.init.normal_(self.weight, mean=0.0, std=cfg.init_method_std)
+        # Replicated; under sequence parallelism each TP rank's gradient covers its own tokens: summed over TP.
+        self.weight.sequence_parallel = sequence_parallel
+        if cfg.moe_router_enable_expert_bias:  # a buffer: checkpointed, never stepped by the optimizer
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
+        self.record = None  # a MoERecord (layer.py) the forward adds its losses and loads to
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` keeps the bias and the counts fp32 (bf16 would round the bias and the counts)."""
+        kept = {name: getattr(self, name) for name in ("expert_bias", "tokens_per_expert")
+                if getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            setattr(self, name, after if after.dtype == torch.float32 else before.to(after.device))
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [s, b, h] (s split over TP under sequence parallelism) -> (weights [s*b, E] in x's dtype, routing map
+        [s*b, E] bool) of this rank's tokens, flattened s-major."""
+        s_local, b, _ = x.shape
+        logits = linear(x, self.weight)  # [s, b, E]
+        if self.sequence_parallel:  # route the whole micro-batch (module docstring); the backward keeps my slice
+            logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        seq = logits.shape[0]
+        logits = logits.reshape(-1, self.num_experts).float()
+        training = self.training and torch.is_grad_enabled()
+        cfg = self.cfg
+        if training and cfg.moe_z_loss_coeff:
+            loss = z_loss(logits)
+            logits = attach(logits, loss * cfg.moe_z_loss_coeff)
+            self._note("z_loss", loss)
+        probs, routing_map = topk_routing(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                                          cfg.moe_router_topk_scaling_factor, self.expert_bias)
+        if training and cfg.moe_aux_loss_coeff and cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
+            scores, topk_map = routing_scores_for_aux_loss(logits, self.topk, cfg.moe_router_score_function)
+            if cfg.moe_router_load_balancing_type == "aux_loss":
+                loss = load_balancing_loss(scores, topk_map, self.topk)
+            else:
+                loss = sequence_load_balancing_loss(scores, topk_map, self.topk, seq, b)
+            probs = attach(probs, loss * cfg.moe_aux_loss_coeff)
+            self._note("aux_loss", loss)
+        routed = routing_map
+        if cfg.moe_expert_capacity_factor is not None:
+            capacity = expert_capacity(probs.shape[0], self.num_experts, self.topk, cfg.moe_expert_capacity_factor)
+            keep = capacity_mask(probs, routing_map, capacity, cfg.moe_token_drop_policy)
+            routing_map = keep if cfg.moe_pad_expert_input_to_capacity else routing_map & keep
+            probs = probs * routing_map
+        if self.sequence_parallel:  # this rank's rows
+            rows = slice(ps.get_tensor_model_parallel_rank() * s_local * b, (ps.get_tensor_model_parallel_rank() + 1)
+                         * s_local * b)
+            probs, routing_map, routed = probs[rows], routing_map[rows], routed[rows]
+        if training and not is_recomputing():
+            with torch.no_grad():
+                kept = routing_map & routed
+                if self.tokens_per_expert is not None:
+                    self.tokens_per_expert += kept.sum(dim=0)
+                if self.record is not None:
+                    self.record.add_routing(kept.sum(dim=0), (routed & ~routing_map).sum())
+        return probs.to(x.dtype), routing_map
+
+    def _note(self, name: str, loss: torch.Tensor) -> None:
+        if self.record is not None and not is_recomputing():
+            self.record.add_loss(name, loss.detach())
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """bias += rate x sign(mean load - load), `tokens_per_expert` counted over the whole stage (every TP and DP
+        rank); the counts start again from zero."""
+        offset = tokens_per_expert.mean() - tokens_per_expert
+        self.expert_bias += torch.sign(offset) * self.cfg.moe_router_bias_update_rate
+        self.tokens_per_expert.zero_()
+
+
+def routers_with_expert_bias(chunks) -> list[TopKRouter]:
+    return [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
+
+
+def update_expert_bias(chunks) -> None:
+    """After an optimizer step of a stage: every expert bias of its model chunks moves by the tokens its router
+    counted since the last update on every TP and DP rank of the stage (one all-reduce for all of them). Every
+    rank of the stage holds the same layers, so all of them call the collective or none."""
+    routers = routers_with_expert_bias(chunks)
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    group = ps.get_tensor_and_data_parallel_group() if ps.model_parallel_is_initialized() else None
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    for router, c in zip(routers, counts):
+        router.update_expert_bias(c)

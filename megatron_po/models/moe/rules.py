@@ -1,0 +1,171 @@
+"""The MoE config rules (rows of config_rules.RULES, tests/test_config_rules.py) and the MoE start-up line.
+
+Megatron's own checks where it has them (top-k, experts divisible by EP, sequence parallelism with TP, the
+expert bias with sigmoid scores, no bias under expert TP, padding needs a capacity), the layout (EP x ETP must
+divide the ranks of a pipeline stage), the flags Megatron has and this code does not take (one line each),
+and what other parts of issue 48 have not wired yet (asynchronous pipelines, the distributed optimizer and
+Muon over experts, checkpoints of experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_po.config import fp8_backend, recompute_granularity
+from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
+from megatron_po.models.moe.experts import grouped_mm_error
+from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_pattern, parse_layer_freq
+
+
+def _moe(c: Ctx) -> bool:
+    return c.m.num_experts is not None
+
+
+def etp(c: Ctx) -> int:
+    """--expert-tensor-parallel-size, defaulted to the TP size (Megatron's default)."""
+    return c.p.expert_tensor_parallel_size or c.tp
+
+
+def _stage_ranks(c: Ctx) -> int:
+    return c.tp * c.cp * c.dp
+
+
+# Flags that mean something only with --num-experts (given, not at their defaults).
+_NEED_EXPERTS = [
+    ("--expert-model-parallel-size", lambda c: c.p.expert_model_parallel_size != 1),
+    ("--expert-tensor-parallel-size", lambda c: c.p.expert_tensor_parallel_size is not None),
+    ("--moe-ffn-hidden-size", lambda c: c.m.moe_ffn_hidden_size is not None),
+    ("--moe-shared-expert-intermediate-size", lambda c: c.m.moe_shared_expert_intermediate_size is not None),
+    ("--moe-aux-loss-coeff", lambda c: c.m.moe_aux_loss_coeff != 0),
+    ("--moe-z-loss-coeff", lambda c: c.m.moe_z_loss_coeff is not None),
+    ("--moe-router-enable-expert-bias", lambda c: c.m.moe_router_enable_expert_bias),
+    ("--moe-expert-capacity-factor", lambda c: c.m.moe_expert_capacity_factor is not None),
+    ("--moe-pad-expert-input-to-capacity", lambda c: c.m.moe_pad_expert_input_to_capacity),
+    ("--moe-grouped-gemm", lambda c: c.m.moe_grouped_gemm),
+    ("--moe-layer-freq", lambda c: c.m.moe_layer_freq != "1"),
+]
+
+# Megatron's MoE flags this code does not take: one line each, never silently ignored.
+_REFUSED = [
+    ("--moe-router-num-groups", lambda c: c.m.moe_router_num_groups is not None, "group-limited routing"),
+    ("--moe-router-group-topk", lambda c: c.m.moe_router_group_topk is not None, "group-limited routing"),
+    ("--moe-router-dtype", lambda c: c.m.moe_router_dtype is not None, "the routing scores are always fp32 here"),
+    ("--moe-input-jitter-eps", lambda c: c.m.moe_input_jitter_eps is not None, "router input jitter"),
+    ("--moe-permute-fusion", lambda c: c.m.moe_permute_fusion, "Transformer Engine's fused permutation"),
+    ("--moe-shared-expert-overlap", lambda c: c.m.moe_shared_expert_overlap, "overlap of shared experts and dispatch"),
+    ("--moe-layer-recompute", lambda c: c.m.moe_layer_recompute, "use --recompute-granularity full"),
+]
+
+
+def _grouped_gemm_error(c: Ctx) -> str | None:
+    from megatron_po.parallel_state import get_device  # the one place that picks the device
+    dtype = torch.bfloat16 if c.pr.bf16 else torch.float16 if c.pr.fp16 else torch.float32
+    why = grouped_mm_error(get_device().type, dtype, (c.m.hidden_size, expert_ffn_hidden_size(c.m) // etp(c)))
+    if why is None:
+        return None
+    return (f"--moe-grouped-gemm cannot run the {str(dtype)[6:]} expert GEMMs here: {why}; drop it (the loop over "
+            f"the local experts gives the same numbers)")
+
+
+MOE_RULES = [
+    *at_least(1, [("--num-experts", lambda c: c.m.num_experts),
+                  ("--moe-ffn-hidden-size", lambda c: c.m.moe_ffn_hidden_size),
+                  ("--moe-shared-expert-intermediate-size", lambda c: c.m.moe_shared_expert_intermediate_size),
+                  ("--expert-tensor-parallel-size", lambda c: c.p.expert_tensor_parallel_size)], optional=True),
+    *at_least(1, [("--expert-model-parallel-size", lambda c: c.p.expert_model_parallel_size)]),
+    *each("{flag}-needs-experts", _NEED_EXPERTS, lambda c, flag: f"{flag} applies to a mixture of experts: add "
+                                                                 f"--num-experts", when=lambda c: not _moe(c)),
+    *[Rule(f"{flag[2:]}-refused", lambda c, given=given: not given(c),
+           lambda c, flag=flag, what=what: f"{flag} is Megatron's, not implemented here ({what}): drop it")
+      for flag, given, what in _REFUSED],
+    Rule("moe-sinkhorn-refused", lambda c: c.m.moe_router_load_balancing_type != "sinkhorn",
+         "--moe-router-load-balancing-type sinkhorn is Megatron's, not implemented here: use aux_loss, seq_aux_loss "
+         "or none"),
+    Rule("moe-flex-refused", lambda c: c.m.moe_token_dispatcher_type != "flex",
+         "--moe-token-dispatcher-type flex (DeepEP) is Megatron's, not available here: use alltoall or allgather"),
+    Rule("moe-topk-range", lambda c: 1 <= c.m.moe_router_topk <= c.m.num_experts,
+         lambda c: f"--moe-router-topk ({c.m.moe_router_topk}) must be in [1, --num-experts ({c.m.num_experts})]",
+         when=_moe),
+    Check("moe-layer-freq", lambda c: raised(lambda: parse_layer_freq(c.m.moe_layer_freq, c.m.num_layers)),
+          when=_moe),
+    Rule("experts-vs-ep", lambda c: c.m.num_experts % c.p.expert_model_parallel_size == 0,
+         lambda c: f"--num-experts ({c.m.num_experts}) is not divisible by --expert-model-parallel-size "
+                   f"({c.p.expert_model_parallel_size})", when=_moe),
+    Rule("ep-x-etp-vs-stage", lambda c: _stage_ranks(c) % (c.p.expert_model_parallel_size * etp(c)) == 0,
+         lambda c: f"--expert-model-parallel-size ({c.p.expert_model_parallel_size}) x --expert-tensor-parallel-size "
+                   f"({etp(c)}) = {c.p.expert_model_parallel_size * etp(c)} does not divide the ranks of a pipeline "
+                   f"stage (tensor x context x data parallel = {c.tp} x {c.cp} x {c.dp}): the experts are carved out "
+                   f"of the data-parallel ranks", when=_moe),
+    Rule("moe-tp-needs-sequence-parallel", lambda c: c.p.sequence_parallel,
+         lambda c: f"MoE with --tensor-model-parallel-size {c.tp} needs --sequence-parallel (as in Megatron: each TP "
+                   f"rank routes its own tokens)", when=lambda c: _moe(c) and c.tp > 1),
+    Rule("moe-ffn-vs-etp", lambda c: expert_ffn_hidden_size(c.m) % etp(c) == 0,
+         lambda c: f"the expert MLP size ({expert_ffn_hidden_size(c.m)}) is not divisible by "
+                   f"--expert-tensor-parallel-size ({etp(c)})", when=_moe),
+    Rule("moe-shared-vs-tp", lambda c: c.m.moe_shared_expert_intermediate_size % c.tp == 0,
+         lambda c: f"--moe-shared-expert-intermediate-size ({c.m.moe_shared_expert_intermediate_size}) is not "
+                   f"divisible by --tensor-model-parallel-size ({c.tp})",
+         when=lambda c: _moe(c) and c.m.moe_shared_expert_intermediate_size is not None),
+    Rule("moe-bias-vs-etp", lambda c: not c.m.add_bias_linear,
+         lambda c: f"expert biases with --expert-tensor-parallel-size {etp(c)}: not supported, as in Megatron; add "
+                   f"--disable-bias-linear or --expert-tensor-parallel-size 1", when=lambda c: _moe(c) and etp(c) > 1),
+    Rule("moe-expert-bias-needs-sigmoid", lambda c: c.m.moe_router_score_function == "sigmoid",
+         "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron)",
+         when=lambda c: _moe(c) and c.m.moe_router_enable_expert_bias),
+    Rule("moe-coefficients>=0", lambda c: c.m.moe_aux_loss_coeff >= 0 and (c.m.moe_z_loss_coeff or 0) >= 0
+         and c.m.moe_router_bias_update_rate >= 0,
+         lambda c: f"--moe-aux-loss-coeff ({c.m.moe_aux_loss_coeff}), --moe-z-loss-coeff ({c.m.moe_z_loss_coeff}) "
+                   f"and --moe-router-bias-update-rate ({c.m.moe_router_bias_update_rate}) must be >= 0", when=_moe),
+    Rule("moe-capacity>0", lambda c: c.m.moe_expert_capacity_factor > 0,
+         lambda c: f"--moe-expert-capacity-factor must be > 0 (got {c.m.moe_expert_capacity_factor})",
+         when=lambda c: _moe(c) and c.m.moe_expert_capacity_factor is not None),
+    Rule("moe-pad-needs-capacity", lambda c: c.m.moe_expert_capacity_factor is not None,
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (a dropless router has no capacity)",
+         when=lambda c: _moe(c) and c.m.moe_pad_expert_input_to_capacity),
+    Rule("moe-drop-policy-needs-capacity", lambda c: c.m.moe_expert_capacity_factor is not None,
+         "--moe-token-drop-policy position chooses the tokens an expert drops past its capacity: add "
+         "--moe-expert-capacity-factor", when=lambda c: _moe(c) and c.m.moe_token_drop_policy != "probs"),
+    Check("moe-grouped-gemm-dtype", _grouped_gemm_error, when=lambda c: _moe(c) and c.m.moe_grouped_gemm),
+    Rule("moe-gpt-only", lambda c: c.workload == "gpt", "--num-experts is wired for pretrain_gpt.py only",
+         when=_moe),
+    Rule("moe-local-layers", lambda c: c.m.transformer_impl == "local",
+         "--num-experts needs --transformer-impl local (the MoE layer is built from the local layers)", when=_moe),
+    Rule("moe-per-token-loss", lambda c: not c.t.calculate_per_token_loss,
+         "--calculate-per-token-loss with --num-experts: the auxiliary losses' per-token scaling is not wired: drop "
+         "one", when=_moe),
+    Rule("moe-sync-methods-only", lambda c: not c.is_async,
+         lambda c: f"--pipeline-method {c.meth} with --num-experts: asynchronous pipelines over MoE models are not "
+                   f"wired yet (issue 48 item 3); use 1f1b, gpipe, interleaved or zb-*", when=_moe),
+    Rule("moe-no-distributed-optimizer", lambda c: not c.pr.use_distributed_optimizer,
+         "--use-distributed-optimizer with --num-experts: sharding experts over their expert-data-parallel group is "
+         "not implemented yet (issue 48 item 4)", when=_moe),
+    Rule("moe-no-muon", lambda c: c.t.optimizer != "muon",
+         "--optimizer muon with --num-experts: per-expert orthogonalization is not implemented yet (issue 48 item 4)",
+         when=_moe),
+    Rule("moe-no-checkpoints", lambda c: c.ck.save is None and c.ck.load is None,
+         "--save/--load with --num-experts: checkpoints of experts (sharded by EP, the expert bias) are not "
+         "implemented yet (issue 48 item 5)", when=_moe),
+    Rule("moe-no-context-parallel", lambda c: c.cp == 1,
+         lambda c: f"--context-parallel-size {c.cp} with --num-experts: the router's capacity, auxiliary losses and "
+                   "token counts are not yet reduced over the context-parallel ranks: use --context-parallel-size 1",
+         when=_moe),
+    Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
+         lambda c: f"--fp8-format needs the shared experts' size per TP rank "
+                   f"({c.m.moe_shared_expert_intermediate_size // c.tp}) divisible by 16",
+         when=lambda c: _moe(c) and fp8_backend(c.m) == "torchao" and c.m.moe_shared_expert_intermediate_size),
+]
+
+
+def moe_summary(cfg) -> str:
+    """The start-up line: where the experts are and how tokens reach them."""
+    import megatron_po.parallel_state as ps
+    m = cfg.model
+    layers = [i for i, moe in enumerate(moe_layer_pattern(m)) if moe]
+    capacity = (f"capacity factor {m.moe_expert_capacity_factor} ({m.moe_token_drop_policy} drop policy"
+                f"{', padded' if m.moe_pad_expert_input_to_capacity else ''})"
+                if m.moe_expert_capacity_factor is not None else "dropless")
+    return (f"> MoE: {m.num_experts} experts, top-{m.moe_router_topk} ({m.moe_router_score_function}), in layers "
+            f"{layers}; EP {ps.get_expert_model_parallel_world_size()} x expert TP "
+            f"{ps.get_expert_tensor_parallel_world_size()} per stage; {m.moe_token_dispatcher_type} dispatcher; "
+            f"{capacity}; experts as {'one grouped GEMM' if m.moe_grouped_gemm else 'a loop over the local experts'}"
+            f"{'; recomputed with their layers' if recompute_granularity(m) == 'full' else ''}")

@@ -1,0 +1,72 @@
+"""MoE end to end through pretrain_gpt.py's entry (`training.run_main`) on the bundled corpus, and its bad input.
+
+- `--num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2` on 2 processes (alltoall, grouped GEMM,
+  aux loss, z-loss, DeepSeek-V3's expert bias) trains like the one-process run (loop over the experts) at the
+  same global batch: |delta loss| <= 2e-3 at every logged iteration (fp32, reduction orders, over 12 AdamW
+  steps with clipping: the grad norm counts every expert once, the expert bias moves by the tokens of both
+  ranks) and its loss falls. The start-up says where the experts are.
+- Impossible settings stop at start-up with exit code 2 and one `error:` line naming the flags.
+"""
+
+import io
+import contextlib
+
+import pytest
+from dist_harness import run_distributed
+from test_pretrain_gpt import base_args, read_metrics, run_pretrain
+
+MOE = {"--num-experts": 8, "--moe-router-topk": 2, "--moe-aux-loss-coeff": 0.01, "--moe-z-loss-coeff": 0.001,
+       "--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
+       "--moe-router-bias-update-rate": 0.01, "--moe-ffn-hidden-size": 64, "--train-iters": 12, "--log-interval": 2,
+       "--eval-interval": 6}
+
+
+def run(corpus, tmp_path, name, world, **flags):
+    out = tmp_path / name
+    out.mkdir()
+    codes = run_distributed(run_pretrain, world, args=(base_args(corpus, out, **MOE, **flags),), timeout=300)
+    assert codes == [0] * world
+    return read_metrics(out / "metrics.jsonl")
+
+
+def test_expert_parallel_training_tracks_the_one_process_run(corpus, tmp_path, capfd):
+    single = run(corpus, tmp_path, "single", 1)
+    parallel = run(corpus, tmp_path, "ep2", 2, **{"--expert-model-parallel-size": 2,
+                                                 "--moe-token-dispatcher-type": "alltoall", "--moe-grouped-gemm": True})
+    out = capfd.readouterr().out
+    assert "> MoE: 8 experts, top-2 (sigmoid), in layers [0, 1]; EP 2 x expert TP 1 per stage; alltoall" in out
+    la, lb = ([r["lm_loss"] for r in m if "lm_loss" in r] for m in (single, parallel))
+    assert len(la) == len(lb) == 6 and la[-1] < la[0] - 0.3, la
+    for x, y in zip(la, lb):
+        assert abs(x - y) <= 2e-3, (la, lb)
+    ga, gb = ([r["grad_norm"] for r in m if "grad_norm" in r] for m in (single, parallel))
+    for x, y in zip(ga, gb):
+        assert abs(x - y) <= 1e-3 * x, (ga, gb)
+    va, vb = ([r["val_loss"] for r in m if "val_loss" in r] for m in (single, parallel))
+    assert len(va) == 2 and all(abs(x - y) <= 2e-3 for x, y in zip(va, vb)), (va, vb)
+
+
+@pytest.mark.parametrize("flags,world,words", [
+    ({"--num-experts": 6, "--expert-model-parallel-size": 4}, 4, "--num-experts (6) is not divisible by "
+                                                                  "--expert-model-parallel-size (4)"),
+    ({"--num-experts": 8, "--moe-router-topk": 10}, 1, "--moe-router-topk (10) must be in [1, --num-experts (8)]"),
+    ({"--num-experts": 8, "--expert-model-parallel-size": 4}, 2, "= 4 does not divide the ranks of a pipeline stage"),
+    ({"--num-experts": 8, "--moe-pad-expert-input-to-capacity": True}, 1, "needs --moe-expert-capacity-factor"),
+    ({"--num-experts": 8, "--moe-router-enable-expert-bias": True}, 1, "needs --moe-router-score-function sigmoid"),
+    ({"--num-experts": 8, "--moe-grouped-gemm": True, "--moe-ffn-hidden-size": 30}, 1,
+     "--moe-grouped-gemm cannot run the float32 expert GEMMs here: dimensions [30]"),
+    ({"--num-experts": 8, "--moe-layer-freq": "[0]*3"}, 1, "3 entries for --num-layers 2"),
+    ({"--expert-model-parallel-size": 2}, 2, "--expert-model-parallel-size applies to a mixture of experts"),
+    ({"--num-experts": 8, "--moe-router-num-groups": 2}, 1, "--moe-router-num-groups is Megatron's, not implemented"),
+], ids=["experts-vs-ep", "topk", "ep-vs-dp", "pad", "bias-sigmoid", "grouped-gemm-dims", "layer-freq",
+        "ep-needs-experts", "refused"])
+def test_impossible_settings_are_one_line_at_start_up(corpus, tmp_path, flags, world, words, monkeypatch):
+    """In-process (a world size from the environment, as torchrun gives it): exit code 2, one error line."""
+    from megatron_po.training import run_main
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run_main(base_args(corpus, tmp_path, **flags))
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert words in lines[0], lines

@@ -31,21 +31,23 @@ def moe_mlp_flops_per_token(m: ModelConfig) -> float:
                 + _mlp_multiply_adds(m, shared))
 
 
-def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
+def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward), Megatron's dense convention.
 
     Per layer and token the forward does 2 FLOPs per multiply-add of: QKV (3h^2), attention output
     (h^2), MLP (2 h f, or 3 h f with SwiGLU; an MoE layer's active MLP: `moe_mlp_flops_per_token`), and
     attention scores + weighted values (2 s h, counting the full s x s square as Megatron does, although
     causal masking needs only half). Plus the output layer (h V). With f = 4h and no SwiGLU this is
-    Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token.
+    Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token. `causal`: the attention counted over the causal
+    half of the square (s h), the work a kernel that skips masked blocks does; at long sequences the two
+    conventions part (bench/gpu/gpu_long_context.py).
     """
     m = cfg.model
     h, s, L = m.hidden_size, m.seq_length, m.num_layers
     # Attention with a = heads x head dim (h by default) and g = key/value groups x head dim (GQA): QKV h (a + 2g),
     # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
     a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
-    attention = 2 * (h * (a + 2 * g) + a * h + 2 * s * a)
+    attention = 2 * (h * (a + 2 * g) + a * h + (1 if causal else 2) * s * a)
     moe_layers = sum(moe_layer_pattern(m))
     mlps = (L - moe_layers) * 2 * _mlp_multiply_adds(m, ffn_hidden_size(m))
     if moe_layers:

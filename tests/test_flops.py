@@ -99,3 +99,17 @@ def test_moe_formula_closed_form_counts_k_experts_not_all():
     assert moe_mlp_flops_per_token(moe.model) == 2 * (h * 64 + 2 * 2 * h * (f // 2) + 2 * h * 96)
     moe.model.swiglu = True
     assert moe_mlp_flops_per_token(moe.model) == 2 * (h * 64 + 2 * 3 * h * (f // 2) + 3 * h * 96)
+
+
+def test_causal_attention_counts_half_the_score_and_value_products():
+    """`causal=True` (the long-context GPU section's MFU) counts half of what the flop counter measures for the
+    attention's products (QK^T and AV with their backward, on the full square), and changes nothing else."""
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32)
+    layers, s, vocab = 3, 32, 256
+    full, causal = gpt_flops_per_token(cfg, vocab), gpt_flops_per_token(cfg, vocab, causal=True)
+    q = torch.randn(1, 4, s, 16, requires_grad=True)  # one layer's attention over one sequence: a = 4 x 16 = 64
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    attention_per_token_and_layer = counter.get_total_flops() / s
+    assert (full - causal) * 2 == attention_per_token_and_layer * layers

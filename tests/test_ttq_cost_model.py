@@ -107,11 +107,11 @@ def test_cost_model_file_errors_and_variants(bench, tmp_path):
 
 
 def test_shipped_cost_model_is_its_derivation(bench):
-    """The committed H200 JSON is what h200_1p3b() derives from the issue's figures (so every number in it
-    has its derivation in `source`), and the headline ratios are the issue's."""
+    """The committed H200 seed's headline ratios are the issue's figures, as its `source` derives them (the code
+    that wrote it, ttq_cost_model.h200_1p3b, is gone: the measured model replaced the seed as the studies' clock)."""
     cm_mod = bench["cm"]
     shipped = cm_mod.load_cost_model(cm_mod.SEED_PATH)
-    assert shipped == json.loads(json.dumps(cm_mod.h200_1p3b(), ensure_ascii=False))
+    assert shipped["source"][0].startswith("Made by `python bench/time_to_quality/ttq_cost_model.py --write-seed`")
     r = shipped["ratios"]
     fb = shipped["forward_ms"] * (1 + r["backward"])
     assert fb == pytest.approx(169.1 / 4 - 2.45)  # async-naive emulator per stage minus the AdamW step

@@ -27,8 +27,9 @@ value per stage of `pipeline_stages`):
 
 `cost_model_from_measurements(...)` builds the dict from milliseconds (what bench/gpu/gpu.py measures);
 `load_cost_model(path)` checks it (one clear error line); `op_times(cm, D, optimizer, methods)` gives the
-clock's per-op costs in the calibration's format. `h200_1p3b()` is the shipped seed
-(bench/results/time_to_quality/cost_model_h200_1p3b.json, `python bench/time_to_quality/ttq_cost_model.py --write-seed`).
+clock's per-op costs in the calibration's format. The shipped seed, bench/results/time_to_quality/
+cost_model_h200_1p3b.json, was derived by this module's `h200_1p3b()` (`--write-seed`) at commit 9a136c2, both removed
+since the measured model (MEASURED_PATH) replaced it as the studies' clock: its `source` keeps every derivation.
 """
 
 from __future__ import annotations
@@ -182,113 +183,6 @@ def describe(cm: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# The shipped seed: one NVIDIA H200, GPT 1.3B (issue 31, ../shared/docs/GPU_FINDINGS.md)
-# --------------------------------------------------------------------------------------------------
-
-# Measured on one NVIDIA H200 (torch 2.11.0+cu130, bf16), GPT 1.3B (24 layers, hidden 2048, 16 heads,
-# seq 2048, micro-batch 4), D = 4 stages of 6 layers in the single-process asynchronous emulator.
-EMULATOR_MS = {"adamw": {"async-naive": 169.1, "pipeoptim": 176.4, "pipedream": 175.7},
-               "muon": {"async-naive": 1388.0, "pipeoptim": 1396.0}}
-ADAMW_STEP_MS = 2.45          # fused AdamW step of one 302 M-parameter stage
-PREDICTION_FOREACH_MS = 4.60  # a separate foreach prediction with fp32 temporaries, same stage
-PREDICTION_FUSED_MS = 0.15    # issue 30's bound for the prediction fused into the step: the write of Ŵ
-NS_LAYER_MS = {"fp32": 50.3, "tf32": 10.1, "bf16": 5.4}  # Newton-Schulz, 5 steps, one layer's 4 matrices
-
-
-def _cpu_hook_ratios(results_json: str) -> dict:
-    """From the committed CPU calibration (D = 4, AdamW and Muon; NAG for PipeNAG): each method's weight-policy
-    hook time per op kind (averaged over its stages), as a multiple of PipeDream's hook time per stale
-    stage (all op kinds). All of them are passes over the stage's weights (copies, swaps, the EF residual),
-    so they are priced on the GPU as that multiple of PipeDream's measured cost."""
-    with open(results_json) as f:
-        ops = json.load(f)["op_times"]
-
-    def hooks(block, m, stages):
-        naive, own = ops[block]["async-naive"], ops[block][m]
-        return {k: sum(own[str(r)][k] - naive[str(r)][k] for r in stages) / len(stages) for k in KINDS}
-    D = 4
-    blocks = ["D=4,adamw", "D=4,muon"]
-    pd = sum(sum(hooks(b, "pipedream", range(D - 1)).values()) for b in blocks) / len(blocks)
-    out = {}
-    for m, bl in (("pipedream-2bw", blocks), ("2bw-ef", blocks), ("pipenag", ["D=4,nag"])):
-        per = [hooks(b, m, range(D)) for b in bl]
-        out[m] = {k: max(0.0, sum(p[k] for p in per) / len(per)) / pd for k in KINDS}
-    return out
-
-
-def h200_1p3b(results_json: str | None = None) -> dict:
-    """The seed cost model from the issue's H200 figures; every derivation is written into `source`."""
-    D = 4
-    naive_adamw = EMULATOR_MS["adamw"]["async-naive"] / D        # forward + backward + AdamW step per stage
-    fb = naive_adamw - ADAMW_STEP_MS                               # 39.8 ms
-    fwd, bwd = fb / 3, 2 * fb / 3                                  # backward = 2 x forward
-    ns_rest = EMULATOR_MS["muon"]["async-naive"] / D - fb - 6 * NS_LAYER_MS["fp32"]  # Muon's step besides NS
-    muon = {p: 6 * t + ns_rest for p, t in NS_LAYER_MS.items()}
-    nag = ADAMW_STEP_MS * 5 / 7
-    pd_hook = (EMULATOR_MS["adamw"]["pipedream"] - EMULATOR_MS["adamw"]["async-naive"]) / (D - 1)
-    po_emulator = (EMULATOR_MS["adamw"]["pipeoptim"] - EMULATOR_MS["adamw"]["async-naive"]) / (D - 1)
-    po_emulator_muon = (EMULATOR_MS["muon"]["pipeoptim"] - EMULATOR_MS["muon"]["async-naive"]) / (D - 1)
-    cpu = _cpu_hook_ratios(results_json or os.path.join(os.path.dirname(SEED_PATH), "time_to_quality.json"))
-    policy = {"pipeoptim": {"Forward": PREDICTION_FOREACH_MS, "stages": "stale"},
-              "pipedream": {"Backward": pd_hook, "stages": "stale"},
-              **{m: {**{k: round(c[k] * pd_hook, 6) for k in KINDS if c[k] > 0}, "stages": "all"} for m, c in cpu.items()}}
-    f = lambda x: f"{x:.2f}"  # noqa: E731
-    source = [
-        "Device and model: one NVIDIA H200, torch 2.11.0+cu130, bf16; GPT 1.3B (24 layers, hidden 2048, 16 heads, "
-        "seq 2048, vocab 50304, micro-batch 4 = 8,192 tokens); D = 4 stages of 6 layers (302 M parameters) in the "
-        "single-process asynchronous emulator, one GPU, DP = 1 (../shared/docs/GPU_FINDINGS.md; issues 30, 31).",
-        f"forward + backward per stage = async-naive AdamW emulator {EMULATOR_MS['adamw']['async-naive']} ms per "
-        f"micro-batch / 4 stages - the fused AdamW step {ADAMW_STEP_MS} ms = {f(fb)} ms (the issues' '~42 ms' is "
-        f"{f(naive_adamw)} ms with the step included). One average stage: the embedding and output layer are "
-        "spread over the four, not priced per stage.",
-        f"backward = 2 x forward (no figure splits them; the usual FLOP ratio): forward {f(fwd)} ms, backward "
-        f"{f(bwd)} ms; ZB's split backward: input = weight = forward = {f(fwd)} ms each (same assumption).",
-        f"AdamW step: {ADAMW_STEP_MS} ms (fused AdamW over one 302 M-parameter stage, measured) = "
-        f"{ADAMW_STEP_MS / fb:.3f} x forward+backward.",
-        f"Muon step = 6 layers x Newton-Schulz (5 steps, one layer's 4 matrices: fp32 {NS_LAYER_MS['fp32']}, TF32 "
-        f"{NS_LAYER_MS['tf32']}, bf16 {NS_LAYER_MS['bf16']} ms) + the rest of the step (momentum, scaling, AdamW "
-        f"for embeddings/norms/biases) = Muon async-naive emulator {EMULATOR_MS['muon']['async-naive']:.0f} ms / 4 - "
-        f"forward+backward {f(fb)} - 6 x {NS_LAYER_MS['fp32']} (the emulator ran fp32 NS) = {f(ns_rest)} ms. "
-        f"Default bf16 NS (the default after issue 31): {f(muon['bf16'])} ms = {muon['bf16'] / fb:.3f} x "
-        f"forward+backward; variants muon-tf32-ns {f(muon['tf32'])} ms ({muon['tf32'] / fb:.2f} x), muon-fp32-ns "
-        f"(the code before issue 31) {f(muon['fp32'])} ms ({muon['fp32'] / fb:.2f} x). DP = 1: with whole matrices "
-        "owned across DP ranks (issue 31) the NS part divides by the DP degree (plus a gather, not measured).",
-        f"NAG step (PipeNAG only): not measured; AdamW's {ADAMW_STEP_MS} ms x 5/7 = {f(nag)} ms (it reads and "
-        "writes 5 fp32 tensors per parameter where AdamW does 7, both bandwidth-bound).",
-        f"PipeOptim's prediction: {PREDICTION_FOREACH_MS} ms per forward (a separate foreach prediction with fp32 "
-        "temporaries on one stage, measured), on every stage but the last (its weights are never stale at k = 1; "
-        f"0.01 ms on the CPU). In the emulator PipeOptim costs {EMULATOR_MS['adamw']['pipeoptim'] - EMULATOR_MS['adamw']['async-naive']:.1f} "
-        f"ms (Muon {EMULATOR_MS['muon']['pipeoptim'] - EMULATOR_MS['muon']['async-naive']:.0f} ms) per micro-batch over "
-        f"async-naive = {f(po_emulator)} ({f(po_emulator_muon)}) ms per predicting stage: variant emulator-prediction. "
-        f"Variant fused-prediction: {PREDICTION_FUSED_MS} ms, issue 30's bound for the prediction fused into the step "
-        "(only the bf16 write of W-hat; not measured).",
-        f"PipeDream: emulator {EMULATOR_MS['adamw']['pipedream']} - {EMULATOR_MS['adamw']['async-naive']} ms per "
-        f"micro-batch over the 3 stages that stash = {f(pd_hook)} ms per backward (the version swap).",
-        "PipeDream-2BW, 2BW + error feedback, PipeNAG: no GPU figure. Their weight-policy hooks (version copies, "
-        "the error-feedback residual, the look-ahead swap) are passes over the stage's weights like PipeDream's: "
-        "priced at their CPU hook time per op kind (bench/results/time_to_quality/time_to_quality.json, D = 4, "
-        "averaged over all stages) as a multiple of PipeDream's CPU hook time per stale stage, times PipeDream's "
-        f"GPU {f(pd_hook)} ms: " + "; ".join(
-            f"{m} " + ", ".join(f"{k} {c[k]:.2f}x" for k in KINDS) for m, c in cpu.items()) + ".",
-    ]
-    return cost_model_from_measurements(
-        name="h200_1p3b", device="one NVIDIA H200 (torch 2.11.0+cu130, bf16)",
-        model="GPT 1.3B (24 layers, hidden 2048, seq 2048, micro-batch 4), one stage = 6 layers",
-        pipeline_stages=D, data_parallel=1, tokens_per_microbatch=4 * 2048, forward_ms=fwd, backward_ms=bwd,
-        backward_input_ms=fwd, backward_weight_ms=fwd, step_ms={"adamw": ADAMW_STEP_MS, "muon": muon["bf16"], "nag": nag},
-        policy_ms=policy,
-        variants_ms={
-            "fused-prediction": {"note": "PipeOptim's prediction fused into the step (issue 30's bound, not measured)",
-                                 "policy_ms": {"pipeoptim": {"Forward": PREDICTION_FUSED_MS, "stages": "stale"}}},
-            "emulator-prediction": {"note": "PipeOptim's prediction at its cost inside the emulator run",
-                                    "policy_ms": {"pipeoptim": {"Forward": po_emulator, "stages": "stale"}}},
-            "muon-tf32-ns": {"note": "Muon's Newton-Schulz in TF32", "step_ms": {"muon": muon["tf32"]}},
-            "muon-fp32-ns": {"note": "Muon's Newton-Schulz in fp32 (the code before issue 31)",
-                             "step_ms": {"muon": muon["fp32"]}}},
-        source=source)
-
-
-# --------------------------------------------------------------------------------------------------
 # Derived: the same 1.3B GPT with a micro-batch of one 8,192-token sequence (issue 36), from the measured model
 # --------------------------------------------------------------------------------------------------
 
@@ -358,18 +252,11 @@ def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write or check a time-to-quality cost model.")
-    p.add_argument("--write-seed", nargs="?", const=SEED_PATH, metavar="PATH",
-                   help=f"write the H200 seed (default {os.path.relpath(SEED_PATH, REPO)})")
     p.add_argument("--write-derived", nargs="?", const=DERIVED_SEQ8192_PATH, metavar="PATH",
                    help="write the derived 8,192-token model (default "
                         f"{os.path.relpath(DERIVED_SEQ8192_PATH, REPO)})")
     p.add_argument("--check", metavar="PATH", help="load a cost model and print what it prices")
     a = p.parse_args(argv)
-    if a.write_seed:
-        with open(a.write_seed, "w") as f:
-            json.dump(h200_1p3b(), f, indent=1, ensure_ascii=False)
-            f.write("\n")
-        print(f"> wrote {os.path.relpath(a.write_seed)}")
     if a.write_derived:
         with open(a.write_derived, "w") as f:
             json.dump(h200_1p3b_seq8192_derived(), f, indent=1, ensure_ascii=False)

@@ -43,9 +43,12 @@ def offline_env() -> None:
 def add_repo_to_path() -> None:
     """`import megatron_po`, `tools` and every bench module by its flat name, from this checkout, however a
     bench script was reached (run as `python bench/<family>/<script>.py`, or imported by a test whose sys.path
-    was reset since this module was first imported)."""
+    was reset since this module was first imported); and, last, tests/: the fork + gloo launcher the tests use
+    (`dist_harness`, `rank_launcher`), which the multi-process benchmarks run their ranks on."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
+    if TESTS not in sys.path:
+        sys.path.append(TESTS)
     for family in reversed(FAMILIES):
         path = os.path.join(BENCH, family)
         if path not in sys.path:

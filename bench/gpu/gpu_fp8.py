@@ -29,11 +29,9 @@ import re
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # bench/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
-bench_common.add_repo_to_path()
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 from bench_common import RESULTS, load_at_end, log, markdown_table, offline_env  # noqa: E402
 from gpu_run import Run, Section, measure_ours, num, pct  # noqa: E402

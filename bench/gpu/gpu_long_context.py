@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # bench/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
-bench_common.add_repo_to_path()
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 from bench_common import markdown_table  # noqa: E402
 from gpu_run import Run, Section, gib, num, pct, peak_tflops  # noqa: E402

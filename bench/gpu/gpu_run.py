@@ -20,10 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-from bench_common import REPO, add_repo_to_path, log, markdown_table  # noqa: E402
-
-add_repo_to_path()
-
+from bench_common import REPO, log, markdown_table  # noqa: E402
 from gpu_worker import SIZES, Size, padded_vocab  # noqa: E402
 
 

@@ -53,12 +53,9 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the fork + gloo launcher the tests use
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402

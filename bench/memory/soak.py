@@ -29,11 +29,10 @@ import sys
 import time
 import uuid
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
+REPO = bench_common.REPO
 
 from rank_launcher import launch, memory_kb, tagged_processes  # noqa: E402
 

@@ -33,10 +33,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
@@ -265,7 +262,7 @@ def main():
     p.add_argument("--skip-gpt", action="store_true")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--skip-collectives", action="store_true")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "async_comms.md"))
+    p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "async_comms.md"))
     args = p.parse_args()
     lines = []
 

@@ -59,10 +59,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
@@ -99,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-gpt-async", action="store_true")
     p.add_argument("--skip-zb", action="store_true",
                    help="skip bench/schedules/zero_bubble.py (zero-bubble schedules, written to bench/results/zero_bubble.md)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "schedules.md"))
+    p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "schedules.md"))
     return p
 
 
@@ -129,7 +126,7 @@ def main():
     if not args.skip_zb:  # D=4, M=8, t_f = t_B = t_W = 20 ms: issue 19's setting, its own results file
         from zero_bubble import run_zero_bubble
         run_zero_bubble(reps=args.reps, warmup=args.warmup, mbs=args.mbs,
-                        out_path=os.path.join(ROOT, "bench", "results", "zero_bubble.md"),
+                        out_path=os.path.join(bench_common.RESULTS, "zero_bubble.md"),
                         command=f"python bench/schedules/schedules.py {' '.join(sys.argv[1:])} (its zero-bubble part)")
 
 

@@ -39,10 +39,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
@@ -336,7 +333,7 @@ def main():
     p.add_argument("--skip-async", action="store_true")
     p.add_argument("--spin-ms", type=float, default=SPIN_S * 1e3,
                    help="each synthetic op sleeps until this long before its end, then spins (0: time.sleep only)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "zero_bubble.md"))
+    p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "zero_bubble.md"))
     a = p.parse_args()
     globals()["SPIN_S"] = a.spin_ms / 1e3  # the ranks are forked after this: they inherit it
     run_zero_bubble(a.stages, a.M, a.tf, a.tB, a.tW, a.mbs, a.warmup, a.reps, not a.skip_async, a.out,

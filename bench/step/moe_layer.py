@@ -36,7 +36,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
-sys.path.insert(0, bench_common.TESTS)  # the fork + gloo launcher the tests use
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -42,10 +42,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
@@ -417,9 +414,9 @@ def main(argv=None) -> int:
     if a.newton_schulz_variants:
         a.hidden = 2048 if "--hidden" not in (argv or sys.argv) else a.hidden
         a.reps = 1 if "--reps" not in (argv or sys.argv) else a.reps
-        a.out = a.out or os.path.join(ROOT, "bench", "results", "muon_newton_schulz_variants.md")
+        a.out = a.out or os.path.join(bench_common.RESULTS, "muon_newton_schulz_variants.md")
         return variants_main(a, argv if argv is not None else sys.argv[1:])
-    a.out = a.out or os.path.join(ROOT, "bench", "results", "muon_step.md")
+    a.out = a.out or os.path.join(bench_common.RESULTS, "muon_step.md")
     if a.quick:
         a.hidden, a.heads, a.layers, a.ffn, a.vocab, a.reps, a.bucket = 64, 4, 1, 256, 128, 2, 10_000
     started = time.perf_counter()

@@ -20,45 +20,61 @@ def _op_costs(times: dict) -> dict:
     return {r: out[r] for r in sorted(out, key=int)}
 
 
-HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_step", "after_step")
+# A weight policy's hooks (megatron_po/pipeline/policies.py), where its work per op happens.
+POLICY_HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_step", "after_step")
 
 
-def _time_runners(emulator, times: dict) -> None:
-    """Record, per (rank, op kind), the wall time of every training op and (kind + "Hooks") the part of
-    it spent in the weight policy's hooks (prediction, stashing, swaps, 2BW's version copy)."""
-    for stage in emulator.stages:
-        in_hooks = [0.0]
-        for name in HOOKS:
-            setattr(stage.policy, name, _timed_hook(getattr(stage.policy, name), in_hooks))
-        make_runner = stage.runner
+class OpTimer:
+    """Wall time of every op a stage runs and of the weight policy's hooks inside it (prediction, stashing, swaps,
+    2BW's version copy): `times[(rank, kind)]` and `times[(rank, kind + "Hooks")]`, seconds, kind the op's class name
+    (Forward, Backward, Step). `install(emulator)` wraps an AsyncEmulator's stages; `runner(r, rank, hooks=False)`
+    one runner (a synchronous pipeline's, no hooks). `sync` runs around each op and hook (bench/gpu: the device's
+    synchronize); `active` switches the timing."""
 
-        def runner(*args, _make=make_runner, _rank=stage.rank, _hooks=in_hooks, **kwargs):
-            r = _make(*args, **kwargs)
-            r.run = _timed(r.run, _rank, times, _hooks)
-            return r
-        stage.runner = runner
+    def __init__(self, times: dict | None = None, sync=None):
+        self.times = defaultdict(list) if times is None else times
+        self.sync = sync or (lambda: None)
+        self.active = True
+        self.in_hooks = 0.0
 
+    def install(self, emulator) -> "OpTimer":
+        for stage in emulator.stages:
+            for name in POLICY_HOOKS:
+                setattr(stage.policy, name, self.hook(getattr(stage.policy, name)))
+            make = stage.runner
+            stage.runner = lambda *a, make=make, rank=stage.rank, **k: self.runner(make(*a, **k), rank)
+        return self
 
-def _timed_hook(hook, in_hooks: list):
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = hook(*args, **kwargs)
-        in_hooks[0] += time.perf_counter() - t0
-        return out
-    return timed
+    def hook(self, fn):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.sync()
+            self.in_hooks += time.perf_counter() - t0
+            return out
+        return timed
 
+    def runner(self, runner, rank: int, hooks: bool = True):
+        run = runner.run
 
-def _timed(run, rank: int, times: dict, in_hooks: list | None = None):
-    def timed(op, *args, **kwargs):
-        if in_hooks is not None:
-            in_hooks[0] = 0.0
-        t0 = time.perf_counter()
-        run(op, *args, **kwargs)
-        kind = type(op).__name__
-        times[(rank, kind)].append(time.perf_counter() - t0)
-        if in_hooks is not None:
-            times[(rank, kind + "Hooks")].append(in_hooks[0])
-    return timed
+        def timed(op, *args, **kwargs):
+            if not self.active:
+                return run(op, *args, **kwargs)
+            self.sync()
+            self.in_hooks = 0.0
+            t0 = time.perf_counter()
+            out = run(op, *args, **kwargs)
+            self.sync()
+            kind = type(op).__name__
+            self.times[(rank, kind)].append(time.perf_counter() - t0)
+            if hooks:
+                self.times[(rank, kind + "Hooks")].append(self.in_hooks)
+            return out
+        runner.run = timed
+        return runner
 
 
 def _async_op_costs(times: dict[str, dict], D: int) -> dict[str, dict]:

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import bench_common
 from bench_common import REPO, log as _print
-from convergence_measure import _async_op_costs, _median, _op_costs, _time_runners, _timed
+from convergence_measure import OpTimer, _async_op_costs, _median, _op_costs
 from convergence_settings import ASYNC_METHODS, LABELS, MUON_LEGACY, PREDICTOR_VARIANTS, SYNC_METHODS, Settings
 from convergence_workloads import build_workload
 
@@ -104,6 +104,7 @@ class SyncPipeline:
         model_parallel_seed(seed)
         cfg = wl.config(seed)
         self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn(s, optimizer), times
+        self.timer = OpTimer(times)
         self.chunks = [wl.build_chunks(cfg, wl.padded_vocab, r, D, 1)[0] for r in range(D)]
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
@@ -125,7 +126,7 @@ class SyncPipeline:
         runners = {r: StageRunner(rank=r, num_stages=D, chunks=[self.chunks[r]], transport=mailbox,
                                   get_batch=micro.__getitem__, loss_scale=1.0 / M) for r in range(D)}
         for r, runner in runners.items():
-            runner.run = _timed(runner.run, r, self.times)
+            self.timer.runner(runner, r, hooks=False)
         emulate(self.schedule, runners)
         loss = torch.stack([runners[D - 1].losses[i] for i in range(M)]).mean().item()
         clip_grad_norm_(self.params, self.s.clip_grad)  # the global norm (no-op with clip_grad 0)
@@ -176,7 +177,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
         k = default_interval(m, D)
         emulators[m] = build_emulator(s, wl, m, D, k, optimizer, seed)
         times[m] = defaultdict(list)
-        _time_runners(emulators[m], times[m])
+        OpTimer(times[m]).install(emulators[m])
         out["update_interval"][m] = k
     timed = [m for m in SYNC_METHODS if m in s.methods] + list(emulators)
     for round_ in range(s.timing_rounds + 1):

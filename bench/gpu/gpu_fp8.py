@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-from bench_common import RESULTS, load_at_end, log, markdown_table, offline_env  # noqa: E402
-from gpu_run import Run, Section, measure_ours, num, pct  # noqa: E402
+from bench_common import markdown_table  # noqa: E402
+from gpu_run import Run, Section, last_loss, measure_ours, measure_peak, num, pct, section_alone  # noqa: E402
 from gpu_targets import FP8_BOUNDS  # noqa: E402
 
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 TARGETS = FP8_BOUNDS  # bench/gpu_check/gpu_targets.py: the check's closing screen reads the same bounds
-ESTIMATED_SECONDS = {"full": 540, "quick": 210}  # full: a guess (no GPU lent); ~300 with gpt and compiled reused.
-# quick: 3.4 min measured on a loaded 2-core CPU (bench/results/gpu_fp8_cpu_quick.md); --eager-only about 70 s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,26 +72,9 @@ def plain_fp8(size, args) -> dict:
     return {**result, "fp8": how}
 
 
-def worker(run: Run, *flags: str) -> tuple[dict, str]:
-    """(result, command) of `python bench/gpu/gpu_fp8.py plain_fp8 --size <size> flags` in a fresh process."""
-    argv = ["plain_fp8", "--size", run.size_name, *flags]
-    shown = " ".join(["python", "bench/gpu/gpu_fp8.py", *argv])
-    lines = run._stream([sys.executable, os.path.abspath(__file__), *argv], shown)
-    result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
-    if result is None:
-        raise RuntimeError(f"no RESULT line from: {shown}")
-    return json.loads(result), shown
-
-
 # --------------------------------------------------------------------------------------------------
 # The section
 # --------------------------------------------------------------------------------------------------
-
-
-def last_loss(run: Run, label: str) -> float:
-    """The lm loss of the last iteration of `measure_ours(run, label, ...)` (its metrics in the run's tmp)."""
-    with open(os.path.join(run.tmp, label, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "lm_loss" in r][-1]["lm_loss"]
 
 
 # bench/gpu/gpu.py's sections measuring our bf16 runs as this section would: name -> measure_ours's label
@@ -121,9 +100,7 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
     """The section; `compiled=False` (--eager-only) leaves out the compiled runs and their targets (a CPU test
     has not the minutes inductor takes there) and times the plain FP8 GPT eager instead."""
     from gpu_run import throughput
-    if "peak" not in run.done:  # MFU's denominator, measured in this run (gpu.py's section peak, when it ran)
-        result, command = run.worker("peak")
-        run.done["peak"] = Section("bf16 matmul peak", [command], result)
+    measure_peak(run)
     measured, losses, commands = {}, {}, []
     for key, _, label, flags, reuse in VARIANTS:
         if compiled or not key.endswith("_compiled"):
@@ -131,7 +108,7 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
             measured[key] = section.figures
             commands += section.commands
     plain_key = "plain_fp8_compiled" if compiled else "plain_fp8"
-    plain, plain_command = worker(run, *(["--compile"] if compiled else []))
+    plain, plain_command = run.worker("plain_fp8", *(["--compile"] if compiled else []), script="gpu_fp8.py")
     measured[plain_key] = {**plain, **throughput(run, plain["ms_per_iteration"])}
     commands.append(plain_command)
     tokens = {k: f["tokens_per_s"] for k, f in measured.items()}
@@ -169,7 +146,7 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
 
 
 # --------------------------------------------------------------------------------------------------
-# On its own: the section and its results files
+# On its own: the section and its results files (gpu_run.section_alone), or the worker process
 # --------------------------------------------------------------------------------------------------
 
 
@@ -185,39 +162,7 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         print("RESULT " + json.dumps(plain_fp8(gpu_worker.SIZES[args.size], args)), flush=True)
         return 0
-    offline_env()
-    ap = bench_common.parser(__doc__)
-    ap.add_argument("--quick", action="store_true", help="the tiny GPT: every path on a CPU (FP8 emulated)")
-    ap.add_argument("--out", help="the .md to write (the .json beside it); default bench/results/gpu_fp8_<device>.md")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600)")
-    ap.add_argument("--eager-only", action="store_true", help="leave out the compiled runs (inductor's minutes on a "
-                                                              "CPU): what the CPU test runs")
-    args = ap.parse_args(argv)
-    import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-    t0 = time.perf_counter()
-    run = Run("quick" if args.quick else "full", args.timeout or 600)
-    out = args.out or os.path.join(RESULTS, f"gpu_fp8_{slug}{'_quick' if args.quick else ''}.md")
-    command = bench_common.command_line(bench_common.script(__file__), argv)
-    head = bench_common.header(__file__, argv, f"FP8 (torchao) on {device}", command)
-    section = section_fp8(run, compiled=not args.eager_only)
-    s = run.size
-    lines = [*head, f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
-             f"{s.micro_batch}, global batch {s.global_batch}, vocab {s.vocab}, mock data, one process.", ""]
-    if args.quick:
-        lines += [f"> **Quick size on {device}: FP8 emulated where there is no GPU; its numbers measure nothing.**", ""]
-    lines += [f"## {section.title}", "", "```", *section.commands, "```", "", *section.lines, "", load_at_end(t0)]
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(bench_common.portable("\n".join(lines) + "\n"))
-    data = {"schema": "megatron_po bench/gpu/gpu_fp8.py 1", "command": command, "size": run.size_name,
-            "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
-            "figures": section.figures, "commands": section.commands}
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        f.write(bench_common.portable(json.dumps(data, indent=1)))
-    log(f"[gpu_fp8.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")
-    return 0
+    return section_alone(argv, __file__, __doc__, "FP8 (torchao)", section_fp8, "FP8 emulated where there is no GPU")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,16 @@ imports nothing from gpu.py, so that gpu.py can import it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-from bench_common import RESULTS, load_at_end, log, markdown_table, offline_env  # noqa: E402
-from gpu_run import Run, Section, failed_lines, gib, measure_ours, num, pct  # noqa: E402
+from bench_common import markdown_table  # noqa: E402
+from gpu_run import (Run, Section, failed_lines, gib, last_loss, measure_ours, measure_peak, num, pct,  # noqa: E402
+                     section_alone)
 
 EXPERTS, TOPK = 8, 2
 # The model per size: (layers, hidden, heads, expert ffn); the run lengths, batch, sequence and vocab are the size's.
@@ -63,11 +61,6 @@ def active_parameters(run: Run, total_millions: float | None) -> float | None:
     return total_millions - layers * (EXPERTS - TOPK) * per_expert / 1e6
 
 
-def last_loss(run: Run, label: str) -> float:
-    with open(os.path.join(run.tmp, label, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "lm_loss" in r][-1]["lm_loss"]
-
-
 # (key, row, label, flags) of ours
 VARIANTS = [("grouped", "experts as one grouped GEMM (--moe-grouped-gemm)", "moe_grouped", ["--moe-grouped-gemm"]),
             ("looped", "experts as a loop", "moe_looped", [])]
@@ -76,9 +69,7 @@ VARIANTS = [("grouped", "experts as one grouped GEMM (--moe-grouped-gemm)", "moe
 def section_moe(run: Run, compiled: bool = True) -> Section:
     """The section; `compiled=False` (--eager-only) runs both variants without --torch-compile (a CPU test has not
     the minutes inductor takes there)."""
-    if "peak" not in run.done:  # MFU's denominator, measured in this run (gpu.py's section peak, when it ran)
-        result, command = run.worker("peak")
-        run.done["peak"] = Section("bf16 matmul peak", [command], result)
+    measure_peak(run)
     size, flags = moe_size(run), moe_flags(run)
     compile_flags = ["--torch-compile"] if compiled else []
     measured, losses, commands, errors = {}, {}, [], []
@@ -116,40 +107,8 @@ def section_moe(run: Run, compiled: bool = True) -> Section:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    offline_env()
-    ap = bench_common.parser(__doc__)
-    ap.add_argument("--quick", action="store_true", help="a tiny MoE GPT: every path on a CPU")
-    ap.add_argument("--out", help="the .md to write (the .json beside it); default bench/results/gpu_moe_<device>.md")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600)")
-    ap.add_argument("--eager-only", action="store_true", help="without --torch-compile (what the CPU test runs)")
-    args = ap.parse_args(argv)
-    import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-    t0 = time.perf_counter()
-    run = Run("quick" if args.quick else "full", args.timeout or 600)
-    out = args.out or os.path.join(RESULTS, f"gpu_moe_{slug}{'_quick' if args.quick else ''}.md")
-    command = bench_common.command_line(bench_common.script(__file__), argv)
-    head = bench_common.header(__file__, argv, f"MoE GPT on {device}", command)
-    section = section_moe(run, compiled=not args.eager_only)
-    s = moe_size(run)
-    lines = [*head, f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
-             f"{s.micro_batch}, global batch {s.global_batch}, vocab {s.vocab}, bf16, mock data, one process.", ""]
-    if args.quick:
-        lines += [f"> **Quick size on {device}: a tiny model; its numbers measure nothing.**", ""]
-    lines += [f"## {section.title}", "", "```", *section.commands, "```", "", *section.lines, "", load_at_end(t0)]
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(bench_common.portable("\n".join(lines) + "\n"))
-    data = {"schema": "megatron_po bench/gpu/gpu_moe.py 1", "command": command, "size": run.size_name,
-            "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
-            "figures": section.figures, "commands": section.commands}
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        f.write(bench_common.portable(json.dumps(data, indent=1)))
-    log(f"[gpu_moe.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")
-    return 0
-
+    return section_alone(sys.argv[1:] if argv is None else argv, __file__, __doc__, "MoE GPT", section_moe,
+                         "a tiny model", moe_size)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-from bench_common import REPO, log, markdown_table  # noqa: E402
+from bench_common import REPO, log, markdown_table, offline_env  # noqa: E402
 from gpu_worker import SIZES, Size, padded_vocab  # noqa: E402
 
 
@@ -130,20 +130,22 @@ class Run:
             raise RuntimeError(f"exit code {proc.returncode}: {shown}\n" + "\n".join(lines[-15:]))
         return lines
 
-    def worker(self, name: str, *flags: str, errors: list | None = None) -> tuple[dict | None, str]:
-        """(result, command) of `python bench/gpu/gpu_worker.py name --size <size> flags`. With `errors`, a
-        failure (an out-of-memory, a compiler error) is appended there as (command, message) and the result
-        is None, so that one failing measurement leaves the others of its section."""
+    def worker(self, name: str, *flags: str, errors: list | None = None,
+               script: str = "gpu_worker.py") -> tuple[dict | None, str]:
+        """(result, command) of `python bench/gpu/<script> name --size <size> flags` (default gpu_worker.py; a section
+        module's own worker, gpu_fp8.py's). With `errors`, a failure (an out-of-memory, a compiler error) is appended
+        there as (command, message) and the result is None, so that one failing measurement leaves the others of its
+        section."""
         argv = [name, "--size", self.size_name, *flags]
-        shown = " ".join(["python", "bench/gpu/gpu_worker.py", *argv])
+        shown = " ".join(["python", f"bench/gpu/{script}", *argv])
         if errors is not None:
             try:
-                return self.worker(name, *flags)
+                return self.worker(name, *flags, script=script)
             except RuntimeError as e:
                 errors.append((shown, str(e)))
                 return None, shown
         label = " ".join([name, *(f.lstrip("-") for f in flags if f.startswith("-"))])
-        lines = self._stream([sys.executable, os.path.join(HERE, "gpu_worker.py"), *argv], shown, prefix=f"{label}: ")
+        lines = self._stream([sys.executable, os.path.join(HERE, script), *argv], shown, prefix=f"{label}: ")
         result = next((ln[len("RESULT "):] for ln in reversed(lines) if ln.startswith("RESULT ")), None)
         if result is None:
             raise RuntimeError(f"no RESULT line from: {shown}")
@@ -172,6 +174,59 @@ class Run:
         lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown,
                              on_line=iterations_so_far)
         return read_records(metrics), shown, lines
+
+
+def measure_peak(run: Run) -> None:
+    """The bf16 matmul peak, MFU's denominator, measured in this run unless gpu.py's section peak ran already."""
+    if "peak" not in run.done:
+        result, command = run.worker("peak")
+        run.done["peak"] = Section("bf16 matmul peak", [command], result)
+
+
+def last_loss(run: Run, label: str) -> float:
+    """The lm loss of the last iteration of `measure_ours(run, label, ...)` (its metrics in the run's tmp)."""
+    return [r for r in read_records(os.path.join(run.tmp, label, "metrics.jsonl")) if "lm_loss" in r][-1]["lm_loss"]
+
+
+def section_alone(argv: list[str], file: str, doc: str, title: str, section, quick_note: str,
+                  model_size=None) -> int:
+    """A section of the GPU check run on its own (bench/gpu/gpu_fp8.py, gpu_moe.py): `--quick` (the tiny model, every
+    path on a CPU), `--eager-only` (without --torch-compile, whose compiles take minutes on a CPU: what the CPU tests
+    run); writes the .md and a .json beside it (default bench/results/<script>_<device>[_quick].md). `section(run,
+    compiled)` measures; `model_size(run)` is the model the Markdown names (default the run's size)."""
+    import torch
+    offline_env()
+    name = os.path.basename(file)[:-len(".py")]
+    ap = bench_common.parser(doc)
+    ap.add_argument("--quick", action="store_true", help="the tiny model: every path on a CPU")
+    ap.add_argument("--out", help=f"the .md to write (the .json beside it); default bench/results/{name}_<device>.md")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600)")
+    ap.add_argument("--eager-only", action="store_true", help="without --torch-compile (inductor's minutes on a CPU): "
+                                                              "what the CPU test runs")
+    args = ap.parse_args(argv)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+    t0 = time.perf_counter()
+    run = Run("quick" if args.quick else "full", args.timeout or 600)
+    out = args.out or os.path.join(bench_common.RESULTS, f"{name}_{slug}{'_quick' if args.quick else ''}.md")
+    command = bench_common.command_line(bench_common.script(file), argv)
+    done = section(run, compiled=not args.eager_only)
+    s = model_size(run) if model_size else run.size
+    lines = [*bench_common.header(file, argv, f"{title} on {device}", command),
+             f"Model: GPT, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, micro-batch "
+             f"{s.micro_batch}, global batch {s.global_batch}, vocab {s.vocab}, mock data, one process.", ""]
+    if args.quick:
+        lines += [f"> **Quick size on {device}: {quick_note}; its numbers measure nothing.**", ""]
+    lines += [f"## {done.title}", "", "```", *done.commands, "```", "", *done.lines, "", bench_common.load_at_end(t0)]
+    data = {"schema": f"megatron_po bench/gpu/{name}.py 1", "command": command, "size": run.size_name,
+            "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
+            "figures": done.figures, "commands": done.commands}
+    for path, text in ((out, "\n".join(lines) + "\n"), (os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(bench_common.portable(text))
+    log(f"[{name}.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")
+    return 0
 
 
 def read_records(path: str) -> list[dict]:

@@ -42,6 +42,7 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import torch  # noqa: E402
+from convergence_measure import OpTimer  # noqa: E402
 
 D = 4  # pipeline stages of the asynchronous stream
 
@@ -203,59 +204,11 @@ def plain(size: Size, args, on_iteration=None) -> dict:
 # The asynchronous stream in the emulator, one method
 # --------------------------------------------------------------------------------------------------
 
-HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_step", "after_step")
-
-
-class OpTimer:
-    """Wall time of every op each stage runs and of the weight-policy hooks inside it, the device
-    synchronised around each (`install` wraps the stages' runners and policies; `active` switches it)."""
-
-    def __init__(self):
-        self.active = False
-        self.times: dict[tuple[int, str], list[float]] = {}
-        self.in_hooks = 0.0
-
-    def install(self, emu) -> None:
-        for stage in emu.stages:
-            for name in HOOKS:
-                setattr(stage.policy, name, self._hook(getattr(stage.policy, name)))
-            make = stage.runner
-            stage.runner = lambda *a, make=make, rank=stage.rank, **k: self._runner(make(*a, **k), rank)
-
-    def _hook(self, hook):
-        def timed(*args, **kwargs):
-            if not self.active:
-                return hook(*args, **kwargs)
-            synchronize()
-            t0 = time.perf_counter()
-            out = hook(*args, **kwargs)
-            synchronize()
-            self.in_hooks += time.perf_counter() - t0
-            return out
-        return timed
-
-    def _runner(self, runner, rank: int):
-        run = runner.run
-
-        def timed(op, *args, **kwargs):
-            if not self.active:
-                return run(op, *args, **kwargs)
-            synchronize()
-            self.in_hooks = 0.0
-            t0 = time.perf_counter()
-            out = run(op, *args, **kwargs)
-            synchronize()
-            kind = type(op).__name__.lower()
-            self.times.setdefault((rank, kind), []).append(time.perf_counter() - t0)
-            self.times.setdefault((rank, kind + "_hooks"), []).append(self.in_hooks)
-            return out
-        runner.run = timed
-        return runner
-
-    def per_stage(self) -> list[dict]:
-        """Per stage: the median ms of each op kind (forward, backward, step) and of its hooks."""
-        return [{key: statistics.median(v) * 1e3 for (r, key), v in sorted(self.times.items()) if r == rank}
-                for rank in range(D)]
+def per_stage(timer) -> list[dict]:
+    """Per stage: the median ms of each op kind (forward, backward, step) and of its hooks (forward_hooks, ...) of an
+    OpTimer (bench/convergence/convergence_measure.py)."""
+    return [{kind.replace("Hooks", "_hooks").lower(): statistics.median(v) * 1e3
+             for (r, kind), v in sorted(timer.times.items()) if r == rank} for rank in range(D)]
 
 
 def use_compile_backend(size: Size) -> None:
@@ -288,8 +241,8 @@ def stream(size: Size, args) -> dict:
              "parameters": sum(p.numel() for c in emu.chunks for p in c.parameters())}
     if where.type == "cuda":
         built["memory_allocated_bytes"] = torch.cuda.memory_allocated()
-    timer = OpTimer()
-    timer.install(emu)
+    timer = OpTimer(sync=synchronize).install(emu)  # (switched on for the segment timed op by op)
+    timer.active = False
     pool = [torch.randint(0, size.vocab, (size.micro_batch, size.seq + 1), device=where) for _ in range(4)]
     mask = torch.ones(size.micro_batch, size.seq, device=where)
 
@@ -318,7 +271,7 @@ def stream(size: Size, args) -> dict:
            "prediction": "separate" if args.separate else "fused where it applies", "built": built,
            "ms_per_microbatch": (long - short) / (size.stream_long - size.stream_short) * 1e3,
            "segments": {"short": [size.stream_short, short], "long": [size.stream_long, long]},
-           "stages": timer.per_stage(), "copies_per_chunk": {str(r): n for (r, _), n in emu.copies_per_chunk().items()}}
+           "stages": per_stage(timer), "copies_per_chunk": {str(r): n for (r, _), n in emu.copies_per_chunk().items()}}
     if where.type == "cuda":
         out["memory"] = {"measure": "torch.cuda.max_memory_allocated", "peak_bytes": torch.cuda.max_memory_allocated()}
     else:

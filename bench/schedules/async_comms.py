@@ -28,7 +28,6 @@ the load average (this box is shared: read ratios, not absolute numbers):
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,24 +47,17 @@ from megatron_po.distributed import ddp as ddp_module  # noqa: E402
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
 from megatron_po.pipeline.partition import ActivationSpecs, gpt_message_specs  # noqa: E402
 from megatron_po.tensor_parallel import model_parallel_seed  # noqa: E402
-from schedules_measure import timed  # noqa: E402
+from bench_common import median  # noqa: E402
+from schedules_measure import makespans, timed  # noqa: E402
 from schedules_stages import WIDTH, SleepStage, gpt_config, synthetic_batches  # noqa: E402
 
 TIMEOUT = 1800.0
 GPT_VARIANTS = ("plain", "plain+1-collective", "distopt-before", "distopt-reduce-scatter", "distopt", "distopt-overlap")
 
 
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
 def _makespans(results, variants):
     """Per variant: the median over repetitions of max(end) - min(start) over ranks."""
-    out = {}
-    for v in variants:
-        reps = len(results[0][v])
-        out[v] = _median([max(r[v][i][1] for r in results) - min(r[v][i][0] for r in results) for i in range(reps)])
-    return out
+    return {v: median(makespans([r[v] for r in results], 0)) for v in variants}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +132,7 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
     finally:
         ddp_module.all_gather_single = gather
     return (spans, comm, ps.get_pipeline_model_parallel_rank(), len(ranks["plain"].stage.ddps[0].buckets),
-            {v: _median(xs) for v, xs in cpu.items()})
+            {v: median(xs) for v, xs in cpu.items()})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,7 +205,7 @@ def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
             cpu[v].append((time.process_time() - cpu0) / n)
     for v in variants:
         spans[v] = spans[v][warmup:]
-        spans[v + "/cpu"] = _median(cpu[v][warmup:])  # CPU s per micro-batch of this rank
+        spans[v + "/cpu"] = median(cpu[v][warmup:])  # CPU s per micro-batch of this rank
     return spans
 
 
@@ -240,7 +232,7 @@ def collectives_bench(reps):
                 start = time.perf_counter()
                 call()
                 times[k].append(time.perf_counter() - start)
-        out[n] = {k: 1e3 * _median(ts) for k, ts in times.items()}
+        out[n] = {k: 1e3 * median(ts) for k, ts in times.items()}
     return out
 
 
@@ -264,17 +256,11 @@ def main():
     p.add_argument("--skip-collectives", action="store_true")
     p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "async_comms.md"))
     args = p.parse_args()
-    lines = []
-
-    def emit(s=""):
-        print(s, flush=True)
-        lines.append(s)
-    emit("# Asynchronous pipelines under data parallelism: communication")
-    emit()
-    emit(f"command: `python bench/schedules/async_comms.py {' '.join(sys.argv[1:])}`  ")
-    emit(f"machine: {bench_common.machine()}; gloo, one thread per rank; "
-         f"load average at start {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min)")
-    emit()
+    out, started = bench_common.Lines(), time.perf_counter()
+    emit = out.emit
+    for line in bench_common.header(__file__, sys.argv[1:], "Asynchronous pipelines under data parallelism: "
+                                    "communication (gloo, one thread per rank)"):
+        emit(line)
     if not args.skip_gpt:
         mc = ModelConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, seq_length=64,
                          max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
@@ -357,10 +343,8 @@ def main():
         emit(f"Targets (issue 17): distributed optimizer >= 0.95x plain: {d:.3f} ({met(d)}; plain+1-collective "
              f"{bound:.3f}); DP=2 >= 0.95x DP=1: {r:.3f} ({met(r)}; no reduce at all {none:.3f}).")
         emit()
-    emit(f"load average at end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (1 / 5 min); "
-         f"finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    emit(bench_common.load_at_end(started))
+    out.write(args.out)
 
 
 if __name__ == "__main__":

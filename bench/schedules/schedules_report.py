@@ -13,10 +13,9 @@ from dist_harness import run_distributed
 from megatron_po.config import ModelConfig
 from megatron_po.pipeline.executor import PREPOST_WINDOW
 from schedules_measure import async_bound, bound, makespans, steady_window
-from schedules_runs import (AGREED, ASYNC_LR, ASYNC_VARIANTS, HEADER, SYNC_VARIANTS, calibrate_stage_costs,
-                            gpt_async_bench, gpt_bench, gpt_stage_costs, merge_p2p, p2p_costs, synthetic_async,
-                            synthetic_sync)
-from schedules_stages import WIDTH, mean_sleeps
+from schedules_runs import (AGREED, ASYNC_VARIANTS, HEADER, SYNC_VARIANTS, calibrate_stage_costs, gpt_async_bench,
+                            gpt_bench, gpt_stage_costs, merge_p2p, p2p_costs, synthetic_async, synthetic_sync)
+from schedules_stages import ASYNC_LR, WIDTH, mean_sleeps
 
 TIMEOUT = 1800.0
 

@@ -13,15 +13,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from bench_common import median
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank
 from megatron_po.pipeline.executor import P2PTransport, synchronous_forward_backward
 from megatron_po.pipeline.partition import build_chunks_for_rank, gpt_message_specs
 from megatron_po.tensor_parallel import model_parallel_seed
 from schedules_measure import POLICY_HOOKS, accumulate, instrument, steady_window, timed
-from schedules_stages import (WIDTH, GPTStageAdapter, SleepStage, gpt_config, gpt_loss_fn, measure_sleeps,
-                              run_rank_on_sleep_stages, sleeping_chunk_builder, synthetic_batches,
-                              synthetic_specs, torch_schedule_on_sleep_stages)
+from schedules_stages import (WIDTH, GPTStageAdapter, SleepStage, TorchSleepStage, gpt_config, gpt_loss_fn,
+                              measure_sleeps, run_rank_on, sleep_chunks, sleeping_pipeoptim, synthetic_batches,
+                              synthetic_specs, torch_schedule)
 
 RAW, HEADER, AGREED = "raw gloo isend / recv", "ours, header protocol", "ours, agreed shapes"
 
@@ -137,9 +136,10 @@ SYNC_VARIANTS = ("ours", "header", "torch")
 def synthetic_sync(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
     """Ours with agreed shapes, ours with the header protocol and torch's `kind` schedule on identical
     sleeping stages, repetitions alternating. Returns {variant: [(start, end)]}."""
-    runs = {"ours": run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, synthetic_specs(mbs)),
-            "header": run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, None)}
-    run_torch = torch_schedule_on_sleep_stages(kind, num_chunks, M, t_f, t_b, mbs)
+    D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    runs = {"ours": run_rank_on(method, sleep_chunks(r, D, num_chunks, t_f, t_b), mbs, synthetic_specs(mbs)),
+            "header": run_rank_on(method, sleep_chunks(r, D, num_chunks, t_f, t_b), mbs, None)}
+    run_torch = torch_schedule(kind, sleep_chunks(r, D, num_chunks, t_f, t_b, TorchSleepStage), M, mbs)
     out = {name: [] for name in SYNC_VARIANTS}
     out["slept"] = []  # stage costs as they happened in the `ours` runs
     for i in range(warmup + reps):
@@ -153,7 +153,6 @@ def synthetic_sync(method, kind, num_chunks, M, t_f, t_b, mbs, warmup, reps):
 
 
 ASYNC_VARIANTS = ("pipeoptim", "pipeoptim_header", "schedule")
-ASYNC_LR = 1e-4
 
 
 def synthetic_async(M, t_f, t_b, mbs, warmup, reps):
@@ -167,14 +166,9 @@ def synthetic_async(M, t_f, t_b, mbs, warmup, reps):
     half, a = M, b = 3M, away from fill and drain. Returns ({variant: [rate]} on the last stage (empty
     lists elsewhere), {variant or "torch": [(start, end)]}, pipeoptim copies_per_chunk())."""
     D = ps.get_pipeline_model_parallel_world_size()
-    cfg = Config()
-    cfg.model.untie_embeddings_and_output_weights = True
     get_batch = synthetic_batches(mbs)
-    ranks = {name: AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=1, optimizer_name="adam",
-                                     optimizer_kwargs={"lr": ASYNC_LR},
-                                     message_specs=synthetic_specs(mbs) if name == "pipeoptim" else None,
-                                     build_chunks=sleeping_chunk_builder(t_f, t_b))
-             for name in ("pipeoptim", "pipeoptim_header")}
+    ranks = {name: sleeping_pipeoptim(lambda r, D, v: sleep_chunks(r, D, v, t_f, t_b), mbs,
+                                      agreed_shapes=name == "pipeoptim") for name in ("pipeoptim", "pipeoptim_header")}
     assert all(isinstance(c, SleepStage) for c in ranks["pipeoptim"].chunks)
     acc: dict = {}  # where the pipeoptim variant's time goes on this rank
     po = ranks["pipeoptim"]
@@ -185,8 +179,9 @@ def synthetic_async(M, t_f, t_b, mbs, warmup, reps):
             setattr(obj, name, accumulate(getattr(obj, name), acc, key))
     runs = {name: (lambda n, on_loss, rank=rank: rank.train_segment(get_batch, n, on_loss=on_loss))
             for name, rank in ranks.items()}
-    runs["schedule"] = run_rank_on_sleep_stages("async", 1, t_f, t_b, mbs, synthetic_specs(mbs))
-    run_torch = torch_schedule_on_sleep_stages("1f1b", 1, M, t_f, t_b, mbs)
+    r = ps.get_pipeline_model_parallel_rank()
+    runs["schedule"] = run_rank_on("async", sleep_chunks(r, D, 1, t_f, t_b), mbs, synthetic_specs(mbs))
+    run_torch = torch_schedule("1f1b", sleep_chunks(r, D, 1, t_f, t_b, TorchSleepStage), M, mbs)
     N, a, b = steady_window(M)
     rates = {variant: [] for variant in ASYNC_VARIANTS}
     spans = {variant: [] for variant in ASYNC_VARIANTS + ("torch",)}

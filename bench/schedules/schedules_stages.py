@@ -8,14 +8,16 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config
 from megatron_po.models.gpt import masked_mean_loss
+from megatron_po.pipeline.async_pipeline import AsyncPipelineRank
 from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank
 from megatron_po.pipeline.partition import ActivationSpecs
-from megatron_po.pipeline.schedules import build_schedule
+from megatron_po.pipeline.schedules import build_schedule, placement_of, virtual_stage
 from megatron_po.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_po.tensor_parallel.layers import ColumnParallelLinear
 
@@ -103,18 +105,19 @@ def synthetic_batches(mbs):
     return lambda mb: batch
 
 
-def torch_schedule_on_sleep_stages(kind, num_chunks, M, t_f, t_b, mbs):
-    """torch's `kind` schedule on this rank's sleeping chunks; returns a function running one iteration."""
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                   "zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+
+
+def torch_schedule(kind, chunks, M, mbs, placement="interleaved"):
+    """torch's `kind` schedule (TORCH_SCHEDULES; "zb" at one chunk is ZB-H1) on this rank's `chunks` (modules of one
+    positional tensor) at the virtual stages `placement` gives them; returns a function running one iteration."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    chunks = sleep_chunks(r, D, num_chunks, t_f, t_b, TorchSleepStage)
     group = ps.get_pipeline_model_parallel_group()
-    stages = [PipelineStage(chunk, c * D + r, D * num_chunks, torch.device("cpu"), group=group)
+    stages = [PipelineStage(chunk, virtual_stage(r, c, D, placement), D * len(chunks), torch.device("cpu"), group=group)
               for c, chunk in enumerate(chunks)]
     loss_fn = lambda out, target: out.mean()  # noqa: E731
-    if kind == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
-    else:
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind](stages[0], M, loss_fn=loss_fn)
+    schedule = TORCH_SCHEDULES[kind](stages[0] if kind in ("gpipe", "1f1b") else stages, M, loss_fn=loss_fn)
     x = torch.randn(M * mbs, WIDTH)
     target = torch.zeros(M * mbs, WIDTH)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
@@ -126,30 +129,39 @@ def torch_schedule_on_sleep_stages(kind, num_chunks, M, t_f, t_b, mbs):
     return run
 
 
-def run_rank_on_sleep_stages(method, num_chunks, t_f, t_b, mbs, specs):
-    """n -> one run of `method`'s schedule of n micro-batches through run_rank + StageRunner + P2PTransport
-    (the real driver) on this rank's sleeping chunks; no optimizer (Step ops are no-ops)."""
+def run_rank_on(method, chunks, mbs, specs, instrument=lambda runner: runner, **runner_kwargs):
+    """n -> one run of `method`'s schedule of n micro-batches through run_rank + StageRunner + P2PTransport (the real
+    driver) on this rank's `chunks` (sleeping stages; Step ops do nothing unless `step_fn` is among `runner_kwargs`);
+    `instrument(runner)` may wrap each runner (bench/schedules/simulator_check.py times its ops). The transport:
+    `run.transport`."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     get_batch = synthetic_batches(mbs)
-    chunks = sleep_chunks(r, D, num_chunks, t_f, t_b)
-    transport = P2PTransport(D, num_chunks, specs)
+    transport = P2PTransport(D, len(chunks), specs)
     schedules = {}
 
     def run(n, on_loss=None):
         if n not in schedules:
-            schedules[n] = build_schedule(method, D, num_chunks, n)
+            schedules[n] = build_schedule(method, D, len(chunks), n)
         runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport, get_batch=get_batch,
-                             loss_scale=1.0 / n, on_loss=on_loss)
-        run_rank(schedules[n], runner)
+                             loss_scale=1.0 / n, on_loss=on_loss, placement=placement_of(method), **runner_kwargs)
+        run_rank(schedules[n], instrument(runner))
 
+    run.transport = transport
     return run
 
 
-def sleeping_chunk_builder(t_f, t_b):
-    """A `build_chunks` for AsyncPipelineRank that makes the sleeping stages instead of GPT chunks."""
-    def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
-        return sleep_chunks(rank, num_stages, num_chunks, t_f, t_b)
-    return build
+ASYNC_LR = 1e-4  # the sleeping stages' Adam: its steps and PipeOptim's predictions run for real, on [WIDTH] weights
+
+
+def sleeping_pipeoptim(build, mbs: int, k: int = 1, agreed_shapes: bool = True):
+    """AsyncPipelineRank with PipeOptim and Adam stepping every k micro-batches, whose chunk builder is swapped for
+    `build(rank, num_stages, num_chunks)` (sleeping stages); messages of agreed shapes (else the header protocol)."""
+    cfg = Config()
+    cfg.model.untie_embeddings_and_output_weights = True
+    return AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=k, optimizer_name="adam",
+                             optimizer_kwargs={"lr": ASYNC_LR}, message_specs=synthetic_specs(mbs) if agreed_shapes
+                             else None, build_chunks=lambda cfg, vocab, rank, num_stages, num_chunks, device=None:
+                             build(rank, num_stages, num_chunks))
 
 
 class GPTStageAdapter(nn.Module):

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402  (puts the bench family folders and the repo on sys.path)
 bench_common.add_repo_to_path()
 
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -46,30 +47,19 @@ import torch  # noqa: E402
 import zero_bubble as zb  # noqa: E402  (also puts tests/ on sys.path: dist_harness)
 from bench_common import Lines, header, load_at_end, loadavg, markdown_table  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
-from schedules_measure import accumulate, timed  # noqa: E402
+from schedules_measure import POLICY_HOOKS, accumulate, timed  # noqa: E402
 from schedules_runs import AGREED, merge_p2p, p2p_costs  # noqa: E402
+from schedules_stages import WIDTH, run_rank_on, sleeping_pipeoptim, synthetic_batches, synthetic_specs  # noqa: E402
 
 from megatron_po import parallel_state as ps  # noqa: E402
-from megatron_po.config import Config  # noqa: E402
 from megatron_po.errors import ConfigError  # noqa: E402
-from megatron_po.pipeline.async_pipeline import AsyncPipelineRank  # noqa: E402
-from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
-from megatron_po.pipeline.partition import ActivationSpecs  # noqa: E402
 from megatron_po.pipeline.schedules import (BackwardWeight, Forward, Step, build_schedule, comm_of,  # noqa: E402
                                             placement_of, rank_chunk_of)
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 
 TOLERANCE = 0.03
 TIMEOUT = 1800.0
-SYNC_ROWS = [  # (label, method, chunks per rank)
-    ("1f1b", "1f1b", 1),
-    ("interleaved 1f1b v=2", "1f1b", 2),
-    ("zb-h1", "zb-h1", 1),
-    ("interleaved zb-h1 v=2", "zb-h1", 2),
-    ("zb-h2", "zb-h2", 1),
-    ("zb-v", "zb-v", 2),
-]
-ASYNC_LR = 1e-4
+SYNC_ROWS = [(label, method, v) for label, method, v, _ in zb.ROWS]  # (label, method, chunks per rank)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,33 +193,18 @@ def mean_over_ranks(per_rank_per_op):
     return {k: statistics.mean(c[k] for c in per_rank_per_op) for k in OP_KINDS}
 
 
-def synthetic_batch(mbs):
-    return {"tokens": torch.randn(mbs, zb.WIDTH), "labels": torch.zeros(mbs, zb.WIDTH, dtype=torch.long),
-            "loss_mask": torch.ones(mbs, zb.WIDTH)}
-
-
 def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
     """{(label, M): ([(start, end)] of this rank, its seconds per op of each kind, `per_op`)}: every case
     once per repetition, the cases alternating. The chunks sleep run_costs[v] per stage; Step(None) sleeps
     t_step (the optimizer it stands for)."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    batch = synthetic_batch(mbs)
-    runs, transports, acc = {}, {}, {}
+    acc, runs = {}, {}
+    step_fn = accumulate(lambda c: zb.hold(t_step), acc, "step")
     for label, method, v, M in cases:
-        placement = placement_of(method)
-        chunks = sleeping_chunks(r, D, v, run_costs[v], placement)
-        if v not in transports:
-            transports[v] = P2PTransport(D, v, ActivationSpecs((mbs, zb.WIDTH)))
-            instrument_transport(transports[v], acc)
-        schedule = build_schedule(method, D, v, M)
-
-        def run(schedule=schedule, chunks=chunks, transport=transports[v], placement=placement, M=M):
-            runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport, get_batch=lambda mb: batch,
-                                 loss_scale=1.0 / M, placement=placement,
-                                 step_fn=accumulate(lambda c: zb.hold(t_step), acc, "step"))
-            run_rank(schedule, instrument_runner(runner, acc))
-
-        runs[(label, M)] = (run, op_counts(schedule, r))
+        run = run_rank_on(method, sleeping_chunks(r, D, v, run_costs[v], placement_of(method)), mbs,
+                          synthetic_specs(mbs), instrument=lambda runner: instrument_runner(runner, acc), step_fn=step_fn)
+        instrument_transport(run.transport, acc)
+        runs[(label, M)] = (functools.partial(run, M), op_counts(build_schedule(method, D, v, M), r))
     spans = {key: [] for key in runs}
     busy = {key: [] for key in runs}  # per measured repetition: seconds per op kind
     for i in range(warmup + reps):
@@ -248,16 +223,10 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
     steady-state seconds per micro-batch per repetition (empty elsewhere), and this rank's mean wall time of
     one step and of the policy's hooks per micro-batch."""
     D = ps.get_pipeline_model_parallel_world_size()
-    cfg = Config()
-    cfg.model.untie_embeddings_and_output_weights = True
-    batch = synthetic_batch(mbs)
-    build = lambda cfg, vocab, rank, num_stages, num_chunks, device=None: sleeping_chunks(  # noqa: E731
-        rank, num_stages, num_chunks, run_costs[1])
+    get_batch = synthetic_batches(mbs)
     ranks, acc = {}, {}
     for k in intervals:
-        rank = AsyncPipelineRank(cfg, 0, "pipeoptim", num_chunks=1, update_interval=k, optimizer_name="adam",
-                                 optimizer_kwargs={"lr": ASYNC_LR}, message_specs=ActivationSpecs((mbs, zb.WIDTH)),
-                                 build_chunks=build)
+        rank = sleeping_pipeoptim(lambda r, D, v: sleeping_chunks(r, D, v, run_costs[1]), mbs, k)
         adam_step = rank.stage.step
 
         def sleeping_step(c, adam_step=adam_step):  # Adam, then the rest of t_step: the op costs t_step
@@ -268,8 +237,7 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
 
         acc[k] = {}
         rank.stage.step = accumulate(sleeping_step, acc[k], "step")
-        for hook in ("before_forward", "after_forward", "before_backward", "after_backward", "before_step",
-                     "after_step"):
+        for hook in POLICY_HOOKS:
             setattr(rank.stage.policy, hook, accumulate(getattr(rank.stage.policy, hook), acc[k], "policy"))
         make_runner = rank.stage.runner
         rank.stage.runner = lambda *args, make_runner=make_runner, acc=acc[k], **kw: instrument_runner(
@@ -285,7 +253,7 @@ def async_runs(intervals, N, run_costs, t_step, mbs, warmup, reps):
             acc[k].clear()
             loss_times = []
             on_loss = lambda mb, loss: loss_times.append(time.perf_counter())  # noqa: E731
-            timed(lambda: ranks[k].train_segment(lambda mb: batch, N, on_loss=on_loss))
+            timed(lambda: ranks[k].train_segment(get_batch, N, on_loss=on_loss))
             if i < warmup:
                 continue
             if loss_times:
@@ -348,7 +316,7 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     emit(f"D={D} ranks (forked processes, gloo, {os.cpu_count()} CPU cores), M in {list(Ms)}; synthetic sleeping "
          f"stages of bench/schedules/zero_bubble.py: per stage t_F = {t_f * 1e3:g} ms, t_B = {t_b * 1e3:g} ms, t_W = "
          f"{t_w * 1e3:g} ms (a fused backward {(t_b + t_w) * 1e3:g} ms; v=2: each chunk half), a step {t_step * 1e3:g} "
-         f"ms per Step op, [{mbs}, {zb.WIDTH}] activations; median of {reps} after {warmup} warm-up. Async: "
+         f"ms per Step op, [{mbs}, {WIDTH}] activations; median of {reps} after {warmup} warm-up. Async: "
          f"PipeOptim + Adam at k in {intervals}, segments of {N} micro-batches, window {steady_window(N)}.")
     emit()
     emit(f"Per-op costs measured in one process (no p2p), F / B / W: {ms(untrimmed[1])} ms per stage and "

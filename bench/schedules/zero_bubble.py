@@ -44,21 +44,17 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,  # noqa: E402
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-from bench_common import Lines, header, load_at_end  # noqa: E402
+from bench_common import Lines, header, load_at_end, markdown_table  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402
 from megatron_po import parallel_state as ps  # noqa: E402
-from megatron_po.pipeline.executor import P2PTransport, StageRunner, run_rank  # noqa: E402
-from megatron_po.pipeline.partition import ActivationSpecs  # noqa: E402
 from megatron_po.pipeline.schedules import build_schedule, check_schedule, placement_of, virtual_stage  # noqa: E402
 from megatron_po.pipeline.simulator import simulate  # noqa: E402
 from megatron_po.tensor_parallel import weight_grads  # noqa: E402
+from schedules_measure import makespans, timed  # noqa: E402
+from schedules_stages import WIDTH, run_rank_on, synthetic_specs, torch_schedule  # noqa: E402
 
-WIDTH = 16
 TIMEOUT = 1800.0
 SPIN_S = 0.0005  # hold(): sleep until this long before the op's end, then spin (0: a plain time.sleep)
 
@@ -129,54 +125,17 @@ def chunks_of(rank, D, v, t_f, t_b, t_w, cls=ZBSleepStage, placement="interleave
     return [cls(t_f / v, t_b / v, t_w / v, vs == 0, vs == last) for vs in vss]
 
 
-def timed(fn):
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return start, time.perf_counter()
-
-
 def run_variants(method, torch_kind, v, M, t_f, t_b, t_w, mbs, warmup, reps):
     """Ours (run_rank + StageRunner + P2PTransport with agreed shapes) and torch's `torch_kind` on
     identical stages, alternating. Returns {"ours": [(start, end)], "torch": [...]}."""
     D, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    x = torch.randn(mbs, WIDTH)
-    batch = {"tokens": x, "labels": torch.zeros(mbs, WIDTH, dtype=torch.long), "loss_mask": torch.ones(mbs, WIDTH)}
     placement = placement_of(method)
-    chunks = chunks_of(r, D, v, t_f, t_b, t_w, placement=placement)
-    transport = P2PTransport(D, v, ActivationSpecs((mbs, WIDTH)))
-    schedule = build_schedule(method, D, v, M)
-
-    def ours():
-        runner = StageRunner(rank=r, num_stages=D, chunks=chunks, transport=transport,
-                             get_batch=lambda mb: batch, loss_scale=1.0 / M, placement=placement)
-        run_rank(schedule, runner)
-
-    run_torch = None
-    if torch_kind is not None:
-        tchunks = chunks_of(r, D, v, t_f, t_b, t_w, TorchZBSleepStage, placement)
-        group = ps.get_pipeline_model_parallel_group()
-        stages = [PipelineStage(c, virtual_stage(r, i, D, placement), D * v, torch.device("cpu"), group=group)
-                  for i, c in enumerate(tchunks)]
-        loss_fn = lambda out, target: out.mean()  # noqa: E731
-        if torch_kind == "1f1b":
-            tsched = Schedule1F1B(stages[0], M, loss_fn=loss_fn)
-        elif torch_kind == "interleaved":
-            tsched = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
-        elif torch_kind == "zbv":
-            tsched = ScheduleZBVZeroBubble(stages, M, loss_fn=loss_fn)
-        else:
-            tsched = ScheduleInterleavedZeroBubble(stages, M, loss_fn=loss_fn)
-        xs, target = torch.randn(M * mbs, WIDTH), torch.zeros(M * mbs, WIDTH)
-        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-        def run_torch():
-            tsched.step(*((xs,) if first else ()), target=target if last else None,
-                        losses=[] if last else None, return_outputs=False)
-
+    ours = run_rank_on(method, chunks_of(r, D, v, t_f, t_b, t_w, placement=placement), mbs, synthetic_specs(mbs))
+    run_torch = None if torch_kind is None else torch_schedule(
+        torch_kind, chunks_of(r, D, v, t_f, t_b, t_w, TorchZBSleepStage, placement), M, mbs, placement)
     out = {"ours": [], "torch": []}
     for _ in range(warmup + reps):
-        out["ours"].append(timed(ours))
+        out["ours"].append(timed(lambda: ours(M)))
         if run_torch is not None:
             out["torch"].append(timed(run_torch))
     return out
@@ -217,11 +176,6 @@ def trimmed_op_costs(nominal, trim=True, chunk_counts=(1, 2)):
     return untrimmed, run_costs, cal
 
 
-def makespans(per_rank, key, warmup):
-    n = len(per_rank[0][key])
-    return [max(r[key][i][1] for r in per_rank) - min(r[key][i][0] for r in per_rank) for i in range(n)][warmup:]
-
-
 ROWS = [  # (label, our method, v, torch schedule)
     ("1f1b", "1f1b", 1, "1f1b"),
     ("interleaved 1f1b v=2", "1f1b", 2, "interleaved"),
@@ -230,12 +184,6 @@ ROWS = [  # (label, our method, v, torch schedule)
     ("zb-h2", "zb-h2", 1, None),
     ("zb-v (2 chunks, V)", "zb-v", 2, "zbv"),
 ]
-
-
-def table(header, rows):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
 
 
 def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, reps=3, with_async=True,
@@ -274,8 +222,8 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
         bound_cal = M / simulate(schedule, *cal[v][:2], t_weight=cal[v][2]).makespan
         per_rank = run_distributed(run_variants, D, pp=D, timeout=TIMEOUT,
                                    args=(method, kind, v, M, *run_costs[v], mbs, warmup, reps))
-        ours = M / statistics.median(makespans(per_rank, "ours", warmup))
-        theirs = M / statistics.median(makespans(per_rank, "torch", warmup)) if kind else None
+        ours = M / statistics.median(makespans([r["ours"] for r in per_rank], warmup))
+        theirs = M / statistics.median(makespans([r["torch"] for r in per_rank], warmup)) if kind else None
         # judged against the lower of the two bounds' fractions: the trim is measured, so not exact
         summary[label] = (min(ours / bound, ours / bound_cal), None if theirs is None else ours / theirs)
         rows.append([label, f"{bound / ideal:.3f}", f"{bound_cal / ideal:.3f}", f"{ours / ideal:.3f}",
@@ -285,16 +233,15 @@ def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, rep
                      " / ".join(str(peak[r]) for r in range(D))])
         print("  ", rows[-1], f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]", flush=True)
     if with_async:
-        from bench_common import median as _median
         from schedules_runs import synthetic_async  # bench/schedules/schedules.py's async measurement
         per_rank = run_distributed(synthetic_async, D, pp=D, timeout=TIMEOUT,
                                    args=(M, t_f, t_b + t_w, mbs, warmup, reps))
-        got = _median(per_rank[-1][0]["pipeoptim"])
+        got = statistics.median(per_rank[-1][0]["pipeoptim"])
         rows.append([f"async PipeOptim k=1 (steady state, fused backward {(t_b + t_w) * 1e3:g} ms)", "1.000", "-",
                      f"{got / ideal:.3f}", f"{got / ideal:.3f}", "-", "-", "-", " / ".join(str(D - r) for r in range(D))])
         print("  ", rows[-1], flush=True)
-    emit(table(["schedule", "bound", "bound cal", "ours", "ours/bound", "ours/bound cal", "torch", "ours/torch",
-                "peak in flight per rank"], rows))
+    emit(markdown_table(["schedule", "bound", "bound cal", "ours", "ours/bound", "ours/bound cal", "torch", "ours/torch",
+                         "peak in flight per rank"], rows))
     emit()
     if "zb-h1" in summary and "interleaved 1f1b v=2" in summary:
         met = lambda ok: "met" if ok else "not met"  # noqa: E731

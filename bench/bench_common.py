@@ -320,10 +320,13 @@ def now() -> str:
 
 
 class Lines:
-    """A results file written as it is printed: `emit(text)` prints a line and keeps it for `write`."""
+    """A results file written as it is printed: `emit(text)` prints a line and keeps it for `write`; `opening`, the
+    first lines (a `header`), emitted at once."""
 
-    def __init__(self):
+    def __init__(self, opening: list[str] = ()):
         self.lines: list[str] = []
+        for line in opening:
+            self.emit(line)
 
     def emit(self, text: str = "") -> None:
         print(text, flush=True)

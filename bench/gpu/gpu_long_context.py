@@ -43,8 +43,8 @@ def section_long_context(run: Run) -> Section:
     tokens, ms = s.global_batch * s.seq, ours["ms_per_iteration"]
     cfg, vocab, peak = parse_args(s.gpt_flags()), padded_vocab(s), peak_tflops(run)
     figures = {"seq_length": s.seq, "micro_batch": s.micro_batch, "global_batch": s.global_batch,
-               "ms_per_iteration": ms, "tokens_per_s": ours["tokens_per_s"], "iterations_timed": ours["iterations_timed"],
-               "max_memory_bytes": ours["max_memory_bytes"], "peak_tflops": peak}
+               "ms_per_iteration": ms, "peak_tflops": peak,
+               **{k: ours[k] for k in ("tokens_per_s", "iterations_timed", "max_memory_bytes")}}
     rows = []
     for name, causal in (("megatron", False), ("causal", True)):
         flops = gpt_flops_per_token(cfg, vocab, causal=causal) * tokens
@@ -53,7 +53,7 @@ def section_long_context(run: Run) -> Section:
         rows.append([{"megatron": "full s x s square (Megatron's convention)", "causal": "causal half"}[name],
                      num(flops / 1e12), num(tflops), pct(figures[name]["mfu"])])
     full, causal = gpt_flops_per_token(cfg, vocab), gpt_flops_per_token(cfg, vocab, causal=True)
-    figures["attention_share_causal"] = (full - causal) / causal  # causal attention (half the square) / the causal total
+    figures["attention_share_causal"] = (full - causal) / causal  # causal attention (half the square) / causal total
     return Section(f"Long context: {s.seq:,} tokens per sequence, CP = 1", measured.commands, figures, [
         f"GPT of this size ({s.layers} layers, hidden {s.hidden}) at {s.micro_batch} x {s.seq:,} tokens "
         f"per micro-batch, global batch {s.global_batch}, bf16; median of the {ours['iterations_timed']} iterations "

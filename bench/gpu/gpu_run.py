@@ -221,7 +221,8 @@ def section_alone(argv: list[str], file: str, doc: str, title: str, section, qui
     data = {"schema": f"megatron_po bench/gpu/{name}.py 1", "command": command, "size": run.size_name,
             "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
             "figures": done.figures, "commands": done.commands}
-    for path, text in ((out, "\n".join(lines) + "\n"), (os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))):
+    for path, text in ((out, "\n".join(lines) + "\n"),
+                       (os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(bench_common.portable(text))

@@ -60,7 +60,6 @@ bench_common.add_repo_to_path()  # this checkout and every bench family on sys.p
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
 
@@ -272,12 +271,11 @@ def pipeline_table() -> list[str]:
 
 def recompute_main(args) -> None:
     torch.set_num_threads(1)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    lines = ["# Activation recomputation on the tiny GPT (bench/memory/memory.py --recompute)", "",
-             f"Command: `python bench/memory/memory.py --recompute --reps {args.reps}`; GPT {TINY_GPT.num_layers} layers, "
-             f"hidden {TINY_GPT.hidden_size}, {TINY_GPT.num_attention_heads} heads, seq {TINY_GPT.seq_length}, "
-             f"micro-batch {TINY_BATCH}, vocab {TINY_VOCAB}, fp32, CPU, 1 thread, torch {torch.__version__}, commit {bench_common.commit()}.",
-             f"Machine load before: `{load}`", "",
+    started = time.perf_counter()
+    lines = [*bench_common.header(__file__, ["--recompute", "--reps", str(args.reps)],
+                                  "Activation recomputation on the tiny GPT (bench/memory/memory.py --recompute)"),
+             f"GPT {TINY_GPT.num_layers} layers, hidden {TINY_GPT.hidden_size}, {TINY_GPT.num_attention_heads} heads, "
+             f"seq {TINY_GPT.seq_length}, micro-batch {TINY_BATCH}, vocab {TINY_VOCAB}, fp32, CPU, 1 thread.", "",
              "Activation memory = bytes the autograd graph keeps when the forward returns (measured, see the "
              "docstring); peak = most bytes alive over forward + backward (parameter gradients included). "
              "Step = forward + backward, median of the interleaved repetitions. The memory figures are "
@@ -296,7 +294,7 @@ def recompute_main(args) -> None:
                          f"{r['time'] / base['time']:.2f} |")
         lines.append("")
     lines += pipeline_table()
-    lines.append(f"Machine load after: `{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}`")
+    lines.append(bench_common.load_at_end(started))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -27,11 +27,6 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 
-def load_average() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.2f} / {five:.2f} (1 / 5 min)"
-
-
 def main(argv=None) -> None:
     parser = bench_common.parser(__doc__)
     parser.add_argument("--hidden-size", type=int, default=1024)
@@ -53,7 +48,7 @@ def main(argv=None) -> None:
     from megatron_po.tensor_parallel import pad_vocab_size
     from megatron_po.gpt_workload import build_model_chunks
     torch.set_num_threads(1)
-    start_load = load_average()
+    started, head = time.perf_counter(), bench_common.header(__file__, argv, "Checkpoint checksums: save and load time")
     ps.init_distributed(10.0)
     ps.initialize_model_parallel(1, 1)
     cfg = parse_args(["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -98,14 +93,10 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     mb = size / 1e6
     rows = [("save", med["save"], med["save+checksums"]), ("load", med["load"], med["load+verify"])]
-    cpu = os.cpu_count()
-    lines = ["# Checkpoint checksums: save and load time", "",
-             f"command: `python bench/micro/checkpoint_checksums.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
-             f"settings: GPT {args.num_layers} layers, hidden {args.hidden_size}, vocabulary {args.vocab_size}: "
+    lines = [*head, f"Settings: GPT {args.num_layers} layers, hidden {args.hidden_size}, vocabulary {args.vocab_size}: "
              f"{n_params / 1e6:.1f} M parameters, weights only (fp32), one checkpoint of {mb:.0f} MB in "
-             f"{n_files} files; 1 process, gloo, "
-             f"torch {torch.__version__}, {cpu} CPUs, commit {bench_common.commit()}; median of {args.reps} after a warm-up save and load, variants alternating  ",
-             f"load average at start {start_load}", "",
+             f"{n_files} files; 1 process, gloo; median of {args.reps} after a warm-up save and load, variants "
+             "alternating.", "",
              "| step | baseline s | with checksums s | ratio | difference s | hashing alone s (MB/s) |",
              "|---|---|---|---|---|---|"]
     for name, base, sums in rows:
@@ -113,7 +104,7 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {base:.3f} | {sums:.3f} | {sums / base:.2f} | {sums - base:.3f} | {alone} |")
     lines += ["", "baseline: save without checksums.json (as before), load with --no-verify-checkpoint. "
               "Files are read from the page cache (just written).", "",
-              f"load average at end {load_average()}; finished {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", ""]
+              bench_common.load_at_end(started), ""]
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -28,7 +28,6 @@ import argparse  # noqa: E402
 import io  # noqa: E402
 import pickle  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -75,14 +74,6 @@ class PreviousFormat:
     def __exit__(self, *exc):
         for module, name, value in self.saved:
             setattr(module, name, value)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=bench_common.REPO, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> None:
@@ -151,7 +142,7 @@ def main(argv=None) -> None:
     out.emit()
     given = argv if argv is not None else sys.argv[1:]
     out.emit(f"Command: `{bench_common.command_line('bench/micro/checkpoint_load_time.py', given)}`  ")
-    out.emit(f"Commit: {commit()}  ")
+    out.emit(f"Commit: {bench_common.commit()}  ")
     out.emit(f"Device: CPU, 1 process (gloo), 1 torch thread; {bench_common.machine()}  ")
     out.emit(f"Settings: tiny GPT (4 layers, hidden 32, vocabulary 128; {n_params} parameters, AdamW state), "
              f"checkpoint {sizes['previous'] / 1e3:.0f} KB (previous format) / {sizes['trusted'] / 1e3:.0f} KB "

@@ -36,7 +36,8 @@ def main():
     args = p.parse_args()
     import transformers
 
-    load_start = os.getloadavg()
+    started, head = time.perf_counter(), bench_common.header(__file__, sys.argv[1:], "GPT2BPETokenizer vs "
+                                                             "transformers.GPT2Tokenizer")
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in itertools.islice(f, args.chapters)]
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
@@ -58,12 +59,7 @@ def main():
     equal = ids["ours"] == ids["transformers"]
     tokens = sum(len(x) for x in ids["ours"])
     lines = [
-        "# GPT2BPETokenizer vs transformers.GPT2Tokenizer",
-        "",
-        f"Command: `python bench/micro/tokenizer_speed.py --chapters {args.chapters} --vocab-size {args.vocab_size} "
-        f"--reps {args.reps}`; commit {bench_common.commit()}; {os.cpu_count()} cores shared with other jobs; load average {load_start[0]:.2f} "
-        f"at the start, {os.getloadavg()[0]:.2f} at the end.",
-        "",
+        *head,
         f"{args.chapters} chapters, {megabytes:.2f} MB, {tokens} tokens (vocabulary {args.vocab_size}); "
         f"ids identical: **{equal}**. Best of {args.reps} alternating reps, one process, one call per document.",
         "",
@@ -72,6 +68,8 @@ def main():
         *[f"| {name} | {best[name]:.2f} | {megabytes / best[name]:.2f} |" for name in runs],
         "",
         f"Ratio ours / transformers (throughput): **{best['transformers'] / best['ours']:.2f}**",
+        "",
+        bench_common.load_at_end(started),
     ]
     print("\n".join(lines))
     if args.out:

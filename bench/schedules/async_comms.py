@@ -256,11 +256,10 @@ def main():
     p.add_argument("--skip-collectives", action="store_true")
     p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "async_comms.md"))
     args = p.parse_args()
-    out, started = bench_common.Lines(), time.perf_counter()
+    started = time.perf_counter()
+    out = bench_common.Lines(bench_common.header(__file__, sys.argv[1:], "Asynchronous pipelines under data "
+                                                 "parallelism: communication (gloo, one thread per rank)"))
     emit = out.emit
-    for line in bench_common.header(__file__, sys.argv[1:], "Asynchronous pipelines under data parallelism: "
-                                    "communication (gloo, one thread per rank)"):
-        emit(line)
     if not args.skip_gpt:
         mc = ModelConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, seq_length=64,
                          max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,

@@ -202,7 +202,7 @@ def sync_runs(cases, run_costs, t_step, mbs, warmup, reps):
     step_fn = accumulate(lambda c: zb.hold(t_step), acc, "step")
     for label, method, v, M in cases:
         run = run_rank_on(method, sleeping_chunks(r, D, v, run_costs[v], placement_of(method)), mbs,
-                          synthetic_specs(mbs), instrument=lambda runner: instrument_runner(runner, acc), step_fn=step_fn)
+                          synthetic_specs(mbs), lambda runner: instrument_runner(runner, acc), step_fn=step_fn)
         instrument_transport(run.transport, acc)
         runs[(label, M)] = (functools.partial(run, M), op_counts(build_schedule(method, D, v, M), r))
     spans = {key: [] for key in runs}
@@ -300,11 +300,9 @@ def ratio_cell(measured, predicted):
 
 
 def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=None, argv=(), trim=True):
-    out = Lines()
-    emit = out.emit
     started = time.perf_counter()
-    for line in header(__file__, list(argv)):
-        emit(line)
+    out = Lines(header(__file__, list(argv)))
+    emit = out.emit
     nominal = (t_f, t_b, t_w)
     untrimmed, run_costs, cal = zb.trimmed_op_costs(nominal, trim)
     cal_step = step_cost(t_step)

@@ -188,11 +188,9 @@ ROWS = [  # (label, our method, v, torch schedule)
 
 def run_zero_bubble(D=4, M=8, t_f=0.02, t_b=0.02, t_w=0.02, mbs=4, warmup=1, reps=3, with_async=True,
                     out_path=None, command=None, trim=True):
-    out = Lines()
-    emit = out.emit
     started = time.perf_counter()
-    for line in header(__file__, sys.argv[1:], command=command):
-        emit(line)
+    out = Lines(header(__file__, sys.argv[1:], command=command))
+    emit = out.emit
     emit(f"Synthetic sleeping stages (see the docstring of bench/schedules/zero_bubble.py): D={D}, M={M}, per stage t_f="
          f"{t_f * 1e3:g} ms, t_B={t_b * 1e3:g} ms, t_W={t_w * 1e3:g} ms (v=2: each chunk at half), [{mbs}, {WIDTH}] "
          f"activations; median of {reps} after {warmup} warm-up. Fractions are of the ideal "

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -201,10 +200,6 @@ def stream_times(microbatches: int = 16, reps: int = 5, compiled: bool = False) 
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
-def _load() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     parser = bench_common.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (the CPU test)")
@@ -214,9 +209,9 @@ def main() -> None:
     torch.set_num_threads(1)
     reps = 2 if args.quick else args.reps
     numel = 1 << 18 if args.quick else 1 << 22
-    lines = ["# The optimizer step fused with PipeOptim's prediction (bench/step/fused_step.py)", "",
-             f"Command: `python bench/step/fused_step.py{' --quick' if args.quick else ''} --reps {args.reps}`; "
-             f"CPU, 1 thread, torch {torch.__version__}, commit {bench_common.commit()}. Load before: `{_load()}`", "",
+    started = time.perf_counter()
+    lines = [*bench_common.header(__file__, sys.argv[1:], "The optimizer step fused with PipeOptim's prediction "
+                                  "(bench/step/fused_step.py)"), "CPU, 1 thread.", "",
              f"## Bytes per parameter per micro-batch: step + prediction (s = {S:g}) + restore, AdamW", "",
              "Counted op by op in eager execution (read / written / total); `compiled` = one pass reading and "
              "writing each tensor once (the CUDA path; analytic). `vs naive`: total minus async-naive's.", "",
@@ -249,7 +244,7 @@ def main() -> None:
         for name, ms in streams.items():
             lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | {ms:.2f} | "
                          f"{ms / streams['async-naive']:.3f} |")
-    lines += ["", f"Load after: `{_load()}`"]
+    lines += ["", bench_common.load_at_end(started)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

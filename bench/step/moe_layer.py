@@ -321,9 +321,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     size = "quick" if args.quick else "full"
     started = time.perf_counter()
-    out = Lines()
-    for line in bench_common.header(__file__, argv, "The MoE layer on the CPU: speed, dispatcher bytes, expert bytes"):
-        out.emit(line)
+    out = Lines(bench_common.header(__file__, argv, "The MoE layer on the CPU: speed, dispatcher bytes, expert bytes"))
     if args.quick:
         out.emit("> **Quick size: tiny shapes; the speed ratios measure nothing, the byte counts are exact.**")
         out.emit()

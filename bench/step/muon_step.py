@@ -48,7 +48,7 @@ bench_common.add_repo_to_path()  # this checkout and every bench family on sys.p
 
 import torch  # noqa: E402
 
-from bench_common import Lines, command_line, load_at_end, load_at_start, machine, markdown_table, now  # noqa: E402
+from bench_common import Lines, header, load_at_end, markdown_table  # noqa: E402
 
 MUON_VARIANTS = {  # name -> (build_optimizer kwargs, batched)
     "Muon before": (dict(muon_fp32_matmul_prec="highest", muon_split_qkv=False), False),
@@ -192,27 +192,15 @@ def variants_table(rows: list[dict], default_ms: bool = True) -> str:
           f"{r['vs_default']:.1e}", f"[{r['band'][0]:.3f}, {r['band'][1]:.3f}]", f"{r['polar']:.3f}"] for r in rows])
 
 
-def results_lines(title: str, argv, machine_end: str) -> Lines:
-    """A results file's opening: the title, the command, the machine, load and time."""
-    lines = Lines()
-    lines.emit(title)
-    lines.emit("")
-    lines.emit(f"Command: `{command_line('bench/step/muon_step.py', argv)}`")
-    lines.emit("")
-    lines.emit(f"{machine()}; {load_at_start()}; {now()}{machine_end}")
-    return lines
-
-
 def variants_main(a, argv) -> int:
     started = time.perf_counter()
-    lines = results_lines("# Newton-Schulz variants for Muon, at GPT-1.3B's shapes (CPU)", argv,
-                          f"; torch threads {torch.get_num_threads()}.")
-    lines.emit("")
+    lines = Lines(header(__file__, argv, "Newton-Schulz variants for Muon, at GPT-1.3B's shapes (CPU)"))
     h = a.hidden
     lines.emit(f"One layer's matrices at hidden {h}: four [{h}, {h}] (Q, K, V split, and the projection), the MLP's "
                f"[{4 * h}, {h}] and [{h}, {4 * h}]; each with singular values log-spaced from 1 to 1e-3 and random "
                "singular vectors. Distances are relative Frobenius norms, the largest over the six matrices; "
-               f"singular values: the smallest and largest over them. ms: median of {a.reps}, one call per matrix.")
+               f"singular values: the smallest and largest over them. ms: median of {a.reps}, one call per matrix; "
+               f"torch threads {torch.get_num_threads()}.")
     lines.emit("")
     lines.emit(f"## fp32 (`--muon-fp32-matmul-prec highest`), hidden {h}")
     lines.emit("")
@@ -420,7 +408,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.hidden, a.heads, a.layers, a.ffn, a.vocab, a.reps, a.bucket = 64, 4, 1, 256, 128, 2, 10_000
     started = time.perf_counter()
-    lines = results_lines("# Muon step per micro-batch vs AdamW (CPU)", argv if argv is not None else sys.argv[1:], ".")
+    lines = Lines(header(__file__, argv, "Muon step per micro-batch vs AdamW (CPU)"))
     lines.emit(f"Model: GPT, {a.layers} layers, hidden {a.hidden}, {a.heads} heads (multi-head), MLP {a.ffn} (GELU); "
                f"one step per micro-batch (k = 1); median of {a.reps} alternating rounds, one torch thread per "
                f"process; DP = 2: two forked gloo processes, DDP bucket {a.bucket:,} elements.")

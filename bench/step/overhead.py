@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -98,13 +96,6 @@ def matmul_peak(n=2048, reps=10, device="cpu", dtype=torch.float32, warmup=1) ->
 QUICK = dict(hidden=64, heads=2, layers=2, seq=32, batch=2, vocab=256, steps=2)
 
 
-def load_average() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def build_ours(cfg, vocab, compiled: bool):
     """Our model, DDP buffer and predictive AdamW; `compiled`: --torch-compile's layers."""
     model = GPTModel(cfg.model, vocab, 0)
@@ -136,7 +127,8 @@ def main():
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    load_before = load_average()
+    started = time.perf_counter()
+    head = bench_common.header(__file__, sys.argv[1:], "Framework overhead (bench/step/overhead.py)")  # (its load: now)
     torch.manual_seed(0)
     os.environ.setdefault("MASTER_PORT", "29517")
     ps.init_distributed()
@@ -197,13 +189,9 @@ def main():
     lines.append(f"model FLOP/s {flops / med['ours'] / 1e9:7.1f} G | matmul peak {peak / 1e9:7.1f} G | "
                  f"MFU {flops / med['ours'] / peak * 100:.1f}% (target >= 50%)")
     print("\n".join(lines))
-    if args.results:
+    if args.results:  # the header's load is the start's
         with open(args.results, "w") as f:
-            machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, commit {bench_common.commit()}"
-            f.write("# Framework overhead (bench/step/overhead.py)\n\n"
-                    f"Command: `python bench/step/overhead.py {' '.join(sys.argv[1:])}`; {machine}.\n\n"
-                    f"Load before: `{load_before}`\n\nLoad after: `{load_average()}`\n\n"
-                    "```\n" + "\n".join(lines) + "\n```\n")
+            f.write("\n".join(head + ["```", *lines, "```", "", bench_common.load_at_end(started)]) + "\n")
     assert all(math.isfinite(t) for t in med.values())
 
 

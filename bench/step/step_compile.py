@@ -127,10 +127,8 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(measure(depths[0], args.hidden, args.steps)), flush=True)
         return
     started = time.perf_counter()
-    lines = bench_common.Lines()
-    for line in bench_common.header(__file__, argv, "The compiled optimizer step's first compilation: one graph "
-                                    "per param group against slices (bench/step/step_compile.py)"):
-        lines.emit(line)
+    lines = bench_common.Lines(bench_common.header(__file__, argv, "The compiled optimizer step's first compilation: one "
+                                                   "graph per param group against slices (bench/step/step_compile.py)"))
     from megatron_po.optim.fused_prediction import STEP_SLICE
     lines.emit(f"GPT of hidden {args.hidden}, bf16 weights, fp32 main params, AdamW, two param groups; CPU, one "
                f"thread for the steps (inductor's compile workers as configured). STEP_SLICE = {STEP_SLICE}. "

@@ -58,13 +58,22 @@ def add_repo_to_path() -> None:
 add_repo_to_path()
 
 
+def write_text(path: str, text: str, atomic: bool = False) -> str:
+    """`text` into `path`, its folder made; returns the path. `atomic`: written beside it and moved in place, so that a
+    reader (or a kill) sees the old file or the new one, never half (a run's cache file that a later --resume reads;
+    results rewritten after every figure)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    written = f"{path}.tmp{os.getpid()}" if atomic else path
+    with open(written, "w") as f:
+        f.write(text)
+    if atomic:
+        os.replace(written, path)
+    return path
+
+
 def write_json_atomic(path: str, obj) -> None:
-    """`obj` as JSON at `path`, written beside it and moved in place: a run killed mid-write leaves no half file
-    for a later --resume to read."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
+    """`obj` as JSON at `path`, atomically (`write_text`): a run killed mid-write leaves no half file for --resume."""
+    write_text(path, json.dumps(obj), atomic=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,6 +232,14 @@ def parse_lr_grid(items: list[str], grid: dict) -> dict:
     return grid
 
 
+def read_metrics(path: str) -> list[dict]:
+    """pretrain_gpt.py's metrics records (--metrics-file) so far: a line it is still writing is left for later."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
 def log(*args) -> None:
     print(*args, flush=True)
 
@@ -333,9 +350,7 @@ class Lines:
         self.lines.append(text)
 
     def write(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write("\n".join(self.lines) + "\n")
+        write_text(path, "\n".join(self.lines) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------

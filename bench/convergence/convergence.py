@@ -97,9 +97,7 @@ def run_benchmark(s: Settings, log=_print) -> dict:
     elapsed = time.perf_counter() - start
     load1 = loadavg()[0]
     text = write_report(s, wl, summary, elapsed, (load0, load1), png, reused)
-    md = os.path.join(s.out, "convergence.md")
-    with open(md, "w") as f:
-        f.write(text)
+    md = bench_common.write_text(os.path.join(s.out, "convergence.md"), text)
     log(f"> wrote {md} and {png} ({elapsed / 60:.1f} min)")
     return {"md": md, "png": png, "summary": summary, "table": main_table(s, summary)}
 

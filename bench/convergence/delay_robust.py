@@ -114,10 +114,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|", *rows, "",
              "Verdicts: a difference is real only when the mean ± std intervals do not overlap "
              "(bench/convergence/convergence.py's rule). Details of each rule: docs/delay_robust.md."]
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "delay_robust.md" if not a.quick else "delay_robust_quick.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    bench_common.write_text(os.path.join(a.out, "delay_robust.md" if not a.quick else "delay_robust_quick.md"),
+                            "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -123,10 +123,7 @@ def main(argv=None) -> int:
     command = "python bench/convergence/prediction_error.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     result = measure(args.depth, args.optimizer, args.steps, args.seed)
     text = report(result["errors"], command, args.depth, args.optimizer, args.steps, args.seed, result["val"])
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "prediction_error.md")
-    with open(path, "w") as f:
-        f.write(text)
+    path = bench_common.write_text(os.path.join(args.out, "prediction_error.md"), text)
     print(text)
     print(f"wrote {path}")
     return 0

@@ -121,12 +121,8 @@ def main() -> int:
                    "deep_pipelines_report.py and tools/simulate_schedule.py", "header": "\n".join(bench_common.header(__file__, sys.argv[1:])),
            "fit_files": list(FIT_FILES), "fit": model, "censored": censored, "checks": checks, "predictions": preds,
            "clocks": {k: os.path.relpath(p, dp.cv.REPO) for k, p in (("measured", dp.MEASURED), ("derived", dp.DERIVED))}}
-    with open(PREDICTIONS, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    md = PREDICTIONS[:-len(".json")] + ".md"
-    with open(md, "w") as f:
-        f.write(markdown(out))
+    bench_common.write_text(PREDICTIONS, json.dumps(out, indent=1) + "\n")
+    md = bench_common.write_text(PREDICTIONS[:-len(".json")] + ".md", markdown(out))
     print(f"> wrote {os.path.relpath(PREDICTIONS)}, {os.path.relpath(md)}")
     return 0
 

@@ -219,9 +219,7 @@ def regenerate(json_path: str) -> list[str]:
            "derived": cmm.load_cost_model(dp.DERIVED)}
     blocks = analyse(study, cms)
     png = write_plot(blocks, base + ".png")
-    md = base + ".md"
-    with open(md, "w") as f:
-        f.write(markdown(data, study, blocks, cms, os.path.basename(png) if png else None))
+    md = bench_common.write_text(base + ".md", markdown(data, study, blocks, cms, os.path.basename(png) if png else None))
     hidden = data["settings"].get("hidden_size")
     verdicts = write_verdicts(blocks, cms, base + "_verdicts.json", rel(md), in_progress(data),
                               hidden if base.endswith(f"_hidden{hidden}") else None)  # --hidden names the files
@@ -272,10 +270,7 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status
                                      "bound": r["clocks"]["measured"]["bound"]} for r in b["rows"]}}
     if not out["verdicts"]:
         return None
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    return path
+    return bench_common.write_text(path, json.dumps(out, indent=1) + "\n")
 
 
 def not_run_bounds(study: dict, cm: dict) -> str:

@@ -393,11 +393,7 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, co
             "seeds_rule": study.get("seeds_rule"), "unigram": study["unigram"],
             "train_seconds": study["train_seconds"], "train_cpu_seconds": study.get("train_cpu_seconds"),
             "run_loads": study.get("run_loads"), "provenance": provenance}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    return path
+    return bench_common.write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:

@@ -217,13 +217,9 @@ def section_muon(run: Run) -> Section:
                        ns_rows)])
 
 
-def reused_sections(run: Run) -> dict[str, str]:
-    """{section: how} for the baselines this run took from an earlier call on the same machine."""
-    return {name: sec.reused for name, sec in run.done.items() if sec.reused}
-
-
 def section_targets(run: Run) -> Section:
-    rows = gpu_targets.rows({name: sec.figures for name, sec in run.done.items()}, reused_sections(run))
+    reused = {name: sec.reused for name, sec in run.done.items() if sec.reused}  # baselines from an earlier call
+    rows = gpu_targets.rows({name: sec.figures for name, sec in run.done.items()}, reused)
     return Section("Targets", [], {"targets": rows}, [
         "The GPU targets (issue 44), read from the sections above (no measurement of its own): each a ratio of "
         "figures of this run (\"same run\"), or of this run and a baseline an earlier call measured on this "
@@ -411,7 +407,7 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
     if statuses:
         lines += status_lines(statuses, run, budget_s)
     lines.append(load_at_end(t0))
-    gpu_state.write_atomic(path, bench_common.portable("\n".join(lines) + "\n"))
+    bench_common.write_text(path, bench_common.portable("\n".join(lines) + "\n"), atomic=True)
     s = run.size
     data = {"schema": "megatron_po bench/gpu/gpu.py 1", "command": command, "size": run.size_name, "started": started,
             "minutes": (time.perf_counter() - t0) / 60, "device": info, "load_average_end": loadavg()[:2],
@@ -441,8 +437,10 @@ def write_results(path: str, info: dict, command: str, run: Run, started: str, t
             data["ttq_cost_model"] = f"not written: {e}"
         else:
             data["ttq_cost_model"] = os.path.basename(cost_model_path(path))
-            gpu_state.write_atomic(cost_model_path(path), bench_common.portable(json.dumps(cost_model, indent=1)))
-    gpu_state.write_atomic(os.path.splitext(path)[0] + ".json", bench_common.portable(json.dumps(data, indent=1)))
+            bench_common.write_text(cost_model_path(path), bench_common.portable(json.dumps(cost_model, indent=1)),
+                                    atomic=True)
+    bench_common.write_text(os.path.splitext(path)[0] + ".json", bench_common.portable(json.dumps(data, indent=1)),
+                            atomic=True)
 
 
 # Seconds kept at the end of --budget-s for writing the results.

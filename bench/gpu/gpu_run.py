@@ -165,7 +165,7 @@ class Run:
         def iterations_so_far(line: str) -> None:  # each new per-iteration record: figures kept at once
             if "iteration" not in line or not os.path.exists(metrics):
                 return
-            records = [r for r in read_records(metrics) if "tokens_per_sec" in r]
+            records = [r for r in bench_common.read_metrics(metrics) if "tokens_per_sec" in r]
             if len(records) > seen[0]:
                 seen[0] = len(records)
                 self.figure(f"{label}: tokens_per_s by iteration", [r["tokens_per_sec"] for r in records])
@@ -173,7 +173,7 @@ class Run:
                     self.figure(f"{label}: max_memory_bytes", records[-1]["max_memory_gb"] * 2**30)
         lines = self._stream([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv], shown,
                              on_line=iterations_so_far)
-        return read_records(metrics), shown, lines
+        return bench_common.read_metrics(metrics), shown, lines
 
 
 def measure_peak(run: Run) -> None:
@@ -185,7 +185,8 @@ def measure_peak(run: Run) -> None:
 
 def last_loss(run: Run, label: str) -> float:
     """The lm loss of the last iteration of `measure_ours(run, label, ...)` (its metrics in the run's tmp)."""
-    return [r for r in read_records(os.path.join(run.tmp, label, "metrics.jsonl")) if "lm_loss" in r][-1]["lm_loss"]
+    records = bench_common.read_metrics(os.path.join(run.tmp, label, "metrics.jsonl"))
+    return [r for r in records if "lm_loss" in r][-1]["lm_loss"]
 
 
 def section_alone(argv: list[str], file: str, doc: str, title: str, section, quick_note: str,
@@ -221,25 +222,10 @@ def section_alone(argv: list[str], file: str, doc: str, title: str, section, qui
     data = {"schema": f"megatron_po bench/gpu/{name}.py 1", "command": command, "size": run.size_name,
             "device": device, "machine": bench_common.machine(), "load_average_end": bench_common.loadavg()[:2],
             "figures": done.figures, "commands": done.commands}
-    for path, text in ((out, "\n".join(lines) + "\n"),
-                       (os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(bench_common.portable(text))
+    bench_common.write_text(out, bench_common.portable("\n".join(lines) + "\n"))
+    bench_common.write_text(os.path.splitext(out)[0] + ".json", bench_common.portable(json.dumps(data, indent=1)))
     log(f"[{name}.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
-
-
-def read_records(path: str) -> list[dict]:
-    """pretrain_gpt.py's metrics records so far (a line it is still writing is left for later)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -141,9 +141,7 @@ def make_portable(path: str) -> None:
     """Rewrite a file this check wrote with machine paths made portable (results are committed)."""
     if os.path.exists(path):
         with open(path, errors="replace") as f:
-            text = f.read()
-        with open(path, "w") as f:
-            f.write(portable_here(text))
+            bench_common.write_text(path, portable_here(f.read()))
 
 
 def count_results(log_path: str) -> str:
@@ -413,7 +411,7 @@ class Check:
         lines.append(f"load average at end {one:.2f} (1 min) / {five:.2f} (5 min)")
         lines += ["", *self.target_lines()]
         name = f"gpu_check_{self.label}"
-        gpu_state.write_atomic(self.path(name + ".md"), portable_here("\n".join(lines) + "\n"))
+        bench_common.write_text(self.path(name + ".md"), portable_here("\n".join(lines) + "\n"), atomic=True)
         data = {"schema": "megatron_po bench/gpu/gpu_check.py 2", "command": self.command, "call": self.label,
                 "steps_planned": self.steps, "budget_s": self.args.budget_s, "seconds_used": used,
                 "quick": self.args.quick, "size": self.size(), "device": self.device, "commit": bench_common.commit(),
@@ -422,7 +420,8 @@ class Check:
                 "plan": [vars(p) for p in self.plan], "started": self.started_at, "status": self.status,
                 "not_run_to_the_end": self.left_out(), "to_run_them": self.rerun_commands(),
                 "commands": self.commands, "files": self.files}
-        gpu_state.write_atomic(self.path(name + ".json"), portable_here(json.dumps(data, indent=1) + "\n"))
+        bench_common.write_text(self.path(name + ".json"), portable_here(json.dumps(data, indent=1) + "\n"),
+                                atomic=True)
 
     def run(self) -> int:
         self.write()

@@ -23,6 +23,10 @@ import json
 import os
 import re
 import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+from bench_common import write_text  # noqa: E402
 
 STATE_DIR = ".gpu_state"  # in the checkout; .gitignore names it
 
@@ -68,19 +72,10 @@ def read(path: str) -> dict:
         return {}
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Replace `path` by `text` at once: a reader (or a kill) sees the old file or the new one, never half."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _update(path: str, key: str, value: dict) -> None:
     data = read(path)
     data[key] = value
-    write_atomic(path, json.dumps(data, indent=1) + "\n")
+    write_text(path, json.dumps(data, indent=1) + "\n", atomic=True)
 
 
 def baselines(state_dir: str) -> dict:

@@ -298,8 +298,7 @@ def recompute_main(args) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        bench_common.write_text(args.out, text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -522,8 +521,7 @@ def context_parallel_main(args) -> dict[int, list[dict]]:
     text = cp_report(results, seq, header, started)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        bench_common.write_text(args.out, text)
     return results
 
 def main() -> None:

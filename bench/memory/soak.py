@@ -19,7 +19,6 @@ post-warm-up quarter (drift). The markdown report goes to `--out` (default bench
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -57,17 +56,6 @@ def training_flags(args, work: str) -> list[str]:
     ]
 
 
-def read_records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            if line.endswith("\n"):  # a line still being written is read next time
-                records.append(json.loads(line))
-    return records
-
-
 def slope_per_1000(points: list[tuple[int, float]]) -> float:
     """Least-squares slope of (iteration, MB) points, in MB per 1,000 iterations."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -98,7 +86,7 @@ def main(argv=None) -> int:
     samples = []  # (seconds, iteration, rank, VmRSS kB, RssAnon kB)
     iteration, next_report = 0, 60.0
     while any(p.poll() is None for p in procs):
-        records = read_records(metrics)
+        records = bench_common.read_metrics(metrics)
         iteration = max([r["iteration"] for r in records], default=0)
         for rank, p in enumerate(procs):
             try:
@@ -120,7 +108,7 @@ def main(argv=None) -> int:
         print(f"soak run failed: exit codes {codes}; logs in {args.work}/logs", file=sys.stderr)
         return 1
 
-    records = read_records(metrics)
+    records = bench_common.read_metrics(metrics)
     warm = args.save_interval  # the first checkpoint closes warm-up
     post = [s for s in samples if s[1] > warm]
     train = [r for r in records if "tokens_per_sec" in r and r["iteration"] > warm]
@@ -176,9 +164,7 @@ def main(argv=None) -> int:
         f"Memory growth after warm-up: **{verdict_mem}** (largest RssAnon growth of any rank "
         f"{worst_growth:+.2%}). Exit codes {codes}; processes left behind: {len(leftovers)}.",
     ]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    bench_common.write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

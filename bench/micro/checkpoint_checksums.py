@@ -107,9 +107,7 @@ def main(argv=None) -> None:
               bench_common.load_at_end(started), ""]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
+    bench_common.write_text(args.out, text)
     ps.destroy_model_parallel()
 
 

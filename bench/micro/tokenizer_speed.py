@@ -73,8 +73,7 @@ def main():
     ]
     print("\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        bench_common.write_text(args.out, "\n".join(lines) + "\n")
     return 0 if equal else 1
 
 

@@ -248,8 +248,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        bench_common.write_text(args.out, text)
 
 
 if __name__ == "__main__":

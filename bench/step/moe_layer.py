@@ -328,9 +328,9 @@ def main(argv=None) -> int:
     figures = {"layer": part_layer(size, out), "dispatch": part_dispatch(size, out), "memory": part_memory(size, out)}
     out.emit(load_at_end(started))
     out.write(args.out)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # the figures, for tests/test_moe_bench.py
-        json.dump({"command": bench_common.command_line(bench_common.script(__file__), argv), "size": size,
-                   "machine": bench_common.machine(), "figures": figures}, f, indent=1)
+    bench_common.write_text(os.path.splitext(args.out)[0] + ".json", json.dumps(  # the figures: tests/test_moe_bench.py
+        {"command": bench_common.command_line(bench_common.script(__file__), argv), "size": size,
+         "machine": bench_common.machine(), "figures": figures}, indent=1))
     return 0
 
 

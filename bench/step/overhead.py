@@ -190,8 +190,8 @@ def main():
                  f"MFU {flops / med['ours'] / peak * 100:.1f}% (target >= 50%)")
     print("\n".join(lines))
     if args.results:  # the header's load is the start's
-        with open(args.results, "w") as f:
-            f.write("\n".join(head + ["```", *lines, "```", "", bench_common.load_at_end(started)]) + "\n")
+        bench_common.write_text(args.results, "\n".join(head + ["```", *lines, "```", "",
+                                                                bench_common.load_at_end(started)]) + "\n")
     assert all(math.isfinite(t) for t in med.values())
 
 

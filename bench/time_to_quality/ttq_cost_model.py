@@ -40,10 +40,11 @@ import json
 import os
 import sys
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
-REPO = os.path.dirname(BENCH)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import bench_common  # noqa: E402
+bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
+
+from bench_common import REPO, write_text  # noqa: E402
 from megatron_po.errors import ConfigError  # noqa: E402
 from megatron_po.pipeline import cost_model as _cm  # noqa: E402
 
@@ -258,9 +259,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", metavar="PATH", help="load a cost model and print what it prices")
     a = p.parse_args(argv)
     if a.write_derived:
-        with open(a.write_derived, "w") as f:
-            json.dump(h200_1p3b_seq8192_derived(), f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        write_text(a.write_derived, json.dumps(h200_1p3b_seq8192_derived(), indent=1, ensure_ascii=False) + "\n")
         print(f"> wrote {os.path.relpath(a.write_derived)}")
     if a.check:
         print(describe(load_cost_model(a.check)))

@@ -190,9 +190,7 @@ def dump_json(s, grid: dict, study: dict, path: str, provenance: str | None = No
                                for r in study["runs"][u]]} for u in study["units"]],
            "op_times": {f"D={D},{o}": c["op_times"] for (D, o), c in study["calibrations"].items()},
            "cost_model": cost_model}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    return path
+    return bench_common.write_text(path, json.dumps(out, indent=1, default=str))
 
 
 GPT_DATA = """- Data and model: bench/convergence/convergence.py's GPT workload: {describe}. {model}, untied
@@ -450,7 +448,5 @@ table per clock: the curves are the same, only the seconds per micro-batch diffe
   bench/time_to_quality/ttq_cost_model.py (schema and derivations: docs/benchmarks.md, the JSON's `source`).
 - Curves: `{os.path.basename(png)}`; all numbers (per seed curves, sweep, op costs, the cost model): `{os.path.basename(base)}.json`.
 """
-    md = base + ".md"
-    with open(md, "w") as f:
-        f.write(text)
-    return [md, png, dump_json(s, grid, study, base + ".json", provenance, cost_model)]
+    return [bench_common.write_text(base + ".md", text), png,
+            dump_json(s, grid, study, base + ".json", provenance, cost_model)]

@@ -10,6 +10,7 @@ Importing this module is cheap: no torch at import time (benchmark worker proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -179,6 +180,15 @@ def tune(units: list, grid: dict, run, final, *, max_growth: int = 0, grown: dic
             return best
 
 
+def at_best_lr(units: list, grid: dict, best: dict, results: dict, final) -> tuple[dict, dict]:
+    """A study's sweep {unit: {lr: final(its seed-1 run)}} and its runs at each unit's best lr {unit: [results, by
+    seed]}, from `results` {(unit, lr, seed): result}."""
+    sweep = {u: {lr: final(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
+    runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
+            for u in units}
+    return sweep, runs
+
+
 def final_val(r: dict, steps: int | None = None) -> float:
     """A run's final validation loss: its curve [(micro-batches, loss)] at its end (`steps`, default its own
     `micro_batches`); inf when it diverged or stopped early (never a best lr)."""
@@ -238,6 +248,22 @@ def read_metrics(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+@contextlib.contextmanager
+def watching(module, name: str, see):
+    """`module.<name>` wrapped while inside: `see(*args, **kwargs)` sees every call before it runs (the benchmarks
+    count a collective's bytes at its call)."""
+    real = getattr(module, name)
+
+    def call(*args, **kwargs):
+        see(*args, **kwargs)
+        return real(*args, **kwargs)
+    setattr(module, name, call)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def log(*args) -> None:

@@ -140,6 +140,3 @@ def plot(s: Settings, summary: dict, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# --------------------------------------------------------------------------------------------------

@@ -151,8 +151,3 @@ def validate(s: Settings) -> None:
                          f"at every depth {s.depths}")
     if s.seeds < 1 or s.tail < 1 or s.tail > s.steps:
         raise SystemExit("error: need --seeds >= 1 and 1 <= tail <= steps")
-
-
-# --------------------------------------------------------------------------------------------------
-# Workloads
-# --------------------------------------------------------------------------------------------------

@@ -293,11 +293,8 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
     and may grow it for every unit); then seeds 2..n at each unit's best lr (`seeds_of`). Returns {"units",
     "grid", "sweep", "best", "runs", "horizons", "not_run", "planned", "conditional", ...}."""
     far_seeds = s.seeds if far_seeds is None else far_seeds
-    wl = cv.build_workload(s)
-    wl.prepare()
     units, conditional = list(units), list(conditional)
-    for M in sorted({u.M for u in units}):
-        cv.build_workload(tr.batch_settings(s, M)).prepare()
+    wl = tr.prepare_data(s, {u.M for u in units})
     steps = {u: horizon(s, cm, u) for u in units + conditional}
     grid = {o: list(v) for o, v in grid.items()}
     results: dict = {}
@@ -319,9 +316,7 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
     log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds} where within {close_nat} nat of S, else "
         f"{far_seeds} seed{'s' if far_seeds != 1 else ''})")
     results.update(run_jobs(s, jobs, log, deadline, progress))
-    sweep = {u: {lr: final_val(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
-    runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
-            for u in units}
+    sweep, runs = bench_common.at_best_lr(units, grid, best, results, final_val)
     planned = {(u, lr, 1) for u in units for lr in grid[u.opt]} | {(u, best[u], sd) for u in units
                                                                     for sd in range(2, n_seeds[u] + 1)}
     if decided is None:  # not yet known: the conditional units' sweep is planned (their seeds too, at most)

@@ -42,6 +42,7 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import torch  # noqa: E402
+from bench_common import log  # noqa: E402
 from convergence_measure import OpTimer  # noqa: E402
 
 D = 4  # pipeline stages of the asynchronous stream
@@ -94,10 +95,6 @@ SIZES = {
                   iterations=3, warmup=1, matmul_n=256, matmul_reps=3, stream_warmup=4, stream_short=4,
                   stream_long=8, stream_ops=4, fp16_iterations=4, compile_backend="eager"),
 }
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
 
 
 def figure(**figures) -> None:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 import subprocess
 from dataclasses import dataclass, field
 
 import gpu_budget
+import gpu_state
 
 SECTION_SCHEMA = "megatron_po bench/gpu"  # gpu.py's results ("... bench/gpu/gpu.py 1"; the first H200's "bench/gpu.py")
 CHECK_SCHEMA = "megatron_po bench/gpu/gpu_check.py"
@@ -156,20 +156,11 @@ class Record:
     seconds: list[float] = field(default_factory=list)
 
 
-def _load(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def read_results(results_root: str, repo: str) -> list[Measured | tuple[str, float]]:
     """Every full-size measurement under `results_root` (and, as (step, seconds), each cut-off run's seconds)."""
     found: list = []
     for path in sorted(glob.glob(os.path.join(results_root, "**", "*.json"), recursive=True)):
-        data = _load(path)
+        data = gpu_state.read(path)
         schema = str((data or {}).get("schema", ""))
         if not data or not schema.startswith(SECTION_SCHEMA) or data.get("size", "full") != "full" \
                 or data.get("quick"):

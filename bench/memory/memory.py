@@ -389,20 +389,6 @@ CP_VOCAB, CP_BATCH, CP_BYTES = 512, 1, 4  # fp32
 CP_SIZES = (1, 2, 4)
 
 
-class _CountingDist:
-    """torch.distributed as context_parallel_attention sees it, with its isend's bytes added up."""
-
-    def __init__(self, real):
-        self.real, self.sent = real, 0
-
-    def isend(self, tensor, *args, **kwargs):
-        self.sent += tensor.numel() * tensor.element_size()
-        return self.real.isend(tensor, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
 def cp_ring_bytes(cfg: ModelConfig, cp: int, batch: int = CP_BATCH) -> dict:
     """The arithmetic of one forward + backward per rank (see above), and the buffers it states."""
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -430,30 +416,27 @@ def cp_measure_rank(seq: int, reps: int) -> dict:
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     for p in model.parameters():  # made before the tracker: the backward accumulates into them (not counted)
         p.grad = torch.zeros_like(p)
-    counting = _CountingDist(context_parallel_attention.dist)
-    context_parallel_attention.dist = counting
-    try:
-        tracker = LiveTensors()
-        with tracker:
-            loss = (model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"])
-                    * b["loss_mask"]).sum() / b.get("loss_normalizer", b["loss_mask"].sum())
-            kept = tracker.live
-            loss.backward()
-        sent = counting.sent
-    finally:
-        context_parallel_attention.dist = counting.real
+
+    def loss():  # the micro-batch's mean loss, as training normalises it over the CP ranks
+        return ((model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"]) * b["loss_mask"]).sum()
+                / b.get("loss_normalizer", b["loss_mask"].sum()))
+
+    sent, tracker = [], LiveTensors()  # the bytes of every isend the ring posts
+    with bench_common.watching(context_parallel_attention.dist, "isend",
+                               lambda tensor, *a, **k: sent.append(tensor.numel() * tensor.element_size())), tracker:
+        forward = loss()
+        kept = tracker.live
+        forward.backward()
     model.zero_grad(set_to_none=True)
     times, cpu = [], []
     for i in range(reps + 1):  # the first is a warm-up
         start, start_cpu = time.perf_counter(), time.process_time()
-        loss = (model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"])
-                * b["loss_mask"]).sum() / b.get("loss_normalizer", b["loss_mask"].sum())
-        loss.backward()
+        loss().backward()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
         model.zero_grad(set_to_none=True)
     return {"cp": ps.get_context_parallel_world_size(), "rank": ps.get_context_parallel_rank(), "kept": kept,
-            "peak": tracker.peak, "grads": grads, "sent": sent, "seconds": statistics.median(times[1:]),
+            "peak": tracker.peak, "grads": grads, "sent": sum(sent), "seconds": statistics.median(times[1:]),
             "cpu_seconds": statistics.median(cpu[1:]),
             "arithmetic": cp_ring_bytes(cfg, ps.get_context_parallel_world_size())}
 

@@ -169,21 +169,16 @@ def part_layer(size: str, out: Lines) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _count_all_to_all(phase: list) -> list:
-    """Wrap dist.all_to_all_single (looked up at call time by the dispatcher): every call's phase, dtype, bytes sent
-    and bytes sent to this rank itself."""
-    calls, real = [], dist.all_to_all_single
-
-    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+def _all_to_all_seen(calls: list, phase: list):
+    """A `see` of dist.all_to_all_single (bench_common.watching; the dispatcher looks it up at call time): every call's
+    phase, dtype, bytes sent and bytes sent to this rank itself, into `calls`."""
+    def see(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
         row = input[0].numel() * input.element_size() if input.shape[0] else 0
         me = dist.get_rank(group)
         to_self = (input_split_sizes[me] if input_split_sizes else input.shape[0] // dist.get_world_size(group)) * row
         calls.append({"phase": phase[0], "floating": input.is_floating_point(), "dtype": str(input.dtype),
                       "bytes": input.numel() * input.element_size(), "to_self": to_self})
-        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    dist.all_to_all_single = counting
-    return calls
+    return see
 
 
 def dispatch_rank(hidden: int, ffn: int, seq: int, dtype_name: str) -> dict:
@@ -197,11 +192,11 @@ def dispatch_rank(hidden: int, ffn: int, seq: int, dtype_name: str) -> dict:
     model = GPTModel(cfg, vocab, 3).to(getattr(torch, dtype_name))
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-    phase = ["forward"]
-    calls = _count_all_to_all(phase)
-    loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
-    phase[0] = "backward"
-    loss.backward()
+    calls, phase = [], ["forward"]
+    with bench_common.watching(dist, "all_to_all_single", _all_to_all_seen(calls, phase)):
+        loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
+        phase[0] = "backward"
+        loss.backward()
     return {"calls": calls, "tokens": batch * seq}
 
 

@@ -107,14 +107,10 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
     base = results["unfused"]
     base_peak = min(r["peak"] for r in base)
     base_time = min(t for r in base for t in r["seconds"])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bench_common.REPO, capture_output=True,
-                    text=True).stdout.strip()
     first = base[0]
-    lines = bench_common.Lines()
-    lines.emit("# Output layer + cross entropy: chunked vs unfused (CPU)")
-    lines.emit()
+    lines = bench_common.Lines(["# Output layer + cross entropy: chunked vs unfused (CPU)", ""])
     lines.emit(f"Command: `{bench_common.command_line('bench/step/output_loss.py', argv)}`  ")
-    lines.emit(f"Code commit: {commit}; {bench_common.now()}  ")
+    lines.emit(f"Code commit: {bench_common.commit()}; {bench_common.now()}  ")
     lines.emit(f"Device: CPU, {bench_common.machine()}, {first['threads']} torch threads  ")
     lines.emit(f"{load_before}  ")
     lines.emit(f"Settings: {size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
@@ -155,7 +151,7 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_common.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, one round, no compiled variant")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant")
     parser.add_argument("--reps", type=int, default=3, help="timed passes per process")

@@ -137,6 +137,16 @@ def batch_settings(s: cv.Settings, M: int) -> cv.Settings:
                                warmup=max(1, round(s.warmup / M)), tail=max(1, s.tail // M))
 
 
+def prepare_data(s: cv.Settings, ms) -> "cv.GPTWorkload":
+    """The workload's data prepared once in this process (tokenizer, corpus, the dataset indices of the batch of every
+    M in `ms`), not in every worker; returns the workload."""
+    wl = cv.build_workload(s)
+    wl.prepare()
+    for M in sorted(ms):
+        cv.build_workload(batch_settings(s, M)).prepare()
+    return wl
+
+
 def sync_ms(s: cv.Settings) -> list[int]:
     """M of the synchronous units: 1 (the equal-updates reference), 2D and 4D at every D, or the ones
     --sync-m picked (`s.sync_ms`: not a Settings field, it selects units and changes no run)."""
@@ -263,11 +273,8 @@ def run_study(s: cv.Settings, grid: dict, log=print) -> dict:
     each unit's best lr. Returns {"sweep": {unit: {lr: final}}, "best": {unit: lr}, "runs": {unit: [results at
     the best lr]}, "calibrations": {(D, opt): result}, ...}."""
     validate(s, grid)
-    wl = cv.build_workload(s)
-    wl.prepare()
     units = plan_units(s)
-    for M in sorted({u.M for u in units}):
-        cv.build_workload(batch_settings(s, M)).prepare()  # (dataset indices: once, not in every worker)
+    wl = prepare_data(s, {u.M for u in units})
     calib = {(r["D"], r["optimizer"]): r for r in
              run_jobs(s, [("calibrate", D, o) for D in s.depths for o in sorted({u.opt for u in units})], log)}
     train = lambda jobs: {(Unit(**r["unit"]), r["lr"], r["seed"]): r  # noqa: E731
@@ -277,9 +284,7 @@ def run_study(s: cv.Settings, grid: dict, log=print) -> dict:
     best = bench_common.tune(units, grid, train, final, results=results, log=log)
     log(f"> runs at the best lr (seeds 2..{s.seeds})")
     results.update(train([(u, best[u], sd) for u in units for sd in range(2, s.seeds + 1)]))
-    sweep = {u: {lr: final(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
-    runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
-            for u in units}
+    sweep, runs = bench_common.at_best_lr(units, grid, best, results, final)
     return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
             "train_seconds": sum(r["seconds"] for r in results.values()), "unigram": wl.unigram_baseline(),
             "workload": wl, "tokens_per_microbatch": wl.tokens_per_microbatch}

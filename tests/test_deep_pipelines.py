@@ -36,7 +36,7 @@ def test_units_and_budget(dp):
     names = {(u.name, u.M, u.k) for u in units}
     assert ("pipedream-2bw", 8, 8) in names and not any(n == "pipedream-2bw" and M == 4 for n, M, _ in names)
     assert ("pipeoptim", 4, 4) in names and ("po-ef", 8, 2) in names
-    only = dp.plan_units(["adamw"], [4], ["sync", "pipeoptim"], ["1", "M"], k1_methods=[])
+    only = dp.plan_units(["adamw"], [4], ["sync", "pipeoptim"], ["M"])
     assert [(u.name, u.k) for u in only] == [("sync", 4), ("pipeoptim", 4)]
     cm = cmm.load_cost_model(MEASURED)
     s = dataclasses.replace(dp.study_settings(), steps=2048)

@@ -48,7 +48,7 @@ from megatron_po.errors import ConfigError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_common.parser(__doc__)
     p.add_argument("--study", action="store_true", help="issue 41's study (module docstring): Muon at M = 2, 4 and "
                    "AdamW at M = 4, in that order, H = 512 x M; ignores --optimizers, -M, --methods, --ks")
     p.add_argument("--map-study", action="store_true", help="issue 50's study (the pipeline map beyond D = 8): Muon "
@@ -60,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=["sync", *ASYNC], choices=["sync", *ASYNC])
     p.add_argument("--ks", nargs="+", default=["1", "2", "M"], help="update intervals of the asynchronous units "
                    "(integers, or M)")
-    p.add_argument("--k1-methods", nargs="+", default=None, choices=list(ASYNC),
-                   help="run k = 1 only for these asynchronous methods (default: every method at every --ks)")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds of S and of every unit within {CLOSE_NAT} nat of "
                    f"it (default {STUDY_SEEDS}; --quick 2)")
     p.add_argument("--far-seeds", type=int, default=None, help=f"seeds of a unit more than {CLOSE_NAT} nat behind S "
@@ -161,7 +159,7 @@ def plan_from_args(given: list[str]) -> Plan:
         ks = ["M"] if a.quick and a.ks == defaults.ks else a.ks
         if any(x != "M" and not x.isdigit() for x in ks):
             raise SystemExit(f"error: --ks takes integers >= 1 or M, got {' '.join(ks)}")
-        pairs = [(a.depth, o, M, plan_units([o], [M], methods, ks, a.k1_methods, a.depth), [])
+        pairs = [(a.depth, o, M, plan_units([o], [M], methods, ks, a.depth), [])
                  for o in optimizers for M in a.microbatches]
     blocks = []
     for depth, o, M, units, cond in pairs:

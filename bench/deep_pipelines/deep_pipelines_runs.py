@@ -36,18 +36,14 @@ D = 8  # the study's default depth (issue 41); --depth sets another (issue 50): 
 SYNC = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "interleaved-zb-h1")
 ASYNC = ("async-naive", "pipedream-2bw", "pipeoptim", "po-ef")
 LABELS = tr.LABELS  # (po-ef, PipeOptim + error feedback: a variant ttq_run registers with convergence.py)
-# Optimizers: the priced Muon (bf16 Newton-Schulz, Q/K/V split: what the cost model's Muon step measured) and
-# a cheaper one: 3 Newton-Schulz steps of the simple coefficients (polar_express here needs at least 8 steps:
-# newton_schulz.coefficients), its step priced from the measured one (muon_ns3_step_ratio).
-OPTIMIZERS = {"adamw": ("adamw", {}),
-              "muon": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True}),
-              "muon-ns3": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True,
-                                    "muon_num_ns_steps": 3, "muon_coefficient_type": "simple"})}
-OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)", "muon-ns3": "Muon (bf16 NS x3, QKV split)"}
+# Optimizers: the priced Muon (bf16 Newton-Schulz, Q/K/V split: what the cost model's Muon step measured). The
+# cheaper one of the superseded H = 256 study (muon-ns3, 3 Newton-Schulz steps) was removed after commit 9a136c2.
+OPTIMIZERS = {"adamw": ("adamw", {}), "muon": ("muon", {"muon_fp32_matmul_prec": "medium", "muon_split_qkv": True})}
+OPT_LABELS = {"adamw": "AdamW", "muon": "Muon (bf16 NS x5, QKV split)"}
 # One common lr grid per optimizer (factor 2 apart), centred on the previous study's D = 8 optima
 # (time_to_quality_d8_*.md: AdamW sync 2e-3, asynchronous 1e-3..8e-3; Muon sync 8e-3..1.6e-2, asynchronous
 # 2e-3..8e-3); grown by one point on a side for EVERY unit when any unit's best lr is at that edge.
-LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3], "muon": [4e-3, 8e-3, 1.6e-2], "muon-ns3": [4e-3, 8e-3, 1.6e-2]}
+LR_GRID = {"adamw": [1e-3, 2e-3, 4e-3], "muon": [4e-3, 8e-3, 1.6e-2]}
 MAX_GROWTH = 2  # extensions per side at most (compute); a best lr still at an edge is flagged in the report
 
 # The study of issue 41 (module docstring), in the order it runs.
@@ -111,18 +107,8 @@ def opt_settings(s: cv.Settings, opt: str) -> cv.Settings:
 def method_costs(cm: dict, opt: str, name: str, D: int = D) -> cmm.StageCosts:
     """Per-op costs of a method (the synchronous schedules: async-naive's, no policy work) at D stages;
     error feedback's and 2BW's work derived where the model has no figure (cost_model.method_costs)."""
-    if opt == "muon-ns3":  # the step of 3 NS steps: derived from the measured Muon step
-        cm = dict(cm, ratios=dict(cm["ratios"], step=dict(cm["ratios"]["step"], muon=muon_ns3_step_ratio(cm))))
     method = {"sync": "1f1b", "po-ef": "pipeoptim"}.get(name, name)
     return cmm.method_costs(cm, D, OPTIMIZERS[opt][0], method, error_feedback=name == "po-ef")[0]
-
-
-def muon_ns3_step_ratio(cm: dict) -> float:
-    """The cheaper Muon's step (3 Newton-Schulz steps instead of 5) as a multiple of the forward. DERIVED:
-    Muon's step minus AdamW's (its non-matrix parameters and the momentum pass are AdamW-like) is taken to be
-    Newton-Schulz, which scales with its step count: adamw + (muon - adamw) x 3/5."""
-    r = cm["ratios"]["step"]
-    return r["adamw"] + (r["muon"] - r["adamw"]) * 3 / 5
 
 
 def seconds_per_microbatch(cm: dict, opt: str, name: str, M: int, k: int = 1, D: int = D) -> float | None:
@@ -211,11 +197,9 @@ def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = No
     return {(Unit(**r["unit"]), r["lr"], r["seed"]): r for r in runs}
 
 
-def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: list[str],
-               k1_methods: list[str] | None = None, D: int = D) -> list[Unit]:
+def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: list[str], D: int = D) -> list[Unit]:
     """Every unit: per (optimizer, M) the synchronous run and each asynchronous method at k in ks
-    ("1", "2", "M"; k = 1 only for the methods of `k1_methods` when given), PipeDream-2BW only where
-    k >= D (it accumulates over at least D micro-batches)."""
+    ("1", "2", "M"), PipeDream-2BW only where k >= D (it accumulates over at least D micro-batches)."""
     units = []
     for o in optimizers:
         for M in ms:
@@ -225,9 +209,8 @@ def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: lis
                 if m not in methods:
                     continue
                 for k in dict.fromkeys(M if x == "M" else int(x) for x in ks):
-                    if (m == "pipedream-2bw" and k < D) or (k == 1 and k1_methods is not None and m not in k1_methods):
-                        continue
-                    units.append(Unit(o, m, M, k))
+                    if m != "pipedream-2bw" or k >= D:
+                        units.append(Unit(o, m, M, k))
     return units
 
 

@@ -266,6 +266,18 @@ def watching(module, name: str, see):
         setattr(module, name, real)
 
 
+def gpt_batches(n: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
+    """`n` micro-batches of `batch` random token sequences (a torch.Generator seeded `seed`): tokens, the next tokens
+    as labels and a loss mask of ones; what the benchmarks train on where the text does not matter."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(batch, seq)})
+    return out
+
+
 def log(*args) -> None:
     print(*args, flush=True)
 

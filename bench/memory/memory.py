@@ -212,10 +212,7 @@ def pipeline_rank_peaks(method: str, flags: dict, D: int = 4, M: int = 8) -> tup
     cfg = Config()
     cfg.model = dataclasses.replace(TINY_GPT, num_layers=D, untie_embeddings_and_output_weights=True, **flags)
     cfg.training.seed = 1
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, TINY_VOCAB, (TINY_BATCH, cfg.model.seq_length + 1), generator=g) for _ in range(M)]
-    get_batch = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(TINY_BATCH, t.shape[1] - 1)}
-                 for t in batches]
+    get_batch = bench_common.gpt_batches(M, TINY_BATCH, cfg.model.seq_length, TINY_VOCAB)
     trackers = [LiveTensors() for _ in range(D)]
 
     def tracked(runner):
@@ -324,11 +321,7 @@ def async_peak_bytes(method: str, bf16: bool, fuse: bool = True, microbatches: i
     cfg.model = GUARD_GPT
     cfg.training.seed = 1
     cfg.precision.bf16 = bf16
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(microbatches):
-        t = torch.randint(0, GUARD_VOCAB, (GUARD_BATCH, GUARD_GPT.seq_length + 1), generator=g)
-        batches.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(GUARD_BATCH, t.shape[1] - 1)})
+    batches = bench_common.gpt_batches(microbatches, GUARD_BATCH, GUARD_GPT.seq_length, GUARD_VOCAB)
     emu = AsyncEmulator(cfg, GUARD_VOCAB, method, GUARD_D, 1, 1, "adamw", {"lr": 1e-3, "weight_decay": 0.01},
                         None, 0.0)
     for stage in emu.stages:
@@ -399,20 +392,13 @@ def cp_ring_bytes(cfg: ModelConfig, cp: int, batch: int = CP_BATCH) -> dict:
     return {"block": block, "sent": sent, "buffers": buffers}
 
 
-def cp_batch(seq: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CP_VOCAB, (CP_BATCH, seq + 1), generator=g)
-    return split_for_this_rank({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                                "loss_mask": torch.ones(CP_BATCH, seq)})
-
-
 def cp_measure_rank(seq: int, reps: int) -> dict:
     """This rank's figures at the harness's CP size."""
     torch.set_num_threads(1)
     model_parallel_seed(1)
     cfg = ModelConfig(seq_length=seq, **CP_MODEL)
     model = GPTModel(cfg, CP_VOCAB, seed=1)
-    b = cp_batch(seq)
+    b = split_for_this_rank(bench_common.gpt_batches(1, CP_BATCH, seq, CP_VOCAB)[0])
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     for p in model.parameters():  # made before the tracker: the backward accumulates into them (not counted)
         p.grad = torch.zeros_like(p)

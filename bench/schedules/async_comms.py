@@ -90,13 +90,7 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
     cfg = gpt_config(model_cfg)
     cfg.parallel.ddp_bucket_size = bucket_size
     specs = gpt_message_specs(cfg, mbs // ps.get_data_parallel_world_size())
-    g = torch.Generator().manual_seed(0)
-    pool = []
-    for _ in range(8):
-        tokens = torch.randint(0, vocab, (mbs // ps.get_data_parallel_world_size(), model_cfg.seq_length + 1),
-                               generator=g)
-        pool.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                     "loss_mask": torch.ones(tokens.shape[0], model_cfg.seq_length)})
+    pool = bench_common.gpt_batches(8, mbs // ps.get_data_parallel_world_size(), model_cfg.seq_length, vocab)
     get_batch = lambda mb: pool[mb % len(pool)]  # noqa: E731
     ranks = {}
     for v in GPT_VARIANTS:

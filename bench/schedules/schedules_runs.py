@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from bench_common import median
+from bench_common import gpt_batches, median
 from megatron_po import parallel_state as ps
 from megatron_po.pipeline.async_pipeline import AsyncPipelineRank
 from megatron_po.pipeline.executor import P2PTransport, synchronous_forward_backward
@@ -272,12 +272,7 @@ def gpt_async_bench(model_cfg, vocab, mbs, n, methods, warmup, reps):
     and step time of this rank, and copies_per_chunk()."""
     cfg = gpt_config(model_cfg)
     specs = gpt_message_specs(cfg, mbs)
-    g = torch.Generator().manual_seed(0)
-    pool = []
-    for _ in range(8):
-        tokens = torch.randint(0, vocab, (mbs, model_cfg.seq_length + 1), generator=g)
-        pool.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                     "loss_mask": torch.ones(mbs, model_cfg.seq_length)})
+    pool = gpt_batches(8, mbs, model_cfg.seq_length, vocab)
     get_batch = lambda mb: pool[mb % len(pool)]  # noqa: E731
     ranks, acc = {}, {}
     for m in methods:

@@ -175,11 +175,7 @@ def stream_times(microbatches: int = 16, reps: int = 5, compiled: bool = False) 
     cfg = Config()
     cfg.model = STREAM_GPT
     cfg.training.seed = 1
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(microbatches):
-        t = torch.randint(0, STREAM_VOCAB, (STREAM_BATCH, STREAM_GPT.seq_length + 1), generator=g)
-        batches.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(STREAM_BATCH, t.shape[1] - 1)})
+    batches = bench_common.gpt_batches(microbatches, STREAM_BATCH, STREAM_GPT.seq_length, STREAM_VOCAB)
     emulators = {}
     for name, (method, fuse) in STREAMS.items():
         model_parallel_seed(1)

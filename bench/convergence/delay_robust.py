@@ -83,13 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--out", default=os.path.join(cv.REPO, "bench", "results"))
     a = p.parse_args(argv)
-    s = cv.Settings(depths=[D], seeds=a.seeds, out=a.out, jobs=a.jobs,
-                    command="python bench/convergence/delay_robust.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    s = cv.Settings(depths=[D], seeds=a.seeds, out=a.out, jobs=a.jobs)
     if a.quick:
         s = cv.quick_settings(s)
     s = dataclasses.replace(s, lr={**s.lr, "nadamw": s.lr["adamw"], "nag": s.lr["sgd"] / (1 - s.sgd_momentum)})
     cv.build_workload(s).prepare()  # tokenizer, corpus, indices: once, into <out>/.cache/data
-    start = time.perf_counter()
+    start, head = time.perf_counter(), bench_common.header(__file__, argv, "Delay-robust asynchronous training, D = 4")
     results = bench_common.run_cached_jobs([(s, label, seed) for seed in range(1, a.seeds + 1) for label in a.runs],
                                            None, train, workers=a.jobs, describe=_describe)
     ref = {label: cv.mean_std([cv._final_val(r, s.steps) for r in results if r["label"] == label]) for label in a.runs}
@@ -102,18 +101,17 @@ def main(argv=None) -> int:
     rows = []
     for label in a.runs:
         base = BASELINE.get(label)
-        rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict(label, 'sync-muon' if RUNS[label][0] == 'muon' else 'sync-adamw')} | "
-                    f"{LABELS[base] + ': ' + verdict(label, base) if base else ''} |")
-    load = os.getloadavg()
-    lines = ["# Delay-robust asynchronous training, D = 4", "", f"Command: `{s.command}`  ", f"Code: commit {bench_common.commit()}  ",
+        rows.append([LABELS[label], cv.fmt(*ref[label]),
+                     verdict(label, "sync-muon" if RUNS[label][0] == "muon" else "sync-adamw"),
+                     f"{LABELS[base]}: {verdict(label, base)}" if base else ""])
+    lines = [*head,
              f"Seeds: {a.seeds}; {s.steps} micro-batches of B = {s.micro_batch}; peak lr "
-             f"{ {k: round(v, 6) for k, v in s.lr.items()} }; "
-             f"wall {(time.perf_counter() - start) / 60:.1f} min; load average at the end "
-             f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (2 shared cores).", "",
-             "| run | final validation loss (mean ± std) | vs sync, same optimizer | vs its asynchronous baseline |",
-             "|---|---|---|---|", *rows, "",
+             f"{ {k: round(v, 6) for k, v in s.lr.items()} }; wall {(time.perf_counter() - start) / 60:.1f} min.", "",
+             cv.markdown_table(["run", "final validation loss (mean ± std)", "vs sync, same optimizer",
+                                "vs its asynchronous baseline"], rows), "",
              "Verdicts: a difference is real only when the mean ± std intervals do not overlap "
-             "(bench/convergence/convergence.py's rule). Details of each rule: docs/delay_robust.md."]
+             "(bench/convergence/convergence.py's rule). Details of each rule: docs/delay_robust.md.", "",
+             bench_common.load_at_end(start)]
     bench_common.write_text(os.path.join(a.out, "delay_robust.md" if not a.quick else "delay_robust_quick.md"),
                             "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -336,10 +336,11 @@ def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
             return set_mode
 
         # The order of one micro-batch: step, then the next forward's prediction (and its restore).
+        # (a pass `key` the step wrote no fused Ŵ for: the policy predicts itself, as before issue 30)
         parts = {"forward+backward": forward_backward, "step": lambda: stage.step(0),
-                 "swap mode": mode(True), "predict": lambda: policy._predict(0, s),
+                 "swap mode": mode(True), "predict": lambda: policy._predict(0, s, key=("forward", 0)),
                  "restore": lambda: policy._restore(0),
-                 "copy mode": mode(False), "copy: predict": lambda: policy._predict(0, s),
+                 "copy mode": mode(False), "copy: predict": lambda: policy._predict(0, s, key=("forward", 0)),
                  "copy: restore": lambda: policy._restore(0)}
         times = {name: [] for name in parts}
         for i in range(reps + 2):

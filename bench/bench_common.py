@@ -358,6 +358,14 @@ def header(file: str, argv: list[str] | None = None, title: str | None = None, c
                     f"{machine()}; {load_at_start()}; {now()}.", ""]
 
 
+def card(file: str, argv, title: str, device: str, settings: str, load: str | None = None) -> list[str]:
+    """A results file's opening as a card, a field a line: title, command, commit and date, device (and the machine),
+    settings, the load at the start (`load`: taken when the run began; default now)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return [f"# {title}", "", f"Command: `{command_line(script(file), argv)}`  ", f"Commit: {commit()}; {now()}  ",
+            f"Device: {device}; {machine()}  ", f"Settings: {settings}  ", load or load_at_start(), ""]
+
+
 def load_at_start() -> str:
     one, five, _ = loadavg()
     return f"load average at start {one:.2f} (1 min) / {five:.2f} (5 min)"

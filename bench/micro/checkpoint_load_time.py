@@ -137,19 +137,12 @@ def main(argv=None) -> None:
     rows = [[v, f"{med[v] * 1e3:.2f}", f"{low[v] * 1e3:.2f}", f"{med[v] / med['previous']:.3f}",
              f"{low[v] / low['previous']:.3f}"] for v in VARIANTS]
     ratio = med["trusted"] / med["previous"]
-    out = bench_common.Lines()
-    out.emit("# Checkpoint load time: previous reader vs trusted reader (issue #35)")
-    out.emit()
-    given = argv if argv is not None else sys.argv[1:]
-    out.emit(f"Command: `{bench_common.command_line('bench/micro/checkpoint_load_time.py', given)}`  ")
-    out.emit(f"Commit: {bench_common.commit()}  ")
-    out.emit(f"Device: CPU, 1 process (gloo), 1 torch thread; {bench_common.machine()}  ")
-    out.emit(f"Settings: tiny GPT (4 layers, hidden 32, vocabulary 128; {n_params} parameters, AdamW state), "
-             f"checkpoint {sizes['previous'] / 1e3:.0f} KB (previous format) / {sizes['trusted'] / 1e3:.0f} KB "
-             f"(this format); `load_checkpoint` timed whole, {reps} loads per variant after a warm-up, "
-             f"variants alternating (order rotated), files in the page cache  ")
-    out.emit(start_line)
-    out.emit()
+    out = bench_common.Lines(bench_common.card(
+        __file__, argv, "Checkpoint load time: previous reader vs trusted reader (issue #35)",
+        "CPU, 1 process (gloo), 1 torch thread", f"tiny GPT (4 layers, hidden 32, vocabulary 128; {n_params} "
+        f"parameters, AdamW state), checkpoint {sizes['previous'] / 1e3:.0f} KB (previous format) / "
+        f"{sizes['trusted'] / 1e3:.0f} KB (this format); `load_checkpoint` timed whole, {reps} loads per variant after "
+        "a warm-up, variants alternating (order rotated), files in the page cache", start_line))
     header = ["variant", "median ms", "min ms", "median / previous", "min / previous"]
     out.emit(bench_common.markdown_table(header, rows))
     out.emit()

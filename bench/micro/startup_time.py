@@ -119,19 +119,13 @@ def main(argv=None) -> None:
                                                             "the runnable blocks only those --block names (a smoke test)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
     reps = 1 if args.quick else args.reps
     started = time.perf_counter()
-    out = bench_common.Lines()
-    out.emit("# Start-up time: commands from process start to exit, against `import torch` (issue 42)")
-    out.emit()
-    out.emit(f"Command: `{bench_common.command_line('bench/micro/startup_time.py', given)}`  ")
-    out.emit(f"Commit: {bench_common.commit()}  ")
-    out.emit(f"Device: CPU only (fresh processes, OMP_NUM_THREADS=1); {bench_common.machine()}  ")
-    out.emit(f"Settings: start-up commands {reps} run(s) each{'' if args.quick else ' after a warm-up round'}, "
-             f"alternating (order rotated); "
-             f"runnable blocks {args.reps_docs} run(s) each; {bench_common.load_at_start()}  ")
-    out.emit()
+    out = bench_common.Lines(bench_common.card(
+        __file__, argv, "Start-up time: commands from process start to exit, against `import torch` (issue 42)",
+        "CPU only (fresh processes, OMP_NUM_THREADS=1)", f"start-up commands {reps} run(s) each"
+        f"{'' if args.quick else ' after a warm-up round'}, alternating (order rotated); runnable blocks "
+        f"{args.reps_docs} run(s) each"))
 
     # The bare import is measured even when only the blocks are: their ratios need it.
     commands = {**STARTUP, **(before_commands(args.before) if args.before and "startup" in args.only else {})}

@@ -108,18 +108,14 @@ def report(size: dict, rounds: int, reps: int, variants, argv: list[str]) -> tup
     base_peak = min(r["peak"] for r in base)
     base_time = min(t for r in base for t in r["seconds"])
     first = base[0]
-    lines = bench_common.Lines(["# Output layer + cross entropy: chunked vs unfused (CPU)", ""])
-    lines.emit(f"Command: `{bench_common.command_line('bench/step/output_loss.py', argv)}`  ")
-    lines.emit(f"Code commit: {bench_common.commit()}; {bench_common.now()}  ")
-    lines.emit(f"Device: CPU, {bench_common.machine()}, {first['threads']} torch threads  ")
-    lines.emit(f"{load_before}  ")
-    lines.emit(f"Settings: {size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
-               f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; {first['chunk_rows'][2]} chunks "
-               f"of {first['chunk_rows'][0]}-{first['chunk_rows'][1]} tokens (CHUNKS {size['chunks']}, CHUNK_LOGITS "
-               f"{size['chunk_logits']}); forward + backward of the mean loss (input and weight gradients); "
-               f"{rounds} rounds of one fresh process per variant, alternating; {reps} timed passes each after a "
-               f"warm-up")
-    lines.emit()
+    lines = bench_common.Lines(bench_common.card(
+        __file__, argv, "Output layer + cross entropy: chunked vs unfused (CPU)", f"CPU, {first['threads']} torch "
+        f"threads", f"{size['tokens']} tokens ({size['tokens'] // 4} x 4) x hidden {size['hidden']}, vocab "
+        f"{size['vocab']} padded to {first['padded_vocab']}, fp32, one TP rank; {first['chunk_rows'][2]} chunks of "
+        f"{first['chunk_rows'][0]}-{first['chunk_rows'][1]} tokens (CHUNKS {size['chunks']}, CHUNK_LOGITS "
+        f"{size['chunk_logits']}); forward + backward of the mean loss (input and weight gradients); "
+        f"{rounds} rounds of one fresh process per variant, alternating; {reps} timed passes each after a warm-up",
+        load_before))
     lines.emit("Peak: the process's resident-set high-water mark over one pass above its resident set before it "
                "(smallest over the rounds); time: the fastest pass over the rounds (the least disturbed by other "
                "load on a shared machine; the medians of each round follow the table). Ratios to `unfused` of the "

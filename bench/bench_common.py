@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -276,6 +277,14 @@ def gpt_batches(n: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list
         t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(batch, seq)})
     return out
+
+
+def kill_group(proc, sig: int = signal.SIGKILL) -> None:
+    """Signal a process started with start_new_session=True and all it started (compile workers, ranks), if alive."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):  # gone already
+        pass
 
 
 def log(*args) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -94,15 +93,9 @@ class Run:
                                 start_new_session=True)
         timed_out = threading.Event()
 
-        def kill_group():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # already gone
-                pass
-
         def kill():  # a hung process, printing or not, ends the section
             timed_out.set()
-            kill_group()
+            bench_common.kill_group(proc)
         killer = threading.Timer(timeout, kill)
         killer.start()
         lines = []
@@ -119,7 +112,7 @@ class Run:
             proc.wait()
         finally:
             killer.cancel()
-            kill_group()  # what it left running (or all of it, when an exception interrupted the wait)
+            bench_common.kill_group(proc)  # what it left running (or all of it, when an exception interrupted the wait)
             proc.wait()
         if timed_out.is_set():
             if by_budget:

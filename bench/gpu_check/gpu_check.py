@@ -118,23 +118,16 @@ def run_process(cmd: list[str], log_path: str, timeout: float, env: dict | None 
         try:
             return proc.wait(timeout=max(timeout, 0.1)), time.perf_counter() - started
         except subprocess.TimeoutExpired:
-            kill_group(proc, signal.SIGTERM)
+            bench_common.kill_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-            kill_group(proc, signal.SIGKILL)  # the group's stragglers too (a pytest's ranks, a compile worker)
+            bench_common.kill_group(proc, signal.SIGKILL)  # the group's stragglers too (a pytest's ranks, a compile worker)
             proc.wait()
             return None, time.perf_counter() - started
         finally:
-            kill_group(proc, signal.SIGKILL)  # an interrupted wait leaves nothing running either
-
-
-def kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):  # gone already
-        pass
+            bench_common.kill_group(proc, signal.SIGKILL)  # an interrupted wait leaves nothing running either
 
 
 def make_portable(path: str) -> None:

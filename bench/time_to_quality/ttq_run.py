@@ -137,7 +137,7 @@ def batch_settings(s: cv.Settings, M: int) -> cv.Settings:
                                warmup=max(1, round(s.warmup / M)), tail=max(1, s.tail // M))
 
 
-def prepare_data(s: cv.Settings, ms) -> "cv.GPTWorkload":
+def prepare_data(s: cv.Settings, ms):
     """The workload's data prepared once in this process (tokenizer, corpus, the dataset indices of the batch of every
     M in `ms`), not in every worker; returns the workload."""
     wl = cv.build_workload(s)

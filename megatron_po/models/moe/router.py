@@ -160,6 +160,12 @@ class TopKRouter(nn.Module):
                     self.record.add_routing(kept.sum(dim=0), (routed & ~routing_map).sum())
         return probs.to(x.dtype), routing_map
 
+    def recompute_state(self) -> list[torch.Tensor]:
+        """What a recomputation of this router must see as its forward saw it (models/recompute.py): the expert
+        bias, which an asynchronous stage moves at every step, possibly between a micro-batch's forward and its
+        backward; the recomputation then routes the tokens as the forward did."""
+        return [self.expert_bias] if self.expert_bias is not None else []
+
     def _note(self, name: str, loss: torch.Tensor) -> None:
         if self.record is not None and not is_recomputing():
             self.record.add_loss(name, loss.detach())

@@ -133,9 +133,6 @@ MOE_RULES = [
     Rule("moe-per-token-loss", lambda c: not c.t.calculate_per_token_loss,
          "--calculate-per-token-loss with --num-experts: the auxiliary losses' per-token scaling is not wired: drop "
          "one", when=_moe),
-    Rule("moe-sync-methods-only", lambda c: not c.is_async,
-         lambda c: f"--pipeline-method {c.meth} with --num-experts: asynchronous pipelines over MoE models are not "
-                   f"wired yet (issue 48 item 3); use 1f1b, gpipe, interleaved or zb-*", when=_moe),
     Rule("moe-no-distributed-optimizer", lambda c: not c.pr.use_distributed_optimizer,
          "--use-distributed-optimizer with --num-experts: sharding experts over their expert-data-parallel group is "
          "not implemented yet (issue 48 item 4)", when=_moe),

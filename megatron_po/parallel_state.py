@@ -464,6 +464,10 @@ def get_expert_data_parallel_group():
     return _EXPERT.edp_group if _EXPERT else (_STATE.dp_group if _STATE else None)
 
 
+def get_expert_data_parallel_world_size() -> int:
+    return _EXPERT.edp if _EXPERT else get_data_parallel_world_size()
+
+
 def get_expert_tensor_model_pipeline_parallel_group():
     """ETP x EP x PP ranks: every expert slice of the model once (Megatron's expert tensor-model-pipeline group)."""
     return _EXPERT.expert_mp_group if _EXPERT else (_STATE.model_parallel_group if _STATE else None)

@@ -137,7 +137,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                pr.loss_scale_window, pr.hysteresis)
     if pr.use_distributed_optimizer:
-        return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group())
+        return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group(),
+                                    expert_group=expert_norm_group(cfg))
     if pr.bf16 or pr.fp16:
         return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group(),
                                        expert_group=expert_norm_group(cfg))

@@ -399,3 +399,25 @@ def test_recomputation_routes_with_the_bias_its_forward_saw(method, monkeypatch)
     monkeypatch.setattr(TopKRouter, "recompute_state", lambda self: [])
     stale = run(recompute)
     assert stale[0] != plain[0]
+
+
+def test_auxiliary_losses_get_their_chunks_fp16_loss_scale(monkeypatch):
+    """fp16 asynchronous stages scale each chunk's gradients by the chunk's own loss scale (the gradients cross
+    stages unscaled): every chunk's auxiliary losses get 1/k times that scale in its backward, on the stages
+    without the loss too, where the unscaling at the step would otherwise shrink them by the scale."""
+    from megatron_po.pipeline import executor
+    seen = []
+    original = executor.aux_loss_scale
+
+    def spy(scale):
+        seen.append(scale)
+        return original(scale)
+    monkeypatch.setattr(executor, "aux_loss_scale", spy)
+    torch.set_num_threads(1)
+    model_parallel_seed(SEED)
+    cfg = moe_cfg(2)
+    cfg.precision.fp16, cfg.precision.loss_scale = True, 2.0**8
+    emu = AsyncEmulator(cfg, VOCAB, "pipeoptim", 2, 1, 2, "adam", optimizer_kwargs("adam"), lr_fn_for("adam"))
+    losses = emu.train_segment(get_batch, 4)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert len(seen) == 2 * 4 and all(s == 2.0**8 / 2 for s in seen), seen

@@ -6,7 +6,9 @@ Scores: softmax over the top-k logits (default), softmax over all logits before 
 to sum 1 when k > 1); times --moe-router-topk-scaling-factor. With --moe-router-enable-expert-bias the top-k
 is taken over score + bias (sigmoid), the weights stay the unbiased scores; the bias moves after every
 optimizer step by `rate x sign(mean load - load)` of the tokens each expert got since the last update
-(`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation).
+(`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation). In an
+asynchronous pipeline that is every step of the chunk, possibly between a micro-batch's forward and its
+backward: a recomputation then routes with the bias its forward saw (`recompute_state`).
 
 Capacity (--moe-expert-capacity-factor f): an expert takes at most ceil(f x T x k / E) of a micro-batch's T
 tokens, those with the highest weights (--moe-token-drop-policy probs) or the first ones (position); with

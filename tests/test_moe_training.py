@@ -70,3 +70,17 @@ def test_impossible_settings_are_one_line_at_start_up(corpus, tmp_path, flags, w
     lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert words in lines[0], lines
+
+
+def test_pipeoptim_with_experts_over_pp_ep_and_the_distributed_optimizer_trains(corpus, tmp_path):
+    """`--pipeline-method pipeoptim` on an MoE GPT through run_main at PP 2 x DP 2 with the experts split over
+    the two DP ranks of each stage (EP 2), the distributed optimizer (experts sharded over their expert-data-
+    parallel group, here of one rank) and the expert bias: it trains (the loss falls) and logs a grad norm at
+    every logged iteration."""
+    flags = {"--pipeline-model-parallel-size": 2, "--untie-embeddings-and-output-weights": True,
+             "--pipeline-method": "pipeoptim", "--expert-model-parallel-size": 2, "--use-distributed-optimizer": True,
+             "--num-layers": 4}
+    records = run(corpus, tmp_path, "pipeoptim", 4, **flags)
+    losses = [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    assert all(r["grad_norm"] > 0 for r in records if "lm_loss" in r)

@@ -214,16 +214,18 @@ def _gathers(optimizer: str, ep: int):
         return gather(output, input_, group, async_op)
 
     args = ("pipeoptim", optimizer, 1, 1, (8,), {}, {})
-    plain = train_distributed(*args, ep=ep, mbs=4, masked=False)
+    plain = train_distributed(*args, ep=ep, mbs=4, masked=False, clip_grad=CLIP)
     ddp_module.all_gather_single = counting
     try:
-        sharded = train_distributed(*args, ep=ep, mbs=4, masked=False, precision={"use_distributed_optimizer": True},
+        sharded = train_distributed(*args, ep=ep, mbs=4, masked=False, clip_grad=CLIP,
+                                    precision={"use_distributed_optimizer": True},
                                     on_rank=lambda rank: stages.append(rank.stage))
     finally:
         ddp_module.all_gather_single = gather
     ddp = stages[0].ddps[0]
     gathering = [b for b in ddp.buckets if b.size > 1]
     round_bytes = sum(b.end - b.start for b in gathering) * ddp.param_buffer.element_size()  # each bucket once, 1x
+    assert all(n > CLIP for n in stages[0].grad_norms)  # clipping was active at the last step
     return (ps.get_pipeline_model_parallel_rank(), len(calls) / len(gathering), calls, round_bytes,
             sum(b.expert for b in gathering), sum(b.expert for b in ddp.buckets), stages[0].policy.gathers, plain,
             sharded)
@@ -235,7 +237,9 @@ def test_pipeoptim_gathers_expert_shards_once_per_microbatch(optimizer, ep):
     (F0, F1 run before the first step: the updates of the last two steps travel alone, the other six with the
     predicted shard packed in, 2x the bytes); stage 1 (s = 0): the updates alone. At EP 1 the expert buckets are
     gathered over their expert-data-parallel group (DP 2); at EP 2 no rank shares an expert: nothing to gather
-    there. Losses and weights are those of the plain optimizer, bit for bit."""
+    there. Losses and weights are those of the plain optimizer, bit for bit, with clipping always active (the
+    stage-local norm counts every expert once either way: the plain optimizer's is proven against the emulator
+    in tests/test_moe_async.py)."""
     for pp_rank, rounds, calls, round_bytes, gathered_experts, expert_buckets, swaps, plain, sharded in run_distributed(
             _gathers, 4, pp=2, args=(optimizer, ep), timeout=300):
         assert swaps == [True]  # MoE chunks predict by pointer swaps, so the gathers are packed

@@ -109,6 +109,52 @@ def zero_token_moves(events, indices) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# The experts' backward reads the parameter, not the forward's storage
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_expert_projection_backward_reads_the_live_parameter(grouped):
+    """`ExpertProjection` computes what autograd computes for the plain ops (per-expert matmuls of views, or
+    torch._grouped_mm of the transposed stack), bitwise on a CPU, an expert without tokens included. A forward
+    run with the parameter pointed at other storage (a prediction) and pointed back before the backward gives
+    the input gradient of the live weights, as PipeOptim's pointer swaps need; the plain ops would give that of
+    the prediction (their saved views keep its storage)."""
+    from megatron_po.models.moe.experts import ExpertProjection
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 2])
+    x, w = torch.randn(16, 32), torch.nn.Parameter(torch.randn(4, 48, 32))
+    g = torch.randn(16, 48)
+
+    def plain(inp, weight):
+        if grouped:
+            return torch._grouped_mm(inp, weight.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+        return torch.cat([piece @ weight[e].t() for e, piece in enumerate(inp.split(counts.tolist()))])
+
+    runs = []
+    for fn in (plain, lambda inp, weight: ExpertProjection.apply(inp, weight, counts, grouped)):
+        xi, wi = x.clone().requires_grad_(), torch.nn.Parameter(w.detach().clone())
+        y = fn(xi, wi)
+        y.backward(g)
+        runs.append((y, xi.grad, wi.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert not runs[1][2][1].any() and runs[1][2][0].any()  # expert 1 got no token: a zero slice
+    live = w.detach().clone()
+    predicted = live - 0.1
+    for fn, reads_live in ((plain, False), (lambda inp, weight: ExpertProjection.apply(inp, weight, counts, grouped),
+                                            True)):
+        xi, wi = x.clone().requires_grad_(), torch.nn.Parameter(live.clone())
+        kept = wi.data
+        wi.data = predicted.clone()  # the forward on the prediction
+        y = fn(xi, wi)
+        wi.data = kept  # back to the live weights before the backward
+        y.backward(g)
+        want = torch.cat([ge @ (live if reads_live else predicted)[e] for e, ge in enumerate(g.split(counts.tolist()))])
+        torch.testing.assert_close(xi.grad, want, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
 # The methods' formulas with MoE chunks
 # --------------------------------------------------------------------------------------------------
 

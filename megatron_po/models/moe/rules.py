@@ -145,10 +145,6 @@ MOE_RULES = [
     Rule("moe-no-checkpoints", lambda c: c.ck.save is None and c.ck.load is None,
          "--save/--load with --num-experts: checkpoints of experts (sharded by EP, the expert bias) are not "
          "implemented yet (issue 48 item 5)", when=_moe),
-    Rule("moe-no-context-parallel", lambda c: c.cp == 1,
-         lambda c: f"--context-parallel-size {c.cp} with --num-experts: the router's capacity, auxiliary losses and "
-                   "token counts are not yet reduced over the context-parallel ranks: use --context-parallel-size 1",
-         when=_moe),
     Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
          lambda c: f"--fp8-format needs the shared experts' size per TP rank "
                    f"({c.m.moe_shared_expert_intermediate_size // c.tp}) divisible by 16",

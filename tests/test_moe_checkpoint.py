@@ -9,6 +9,7 @@ through `training.run_main` on forked gloo ranks, as tests/test_checkpoint.py do
   checkpoint has every expert tensor at its global shape, and the expert bias (a buffer) beside the weights.
 - Resume is bit-exact: 6 iterations (saving every 3) against loading iteration 3 and running 3 more, under EP = 2
   (fp32, dropout on) and PP = 2 x EP = 2 in bf16 (fp32 main params of the experts); the expert bias has moved.
+  Safe load is unchanged: the checkpoint's non-tensor entries are all JSON documents of the dense kinds.
 - Another layout: an EP = 2 checkpoint loaded and saved again under EP = 4, TP = 2 x ETP = 1 x EP = 2 and
   TP = 1 x ETP = 2 x EP = 2 reproduces every tensor exactly (weights, expert bias, optimizer state); the next
   iteration under EP = 1 (one process), EP = 4 and TP = 2 x ETP = 2 x EP = 2 gives the reference's loss within
@@ -16,16 +17,23 @@ through `training.run_main` on forked gloo ranks, as tests/test_checkpoint.py do
   9.3e-9; without the optimizer state the weights are 3.5e-3 off).
 """
 
+import os
+
 import pytest
 import torch
 from dist_harness import run_distributed
 from test_checkpoint import assert_close, load_and_resave, losses, model_weights, read_all, tiny_args, train
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_po.distributed import checkpoint_data
+from megatron_po.distributed.checkpoint_format import checkpoint_dir
 
 MOE = {"--num-layers": 2, "--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 16,
        "--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
        "--moe-router-bias-update-rate": 0.01, "--moe-aux-loss-coeff": 0.01, "--moe-z-loss-coeff": 0.001,
        "--disable-bias-linear": True}
 EXPERTS = ("mlp.experts.fc1", "mlp.experts.fc1_gate", "mlp.experts.fc2")
+JSON_KINDS = {"extra", "layout", "optimizer_type", "optimizer_state_keys", "rng", "grad_scaler"}
 
 
 # ---- resume --------------------------------------------------------------------------------------------
@@ -54,6 +62,25 @@ def test_resume_is_bit_exact(case, tmp_path):
         assert saved[f"model.layers.{layer}.mlp.router.expert_bias"].abs().max() > 0
     if "--bf16" in flags:  # the fp32 main params, as for dense weights
         assert saved["model.layers.0.mlp.experts.fc1_gate"].dtype == torch.float32
+    assert_no_pickles(checkpoint_dir(ckpt, 3))
+
+
+def assert_no_pickles(path):
+    """Safe load unchanged: every entry that is not a tensor is one of our JSON documents (checkpoint_data.py),
+    of the kinds a dense checkpoint holds; the experts and the expert bias are tensors."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_po.distributed.checkpoint_trust import load_metadata
+    md = load_metadata(os.path.join(path, ".metadata"))
+    entries = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    assert entries and all(k.split(".")[0] in JSON_KINDS for k in entries), entries
+    for index, info in md.storage_data.items():
+        if index.fqn in entries:
+            with open(os.path.join(path, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                checkpoint_data.loads(f.read(info.length))  # raises unless it is JSON we wrote
+    assert all(isinstance(md.state_dict_metadata[k], TensorStorageMetadata)
+               for k in md.state_dict_metadata if k.startswith("model.") and ("experts" in k or "router" in k))
 
 
 # ---- other layouts ------------------------------------------------------------------------------------

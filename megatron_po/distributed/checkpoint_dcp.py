@@ -4,12 +4,13 @@ Tensor-parallel shards are handed to DCP as DTensors sharded along their partiti
 so DCP stores global tensors. MoE experts are stacked [local experts, ...] per expert-parallel rank (and
 split along their ffn dim over the expert TP ranks): each rank hands DCP its block of the global
 [num_experts, ...] tensor at its offset (`expert_block`, written like a distributed-optimizer piece below),
-so the checkpoint does not depend on EP or ETP either, and expert-data-parallel replicas write one copy. The distributed optimizer (ZeRO-1) writes the same per-parameter tensors:
-its fp32 main params and per-element state live in flat ranges of a padded buffer that ignore parameter
-boundaries, and each rank writes the piece of each parameter it owns as DCP chunks of that parameter's
-global tensor at the piece's offset (`FlatRange`: no gathering, no extra memory). Loading reads each
-rank's own ranges back, so sharded and unsharded runs and any DP (TP, PP, virtual pipeline) layouts load
-each other's checkpoints, optimizer state included.
+so the checkpoint does not depend on EP or ETP either, and expert-data-parallel replicas write one copy.
+The distributed optimizer (ZeRO-1) writes the same per-parameter tensors: its fp32 main params and
+per-element state live in flat ranges of a padded buffer that ignore parameter boundaries, and each rank
+writes the piece of each parameter it owns as DCP chunks of that parameter's global tensor at the piece's
+offset (`FlatRange`: no gathering, no extra memory; an expert's piece lands inside its block). Loading
+reads each rank's own ranges back, so sharded and unsharded runs and any DP (TP, PP, virtual pipeline,
+EP) layouts load each other's checkpoints, optimizer state included.
 
 `read_metadata` checks a checkpoint directory before anything reads it; `dcp_load` turns DCP's failures
 into one-line UserErrors (`first_line`). Both read through checkpoint_trust.py, so that no pickle in the
@@ -53,7 +54,8 @@ def expert_block(p: torch.Tensor) -> tuple[tuple, tuple] | None:
     differ from TP); None for any other tensor, or experts this rank holds whole."""
     if not getattr(p, "expert_parallel", False):
         return None
-    ep, etp, dim = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(), p.expert_tp_dim
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    dim = p.expert_tp_dim
     if ep == 1 and (etp == 1 or dim < 0):
         return None
     shape, offsets = list(p.shape), [0] * p.dim()

@@ -15,6 +15,9 @@ through `training.run_main` on forked gloo ranks, as tests/test_checkpoint.py do
   iteration under EP = 1 (one process), EP = 4 and TP = 2 x ETP = 2 x EP = 2 gives the reference's loss within
   1e-5 and its updated weights within 5e-6 (fp32, other reduction orders, one AdamW step; measured 2.4e-7 and
   9.3e-9; without the optimizer state the weights are 3.5e-3 off).
+- The distributed optimizer's layout (its expert sharding over the expert-data-parallel group is issue 48 item 4):
+  `FlatRange` pieces of expert tensors, cut inside rows over EDP = 2, land in the global tensor and load back under
+  other EP x ETP layouts.
 """
 
 import os
@@ -127,3 +130,50 @@ def test_ep2_checkpoint_loads_under_other_expert_layouts(tmp_path):
                                                           "--ckpt-step": 2, "--save": out(f"ck_{name}")}))
         assert len(got) == 1 and abs(got[0] - ref[2]) <= 1e-5, (name, got, ref)
         assert_close(model_weights(out(f"ck_{name}"), 3), model_weights(out("ck_ref"), 3), 5e-6)
+
+
+
+# ---- pieces of experts (the distributed optimizer's layout) -------------------------------------------
+
+GLOBAL = torch.arange(4 * 4 * 6, dtype=torch.float32).view(4, 4, 6)  # [experts, ffn, hidden]
+
+
+def _expert_piece(path, ep, etp, save):
+    """This rank's experts of GLOBAL (EP x ETP x EDP over 4 ranks, ffn split over ETP) as the `FlatRange` piece a
+    distributed optimizer over the expert-data-parallel group would own: under EDP = 2 the first or the rest of the
+    flattened local tensor, cut inside a row; saved, or loaded into zeros and returned with the local tensor."""
+    import torch.distributed as dist
+
+    from megatron_po import parallel_state as ps
+    from megatron_po.distributed.checkpoint_dcp import FlatRange, dcp_load, dcp_save
+    from megatron_po.models.moe.experts import _mark
+    from megatron_po.models.moe.layout import local_experts
+    ps.initialize_expert_parallel(ep, etp)
+    experts = local_experts(4, ep, ps.get_expert_model_parallel_rank())
+    f = 4 // etp
+    rows = slice(ps.get_expert_tensor_parallel_rank() * f, (ps.get_expert_tensor_parallel_rank() + 1) * f)
+    p = _mark(torch.nn.Parameter(GLOBAL[experts.start:experts.stop, rows].clone()), etp, 1)
+    edp = ps.get_expert_data_parallel_group()
+    cut = p.numel() // 2 + 1
+    if dist.get_world_size(edp) == 1:
+        lo, hi = 0, p.numel()
+    else:
+        lo, hi = [(0, cut), (cut, p.numel())][dist.get_rank(group=edp)]
+    piece = p.detach().reshape(-1)[lo:hi].clone() if save else torch.zeros(hi - lo)
+    (dcp_save if save else dcp_load)({"w": FlatRange(p, lo, piece)}, path)
+    return lo, piece, p.detach()
+
+
+def test_expert_pieces_of_a_distributed_optimizer_land_in_the_global_tensor(tmp_path):
+    """The general mechanism the distributed optimizer's expert shards use (FlatRange pieces shifted to the rank's
+    expert block): pieces saved under EP = 2 x EDP = 2 form the global tensor, and load back under ETP = 2 x EP = 2
+    (each rank its whole block) and EP = 4 x ETP = 1."""
+    from megatron_po.distributed.checkpoint_dcp import dcp_load
+    path = str(tmp_path / "ck")
+    run_distributed(_expert_piece, 4, args=(path, 2, 1, True), timeout=60)
+    whole = {"w": torch.zeros(4, 4, 6)}
+    dcp_load(whole, path)
+    assert torch.equal(whole["w"], GLOBAL)
+    for ep, etp in ((2, 2), (4, 1)):
+        for lo, piece, local in run_distributed(_expert_piece, 4, args=(path, ep, etp, False), timeout=60):
+            assert torch.equal(piece, local.reshape(-1)[lo:lo + piece.numel()]), (ep, etp)

@@ -138,9 +138,10 @@ def named_buffers_global(chunks) -> list[tuple[str, torch.Tensor]]:
     Saved as `model.<name>` beside the weights, so a consolidated checkpoint is the model's state dict."""
     out = []
     for chunk in chunks:
-        buffers = dict(chunk.named_buffers())
-        persistent = chunk.state_dict(keep_vars=True)  # holds the persistent ones only
-        out += [(_global_layer(name, chunk.layer_offset), b) for name, b in buffers.items() if name in persistent]
+        for prefix, module in chunk.named_modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and name not in module._non_persistent_buffers_set:  # as module.state_dict()
+                    out.append((_global_layer(f"{prefix}.{name}" if prefix else name, chunk.layer_offset), b))
     return out
 
 

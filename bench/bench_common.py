@@ -1,6 +1,7 @@
 """The harness every bench family shares: where the checkout is and the family folders on sys.path, the offline
 environment, the argument parser, the results header (command, machine, commit, load, date), Markdown tables and
-small statistics.
+small statistics; and the studies' one engine: their run cache and worker pool, the progress line, the lr sweep,
+their runs' curves and JSONs read back.
 
 A distinct name (not `common`) because bench/ goes on sys.path, where a generic name could shadow a package.
 Importing this module is cheap: no torch at import time (benchmark worker processes import it too).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import shlex
@@ -62,34 +64,65 @@ def write_json_atomic(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+# --------------------------------------------------------------------------------------------------
+# The studies' engine: the run cache, the progress line, the lr sweep (bench/convergence/, time_to_quality/,
+# deep_pipelines/, delay_robust.py)
+# --------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Runs done against a plan across a whole command (every block of it), with an ETA from this session's pace:
+    the planned micro-batches left x the wall seconds per micro-batch trained so far (runs read from the cache
+    count as done, not as pace). A run's result names its length, `micro_batches`."""
+
+    def __init__(self, planned_runs: int, planned_mb: int):
+        self.planned_runs, self.planned_mb = planned_runs, planned_mb
+        self.done_runs = self.done_mb = self.trained_mb = 0
+        self.start = time.time()
+
+    def add(self, r: dict, trained: bool) -> str:
+        self.done_runs += 1
+        self.done_mb += r["micro_batches"]
+        self.trained_mb += r["micro_batches"] if trained else 0
+        left = max(0, self.planned_mb - self.done_mb)
+        eta = (time.time() - self.start) / self.trained_mb * left if self.trained_mb else math.nan
+        return (f"study: {self.done_runs}/~{self.planned_runs} runs, {self.done_mb}/~{self.planned_mb} micro-batches"
+                + (f", ETA {eta / 3600:.1f} h" if math.isfinite(eta) else ""))
+
+
 def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bool = False, describe=str, log=print,
-                    deadline: float | None = None) -> list[dict]:
-    """Each job's result (a dict): read from its cache file `path_of(job)` with `resume`, else `worker(job)` (a
-    module-level function, so that spawned worker processes can run it) on `workers` processes, a progress line
-    `describe(result)` each; jobs not started by `deadline` (a time.time() value) are left out. The studies'
-    runner (bench/time_to_quality/ttq_run.py, bench/deep_pipelines/deep_pipelines_runs.py)."""
+                    deadline: float | None = None, progress: Progress | None = None) -> list[dict]:
+    """Each job's result (a dict; a job is a tuple of arguments): read from its cache file `path_of(*job)` with
+    `resume`, else `worker(*job)` (a module-level function, so that spawned worker processes can run it; it writes
+    the cache file, if any: `path_of` None) on `workers` processes, a progress line `describe(result)` each (and
+    `progress`'s, which counts the cached runs first); jobs not started by `deadline` (a time.time() value) are
+    left out. Every study's runner."""
     out, todo = [], []
     for job in jobs:
-        path = path_of(job)
-        if resume and os.path.isfile(path):
-            with open(path) as f:
+        if resume and os.path.isfile(path_of(*job)):
+            with open(path_of(*job)) as f:
                 out.append(json.load(f))
+            if progress is not None:
+                progress.add(out[-1], False)
         else:
             todo.append(job)
+    if out and todo:
+        log(f"> {len(out)} finished run(s) read from the cache, {len(todo)} to run")
     if not todo:
         return out
     start, pool = time.perf_counter(), None
     if workers > 1 and len(todo) > 1:
         import multiprocessing
         pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))
-        results = pool.imap_unordered(worker, todo)
+        results = pool.imap_unordered(_call, [(worker, job) for job in todo])
     else:
-        results = (worker(job) for job in todo if deadline is None or time.time() < deadline)
+        results = (worker(*job) for job in todo if deadline is None or time.time() < deadline)
     try:
         for i, r in enumerate(results, 1):
             out.append(r)
-            log(f"[{i}/{len(todo)}] {describe(r)} | {(time.perf_counter() - start) / 60:.1f} min, "
-                f"load {loadavg()[0]:.1f}")
+            minutes = (time.perf_counter() - start) / 60
+            log(f"[{i}/{len(todo)}] {describe(r)}" + (f" | {progress.add(r, True)}" if progress is not None else "")
+                + f" | {minutes:.1f} min, ETA {minutes / i * (len(todo) - i):.1f} min, load {loadavg()[0]:.1f}")
             if pool is not None and deadline is not None and time.time() > deadline:
                 log("> deadline reached: the remaining jobs are not run")
                 pool.terminate()
@@ -99,6 +132,92 @@ def run_cached_jobs(jobs: list, path_of, worker, *, workers: int = 1, resume: bo
             pool.close()
             pool.join()
     return out
+
+
+def _call(worker_and_job: tuple):
+    worker, job = worker_and_job
+    return worker(*job)
+
+
+def tune(units: list, grid: dict, run, final, *, max_growth: int = 0, grown: dict | None = None,
+         results: dict | None = None, log=print) -> dict:
+    """A study's lr sweep (equal tuning): seed 1 of every unit (`unit.opt` names its grid) at every lr of its
+    optimizer's grid, `run(jobs)` training the jobs (unit, lr, 1) and returning their results {(unit, lr, seed):
+    result}; while a unit whose sweep is complete has its best lr (lowest `final(result)`, ties to the lower lr)
+    at an edge of the grid, the grid grows by one point on that side (half the lowest, twice the highest) for
+    every unit of that optimizer, at most `max_growth` times a side (`grown` counts them; `grid` is updated in
+    place). Returns the best lr of every unit; `results` (given or new) holds every run."""
+    results = {} if results is None else results
+    grown = {o: {"low": 0, "high": 0} for o in grid} if grown is None else grown
+    while True:
+        jobs = [(u, lr, 1) for u in units for lr in grid[u.opt] if (u, lr, 1) not in results]
+        log(f"> sweep: {len(jobs)} runs (seed 1) over {len(units)} units")
+        results.update(run(jobs))
+        best = {u: min(grid[u.opt], key=lambda lr: (final(results[(u, lr, 1)]) if (u, lr, 1) in results else math.inf,
+                                                    lr)) for u in units}
+        more = False
+        for o, g in grid.items():
+            mine = [u for u in units if u.opt == o and all((u, lr, 1) in results for lr in g)]
+            for side, edge, point in (("low", 0, g[0] / 2), ("high", -1, g[-1] * 2)):
+                if any(best[u] == g[edge] for u in mine) and grown[o][side] < max_growth:
+                    g.insert(len(g) if side == "high" else 0, point)
+                    grown[o][side] += 1
+                    more = True
+        if not more:
+            return best
+
+
+def final_val(r: dict, steps: int | None = None) -> float:
+    """A run's final validation loss: its curve [(micro-batches, loss)] at its end (`steps`, default its own
+    `micro_batches`); inf when it diverged or stopped early (never a best lr)."""
+    c = r["curve"]
+    end = r["micro_batches"] if steps is None else steps
+    return c[-1][1] if c and c[-1][0] == end and math.isfinite(c[-1][1]) else math.inf
+
+
+def first_reach(curve: list, target: float) -> float | None:
+    """Micro-batches at which a validation curve [(micro-batches, loss)] first reaches `target`, linear between
+    evaluations (a first evaluation already below, or one after a non-finite loss, counts at its own x); None if
+    it never does."""
+    prev = None
+    for x, y in curve:
+        if math.isfinite(y) and y <= target:
+            if prev is None or not math.isfinite(prev[1]) or prev[1] == y:
+                return float(x)
+            x0, y0 = prev
+            return x0 + (x - x0) * (y0 - target) / (y0 - y)
+        prev = (x, y)
+    return None
+
+
+def units_from_json(data: dict, unit) -> dict:
+    """The units of a study JSON (`unit(entry)` makes each), with their sweeps {lr: final loss}, best lrs and runs
+    at the best lr: what the studies' reports read back."""
+    entries = dict(zip((unit(e) for e in data["units"]), data["units"]))
+    return {"units": list(entries), "best": {u: e["best_lr"] for u, e in entries.items()},
+            "sweep": {u: {float(lr): v for lr, v in e["sweep"].items()} for u, e in entries.items()},
+            "runs": {u: runs_from_json(e["runs"]) for u, e in entries.items()}}
+
+
+def runs_from_json(runs: list[dict]) -> list[dict]:
+    """Runs read back from a study JSON, in seed order, their curves as (micro-batches, loss) tuples."""
+    return sorted(({**r, "curve": [tuple(p) for p in r["curve"]]} for r in runs), key=lambda r: r["seed"])
+
+
+def parse_lr_grid(items: list[str], grid: dict) -> dict:
+    """`--lr-grid OPT=LR,LR,...` items over the default grids: a copy of `grid` with each named optimizer's list
+    replaced (one error line for an unknown optimizer or a malformed list)."""
+    grid = {o: list(v) for o, v in grid.items()}
+    for item in items or []:
+        o, _, v = item.partition("=")
+        try:
+            if o not in grid:
+                raise ValueError
+            grid[o] = [float(x) for x in v.split(",")]
+        except ValueError:
+            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of "
+                             f"{', '.join(grid)}") from None
+    return grid
 
 
 def log(*args) -> None:
@@ -227,4 +346,3 @@ def markdown_table(header: list, rows: list[list]) -> str:
 
 def median(xs):
     return statistics.median(xs)
-

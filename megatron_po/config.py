@@ -86,6 +86,11 @@ class ModelConfig:
     attention_backend: str = _f("auto", "attention kernel: auto (PyTorch picks), local/unfused (explicit "
                                         "softmax(QK^T)V, any device), flash/fused (flash / cuDNN kernels, CUDA)",
                                 choices=["auto", "flash", "fused", "unfused", "local"])
+    cp_comm_type: str = _f("p2p", "how context-parallel attention meets the other ranks' keys and values: p2p (ring "
+                                  "attention: K/V blocks passed around the CP ring, the next transfer overlapping "
+                                  "the current block's attention) or allgather (K/V gathered once per layer; "
+                                  "all_gather is the same); Megatron's a2a and a2a+p2p are not available here",
+                           choices=["p2p", "allgather", "all_gather"])
     attention_softmax_in_fp32: bool = _f(False, "with --bf16/--fp16 compute attention (softmax included) in fp32")
     use_mcore_models: bool = _f(False, "accepted for Megatron-LM scripts; no effect (one model implementation, "
                                        "Megatron Core's layout)")
@@ -208,7 +213,10 @@ class ParallelConfig:
     ddp_bucket_size: int = _f(40_000_000, "DDP gradient bucket size in elements")
     distributed_timeout_minutes: float = _f(10.0, "timeout of every collective and p2p operation; a dead rank is "
                                                   "detected (heartbeat) within half of it, at most 60 s")
-    context_parallel_size: int = _f(1, "context-parallel size: accepted as 1 only (no context parallelism here)")
+    context_parallel_size: int = _f(1, "context-parallel size: every sequence split over this many ranks in 2 x CP "
+                                       "chunks, rank i holding chunks i and 2CP-1-i (load-balanced causal "
+                                       "attention); weights replicated, gradients averaged over DP x CP; "
+                                       "docs/context_parallel.md")
     overlap_grad_reduce: bool = _f(False, "Megatron's DP gradient-reduce overlap: always on here (each bucket's "
                                           "reduce starts during the backward), so a documented no-op")
     overlap_p2p_communication: bool = _f(False, "Megatron's p2p overlap: always on here (pipeline sends and receives "
@@ -574,7 +582,10 @@ def fp8_recipe(m: ModelConfig) -> str | None:
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    return world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    """Replicas that read different samples: the world over TP x PP x CP (the CP ranks of one DP rank share
+    its samples, each holding a part of every sequence)."""
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:

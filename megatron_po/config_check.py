@@ -27,6 +27,7 @@ class Ctx:
         self.m, self.p, self.d, self.t = cfg.model, cfg.parallel, cfg.data, cfg.training
         self.pr, self.lg, self.ck, self.n = cfg.precision, cfg.logging, cfg.checkpoint, cfg.nmt
         self.tp, self.pp = self.p.tensor_model_parallel_size, self.p.pipeline_model_parallel_size
+        self.cp = self.p.context_parallel_size
         self.meth = self.p.pipeline_method
         self.is_async = self.meth in ASYNC_METHODS
         # NMT stacks the encoder and decoder layers (normalize_nmt); the pipeline splits their sum.

@@ -87,8 +87,38 @@ def _fp32_weights(c: Ctx) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def _cp(c: Ctx) -> bool:
+    return c.cp > 1
+
+
+# What context parallelism (models/context_parallel_attention.py) serves: causal GPT self-attention of the local
+# layers, without attention dropout, over sequences that cut into 2 x CP equal chunks.
+CONTEXT_PARALLEL = [
+    Rule("context-parallel-seq-length", lambda c: c.m.seq_length % (2 * c.cp) == 0,
+         lambda c: f"--seq-length ({c.m.seq_length}) is not divisible by 2 x --context-parallel-size ({c.cp}) = "
+                   f"{2 * c.cp}: each CP rank holds 2 of the sequence's {2 * c.cp} equal chunks", when=_cp),
+    Rule("context-parallel-sequence-parallel", lambda c: (c.m.seq_length // c.cp) % c.tp == 0,
+         lambda c: f"--sequence-parallel with --context-parallel-size {c.cp} needs each CP rank's "
+                   f"{c.m.seq_length // c.cp} tokens (--seq-length / CP) divisible by --tensor-model-parallel-size "
+                   f"({c.tp})", when=lambda c: _cp(c) and c.p.sequence_parallel),
+    Rule("context-parallel-gpt-only", lambda c: c.workload == "gpt",
+         lambda c: f"--context-parallel-size {c.cp} splits the causal self-attention of pretrain_gpt.py; "
+                   f"pretrain_nmt.py's encoder and cross-attention are not split: use 1", when=_cp),
+    Rule("context-parallel-local-layers", lambda c: c.m.transformer_impl == "local",
+         lambda c: f"--context-parallel-size {c.cp} runs in the local layers' attention; the Transformer Engine "
+                   f"layers here take no context parallelism: use --transformer-impl local", when=_cp),
+    Rule("context-parallel-attention-dropout", lambda c: c.m.attention_dropout == 0,
+         lambda c: f"--context-parallel-size {c.cp} with --attention-dropout {c.m.attention_dropout}: the split "
+                   f"attention runs without dropout on its probabilities here; add --attention-dropout 0", when=_cp),
+    Rule("context-parallel-attention-backend", lambda c: c.m.attention_backend in ("auto", "local", "unfused"),
+         lambda c: f"--context-parallel-size {c.cp} with --attention-backend {c.m.attention_backend}: the split "
+                   f"attention runs its key blocks through PyTorch's fused kernel of the device (auto) or the "
+                   f"explicit softmax (local, unfused)", when=_cp),
+]
+
 SIZES = [
     *at_least(1, [("--tensor-model-parallel-size", lambda c: c.tp), ("--pipeline-model-parallel-size", lambda c: c.pp),
+                  ("--context-parallel-size", lambda c: c.cp),
                   ("--num-layers", lambda c: c.m.num_layers), ("--hidden-size", lambda c: c.m.hidden_size),
                   ("--num-attention-heads", lambda c: c.m.num_attention_heads),
                   ("--seq-length", lambda c: c.m.seq_length), ("--micro-batch-size", lambda c: c.t.micro_batch_size),
@@ -143,6 +173,11 @@ LAYOUT = [
     Rule("world-vs-tpxpp", lambda c: c.world % (c.tp * c.pp) == 0,
          lambda c: f"world size {c.world} is not divisible by --tensor-model-parallel-size ({c.tp}) x "
                    f"--pipeline-model-parallel-size ({c.pp}) = {c.tp * c.pp}"),
+    Rule("world-vs-tpxppxcp", lambda c: c.world % (c.tp * c.pp * c.cp) == 0,
+         lambda c: f"world size {c.world} is not divisible by --tensor-model-parallel-size ({c.tp}) x "
+                   f"--pipeline-model-parallel-size ({c.pp}) x --context-parallel-size ({c.cp}) = {c.tp * c.pp * c.cp}",
+         when=lambda c: c.cp > 1),
+    *CONTEXT_PARALLEL,
     Rule("hidden-vs-heads", lambda c: c.m.kv_channels is not None or c.m.hidden_size % c.m.num_attention_heads == 0,
          lambda c: f"--hidden-size ({c.m.hidden_size}) is not divisible by --num-attention-heads "
                    f"({c.m.num_attention_heads})"),
@@ -507,9 +542,6 @@ MEGATRON_SWITCHES = [
     Rule("decoupled-lr-sync-only", lambda c: c.t.decoupled_lr is None or not c.is_async,
          lambda c: f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
                    f"{c.meth}, whose stages build their own optimizers"),
-    Rule("context-parallel-1", lambda c: c.p.context_parallel_size == 1,
-         lambda c: f"--context-parallel-size {c.p.context_parallel_size}: context parallelism is not implemented "
-                   f"here (only 1)"),
     Rule("exit-duration>0", lambda c: c.t.exit_duration_in_mins is None or c.t.exit_duration_in_mins > 0,
          lambda c: f"--exit-duration-in-mins must be > 0 (got {c.t.exit_duration_in_mins})"),
     Rule("manual-gc-interval>=0", lambda c: c.t.manual_gc_interval >= 0,

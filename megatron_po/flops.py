@@ -6,14 +6,15 @@ from __future__ import annotations
 from megatron_po.config import Config, ffn_hidden_size, kv_channels, num_query_groups
 
 
-def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
+def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward), Megatron's dense convention.
 
     Per layer and token the forward does 2 FLOPs per multiply-add of: QKV (3h^2), attention output
     (h^2), MLP (2 h f, or 3 h f with SwiGLU), and attention scores + weighted values (2 s h, counting
     the full s x s square as Megatron does, although causal masking needs only half). Plus the output
     layer (h V). With f = 4h and no SwiGLU this is Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per
-    token.
+    token. `causal`: the attention counted over the causal half of the square (s h), the work a kernel that
+    skips masked blocks does; at long sequences the two conventions part (bench/gpu/gpu_long_context.py).
     """
     m = cfg.model
     h, s, L, f = m.hidden_size, m.seq_length, m.num_layers, ffn_hidden_size(m)
@@ -21,7 +22,7 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int) -> float:
     # Attention with a = heads x head dim (h by default) and g = key/value groups x head dim (GQA): QKV h (a + 2g),
     # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
     a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
-    per_layer = 2 * (h * (a + 2 * g) + a * h + mlp + 2 * s * a)
+    per_layer = 2 * (h * (a + 2 * g) + a * h + mlp + (1 if causal else 2) * s * a)
     return 3.0 * (L * per_layer + 2 * h * vocab_size)
 
 

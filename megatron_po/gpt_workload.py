@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, global_batch_size
+from megatron_po.data.context_split import split_for_this_rank
 from megatron_po.data.document_masks import add_document_inputs
 from megatron_po.flops import gpt_flops_per_token
 from megatron_po.optim.sample_schedule import SampleSchedule
@@ -100,7 +101,7 @@ class GPTWorkload:
             if d.eod_mask_loss:  # Megatron: no loss where the input token is EOD
                 b["loss_mask"] = b["loss_mask"].masked_fill(b["tokens"] == self.tokenizer.eod, 0.0)
             add_document_inputs(b, self.tokenizer.eod, d.reset_position_ids, d.reset_attention_mask)
-        return batches
+        return [split_for_this_rank(b) for b in batches]  # context parallelism: this CP rank's chunks
 
     def message_specs(self, micro_batch_size: int):
         """Shapes both ends of a pipeline message agree on (None: sent in a header)."""

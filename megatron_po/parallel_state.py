@@ -1,11 +1,15 @@
 """Topology, process groups, and the one place that picks device and backend.
 
-Rank layout follows Megatron: tensor-parallel (TP) ranks are adjacent (fastest varying), then data
-parallel (DP), then pipeline parallel (PP):
+Rank layout follows Megatron: tensor-parallel (TP) ranks are adjacent (fastest varying), then context
+parallel (CP), then data parallel (DP), then pipeline parallel (PP):
 
-    global_rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+    global_rank = ((pp_rank * DP + dp_rank) * CP + cp_rank) * TP + tp_rank
 
-so a TP group sits on one node's fast interconnect and pipeline stages span nodes.
+so a TP group sits on one node's fast interconnect, a CP ring next to it, and pipeline stages span nodes.
+Context parallelism shards no weights: the CP ranks of one DP rank hold the same replica and each sees its
+share of every sequence, so gradients are reduced over DP x CP (`get_data_parallel_group(
+with_context_parallel=True)`, Megatron's "data parallel group with context parallel"); the data loader
+still reads one share of the global batch per DP rank.
 
 Launch: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when present;
 otherwise Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, first host of the node list, a port
@@ -145,15 +149,20 @@ class _State:
     pp: int = 1
     dp: int = 1
     vpp: int | None = None
+    cp: int = 1
     tp_group: object = None
     dp_group: object = None
+    cp_group: object = None  # the CP ranks sharing every sequence of one DP rank (the ring)
+    dp_cp_group: object = None  # DP x CP: the replicas whose gradients are averaged
     pp_group: object = None
-    model_parallel_group: object = None  # TP x PP ranks sharing one replica of the model
-    tp_dp_group: object = None  # TP x DP ranks of one pipeline stage (stage-local reductions)
+    model_parallel_group: object = None  # TP x PP ranks sharing one replica of the model (one DP, one CP rank)
+    tp_dp_group: object = None  # TP x CP x DP ranks of one pipeline stage (stage-local reductions)
     embedding_group: object = None  # first and last pipeline stage (tied embeddings)
     pp_ranks: tuple = ()  # global ranks of my pipeline group, by stage
     dp_ranks: tuple = ()
     tp_ranks: tuple = ()
+    cp_ranks: tuple = ()  # global ranks of my CP group, by CP rank
+    dp_cp_ranks: tuple = ()
 
 
 _STATE: _State | None = None
@@ -161,25 +170,31 @@ _STATE: _State | None = None
 _TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coords_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def coords_of(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank (`context_parallel_rank_of`: its CP rank)."""
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def check_topology(world_size: int, tp: int, pp: int) -> int:
+def context_parallel_rank_of(rank: int, tp: int, cp: int) -> int:
+    return (rank // tp) % cp
+
+
+def check_topology(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     """Validate sizes; return the data-parallel size."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
-    if world_size % (tp * pp) != 0:
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and "
+                          f"--context-parallel-size ({cp}) must be >= 1")
+    if world_size % (tp * pp * cp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}"
+            f"--pipeline-model-parallel-size ({pp})" + (f" x --context-parallel-size ({cp})" if cp > 1 else "")
+            + f" = {tp * pp * cp}"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def init_distributed(timeout_minutes: float = 10.0, environ=None, backend: str | None = None) -> LaunchEnv:
@@ -203,50 +218,79 @@ def init_distributed(timeout_minutes: float = 10.0, environ=None, backend: str |
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None) -> None:
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              context_parallel_size: int = 1) -> None:
     """Build every process group. Every rank must call this with the same arguments."""
     global _STATE
     assert dist.is_initialized(), "call init_distributed() first"
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = check_topology(world, tp, pp)
-    st = _State(tp=tp, pp=pp, dp=dp, vpp=virtual_pipeline_model_parallel_size)
-    my_tp, my_dp, my_pp = coords_of(rank, tp, dp)
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    dp = check_topology(world, tp, pp, cp)
+    st = _State(tp=tp, pp=pp, dp=dp, vpp=virtual_pipeline_model_parallel_size, cp=cp)
+    my_tp, my_dp, my_pp = coords_of(rank, tp, dp, cp)
+    my_cp = context_parallel_rank_of(rank, tp, cp)
+    at = lambda t, d, p, c: rank_of(t, d, p, tp, dp, c, cp)  # noqa: E731
 
     # new_group must be called by every rank for every group, in the same order.
     for p in range(pp):
         for d in range(dp):
-            ranks = [rank_of(t, d, p, tp, dp) for t in range(tp)]
-            g = dist.new_group(ranks, timeout=_TIMEOUT)
-            if (d, p) == (my_dp, my_pp):
-                st.tp_group, st.tp_ranks = g, tuple(ranks)
+            for c in range(cp):
+                ranks = [at(t, d, p, c) for t in range(tp)]
+                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                if (d, p, c) == (my_dp, my_pp, my_cp):
+                    st.tp_group, st.tp_ranks = g, tuple(ranks)
     for p in range(pp):
         for t in range(tp):
-            ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
-            g = dist.new_group(ranks, timeout=_TIMEOUT)
-            if (t, p) == (my_tp, my_pp):
-                st.dp_group, st.dp_ranks = g, tuple(ranks)
+            for c in range(cp):
+                ranks = [at(t, d, p, c) for d in range(dp)]
+                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                if (t, p, c) == (my_tp, my_pp, my_cp):
+                    st.dp_group, st.dp_ranks = g, tuple(ranks)
     for d in range(dp):
-        for t in range(tp):
-            ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
-            g = dist.new_group(ranks, timeout=_TIMEOUT)
-            if (t, d) == (my_tp, my_dp):
-                st.pp_group, st.pp_ranks = g, tuple(ranks)
-            emb = sorted({ranks[0], ranks[-1]})
-            g = dist.new_group(emb, timeout=_TIMEOUT)
-            if (t, d) == (my_tp, my_dp):
-                st.embedding_group = g
+        for c in range(cp):
+            for t in range(tp):
+                ranks = [at(t, d, p, c) for p in range(pp)]
+                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                if (t, d, c) == (my_tp, my_dp, my_cp):
+                    st.pp_group, st.pp_ranks = g, tuple(ranks)
+                emb = sorted({ranks[0], ranks[-1]})
+                g = dist.new_group(emb, timeout=_TIMEOUT)
+                if (t, d, c) == (my_tp, my_dp, my_cp):
+                    st.embedding_group = g
     for d in range(dp):
-        ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
-        g = dist.new_group(ranks, timeout=_TIMEOUT)
-        if d == my_dp:
-            st.model_parallel_group = g
+        for c in range(cp):
+            ranks = [at(t, d, p, c) for p in range(pp) for t in range(tp)]
+            g = dist.new_group(ranks, timeout=_TIMEOUT)
+            if (d, c) == (my_dp, my_cp):
+                st.model_parallel_group = g
     for p in range(pp):
-        ranks = [rank_of(t, d, p, tp, dp) for d in range(dp) for t in range(tp)]
+        ranks = [at(t, d, p, c) for d in range(dp) for c in range(cp) for t in range(tp)]
         g = dist.new_group(ranks, timeout=_TIMEOUT)
         if p == my_pp:
             st.tp_dp_group = g
+    if cp > 1:  # with CP = 1 these are the TP-less DP groups above (no new groups: the same order as before)
+        _context_parallel_groups(st, at, my_tp, my_dp, my_pp, my_cp)
+    else:
+        st.cp_group, st.cp_ranks = None, (rank,)
+        st.dp_cp_group, st.dp_cp_ranks = st.dp_group, st.dp_ranks
     _STATE = st
+
+
+def _context_parallel_groups(st: _State, at, my_tp: int, my_dp: int, my_pp: int, my_cp: int) -> None:
+    """The CP rings (one per TP rank, DP rank and stage) and the DP x CP groups gradients are averaged over."""
+    for p in range(st.pp):
+        for d in range(st.dp):
+            for t in range(st.tp):
+                ranks = [at(t, d, p, c) for c in range(st.cp)]
+                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                if (t, d, p) == (my_tp, my_dp, my_pp):
+                    st.cp_group, st.cp_ranks = g, tuple(ranks)
+    for p in range(st.pp):
+        for t in range(st.tp):
+            ranks = [at(t, d, p, c) for d in range(st.dp) for c in range(st.cp)]
+            g = dist.new_group(ranks, timeout=_TIMEOUT)
+            if (t, p) == (my_tp, my_pp):
+                st.dp_cp_group, st.dp_cp_ranks = g, tuple(ranks)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -272,8 +316,15 @@ def get_tensor_model_parallel_group():
     return _st().tp_group
 
 
-def get_data_parallel_group():
-    return _st().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The DP ranks of my TP rank, CP rank and stage; `with_context_parallel`: DP x CP, the ranks holding
+    replicas of my weights (gradients are averaged over it)."""
+    return _st().dp_cp_group if with_context_parallel else _st().dp_group
+
+
+def get_context_parallel_group():
+    """My CP ring (None with CP = 1)."""
+    return _st().cp_group
 
 
 def get_pipeline_model_parallel_group():
@@ -297,15 +348,33 @@ def get_tensor_model_parallel_world_size() -> int:
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return coords_of(dist.get_rank(), _STATE.tp, _STATE.dp)[0] if _STATE else 0
+    return coords_of(dist.get_rank(), _STATE.tp, _STATE.dp, _STATE.cp)[0] if _STATE else 0
 
 
-def get_data_parallel_world_size() -> int:
-    return _STATE.dp if _STATE else 1
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if _STATE is None:
+        return 1
+    return _STATE.dp * _STATE.cp if with_context_parallel else _STATE.dp
 
 
-def get_data_parallel_rank() -> int:
-    return coords_of(dist.get_rank(), _STATE.tp, _STATE.dp)[1] if _STATE else 0
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    if _STATE is None:
+        return 0
+    dp_rank = coords_of(dist.get_rank(), _STATE.tp, _STATE.dp, _STATE.cp)[1]
+    return dp_rank * _STATE.cp + get_context_parallel_rank() if with_context_parallel else dp_rank
+
+
+def get_context_parallel_world_size() -> int:
+    return _STATE.cp if _STATE else 1
+
+
+def get_context_parallel_rank() -> int:
+    return context_parallel_rank_of(dist.get_rank(), _STATE.tp, _STATE.cp) if _STATE else 0
+
+
+def get_context_parallel_ranks() -> tuple:
+    """Global ranks of my CP group, by CP rank."""
+    return _st().cp_ranks
 
 
 def get_pipeline_model_parallel_world_size() -> int:
@@ -313,7 +382,7 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return coords_of(dist.get_rank(), _STATE.tp, _STATE.dp)[2] if _STATE else 0
+    return coords_of(dist.get_rank(), _STATE.tp, _STATE.dp, _STATE.cp)[2] if _STATE else 0
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
@@ -325,8 +394,8 @@ def get_pipeline_model_parallel_ranks() -> tuple:
     return _st().pp_ranks
 
 
-def get_data_parallel_ranks() -> tuple:
-    return _st().dp_ranks
+def get_data_parallel_ranks(with_context_parallel: bool = False) -> tuple:
+    return _st().dp_cp_ranks if with_context_parallel else _st().dp_ranks
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -374,18 +443,20 @@ _EXPERT: _ExpertState | None = None
 
 
 def stage_ranks(pp_rank: int) -> list[int]:
-    """The global ranks of pipeline stage `pp_rank`, in rank order (TP fastest, then DP)."""
+    """The global ranks of pipeline stage `pp_rank`, in rank order (TP fastest, then CP, then DP)."""
     st = _st()
-    return [rank_of(t, d, pp_rank, st.tp, st.dp) for d in range(st.dp) for t in range(st.tp)]
+    return [rank_of(t, d, pp_rank, st.tp, st.dp, c, st.cp) for d in range(st.dp) for c in range(st.cp)
+            for t in range(st.tp)]
 
 
 def expert_layout(stage: list[int], etp: int, ep: int) -> dict[str, list[list[int]]]:
     """The expert groups of one pipeline stage, its ranks `stage` in rank order re-read as ETP x EP x EDP
-    (ETP fastest): {"etp": [...], "ep": [...], "dispatch": [...], "edp": [...]}, each a list of rank lists."""
+    (ETP fastest): {"etp": [...], "ep": [...], "dispatch": [...], "edp": [...]}, each a list of rank lists. With
+    context parallelism the stage's ranks are TP x CP x DP: experts are carved out of DP x CP, as in Megatron."""
     n = len(stage)
     if n % (etp * ep):
         raise ConfigError(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) = {etp * ep} "
-                          f"does not divide the {n} ranks of a pipeline stage (tensor x data parallel)")
+                          f"does not divide the {n} ranks of a pipeline stage (tensor x context x data parallel)")
     edp = n // (etp * ep)
     at = lambda t, e, d: stage[t + etp * (e + ep * d)]  # noqa: E731
     return {"etp": [[at(t, e, d) for t in range(etp)] for d in range(edp) for e in range(ep)],
@@ -401,7 +472,7 @@ def initialize_expert_parallel(expert_model_parallel_size: int = 1,
     global _EXPERT
     st, rank = _st(), dist.get_rank()
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or st.tp
-    ex = _ExpertState(ep=ep, etp=etp, edp=st.tp * st.dp // (ep * etp))
+    ex = _ExpertState(ep=ep, etp=etp, edp=st.tp * st.cp * st.dp // (ep * etp))
     mp = {}  # ETP x EP x PP: the same (edp, ep, etp position) on every stage
     for p in range(st.pp):
         layout = expert_layout(stage_ranks(p), etp, ep)
@@ -498,8 +569,9 @@ def describe_rank(rank: int) -> str:
     """`rank 5 (pipeline stage 1, data-parallel rank 0, tensor-parallel rank 1)`."""
     if _STATE is None:
         return f"rank {rank}"
-    tp, dp, pp = coords_of(rank, _STATE.tp, _STATE.dp)
-    return f"rank {rank} (pipeline stage {pp}, data-parallel rank {dp}, tensor-parallel rank {tp})"
+    tp, dp, pp = coords_of(rank, _STATE.tp, _STATE.dp, _STATE.cp)
+    cp = f", context-parallel rank {context_parallel_rank_of(rank, _STATE.tp, _STATE.cp)}" if _STATE.cp > 1 else ""
+    return f"rank {rank} (pipeline stage {pp}, data-parallel rank {dp}{cp}, tensor-parallel rank {tp})"
 
 
 class Watchdog:

@@ -25,7 +25,8 @@ from megatron_po.run_controls import replica_sums
 def logging_rank(cfg: Config) -> int:
     from megatron_po.pipeline.schedules import loss_rank
     return ps.rank_of(0, 0, loss_rank(cfg.parallel.pipeline_method, ps.get_pipeline_model_parallel_world_size()),
-                      ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())
+                      ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                      cp=ps.get_context_parallel_world_size())
 
 
 def start_logging(cfg: Config, workload, schedule: SampleSchedule, iteration: int) -> Progress:

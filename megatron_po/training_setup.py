@@ -91,8 +91,9 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     workload.cfg = cfg
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
-    if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the data-parallel ranks
+                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None,
+                                 context_parallel_size=p.context_parallel_size)
+    if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the DP x CP ranks
         ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
     prepare_outputs(cfg, log=print_rank0)  # writable output paths, the --save lock: before any model or resume
@@ -156,7 +157,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     else:
         pr = cfg.precision
         chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in workload.model_chunks()]
-        ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), p.ddp_bucket_size,
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients averaged over DP x CP
+        ddp = DistributedDataParallel(chunks, dp_cp_group, p.ddp_bucket_size,
                                       grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                    pr.accumulate_allreduce_grads_in_fp32),
                                       use_distributed_optimizer=pr.use_distributed_optimizer,
@@ -168,8 +170,9 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     if fp8_summary(cfg.model):
         print_rank0(fp8_summary(cfg.model))  # which FP8 backend and recipe run, emulated or not
     n_params = sum(p.numel() for c in model.chunks for p in c.parameters())
+    cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
     print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
-                f" x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
+                f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
     if cfg.model.num_experts is not None:
         print_rank0(moe_summary(cfg))

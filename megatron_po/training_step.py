@@ -25,7 +25,7 @@ from megatron_po.gpt_workload import GPTWorkload
 from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
 from megatron_po.optim.clip_grads import clip_grad_norm_
-from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import set_lr
 from megatron_po.optim.mixed_precision import MainParamsOptimizer
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_rules import SkipGuard, any_rank, loss_is_nonfinite
@@ -90,10 +90,12 @@ def forward_backward(cfg, chunks, ddp, batches, forward_only: bool = False,
 def per_token_normalizer(batches: list[dict]) -> None:
     """--calculate-per-token-loss: each micro-batch's loss becomes its summed token losses / (T / (M x DP)),
     T the loss tokens of the whole global batch (all micro-batches, all DP ranks), so the mean over the M
-    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T."""
+    micro-batches and DP replicas that the executor and DDP take is Megatron's sum / T. With context
+    parallelism each rank holds its share of the tokens and DDP averages over DP x CP: T / (M x DP x CP)."""
     local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
-    dist.all_reduce(local, group=ps.get_data_parallel_group())
-    normalizer = (local / (len(batches) * ps.get_data_parallel_world_size())).clamp(min=1e-12).float()
+    dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
+    replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
+    normalizer = (local / (len(batches) * replicas)).clamp(min=1e-12).float()
     for b in batches:
         b["loss_normalizer"] = normalizer
 
@@ -108,12 +110,13 @@ def holds_loss(cfg: Config) -> bool:
 def average_over_dp(x: torch.Tensor | None) -> float | None:
     """Mean over data-parallel replicas of a loss held by the last pipeline stage. `x` may live anywhere (an
     evaluation's float comes as a CPU tensor): it is copied to the backend's device first, as NCCL takes
-    only GPU tensors."""
+    only GPU tensors. With context parallelism the mean is over DP x CP: each CP rank holds its tokens'
+    share of the loss times CP (data/context_split.py), so that mean is the loss of the whole sequences."""
     if x is None:
         return None
     x = x.detach().to(device=ps.get_device(), dtype=torch.float64, copy=True)
-    dist.all_reduce(x, group=ps.get_data_parallel_group())
-    return float(x) / ps.get_data_parallel_world_size()
+    dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(x) / ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
 def expert_norm_group(cfg: Config):

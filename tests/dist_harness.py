@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout):
+def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp=1):
     # A hung rank prints every thread's stack shortly before the parent gives up on it.
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
     try:
@@ -37,7 +37,7 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout):
         os.environ.update(env)
         ps.destroy_model_parallel()
         ps.init_distributed(timeout_minutes=2)
-        ps.initialize_model_parallel(tp, pp, vpp)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp)
         out = fn(*args)
         if dist.is_initialized():  # fn may have shut the group down itself (e.g. run_main)
             dist.barrier()
@@ -55,12 +55,13 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout):
 
 
 def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                    args: tuple = (), timeout: float = 180.0) -> list:
-    """Run `fn(*args)` on `world_size` ranks; return the list of results indexed by rank."""
+                    args: tuple = (), timeout: float = 180.0, cp: int = 1) -> list:
+    """Run `fn(*args)` on `world_size` ranks (`cp`: the context-parallel size); return the list of results
+    indexed by rank."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results, timeout))
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -22,6 +22,7 @@ PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-a
 TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
+CP2 = MOCK + ["--context-parallel-size", "2", "--attention-dropout", "0"]  # valid on 2 ranks
 
 # (id, world size, argv, words the error line must contain)
 RULES = [
@@ -68,6 +69,20 @@ RULES = [
      ["world size 3 is not divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"]),
     ("world-vs-tpxpp", 4, MOCK + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
      ["world size 4", "= 8"]),
+    ("context-parallel-size>=1", 1, MOCK + ["--context-parallel-size", "0"],
+     ["--context-parallel-size must be >= 1 (got 0)"]),
+    ("world-vs-tpxppxcp", 6, CP2 + ["--tensor-model-parallel-size", "2"],
+     ["world size 6 is not divisible by", "--context-parallel-size (2) = 4"]),
+    ("context-parallel-seq-length", 2, CP2 + ["--seq-length", "126"],
+     ["--seq-length (126) is not divisible by 2 x --context-parallel-size (2) = 4"]),
+    ("context-parallel-sequence-parallel", 8, CP2 + ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+                                                     "--seq-length", "20"],
+     ["--sequence-parallel with --context-parallel-size 2", "each CP rank's 10 tokens", "(4)"]),
+    ("context-parallel-local-layers", 2, CP2 + TE, ["--context-parallel-size 2", "--transformer-impl local"]),
+    ("context-parallel-attention-dropout", 2, MOCK + ["--context-parallel-size", "2"],
+     ["--context-parallel-size 2 with --attention-dropout 0.1", "add --attention-dropout 0"]),
+    ("context-parallel-attention-backend", 2, CP2 + ["--attention-backend", "flash", "--bf16"],
+     ["--context-parallel-size 2 with --attention-backend flash", "(auto)", "local, unfused"]),
     ("hidden-vs-heads", 1, MOCK + ["--hidden-size", "100", "--num-attention-heads", "3"],
      ["--hidden-size (100) is not divisible by --num-attention-heads (3)"]),
     ("hidden-vs-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--hidden-size", "33",
@@ -277,7 +292,6 @@ RULES = [
      ["--reset-attention-mask needs --transformer-impl local"]),
     ("decoupled-lr-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--decoupled-lr", "1e-3"],
      ["--decoupled-lr is wired for the synchronous methods", "pipeoptim"]),
-    ("context-parallel-1", 1, MOCK + ["--context-parallel-size", "2"], ["--context-parallel-size 2", "only 1"]),
     ("exit-duration>0", 1, MOCK + ["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins must be > 0"]),
     ("manual-gc-interval>=0", 1, MOCK + ["--manual-gc", "--manual-gc-interval", "-1"],
      ["--manual-gc-interval must be >= 0"]),
@@ -398,7 +412,7 @@ RULES = [
      ["--num-experts (8) is not divisible by --expert-model-parallel-size (3)"]),
     ("ep-x-etp-vs-stage", 2, MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "4"],
      ["--expert-model-parallel-size (4) x --expert-tensor-parallel-size (1) = 4 does not divide the ranks of a "
-      "pipeline stage (tensor x data parallel = 1 x 2)"]),
+      "pipeline stage (tensor x context x data parallel = 1 x 1 x 2)"]),
     ("moe-tp-needs-sequence-parallel", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2"],
      ["MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"]),
     ("moe-ffn-vs-etp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -429,6 +443,9 @@ RULES = [
     ("moe-no-distributed-optimizer", 1, MOCK + ["--num-experts", "8", "--use-distributed-optimizer"],
      ["--use-distributed-optimizer with --num-experts", "(issue 48 item 4)"]),
     ("moe-no-muon", 1, MOCK + ["--num-experts", "8", "--optimizer", "muon"], ["--optimizer muon with --num-experts"]),
+    ("moe-no-context-parallel", 4, MOCK + ["--num-experts", "8", "--context-parallel-size", "2", "--seq-length", "16",
+                                       "--attention-dropout", "0"],
+     ["--context-parallel-size 2 with --num-experts"]),
     ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
                                        "--moe-shared-expert-intermediate-size", "40"],
      ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),
@@ -470,6 +487,8 @@ NMT_RULES = [
      ["--max-tokens (100) must hold one sentence", "max(--seq-length, --decoder-seq-length) = 130"]),
     ("eval-bleu-sentences>=0", 1, NMT + ["--eval-bleu-sentences", "-1"],
      ["--eval-bleu-sentences must be >= 0 (got -1)"]),
+    ("context-parallel-gpt-only", 2, NMT + ["--context-parallel-size", "2", "--attention-dropout", "0"],
+     ["--context-parallel-size 2 splits the causal self-attention of pretrain_gpt.py", "use 1"]),
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv,
        [f"{argv[0]} applies to pretrain_gpt.py (documents in one token stream), not pretrain_nmt.py"])
       for argv in [["--reset-position-ids"], ["--reset-attention-mask"], ["--calculate-per-token-loss"],
@@ -527,6 +546,9 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings; FP8 on a usable
     Transformer Engine, here the fake one; an NMT corpus) passes."""
     validate(parse_args(MOCK), 1)
+    validate(parse_args(CP2), 2)
+    validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
     validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
     validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)

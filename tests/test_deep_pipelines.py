@@ -4,6 +4,7 @@ priced), the study's plan fixed before its runs, the common lr grid that grows f
 end with its interim (in-progress) report; and tools/simulate_schedule.py --cost-model, the user-facing table."""
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -57,7 +58,7 @@ def test_report_helpers(dp):
     import deep_pipelines_report as rep
     curve = [(32, 5.0), (64, 4.5), (96, 4.0)]
     assert rep.first_reach(curve, 4.25) == pytest.approx(80.0)
-    assert rep.first_reach(curve, 3.0) is None and rep.at(curve, 48) == pytest.approx(4.75)
+    assert rep.first_reach(curve, 3.0) is None and rep.first_reach(curve, 4.75) == pytest.approx(48.0)
     assert rep.fmt_x(1.2499) == "1.249x"
 
 
@@ -159,7 +160,7 @@ def test_resume_reuses_committed_runs(dp, tmp_path, monkeypatch):
     json.dump(fake, open(path, "w"))
     monkeypatch.setattr(sys.modules["deep_pipelines_runs"], "run_job", lambda *a: pytest.fail("trained a cached run"))
     progress = dp.Progress(2, 128)
-    assert dp.run_jobs(s, [(u, 8e-3, 1, 64)], print, progress=progress) == [fake]
+    assert dp.run_jobs(s, [(u, 8e-3, 1, 64)], print, progress=progress) == {(u, 8e-3, 1): fake}
     assert (progress.done_runs, progress.done_mb, progress.trained_mb) == (1, 64, 0)
 
 
@@ -191,6 +192,45 @@ def test_study_plan_is_fixed(dp):
     assert dp.job_path(wide.blocks[0].s, sync, 8e-3, 1, 1024) != dp.job_path(m2.s, sync, 8e-3, 1, 1024)
     with pytest.raises(SystemExit, match="--hidden 66"):
         dp.plan_from_args(["--study", "--hidden", "66"])
+
+
+def lr_before_issue_50(iteration: int, t) -> float:
+    """What the studies' runs were made with (the removed megatron_po/optim/lr_scheduler.lr_at, its cosine and
+    linear branches as they were): micro-batch `iteration`'s lr."""
+    if t.lr_warmup_iters > 0 and iteration < t.lr_warmup_iters:
+        return t.lr * (iteration + 1) / t.lr_warmup_iters
+    if t.lr_decay_style == "constant":
+        return t.lr
+    if iteration >= t.train_iters:
+        return t.min_lr
+    frac = (iteration - t.lr_warmup_iters) / max(1, t.train_iters - t.lr_warmup_iters)
+    coeff = 1.0 - frac if t.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return t.min_lr + coeff * (t.lr - t.min_lr)
+
+
+def assert_same_lrs(cv, us, optimizer: str, k: int) -> int:
+    """Every step of a run of settings `us` stepping every k micro-batches: the lr train_job hands the emulator
+    (sample_schedule.microbatch_lr) is, to the bit, the one the run was made with. Returns the steps checked."""
+    from megatron_po.optim.sample_schedule import microbatch_lr
+    t = cv._training_config(us, optimizer)
+    steps = us.steps // k + 1
+    assert [microbatch_lr(i, k, t) for i in range(steps)] == [lr_before_issue_50(i * k, t) for i in range(steps)]
+    return steps
+
+
+def test_committed_runs_keep_their_lrs(dp):
+    """The lr rule moved to optim/sample_schedule.py (one rule for training and the studies): every committed run
+    of the cache (--resume reads them by their key, which holds the settings, not the lrs) would be trained again
+    at the same lrs, bit for bit."""
+    paths = sorted(glob.glob(os.path.join(dp.OUT, "runs", "dp-*.json")))
+    assert len(paths) >= 156
+    s, checked = dp.study_settings(), 0
+    for path in paths:
+        r = json.load(open(path))
+        u = dp.Unit(**r["unit"])
+        us = dp.unit_settings(s, u, r["lr"], r["micro_batches"])
+        checked += assert_same_lrs(dp.cv, us, dp.OPTIMIZERS[u.opt][0], 1 if u.name == "sync" else u.k)
+    assert checked > 100_000
 
 
 @pytest.mark.parametrize("bad", ["25:00", "abc", "9:5", "12:60"])

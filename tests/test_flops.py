@@ -58,3 +58,17 @@ def test_nmt_formula_without_encoder_and_cross_attention_is_the_gpt_formula():
     decoder_only = nmt_flops_per_sample(64, 256, 0, 3, 0, T, vocab)
     cross_attention_qo = 3 * 2 * 3 * T * 2 * 64 * 64  # 3 layers x T tokens x (query + output) h^2
     assert decoder_only - cross_attention_qo == gpt_flops_per_token(cfg, vocab) * T
+
+
+def test_causal_attention_counts_half_the_score_and_value_products():
+    """`causal=True` (the long-context GPU section's MFU) counts half of what the flop counter measures for the
+    attention's products (QK^T and AV with their backward, on the full square), and changes nothing else."""
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32)
+    layers, s, vocab = 3, 32, 256
+    full, causal = gpt_flops_per_token(cfg, vocab), gpt_flops_per_token(cfg, vocab, causal=True)
+    q = torch.randn(1, 4, s, 16, requires_grad=True)  # one layer's attention over one sequence: a = 4 x 16 = 64
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    attention_per_token_and_layer = counter.get_total_flops() / s
+    assert (full - causal) * 2 == attention_per_token_and_layer * layers

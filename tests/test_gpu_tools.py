@@ -101,7 +101,8 @@ SECTION_TITLES = ["bf16 matmul peak", "GPT through pretrain_gpt.py", "Ours besid
                   "GPT through pretrain_gpt.py --torch-compile", "Muon: iteration vs AdamW",
                   "asynchronous stream in the single-process emulator", "stream under --torch-compile, AdamW",
                   "stream under --torch-compile, Muon", "optimizer step with PipeOptim's prediction",
-                  "fp16: skipped iterations", "Peak memory in GPipe's order", "One compiled iteration profiled", "Targets"]
+                  "fp16: skipped iterations", "Peak memory in GPipe's order", "One compiled iteration profiled",
+                  "Long context: 256 tokens per sequence, CP = 1", "Targets"]
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:

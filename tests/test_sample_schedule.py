@@ -3,8 +3,10 @@
 - --rampup-batch-size START INCR SAMPLES: the batch of every iteration is Megatron's rule
   START + floor(c / (SAMPLES / n)) * INCR (n = (G - START) / INCR increments) while c <= SAMPLES, else G;
   consumed samples are the running sum; --train-samples gives Megatron's iteration count.
-- The lr: iteration flags reproduce `lr_scheduler.lr_at` exactly; sample flags and --lr-warmup-fraction
-  follow the closed form in samples; with a ramp the warm-up reads the consumed samples, not iterations.
+- The lr: iteration flags, sample flags and --lr-warmup-fraction follow the closed form (in iterations, in
+  samples); with a ramp the warm-up reads the consumed samples, not iterations; the studies' micro-batch clock
+  (`microbatch_lr`: step i of a chunk stepping every k micro-batches at the lr of micro-batch i*k) is the same
+  rule, to the bit.
 - A synchronous TP=2 x PP=2 run with a ramp consumes and logs exactly those samples (the micro-batch
   count changes every few iterations), and a 1-process run with a ramp equals it (loss per logged iteration).
 """
@@ -16,8 +18,7 @@ import pytest
 from megatron_po.config import TrainingConfig, parse_args
 from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
-from megatron_po.optim.lr_scheduler import lr_at
-from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.optim.sample_schedule import SampleSchedule, microbatch_lr
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 
@@ -62,14 +63,45 @@ def test_train_samples_gives_megatrons_iteration_count():
     assert s.train_iters == iters + (1000 - consumed) // 32
 
 
+def iteration_closed_form(i: int, style: str, lr: float, low: float, W: int, T: int, wsd: int) -> float:
+    """Megatron's schedule in iterations: warm-up lr (i + 1) / W, then constant, linear, cosine or WSD (stable,
+    then linear over the last wsd iterations) from lr to low at T, low after."""
+    if i < W:
+        return lr * (i + 1) / W
+    if style == "constant":
+        return lr
+    if i >= T:
+        return low
+    if style == "wsd":
+        return lr if i < T - wsd else lr - (lr - low) * (i - (T - wsd)) / wsd
+    frac = (i - W) / (T - W)
+    coeff = 1 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1)
+    return low + coeff * (lr - low)
+
+
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "wsd"])
-def test_iteration_flags_reproduce_lr_at(style):
+def test_iteration_flags_follow_the_closed_form(style):
     argv = ["--global-batch-size", "8", "--micro-batch-size", "4", "--train-iters", "50", "--lr-warmup-iters", "5",
             "--lr-decay-iters", "40", "--lr-decay-style", style, "--min-lr", "1e-5"]
     cfg = parse_args(MOCK + argv)
     s = SampleSchedule(cfg, 1)
+    t = cfg.training
     for i in range(50):
-        assert s.lr_at(i) == pytest.approx(lr_at(i, cfg.training), rel=1e-12, abs=1e-15), i
+        want = iteration_closed_form(i, style, t.lr, t.min_lr, 5, 40, 3)  # WSD: 10 % of the 35 decay iterations
+        assert s.lr_at(i) == pytest.approx(want, rel=1e-12, abs=1e-15), i
+        # the studies' micro-batch clock at k = 1: the same schedule, one micro-batch per iteration, to the bit
+        # where no rounding differs (warm-up and the single-formula decays)
+        if style != "wsd":
+            assert microbatch_lr(i, 1, t) == iteration_closed_form(i, style, t.lr, t.min_lr, 5, 40, 3), i
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_microbatch_clock_steps_at_the_lr_of_micro_batch_i_times_k(k):
+    """Step i of a chunk that steps every k micro-batches uses the lr of micro-batch i*k: warm-up over 7 micro-batches
+    (not a power of two: the order of the warm-up's product and quotient is pinned), cosine to 0.1 x at 96."""
+    t = TrainingConfig(lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", lr_warmup_iters=7, train_iters=96)
+    for i in range(96 // k + 2):
+        assert microbatch_lr(i, k, t) == iteration_closed_form(i * k, "cosine", 3e-3, 3e-4, 7, 96, 0), (k, i)
 
 
 def test_sample_flags_follow_the_closed_form():

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from megatron_po.errors import ConfigError
 from megatron_po.pipeline import cost_model as cmm
 from tools import simulate_schedule
 
@@ -162,3 +163,60 @@ def test_advisor_prints_the_prediction_beside_the_bound(tmp_path, capsys):
     simulate_schedule.main(["--cost-model", path, "--optimizer", "muon", "--num-stages", "16", "--num-microbatches", "4",
                             "--predictions", ""])
     assert simulate_schedule.FITTED not in capsys.readouterr().out
+
+
+# ---- long sequences (issue 49): the per-micro-batch cost at another sequence length and CP ------------------
+
+
+def _shipped(name):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(repo, "bench", "results", *name.split("/"))
+
+
+def test_sequence_scaling_reproduces_the_8192_token_derivation():
+    """cost_model.at_sequence_length from the measured H200 model (4 x 2,048 tokens) to 1 x 8,192 gives every
+    figure of issue 36's derived model (bench/time_to_quality/ttq_cost_model.py, written out on its own)."""
+    measured = cmm.load_cost_model(_shipped("gpu_nvidia_h200_a_cost_model.json"))
+    derived = cmm.load_cost_model(_shipped("time_to_quality/cost_model_h200_1p3b_seq8192_derived.json"))
+    at = cmm.at_sequence_length(measured, 8192, 1)
+    assert at["forward_ms"] == pytest.approx(derived["forward_ms"], rel=1e-6)
+    assert at["p2p_ms"] == pytest.approx(derived["p2p_ms"], rel=1e-6)
+    for key in ("backward", "backward_input", "backward_weight"):
+        assert at["ratios"][key] == pytest.approx(derived["ratios"][key], rel=1e-5), key
+    assert at["ratios"]["step"] == pytest.approx(derived["ratios"]["step"], rel=1e-5)
+    assert at["ratios"]["policy"]["pipeoptim"]["Step"] == pytest.approx(
+        derived["ratios"]["policy"]["pipeoptim"]["Step"], rel=1e-5)
+    assert cmm.provenance(at) == "derived" and cmm.provenance(measured) == "measured"
+    same = cmm.at_sequence_length(measured, 2048)  # its own shape: nothing moves
+    assert same["forward_ms"] == pytest.approx(measured["forward_ms"]) and same["p2p_ms"] == measured["p2p_ms"]
+    assert same["ratios"]["backward"] == pytest.approx(measured["ratios"]["backward"], rel=1e-5)
+
+
+def test_context_parallelism_divides_a_ranks_work_and_messages():
+    """CP = 2 prices each rank's half of the tokens and of the (load-balanced) attention: half the forward and the
+    backward of the whole sequence, the same per-parameter step in ms, half the activation message's bytes."""
+    measured = cmm.load_cost_model(_shipped("gpu_nvidia_h200_a_cost_model.json"))
+    whole, split = cmm.at_sequence_length(measured, 16384, 1), cmm.at_sequence_length(measured, 16384, 1, 2)
+    assert split["forward_ms"] == pytest.approx(whole["forward_ms"] / 2, rel=1e-5)
+    assert split["ratios"]["backward"] == pytest.approx(whole["ratios"]["backward"], rel=1e-5)
+    step_ms = lambda cm: cm["ratios"]["step"]["adamw"] * cm["forward_ms"]  # noqa: E731
+    assert step_ms(split) == pytest.approx(step_ms(measured), rel=1e-4)
+    assert split["p2p_ms"] == pytest.approx(cmm.p2p_message_ms(cmm.activation_bytes(8192, 2048)), rel=1e-5)
+    assert whole["p2p_ms"] == pytest.approx(cmm.p2p_message_ms(cmm.activation_bytes(16384, 2048)), rel=1e-5)
+    assert "dims" not in split  # priced per CP rank: not a stage's shape to rescale again
+    with pytest.raises(ConfigError, match="states no dims"):
+        cmm.at_sequence_length(MODEL, 4096)
+
+
+def test_the_advisor_prices_a_long_sequence_and_says_it_is_derived():
+    argv = ["--cost-model", _shipped("gpu_nvidia_h200_a_cost_model.json"), "--num-stages", "4",
+            "--num-microbatches", "2"]
+    plain = simulate_schedule.methods_table(simulate_schedule.parse_args(argv))
+    long = simulate_schedule.methods_table(simulate_schedule.parse_args(
+        argv + ["--seq-length", "16384", "--micro-batch-size", "1", "--context-parallel-size", "2"]))
+    assert "(DERIVED)" in long.splitlines()[0] and "(MEASURED)" in plain.splitlines()[0]
+    assert any(line.startswith("derived: At another shape") and "CP = 2" in line for line in long.splitlines())
+    ms = lambda out: float(next(ln for ln in out.splitlines() if ln.startswith("1F1B ")).split()[2])  # noqa: E731
+    assert ms(long) > ms(plain)  # 8,192 tokens per rank with 8,192-key attention cost more than 4 x 2,048
+    with pytest.raises(ConfigError, match="apply with --seq-length"):
+        simulate_schedule.methods_table(simulate_schedule.parse_args(argv + ["--context-parallel-size", "2"]))

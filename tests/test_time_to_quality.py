@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from test_convergence_bench import write_corpus  # the same tiny generated corpus
+from test_deep_pipelines import assert_same_lrs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -241,3 +242,20 @@ def test_calibration_of_fewer_methods_is_another_cache_entry(ttq):
     assert len({full, fewer, more}) == 3
     assert tr.job_path(s, ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1)) == \
         tr.job_path(dataclasses.replace(s, methods=["1f1b"]), ("train", tr.Unit("muon", "sync", 0, 8), 2e-3, 1))
+
+
+def test_committed_studies_keep_their_lrs(ttq):
+    """Every unit at every lr of the committed studies' sweeps (AdamW, Muon, NAG, the NMT study's accumulated
+    synchronous runs): the lr rule of optim/sample_schedule.py gives the lrs they ran at, bit for bit."""
+    import glob
+    tr, checked = ttq.tr, 0
+    for path in sorted(glob.glob(os.path.join(REPO, "bench", "results", "time_to_quality", "time_to_quality*.json"))):
+        data = json.load(open(path))
+        s = tr.settings_from_record(data["settings"])
+        for e in data["units"]:
+            u = tr.Unit(e["opt"], e["name"], e["D"], e["M"])
+            for lr in e["sweep"]:
+                us = tr._unit_settings(s, u, float(lr))
+                k = u.M if tr.accumulates(s, u) else 1 if u.name == "sync" else ttq.ttq_report.update_interval(u.name, u.D)
+                checked += assert_same_lrs(tr.cv, us, u.opt, k)
+    assert checked > 100_000

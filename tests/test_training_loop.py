@@ -93,7 +93,7 @@ def test_a_loss_is_averaged_over_dp_on_the_backends_device(monkeypatch):
         raise Reduced  # a meta tensor has no value to return: stop here
 
     monkeypatch.setattr(ps, "get_device", lambda: torch.device("meta"))
-    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda with_context_parallel=False: None)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     with pytest.raises(Reduced):
         average_over_dp(torch.tensor(2.5))

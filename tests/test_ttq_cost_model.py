@@ -244,11 +244,10 @@ def test_measurements_without_a_zb_split_say_so(bench):
 
 def test_regeneration_keeps_the_original_header(bench):
     """A committed report regenerated from its JSON: the original run's header lines are the JSON's
-    `provenance`, and reading them back from the report drops the regeneration's own line."""
+    `provenance`, followed by the regeneration's own line."""
     for name in ("time_to_quality", "time_to_quality_d8_adamw", "time_to_quality_d8_muon", "time_to_quality_nmt"):
         with open(os.path.join(RESULTS, name + ".json")) as f:
             data = json.load(f)
-        md = os.path.join(RESULTS, name + ".md")
+        md = open(os.path.join(RESULTS, name + ".md")).read()
         assert data["provenance"].startswith("torch ") and "load average at start" in data["provenance"]
-        assert bench["ttq"].provenance_from_md(md) == data["provenance"]
-        assert "Regenerated without training" in open(md).read()
+        assert f"\n\n{data['provenance']}\n\nRegenerated without training from `{name}.json`" in md

@@ -146,6 +146,12 @@ CONFIGS = [
         **{"--pipeline-method": "pipenag", "--optimizer": "nag", "--lr": 0.5, "--min-lr": 0.05}),
     gpt("pp2_error_feedback", ("error feedback, distributed",), 2, **ASYNC,
         **{"--pipeline-method": "pipeoptim", "--optimizer": "nadamw", "--async-error-feedback": True}),
+    # Context parallelism: attention without dropout (a CP rule); hidden dropout stays on (its RNG is pinned)
+    gpt("cp2", ("CP = 2 (ring attention)",), 2, **{"--context-parallel-size": 2, "--attention-dropout": 0.0}),
+    gpt("pp2_cp2_pipeoptim", ("CP = 2 with PipeOptim at PP = 2",), 4, **ASYNC,
+        **{"--pipeline-method": "pipeoptim", "--context-parallel-size": 2, "--attention-dropout": 0.0,
+           "--position-embedding-type": "rope", "--no-position-embedding": True, "--group-query-attention": True,
+           "--num-query-groups": 2}),
     emu("emu_async_naive", ("async-naive, emulator",), "async-naive", "adam"),
     emu("emu_pipedream", ("PipeDream, emulator",), "pipedream", "adam"),
     emu("emu_pipedream_2bw", ("2BW, emulator", "--async-update-interval"), "pipedream-2bw", "adam",

@@ -28,6 +28,15 @@ says how well it did on the settings it had not seen):
 
     python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
         --optimizer muon --num-stages 8 --num-microbatches 4
+
+Long sequences: `--seq-length S` (with `--micro-batch-size B`, default the model's, and `--context-parallel-size
+CP`) re-derives the cost model's per-micro-batch cost for micro-batches of B x S tokens, each sequence split over
+CP ranks, where the model states its shape (`dims`): per token and layer 24h^2 + 2sh FLOPs (causal attention),
+steps per parameter, messages by their tokens (cost_model.at_sequence_length). The figures are DERIVED, not
+measured, and the table says so:
+
+    python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
+        --num-stages 4 --num-microbatches 2 --seq-length 16384 --micro-batch-size 1 --context-parallel-size 2
 """
 
 from __future__ import annotations
@@ -83,6 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="price every method at D = --num-stages, M = --num-microbatches with this per-op cost model "
                         "(e.g. bench/results/gpu_nvidia_h200_a_cost_model.json, measured) and print the table")
     p.add_argument("--optimizer", default="adamw", help="with --cost-model: whose step to price (default adamw)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="with --cost-model: price micro-batches of this many tokens per sequence (DERIVED from the "
+                        "model's stated shape: cost_model.at_sequence_length)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="with --seq-length: sequences per micro-batch (default: the cost model's)")
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="with --seq-length: each sequence split over this many ranks, each pricing its share")
     p.add_argument("--map", nargs=2, default=None, metavar=("DS", "MS"),
                    help="with --cost-model: the (D, M) map instead of one table, e.g. --map 4,8,16 2,4,8,16,32: "
                         "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
@@ -242,10 +258,22 @@ def _sync_flushes(D: int, M: int, base) -> dict:
     return out
 
 
+def cost_model_of(args) -> tuple[dict, list[str]]:
+    """The --cost-model, re-derived at --seq-length / --micro-batch-size / --context-parallel-size when given, and
+    the derivation lines that re-deriving added (printed with the table)."""
+    cm = cmm.load_cost_model(args.cost_model)
+    if args.seq_length is None:
+        if args.micro_batch_size is not None or args.context_parallel_size != 1:
+            raise ConfigError("--micro-batch-size and --context-parallel-size apply with --seq-length")
+        return cm, []
+    at = cmm.at_sequence_length(cm, args.seq_length, args.micro_batch_size, args.context_parallel_size)
+    return at, at["derivation"][len(cm.get("derivation", [])):]
+
+
 def throughput_map(args) -> str:
     """Per (D, M): the fastest synchronous schedule's ms per micro-batch and the fastest asynchronous stream's
     speed against it (the bound on any asynchronous win: equal sample efficiency at best)."""
-    cm = cmm.load_cost_model(args.cost_model)
+    cm, _ = cost_model_of(args)
     try:
         ds, ms = ([int(x) for x in v.split(",")] for v in args.map)
     except ValueError:
@@ -292,7 +320,7 @@ def throughput_map(args) -> str:
 
 def methods_table(args) -> str:
     """Every method priced at (D, M) on the cost model, fastest first within its family."""
-    cm = cmm.load_cost_model(args.cost_model)
+    cm, derived = cost_model_of(args)
     D, M, opt = args.num_stages, args.num_microbatches, args.optimizer
     rows, notes, predicted = [], set(), {}
     base, _ = cmm.method_costs(cm, D, opt, "1f1b")
@@ -345,6 +373,7 @@ def methods_table(args) -> str:
                  "weights: weight-sized copies per chunk; act.: peak activations in flight on a rank, in one stage's "
                  "micro-batches")
     lines += [f"note: {n}" for n in sorted(notes)]
+    lines += [f"derived: {d}" for d in derived]
     if verdicts.get("summary"):
         lines.append(_study_line(verdicts, args.verdicts))
     else:

@@ -45,8 +45,8 @@ validation BLEU of every run to the table (`NMTWorkload`):
 """
 
 # The command-line entry. The benchmark lives in the modules below (settings, workloads, runs, measure, stats,
-# report, plots); every name they define that other scripts use as `convergence.<name>` (bench/time_to_quality/ttq_run.py,
-# ttq_report.py, delay_robust.py, prediction_error.py, the tests) is imported here, so this namespace keeps them.
+# report, plots); the names other scripts use as `convergence.<name>` (bench/time_to_quality/, bench/deep_pipelines/,
+# delay_robust.py, prediction_error.py, the tests; tests/test_bench_layout.py checks them) are imported here.
 
 from __future__ import annotations
 
@@ -61,26 +61,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
-from bench_common import REPO, add_repo_to_path, command_line, loadavg, offline_env  # noqa: E402,F401
+from bench_common import REPO, command_line, loadavg, markdown_table, offline_env  # noqa: E402,F401
 
 offline_env()
-add_repo_to_path()
 
-from convergence_measure import (HOOKS, _async_op_costs, _median, _op_costs, _percentile10,  # noqa: E402,F401
-                                 _stage_costs, _time_runners, _timed, _timed_hook, async_tokens_per_s,
-                                 sync_tokens_per_s)
-from convergence_plots import _smooth, fit_ylim, plot, plot_predictors  # noqa: E402,F401
-from convergence_report import (_copies_str, head_to_head, main_table, markdown_table,  # noqa: E402,F401
-                                moonshot_lines, notes, predictor_section, predictor_table, verdict_paragraph,
-                                write_report)
-from convergence_runs import (SyncPipeline, _job_key, _optimizer_kwargs, _print, _run_job,  # noqa: E402,F401
-                              _training_config, calibrate_job, method_spec, plan_jobs, run_jobs, train_job)
-from convergence_settings import (ALL_METHODS, ASYNC_METHODS, COLORS, CORPUS, LABELS, MUON_NOTE,  # noqa: E402,F401
-                                  NMT_CORPUS, OPT_LABELS, OPTIMIZERS, PREDICTOR_VARIANTS, SYNC_METHODS,
-                                  VARIANT_COLORS, Settings, nmt_settings, quick_settings, validate)
-from convergence_stats import (_final_train, _final_val, compare, fmt, gap_closed, mean_std,  # noqa: E402,F401
-                               summarize)
-from convergence_workloads import WORKLOADS, GPTWorkload, NMTWorkload, _run_tool, build_workload  # noqa: E402,F401
+from convergence_measure import async_tokens_per_s, sync_seconds_per_update  # noqa: E402,F401
+from convergence_plots import plot, plot_predictors  # noqa: E402
+from convergence_report import main_table, predictor_table, write_report  # noqa: E402,F401
+from convergence_runs import (_job_key, _optimizer_kwargs, _print, _training_config, build_emulator,  # noqa: E402,F401
+                              calibrate_job, default_interval, plan_jobs, run_jobs, train_job)
+from convergence_settings import (ALL_METHODS, LABELS, MUON_NOTE, OPT_LABELS, OPTIMIZERS,  # noqa: E402,F401
+                                  PREDICTOR_VARIANTS, Settings, nmt_settings, quick_settings, validate)
+from convergence_stats import _final_val, compare, fmt, gap_closed, mean_std, summarize  # noqa: E402,F401
+from convergence_workloads import WORKLOADS, NMTWorkload, build_workload  # noqa: E402,F401
 
 
 def run_benchmark(s: Settings, log=_print) -> dict:

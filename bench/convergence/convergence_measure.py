@@ -104,11 +104,23 @@ def async_tokens_per_s(op_times: dict, D: int, k: int, tokens_per_mb: int) -> fl
     return (n2 - n1) * tokens_per_mb / (t2 - t1)
 
 
-def sync_tokens_per_s(method: str, op_times: dict, D: int, M: int, tokens_per_batch: int) -> float:
-    """One batch = one flush of M micro-batches, then every stage steps (in parallel)."""
+def sync_seconds_per_update(schedule: str, op: dict, D: int, M: int, scale: float = 1.0) -> float:
+    """One flush of M micro-batches of a synchronous schedule (1F1B, GPipe, interleaved 1F1B at v = 2, ZB-H1) on
+    per-op costs `op` ({"rank": {kind: seconds}}, each op costing `scale` x its cost) + the slowest stage's step.
+    Interleaving: each chunk costs half its stage; ZB-H1: the backward split into input and weight gradients
+    (BackwardInput / BackwardWeight where `op` has them, else half of the backward each)."""
     from megatron_po.pipeline.schedules import build_schedule
     from megatron_po.pipeline.simulator import simulate
-    t_f = [op_times[str(r)]["Forward"] for r in range(D)]
-    t_b = [op_times[str(r)]["Backward"] for r in range(D)]
-    makespan = simulate(build_schedule(method, D, 1, M), t_f, t_b).makespan
-    return tokens_per_batch / (makespan + max(op_times[str(r)]["Step"] for r in range(D)))
+    t_f = [op[str(r)]["Forward"] * scale for r in range(D)]
+    t_b = [op[str(r)]["Backward"] * scale for r in range(D)]
+    step = max(op[str(r)]["Step"] for r in range(D))
+    if schedule == "interleaved-1f1b":
+        half = lambda t: [t[vs % D] / 2 for vs in range(2 * D)]  # noqa: E731 (vs = chunk*D + rank)
+        makespan = simulate(build_schedule("interleaved-1f1b", D, 2, M), half(t_f), half(t_b)).makespan
+    elif schedule == "zb-h1":
+        t_bi = [op[str(r)].get("BackwardInput", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
+        t_w = [op[str(r)].get("BackwardWeight", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
+        makespan = simulate(build_schedule("zb-h1", D, 1, M), t_f, t_bi, t_weight=t_w).makespan
+    else:
+        makespan = simulate(build_schedule(schedule, D, 1, M), t_f, t_b).makespan
+    return makespan + step

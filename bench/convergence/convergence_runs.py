@@ -40,31 +40,43 @@ def method_spec(method: str, wl) -> tuple[str, dict]:
     return base, {k: (wl.tokens_per_microbatch if v == "tokens" else v) for k, v in options.items()}
 
 
+def default_interval(method: str, D: int) -> int:
+    """Micro-batches per step of an asynchronous method as published: 1; PipeDream-2BW (and its variants) D."""
+    return D if PREDICTOR_VARIANTS.get(method, (method, {}))[0] == "pipedream-2bw" else 1
+
+
+def lr_fn(s: Settings, optimizer: str, k: int = 1):
+    """The lr of a chunk's step i on the micro-batch clock: micro-batch i*k's (sample_schedule.microbatch_lr),
+    warm-up and decay spanning the same samples for every method and update interval k."""
+    from megatron_po.optim.sample_schedule import microbatch_lr
+    t = _training_config(s, optimizer)
+    return lambda step: microbatch_lr(step, k, t)
+
+
+def build_emulator(s: Settings, wl, method: str, D: int, k: int, optimizer: str, seed: int):
+    """`AsyncEmulator` of a method or predictor variant at D stages stepping every k micro-batches, seeded."""
+    from megatron_po.pipeline.async_pipeline import AsyncEmulator
+    from megatron_po.tensor_parallel import model_parallel_seed
+    base, options = method_spec(method, wl)
+    model_parallel_seed(seed)
+    return AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer, _optimizer_kwargs(s, optimizer),
+                         lr_fn(s, optimizer, k), s.clip_grad, build_chunks=wl.build_chunks, **options)
+
+
 def train_job(s: Settings, D: int, optimizer: str, method: str, seed: int,
               update_interval: int | None = None) -> dict:
     """One training run. method "sync" = the unpipelined reference (GPipe and 1F1B updates), D ignored.
     `update_interval`: micro-batches per step (default 1; PipeDream-2BW: D); "sync" with k = M is the
     unpipelined reference accumulating M micro-batches of B per update (bench/time_to_quality/ttq_run.py's NMT units)."""
     import torch
-    from megatron_po.optim.lr_scheduler import lr_at
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
-
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     wl = build_workload(s)
     get_batch, valid = wl.train_batch(seed), wl.valid_batches()
-    t = _training_config(s, optimizer)
     sync = method == "sync"
     stages = 1 if sync else D
-    base, options = method_spec(method, wl)
-    k = update_interval or (D if base == "pipedream-2bw" else 1)
-    # The LR schedule runs on the micro-batch clock: step i of a chunk that steps every k micro-batches
-    # uses the lr of micro-batch i*k, so warm-up and decay span the same samples for every method.
-    lr_fn = lambda step: lr_at(step * k, t)  # noqa: E731
-    model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive" if sync else base, stages, 1, k, optimizer,
-                        _optimizer_kwargs(s, optimizer), lr_fn, s.clip_grad, build_chunks=wl.build_chunks, **options)
+    k = update_interval or default_interval(method, D)
+    emu = build_emulator(s, wl, "async-naive" if sync else method, stages, k, optimizer, seed)
     losses, val = [], []
     for end in range(s.eval_interval, s.steps + 1, s.eval_interval):
         losses += emu.train_segment(get_batch, end - emu.microbatches_consumed)
@@ -84,20 +96,20 @@ class SyncPipeline:
     (`emulate` + `StageRunner`, gradients accumulated over the flush), clips by the global norm and steps
     every stage: the semantics of `synchronous_forward_backward` + `training_step.train_step`."""
 
-    def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, lr_fn, times: dict):
+    def __init__(self, s: Settings, wl, name: str, D: int, optimizer: str, seed: int, times: dict):
         from megatron_po.optim import build_optimizer
         from megatron_po.optim.muon import optimizer_param_groups
         from megatron_po.pipeline.schedules import build_schedule
         from megatron_po.tensor_parallel import model_parallel_seed
         model_parallel_seed(seed)
         cfg = wl.config(seed)
-        self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn, times
+        self.s, self.D, self.M, self.lr_fn, self.times = s, D, D, lr_fn(s, optimizer), times
         self.chunks = [wl.build_chunks(cfg, wl.padded_vocab, r, D, 1)[0] for r in range(D)]
         kw = _optimizer_kwargs(s, optimizer)
         kw.pop("lr")
         wd = kw.pop("weight_decay")
-        self.opts = [build_optimizer(optimizer, optimizer_param_groups(optimizer, [c], wd), lr_fn(0), weight_decay=wd, **kw)
-                     for c in self.chunks]
+        self.opts = [build_optimizer(optimizer, optimizer_param_groups(optimizer, [c], wd), self.lr_fn(0),
+                                     weight_decay=wd, **kw) for c in self.chunks]
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.schedule = build_schedule(name, D, 1, self.M)
         self.updates = 0
@@ -105,7 +117,7 @@ class SyncPipeline:
     def step(self, batch: dict) -> float:
         import torch
         from megatron_po.optim.clip_grads import clip_grad_norm_
-        from megatron_po.optim.lr_scheduler import set_lr
+        from megatron_po.optim.sample_schedule import set_lr
         from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
         D, M = self.D, self.M
         micro = [{key: v.chunk(M)[i] for key, v in batch.items()} for i in range(M)]
@@ -141,20 +153,11 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
        1F1B pool their op times (the same ops in another order).
     """
     import torch
-    from megatron_po.optim.lr_scheduler import lr_at
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
-
     torch.set_num_threads(1)
     wl = build_workload(s)
     get_batch = wl.train_batch(seed)
-    t = _training_config(s, optimizer)
     n = s.check_updates
-    model_parallel_seed(seed)
-    ref = AsyncEmulator(wl.config(seed), wl.padded_vocab, "async-naive", 1, 1, 1, optimizer,
-                        _optimizer_kwargs(s, optimizer), lambda step: lr_at(step, t), s.clip_grad,
-                        build_chunks=wl.build_chunks)
-    ref_losses = ref.train_segment(get_batch, n)
+    ref_losses = build_emulator(s, wl, "async-naive", 1, 1, optimizer, seed).train_segment(get_batch, n)
     out = {"kind": "calibrate", "D": D, "optimizer": optimizer, "seed": seed, "ref_losses": ref_losses,
            "check": {}, "op_times": {}, "update_interval": {}}
     times: dict = {}
@@ -162,7 +165,7 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     sync = {}
     for name in SYNC_METHODS:
         times[name] = sync_times
-        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, lambda step: lr_at(step, t), sync_times)
+        sync[name] = SyncPipeline(s, wl, name, D, optimizer, seed, sync_times)
         losses = [sync[name].step(get_batch(u)) for u in range(n)]
         out["check"][name] = {"losses": losses, "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                               "M": sync[name].M}
@@ -170,12 +173,8 @@ def calibrate_job(s: Settings, D: int, optimizer: str, seed: int = 1) -> dict:
     for m in ASYNC_METHODS + tuple(PREDICTOR_VARIANTS):
         if m not in s.methods or (m == "spectrain" and optimizer != "sgd"):
             continue
-        base, options = method_spec(m, wl)
-        k = D if base == "pipedream-2bw" else 1
-        model_parallel_seed(seed)
-        emulators[m] = AsyncEmulator(wl.config(seed), wl.padded_vocab, base, D, 1, k, optimizer,
-                                     _optimizer_kwargs(s, optimizer), lambda step, k=k: lr_at(step * k, t),
-                                     s.clip_grad, build_chunks=wl.build_chunks, **options)
+        k = default_interval(m, D)
+        emulators[m] = build_emulator(s, wl, m, D, k, optimizer, seed)
         times[m] = defaultdict(list)
         _time_runners(emulators[m], times[m])
         out["update_interval"][m] = k
@@ -216,13 +215,13 @@ def _job_key(s: Settings, job: tuple) -> str:
     return hashlib.md5(json.dumps([relevant, list(job)], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _run_job(args) -> dict:
-    s, job, path = args
-    if job[0] == "calibrate":
-        result = calibrate_job(s, *job[1:])
-    else:
-        result = train_job(s, *job[1:])
-    bench_common.write_json_atomic(path, result)
+def _job_path(s: Settings, job: tuple) -> str:
+    return os.path.join(s.cache(), "runs", f"{_job_key(s, job)}.json")
+
+
+def _run_job(s: Settings, job: tuple) -> dict:
+    result = calibrate_job(s, *job[1:]) if job[0] == "calibrate" else train_job(s, *job[1:])
+    bench_common.write_json_atomic(_job_path(s, job), result)
     return result
 
 
@@ -248,44 +247,19 @@ def plan_jobs(s: Settings) -> list[tuple]:
     return jobs
 
 
+def _describe(r: dict) -> str:
+    if r["kind"] == "calibrate":
+        return (f"calibration D={r['D']} {r['optimizer']}: GPipe/1F1B vs unpipelined max |dloss| "
+                f"{r['check']['gpipe']['max_abs_diff']:.1e}/{r['check']['1f1b']['max_abs_diff']:.1e}, "
+                f"op costs of {len(r['op_times'])} methods")
+    depth = "sync" if r["method"] == "sync" else f"D={r['D']}"
+    last = r["val"][-1][1] if r["val"] else float("nan")
+    return f"{depth} {r['optimizer']} {LABELS[r['method']]} seed {r['seed']}: val {last:.4f} ({r['seconds']:.0f} s)"
+
+
 def run_jobs(s: Settings, jobs: list[tuple], log=_print) -> tuple[list[dict], int]:
-    runs_dir = os.path.join(s.cache(), "runs")
-    results, todo = [], []
-    for job in jobs:
-        path = os.path.join(runs_dir, f"{_job_key(s, job)}.json")
-        if s.resume and os.path.isfile(path):
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            todo.append((s, job, path))
-    reused = len(results)
-    if reused:
-        log(f"> resumed {reused} finished run(s) from {runs_dir}")
-    start = time.perf_counter()
-    if s.jobs <= 1:
-        iterator = map(_run_job, todo)
-        pool = None
-    else:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(s.jobs)
-        iterator = pool.imap_unordered(_run_job, todo)
-    try:
-        for i, r in enumerate(iterator, start=1):
-            results.append(r)
-            elapsed = time.perf_counter() - start
-            eta = elapsed / i * (len(todo) - i)
-            if r["kind"] == "calibrate":
-                what = (f"calibration D={r['D']} {r['optimizer']}: GPipe/1F1B vs unpipelined max |dloss| "
-                        f"{r['check']['gpipe']['max_abs_diff']:.1e}/{r['check']['1f1b']['max_abs_diff']:.1e}, "
-                        f"op costs of {len(r['op_times'])} methods")
-            else:
-                depth = "sync" if r["method"] == "sync" else f"D={r['D']}"
-                last = r["val"][-1][1] if r["val"] else float("nan")
-                what = (f"{depth} {r['optimizer']} {LABELS[r['method']]} seed {r['seed']}: val {last:.4f} "
-                        f"({r['seconds']:.0f} s)")
-            log(f"[{i}/{len(todo)}] {what} | elapsed {elapsed / 60:.1f} min, eta {eta / 60:.1f} min")
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    return results, reused
+    """Every job's result (bench_common.run_cached_jobs: `<cache>/runs/<key>.json` with --resume, the rest on
+    s.jobs workers) and how many came from the cache."""
+    reused = sum(os.path.isfile(_job_path(s, j)) for j in jobs) if s.resume else 0
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], _job_path, _run_job, workers=s.jobs,
+                                        resume=s.resume, describe=_describe, log=log), reused

@@ -8,7 +8,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from convergence_measure import async_tokens_per_s, sync_tokens_per_s
+from convergence_measure import async_tokens_per_s, sync_seconds_per_update
 from convergence_settings import ALL_METHODS, SYNC_METHODS, Settings
 
 
@@ -78,8 +78,8 @@ def summarize(s: Settings, results: list[dict], tokens_per_mb: int) -> dict:
                     row["updates"] = s.steps
                     row["samples_per_update"] = f"{s.micro_batch} ({D}x{s.micro_batch // D})"
                     c = calib.get((D, o))
-                    row["tokens_per_s"] = (sync_tokens_per_s(m, c["op_times"][m], D, c["check"][m]["M"],
-                                                             tokens_per_mb) if c else float("nan"))
+                    row["tokens_per_s"] = (tokens_per_mb / sync_seconds_per_update(m, c["op_times"][m], D,
+                                                                                   c["check"][m]["M"]) if c else float("nan"))
                     row["check_diff"] = c["check"][m]["max_abs_diff"] if c else None
                 else:
                     any_run = runs[seeds[0]]

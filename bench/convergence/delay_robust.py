@@ -71,6 +71,10 @@ def train(s: cv.Settings, label: str, seed: int) -> dict:
     return r
 
 
+def _describe(r: dict) -> str:
+    return f"{r['label']} seed {r['seed']}: val {r['val'][-1][1] if r['val'] else float('nan'):.4f} ({r['seconds']:.0f} s)"
+
+
 def main(argv=None) -> int:
     p = bench_common.parser(__doc__)
     p.add_argument("--seeds", type=int, default=3)
@@ -85,29 +89,17 @@ def main(argv=None) -> int:
         s = cv.quick_settings(s)
     s = dataclasses.replace(s, lr={**s.lr, "nadamw": s.lr["adamw"], "nag": s.lr["sgd"] / (1 - s.sgd_momentum)})
     cv.build_workload(s).prepare()  # tokenizer, corpus, indices: once, into <out>/.cache/data
-    jobs = [(label, seed) for seed in range(1, a.seeds + 1) for label in a.runs]
-    start, results = time.perf_counter(), []
-    if a.jobs <= 1:
-        it = (train(s, label, seed) for label, seed in jobs)
-    else:
-        import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(a.jobs)
-        it = pool.starmap(train, [(s, label, seed) for label, seed in jobs])
-    for i, r in enumerate(it, start=1):
-        results.append(r)
-        last = r["val"][-1][1] if r["val"] else float("nan")
-        print(f"[{i}/{len(jobs)}] {r['label']} seed {r['seed']}: val {last:.4f} ({r['seconds']:.0f} s, "
-              f"load {os.getloadavg()[0]:.1f})", flush=True)
-    rows = []
-    ref = {}
-    for label in a.runs:
-        vals = [cv._final_val(r, s.steps) for r in results if r["label"] == label]
-        ref[label] = cv.mean_std(vals)
+    start = time.perf_counter()
+    results = bench_common.run_cached_jobs([(s, label, seed) for seed in range(1, a.seeds + 1) for label in a.runs],
+                                           None, train, workers=a.jobs, describe=_describe)
+    ref = {label: cv.mean_std([cv._final_val(r, s.steps) for r in results if r["label"] == label]) for label in a.runs}
+
     def verdict(label, other):
         if label == other or other not in ref:
             return ""
         return f"{ref[label][0] - ref[other][0]:+.3f}, {cv.compare(ref[label], ref[other], a.seeds)}"
 
+    rows = []
     for label in a.runs:
         base = BASELINE.get(label)
         rows.append(f"| {LABELS[label]} | {cv.fmt(*ref[label])} | {verdict(label, 'sync-muon' if RUNS[label][0] == 'muon' else 'sync-adamw')} | "

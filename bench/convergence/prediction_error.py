@@ -39,19 +39,13 @@ PREDICTORS = {
 def measure(depth: int, optimizer: str, steps: int, seed: int, log=print) -> dict:
     import torch
     import convergence as cb
-    from megatron_po.optim.lr_scheduler import lr_at
     from megatron_po.optim.predictors import build_predictor
-    from megatron_po.pipeline.async_pipeline import AsyncEmulator
-    from megatron_po.tensor_parallel import model_parallel_seed
 
     torch.set_num_threads(1)
     s = cb.Settings(steps=steps)
     wl = cb.build_workload(s)
     wl.prepare()
-    t = cb._training_config(s, optimizer)
-    model_parallel_seed(seed)
-    emu = AsyncEmulator(wl.config(seed), wl.padded_vocab, "pipeoptim", depth, 1, 1, optimizer,
-                        cb._optimizer_kwargs(s, optimizer), lambda i: lr_at(i, t), s.clip_grad)
+    emu = cb.build_emulator(s, wl, "pipeoptim", depth, 1, optimizer, seed)  # (the micro-batch lr clock, k = 1)
     errors = defaultdict(lambda: defaultdict(list))  # rank -> column -> [‖Ŵ − W_B‖ per micro-batch]
     pending = {}
 
@@ -103,9 +97,7 @@ def report(errors: dict, command: str, depth: int, optimizer: str, steps: int, s
         half = len(base) // 2
         for part, lo in (("all", 0), ("second half", half)):
             rows.append([str(r), part] + [f"{sum(errors[r][c][lo:]) / sum(base[lo:]):.3f}" for c in columns])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    table = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+    table = bench_common.markdown_table(header, rows)
     return f"""# Prediction error of the weight predictors (D = {depth}, {optimizer}, seed {seed})
 
 Command: `{command}`; commit {bench_common.commit()}
@@ -126,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=bench_common.RESULTS)
     args = p.parse_args(argv)
     command = "python bench/convergence/prediction_error.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     result = measure(args.depth, args.optimizer, args.steps, args.seed)

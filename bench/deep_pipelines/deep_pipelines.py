@@ -27,7 +27,6 @@ is a block with its own JSON, report and verdicts file, run in order; finished r
 import argparse
 import dataclasses
 import os
-import shlex
 import sys
 import time
 
@@ -39,7 +38,7 @@ import deep_pipelines_report as report  # noqa: E402
 from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAP_BLOCKS, MAX_GROWTH,  # noqa: E402
                                  MEASURED, OPTIMIZERS, OUT, STUDY_BLOCKS, STUDY_SEEDS, STUDY_UPDATES, Progress,
                                  best_sync, cmm, cv, dump_json, map_units, plan_size, plan_units, provenance_now,
-                                 run_study, shown_path, study_settings, study_units)
+                                 run_study, study_settings, study_units)
 from megatron_po.errors import ConfigError  # noqa: E402
 
 
@@ -150,17 +149,7 @@ def plan_from_args(given: list[str]) -> Plan:
         s.hidden_size = a.hidden
     s.jobs, s.resume = (1, True) if a.report_only else (a.jobs, a.resume)
     s.out = os.path.abspath(a.out or (os.path.join(OUT, ".cache", "quick") if a.quick else OUT))
-    grid = {o: list(v) for o, v in LR_GRID.items()}
-    if a.quick:
-        grid = {o: v[1:2] for o, v in grid.items()}
-    for item in a.lr_grid or []:
-        o, _, v = item.partition("=")
-        try:
-            grid[o] = [float(x) for x in v.split(",")] if o in grid else None
-        except ValueError:
-            grid[o] = None
-        if grid[o] is None:
-            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,... with OPT one of {', '.join(OPTIMIZERS)}")
+    grid = bench_common.parse_lr_grid(a.lr_grid, {o: v[1:2] if a.quick else v for o, v in LR_GRID.items()})
     defaults = build_parser().parse_args([])
     if a.study:
         pairs = [(D, o, M, *study_units(o, M)) for o, M in STUDY_BLOCKS]
@@ -184,7 +173,7 @@ def plan_from_args(given: list[str]) -> Plan:
         name = f"{a.name}_d{depth}_m{M}_{o.replace('-', '_')}_h{H}" + (f"_hidden{s.hidden_size}" if a.hidden else "")
         blocks.append(Block(bs, units, cond, name))
     path = a.cost_model if os.path.isabs(a.cost_model) else os.path.join(cv.REPO, a.cost_model)
-    command = "python bench/deep_pipelines/deep_pipelines.py" + "".join(" " + shlex.quote(shown_path(x)) for x in given)
+    command = bench_common.command_line("bench/deep_pipelines/deep_pipelines.py", given, quote=True)
     deadline = 0.0 if a.report_only else _deadline(a.deadline)
     return Plan(blocks, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
                 {o: grid[o] for o in dict.fromkeys(u.opt for b in blocks for u in b.units)},

@@ -17,6 +17,7 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 
 import deep_pipelines_runs as dp  # noqa: E402
+from bench_common import first_reach  # noqa: E402 (rep.first_reach: deep_pipelines_predict.py)
 from megatron_po.pipeline import cost_model as cmm  # noqa: E402
 
 REPO = dp.cv.REPO
@@ -28,10 +29,9 @@ def rel(path: str) -> str:
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
+    """convergence.py's mean and sd over the finite values (a diverged run has no final loss); inf when none."""
     xs = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return math.inf, 0.0
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    return dp.cv.mean_std(xs) if xs else (math.inf, 0.0)
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
@@ -40,28 +40,6 @@ def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
         return []
     common = set.intersection(*({x for x, _ in r["curve"]} for r in runs))
     return sorted((x, statistics.fmean(dict(r["curve"])[x] for r in runs)) for x in common)
-
-
-def first_reach(curve: list, target: float) -> float | None:
-    """Micro-batches at which the curve first reaches target, linear between evaluations (from 0 at loss
-    +inf: a first evaluation already below counts at its own x)."""
-    prev = None
-    for x, y in curve:
-        if math.isfinite(y) and y <= target:
-            if prev is None or prev[1] == y:
-                return float(x)
-            x0, y0 = prev
-            return x0 + (x - x0) * (y0 - target) / (y0 - y)
-        prev = (x, y)
-    return None
-
-
-def at(curve: list, x: float) -> float | None:
-    """The curve at x micro-batches, linear between evaluations; None outside it."""
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return curve[-1][1] if curve and curve[-1][0] == x else None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -110,10 +88,7 @@ def fmt_range(st: dict) -> str:
     return f"{fmt_x(st['median'])} [{fmt_x(st['p10'])}–{fmt_x(st['p90'])}]"
 
 
-def fmt_x(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "–"
-    return cmm.format_speedup(x)  # rounded down, "never" for 0: the advisor prints the verdicts file the same
+fmt_x = cmm.format_speedup  # rounded down, "never" for 0: the advisor prints the verdicts file the same
 
 
 def clock_rows(cm: dict, opt: str, M: int, units: list, D: int) -> dict:
@@ -159,12 +134,11 @@ def analyse(study: dict, cms: dict) -> list[dict]:
                 tu = c["t"][(u.name, u.k)]
                 st = speed_stats(pair_speedups(runs, s_runs, c["budget"], tu))
                 row["clocks"][key] = {"t": tu, "bound": c["t"][c["best"]] / tu, **st}
-            row["equal_samples"] = at(curve, H) if n >= H else None
             own = study.get("equal_samples", {}).get(u, [])
             row["equal_samples_run"] = (mean_std([dp.final_val(r) for r in own]), len(own)) if own else None
             rows.append(row)
-        blocks.append({"D": study["D"], "opt": opt, "M": M, "sync": sync, "H": H, "sync_final": s_final, "sync_finals": s_finals,
-                       "sync_n": len(s_runs), "sync_curve": mean_curve(s_runs), "clocks": clocks, "rows": rows})
+        blocks.append({"D": study["D"], "opt": opt, "M": M, "H": H, "sync_final": s_final, "sync_n": len(s_runs),
+                       "sync_curve": mean_curve(s_runs), "clocks": clocks, "rows": rows})
     return blocks
 
 
@@ -254,6 +228,7 @@ def regenerate(json_path: str) -> list[str]:
     return [p for p in (md, png, verdicts) if p]
 
 
+QUANTILES = ("median", "p10", "p90")  # of the speed-up over seed pairings, as the verdicts file names them
 RULE = (f"(a) mean final loss not worse than S's by more than one standard error of the difference of the means; "
         f"(b) speed-up to S's final loss over every pairing of a unit seed with an S seed: 10th percentile >= {BAR}x "
         "(measured H200 clock, p2p priced)")
@@ -290,13 +265,10 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status
             "cost_model": cms["measured"]["name"], "source": source, "rows": rows, "summary": summary,
             "status": status or "final", "horizon_microbatches": b["H"], "horizon_updates": b["H"] // b["M"],
             "unit": label(top) if top else None, "seeds": top["n_seeds"] if top else None, "sync_seeds": b["sync_n"],
-            "speedup_median": m["median"] if m else None, "speedup_p10": m["p10"] if m else None,
-            "speedup_p90": m["p90"] if m else None, "rule": RULE,
+            **{f"speedup_{q}": m[q] if m else None for q in QUANTILES}, "rule": RULE,
             "row_stats": {label(r): {"seeds": r["n_seeds"], "loss_diff": r["rule_a"]["diff"], "loss_se": r["rule_a"]["se"],
                                      "a": r["a"], "b": r["clocks"]["measured"]["b"],
-                                     "speedup_median": r["clocks"]["measured"]["median"],
-                                     "speedup_p10": r["clocks"]["measured"]["p10"],
-                                     "speedup_p90": r["clocks"]["measured"]["p90"],
+                                     **{f"speedup_{q}": r["clocks"]["measured"][q] for q in QUANTILES},
                                      "bound": r["clocks"]["measured"]["bound"]} for r in b["rows"]}}
     if not out["verdicts"]:
         return None
@@ -442,7 +414,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L.append(
         f"- Workload: bench/convergence/convergence.py's GPT ({s['num_layers']} layers, hidden {s['hidden_size']}, "
         f"{s['num_attention_heads']} heads, sequence {s['seq_length']}, vocab {s['vocab_size']}; corpus "
-        f"`{dp.shown_path(s['corpus'])}`), D = {D} stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
+        f"`{bench_common.portable(s['corpus'])}`), D = {D} stages of one layer; micro-batch B = {s['micro_batch']} sequences; "
         f"validation every {s['eval_interval']} micro-batches on a fixed {s['eval_batches']} x {s['micro_batch']} "
         f"sequences; unigram loss {data['unigram']:.3f}.\n"
         f"- Optimizer: {', '.join(dp.OPT_LABELS[o] for o in data['grid'])}; weight decay {s['weight_decay']}, clipping "

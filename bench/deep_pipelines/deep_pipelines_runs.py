@@ -20,28 +20,22 @@ bench_common.add_repo_to_path()  # this checkout and every bench family on sys.p
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 
+import ttq_cost_model  # noqa: E402
 import ttq_run as tr  # noqa: E402
+from bench_common import Progress, final_val  # noqa: E402,F401 (dp.Progress, dp.final_val: the command, the report)
 from megatron_po.errors import ConfigError  # noqa: E402
 from megatron_po.pipeline import cost_model as cmm  # noqa: E402
 
 cv = tr.cv
 OUT = os.path.join(cv.REPO, "bench", "results", "deep_pipelines")
-MEASURED = os.path.join(cv.REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
-DERIVED = os.path.join(cv.REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b_seq8192_derived.json")
+MEASURED, DERIVED = ttq_cost_model.MEASURED_PATH, ttq_cost_model.DERIVED_SEQ8192_PATH
 D = 8  # the study's default depth (issue 41); --depth sets another (issue 50): one layer per stage
 
 SYNC = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "interleaved-zb-h1")
 ASYNC = ("async-naive", "pipedream-2bw", "pipeoptim", "po-ef")
-# PipeOptim + error feedback: the base method PipeOptim with the error-feedback option (convergence.py's
-# variant hook; registered at import, so the spawned workers know it too).
-cv.PREDICTOR_VARIANTS["po-ef"] = ("pipeoptim", {"error_feedback": True})
-LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V", "interleaved-1f1b": "interleaved 1F1B (v=2)",
-          "interleaved-zb-h1": "interleaved ZB-H1 (v=2)", "async-naive": "async-naive", "pipedream-2bw": "PipeDream-2BW",
-          "pipeoptim": "PipeOptim", "po-ef": "PipeOptim + error feedback", "sync": "sync (every schedule)"}
-cv.LABELS.setdefault("po-ef", LABELS["po-ef"])
+LABELS = tr.LABELS  # (po-ef, PipeOptim + error feedback: a variant ttq_run registers with convergence.py)
 # Optimizers: the priced Muon (bf16 Newton-Schulz, Q/K/V split: what the cost model's Muon step measured) and
 # a cheaper one: 3 Newton-Schulz steps of the simple coefficients (polar_express here needs at least 8 steps:
 # newton_schulz.coefficients), its step priced from the measured one (muon_ns3_step_ratio).
@@ -198,10 +192,6 @@ def run_job(s: cv.Settings, unit: Unit, lr: float, seed: int, steps: int) -> dic
     return r
 
 
-def _run_job_args(args) -> dict:
-    return run_job(*args)
-
-
 def _describe(r: dict) -> str:
     u = Unit(**r["unit"])
     last = r["curve"][-1][1] if r["curve"] else float("nan")
@@ -209,51 +199,16 @@ def _describe(r: dict) -> str:
             f"val {last:.4f} ({r['seconds']:.0f} s)")
 
 
-class Progress:
-    """Runs done against the plan across the whole command (every block), with an ETA from this session's pace:
-    the planned micro-batches left x the wall seconds per micro-batch trained so far (cached runs count as done,
-    not as pace)."""
-
-    def __init__(self, planned_runs: int, planned_mb: int):
-        self.planned_runs, self.planned_mb = planned_runs, planned_mb
-        self.done_runs = self.done_mb = self.trained_mb = 0
-        self.start = time.time()
-
-    def add(self, r: dict, trained: bool) -> str:
-        self.done_runs += 1
-        self.done_mb += r["micro_batches"]
-        self.trained_mb += r["micro_batches"] if trained else 0
-        left = max(0, self.planned_mb - self.done_mb)
-        eta = (time.time() - self.start) / self.trained_mb * left if self.trained_mb else math.nan
-        return (f"study: {self.done_runs}/~{self.planned_runs} runs, {self.done_mb}/~{self.planned_mb} micro-batches"
-                + (f", ETA {eta / 3600:.1f} h" if math.isfinite(eta) else ""))
-
-
 def run_jobs(s: cv.Settings, jobs: list[tuple], log, deadline: float | None = None,
-             progress: Progress | None = None) -> list[dict]:
-    """Cached results of jobs (unit, lr, seed, steps) with --resume, the rest on s.jobs workers (the longest
-    first, so two workers finish a phase together); jobs not started by `deadline` (time.time()) are skipped
-    (reported as not run)."""
+             progress: Progress | None = None) -> dict:
+    """{(unit, lr, seed): result} of jobs (unit, lr, seed, steps): cached with --resume, the rest on s.jobs workers
+    (the longest first, so two workers finish a phase together); jobs not started by `deadline` (time.time())
+    are skipped (reported as not run)."""
     jobs = sorted(jobs, key=lambda j: -j[3] * SECONDS_PER_MB["sync" if j[0].name == "sync" else "async"])
-    cached = {job_path(s, *j) for j in jobs if s.resume and os.path.isfile(job_path(s, *j))}
-    if progress is not None:  # the cached runs count as done before the first trained one is logged
-        for path in sorted(cached):
-            with open(path) as f:
-                progress.add(json.load(f), False)
-
-    def describe(r: dict) -> str:
-        text = _describe(r)
-        if progress is not None:
-            text += " | " + progress.add(r, True)
-        return text
-    return bench_common.run_cached_jobs([(s, *j) for j in jobs], lambda a: job_path(*a), _run_job_args,
-                                        workers=s.jobs, resume=s.resume, describe=describe, log=log,
-                                        deadline=deadline)
-
-
-def final_val(r: dict) -> float:
-    c = r["curve"]
-    return c[-1][1] if c and c[-1][0] == r["micro_batches"] and math.isfinite(c[-1][1]) else math.inf
+    runs = bench_common.run_cached_jobs([(s, *j) for j in jobs], job_path, run_job,
+                                        workers=s.jobs, resume=s.resume, describe=_describe, log=log,
+                                        deadline=deadline, progress=progress)
+    return {(Unit(**r["unit"]), r["lr"], r["seed"]): r for r in runs}
 
 
 def plan_units(optimizers: list[str], ms: list[int], methods: list[str], ks: list[str],
@@ -347,43 +302,23 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
     grid = {o: list(v) for o, v in grid.items()}
     results: dict = {}
     grown = {o: {"low": 0, "high": 0} for o in grid}
-    decided: bool | None = None if conditional else False
-    while True:
-        jobs = [(u, lr, 1, steps[u]) for u in units for lr in grid[u.opt] if (u, lr, 1) not in results]
-        log(f"> sweep: {len(jobs)} runs (seed 1) over {len(units)} units")
-        for r in run_jobs(s, jobs, log, deadline, progress):
-            results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
-        best = {u: min(grid[u.opt], key=lambda lr: (final_val(results[(u, lr, 1)])
-                                                     if (u, lr, 1) in results else math.inf, lr)) for u in units}
-        more = False
-        for o in grid:
-            mine = [u for u in units if u.opt == o and all((u, lr, 1) in results for lr in grid[o])]
-            if any(best[u] == grid[o][0] for u in mine) and grown[o]["low"] < max_growth:
-                grid[o].insert(0, grid[o][0] / 2)
-                grown[o]["low"] += 1
-                more = True
-            if any(best[u] == grid[o][-1] for u in mine) and grown[o]["high"] < max_growth:
-                grid[o].append(grid[o][-1] * 2)
-                grown[o]["high"] += 1
-                more = True
-        if more:
-            continue
-        if decided is None:
-            decided = conditional_units(results, best, units, conditional, close_nat)
-            if decided:
-                log(f"> PipeOptim at k = {conditional[0].k} ends within {close_nat} nat of S (seed 1): adding "
-                    + ", ".join(u.label for u in conditional))
-                units += conditional
-                continue
-        break
+    run = lambda jobs: run_jobs(s, [(*j, steps[j[0]]) for j in jobs], log, deadline, progress)  # noqa: E731
+    tune = lambda: bench_common.tune(units, grid, run, final_val, max_growth=max_growth, grown=grown,  # noqa: E731
+                                     results=results, log=log)
+    best = tune()
+    decided = conditional_units(results, best, units, conditional, close_nat)
+    if decided:
+        log(f"> PipeOptim at k = {conditional[0].k} ends within {close_nat} nat of S (seed 1): adding "
+            + ", ".join(u.label for u in conditional))
+        units += conditional
+        best = tune()
     sync = next((u for u in units if u.name == "sync"), None)
     n_seeds = {u: seeds_of(u, results, best, sync, s.seeds, far_seeds, close_nat) for u in units}
     jobs = [(u, best[u], sd, steps[u]) for u in units for sd in range(2, n_seeds[u] + 1)
             if (u, best[u], sd) not in results]
     log(f"> {len(jobs)} runs at the best lr (seeds 2..{s.seeds} where within {close_nat} nat of S, else "
         f"{far_seeds} seed{'s' if far_seeds != 1 else ''})")
-    for r in run_jobs(s, jobs, log, deadline, progress):
-        results[(Unit(**r["unit"]), r["lr"], r["seed"])] = r
+    results.update(run_jobs(s, jobs, log, deadline, progress))
     sweep = {u: {lr: final_val(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
     runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
             for u in units}
@@ -401,8 +336,8 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
         jobs = [(u, best[u], sd, s.steps) for u in units if u.name != "sync" and steps[u] != s.steps
                 for sd in range(1, n_seeds[u] + 1)]
         log(f"> {len(jobs)} equal-samples runs (H = {s.steps} micro-batches, the best lr)")
-        for r in run_jobs(s, jobs, log, deadline):
-            same.setdefault(Unit(**r["unit"]), []).append(r)
+        for (u, _, _), r in run_jobs(s, jobs, log, deadline).items():
+            same.setdefault(u, []).append(r)
         not_run += sorted((u.opt, u.name, u.M, u.k, lr, sd, f"equal samples {n}") for u, lr, sd, n in jobs
                           if sd not in {r["seed"] for r in same.get(u, [])})
     return {"D": depth_of(s), "units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
@@ -476,17 +411,12 @@ def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:
 
 
 def study_from_json(data: dict) -> dict:
-    units, sweep, best, runs, horizons, same = [], {}, {}, {}, {}, {}
-    for e in data["units"]:
-        u = Unit(e["opt"], e["name"], e["M"], e["k"])
-        units.append(u)
-        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
-        best[u], horizons[u] = e["best_lr"], e["horizon"]
-        runs[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]]
-        if e.get("equal_samples_runs"):
-            same[u] = [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["equal_samples_runs"]]
-    return {"D": data["settings"]["depths"][0], "equal_samples": same, "units": units, "grid": data["grid"], "grown": data["grown"], "sweep": sweep,
-            "best": best, "runs": runs, "horizons": horizons, "not_run": data["not_run"], "unigram": data["unigram"],
+    study = bench_common.units_from_json(data, lambda e: Unit(e["opt"], e["name"], e["M"], e["k"]))
+    entries = dict(zip(study["units"], data["units"]))
+    return {**study, "D": data["settings"]["depths"][0], "horizons": {u: e["horizon"] for u, e in entries.items()},
+            "equal_samples": {u: bench_common.runs_from_json(e["equal_samples_runs"]) for u, e in entries.items()
+                              if e.get("equal_samples_runs")},
+            "grid": data["grid"], "grown": data["grown"], "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
             "run_loads": data.get("run_loads"), "planned": data.get("planned_runs"),
             "done": data.get("done_runs"), "conditional": data.get("conditional"),
@@ -500,11 +430,3 @@ def provenance_now(load0, wall: float) -> dict:
     return {"machine": bench_common.machine(), "load_start": list(load0), "load_end": list(os.getloadavg()),
             "wall_minutes": wall / 60, "commit": bench_common.commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-def shown_path(arg: str) -> str:
-    """A command-line argument as a results file records it: no machine path (relative inside the checkout,
-    a placeholder outside it)."""
-    if not os.path.isabs(arg):
-        return arg
-    return os.path.relpath(arg, cv.REPO) if arg.startswith(cv.REPO + os.sep) else "<a path outside the checkout>"

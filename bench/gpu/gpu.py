@@ -44,6 +44,9 @@ each with its exact command in the results:
   profile one compiled iteration after the warm-up, ours and the plain GPT, under torch.profiler: TorchDynamo
           graphs, compiled-graph calls, device kernels, host syncs, copies and where they happen (on request in
           the check: --steps profile; `--size small` runs it on a CPU at GPT-1.3B's shape scaled down)
+  fp8     FP8 through torchao against our bf16, eager and compiled (bench/gpu/gpu_fp8.py)
+  long_context  GPT-1.3B at 16,384 tokens per sequence, CP = 1: tokens/s, model TFLOP/s and MFU with the attention
+          counted as Megatron does and over its causal half (bench/gpu/gpu_long_context.py)
   targets the GPU targets (bench/gpu_check/gpu_targets.py), read from the sections above: met or not
 
 Sections run in the order --only gives (bench/gpu_check/gpu_check.py puts baselines first), `targets` last. With

@@ -80,6 +80,10 @@ TABLE = [
     # in (.gpu_wheels/, docs/fp8.md)
     Step("fp8", "section", (300, 210), OURS + ("bench/gpu/gpu_fp8.py",), ("peak", "gpt", "compiled"),
          run="gpu_fp8:section_fp8"),
+    # * GPT-1.3B at 16,384 tokens per sequence, CP = 1 (issue 49; bench/gpu/gpu_long_context.py): tokens/s and MFU with
+    # causal attention FLOPs; 12 iterations of 4 sequences, the gpt section's start-up
+    Step("long_context", "section", (150, 20), OURS + ("bench/gpu/gpu_long_context.py",), ("peak",),
+         run="gpu_long_context:section_long_context"),
     Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset

@@ -40,6 +40,12 @@ allocation order; no timing involved); --quick: a shorter segment (what tests/te
 runs and bounds).
 
     python bench/memory/memory.py --async [--quick]
+
+With --context-parallel: context parallelism's activation memory per rank at 8,192 tokens for CP = 1, 2, 4 (the
+tracker above, on forked gloo ranks), the ring's bytes against the arithmetic and the time per iteration
+(`context_parallel_main` below); --quick: 1,024 tokens.
+
+    python bench/memory/memory.py --context-parallel [--out bench/results/context_parallel.md]
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_po import parallel_state as ps  # noqa: E402
 from megatron_po.config import ASYNC_METHODS, Config, ModelConfig  # noqa: E402
+from megatron_po.data.context_split import split_for_this_rank  # noqa: E402
 from megatron_po.distributed.ddp import DistributedDataParallel  # noqa: E402
+from megatron_po.models import context_parallel_attention  # noqa: E402
 from megatron_po.models.gpt import GPTModel, masked_mean_loss  # noqa: E402
 from megatron_po.optim import build_optimizer  # noqa: E402
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
@@ -360,6 +368,169 @@ def async_main(args) -> None:
         print(f"{name:<34} {table['fp32'][name]:>+7.2f} {table['bf16'][name]:>+7.2f}")
 
 
+# --------------------------------------------------------------------------------------------------
+# Context parallelism (issue 49): activation memory per rank, the ring's bytes, time per iteration
+# --------------------------------------------------------------------------------------------------
+#
+# A Llama-style GPT (2 layers, hidden 256, 4 heads in 2 key/value groups of dimension 64, RoPE, RMSNorm, SwiGLU,
+# vocab 512, fp32, dropout 0) on one sequence of --seq tokens (8,192), at CP = 1, 2 and 4 (forked gloo ranks, one
+# thread each, --cp-comm-type p2p), one forward + backward of the micro-batch split as training splits it:
+# - activation memory per rank, MEASURED with the tracker above (`LiveTensors`): `kept` = the bytes the autograd
+#   graph holds when the forward returns (what a rank keeps for its backward); `peak` = the most bytes alive over
+#   forward + backward, the parameter gradients excluded (made before, the backward accumulating into them; the same
+#   at every CP). Target: at CP = N at most 1/N of CP = 1's plus the ring's buffers (`buffers`): with a K/V block
+#   of b x groups x s/N x head dim x 2 (K and V) x 4 bytes, per layer two blocks in flight in the forward, in the
+#   backward two blocks, two fp32 gradient accumulators and the fp32 dq;
+# - the ring's bytes per rank, COUNTED at its isend calls, against the arithmetic: per layer, N - 1 K/V blocks in
+#   the forward, N - 1 K/V blocks and N fp32 gradient accumulators (a block's size) in the backward;
+# - time per iteration (forward + backward, median of --reps after a warm-up): wall (rank 0) and each process's CPU
+#   seconds. CP = N splits the same total work over N processes; on a shared 2-core machine the wall figure follows
+#   the load printed with it (CP = 4 runs 4 processes on 2 cores), the CPU figures do not.
+
+CP_MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+                position_embedding_type="rope", add_position_embedding=False, normalization="RMSNorm", swiglu=True,
+                untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+                cp_comm_type="p2p")
+CP_VOCAB, CP_BATCH, CP_BYTES = 512, 1, 4  # fp32
+CP_SIZES = (1, 2, 4)
+
+
+class _CountingDist:
+    """torch.distributed as context_parallel_attention sees it, with its isend's bytes added up."""
+
+    def __init__(self, real):
+        self.real, self.sent = real, 0
+
+    def isend(self, tensor, *args, **kwargs):
+        self.sent += tensor.numel() * tensor.element_size()
+        return self.real.isend(tensor, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def cp_ring_bytes(cfg: ModelConfig, cp: int, batch: int = CP_BATCH) -> dict:
+    """The arithmetic of one forward + backward per rank (see above), and the buffers it states."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    block = batch * cfg.num_query_groups * (cfg.seq_length // cp) * head_dim * 2 * CP_BYTES  # K and V
+    sent = cfg.num_layers * ((cp - 1) * block + (cp - 1) * block + cp * block) if cp > 1 else 0
+    q_bytes = batch * cfg.num_attention_heads * (cfg.seq_length // cp) * head_dim * 4
+    buffers = 0 if cp == 1 else max(2 * block, 2 * block + 2 * block + q_bytes)  # the backward's is the larger
+    return {"block": block, "sent": sent, "buffers": buffers}
+
+
+def cp_batch(seq: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CP_VOCAB, (CP_BATCH, seq + 1), generator=g)
+    return split_for_this_rank({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                                "loss_mask": torch.ones(CP_BATCH, seq)})
+
+
+def cp_measure_rank(seq: int, reps: int) -> dict:
+    """This rank's figures at the harness's CP size."""
+    torch.set_num_threads(1)
+    model_parallel_seed(1)
+    cfg = ModelConfig(seq_length=seq, **CP_MODEL)
+    model = GPTModel(cfg, CP_VOCAB, seed=1)
+    b = cp_batch(seq)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    for p in model.parameters():  # made before the tracker: the backward accumulates into them (not counted)
+        p.grad = torch.zeros_like(p)
+    counting = _CountingDist(context_parallel_attention.dist)
+    context_parallel_attention.dist = counting
+    try:
+        tracker = LiveTensors()
+        with tracker:
+            loss = (model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"])
+                    * b["loss_mask"]).sum() / b.get("loss_normalizer", b["loss_mask"].sum())
+            kept = tracker.live
+            loss.backward()
+        sent = counting.sent
+    finally:
+        context_parallel_attention.dist = counting.real
+    model.zero_grad(set_to_none=True)
+    times, cpu = [], []
+    for i in range(reps + 1):  # the first is a warm-up
+        start, start_cpu = time.perf_counter(), time.process_time()
+        loss = (model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"])
+                * b["loss_mask"]).sum() / b.get("loss_normalizer", b["loss_mask"].sum())
+        loss.backward()
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        model.zero_grad(set_to_none=True)
+    return {"cp": ps.get_context_parallel_world_size(), "rank": ps.get_context_parallel_rank(), "kept": kept,
+            "peak": tracker.peak, "grads": grads, "sent": sent, "seconds": statistics.median(times[1:]),
+            "cpu_seconds": statistics.median(cpu[1:]),
+            "arithmetic": cp_ring_bytes(cfg, ps.get_context_parallel_world_size())}
+
+
+def cp_measure(seq: int, reps: int, cp_sizes=CP_SIZES) -> dict[int, list[dict]]:
+    """{CP: every rank's figures}."""
+    return {cp: run_distributed(cp_measure_rank, cp, cp=cp, args=(seq, reps), timeout=1800) for cp in cp_sizes}
+
+
+def cp_report(results: dict[int, list[dict]], seq: int, header: list[str], started: float) -> str:
+    mib = lambda x: f"{x / 2**20:.1f}"  # noqa: E731
+    base = results[1][0]
+    rows, ring, timing = [], [], []
+    for cp, ranks in results.items():
+        kept, peak = max(r["kept"] for r in ranks), max(r["peak"] for r in ranks)
+        buffers = ranks[0]["arithmetic"]["buffers"]
+        bound_kept, bound_peak = base["kept"] / cp + buffers, base["peak"] / cp + buffers
+        rows.append([cp, mib(kept), f"{kept / base['kept']:.3f}", mib(peak), f"{peak / base['peak']:.3f}",
+                     mib(buffers), "met" if kept <= bound_kept and peak <= bound_peak else "NOT MET"])
+        sent = {r["sent"] for r in ranks}
+        ring.append([cp, " / ".join(f"{s:,}" for s in sorted(sent)), f"{ranks[0]['arithmetic']['sent']:,}",
+                     "equal" if sent == {ranks[0]["arithmetic"]["sent"]} else "DIFFER"])
+        total_cpu = sum(r["cpu_seconds"] for r in ranks)
+        timing.append([cp, f"{1e3 * ranks[0]['seconds']:.0f}", f"{ranks[0]['seconds'] / base['seconds']:.3f}",
+                       f"{1e3 * max(r['cpu_seconds'] for r in ranks):.0f}", f"{1e3 * total_cpu:.0f}",
+                       f"{total_cpu / base['cpu_seconds']:.3f}"])
+    cfg = ModelConfig(seq_length=seq, **CP_MODEL)
+    lines = header + [
+        f"GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads in "
+        f"{cfg.num_query_groups} key/value groups (head dim {cfg.hidden_size // cfg.num_attention_heads}), RoPE, "
+        f"RMSNorm, SwiGLU, vocab {CP_VOCAB}; one sequence of {seq:,} tokens, fp32, CPU, one thread per rank, "
+        "--cp-comm-type p2p; one forward + backward (bench/memory/memory.py, its context-parallel section, says what "
+        "is measured).",
+        "", "## Activation memory per rank (MEASURED)", "",
+        "kept: bytes the autograd graph holds when the forward returns; peak: most bytes alive over forward + backward, "
+        f"the parameter gradients excluded ({mib(base['grads'])} MiB, allocated before, the same at every CP); the "
+        "largest rank's. Target: "
+        "at most 1/CP of CP = 1's plus the ring's buffers (per layer at most: two K/V blocks, two fp32 gradient "
+        "accumulators and the fp32 dq, held in the backward).", "",
+        bench_common.markdown_table(["CP", "kept MiB", "kept / CP=1", "peak MiB", "peak / CP=1", "buffers MiB", "target"], rows),
+        "", "## The ring's bytes per rank (COUNTED at its isend calls, against the arithmetic)", "",
+        "Per layer: CP - 1 K/V blocks in the forward; CP - 1 K/V blocks and CP fp32 gradient accumulators in the "
+        "backward; a block = batch x groups x tokens/CP x head dim x 2 x 4 bytes.", "",
+        bench_common.markdown_table(["CP", "bytes sent, per rank", "arithmetic", ""], ring),
+        "", "## Time per iteration at equal total work (MEASURED)", "",
+        "The same micro-batch (forward + backward): CP = 1 in one process, CP = N split over N processes of one "
+        "thread each, on this shared 2-core machine (CP = 4: 4 processes on 2 cores). Wall: rank 0's median; CPU: "
+        "the process's CPU seconds per iteration (median), the largest rank's and the sum over the ranks (the total "
+        "work: the sum over CP = 1's is the split's overhead). Under the machine's load the wall figures follow the "
+        "share of a core each process gets; the CPU figures do not.", "",
+        bench_common.markdown_table(["CP", "wall ms / iteration", "vs CP = 1", "CPU ms, largest rank", "CPU ms, all ranks",
+                        "all ranks vs CP = 1"], timing), "", bench_common.load_at_end(started) + ".", ""]
+    return "\n".join(lines)
+
+
+def context_parallel_main(args) -> dict[int, list[dict]]:
+    """--context-parallel: cp_measure, print the cp_report (and write it to --out); returns the figures."""
+    started = time.perf_counter()
+    seq = 1024 if args.quick else args.seq
+    argv = ["--context-parallel"] + (["--quick"] if args.quick else ["--seq", str(seq), "--reps", str(args.reps)]) \
+        + (["--out", args.out] if args.out else [])
+    header = bench_common.header(__file__, argv,
+                                 title="Context parallelism on the CPU: memory, ring bytes, time (issue 49)")
+    results = cp_measure(seq, 1 if args.quick else args.reps)
+    text = cp_report(results, seq, header, started)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return results
+
 def main() -> None:
     parser = bench_common.parser(__doc__)
     parser.add_argument("--hidden", type=int, default=128)
@@ -368,10 +539,17 @@ def main() -> None:
     parser.add_argument("--recompute", action="store_true", help="activation recomputation table instead")
     parser.add_argument("--async", dest="async_methods", action="store_true",
                         help="the asynchronous methods' peak bytes over async-naive (memory guard) instead")
-    parser.add_argument("--quick", action="store_true", help="--async: a shorter segment")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="context parallelism's memory per rank, ring bytes and time at CP = 1, 2, 4 instead")
+    parser.add_argument("--seq", type=int, default=8192, help="--context-parallel: tokens per sequence")
+    parser.add_argument("--quick", action="store_true", help="--async: a shorter segment; --context-parallel: 1,024 "
+                                                             "tokens")
     parser.add_argument("--reps", type=int, default=7, help="--recompute: timed steps per mode")
-    parser.add_argument("--out", help="--recompute: also write the table to this markdown file")
+    parser.add_argument("--out", help="--recompute, --context-parallel: also write the table to this markdown file")
     args = parser.parse_args()
+    if args.context_parallel:
+        context_parallel_main(args)
+        return
     if args.async_methods:
         async_main(args)
         return

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -83,17 +82,8 @@ def settings_from_args(argv=None):
     a = build_parser().parse_args(argv)
     nmt = a.workload == "nmt"
     s = tr.nmt_study_settings(a.quick) if nmt else tr.study_settings(a.quick)
-    grid = {o: list(v) for o, v in (tr.NMT_LR_GRID if nmt else tr.LR_GRID).items()}
-    if a.quick:
-        grid = {o: v[1:3] for o, v in grid.items()}
-    for item in a.lr_grid or []:
-        o, _, v = item.partition("=")
-        if o not in grid:
-            raise SystemExit(f"error: --lr-grid {item!r}: OPT must be one of {', '.join(grid)}")
-        try:
-            grid[o] = [float(x) for x in v.split(",")]
-        except ValueError:
-            raise SystemExit(f"error: --lr-grid {item!r}: expected OPT=LR,LR,...") from None
+    grid = {o: v[1:3] if a.quick else v for o, v in (tr.NMT_LR_GRID if nmt else tr.LR_GRID).items()}
+    grid = bench_common.parse_lr_grid(a.lr_grid, grid)
     for name in ("depths", "optimizers", "methods", "seeds", "steps"):
         if getattr(a, name) is not None:
             setattr(s, name, getattr(a, name))
@@ -125,40 +115,23 @@ def run(s, grid: dict, log=print) -> dict:
 def regenerate(path: str, given: list[str], workload: bool = True) -> dict:
     """The report of results JSON `path` again, from its runs (no training), with the cost model of `given`
     (this command's arguments); written beside it under its name. The settings and the original run's
-    header lines come from the JSON, or, for a JSON written before it held them, from its command and from
-    the report beside it."""
+    header lines come from the JSON."""
     if not os.path.isfile(path):
         raise SystemExit(f"error: --from-json {path}: file not found")
     with open(path) as f:
         data = json.load(f)
-    if "settings" in data:
-        s = tr.settings_from_record(data["settings"])
-    else:  # (a JSON written before it held its settings: its command's, which were all set on the command line)
-        s, _ = settings_from_args(shlex.split(data["command"])[2:] + ["--cost-model", "none"])
+    s = tr.settings_from_record(data["settings"])
     grid = {o: [float(x) for x in v] for o, v in data["grid"].items()}
     mine, _ = settings_from_args(given)
     s.cost_model, s.cost_model_path = mine.cost_model, mine.cost_model_path
     s.out, s.name, s.command = os.path.dirname(os.path.abspath(path)), os.path.basename(path)[:-len(".json")], data["command"]
-    provenance = data.get("provenance") or provenance_from_md(os.path.join(s.out, s.name + ".md"))
+    provenance = data.get("provenance")
     study = tr.study_from_json(s, data, workload)
-    shown = os.path.relpath(path, tr.cv.REPO) if os.path.abspath(path).startswith(tr.cv.REPO + os.sep) else path
-    by = "python bench/time_to_quality/time_to_quality.py --from-json " + " ".join(shlex.quote(x) for x in [shown, *given])
+    by = bench_common.command_line("bench/time_to_quality/time_to_quality.py", ["--from-json", path, *given], quote=True)
     paths = ttq_report.write(s, grid, study, os.getloadavg(), 0.0, s.name, s.cost_model,
                              {"by": by, "from": os.path.basename(path), "provenance": provenance},
                              cost_model_path=s.cost_model_path)
     return {"paths": paths, "study": study, "settings": s, "grid": grid}
-
-
-def provenance_from_md(md: str) -> str | None:
-    """The header lines (machine, load, wall time, runs, date) of a report written before the JSON held them:
-    between its `Command:` line and `## Settings`, without an earlier regeneration's line."""
-    if not os.path.isfile(md):
-        return None
-    text = open(md).read()
-    if "\nCommand: " not in text or "\n## Settings" not in text:
-        return None
-    block = text.split("\nCommand: ", 1)[1].split("\n## Settings", 1)[0].split("\n", 1)[1].strip()
-    return block.split("\n\nRegenerated without training", 1)[0].strip() or None
 
 
 def main(argv=None) -> int:
@@ -174,10 +147,8 @@ def main(argv=None) -> int:
         rest = [x for i, x in enumerate(given) if x != "--from-json" and (i == 0 or given[i - 1] != "--from-json")
                 and not x.startswith("--from-json=")]
         out = regenerate(a.from_json, rest)
-        print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")
-        return 0
-    s, grid = settings_from_args(argv)
-    out = run(s, grid)
+    else:
+        out = run(*settings_from_args(argv))
     print(f"> wrote {', '.join(os.path.relpath(p) for p in out['paths'])}")
     return 0
 

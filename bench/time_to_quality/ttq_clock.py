@@ -6,13 +6,13 @@ A clock is a set of per-op costs per (D, optimizer) in the calibration's format 
 - the CPU clock: the study's own calibration (the tiny model on one CPU thread, `calibrate_job`);
 - a cost-model clock: bench/time_to_quality/ttq_cost_model.py's per-op ratios measured on real hardware (`--cost-model`).
 The curves (validation loss against micro-batches) are the same under every clock; only the seconds per
-micro-batch change. `with_step_ratio` prices the optimizer steps at a given step/(forward+backward), the rest
-of the clock fixed (the report's sensitivity line).
+micro-batch change. `scale_steps` prices the optimizer steps at a given step/(forward+backward), the rest of
+the clock fixed (the report's sensitivity line).
 
 Simulated time (free communication, stages in parallel):
-- synchronous, M micro-batches of B samples per update: one flush of the schedule's op list (`simulate`) +
-  the slowest stage's optimizer step, op costs = the clock's async-naive costs (the shared base cost of a
-  forward / backward of B samples, no policy work). Interleaved 1F1B (v = 2): each chunk costs half its
+- synchronous, M micro-batches of B samples per update (`convergence.sync_seconds_per_update`): one flush of
+  the schedule's op list (`simulate`) + the slowest stage's optimizer step, op costs = the clock's async-naive
+  costs (the shared base cost of a forward / backward of B samples, no policy work). Interleaved 1F1B (v = 2): each chunk costs half its
   stage; ZB-H1: the backward split into input and weight gradients (the clock's BackwardInput /
   BackwardWeight where it has them, else B = W = half of the backward, as bench/schedules/zero_bubble.py assumes);
 - synchronous at equal updates (one update per micro-batch of B): 1F1B over M = D micro-batches of B/D (the
@@ -25,11 +25,12 @@ Simulated time (free communication, stages in parallel):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import ttq_cost_model
 import ttq_run as tr
-from ttq_run import ASYNC, LABELS, SYNC_SCHEDULES, Unit, cv
+from bench_common import first_reach
+from megatron_po.pipeline.cost_model import format_speedup as fmt_speedup  # noqa: F401 (tc.fmt_speedup)
+from ttq_run import LABELS, SYNC_SCHEDULES, Unit, cv
 
 COLORS = {"sync": "black", "async-naive": "tab:gray", "pipedream": "tab:blue", "pipedream-2bw": "tab:green",
           "pipeoptim": "tab:red", "pipenag": "tab:purple", "2bw-ef": "tab:olive"}
@@ -41,21 +42,16 @@ EQUAL_UPDATES_LABEL = "sync, 1 update per micro-batch (1F1B, M=D of B/D)"
 @dataclasses.dataclass(frozen=True)
 class Clock:
     """Per-op costs of one clock: `ops[(D, optimizer)]` in the calibration's format; `tokens_per_mb` for its
-    tokens/s column; `step_ratio`: when set, the optimizer steps cost that multiple of forward+backward
-    (`scale_steps`)."""
+    tokens/s column."""
     key: str
     label: str
     ops: dict
     tokens_per_mb: float
-    step_ratio: float | None = None
     cost_model: dict | None = None
     source: str | None = None  # the cost model's file
 
     def block(self, D: int, opt: str) -> dict | None:
-        ops = self.ops.get((D, opt))
-        if ops is None or self.step_ratio is None:
-            return ops
-        return scale_steps(ops, self.step_ratio)
+        return self.ops.get((D, opt))
 
 
 def cpu_clock(study: dict) -> Clock:
@@ -72,10 +68,6 @@ def model_clock(cm: dict, study: dict, source: str | None = None) -> Clock:
             ops[(D, opt)] = block
     return Clock("gpu", f"cost model {cm['name']} ({cm['device']})", ops, cm["tokens_per_microbatch"], cost_model=cm,
                  source=source)
-
-
-def with_step_ratio(clock: Clock, ratio: float) -> Clock:
-    return dataclasses.replace(clock, step_ratio=ratio)
 
 
 def scale_steps(ops: dict, ratio: float) -> dict:
@@ -106,33 +98,13 @@ def step_ratio_of(ops: dict) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def sync_seconds_per_update(schedule: str, op: dict, D: int, M: int, scale: float = 1.0) -> float:
-    """One flush of M micro-batches (each op costing `scale` x its cost) + the slowest stage's step."""
-    from megatron_po.pipeline.schedules import build_schedule
-    from megatron_po.pipeline.simulator import simulate
-    t_f = [op[str(r)]["Forward"] * scale for r in range(D)]
-    t_b = [op[str(r)]["Backward"] * scale for r in range(D)]
-    step = max(op[str(r)]["Step"] for r in range(D))
-    if schedule == "interleaved-1f1b":
-        half = lambda t: [t[vs % D] / 2 for vs in range(2 * D)]  # noqa: E731 (vs = chunk*D + rank)
-        makespan = simulate(build_schedule("interleaved-1f1b", D, 2, M), half(t_f), half(t_b)).makespan
-    elif schedule == "zb-h1":
-        t_bi = [op[str(r)].get("BackwardInput", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
-        t_w = [op[str(r)].get("BackwardWeight", op[str(r)]["Backward"] / 2) * scale for r in range(D)]
-        makespan = simulate(build_schedule("zb-h1", D, 1, M), t_f, t_bi, t_weight=t_w).makespan
-    else:
-        makespan = simulate(build_schedule(schedule, D, 1, M), t_f, t_b).makespan
-    return makespan + step
-
-
 def equal_updates_seconds_per_mb(op: dict, D: int) -> float:
     """Synchronous training at one update per micro-batch of B: 1F1B over D micro-batches of B/D + a step."""
     return sync_seconds_per_update("1f1b", op, D, D, scale=1.0 / D)
 
 
-def update_interval(name: str, D: int) -> int:
-    base = cv.PREDICTOR_VARIANTS.get(name, (name, {}))[0]
-    return D if base == "pipedream-2bw" else 1
+update_interval = cv.default_interval  # (1; PipeDream-2BW and its variants: D)
+sync_seconds_per_update = cv.sync_seconds_per_update  # (one flush + the slowest stage's step)
 
 
 def async_seconds_per_mb(op: dict, D: int, k: int) -> float:
@@ -141,16 +113,9 @@ def async_seconds_per_mb(op: dict, D: int, k: int) -> float:
 
 def time_to(curve: list, target: float, sec_per_mb: float) -> float | None:
     """Simulated seconds until the validation curve [(micro-batches, loss)] first reaches `target`,
-    interpolated linearly between evaluations; None if it never does."""
-    prev = None
-    for x, y in curve:
-        if math.isfinite(y) and y <= target:
-            if prev is None or not math.isfinite(prev[1]) or prev[1] == y:
-                return x * sec_per_mb
-            x0, y0 = prev
-            return (x0 + (x - x0) * (y0 - target) / (y0 - y)) * sec_per_mb
-        prev = (x, y)
-    return None
+    interpolated linearly between evaluations (bench_common.first_reach); None if it never does."""
+    x = first_reach(curve, target)
+    return None if x is None else x * sec_per_mb
 
 
 def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -> list[dict]:
@@ -175,11 +140,8 @@ def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -
         sec = equal_updates_seconds_per_mb(ops["async-naive"], D)
         rows.append({"name": "sync", "label": EQUAL_UPDATES_LABEL, "unit": u, "sec_per_mb": sec, "tps": tpm / sec,
                      "M": 1, "color": "black", "style": SYNC_STYLE[1]})
-    for m in ASYNC:
-        if m in tr.ACTUAL_OPT and o != "adamw":
-            continue  # PipeNAG (its own optimizer) is shown with the AdamW rows only
-        u = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-        block = clock.block(D, u.opt)
+    for u in tr.async_units(o, D):
+        m, block = u.name, clock.block(D, u.opt)
         if u not in study["runs"] or block is None or m not in block:
             continue
         k = update_interval(m, D)
@@ -190,21 +152,8 @@ def configurations(s, study: dict, D: int, o: str, clock: Clock | None = None) -
 
 
 # --------------------------------------------------------------------------------------------------
-# Speed-ups: printing against the bar, and the largest step cost that still clears it
+# The largest step cost at which a speed-up still clears the bar (printing: cost_model.format_speedup)
 # --------------------------------------------------------------------------------------------------
-
-
-def fmt_speedup(x: float | None, bar: float = 1.25) -> str:
-    """x rounded down to 3 decimals (more where needed), so that a value under the bar never prints as the
-    bar or above it: 1.2486 -> 1.248x; 1.25 -> 1.250x."""
-    if x is None or not math.isfinite(x):
-        return "–"
-    digits = 3
-    while True:
-        text = f"{math.floor(x * 10 ** digits) / 10 ** digits:.{digits}f}"
-        if not (x < bar <= float(text)) or digits >= 15:
-            return text + "x"
-        digits += 1
 
 
 def largest_ratio(speedup_at, bar: float, hi: float = 64.0, tol: float = 1e-6) -> float | None:

@@ -34,6 +34,7 @@ clock's per-op costs in the calibration's format. `h200_1p3b()` is the shipped s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -51,9 +52,6 @@ SEED_PATH = os.path.join(REPO, "bench", "results", "time_to_quality", "cost_mode
 MEASURED_PATH = os.path.join(REPO, "bench", "results", "gpu_nvidia_h200_a_cost_model.json")
 DERIVED_SEQ8192_PATH = os.path.join(REPO, "bench", "results", "time_to_quality", "cost_model_h200_1p3b_seq8192_derived.json")
 KINDS = _cm.KINDS
-STAGE_SETS = _cm.STAGE_SETS
-TOP_KEYS = _cm.TOP_KEYS
-RATIO_KEYS = _cm.RATIO_KEYS
 
 
 def _fail(where: str, what: str):
@@ -110,29 +108,22 @@ def cost_model_from_measurements(*, name: str, device: str, model: str, pipeline
     return cm
 
 
-def check_cost_model(cm, where: str = "") -> dict:
-    """Raise SystemExit with one line naming the first thing wrong; return cm (the check itself is
-    megatron_po/pipeline/cost_model.py's, shared with tools/simulate_schedule.py)."""
-    try:
-        return _cm.check_cost_model(cm, where)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+def _one_line(check):
+    """megatron_po/pipeline/cost_model.py's `check` (shared with tools/simulate_schedule.py) with its ConfigError as
+    one error line (SystemExit), as the bench commands report bad input."""
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
+    return checked
 
 
-def load_cost_model(path: str, variant: str | None = None) -> dict:
-    """The checked cost model at `path`, with `variant`'s entries in place of the default's."""
-    try:
-        return _cm.load_cost_model(path, variant)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def with_variant(cm: dict, variant: str, where: str = "") -> dict:
-    """A copy of cm whose step and policy entries are replaced by the variant's (per optimizer / method)."""
-    try:
-        return _cm.with_variant(cm, variant, where)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+# check_cost_model(cm, where) -> cm; load_cost_model(path, variant=None) -> the checked model, the variant's entries in
+# place of the default's; with_variant(cm, variant, where) -> a copy with the variant's step and policy entries.
+check_cost_model, load_cost_model, with_variant = map(_one_line, (_cm.check_cost_model, _cm.load_cost_model,
+                                                                  _cm.with_variant))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,6 +352,7 @@ def h200_1p3b_seq8192_derived(measured_path: str = MEASURED_PATH) -> dict:
         policy_ms=policy, source=[f"derived from {os.path.relpath(measured_path, REPO)}: see derivation"])
     cm["source"] = [x for x in cm["source"] if not x.startswith("ZB's split backward not measured")]
     cm.update(provenance="derived", p2p_ms=round(p2p, 6), derivation=derivation)
+    cm["dims"] = {"hidden_size": h, "seq_length": s1, "micro_batch_size": 1}
     return check_cost_model(cm, "derived seq8192")
 
 

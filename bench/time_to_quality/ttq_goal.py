@@ -76,10 +76,9 @@ def sensitivity(s, study: dict, D: int, o: str, clock: tc.Clock) -> dict:
     if not tgs or ops is None:
         return {}
     out = {}
-    for m in ASYNC:
-        unit = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-        own = clock.ops.get((D, unit.opt), {})
-        if (m in tr.ACTUAL_OPT and o != "adamw") or unit not in study["runs"] or m not in own:
+    for unit in tr.async_units(o, D):
+        m, own = unit.name, clock.ops.get((D, unit.opt), {})
+        if unit not in study["runs"] or m not in own:
             continue
         mb = _mean_if_all([tc.time_to(r["curve"], tgs[0][1], 1.0) for r in study["runs"][unit]])
         if mb is None:
@@ -148,11 +147,8 @@ def goal_table(s, study: dict, clocks: list[tc.Clock]) -> tuple[list[str], list[
             rv = val_ms(s, ref)
             verdicts = [{b: [] for b, _ in BASELINES[:2]} for _ in clocks]
             best = [{b: None for b, _ in BASELINES[:2]} for _ in clocks]
-            for m in ASYNC:
-                unit = Unit(tr.ACTUAL_OPT.get(m, o), m, D)
-                if (m in tr.ACTUAL_OPT and o != "adamw") or unit not in study["runs"]:
-                    continue
-                runs = study["runs"][unit]
+            for unit in (u for u in tr.async_units(o, D) if u in study["runs"]):
+                m, runs = unit.name, study["runs"][unit]
                 v = val_ms(s, runs)
                 n = min(len(runs), len(ref))
                 quality = cv.compare(v, rv, n)
@@ -200,7 +196,7 @@ def variants_table(s, study: dict, clock: tc.Clock) -> tuple[list[str], list[lis
         for o in s.optimizers:
             per = [{r["name"]: r for r in timed_rows(s, study, D, o, c)} for c in clocks]
             for m in ASYNC:
-                if m not in per[0] or (m in tr.ACTUAL_OPT and o != "adamw") or per[0][m]["speedup"]["1f1b"] is None:
+                if m not in per[0] or per[0][m]["speedup"]["1f1b"] is None:
                     continue  # (a method some seed of which never reaches T1 has no speed-up on any clock)
                 table.append([str(D), cv.OPT_LABELS[o], LABELS[m]] + [
                     " / ".join(tc.fmt_speedup(p[m]["speedup"].get(b)) for b in ("1f1b", "zb-h1")) if m in p else "–"

@@ -15,6 +15,7 @@ import platform
 import time
 
 import bench_common
+import ttq_cost_model
 import ttq_goal as tg
 import ttq_run as tr
 from ttq_clock import (SYNC_STYLE, Clock, configurations, cpu_clock, fmt_speedup,  # noqa: F401 (re-exported)
@@ -67,7 +68,7 @@ def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]
     """Final validation loss at equal tokens: the equal-updates reference (sync, M = 1), the practical
     synchronous runs (M = 2D, 4D) and the asynchronous methods (k = 1; 2BW k = D)."""
     units = [Unit(o, "sync", 0, M) for M in (1, 2 * D, 4 * D)]
-    units += [Unit(tr.ACTUAL_OPT.get(m, o), m, D) for m in ASYNC if m not in tr.ACTUAL_OPT or o == "adamw"]
+    units += tr.async_units(o, D)
     ref1, ref2 = (study["runs"].get(Unit(o, "sync", 0, M)) for M in (1, 2 * D))
     header = ["D", "optimizer", "run", "lr (best of grid)", "updates", "samples/update", "final val loss",
               "vs sync, 1 update/micro-batch", "vs 1F1B M=2D"] + (["final val BLEU"] if s.workload == "nmt" else [])
@@ -287,7 +288,7 @@ def clock_blocks(s, study: dict, clocks: list[Clock]) -> str:
         out.append(f"### {c.key.upper()} clock: {c.label}\n")
         if c.cost_model:
             cm = c.cost_model
-            out.append(f"Per-op costs from `{c.source or cm['name']}`: {describe_cost_model(cm)}. "
+            out.append(f"Per-op costs from `{c.source or cm['name']}`: {ttq_cost_model.describe(cm)}. "
                        f"tokens/s: the D-stage pipeline's at that model's {cm['tokens_per_microbatch']:,} tokens per "
                        f"micro-batch; seconds: the study's micro-batches at that model's per-op costs (at D other "
                        f"than {cm['pipeline_stages']}, the same model split into D stages). Methods the cost model "
@@ -333,11 +334,6 @@ at M = 2D ("never": not even with a free step; methods some seed of which never 
                  "on every seed; the variants' notes are in the cost model's JSON):\n\n" +
                  (cv.markdown_table(*variants) if variants[1] else "(no asynchronous method reaches T1 on every seed)") + "\n")
     return text
-
-
-def describe_cost_model(cm: dict) -> str:
-    from ttq_cost_model import describe
-    return describe(cm)
 
 
 def write(s, grid: dict, study: dict, load0: tuple, elapsed: float, name: str | None = None,

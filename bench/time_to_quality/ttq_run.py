@@ -23,7 +23,6 @@ M > 1 runs accumulating M micro-batches of B (`train_accumulated`), the validati
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 
@@ -31,19 +30,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 import convergence as cv  # noqa: E402
+from bench_common import final_val  # noqa: E402
 
 SYNC_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
 ASYNC = ("async-naive", "pipedream", "pipedream-2bw", "pipeoptim", "pipenag", "2bw-ef")
 METHODS = SYNC_SCHEDULES + ASYNC
-# Asynchronous variants run through convergence.py's PREDICTOR_VARIANTS hook (base method, policy options).
-# Registered at import, so the worker processes (which import this module to unpickle the job function)
-# know them too.
-VARIANTS = {"pipenag": ("pipenag", {}), "2bw-ef": ("pipedream-2bw", {"error_feedback": True})}
+# Asynchronous variants run through convergence.py's PREDICTOR_VARIANTS hook (base method, policy options; po-ef:
+# deep_pipelines.py's PipeOptim + error feedback). Registered at import, so the worker processes (which import
+# this module to unpickle the job function) know them too.
+VARIANTS = {"pipenag": ("pipenag", {}), "2bw-ef": ("pipedream-2bw", {"error_feedback": True}),
+            "po-ef": ("pipeoptim", {"error_feedback": True})}
 cv.PREDICTOR_VARIANTS.update(VARIANTS)
-LABELS = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B (v=2)", "zb-h1": "ZB-H1", "sync": "sync",
+# Both studies' names (deep_pipelines_runs.LABELS is this).
+LABELS = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "zb-v": "ZB-V",
+          "interleaved-1f1b": "interleaved 1F1B (v=2)", "interleaved-zb-h1": "interleaved ZB-H1 (v=2)", "sync": "sync",
           "async-naive": "async-naive", "pipedream": "PipeDream", "pipedream-2bw": "PipeDream-2BW",
-          "pipeoptim": "PipeOptim", "pipenag": "PipeNAG (NAG)", "2bw-ef": "2BW + error feedback"}
-cv.LABELS.update({"pipenag": LABELS["pipenag"], "2bw-ef": LABELS["2bw-ef"]})
+          "pipeoptim": "PipeOptim", "pipenag": "PipeNAG (NAG)", "2bw-ef": "2BW + error feedback",
+          "po-ef": "PipeOptim + error feedback"}
+cv.LABELS.update({m: LABELS[m] for m in VARIANTS})
 OPTIMIZERS = ("adamw", "muon")
 # The optimizer a method trains with in an optimizer's panel (PipeNAG is its own optimizer).
 ACTUAL_OPT = {"pipenag": "nag"}
@@ -174,10 +178,14 @@ def plan_units(s: cv.Settings) -> list[Unit]:
         if any(m in SYNC_SCHEDULES for m in s.methods):
             units += [Unit(o, "sync", 0, M) for M in sync_ms(s)]
         for D in sorted(s.depths, reverse=True):
-            for m in ASYNC:
-                if m in s.methods and (m not in ACTUAL_OPT or o == "adamw"):
-                    units.append(Unit(ACTUAL_OPT.get(m, o), m, D))
+            units += [u for u in async_units(o, D) if u.name in s.methods]
     return list(dict.fromkeys(units))
+
+
+def async_units(o: str, D: int) -> list[Unit]:
+    """The asynchronous units of optimizer o's panel at D, in ASYNC's order: PipeNAG (its own optimizer,
+    ACTUAL_OPT) in AdamW's only."""
+    return [Unit(ACTUAL_OPT.get(m, o), m, D) for m in ASYNC if m not in ACTUAL_OPT or o == "adamw"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,10 +244,6 @@ def run_job(s: cv.Settings, job: tuple) -> dict:
     return r
 
 
-def _run_job_args(args) -> dict:
-    return run_job(*args)
-
-
 def _describe(r: dict) -> str:
     if r["kind"] != "train":
         return f"calibration D={r['D']} {r['optimizer']}"
@@ -250,48 +254,35 @@ def _describe(r: dict) -> str:
 
 def run_jobs(s: cv.Settings, jobs: list[tuple], log) -> list[dict]:
     """Cached results of `jobs` (with --resume), the rest run on `s.jobs` worker processes."""
-    return bench_common.run_cached_jobs([(s, j) for j in jobs], lambda a: job_path(*a), _run_job_args,
+    return bench_common.run_cached_jobs([(s, j) for j in jobs], job_path, run_job,
                                         workers=s.jobs, resume=s.resume, describe=_describe, log=log)
 
 
-def final_val(r: dict, steps: int) -> float:
-    """Final validation loss of a run (inf when it diverged or stopped early: never the best lr)."""
-    c = r["curve"]
-    return c[-1][1] if c and c[-1][0] == steps and math.isfinite(c[-1][1]) else math.inf
-
-
 def run_study(s: cv.Settings, grid: dict, log=print) -> dict:
-    """Sweep (seed 1 at every lr of the grid), then seeds 2..n at each unit's best lr; calibrations.
-    Returns {"sweep": {unit: {lr: final}}, "best": {unit: lr}, "runs": {unit: [results at best lr]},
-    "calibrations": {(D, opt): result}}."""
+    """The calibrations, then the sweep (seed 1 at every lr of the grid, bench_common.tune), then seeds 2..n at
+    each unit's best lr. Returns {"sweep": {unit: {lr: final}}, "best": {unit: lr}, "runs": {unit: [results at
+    the best lr]}, "calibrations": {(D, opt): result}, ...}."""
     validate(s, grid)
     wl = cv.build_workload(s)
     wl.prepare()
     units = plan_units(s)
     for M in sorted({u.M for u in units}):
         cv.build_workload(batch_settings(s, M)).prepare()  # (dataset indices: once, not in every worker)
-    opts = sorted({u.opt for u in units})
-    calib_jobs = [("calibrate", D, o) for D in s.depths for o in opts]
-    sweep_jobs = [("train", u, lr, 1) for u in units for lr in grid[u.opt]]
-    log(f"> {len(units)} units x {len(next(iter(grid.values())))} lr (seed 1) + {len(calib_jobs)} calibrations")
-    results = run_jobs(s, calib_jobs + sweep_jobs, log)
-    calib = {(r["D"], r["optimizer"]): r for r in results if r["kind"] == "calibrate"}
-    by_unit: dict = {}
-    for r in results:
-        if r["kind"] == "train":
-            by_unit.setdefault(Unit(**r["unit"]), []).append(r)
-    sweep = {u: {r["lr"]: final_val(r, s.steps) for r in by_unit.get(u, [])} for u in units}
-    best = {u: min(grid[u.opt], key=lambda lr: (sweep[u].get(lr, math.inf), lr)) for u in units}
-    seed_jobs = [("train", u, best[u], sd) for u in units for sd in range(2, s.seeds + 1)]
-    log(f"> {len(seed_jobs)} runs at the best lr (seeds 2..{s.seeds})")
-    for r in run_jobs(s, seed_jobs, log):
-        by_unit.setdefault(Unit(**r["unit"]), []).append(r)
-    runs = {u: sorted((r for r in by_unit.get(u, []) if r["lr"] == best[u]), key=lambda r: r["seed"])
+    calib = {(r["D"], r["optimizer"]): r for r in
+             run_jobs(s, [("calibrate", D, o) for D in s.depths for o in sorted({u.opt for u in units})], log)}
+    train = lambda jobs: {(Unit(**r["unit"]), r["lr"], r["seed"]): r  # noqa: E731
+                          for r in run_jobs(s, [("train", *j) for j in jobs], log)}
+    final = lambda r: final_val(r, s.steps)  # noqa: E731
+    results: dict = {}
+    best = bench_common.tune(units, grid, train, final, results=results, log=log)
+    log(f"> runs at the best lr (seeds 2..{s.seeds})")
+    results.update(train([(u, best[u], sd) for u in units for sd in range(2, s.seeds + 1)]))
+    sweep = {u: {lr: final(results[(u, lr, 1)]) for lr in grid[u.opt] if (u, lr, 1) in results} for u in units}
+    runs = {u: sorted((r for (uu, lr, _), r in results.items() if uu == u and lr == best[u]), key=lambda r: r["seed"])
             for u in units}
-    train_seconds = sum(r["seconds"] for rs in by_unit.values() for r in rs)
     return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
-            "train_seconds": train_seconds, "unigram": wl.unigram_baseline(), "workload": wl,
-            "tokens_per_microbatch": wl.tokens_per_microbatch}
+            "train_seconds": sum(r["seconds"] for r in results.values()), "unigram": wl.unigram_baseline(),
+            "workload": wl, "tokens_per_microbatch": wl.tokens_per_microbatch}
 
 
 # Settings fields that change no number of a report (where it is written, how the runs were scheduled).
@@ -321,18 +312,11 @@ def study_from_json(s: cv.Settings, data: dict, workload: bool = True) -> dict:
     wl = cv.build_workload(s) if workload else None
     if wl is not None:
         wl.prepare()
-    units, sweep, best, runs = [], {}, {}, {}
-    for e in data["units"]:
-        u = Unit(e["opt"], e["name"], e["D"], e["M"])
-        units.append(u)
-        sweep[u] = {float(lr): v for lr, v in e["sweep"].items()}
-        best[u] = e["best_lr"]
-        runs[u] = sorted(({**r, "curve": [tuple(p) for p in r["curve"]]} for r in e["runs"]), key=lambda r: r["seed"])
+    study = bench_common.units_from_json(data, lambda e: Unit(e["opt"], e["name"], e["D"], e["M"]))
     calib = {}
     for key, ops in data["op_times"].items():
         d, opt = key.split(",")
         calib[(int(d.removeprefix("D=")), opt)] = {"op_times": ops}
     tpm = data.get("tokens_per_microbatch") or (wl.tokens_per_microbatch if wl else s.micro_batch * s.seq_length)
-    return {"units": units, "sweep": sweep, "best": best, "runs": runs, "calibrations": calib,
-            "train_seconds": sum(r["seconds"] for rs in runs.values() for r in rs), "unigram": data["unigram"],
-            "workload": wl, "tokens_per_microbatch": tpm}
+    return {**study, "calibrations": calib, "unigram": data["unigram"], "workload": wl, "tokens_per_microbatch": tpm,
+            "train_seconds": sum(r["seconds"] for rs in study["runs"].values() for r in rs)}

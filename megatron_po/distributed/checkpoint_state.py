@@ -82,9 +82,13 @@ def stepped_params(optimizers) -> dict[int, _Stepped]:
     return out
 
 
-def parallel_layout() -> tuple[int, int, int, int]:
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_data_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+def parallel_layout() -> tuple[int, ...]:
+    """(TP, PP, DP, virtual stages), and CP after them when it is > 1 (so layouts saved without CP read
+    the same): the random generators are restored only under the same layout."""
+    layout = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+              ps.get_data_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+    cp = ps.get_context_parallel_world_size()
+    return layout + (cp,) if cp > 1 else layout
 
 
 def model_and_optimizer_state(names, stepped: dict[int, _Stepped], with_optimizer: bool):

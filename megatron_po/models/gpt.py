@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
+from megatron_po.data.context_split import this_rank_positions
 from megatron_po.data.document_masks import document_causal_mask
 from megatron_po.models.fp8 import enable_fp8, uses_torchao
 from megatron_po.models.recompute import layer_groups, run_layers
@@ -78,11 +79,15 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings or cfg.seq_length, cfg.hidden_size)
             init_normal(cfg.init_method_std)(self.position_embeddings.weight)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [s]: the tokens' places in the whole sequence (context parallelism), else 0 .. s-1."""
         x = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             if position_ids is None:
-                x = x + self.position_embeddings(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+                if positions is None:
+                    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                x = x + self.position_embeddings(positions)[None]
             else:  # --reset-position-ids: [b, s]
                 x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
@@ -100,6 +105,8 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel
         self.layer_offset = layer_offset
+        # --context-parallel-size > 1: the micro-batch holds this rank's 2 of 2 x CP chunks of every sequence
+        self.context_parallel = ps.get_context_parallel_world_size() > 1
         n = cfg.num_layers if num_layers is None else num_layers
         self.tie_output = not cfg.untie_embeddings_and_output_weights
 
@@ -163,13 +170,18 @@ class GPTModel(nn.Module):
             labels = batch.get("labels") if self.post_process else None
             loss_mask = batch.get("loss_mask") if self.post_process else None
             position_ids = batch.get("position_ids")
-            if "document_ids" in batch:
-                attn_mask = document_causal_mask(batch["document_ids"])
-        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
+            if "document_ids" in batch:  # context parallelism: the attention masks each key block itself
+                ids = batch["document_ids"]
+                attn_mask = ids if self.context_parallel else document_causal_mask(ids)
+        tp_split = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        seq = input_ids.shape[1] if self.pre_process else hidden_states.shape[0] * tp_split  # this rank's tokens
+        positions = None
+        if self.context_parallel and position_ids is None:
+            positions = this_rank_positions(seq, input_ids.device if self.pre_process else hidden_states.device)
+        x = self.embedding(input_ids, position_ids, positions) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
-            seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
-            rotary = self.rotary(seq, x.device, position_ids)
+            rotary = self.rotary(seq, x.device, position_ids, positions=positions)
         with self.layers_context():
             extra = () if attn_mask is None else (attn_mask,)
             x = run_layers(self.layers, self.recompute_groups, x, rotary, *extra)

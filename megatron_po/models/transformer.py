@@ -20,6 +20,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
                                  recompute_granularity)
+from megatron_po.models.context_parallel_attention import context_parallel_attention
 from megatron_po.models.moe.layer import MoELayer
 from megatron_po.models.moe.layout import moe_layer_pattern
 from megatron_po.models.recompute import maybe_recompute
@@ -107,8 +108,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_len: int, device, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [s, 1, 1, head_dim]; with `position_ids` [b, s] (--reset-position-ids) [s, b, 1, head_dim]."""
+    def forward(self, seq_len: int, device, position_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [s, 1, 1, head_dim]; with `position_ids` [b, s] (--reset-position-ids) [s, b, 1, head_dim].
+        `positions` [s]: the rows' places in the whole sequence (context parallelism), else 0 .. s-1."""
         if position_ids is not None:
             t = position_ids.t().to(torch.float32)  # [s, b]
             if self.interpolation_factor is not None:
@@ -116,7 +119,8 @@ class RotaryEmbedding(nn.Module):
             freqs = t[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
             emb = torch.cat([freqs, freqs], dim=-1)
             return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
-        t = torch.arange(seq_len, device=device, dtype=torch.float32)
+        t = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
+             else positions.to(device=device, dtype=torch.float32))
         if self.interpolation_factor is not None:
             t = t / self.interpolation_factor
         freqs = torch.outer(t, self.inv_freq.to(device))
@@ -187,6 +191,9 @@ class SelfAttention(nn.Module):
         self.attention_backend = cfg.attention_backend
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
         self.recompute_core = recompute_granularity(cfg) == "selective"
+        # --context-parallel-size > 1: this rank holds 2 of the sequence's 2 x CP chunks (context_parallel_attention.py)
+        self.context_parallel = ps.get_context_parallel_world_size() > 1
+        self.cp_comm_type = cfg.cp_comm_type
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=cfg.add_bias_linear,
                                         gather_output=False, init_method=init_normal(cfg.init_method_std),
@@ -220,7 +227,10 @@ class SelfAttention(nn.Module):
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
         # Without a cache k.shape[2] == s: a plain bool, also when torch.compile makes s symbolic (NMT lengths).
         causal = self.causal and attn_mask is None and (kv_cache is None or k.shape[2] == s)
-        ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
+        if self.context_parallel and kv_cache is None:  # attn_mask: the whole sequence's document ids, or None
+            ctx = maybe_recompute(self.recompute_core, self.context_parallel_core, q, k, v, attn_mask)
+        else:
+            ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
         out, _ = self.proj(ctx)
         return out
@@ -242,6 +252,18 @@ class SelfAttention(nn.Module):
                                             is_causal=causal)
             else:
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
+        return ctx.to(dtype)
+
+
+    def context_parallel_core(self, q, k, v, document_ids) -> torch.Tensor:
+        """The core of a causal layer over a sequence split across the CP ranks: only the key/value groups travel
+        (no dropout: config rule context-parallel-attention-dropout)."""
+        assert self.causal, "context parallelism splits causal self-attention only"
+        dtype = q.dtype
+        if self.softmax_in_fp32:
+            q, k, v = q.float(), k.float(), v.float()
+        ctx = context_parallel_attention(q, k, v, document_ids, self.cp_comm_type,
+                                         math_kernel=_SDPA_KERNELS[self.attention_backend] == "MATH")
         return ctx.to(dtype)
 
 
@@ -296,7 +318,8 @@ class TransformerLayer(nn.Module):
         self.mlp = build_mlp(cfg, sequence_parallel, layer_number)
 
     def forward(self, x: torch.Tensor, rotary=None, attn_mask=None) -> torch.Tensor:
-        """`attn_mask` [b, 1, s, s] bool (--reset-attention-mask's document-level causal mask; None: causal)."""
+        """`attn_mask` [b, 1, s, s] bool (--reset-attention-mask's document-level causal mask; None: causal); with
+        context parallelism the whole sequence's document ids [b, s] instead (each key block's mask is built there)."""
         drop = lambda t: dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
         x = x + drop(self.attention(self.input_norm(x), rotary, attn_mask))
         x = x + drop(self.mlp(self.post_attention_norm(x)))

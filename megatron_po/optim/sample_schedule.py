@@ -7,9 +7,10 @@ iteration that starts after `c` consumed samples is G once c > SAMPLES, else
 `START + floor(c / (SAMPLES / ((G - START) / INCR))) * INCR`. With --train-samples N the run has as many
 ramp iterations as start at c <= min(SAMPLES, N), then (N - c) // G more (a partial last batch is dropped).
 
-The lr counts samples like Megatron's scheduler. Our one convention, kept from `lr_scheduler.lr_at` (to which
-this reduces exactly for a constant batch and iteration flags): during warm-up a step already uses the lr
-of the samples it completes, lr x (c + b) / W, so the first step does not run at lr 0; decay reads c.
+The lr counts samples like Megatron's scheduler. Our one convention: during warm-up a step already uses the lr
+of the samples it completes, lr x (c + b) / W, so the first step does not run at lr 0; decay reads c. The
+single-process studies under bench/ run the same rule on the micro-batch clock (`microbatch_lr`: one sample
+per micro-batch, step i of a chunk that steps every k micro-batches at the lr of micro-batch i x k).
 As in Megatron, c counts only the samples of iterations whose step was applied (its scheduler steps only on
 `update_successful`): an fp16 step skipped for inf/NaN gradients leaves the lr as it was, while the batch
 ramp follows every consumed sample (training_step.TrainState.updated_samples). Without skipped steps the
@@ -94,7 +95,7 @@ class SampleSchedule:
 
     def _spans(self) -> None:
         """Warm-up, decay and WSD-decay spans in samples; `unit` is the sample count of one schedule step
-        (the global batch when the flags count iterations), used where lr_at rounds to whole steps."""
+        (the global batch when the flags count iterations): the decay never divides by less."""
         t, g = self.t, self.gbs
         if t.train_samples is None:
             self.unit = g
@@ -135,7 +136,8 @@ def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, w
               wsd: float, unit: int = 1) -> float:
     """The lr of a step of `batch` samples that starts after `consumed` samples (see the module notes)."""
     if warmup > 0 and consumed < warmup:
-        return lr * min(1.0, (consumed + batch) / warmup)
+        done = consumed + batch  # (lr x done / W in this order: the studies' cached runs were made with it)
+        return lr * done / warmup if done <= warmup else lr
     if style == "constant":
         return lr
     if consumed >= decay:
@@ -154,3 +156,19 @@ def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, w
         raise ValueError(f"unknown --lr-decay-style {style}")
     return min_lr + coeff * (lr - min_lr)
 
+
+
+def microbatch_lr(step: int, every: int, t) -> float:
+    """The lr of step `step` of a chunk that steps every `every` micro-batches, on the micro-batch clock of the
+    single-process studies (bench/): the lr of micro-batch step x every, the TrainingConfig `t`'s iteration
+    flags counting micro-batches (warm-up --lr-warmup-iters, decay to --min-lr over --lr-decay-iters or
+    --train-iters), so warm-up and decay span the same samples for every method and update interval."""
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, (decay - t.lr_warmup_iters) // 10)
+    return sample_lr(step * every, 1, t.lr_decay_style, t.lr, t.min_lr, t.lr_warmup_iters, decay, wsd)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Every param group's lr: `lr` times the group's `lr_mult` where it has one."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)

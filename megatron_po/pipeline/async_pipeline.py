@@ -88,7 +88,7 @@ from megatron_po.optim import build_optimizer
 from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
-from megatron_po.optim.lr_scheduler import set_lr
+from megatron_po.optim.sample_schedule import set_lr
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
 from megatron_po.pipeline.cuts import EVAL_ID_OFFSET, hooks_at_cuts
@@ -528,7 +528,7 @@ class AsyncPipelineRank:
                                                                          clip_grad)
         chunks = build_chunks(cfg, padded_vocab, self.rank, D, v, ps.get_device())
         self.stage = AsyncStage(self.rank, D, chunks, method, update_interval, optimizer_name, optimizer_kwargs,
-                                lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(),
+                                lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
                                 tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
                                 ddp_bucket_size=cfg.parallel.ddp_bucket_size, compile_step=cfg.model.torch_compile,
                                 **policy_options)

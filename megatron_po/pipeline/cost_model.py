@@ -40,7 +40,8 @@ STAGE_SETS = ("stale", "all")
 PROVENANCES = ("measured", "derived")
 REQUIRED_KEYS = {"schema", "name", "device", "model", "pipeline_stages", "data_parallel", "tokens_per_microbatch",
                  "forward_ms", "ratios", "source"}
-TOP_KEYS = REQUIRED_KEYS | {"variants", "p2p_ms", "provenance", "derivation"}
+TOP_KEYS = REQUIRED_KEYS | {"variants", "p2p_ms", "provenance", "derivation", "dims"}
+DIMS = ("hidden_size", "seq_length", "micro_batch_size")  # a model's shape, where it states it: `at_sequence_length`
 RATIO_KEYS = {"backward", "backward_input", "backward_weight", "step", "policy"}
 
 
@@ -108,6 +109,10 @@ def check_cost_model(cm, where: str = "") -> dict:
         _check_ratio(cm["p2p_ms"], "p2p_ms", 1, where)
     if cm.get("provenance", "measured") not in PROVENANCES:
         _fail(where, f"provenance must be one of {', '.join(PROVENANCES)}, got {cm['provenance']!r}")
+    if "dims" in cm and (not isinstance(cm["dims"], dict) or set(cm["dims"]) != set(DIMS)
+                         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                    for v in cm["dims"].values())):
+        _fail(where, f"dims must be an object of the integers >= 1 {', '.join(DIMS)}, got {cm['dims']!r}")
     if "derivation" in cm and (not isinstance(cm["derivation"], list)
                                or not all(isinstance(x, str) for x in cm["derivation"])):
         _fail(where, "derivation must be a list of strings")
@@ -176,10 +181,20 @@ def provenance(cm: dict) -> str:
     return cm.get("provenance", "measured")
 
 
-def format_speedup(x: float) -> str:
-    """A study's speed-up as its report and the advisor print it: rounded down to 3 decimals, so a value under
-    the bar never prints at it; 0 (a pairing that never reaches the target loss) as "never"."""
-    return "never" if x == 0 else f"{math.floor(x * 1000) / 1000:.3f}x"
+def format_speedup(x: float | None, bar: float = 1.25) -> str:
+    """A speed-up as the studies' reports and the advisor print it: rounded down to 3 decimals, more where needed
+    so that a value under the bar never prints at or above it (1.2486 -> 1.248x; 1.25 - 1e-16 -> 1.2499...x);
+    0 (a pairing that never reaches the target loss) as "never", None or a non-finite value as "–"."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    if x == 0:
+        return "never"
+    digits = 3
+    while True:
+        text = f"{math.floor(x * 10 ** digits) / 10 ** digits:.{digits}f}"
+        if not (x < bar <= float(text)) or digits >= 15:
+            return text + "x"
+        digits += 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +239,85 @@ def p2p_derivation(tokens: int, hidden: int, bandwidth_gb_s: float = H200_NVLINK
                 f"one way (NVLink 4 between two H200s of one node: 450 GB/s nominal, 78 % taken) + "
                 f"{latency_us:g} us NCCL latency = {ms:.4f} ms; every send of an op list pays it (forward and "
                 "backward at each stage boundary)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Another sequence length, and context parallelism: derived from the model's stated shape (`dims`)
+# --------------------------------------------------------------------------------------------------
+
+
+def at_sequence_length(cm: dict, seq_length: int, micro_batch_size: int | None = None,
+                       context_parallel: int = 1) -> dict:
+    """cm re-derived for micro-batches of `micro_batch_size` (default: the model's) x `seq_length` tokens, each
+    sequence split over `context_parallel` ranks (each rank pricing its share). DERIVED, never measured: every
+    step is written into the copy's `derivation`, and its provenance is "derived". Needs the model's `dims`
+    (hidden_size, and the seq_length and micro_batch_size it was priced at); ConfigError where it has none.
+
+    Per token and layer the forward does 24h^2 FLOPs of dense matmuls (QKV, projection, a 4h MLP) and 2sh of
+    causal attention (QK^T and AV over s keys, halved by the mask); a CP rank holds 1/CP of the tokens and, the
+    split being load-balanced, 1/CP of the attention. So the forward scales by tokens x (24h^2 + 2sh) (attention
+    taken at the dense matmuls' efficiency). The backward: its dense part (2 x the dense forward) by the tokens,
+    its attention part (2.5 x: flash attention's backward does 5 products against the forward's 2) by tokens x s;
+    weight gradients stay half the dense backward. Optimizer steps and weight-policy work are per parameter: the
+    same milliseconds, so their ratios to the forward shrink by its factor. A p2p message (one micro-batch's
+    activation at a stage boundary) is this rank's tokens x h: repriced by `p2p_derivation` where the model's
+    figure is that derivation's, else scaled by the tokens. The CP ring's own transfers are not priced: taken as
+    hidden behind the blocks' attention (they overlap it)."""
+    dims = cm.get("dims")
+    if not dims:
+        _fail(cm["name"], f"states no dims ({', '.join(DIMS)}): its per-micro-batch cost cannot be scaled to another "
+                          "sequence length")
+    if seq_length < 1 or (micro_batch_size is not None and micro_batch_size < 1) or context_parallel < 1:
+        _fail(cm["name"], f"sequence length {seq_length}, micro-batch {micro_batch_size} and context-parallel size "
+                          f"{context_parallel} must be >= 1")
+    h, s0, b0 = dims["hidden_size"], dims["seq_length"], dims["micro_batch_size"]
+    s1, b1, cp = seq_length, micro_batch_size or b0, context_parallel
+    dense = 24 * h * h
+    tok0, tok1 = b0 * s0, b1 * s1 / cp
+    fwd_factor = tok1 * (dense + 2 * s1 * h) / (tok0 * (dense + 2 * s0 * h))
+    dense_share = 2 * dense / (2 * dense + 2.5 * 2 * s0 * h)  # of the priced backward
+    out = copy.deepcopy(cm)
+    r = out["ratios"]
+    per = lambda v, f: [f(x) for x in v] if isinstance(v, list) else f(v)  # noqa: E731
+    b_dense = per(r["backward"], lambda b: b * dense_share * tok1 / tok0 / fwd_factor)  # as ratios to the new forward
+    b_attn = per(r["backward"], lambda b: b * (1 - dense_share) * tok1 * s1 / (tok0 * s0) / fwd_factor)
+    both = lambda a, b, f: [f(x, y) for x, y in zip(a, b)] if isinstance(a, list) else f(a, b)  # noqa: E731
+    r["backward"] = both(b_dense, b_attn, lambda x, y: round(x + y, 6))
+    r["backward_weight"] = per(b_dense, lambda x: round(x / 2, 6))
+    r["backward_input"] = both(r["backward"], r["backward_weight"], lambda x, y: round(x - y, 6))
+    out["forward_ms"] = per(cm["forward_ms"], lambda f: round(f * fwd_factor, 6))
+    shrink = lambda v: round(v / fwd_factor, 6) if not isinstance(v, list) else [round(x / fwd_factor, 6) for x in v]  # noqa: E731
+    for entries in [r["step"]] + [v.get("step", {}) for v in out.get("variants", {}).values()]:
+        for k in entries:
+            entries[k] = shrink(entries[k])
+    for policy in [r.get("policy", {})] + [v.get("policy", {}) for v in out.get("variants", {}).values()]:
+        for e in policy.values():
+            for k in KINDS:
+                if k in e:
+                    e[k] = shrink(e[k])
+    lines = [f"At another shape (cost_model.at_sequence_length, DERIVED from {cm['name']}, "
+             f"{provenance(cm).upper()} at {b0} x {s0} tokens, hidden {h}): micro-batch {b1} x {s1} tokens"
+             + (f", each sequence split over CP = {cp} ranks (each prices its {s1 // cp} tokens and 1/{cp} of the "
+                "attention; the ring's transfers taken as hidden behind the blocks' attention)" if cp > 1 else "")
+             + f". Forward per token and layer 24h^2 + 2sh FLOPs (causal): x {fwd_factor:.4f}; backward's dense "
+             f"part (share {dense_share:.4f} of it) by the tokens, its attention part (2.5 x attention's forward) by "
+             "tokens x s; weight gradients half the dense backward; steps and weight-policy work per parameter "
+             "(the same ms)."]
+    if "p2p_ms" in cm:
+        derived, _ = p2p_derivation(tok0, h)
+        if abs(cm["p2p_ms"] - derived) < 1e-6:
+            ms, text = p2p_derivation(round(tok1), h)
+        else:
+            ms, text = cm["p2p_ms"] * tok1 / tok0, f"p2p: the model's {cm['p2p_ms']:g} ms x tokens {tok1:g}/{tok0}"
+        out["p2p_ms"] = round(ms, 6)
+        lines.append(text)
+    out.update(name=f"{cm['name']} at {b1}x{s1}" + (f" CP={cp}" if cp > 1 else ""), provenance="derived",
+               tokens_per_microbatch=b1 * s1, dims={"hidden_size": h, "seq_length": s1, "micro_batch_size": b1},
+               model=f"{cm['model']}; DERIVED at micro-batch {b1} x {s1} tokens" + (f", CP = {cp}" if cp > 1 else ""))
+    if cp > 1:  # priced per CP rank: no longer the shape of one whole-sequence stage, so not to be rescaled again
+        del out["dims"]
+    out["derivation"] = list(cm.get("derivation", [])) + lines
+    return check_cost_model(out, out["name"])
 
 
 # --------------------------------------------------------------------------------------------------

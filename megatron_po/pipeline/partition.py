@@ -91,7 +91,7 @@ class ActivationSpecs:
 
 
 def gpt_message_specs(cfg: Config, micro_batch_size: int) -> ActivationSpecs:
-    seq = cfg.model.seq_length
+    seq = cfg.model.seq_length // cfg.parallel.context_parallel_size  # this CP rank's 2 chunks
     if cfg.parallel.sequence_parallel:
         seq //= cfg.parallel.tensor_model_parallel_size
     dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float16 if cfg.precision.fp16 else torch.float32

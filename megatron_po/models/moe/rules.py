@@ -27,7 +27,7 @@ def etp(c: Ctx) -> int:
 
 
 def _stage_ranks(c: Ctx) -> int:
-    return c.tp * c.dp
+    return c.tp * c.cp * c.dp
 
 
 # Flags that mean something only with --num-experts (given, not at their defaults).
@@ -94,8 +94,8 @@ MOE_RULES = [
     Rule("ep-x-etp-vs-stage", lambda c: _stage_ranks(c) % (c.p.expert_model_parallel_size * etp(c)) == 0,
          lambda c: f"--expert-model-parallel-size ({c.p.expert_model_parallel_size}) x --expert-tensor-parallel-size "
                    f"({etp(c)}) = {c.p.expert_model_parallel_size * etp(c)} does not divide the ranks of a pipeline "
-                   f"stage (tensor x data parallel = {c.tp} x {c.dp}): the experts are carved out of the "
-                   f"data-parallel ranks", when=_moe),
+                   f"stage (tensor x context x data parallel = {c.tp} x {c.cp} x {c.dp}): the experts are carved out "
+                   f"of the data-parallel ranks", when=_moe),
     Rule("moe-tp-needs-sequence-parallel", lambda c: c.p.sequence_parallel,
          lambda c: f"MoE with --tensor-model-parallel-size {c.tp} needs --sequence-parallel (as in Megatron: each TP "
                    f"rank routes its own tokens)", when=lambda c: _moe(c) and c.tp > 1),
@@ -141,6 +141,10 @@ MOE_RULES = [
          "not implemented yet (issue 48 item 4)", when=_moe),
     Rule("moe-no-muon", lambda c: c.t.optimizer != "muon",
          "--optimizer muon with --num-experts: per-expert orthogonalization is not implemented yet (issue 48 item 4)",
+         when=_moe),
+    Rule("moe-no-context-parallel", lambda c: c.cp == 1,
+         lambda c: f"--context-parallel-size {c.cp} with --num-experts: the router's capacity, auxiliary losses and "
+                   "token counts are not yet reduced over the context-parallel ranks: use --context-parallel-size 1",
          when=_moe),
     Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
          lambda c: f"--fp8-format needs the shared experts' size per TP rank "

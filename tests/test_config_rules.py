@@ -443,7 +443,6 @@ RULES = [
     ("moe-no-distributed-optimizer", 1, MOCK + ["--num-experts", "8", "--use-distributed-optimizer"],
      ["--use-distributed-optimizer with --num-experts", "(issue 48 item 4)"]),
     ("moe-no-muon", 1, MOCK + ["--num-experts", "8", "--optimizer", "muon"], ["--optimizer muon with --num-experts"]),
-    ("moe-no-checkpoints", 1, MOCK + ["--num-experts", "8", "--save", "ck"], ["--save/--load with --num-experts"]),
     ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
                                        "--moe-shared-expert-intermediate-size", "40"],
      ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),

@@ -4,7 +4,7 @@ Megatron's own checks where it has them (top-k, experts divisible by EP, sequenc
 expert bias with sigmoid scores, no bias under expert TP, padding needs a capacity), the layout (EP x ETP must
 divide the ranks of a pipeline stage), the flags Megatron has and this code does not take (one line each),
 and what other parts of issue 48 have not wired yet (asynchronous pipelines, the distributed optimizer and
-Muon over experts, checkpoints of experts).
+Muon over experts).
 """
 
 from __future__ import annotations
@@ -142,9 +142,6 @@ MOE_RULES = [
     Rule("moe-no-muon", lambda c: c.t.optimizer != "muon",
          "--optimizer muon with --num-experts: per-expert orthogonalization is not implemented yet (issue 48 item 4)",
          when=_moe),
-    Rule("moe-no-checkpoints", lambda c: c.ck.save is None and c.ck.load is None,
-         "--save/--load with --num-experts: checkpoints of experts (sharded by EP, the expert bias) are not "
-         "implemented yet (issue 48 item 5)", when=_moe),
     Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
          lambda c: f"--fp8-format needs the shared experts' size per TP rank "
                    f"({c.m.moe_shared_expert_intermediate_size // c.tp}) divisible by 16",

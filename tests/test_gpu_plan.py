@@ -67,9 +67,10 @@ def test_plan_runs_the_cuda_suite_then_never_measured_then_changed_then_unchange
     assert recs["muon"].last.code_hash == now["muon"] and recs["muon"].seconds == [70.0, 75.0]  # the newest last
     plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=None)
     order = [p.step for p in plan]
-    never = ["compiled", "gpipe", "stream_compiled", "fp16", "stream", "stream_compiled_muon", "fp8", "long_context"]
+    never = ["compiled", "moe", "gpipe", "stream_compiled", "fp16", "stream", "stream_compiled_muon", "fp8",
+             "long_context"]
     assert order == ["cuda_tests", *never, "gpt", "fused", "peak", "plain", "muon"]
-    assert [p.why for p in plan] == ["first"] + ["never measured"] * 8 + ["code changed"] * 2 + ["unchanged"] * 3
+    assert [p.why for p in plan] == ["first"] + ["never measured"] * 9 + ["code changed"] * 2 + ["unchanged"] * 3
     assert all(p.chosen for p in plan)  # no budget: everything, in that order
     assert "code changed since 2026-11-27 at aaaa111" in plan[order.index("gpt")].reason
     # the compile tests run beside the timed steps, not in this order

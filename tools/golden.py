@@ -86,6 +86,14 @@ NMT = {"--encoder-num-layers": 1, "--decoder-num-layers": 1, "--hidden-size": 32
        "--metrics-file": "$OUT/metrics.jsonl"}
 
 
+# Mixture of experts (issue 48): 4 experts of 32 (2 on each EP rank), top-2, dropless, EP = 2 over the two
+# data-parallel ranks. `ep2_moe_aux`: softmax scores, the load-balancing loss and the z-loss large enough to move
+# the gradients, tokens through the alltoall dispatcher; `ep2_moe_expert_bias`: DeepSeek-V3's aux-loss-free
+# balancing (sigmoid scores, the expert bias moved by 1e-2 per step, enough to change the routing within 20
+# steps), a dense first layer (Megatron's list form), shared experts, the allgather dispatcher.
+MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32, "--expert-model-parallel-size": 2}
+
+
 @dataclass(frozen=True)
 class Golden:
     """One pinned configuration. Exactly one of `flags` (a pretrain_gpt.py / pretrain_nmt.py run on `world`
@@ -149,6 +157,14 @@ CONFIGS = [
         **{"--pipeline-method": "pipenag", "--optimizer": "nag", "--lr": 0.5, "--min-lr": 0.05}),
     gpt("pp2_error_feedback", ("error feedback, distributed",), 2, **ASYNC,
         **{"--pipeline-method": "pipeoptim", "--optimizer": "nadamw", "--async-error-feedback": True}),
+    gpt("ep2_moe_aux", ("MoE at EP = 2 with the load-balancing loss and the z-loss", "the alltoall dispatcher"), 2,
+        **MOE, **{"--moe-token-dispatcher-type": "alltoall", "--moe-aux-loss-coeff": 1e-2, "--moe-z-loss-coeff": 1e-3}),
+    gpt("ep2_moe_expert_bias", ("MoE at EP = 2 with the expert bias (aux-loss-free, sigmoid)", "shared experts",
+                                "a dense first layer", "the allgather dispatcher"), 2,
+        **MOE, **{"--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
+                  "--moe-router-bias-update-rate": 1e-2, "--moe-router-load-balancing-type": "none",
+                  "--moe-shared-expert-intermediate-size": 32, "--moe-layer-freq": "([0]*1+[1]*1)",
+                  "--moe-token-dispatcher-type": "allgather"}),
     # Context parallelism: attention without dropout (a CP rule); hidden dropout stays on (its RNG is pinned)
     gpt("cp2", ("CP = 2 (ring attention)",), 2, **{"--context-parallel-size": 2, "--attention-dropout": 0.0}),
     gpt("pp2_cp2_pipeoptim", ("CP = 2 with PipeOptim at PP = 2",), 4, **ASYNC,

@@ -194,11 +194,13 @@ def read_records(path: str) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def flops_per_iteration(size: Size) -> float:
-    """Model FLOPs of one iteration (forward + backward, Megatron's dense convention) of the GPT of `size`."""
+def flops_per_iteration(size: Size, model_flags: tuple[str, ...] = ()) -> float:
+    """Model FLOPs of one iteration (forward + backward, Megatron's dense convention; a mixture of experts on its
+    active parameters) of the GPT of `size` with `model_flags` (--num-experts ...)."""
     from megatron_po.config import parse_args
     from megatron_po.flops import gpt_flops_per_token
-    return gpt_flops_per_token(parse_args(size.gpt_flags()), padded_vocab(size)) * size.global_batch * size.seq
+    cfg = parse_args(size.gpt_flags() + list(model_flags))
+    return gpt_flops_per_token(cfg, padded_vocab(size)) * size.global_batch * size.seq
 
 
 def peak_tflops(run: Run) -> float | None:
@@ -206,11 +208,13 @@ def peak_tflops(run: Run) -> float | None:
     return peak.figures.get("tflops") if peak is not None else None
 
 
-def throughput(run: Run, ms: float) -> dict:
-    """ms per iteration -> tokens/s, model TFLOP/s and (with a measured peak) MFU."""
-    tflops = flops_per_iteration(run.size) / ms * 1e3 / 1e12
+def throughput(run: Run, ms: float, size: Size | None = None, model_flags: tuple[str, ...] = ()) -> dict:
+    """ms per iteration -> tokens/s, model TFLOP/s and (with a measured peak) MFU, of the GPT of `size` (default the
+    run's) with `model_flags`."""
+    size = size or run.size
+    tflops = flops_per_iteration(size, model_flags) / ms * 1e3 / 1e12
     peak = peak_tflops(run)
-    return {"ms_per_iteration": ms, "tokens_per_s": run.size.global_batch * run.size.seq / ms * 1e3,
+    return {"ms_per_iteration": ms, "tokens_per_s": size.global_batch * size.seq / ms * 1e3,
             "model_tflops": tflops, "mfu": tflops / peak if peak else None}
 
 
@@ -235,20 +239,23 @@ def failed_lines(errors: list) -> list[str]:
     return out
 
 
-def measure_ours(run: Run, label: str, title: str, extra_flags: list[str]) -> Section:
-    """The GPT of this size through pretrain_gpt.py --bf16 plus `extra_flags`: the median ms per iteration
-    after the warm-up, from the per-iteration records (--log-interval 1), and what follows from it."""
-    s = run.size
+def measure_ours(run: Run, label: str, title: str, extra_flags: list[str], size: Size | None = None,
+                 model_flags: tuple[str, ...] = ()) -> Section:
+    """The GPT of this size (`size`, default the run's) through pretrain_gpt.py --bf16 plus `model_flags` (which
+    change the FLOPs: --num-experts ...) and `extra_flags`: the median ms per iteration after the warm-up, from the
+    per-iteration records (--log-interval 1), and what follows from it."""
+    s = size or run.size
     flags = s.gpt_flags() + ["--bf16", "--train-iters", str(s.iterations), "--log-interval", "1", "--log-throughput",
-                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1", *extra_flags]
+                             "--eval-interval", str(10 * s.iterations), "--eval-iters", "1", *model_flags,
+                             *extra_flags]
     records, command, output = run.pretrain(label, flags)
     timed = [r for r in records if "tokens_per_sec" in r][s.warmup:]
     times = sorted(s.global_batch * s.seq / r["tokens_per_sec"] * 1e3 for r in timed)
-    figures = throughput(run, times[len(times) // 2])
+    figures = throughput(run, times[len(times) // 2], s, model_flags)
     held = next((re.search(r"holds ([\d.]+) M parameters", ln) for ln in output if "holds" in ln), None)
     figures.update(parameters_millions=float(held.group(1)) if held else None, iterations_timed=len(times),
                    max_memory_bytes=records[-1].get("max_memory_gb", 0.0) * 2**30, padded_vocab=padded_vocab(s),
-                   flops_per_iteration=flops_per_iteration(s))
+                   flops_per_iteration=flops_per_iteration(s, model_flags))
     row = [f"{figures['ms_per_iteration']:.1f}", f"{figures['tokens_per_s']:,.0f}", num(figures["model_tflops"]),
            pct(figures["mfu"]), gib(figures["max_memory_bytes"])]
     return Section(title, [command], figures, [

@@ -58,6 +58,11 @@ TABLE = [
     # H100: 166 s, of which the compiled optimizer step's first compile ~100 s (iteration 2; sliced since: 19 s
     # instead of 103 s on a CPU)
     Step("compiled", "section", (190, 20), OURS, ("peak", "gpt", "plain"), run="section_compiled"),
+    # * an MoE GPT of 1.34 B parameters (0.43 B active), 8 experts top-2, --torch-compile, the experts as one grouped
+    # GEMM and as a loop (bench/gpu/gpu_moe.py, issue 48): two compiled runs of pretrain_gpt.py, guessed at 150 s
+    # each (start-up, compile, 12 iterations); quick: 3 min compiled on a loaded 2-core CPU. Before the other
+    # never-measured sections: the next lease measures it first
+    Step("moe", "section", (300, 200), OURS + ("bench/gpu/gpu_moe.py",), ("peak",), run="gpu_moe:section_moe"),
     # * ours --torch-compile in GPipe's order (all forwards, then all backwards) beside the plain GPT compiled in
     # the same order: two processes of 4 iterations each, compiles included
     Step("gpipe", "section", (150, 40), OURS + ("bench/step/overhead.py",), run="section_gpipe"),

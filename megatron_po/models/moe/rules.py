@@ -3,7 +3,7 @@
 Megatron's own checks where it has them (top-k, experts divisible by EP, sequence parallelism with TP, the
 expert bias with sigmoid scores, no bias under expert TP, padding needs a capacity), the layout (EP x ETP must
 divide the ranks of a pipeline stage), the flags Megatron has and this code does not take (one line each),
-and what other parts of issue 48 have not wired yet (checkpoints of experts).
+and Muon with an expert TP other than 1 or TP.
 """
 
 from __future__ import annotations
@@ -136,13 +136,6 @@ MOE_RULES = [
          lambda c: f"--optimizer muon with --expert-tensor-parallel-size {etp(c)} != --tensor-model-parallel-size "
                    f"{c.tp}: Muon gathers a sliced matrix over the TP group; use an expert TP of 1 or {c.tp}",
          when=lambda c: _moe(c) and c.t.optimizer == "muon"),
-    Rule("moe-no-checkpoints", lambda c: c.ck.save is None and c.ck.load is None,
-         "--save/--load with --num-experts: checkpoints of experts (sharded by EP, the expert bias) are not "
-         "implemented yet (issue 48 item 5)", when=_moe),
-    Rule("moe-no-context-parallel", lambda c: c.cp == 1,
-         lambda c: f"--context-parallel-size {c.cp} with --num-experts: the router's capacity, auxiliary losses and "
-                   "token counts are not yet reduced over the context-parallel ranks: use --context-parallel-size 1",
-         when=_moe),
     Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
          lambda c: f"--fp8-format needs the shared experts' size per TP rank "
                    f"({c.m.moe_shared_expert_intermediate_size // c.tp}) divisible by 16",

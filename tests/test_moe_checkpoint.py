@@ -8,7 +8,9 @@ through `training.run_main` on forked gloo ranks, as tests/test_checkpoint.py do
   ffn dim under expert TP), so the checkpoint holds the same tensors whatever the layout: the consolidated
   checkpoint has every expert tensor at its global shape, and the expert bias (a buffer) beside the weights.
 - Resume is bit-exact: 6 iterations (saving every 3) against loading iteration 3 and running 3 more, under EP = 2
-  (fp32, dropout on) and PP = 2 x EP = 2 in bf16 (fp32 main params of the experts); the expert bias has moved.
+  (fp32, dropout on), PP = 2 x EP = 2 in bf16 (fp32 main params of the experts) and PipeOptim at PP = 2 x DP = 2
+  with the distributed optimizer (experts sharded over their expert-data-parallel group); the expert bias has
+  moved.
   Safe load is unchanged: the checkpoint's non-tensor entries are all JSON documents of the dense kinds.
 - Another layout: an EP = 2 checkpoint loaded and saved again under EP = 4, TP = 2 x ETP = 1 x EP = 2 and
   TP = 1 x ETP = 2 x EP = 2 reproduces every tensor exactly (weights, expert bias, optimizer state); the next
@@ -36,7 +38,8 @@ MOE = {"--num-layers": 2, "--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn
        "--moe-router-bias-update-rate": 0.01, "--moe-aux-loss-coeff": 0.01, "--moe-z-loss-coeff": 0.001,
        "--disable-bias-linear": True}
 EXPERTS = ("mlp.experts.fc1", "mlp.experts.fc1_gate", "mlp.experts.fc2")
-JSON_KINDS = {"extra", "layout", "optimizer_type", "optimizer_state_keys", "rng", "grad_scaler"}
+JSON_KINDS = {"extra", "layout", "optimizer_type", "optimizer_state_keys", "rng", "grad_scaler",
+              "policy_steps", "policy_lr_steps"}  # the last two: asynchronous pipelines' (dense ones too)
 
 
 # ---- resume --------------------------------------------------------------------------------------------
@@ -45,6 +48,11 @@ RESUME = {
     "ep2": (2, {"--expert-model-parallel-size": 2}),
     "pp2-ep2-bf16": (4, {"--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2, "--bf16": True,
                          "--swiglu": True}),
+    # PipeOptim with the experts sharded over their expert-data-parallel group (EP 1 x DP 2) by the distributed
+    # optimizer: the stream drains at each save, the policy's and the optimizer's pieces come back
+    "pp2-dp2-pipeoptim-distributed-optimizer": (4, {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim",
+                                                    "--untie-embeddings-and-output-weights": True,
+                                                    "--use-distributed-optimizer": True}),
 }
 
 

@@ -132,14 +132,14 @@ class ExpertProjection(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = torch._grouped_mm(grad_out, weight, offs=offs)
             if ctx.needs_input_grad[1]:
-                grad_w = torch._grouped_mm(x.t(), grad_out, offs=offs).transpose(-2, -1)
+                grad_w = torch._grouped_mm(grad_out.t(), x, offs=offs)  # [experts, out, in], contiguous
             return grad_x, grad_w, None, None
         sizes = counts.tolist()
         grads, pieces = grad_out.split(sizes), x.split(sizes)
         if ctx.needs_input_grad[0]:
             grad_x = torch.cat([g.mm(weight[e]) for e, g in enumerate(grads)]) if grads else torch.zeros_like(x)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.stack([piece.t().mm(g).t() for piece, g in zip(pieces, grads)]) if grads \
+            grad_w = torch.stack([g.t().mm(piece) for piece, g in zip(pieces, grads)]) if grads \
                 else torch.zeros_like(weight)
         return grad_x, grad_w, None, None
 

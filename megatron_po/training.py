@@ -20,11 +20,13 @@ import time
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
+from megatron_po import rank_watchdog
 from megatron_po.async_training import train_asynchronous
 from megatron_po.config import Config
 from megatron_po.distributed import launcher_death, save_lock
 from megatron_po.errors import ConfigError, DataError, RankError, SaveError, UserError
 from megatron_po.gpt_workload import GPTWorkload
+from megatron_po.models.moe.report import moe_metrics
 from megatron_po.periodic_work import PeriodicWork
 from megatron_po.run_controls import RunControls
 from megatron_po.run_rules import SkipGuard, launcher_rank
@@ -65,9 +67,10 @@ def pretrain(cfg: Config, workload=None) -> dict:
             state.advance(schedule, updated=grad_norm is not None)  # iteration + 1; the lr's clock if stepped
             logged = progress.logs(state.iteration)
             metrics = replica_metrics(cfg, model.ddp.params) if logged else {}  # --log-params-norm, ...
+            moe = moe_metrics(cfg, model.chunks) if logged else {}  # the routers' losses and loads, per layer
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss(cfg) else None, lr,
                                     grad_norm, model.optimizer.get_loss_scale() if cfg.precision.fp16 else None,
-                                    metrics=metrics)
+                                    metrics=metrics, moe=moe)
             controls.after_iteration(state.iteration)
             if periodic(collect=progress.boundary(state.iteration)):  # evaluate, save, exit as the intervals say
                 break
@@ -91,7 +94,7 @@ def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWork
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except (UserError, DataError) as e:
-        ps.report_fault(f"stopped: {e}")  # should only this rank have raised it, the others stop too
+        rank_watchdog.report_fault(f"stopped: {e}")  # should only this rank have raised it, the others stop too
         rank = dist.get_rank() if dist.is_initialized() else 0
         # A config error comes before the process group, alike on every rank: rank 0 (by the launcher's
         # RANK) prints it, so torchrun's output holds it once; every rank exits 2.
@@ -100,14 +103,15 @@ def run_main(cfg_or_argv, description: str = "megatron_po", workload_cls=GPTWork
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        message = ps.communication_failure(e)  # a lost peer: one line naming it, not a traceback
+        message = rank_watchdog.communication_failure(e)  # a lost peer: one line naming it, not a traceback
         if message is None:
-            ps.report_fault(f"failed: {type(e).__name__}: {e}")
+            rank_watchdog.report_fault(f"failed: {type(e).__name__}: {e}")
             raise
         print(f"error: {message}", file=sys.stderr, flush=True)
-        return ps.FAULT_EXIT_CODE
+        return rank_watchdog.FAULT_EXIT_CODE
     finally:
         save_lock.release()
+        rank_watchdog.stop_watchdog()
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
+from megatron_po import rank_watchdog
 from megatron_po.async_training import build_async_engine
 from megatron_po.config import Config, is_async, num_microbatches, virtual_pipeline_size
 from megatron_po.config_rules import validate
@@ -95,7 +96,7 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
                                  context_parallel_size=p.context_parallel_size)
     if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the DP x CP ranks
         ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
-    ps.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
+    rank_watchdog.start_watchdog()  # a dead rank stops every rank within the timeout, named (stopped in run_main)
     prepare_outputs(cfg, log=print_rank0)  # writable output paths, the --save lock: before any model or resume
     torch.manual_seed(cfg.training.seed)
     model_parallel_seed(cfg.training.seed)
@@ -138,7 +139,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                pr.loss_scale_window, pr.hysteresis)
     if pr.use_distributed_optimizer:
-        return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group())
+        return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group(),
+                                    expert_group=expert_norm_group(cfg))
     if pr.bf16 or pr.fp16:
         return MixedPrecisionOptimizer(inner, groups, scaler, t.clip_grad, ps.get_model_parallel_group(),
                                        expert_group=expert_norm_group(cfg))

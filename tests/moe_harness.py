@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, ModelConfig
+from megatron_po.data.context_split import split_for_this_rank
 from megatron_po.distributed.checkpoint_format import named_parameters_global
 from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embedding_grads,
                                          allreduce_sequence_parallel_grads)
@@ -99,17 +100,19 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
     cfg.parallel.sequence_parallel = sequence_parallel
     D = ps.get_pipeline_model_parallel_world_size()
     chunks = build_chunks_for_rank(cfg, VOCAB, ps.get_pipeline_model_parallel_rank(), D, num_chunks)
-    ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), bucket_size=20000)
+    # Under context parallelism: gradients over DP x CP, every sequence split into this CP rank's chunks.
+    ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(with_context_parallel=True), bucket_size=20000)
     ddp.zero_grad()
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = microbatches(M * dp)[d * M:(d + 1) * M]
+    mine = [split_for_this_rank(b) for b in microbatches(M * dp)[d * M:(d + 1) * M]]
     loss = synchronous_forward_backward(method, chunks, ddp, mine)
     ddp.finish_grad_sync()
     allreduce_sequence_parallel_grads(ddp.params)
     allreduce_embedding_grads(ddp.params)
-    if loss is not None and dp > 1:
-        dist.all_reduce(loss, group=ps.get_data_parallel_group())
-        loss = loss / dp
+    n = ps.get_data_parallel_world_size(with_context_parallel=True)
+    if loss is not None and n > 1:
+        dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        loss = loss / n
     grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
     return ((loss.item() if loss is not None else None), grads, take_records(chunks),
             grad_norms(ddp.params) + (params_norm(ddp.params),))

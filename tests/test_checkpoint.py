@@ -135,6 +135,8 @@ def load_and_resave(argv, src, step, dst):
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                  virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None)
+    if cfg.model.num_experts is not None:  # MoE (tests/test_moe_checkpoint.py)
+        ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     tok = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     chunks = build_model_chunks(cfg, pad_vocab_size(tok.vocab_size, cfg.model.make_vocab_size_divisible_by,
                                                     p.tensor_model_parallel_size))

@@ -5,7 +5,8 @@ records summed over the ranks: the same tokens per expert and, with a capacity, 
 
 Layouts: EP = 2 and 4 (alltoall and allgather dispatchers), EP x DP (expert data parallel 2), EP x TP with
 expert TP = TP and with expert TP 1 (experts whole, EP spanning the TP ranks), EP x PP under 1F1B, interleaved
-1F1B and ZB-H1; dropless and with a capacity (both drop policies, padded or not).
+1F1B and ZB-H1, EP x CP (context parallelism: experts carved out of DP x CP, the router gathering the whole
+sequence over CP), with TP and DP; dropless and with a capacity (both drop policies, padded or not).
 """
 
 import pytest
@@ -78,3 +79,18 @@ def test_recomputation_and_compiled_layers_under_expert_parallelism(model, monke
     from megatron_po.models import compiled_layers
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     check_equal(run_distributed(distributed_run, 2, args=(model, 2)), reference(M * 2))
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,model", [
+    (2, 1, 2, 1, {**CAPACITY, "moe_token_drop_policy": "position"}),  # capacity by position over the whole sequence
+    (2, 1, 2, 2, {}),  # EP carved out of the CP ranks
+    (4, 1, 2, 2, {**CAPACITY, "moe_router_score_function": "sigmoid", "moe_router_load_balancing_type": "seq_aux_loss",
+                  "moe_router_enable_expert_bias": True}),  # DP 2 x CP 2, per-sequence aux loss
+    (4, 2, 2, 2, {**CAPACITY, "moe_token_dispatcher_type": "allgather"}),  # TP 2 (SP) x CP 2
+], ids=["cp2-capacity-position", "cp2-ep2", "cp2xdp2-ep2-seq-aux-expert-bias", "tp2xcp2-ep2-allgather"])
+def test_context_parallel_matches_one_process(world, tp, cp, ep, model):
+    """Under context parallelism (each rank two chunks of every sequence) the router sees the whole sequence in its
+    order: the same capacity drops, per-sequence losses and gradients as one process (the auxiliary losses' gradient
+    taken CP times, as the language-model loss)."""
+    ref = reference(M * world // (tp * cp), **model)
+    check_equal(run_distributed(distributed_run, world, tp=tp, cp=cp, args=(model, ep, None, "1f1b", 1, tp > 1)), ref)

@@ -4,7 +4,8 @@ A PP=2 PipeOptim run with --tensorboard-dir, --wandb-project (WANDB_MODE=offline
 --peak-tflops and --timing-log-level 2 writes the same scalars to the metrics file, TensorBoard and W&B:
 loss, lr, grad norm, tokens/s, TFLOP/s per GPU, MFU, memory, the level-2 timers and each stage's
 staleness (1 and 0 for D = 2), and the evaluation; the method goes to W&B's summary and TensorBoard's
-text. A synchronous run at level 1 logs the coarse timers only.
+text. A synchronous run at level 1 logs the coarse timers only. An MoE run (EP = 2, a capacity) logs each MoE
+layer's aux loss, z-loss, tokens per expert and dropped tokens to all three.
 """
 
 import math
@@ -81,3 +82,39 @@ def test_synchronous_run_at_timing_level_1_logs_the_coarse_timers(corpus, tmp_pa
     scalars, texts = read_tensorboard(out / "tb")
     assert timers <= scalars.keys() and "pipeline_method/text_summary" not in texts
 
+
+
+def test_moe_run_logs_the_routers_per_layer_to_tensorboard_and_wandb(corpus, tmp_path, monkeypatch, capfd):
+    """EP = 2 with a capacity (factor 1, tokens dropped): per MoE layer the aux loss, z-loss, tokens per expert
+    (max, mean) and dropped tokens, in the metrics file, TensorBoard and W&B alike, and on the console. Closed
+    forms per layer and window of 2 iterations: kept + dropped token-expert pairs = 2 x 16 x 64 x top-2; no expert
+    takes more than its capacity ceil(1.0 x 256 x 2 / 8) = 64 of each of the window's 8 micro-batches."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "moe"
+    out.mkdir()
+    argv = base_args(corpus, out, **{
+        "--num-experts": 8, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64, "--expert-model-parallel-size": 2,
+        "--moe-aux-loss-coeff": 0.01, "--moe-z-loss-coeff": 0.001, "--moe-expert-capacity-factor": 1.0,
+        "--moe-layer-freq": "([0]*1+[1]*1)", "--train-iters": 4, "--log-interval": 2, "--eval-interval": 4,
+        "--tensorboard-dir": str(out / "tb"), "--wandb-project": "mpo-test", "--wandb-save-dir": str(out)})
+    assert run_distributed(run_pretrain, 2, args=(argv,), timeout=300) == [0, 0]
+    console = capfd.readouterr().out
+    assert console.count(" MoE layers 1 | aux loss ") == 2 and "| dropped tokens " in console
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "lm_loss" in r]
+    layer = {"moe/aux_loss/layer1", "moe/z_loss/layer1", "moe/tokens_per_expert_max/layer1",
+             "moe/tokens_per_expert_mean/layer1", "moe/dropped_tokens/layer1"}
+    summary = {"moe/aux_loss", "moe/z_loss", "moe/tokens_per_expert_max_over_mean", "moe/dropped_tokens"}
+    for r in records:
+        assert {k for k in r if k.startswith("moe/")} == layer | summary  # layer 0 is dense
+        kept = 8 * r["moe/tokens_per_expert_mean/layer1"]
+        assert r["moe/dropped_tokens/layer1"] > 0 and kept + r["moe/dropped_tokens/layer1"] == 2 * 16 * 64 * 2
+        assert r["moe/tokens_per_expert_max/layer1"] <= 8 * 64
+        assert r["moe/aux_loss/layer1"] > 0 and r["moe/z_loss/layer1"] > 0
+    scalars, _ = read_tensorboard(out / "tb")
+    for r in records:
+        for key in layer | summary:
+            assert math.isclose(scalars[key][r["iteration"]], r[key], rel_tol=1e-6), key
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    _, history, _ = read_offline_run(str(run_dir))
+    for h, r in zip(history, records):
+        assert all(math.isclose(float(h[key]), r[key], rel_tol=1e-9) for key in layer | summary), h

@@ -15,7 +15,10 @@ DCP stores global tensors, so each is assembled from every rank's shards on read
 - export-hf: `GPT2LMHeadModel` (LayerNorm + GELU + learned positions) or `LlamaForCausalLM` (RMSNorm +
   SwiGLU + RoPE; grouped-query attention as `num_key_value_heads`, --kv-channels as `head_dim`) as
   config.json + model.safetensors, loadable with `AutoModelForCausalLM.from_pretrained`
-  (see megatron_po/models/hf_export.py for the layout mapping). The tokenizer is not converted.
+  (see megatron_po/models/hf_export.py for the layout mapping). A mixture of experts (--num-experts) exports to
+  `MixtralForCausalLM`, `Qwen2MoeForCausalLM` or `Qwen3MoeForCausalLM`, whichever can hold it
+  (megatron_po/models/hf_export_moe.py), experts per expert as the Hub's checkpoints store them. The tokenizer
+  is not converted.
 - import-hf: a GPT-2 or Llama HF checkpoint (safetensors) as our checkpoint at iteration 0; train from
   it with `--load OUT --finetune` and the model flags the tool prints.
 - export-te / import-te: the layers as Transformer Engine's `te.pytorch.TransformerLayer` state dicts (fused
@@ -146,10 +149,15 @@ def config_path_of(safetensors_path: str) -> str:
 def export_hf(args) -> None:
     from safetensors.torch import save_file
 
-    from megatron_po.models.hf_export import hf_architecture, hf_config, to_hf
+    from megatron_po.models import hf_export, hf_export_moe
     weights, info = read_checkpoint(args.load, args.ckpt_step, not args.no_progress)
     model = info["config"]["model"]
-    hf_architecture(model)  # refuse unsupported combinations before writing anything
+    if model.get("num_experts") is not None:  # a mixture of experts: Mixtral, Qwen2-MoE or Qwen3-MoE
+        architecture, hf_config, to_hf = (hf_export_moe.moe_architecture, hf_export_moe.moe_hf_config,
+                                          hf_export_moe.moe_to_hf)
+    else:
+        architecture, hf_config, to_hf = hf_export.hf_architecture, hf_export.hf_config, hf_export.to_hf
+    architecture(model)  # refuse unsupported combinations before writing anything
     config = hf_config(model, info["vocab_size"])
     state = to_hf(weights, model, info["vocab_size"])
     os.makedirs(args.out, exist_ok=True)

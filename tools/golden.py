@@ -64,6 +64,9 @@ GPT = {"--num-layers": 2, "--hidden-size": 32, "--num-attention-heads": 4, "--se
        "--log-interval": 1, "--eval-iters": 0, "--seed": 5, "--metrics-file": "$OUT/metrics.jsonl"}
 PP2 = {"--pipeline-model-parallel-size": 2, "--num-layers": 4}
 ASYNC = dict(PP2, **{"--untie-embeddings-and-output-weights": True})  # async methods need untied embeddings
+# A mixture of experts in every layer: 4 experts of 32, top-2, the aux loss and the z-loss, grouped GEMM.
+MOE_PIPEOPTIM = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32, "--moe-aux-loss-coeff": 0.01,
+                 "--moe-z-loss-coeff": 0.001, "--moe-grouped-gemm": True}
 
 # The bundled World English Bible, first 300 chapters, through tools/train_tokenizer.py and
 # tools/preprocess_data.py (the tests' `corpus` fixture recipe); a validation split evaluated twice.
@@ -168,6 +171,8 @@ CONFIGS = [
         **{"--pipeline-method": "pipeoptim", "--context-parallel-size": 2, "--attention-dropout": 0.0,
            "--position-embedding-type": "rope", "--no-position-embedding": True, "--group-query-attention": True,
            "--num-query-groups": 2}),
+    gpt("pp2_moe_pipeoptim", ("PipeOptim with MoE at PP = 2",), 2, **ASYNC, **MOE_PIPEOPTIM,
+        **{"--pipeline-method": "pipeoptim"}),
     emu("emu_async_naive", ("async-naive, emulator",), "async-naive", "adam"),
     emu("emu_pipedream", ("PipeDream, emulator",), "pipedream", "adam"),
     emu("emu_pipedream_2bw", ("2BW, emulator", "--async-update-interval"), "pipedream-2bw", "adam",

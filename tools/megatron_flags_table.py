@@ -87,7 +87,7 @@ Notes where our reading differs in detail:
   (Megatron: each TP rank's own), so any layout drops the tokens the one-process run drops; the drop policies
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
   dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
-  distributed optimizer, Muon and checkpoints are refused with MoE until issue 48's later items wire them.
+  distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

@@ -1,12 +1,16 @@
 """How a checkpoint's tensors reach `torch.distributed.checkpoint` (DCP) and come back.
 
 Tensor-parallel shards are handed to DCP as DTensors sharded along their partition dim (`global_view`),
-so DCP stores global tensors. The distributed optimizer (ZeRO-1) writes the same per-parameter tensors:
-its fp32 main params and per-element state live in flat ranges of a padded buffer that ignore parameter
-boundaries, and each rank writes the piece of each parameter it owns as DCP chunks of that parameter's
-global tensor at the piece's offset (`FlatRange`: no gathering, no extra memory). Loading reads each
-rank's own ranges back, so sharded and unsharded runs and any DP (TP, PP, virtual pipeline) layouts load
-each other's checkpoints, optimizer state included.
+so DCP stores global tensors. MoE experts are stacked [local experts, ...] per expert-parallel rank (and
+split along their ffn dim over the expert TP ranks): each rank hands DCP its block of the global
+[num_experts, ...] tensor at its offset (`expert_block`, written like a distributed-optimizer piece below),
+so the checkpoint does not depend on EP or ETP either, and expert-data-parallel replicas write one copy.
+The distributed optimizer (ZeRO-1) writes the same per-parameter tensors: its fp32 main params and
+per-element state live in flat ranges of a padded buffer that ignore parameter boundaries, and each rank
+writes the piece of each parameter it owns as DCP chunks of that parameter's global tensor at the piece's
+offset (`FlatRange`: no gathering, no extra memory; an expert's piece lands inside its block). Loading
+reads each rank's own ranges back, so sharded and unsharded runs and any DP (TP, PP, virtual pipeline,
+EP) layouts load each other's checkpoints, optimizer state included.
 
 `read_metadata` checks a checkpoint directory before anything reads it; `dcp_load` turns DCP's failures
 into one-line UserErrors (`first_line`). Both read through checkpoint_trust.py, so that no pickle in the
@@ -39,12 +43,36 @@ def _tp_mesh():
 
 
 def is_tp_shard(p: torch.Tensor) -> bool:
-    return getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1
+    """A dense tensor-parallel shard (experts are placed by `expert_block`, whatever their TP flags)."""
+    return (getattr(p, "tensor_model_parallel", False) and not getattr(p, "expert_parallel", False)
+            and ps.get_tensor_model_parallel_world_size() > 1)
+
+
+def expert_block(p: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """(global shape, offsets of this rank's tensor in it) of an expert parameter that is split over expert
+    ranks: dim 0 (experts) over the expert-parallel ranks, `expert_tp_dim` over the expert TP ranks (ETP may
+    differ from TP); None for any other tensor, or experts this rank holds whole."""
+    if not getattr(p, "expert_parallel", False):
+        return None
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    dim = p.expert_tp_dim
+    if ep == 1 and (etp == 1 or dim < 0):
+        return None
+    shape, offsets = list(p.shape), [0] * p.dim()
+    shape[0], offsets[0] = p.shape[0] * ep, p.shape[0] * ps.get_expert_model_parallel_rank()
+    if etp > 1 and dim >= 0:
+        shape[dim], offsets[dim] = p.shape[dim] * etp, p.shape[dim] * ps.get_expert_tensor_parallel_rank()
+    return tuple(shape), tuple(offsets)
 
 
 def global_view(p: torch.Tensor, t: torch.Tensor):
     """`t` (a param or a state tensor shaped like `p`) as DCP should see it: a DTensor when `p` is a
-    tensor-parallel shard, else the plain tensor (replicated across TP/DP; DCP writes one copy)."""
+    tensor-parallel shard, this rank's block of the global tensor (a `FlatRange` covering all of `t`) when
+    it holds a slice of the experts, else the plain tensor (replicated across TP/DP; DCP writes one copy)."""
+    if expert_block(p) is not None and t.shape == p.shape:
+        if not t.is_contiguous():  # the block must be a view of `t`, so that loading fills it in place
+            raise ValueError("an expert tensor to checkpoint must be contiguous")
+        return FlatRange(p, 0, t.view(-1))
     if is_tp_shard(p) and t.shape == p.shape:
         from torch.distributed.tensor import DTensor, Shard
         if getattr(p, "partition_stride", 1) != 1:  # Shard(dim) means contiguous slices
@@ -54,6 +82,9 @@ def global_view(p: torch.Tensor, t: torch.Tensor):
 
 
 def global_shape(p: torch.Tensor) -> tuple:
+    block = expert_block(p)
+    if block is not None:
+        return block[0]
     shape = list(p.shape)
     if is_tp_shard(p):
         shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
@@ -88,11 +119,12 @@ def _blocks(shape: tuple, a: int, b: int) -> list[tuple[int, tuple, tuple]]:
 
 
 class FlatRange:
-    """The elements [offset, offset + numel) of a parameter's flattened (TP-local) tensor, held by the
-    1-D `tensor` (a distributed-optimizer piece: fp32 main param or per-element state), as DCP chunks of
-    the *global* parameter-shaped tensor. The range splits into rectangular blocks (`_blocks`) that are
-    views of `tensor`, so DCP writes and reads them in place: no gather over data-parallel ranks, and the
-    checkpoint holds the same per-parameter tensors as an unsharded optimizer's (DCP reshards on load).
+    """The elements [offset, offset + numel) of a parameter's flattened (TP-local, expert-local) tensor, held
+    by the 1-D `tensor` (a distributed-optimizer piece: fp32 main param or per-element state; or all of an
+    expert tensor, `global_view`), as DCP chunks of the *global* parameter-shaped tensor. The range splits
+    into rectangular blocks (`_blocks`) that are views of `tensor`, so DCP writes and reads them in place:
+    no gather over data-parallel ranks, and the checkpoint holds the same per-parameter tensors as an
+    unsharded optimizer's (DCP reshards on load).
 
     DCP finds tensors by chunk offset only for tensors, DTensors and ShardedTensors, so these entries
     travel beside the state dict, through the planners of `dcp_save` / `dcp_load`."""
@@ -100,7 +132,8 @@ class FlatRange:
     def __init__(self, p: torch.Tensor, offset: int, tensor: torch.Tensor):
         self.param, self.offset, self.tensor = p, offset, tensor
         self.shape = torch.Size(global_shape(p))  # of the global tensor
-        shift = [0] * p.dim()
+        block = expert_block(p)  # where this rank's (TP-local, expert-local) tensor starts in the global one
+        shift = list(block[1]) if block is not None else [0] * p.dim()
         if is_tp_shard(p):
             shift[p.partition_dim] = ps.get_tensor_model_parallel_rank() * p.shape[p.partition_dim]
         self.blocks = {}  # global offsets -> view of `tensor`

@@ -8,8 +8,9 @@ it (checkpoint_save.py). Inside, DCP's (`torch.distributed.checkpoint`) `.metada
 
 Every tensor is saved under its *global* name (layer numbers counted over the whole model, not the
 pipeline stage; `named_parameters_global`) and tensor-parallel shards are saved as DTensors sharded along
-their partition dim, so DCP stores global tensors and a checkpoint can be loaded under another TP/PP/DP
-layout (checkpoint_dcp.py, checkpoint_load.py). Optimizer state is keyed by parameter name
+their partition dim, MoE experts as blocks of the global [num_experts, ...] tensors, so DCP stores global
+tensors and a checkpoint can be loaded under another TP/PP/DP/EP layout (checkpoint_dcp.py,
+checkpoint_load.py). Optimizer state is keyed by parameter name
 (`optimizer.<param>.<state>`) for the same reason; state shaped like its parameter ("like-param": Adam's
 moments, momentum buffers) is sharded like it, so it reshards too. Which state keys exist is saved as
 metadata; an optimizer that has not stepped yet creates its state before loading with its own
@@ -20,7 +21,8 @@ asynchronous policy must keep across a drain (PipeDream-2BW's older version) are
 
 Keys in a checkpoint directory `iter_XXXXXXX/`:
   model.<name>                   weights (global shapes); the fp32 main params under mixed precision, so
-                                 a bf16 run's checkpoint keeps full precision and loads into fp32 runs too
+                                 a bf16 run's checkpoint keeps full precision and loads into fp32 runs too;
+                                 persistent buffers too (an MoE router's expert_bias)
   optimizer.<name>.<key>         optimizer state; optimizer_state_keys.<name>: which keys exist, group lr
   policy.<name>.<key>            async weight-policy versions; policy_steps = steps every chunk had taken;
                                  policy_lr_steps.stage<vs> = each chunk's lr clock (its applied updates)
@@ -122,8 +124,24 @@ def named_parameters_global(chunks) -> list[tuple[str, torch.nn.Parameter]]:
             seen.add(id(p))
             if getattr(p, "embedding_copy", False):
                 continue
-            name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-            out.append((local_name(name), p))
+            out.append((local_name(_global_layer(name, offset)), p))
+    return out
+
+
+def _global_layer(name: str, offset: int) -> str:
+    return re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+
+
+def named_buffers_global(chunks) -> list[tuple[str, torch.Tensor]]:
+    """(global name, buffer) for the persistent buffers of this rank's chunks: state that is not a parameter
+    and not stepped by the optimizer (an MoE router's expert bias, `layers.<i>.mlp.router.expert_bias`).
+    Saved as `model.<name>` beside the weights, so a consolidated checkpoint is the model's state dict."""
+    out = []
+    for chunk in chunks:
+        for prefix, module in chunk.named_modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and name not in module._non_persistent_buffers_set:  # as module.state_dict()
+                    out.append((_global_layer(f"{prefix}.{name}" if prefix else name, chunk.layer_offset), b))
     return out
 
 

@@ -22,7 +22,8 @@ from megatron_po import parallel_state as ps
 from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_dcp import (FlatRange, dcp_load, global_shape, global_view,
                                                     is_tp_shard, read_metadata)
-from megatron_po.distributed.checkpoint_format import checkpoint_dir, find_checkpoint, named_parameters_for_load
+from megatron_po.distributed.checkpoint_format import (checkpoint_dir, find_checkpoint, named_buffers_global,
+                                                       named_parameters_for_load)
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
@@ -89,6 +90,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
               flush=True)
     meta = md.state_dict_metadata
     names = named_parameters_for_load(chunks)
+    buffers = named_buffers_global(chunks)  # loaded like weights that no optimizer steps (an expert bias)
     stepped = stepped_params(optimizer)
     load_optim = load_optim and bool(stepped)
 
@@ -104,8 +106,8 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     extra = small["extra"]
 
     # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
-    misfit = _check_fits(md, names, stepped, load_optim, extra.get("vocab_size"))
-    error, all_names = agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names])
+    misfit = _check_fits(md, names + buffers, stepped, load_optim, extra.get("vocab_size"))
+    error, all_names = agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names + buffers])
     if error is None and dist.get_rank() == 0:
         ours = {n for rank_names in all_names for n in rank_names}
         extra_params = sorted(k[len("model."):] for k in meta if k.startswith("model.") and k[len("model."):] not in ours)
@@ -132,7 +134,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             if s.tensor is not None:  # None: distributed optimizer, other data-parallel ranks own all of it
                 s.prepare_load(saved["keys"])
         _load_grad_scalers(optimizer, small, small["layout"])
-    state, _ = model_and_optimizer_state(names, stepped, load_optim)
+    state, _ = model_and_optimizer_state(names + buffers, stepped, load_optim)
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
     if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)

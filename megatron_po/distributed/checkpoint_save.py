@@ -22,8 +22,8 @@ from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_data import JsonEntry
 from megatron_po.distributed.checkpoint_dcp import dcp_save, first_line, global_view
 from megatron_po.distributed.checkpoint_format import (TRACKER, checkpoint_dir, list_iterations,
-                                                       named_parameters_global, read_tracker,
-                                                       read_tracker_quietly)
+                                                       named_buffers_global, named_parameters_global,
+                                                       read_tracker, read_tracker_quietly)
 from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
 from megatron_po.distributed.checkpoint_rng import rng_state
 from megatron_po.distributed.checkpoint_state import (as_list, grad_scalers, model_and_optimizer_state,
@@ -57,7 +57,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, extra: dict, p
             opt.finish_param_sync()
     names = named_parameters_global(chunks)
     stepped = stepped_params(optimizer) if save_optim else {}
-    state, state_keys = model_and_optimizer_state(names, stepped, bool(stepped))
+    state, state_keys = model_and_optimizer_state(names + named_buffers_global(chunks), stepped, bool(stepped))
     for name, p in names:  # per parameter: identical on TP/DP replicas, so DCP keeps one
         if name in state_keys:
             # The lr in effect now: async PipeOptim/SpecTrain predict with it before the next step sets it.

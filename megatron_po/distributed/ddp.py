@@ -18,7 +18,9 @@ Where a parameter's gradient lives (`p.main_grad` always names its slice of the 
 
 With `use_distributed_optimizer=True` (ZeRO-1, see optim/distributed_optimizer.py):
 - each bucket is padded to a multiple of DP (x an alignment) and cut into DP equal contiguous ranges
-  that ignore parameter boundaries; data-parallel rank d owns range d of every bucket;
+  that ignore parameter boundaries; data-parallel rank d owns range d of every bucket; MoE expert buckets
+  are cut the same way over their expert-data-parallel group (the ranks holding the same experts, as
+  Megatron shards them), so expert-DP rank d owns range d of every expert bucket (`Bucket.group`);
 - the bucket reduction is a reduce-scatter: afterwards only the owned range holds the DP mean (the rest
   of the buffer still holds this rank's local gradients and must not be used);
 - the parameters' storage moves into one flat `param_buffer` with the same layout, so updated shards
@@ -67,6 +69,11 @@ class Bucket:
     handle: object = None  # the pending gradient reduction
     gather_handle: object = None  # the pending parameter all-gather (distributed optimizer)
     expert: bool = False  # holds MoE expert parameters: reduced over the expert-data-parallel group
+    # The ranks this bucket is reduced over and (distributed optimizer) sharded into `size` ranges, this rank
+    # owning range `rank`: the data-parallel group, or for experts the expert-data-parallel group.
+    group: object = None
+    size: int = 1
+    rank: int = 0
 
     def shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """[start, end) of the part of this bucket that data-parallel rank `dp_rank` owns."""
@@ -122,18 +129,18 @@ class DistributedDataParallel:
         # MoE experts: their own buckets, summed over the expert-data-parallel group (every expert's gradient
         # there already sums the tokens of all EP ranks), scaled by the same 1/DP as the dense ones.
         self.expert_group = ps.get_expert_data_parallel_group() if any(map(is_expert, params)) else None
-        if self.expert_group is not None and use_distributed_optimizer:
-            raise ConfigError("--use-distributed-optimizer with MoE experts: sharding expert parameters over the "
-                              "expert-data-parallel group is not implemented yet")
+        expert_size = dist.get_world_size(self.expert_group) if self.expert_group is not None else 1
+        expert_rank = dist.get_rank(self.expert_group) if self.expert_group is not None else 0
+        shard_of = {False: (dp_group, self.dp_size, self.dp_rank), True: (self.expert_group, expert_size, expert_rank)}
 
         # Lay parameters out in reverse order, cutting a new bucket when one exceeds bucket_size.
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self.param_range: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffers
-        pad_to = self.dp_size * SHARD_ALIGNMENT if use_distributed_optimizer else 1
         offset, bucket = 0, None
 
         def close(bucket):
+            pad_to = bucket.size * SHARD_ALIGNMENT if use_distributed_optimizer else 1
             bucket.end = -(-bucket.end // pad_to) * pad_to if bucket.end > bucket.start else bucket.end
             return bucket.end
 
@@ -146,7 +153,8 @@ class DistributedDataParallel:
                     bucket.expert != is_expert(p)):
                 if bucket is not None:
                     offset = close(bucket)
-                bucket = Bucket(start=offset, end=offset, expert=is_expert(p))
+                group, size, rank = shard_of[is_expert(p)]
+                bucket = Bucket(start=offset, end=offset, expert=is_expert(p), group=group, size=size, rank=rank)
                 self.buckets.append(bucket)
             n = p.numel()
             self.param_range[id(p)] = (offset, offset + n)
@@ -216,17 +224,15 @@ class DistributedDataParallel:
         if bucket.handle is not None:
             return
         view = self.grad_buffer[bucket.start:bucket.end]
-        view.div_(self.dp_size)
-        if bucket.expert:
-            group = self.expert_group
-            multi = group is not None and dist.get_world_size(group) > 1
-            bucket.handle = dist.all_reduce(view, group=group, async_op=True) if multi else _Done()
+        view.div_(self.dp_size)  # experts too: the mean over DP of gradients each summing every EP rank's tokens
+        if bucket.size == 1:  # an expert bucket whose experts no other rank holds
+            bucket.handle = _Done()
         elif self.use_distributed_optimizer and not self.full_grads:
-            start, end = bucket.shard(self.dp_rank, self.dp_size)
+            start, end = self.owned_range(bucket)
             # In place: the owned range of the input receives the reduced values (safe on gloo and NCCL).
-            bucket.handle = reduce_scatter_single(self.grad_buffer[start:end], view, self.dp_group, async_op=True)
+            bucket.handle = reduce_scatter_single(self.grad_buffer[start:end], view, bucket.group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=True)
+            bucket.handle = dist.all_reduce(view, group=bucket.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets that backward did not complete (unused params), in order, then wait."""
@@ -249,8 +255,9 @@ class DistributedDataParallel:
     # -- parameter all-gather (distributed optimizer) -------------------------------------------
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        """[start, end) of `bucket` that this data-parallel rank owns (reduces, steps, gathers from)."""
-        return bucket.shard(self.dp_rank, self.dp_size)
+        """[start, end) of `bucket` that this rank owns (reduces, steps, gathers from) among the ranks of
+        `bucket.group` (data parallel; expert data parallel for an expert bucket)."""
+        return bucket.shard(bucket.rank, bucket.size)
 
     def start_param_sync(self, async_op: bool | None = None) -> None:
         """All-gather every bucket's owned ranges into the full parameters. Asynchronous when
@@ -263,9 +270,11 @@ class DistributedDataParallel:
         async_op = self.overlap_param_gather if async_op is None else async_op
         # Issue in forward order (buckets are laid out backwards) so the first layers arrive first.
         for bucket in reversed(self.buckets):
+            if bucket.size == 1:
+                continue
             start, end = self.owned_range(bucket)
             handle = all_gather_single(self.param_buffer[bucket.start:bucket.end], self.param_buffer[start:end],
-                                 self.dp_group, async_op=async_op)
+                                       bucket.group, async_op=async_op)
             bucket.gather_handle = handle if async_op else None
 
     def start_packed_param_sync(self, buffers: list[torch.Tensor], async_op: bool) -> None:
@@ -277,16 +286,18 @@ class DistributedDataParallel:
         if self.dp_size == 1 or not buffers:
             return
         for bucket in reversed(self.buckets):
+            if bucket.size == 1:
+                continue
             start, end = self.owned_range(bucket)
             if len(buffers) == 1:
                 buf = buffers[0]
-                handle = all_gather_single(buf[bucket.start:bucket.end], buf[start:end], self.dp_group, async_op)
+                handle = all_gather_single(buf[bucket.start:bucket.end], buf[start:end], bucket.group, async_op)
                 bucket.gather_handle = handle if async_op else None
                 continue
             packed = torch.cat([b[start:end] for b in buffers])
-            out = torch.empty(packed.numel() * self.dp_size, dtype=packed.dtype, device=packed.device)
-            handle = all_gather_single(out, packed, self.dp_group, async_op)
-            bucket.gather_handle = _PackedGather(handle, out, buffers, bucket, self.dp_size)
+            out = torch.empty(packed.numel() * bucket.size, dtype=packed.dtype, device=packed.device)
+            handle = all_gather_single(out, packed, bucket.group, async_op)
+            bucket.gather_handle = _PackedGather(handle, out, buffers, bucket, bucket.size)
             if not async_op:
                 self._wait_gather(bucket)
 

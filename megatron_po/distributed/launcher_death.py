@@ -17,7 +17,7 @@ Notes:
   after that check, the signal fires. A worker re-parented before arming also cannot reach the
   rendezvous store, which torchrun's agent hosts, so it fails at start-up in any case.
 - Elsewhere (macOS, Windows) `arm()` does nothing: no portable parent-death signal exists; the heartbeat
-  watchdog (parallel_state) still stops orphans once the store is gone (within 2 x its lost_after).
+  watchdog (rank_watchdog.py) still stops orphans once the store is gone (within 2 x its lost_after).
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ def with_defaults(model: dict) -> dict:
 def hf_architecture(model: dict) -> str:
     """"gpt2" or "llama" for a saved `config["model"]` dict; UserError for other combinations."""
     model = with_defaults(model)
+    if model["num_experts"] is not None:  # tools/checkpoint_convert.py sends MoE models to hf_export_moe.py
+        raise UserError("a mixture of experts exports to an HF MoE class (hf_export_moe), not GPT-2 or Llama")
     combo = (model["normalization"], "SwiGLU" if model["swiglu"] else "GELU", model["position_embedding_type"])
     if model["qk_layernorm"]:
         raise UserError("--qk-layernorm has no equivalent in GPT-2 or Llama: no Hugging Face export")
@@ -66,14 +68,19 @@ def hf_architecture(model: dict) -> str:
             raise UserError("GPT-2 has neither grouped-query attention nor --kv-channels other than hidden / heads")
         return GPT2
     if combo == ("RMSNorm", "SwiGLU", "rope"):
-        if model["rotary_percent"] != 1.0:
-            raise UserError(f"--rotary-percent {model['rotary_percent']}: Llama rotates whole heads")
-        if model["use_rope_scaling"] and model["rotary_seq_len_interpolation_factor"] is not None:
-            raise UserError("--use-rope-scaling with --rotary-seq-len-interpolation-factor: a Llama config has one "
-                            "RoPE type (llama3 or linear), not both")
+        check_llama_rope(model)
         return LLAMA
     raise UserError(f"no Hugging Face equivalent for normalization={combo[0]}, MLP={combo[1]}, positions={combo[2]}: "
                     "export supports LayerNorm + GELU + learned_absolute (GPT-2) and RMSNorm + SwiGLU + rope (Llama)")
+
+
+def check_llama_rope(model: dict) -> None:
+    """UserError for rotary settings a Llama-family config cannot hold (also the MoE classes')."""
+    if model["rotary_percent"] != 1.0:
+        raise UserError(f"--rotary-percent {model['rotary_percent']}: Llama rotates whole heads")
+    if model["use_rope_scaling"] and model["rotary_seq_len_interpolation_factor"] is not None:
+        raise UserError("--use-rope-scaling with --rotary-seq-len-interpolation-factor: a Llama config has one "
+                        "RoPE type (llama3 or linear), not both")
 
 
 def ffn_size(model: dict) -> int:
@@ -182,14 +189,8 @@ def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dic
         out["model.embed_tokens.weight"] = w["embedding.word_embeddings.weight"][:vocab_size]
         for i in range(L):
             o, g = f"layers.{i}.", f"model.layers.{i}."
-            out[g + "input_layernorm.weight"] = w[o + "input_norm.weight"]
-            out[g + "post_attention_layernorm.weight"] = w[o + "post_attention_norm.weight"]
+            out.update(llama_attention(w, i, groups, nh, bias))
             for suffix in ("weight", "bias") if bias else ("weight",):
-                q, k, v = _split_qkv(w[o + "attention.qkv." + suffix], groups, nh)
-                out[g + "self_attn.q_proj." + suffix] = q
-                out[g + "self_attn.k_proj." + suffix] = k
-                out[g + "self_attn.v_proj." + suffix] = v
-                out[g + "self_attn.o_proj." + suffix] = w[o + "attention.proj." + suffix]
                 out[g + "mlp.gate_proj." + suffix] = w[o + "mlp.fc1_gate." + suffix]
                 out[g + "mlp.up_proj." + suffix] = w[o + "mlp.fc1." + suffix]
                 out[g + "mlp.down_proj." + suffix] = w[o + "mlp.fc2." + suffix]
@@ -197,6 +198,20 @@ def to_hf(weights: dict[str, torch.Tensor], model: dict, vocab_size: int) -> dic
     if not tied:
         out["lm_head.weight"] = w["output_layer.weight"][:vocab_size]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def llama_attention(w: dict[str, torch.Tensor], i: int, groups: int, heads: int, bias: bool) -> dict:
+    """Layer i's norms and attention (our global names -> HF's Llama-family names, `model.layers.<i>.`)."""
+    o, g = f"layers.{i}.", f"model.layers.{i}."
+    out = {g + "input_layernorm.weight": w[o + "input_norm.weight"],
+           g + "post_attention_layernorm.weight": w[o + "post_attention_norm.weight"]}
+    for suffix in ("weight", "bias") if bias else ("weight",):
+        q, k, v = _split_qkv(w[o + "attention.qkv." + suffix], groups, heads)
+        out[g + "self_attn.q_proj." + suffix] = q
+        out[g + "self_attn.k_proj." + suffix] = k
+        out[g + "self_attn.v_proj." + suffix] = v
+        out[g + "self_attn.o_proj." + suffix] = w[o + "attention.proj." + suffix]
+    return out
 
 
 def _is_norm_weight(name: str) -> bool:

@@ -36,12 +36,19 @@ def layer_groups(cfg: ModelConfig, num_layers: int) -> list[tuple[int, int, bool
     return [(i, i + 1, True) for i in range(block)] + ([(block, num_layers, False)] if block < num_layers else [])
 
 
-def maybe_recompute(enabled: bool, function, *args, params=()):
+def maybe_recompute(enabled: bool, function, *args, params=(), state=()):
     """`function(*args)`, recomputed in the backward when `enabled` and a graph is being built (training
-    forwards; evaluation and decoding run under no_grad and keep nothing anyway)."""
+    forwards; evaluation and decoding run under no_grad and keep nothing anyway). `state`: see `checkpoint`."""
     if enabled and torch.is_grad_enabled():
-        return checkpoint(function, *args, params=params)
+        return checkpoint(function, *args, params=params, state=state)
     return function(*args)
+
+
+def recompute_state(modules) -> list[torch.Tensor]:
+    """The tensors besides parameters whose forward values a recomputation of `modules` must see: what their
+    submodules' `recompute_state()` names (the MoE routers' expert bias, models/moe/router.py)."""
+    return [t for module in modules for m in module.modules() if hasattr(m, "recompute_state")
+            for t in m.recompute_state()]
 
 
 def run_layers(layers, groups: list[tuple[int, int, bool]], x: torch.Tensor, *extra) -> torch.Tensor:
@@ -55,5 +62,6 @@ def run_layers(layers, groups: list[tuple[int, int, bool]], x: torch.Tensor, *ex
                 h = layer(h, *rest)
             return h
 
-        x = maybe_recompute(recomputed, run, x, *extra, params=[p for layer in group for p in layer.parameters()])
+        x = maybe_recompute(recomputed, run, x, *extra, params=[p for layer in group for p in layer.parameters()],
+                            state=recompute_state(group) if recomputed else ())
     return x

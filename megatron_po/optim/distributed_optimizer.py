@@ -73,11 +73,18 @@ class DistributedOptimizer(MainParamsOptimizer):
     ddp: a DistributedDataParallel built with `use_distributed_optimizer=True`.
     grad_scaler, clip_grad, model_parallel_group: as for MixedPrecisionOptimizer; found-inf and the grad
         norm are summed over `ddp.dp_group` and then `model_parallel_group`.
+    expert_group: with MoE experts, as for MixedPrecisionOptimizer: the experts' squares of this rank's
+        shards are summed over their expert-data-parallel group (the ranks sharing them), then over
+        `expert_group`, so every expert element counts once.
+
+    MoE experts are sharded over their expert-data-parallel group (ddp.py: the expert buckets' `group`):
+    each rank steps, predicts and gathers its range of every expert bucket among the ranks holding the
+    same experts, as Megatron shards them; everything else is as for the dense buckets.
     """
 
     def __init__(self, inner_optimizer_factory: Callable[[list[dict]], PredictiveOptimizer], model_param_groups,
                  ddp: DistributedDataParallel, grad_scaler=None, clip_grad: float = 0.0,
-                 model_parallel_group=None, predict_chunk_numel: int = 1 << 20):
+                 model_parallel_group=None, predict_chunk_numel: int = 1 << 20, expert_group=None):
         if not getattr(ddp, "use_distributed_optimizer", False):
             raise ConfigError("the distributed optimizer needs DistributedDataParallel(..., "
                               "use_distributed_optimizer=True) (its padded, sharded buffers)")
@@ -129,6 +136,7 @@ class DistributedOptimizer(MainParamsOptimizer):
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
+        self.expert_group = expert_group
         self.predict_chunk_numel = predict_chunk_numel
         self._device = ddp.grad_buffer.device
         self._shard_grads: list[Tensor] | None = None
@@ -188,6 +196,11 @@ class DistributedOptimizer(MainParamsOptimizer):
         if self.ddp.full_grads:
             return [self.model_parallel_group]
         return [self.ddp.dp_group, self.model_parallel_group]
+
+    def _expert_agreement_groups(self):
+        if self.ddp.full_grads:
+            return [self.expert_group]
+        return [self.ddp.expert_group, self.expert_group]  # this rank's shards of its experts, then all experts
 
     def _prediction_targets(self, buf: Tensor | None = None):
         buf = self.ddp.param_buffer if buf is None else buf
@@ -276,10 +289,10 @@ class DistributedOptimizer(MainParamsOptimizer):
             for piece, d in zip(pieces, directions):
                 if d is not None:
                     full[piece.start:piece.end].copy_(d)
-        if ddp.dp_size > 1:
-            for bucket in ddp.buckets:
+        for bucket in ddp.buckets:
+            if bucket.size > 1:
                 lo, hi = ddp.owned_range(bucket)
-                all_gather_single(full[bucket.start:bucket.end], full[lo:hi].clone(), ddp.dp_group, async_op=False)
+                all_gather_single(full[bucket.start:bucket.end], full[lo:hi].clone(), bucket.group, async_op=False)
         out = []
         for params in self.model_groups:
             row = []

@@ -230,6 +230,10 @@ class MainParamsOptimizer:
     def _agreement_groups(self) -> list:
         raise NotImplementedError
 
+    def _expert_agreement_groups(self) -> list:
+        """The groups the experts' squares are summed over (after the flag's agreement): `expert_group`."""
+        return [self.expert_group]
+
     def _prediction_targets(self) -> list[list[Tensor]]:
         raise NotImplementedError
 
@@ -285,7 +289,7 @@ class MainParamsOptimizer:
         if self.expert_group is None:
             return bool(stats[0] > 0), float(stats[1].sqrt())
         experts = torch.stack([stats[0], sums[1]])
-        for group in _multi_rank_groups([self.expert_group]):
+        for group in _multi_rank_groups(self._expert_agreement_groups()):
             dist.all_reduce(experts, group=group)
         return bool(experts[0] > 0), float((stats[1] + experts[1]).sqrt())
 

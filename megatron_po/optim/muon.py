@@ -24,6 +24,10 @@ One optimizer object, two rules chosen per param group by its "use_muon" key (`m
   `muon_param_groups` marks it (`muon_qkv_rows` = those three row counts) and the step orthogonalises and
   scales the Q, K and V matrices (every group's rows of each kind) separately, then puts them back.
 - everything else (embeddings, output layer, norms, biases): AdamW, exactly `optimizers.AdamW`.
+- MoE experts (Megatron's choice): a stacked expert weight [experts, out, in] (models/moe/experts.py) is that
+  many matrices, each orthogonalised and scaled on its own as a dense layer's (`_matrices`); the experts'
+  biases go to AdamW. The experts are in Muon groups of their own, whose owners are ranks of the
+  expert-data-parallel group (the ranks holding the same experts) instead of the data-parallel one.
 
 ΔW for PipeOptim: for the matrices the applied update scale·O, kept per parameter as extra state
 `muon_update` (one parameter-sized fp32 tensor: the momentum alone does not determine O, since Nesterov's
@@ -56,6 +60,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+
+import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.distributed.ddp import all_gather_single
@@ -99,11 +105,53 @@ def muon_param_groups(groups: list[dict], chunks) -> list[dict]:
     out = []
     for g in groups:
         hidden = [p for p in g["params"] if p.ndim == 2 and id(p) not in adamw_ids
-                  and not getattr(p, "shared_embedding", False)]
-        hidden_ids = {id(p) for p in hidden}
-        rest = [p for p in g["params"] if id(p) not in hidden_ids]
+                  and not getattr(p, "shared_embedding", False) and not _expert(p)]
+        experts = [p for p in g["params"] if p.ndim == 3 and _expert(p)]  # stacked [E, out, in]; biases: AdamW
+        muon_ids = {id(p) for p in hidden + experts}
+        rest = [p for p in g["params"] if id(p) not in muon_ids]
         out += [{**g, "params": hidden, "use_muon": True}] if hidden else []
+        out += [{**g, "params": experts, "use_muon": True, "experts": True}] if experts else []
         out += [{**g, "params": rest, "use_muon": False}] if rest else []
+    return out
+
+
+def _expert(p: Tensor) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
+class _Matrix:
+    """One matrix Muon orthogonalises: a 2-D parameter, or expert `expert`'s [out, in] slice of a stacked MoE
+    expert parameter, at element `offset` of the flattened parameter. It answers what the layout reads of a
+    matrix (shape, numel, its TP split, its fused-QKV rows) for the slice."""
+
+    def __init__(self, param: Tensor, expert: int | None = None):
+        self.param, self.expert = param, expert
+        self.shape = tuple(param.shape[-2:])
+        self.offset = 0 if expert is None else expert * self.shape[0] * self.shape[1]
+        self.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
+        dim = getattr(param, "partition_dim", -1)
+        self.partition_dim = dim - 1 if expert is not None and dim >= 0 else dim  # dim 0 of the stack: experts
+        self.muon_qkv_rows = getattr(param, "muon_qkv_rows", None) if expert is None else None
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def _matrices(param: Tensor) -> list[_Matrix]:
+    return [_Matrix(param)] if param.ndim == 2 else [_Matrix(param, e) for e in range(param.shape[0])]
+
+
+def _segments(matrices: list[_Matrix], first: int, start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """(matrix index, start, end within the matrix, offset within the piece) of every matrix of one parameter
+    (`matrices[first:]` from its first) that the piece [start, end) of the flattened parameter overlaps."""
+    out = []
+    for i in range(first, len(matrices)):
+        m = matrices[i]
+        if i > first and m.offset == 0:
+            break  # the next parameter's
+        lo, hi = max(start, m.offset), min(end, m.offset + m.numel())
+        if lo < hi:
+            out.append((i, lo - m.offset, hi - m.offset, lo - start))
     return out
 
 
@@ -264,29 +312,38 @@ class Muon(AdamW):
         params = self._group_params
         layout = self._layout(self._group_index, params)
         device = updates[0].device if updates else self._ddp.grad_buffer.device
-        where = [layout.where[id(p)] for p in params]  # (matrix index, start, end) of each inner param
+        # (matrix index, start, end within the matrix, offset within the inner param) of each inner param
+        where = [layout.where[id(p)] for p in params]
         dtype = output_dtype(self.fp32_matmul_prec)
+        mine = {i: u.reshape(-1)[offset:offset + end - start]  # this rank's U of each matrix it holds any of
+                for segments, u in zip(where, updates) for i, start, end, offset in segments}
         if layout.dp_group is None:  # this rank owns every matrix, and holds each whole
-            owned = {i: u for (i, _, _), u in zip(where, updates)}
+            owned = mine
         elif self._ddp is None:  # replicated state: this rank holds the whole U of every matrix
-            owned = {i: u for (i, _, _), u in zip(where, updates) if layout.owners[i] == layout.rank}
+            owned = {i: u for i, u in mine.items() if layout.owners[i] == layout.rank}
         else:
-            mine = {i: u for (i, _, _), u in zip(where, updates)}
             owned = pieces_to_owners(mine, layout.pieces, layout.owners, layout.numels, layout.dp_group, device)
         results = self._orthogonalise_owned(group, layout, owned)
         if layout.dp_group is not None and self._ddp is None:
             everything = owners_to_all(results, layout.owners, layout.numels, layout.dp_group, dtype, device)
-            results = {i: everything[i] for i, _, _ in where}
+            results = {i: everything[i] for i in mine}
         elif layout.dp_group is not None:
             results = owners_to_pieces(results, layout.pieces, layout.owners, layout.dp_group, dtype, device)
         out = []
-        for p, (i, start, _) in zip(params, where):
-            o = results[i].reshape(-1).float()
-            for lo, hi, scale in layout.scales[i]:  # rows [lo, hi) of the TP-local matrix are scaled by `scale`
-                cols = layout.models[i].shape[1]
-                a, b = max(lo * cols - start, 0), min(hi * cols - start, o.numel())
-                if a < b:
-                    o[a:b].mul_(scale)
+        for p, segments in zip(params, where):
+            if len(segments) == 1:  # a 2-D weight (or its piece): O as it came
+                o = results[segments[0][0]].reshape(-1).float()
+            else:
+                o = torch.empty(p.numel(), dtype=torch.float32, device=device)
+                for i, start, end, offset in segments:
+                    o[offset:offset + end - start].copy_(results[i].reshape(-1))
+            for i, start, end, offset in segments:
+                piece = o[offset:offset + end - start]
+                for lo, hi, scale in layout.scales[i]:  # rows [lo, hi) of the TP-local matrix are scaled by `scale`
+                    cols = layout.models[i].shape[1]
+                    a, b = max(lo * cols - start, 0), min(hi * cols - start, piece.numel())
+                    if a < b:
+                        piece[a:b].mul_(scale)
             out.append(o.view(p.shape).to(p.dtype))
         return out
 
@@ -303,27 +360,39 @@ class Muon(AdamW):
         layout = _Layout()
         if self._ddp is not None:
             ddp = self._ddp
-            layout.models = self._muon_models[index]
-            layout.dp_group = ddp.dp_group if ddp.dp_size > 1 else None
-            layout.rank, world = ddp.dp_rank, ddp.dp_size
             bucket_of = {id(p): bucket for bucket in ddp.buckets for p in bucket.params}
-            index_of = {id(m): i for i, m in enumerate(layout.models)}
+            models = self._muon_models[index]
+            # The ranks sharing these matrices' shards (experts: their expert-data-parallel group), alike for all
+            shard_groups = {(b.group, b.size, b.rank) for b in (bucket_of[id(m)] for m in models)}
+            assert len(shard_groups) <= 1, "a Muon group mixes dense and expert parameters"
+            group_, world, layout.rank = shard_groups.pop() if shard_groups else (ddp.dp_group, ddp.dp_size, ddp.dp_rank)
+            layout.dp_group = group_ if world > 1 else None
+            first = {}  # id(model) -> index of its first matrix
+            for m in models:
+                first[id(m)] = len(layout.models)
+                layout.models += _matrices(m)
             layout.pieces = [{} for _ in range(world)]
-            for i, m in enumerate(layout.models):
+            for m in models:
                 m_start, m_end = ddp.param_range[id(m)]
                 for r in range(world):
                     lo, hi = bucket_of[id(m)].shard(r, world)
-                    if max(m_start, lo) < min(m_end, hi):
-                        layout.pieces[r][i] = (max(m_start, lo) - m_start, min(m_end, hi) - m_start)
+                    for i, start, end, _ in _segments(layout.models, first[id(m)], lo - m_start, hi - m_start):
+                        layout.pieces[r][i] = (start, end)
             for p in params:
                 model, start, end = self._shards[id(p)]
-                layout.where[id(p)] = (index_of[id(model)], start, end)
+                layout.where[id(p)] = _segments(layout.models, first[id(model)], start, end)
         else:
-            layout.models = [self._shards.get(id(p), (p,))[0] for p in params]
-            dp_size = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-            layout.dp_group = ps.get_data_parallel_group() if dp_size > 1 else None
-            layout.rank, world = (ps.get_data_parallel_rank() if dp_size > 1 else 0), dp_size
-            layout.where = {id(p): (i, 0, p.numel()) for i, p in enumerate(params)}
+            experts = bool(group.get("experts"))
+            size = ((ps.get_expert_data_parallel_world_size() if experts else ps.get_data_parallel_world_size())
+                    if ps.model_parallel_is_initialized() else 1)
+            layout.dp_group = (ps.get_expert_data_parallel_group() if experts else ps.get_data_parallel_group()) \
+                if size > 1 else None
+            layout.rank, world = ((dist.get_rank(layout.dp_group) if size > 1 else 0), size)
+            for p in params:
+                model = self._shards.get(id(p), (p,))[0]
+                first = len(layout.models)
+                layout.models += _matrices(model)
+                layout.where[id(p)] = _segments(layout.models, first, 0, p.numel())
         layout.numels = [m.numel() for m in layout.models]
         shapes = [self._orthogonalised_shapes(m) for m in layout.models]
         held = None

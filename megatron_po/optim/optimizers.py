@@ -745,14 +745,16 @@ class Lion(PredictiveOptimizer):
 
 def param_groups(modules, weight_decay: float) -> list[dict]:
     """Megatron's rule: no weight decay on biases and normalization weights (the params of at most one
-    dimension). `modules`: the model chunks one optimizer steps (each parameter once)."""
+    dimension; the MoE experts' biases, [experts, size], are one vector per expert, as Megatron's per-expert
+    biases). `modules`: the model chunks one optimizer steps (each parameter once)."""
     decay, no_decay, seen = [], [], set()
     for module in modules:
         for p in module.parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            (no_decay if p.ndim <= 1 else decay).append(p)
+            vectors = 2 if getattr(p, "expert_parallel", False) else 1
+            (no_decay if p.ndim <= vectors else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

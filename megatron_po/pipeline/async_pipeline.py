@@ -81,8 +81,9 @@ import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, PrecisionConfig, TrainingConfig, virtual_pipeline_size
-from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads
+from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads, is_expert
 from megatron_po.errors import ConfigError
+from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
@@ -216,12 +217,16 @@ class AsyncStage:
                                                  grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
                                                                               pr.accumulate_allreduce_grads_in_fp32))
                          for c in chunks]
+        # MoE: the experts' gradient squares (norm, clipping, found-inf) are summed over the stage's expert
+        # TP x EP ranks, which hold every expert of the stage once (optim/clip_grads.py); stage-local, as the rest.
+        self.expert_groups = [_stage_expert_group(c) for c in chunks]
         if pr.use_distributed_optimizer:
-            self.optimizers = [DistributedOptimizer(inner, groups(c), ddp, scaler(), clip_grad,
-                                                    self.tp_group) for c, ddp in zip(chunks, self.ddps)]
+            self.optimizers = [DistributedOptimizer(inner, groups(c), ddp, scaler(), clip_grad, self.tp_group,
+                                                    expert_group=eg)
+                               for c, ddp, eg in zip(chunks, self.ddps, self.expert_groups)]
         elif mixed:
-            self.optimizers = [MixedPrecisionOptimizer(inner, groups(c), scaler(), clip_grad,
-                                                       self.tp_group) for c in chunks]
+            self.optimizers = [MixedPrecisionOptimizer(inner, groups(c), scaler(), clip_grad, self.tp_group,
+                                                       expert_group=eg) for c, eg in zip(chunks, self.expert_groups)]
         else:
             self.optimizers = [inner(groups(c)) for c in chunks]
         self.params = [chunk_parameters(c) for c in chunks]  # listed once: a module walk per step adds up
@@ -249,13 +254,9 @@ class AsyncStage:
             params = self.ddps[c].params
         else:
             params = self.params[c]
-            grads = [p.grad for p in params if p.grad is not None]
-            if self.dp_group is not None and grads:  # one all-reduce per step of this chunk: the DP mean
+            if self.dp_group is not None:  # one all-reduce per step of this chunk: the DP mean
                 with timers("grad-sync", 1):
-                    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size(self.dp_group))
-                    dist.all_reduce(flat, group=self.dp_group)
-                    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                        g.copy_(reduced.view_as(g))
+                    _mean_over_data_parallel(params, self.dp_group)
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
             allreduce_sequence_parallel_grads(params)
         set_lr(opt, self.scheduled_lr(c) * self.policy.lr_scale(c))  # staleness-aware scaling, or 1
@@ -274,12 +275,15 @@ class AsyncStage:
                 runner.loss_scale = self._loss_scale()  # the scale may have changed
         else:
             if self.clip_grad > 0:
-                self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group)
+                self.grad_norms[c] = clip_grad_norm_(params, self.clip_grad, self.tp_group, self.expert_groups[c])
             else:
-                self.grad_norms[c] = global_grad_norm(params, self.tp_group)
+                self.grad_norms[c] = global_grad_norm(params, self.tp_group, self.expert_groups[c])
             opt.step()
         if ef is not None:
             ef.end(c, self.policy.gradient_delay(c))
+        # Aux-loss-free balancing: once per optimizer step of the chunk (a skipped fp16 step too, as in
+        # synchronous training), from the tokens its routers counted in the forwards since the last update.
+        update_expert_bias([self.chunks[c]])
         if self.ddps is not None:
             self.ddps[c].zero_grad()
         else:
@@ -305,6 +309,13 @@ class AsyncStage:
         scale = opt.get_loss_scale() if isinstance(opt, MainParamsOptimizer) else 1.0
         return scale / self.update_interval
 
+    def _aux_loss_scale(self, c: int) -> float:
+        """The gradient of chunk c's MoE auxiliary losses in a backward: 1/k, times the chunk's own fp16 loss
+        scale (its gradients carry that scale: `_StageLossScaling`)."""
+        opt = self.optimizers[c]
+        scale = opt.get_loss_scale() if isinstance(opt, MainParamsOptimizer) else 1.0
+        return scale / self.update_interval
+
     def _grad_sync(self, c: int, enabled: bool) -> None:
         self.ddps[c].sync_enabled = enabled  # the chunk's last backward before a step launches its reduce
 
@@ -320,7 +331,7 @@ class AsyncStage:
         runner = StageRunner(rank=self.rank, num_stages=self.num_stages, chunks=self.chunks, transport=transport,
                              get_batch=get_batch, loss_scale=self._loss_scale(), policy=self.policy,
                              step_fn=self.step, grad_sync=self._grad_sync if self.ddps is not None else None,
-                             on_loss=on_loss, detail_level=1)
+                             on_loss=on_loss, detail_level=1, aux_loss_scale=self._aux_loss_scale)
         self._runner = weakref.ref(runner)
         return runner
 
@@ -359,6 +370,31 @@ class _StageLossScaling:
 
     def flush(self) -> None:
         self.transport.flush()
+
+
+def _stage_expert_group(chunk):
+    """The group a chunk's MoE expert gradient squares are summed over (the stage's expert TP x EP ranks),
+    None for a chunk without experts."""
+    if not any(is_expert(p) for p in chunk.parameters()):
+        return None
+    return ps.get_expert_tensor_and_model_parallel_group() if ps.model_parallel_is_initialized() else None
+
+
+def _mean_over_data_parallel(params, dp_group) -> None:
+    """The DP mean of the chunk's gradients in one all-reduce (no gradient buffer: delay compensation edits
+    each gradient after its backward). MoE experts as the DDP buckets reduce them: summed over their
+    expert-data-parallel group (each already holds the tokens of every EP rank), scaled by the same 1/DP."""
+    dp = dist.get_world_size(dp_group)
+    for expert in (False, True):
+        grads = [p.grad for p in params if p.grad is not None and is_expert(p) == expert]
+        group = ps.get_expert_data_parallel_group() if expert else dp_group
+        if not grads or group is None:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(dp)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
 
 
 def fp32_gradient_specs(message_specs):

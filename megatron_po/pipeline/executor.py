@@ -211,6 +211,9 @@ class StageRunner:
     losses: dict = field(default_factory=dict)  # mb -> detached loss (last virtual stage)
     deferred: dict = field(default_factory=dict)  # (mb, chunk) -> weight-gradient closures from BackwardInput
     placement: str = "interleaved"  # the schedule's chunk placement (ZB-V: "v")
+    # chunk -> the gradient of its MoE auxiliary losses in a backward (None: `loss_scale`). Asynchronous fp16
+    # stages scale each chunk's gradients by the chunk's own loss scale (async_pipeline._StageLossScaling).
+    aux_loss_scale: object = None
 
     @property
     def num_chunks(self) -> int:
@@ -297,7 +300,8 @@ class StageRunner:
             self.grad_sync(c, sync_grads)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         # The MoE auxiliary losses of this micro-batch get the gradient its loss got (models/moe/aux_losses.py).
-        with timers("backward-compute", self.detail_level), aux_loss_scale(self.loss_scale):
+        aux_scale = self.loss_scale if self.aux_loss_scale is None else self.aux_loss_scale(c)
+        with timers("backward-compute", self.detail_level), aux_loss_scale(aux_scale):
             if split:
                 with weight_grads.defer_weight_grads() as queue:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from megatron_po.errors import ConfigError
+from megatron_po.models.moe.experts import GroupedExperts
+from megatron_po.models.moe.router import TopKRouter
 from megatron_po.optim.predictors import build_predictor
 from megatron_po.pipeline.async_policy import (AsyncPolicy, _clone, _copy_into, _DelayCompensating, delay_compensate,
                                                spectrain_staleness)
@@ -27,9 +29,11 @@ def _backward_reads_parameters(chunk: torch.nn.Module) -> bool:
     themselves (not views of their storage) for the backward, so that pointing a parameter at other
     storage for a forward and back before the backward makes the backward read the live weights: our
     tensor-parallel linears (`tensor_parallel.layers.linear`), embeddings (whose backward reads no
-    weight) and torch's LayerNorm / RMSNorm. F.linear, for one, saves a transposed view instead."""
+    weight), torch's LayerNorm / RMSNorm, and the MoE router (`linear`) and experts (`ExpertProjection`,
+    which saves the stacked parameter, not the per-expert views it multiplies by). F.linear, for one,
+    saves a transposed view instead."""
     known = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Embedding,
-             torch.nn.LayerNorm, torch.nn.RMSNorm)
+             torch.nn.LayerNorm, torch.nn.RMSNorm, TopKRouter, GroupedExperts)
     return all(type(m) in known for m in chunk.modules() if next(m.parameters(recurse=False), None) is not None)
 
 

@@ -187,7 +187,7 @@ def is_recomputing() -> bool:
 # recomputed region eagerly, in the forward and in the recomputation alike (layers called inside it still run
 # compiled: --recompute-granularity full checkpoints whole compiled layers).
 @runs_eagerly
-def checkpoint(function, *args, params=()):
+def checkpoint(function, *args, params=(), state=()):
     """Activation recomputation that replays BOTH random streams and the forward's weights.
 
     torch.utils.checkpoint restores the default generators for the recomputation, but the tracker's
@@ -195,17 +195,22 @@ def checkpoint(function, *args, params=()):
     and the gradient would belong to a different mask than the forward. We snapshot the tracker at
     forward time, install the snapshot for the recomputation and put the current states back after.
     `params`: the parameters `function` reads; the weights the forward ran on are re-installed for
-    the recomputation when a `recompute_weights` provider says they will have changed by then."""
+    the recomputation when a `recompute_weights` provider says they will have changed by then.
+    `state`: small tensors other than parameters that `function` reads and that may change between the
+    forward and the backward (the MoE routers' expert bias, which an asynchronous stage moves at every
+    step): their forward values are kept and put in place, always, for the recomputation."""
     tracker = get_rng_tracker()
     snapshot: dict[str, torch.Tensor] = {}
     provider = _recompute_weights
     installed = []  # the region's context-manager factory from the provider, set in the forward
+    kept_state: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def forward_context():
         snapshot.update(tracker.get_states())
         if provider is not None and params:
             installed.append(provider(params))
+        kept_state.extend(t.detach().clone() for t in state)
         yield
 
     @contextlib.contextmanager
@@ -214,13 +219,24 @@ def checkpoint(function, *args, params=()):
         tracker.set_states(snapshot)
         weights = installed[0] if installed and installed[0] is not None else contextlib.nullcontext
         _recomputing.append(True)
+        _swap_state(state, kept_state)
         try:
             with weights():
                 yield
         finally:
+            _swap_state(state, kept_state)
             _recomputing.pop()
             tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: (forward_context(), recompute_context()))
+
+
+@torch.no_grad()
+def _swap_state(state, kept) -> None:
+    """Exchange the values of `state` and `kept` in place (the same call swaps back)."""
+    for t, k in zip(state, kept):
+        scratch = t.detach().clone()
+        t.detach().copy_(k)
+        k.copy_(scratch)

@@ -14,6 +14,13 @@ Initialization does not depend on the layout: the full weights of all experts ar
 then fc2, each [experts, ...]) from the layer's seed and every rank keeps its experts' slices, so the EP = 4 x
 ETP = 2 model holds exactly the pieces of the one-process model.
 
+The projections' backward reads the stacked weight through the Parameter itself (`ExpertProjection`, as
+`tensor_parallel.layers.linear` does for the dense layers), never through a view of the storage the forward
+read (`weight[e]`, `weight.transpose(-2, -1)`): a weight policy that points the parameters at other storage for
+a forward (PipeOptim's prediction, pipeline/predicting_policies.py) and back before the backward has the
+backward read the live weights, and a predicted buffer reused for the next prediction is never read by a
+backward in flight.
+
 Parameter attributes: `expert_parallel` (and Megatron's `allreduce = False`): DDP reduces these gradients over
 the expert-data-parallel group, the gradient norm counts each expert slice once over the expert model-parallel
 group; `tensor_model_parallel` / `partition_dim` when split over ETP = TP ranks (as the dense TP shards).
@@ -90,26 +97,52 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], grouped by local expert (`counts` [local experts] rows each) -> [N, hidden]: each
         row through its expert's MLP (a partial sum over the ffn slices under expert TP)."""
-        project = self._grouped if self.grouped_gemm else self._looped
-        up = project(x, self.fc1, self.fc1_bias, counts)
+        def project(inp, weight, bias):
+            out = ExpertProjection.apply(inp, weight, counts, self.grouped_gemm)
+            return out if bias is None else out + bias.repeat_interleave(counts, dim=0, output_size=inp.shape[0])
+        up = project(x, self.fc1, self.fc1_bias)
         if self.swiglu:
-            act = F.silu(project(x, self.fc1_gate, self.fc1_gate_bias, counts)) * up
+            act = F.silu(project(x, self.fc1_gate, self.fc1_gate_bias)) * up
         else:
             act = F.gelu(up, approximate="tanh")
-        return project(act, self.fc2, self.fc2_bias, counts)
+        return project(act, self.fc2, self.fc2_bias)
+
+
+class ExpertProjection(torch.autograd.Function):
+    """y = x_e · W[e]ᵀ for the rows of each local expert e: one `torch._grouped_mm` (`grouped`) or a loop of
+    matmuls, the same numbers either way. Saves the stacked Parameter itself (module docstring); its backward
+    computes what autograd computes for the same ops (bitwise on a CPU: tests/test_moe_async.py)."""
 
     @staticmethod
-    def _grouped(x, weight, bias, counts):
-        offs = counts.cumsum(0).to(torch.int32)
-        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
-        return out if bias is None else out + bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-
-    @staticmethod
-    def _looped(x, weight, bias, counts):
-        pieces = x.split(counts.tolist())
-        # unbind: one backward (a stack) for every expert's slice; weight[e] would give each expert a zero-filled
-        # gradient of the whole stack, summed E times (bench/step/moe_layer.py measured it)
-        weights = weight.unbind(0)
-        biases = bias.unbind(0) if bias is not None else [None] * len(pieces)
-        outs = [piece @ w.t() if b is None else piece @ w.t() + b for piece, w, b in zip(pieces, weights, biases)]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.grouped = counts, grouped
+        if grouped:
+            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=_offsets(counts))
+        outs = [piece @ weight[e].t() for e, piece in enumerate(x.split(counts.tolist()))]
         return torch.cat(outs) if outs else x.new_empty(0, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        grad_x = grad_w = None
+        if ctx.grouped:
+            offs = _offsets(counts)
+            if ctx.needs_input_grad[0]:
+                grad_x = torch._grouped_mm(grad_out, weight, offs=offs)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch._grouped_mm(grad_out.t(), x, offs=offs)  # [experts, out, in], contiguous
+            return grad_x, grad_w, None, None
+        sizes = counts.tolist()
+        grads, pieces = grad_out.split(sizes), x.split(sizes)
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.cat([g.mm(weight[e]) for e, g in enumerate(grads)]) if grads else torch.zeros_like(x)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.stack([g.t().mm(piece) for piece, g in zip(pieces, grads)]) if grads \
+                else torch.zeros_like(weight)
+        return grad_x, grad_w, None, None
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0).to(torch.int32)

@@ -6,7 +6,9 @@ Scores: softmax over the top-k logits (default), softmax over all logits before 
 to sum 1 when k > 1); times --moe-router-topk-scaling-factor. With --moe-router-enable-expert-bias the top-k
 is taken over score + bias (sigmoid), the weights stay the unbiased scores; the bias moves after every
 optimizer step by `rate x sign(mean load - load)` of the tokens each expert got since the last update
-(`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation).
+(`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation). In an
+asynchronous pipeline that is every step of the chunk, possibly between a micro-batch's forward and its
+backward: a recomputation then routes with the bias its forward saw (`recompute_state`).
 
 Capacity (--moe-expert-capacity-factor f): an expert takes at most ceil(f x T x k / E) of a micro-batch's T
 tokens, those with the highest weights (--moe-token-drop-policy probs) or the first ones (position); with
@@ -18,7 +20,11 @@ slice of the sequence: the router logits (a [tokens, experts] tensor, small) are
 every TP rank routes the whole micro-batch and keeps its own rows. So the capacity, the dropped tokens and the
 auxiliary losses are those of the one-process run at any TP size (Megatron instead computes the capacity of
 each rank's own tokens). Under expert parallelism the router runs before the dispatch, on the rank's own
-micro-batch: nothing to gather.
+micro-batch: nothing to gather. Under context parallelism each CP rank holds two chunks of every sequence
+(data/context_split.py): the logits are gathered over the CP group too and put back in sequence order, so the
+capacity's position policy, the per-sequence loss and the ties see the sequence as one process does. Each rank
+keeps the gradient of its own rows, and the gradients are averaged over DP x CP, so the auxiliary losses'
+gradient is taken CP times, as the language-model loss is (its normalizer is the micro-batch's tokens / CP).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
+from megatron_po.data.context_split import token_indices
 from megatron_po.models.moe.aux_losses import attach, load_balancing_loss, sequence_load_balancing_loss, z_loss
 from megatron_po.tensor_parallel import gather_from_sequence_parallel_region
 from megatron_po.tensor_parallel.layers import linear
@@ -88,6 +95,27 @@ def routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function:
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
 
 
+class _GatherSequenceOverContextParallel(torch.autograd.Function):
+    """[s / CP, b, E] of this CP rank's chunks -> [s, b, E] of the whole sequence in its order; the backward
+    hands back this rank's rows of the gradient (the others' are their own)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        cp, group = ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        s = x.shape[0] * cp
+        order = torch.cat([token_indices(s, cp, r, x.device) for r in range(cp)])
+        whole = torch.empty((s, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        whole[order] = torch.cat(parts)
+        ctx.mine = token_indices(s, cp, ps.get_context_parallel_rank(), x.device)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.index_select(0, ctx.mine)
+
+
 class TopKRouter(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
         super().__init__()
@@ -123,13 +151,16 @@ class TopKRouter(nn.Module):
         logits = linear(x, self.weight)  # [s, b, E]
         if self.sequence_parallel:  # route the whole micro-batch (module docstring); the backward keeps my slice
             logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        if cp > 1:  # ... and the whole sequence, in its order (module docstring)
+            logits = _GatherSequenceOverContextParallel.apply(logits)
         seq = logits.shape[0]
         logits = logits.reshape(-1, self.num_experts).float()
         training = self.training and torch.is_grad_enabled()
         cfg = self.cfg
         if training and cfg.moe_z_loss_coeff:
             loss = z_loss(logits)
-            logits = attach(logits, loss * cfg.moe_z_loss_coeff)
+            logits = attach(logits, loss * cfg.moe_z_loss_coeff * cp)
             self._note("z_loss", loss)
         probs, routing_map = topk_routing(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
                                           cfg.moe_router_topk_scaling_factor, self.expert_bias)
@@ -139,7 +170,7 @@ class TopKRouter(nn.Module):
                 loss = load_balancing_loss(scores, topk_map, self.topk)
             else:
                 loss = sequence_load_balancing_loss(scores, topk_map, self.topk, seq, b)
-            probs = attach(probs, loss * cfg.moe_aux_loss_coeff)
+            probs = attach(probs, loss * cfg.moe_aux_loss_coeff * cp)
             self._note("aux_loss", loss)
         routed = routing_map
         if cfg.moe_expert_capacity_factor is not None:
@@ -147,6 +178,10 @@ class TopKRouter(nn.Module):
             keep = capacity_mask(probs, routing_map, capacity, cfg.moe_token_drop_policy)
             routing_map = keep if cfg.moe_pad_expert_input_to_capacity else routing_map & keep
             probs = probs * routing_map
+        if cp > 1:  # this CP rank's chunks, in its order
+            mine = token_indices(seq, cp, ps.get_context_parallel_rank(), probs.device)
+            probs, routing_map, routed = (v.view(seq, b, -1).index_select(0, mine).reshape(-1, self.num_experts)
+                                          for v in (probs, routing_map, routed))
         if self.sequence_parallel:  # this rank's rows
             rows = slice(ps.get_tensor_model_parallel_rank() * s_local * b, (ps.get_tensor_model_parallel_rank() + 1)
                          * s_local * b)
@@ -159,6 +194,12 @@ class TopKRouter(nn.Module):
                 if self.record is not None:
                     self.record.add_routing(kept.sum(dim=0), (routed & ~routing_map).sum())
         return probs.to(x.dtype), routing_map
+
+    def recompute_state(self) -> list[torch.Tensor]:
+        """What a recomputation of this router must see as its forward saw it (models/recompute.py): the expert
+        bias, which an asynchronous stage moves at every step, possibly between a micro-batch's forward and its
+        backward; the recomputation then routes the tokens as the forward did."""
+        return [self.expert_bias] if self.expert_bias is not None else []
 
     def _note(self, name: str, loss: torch.Tensor) -> None:
         if self.record is not None and not is_recomputing():

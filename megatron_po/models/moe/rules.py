@@ -3,8 +3,7 @@
 Megatron's own checks where it has them (top-k, experts divisible by EP, sequence parallelism with TP, the
 expert bias with sigmoid scores, no bias under expert TP, padding needs a capacity), the layout (EP x ETP must
 divide the ranks of a pipeline stage), the flags Megatron has and this code does not take (one line each),
-and what other parts of issue 48 have not wired yet (asynchronous pipelines, the distributed optimizer and
-Muon over experts, checkpoints of experts).
+and Muon with an expert TP other than 1 or TP.
 """
 
 from __future__ import annotations
@@ -133,22 +132,10 @@ MOE_RULES = [
     Rule("moe-per-token-loss", lambda c: not c.t.calculate_per_token_loss,
          "--calculate-per-token-loss with --num-experts: the auxiliary losses' per-token scaling is not wired: drop "
          "one", when=_moe),
-    Rule("moe-sync-methods-only", lambda c: not c.is_async,
-         lambda c: f"--pipeline-method {c.meth} with --num-experts: asynchronous pipelines over MoE models are not "
-                   f"wired yet (issue 48 item 3); use 1f1b, gpipe, interleaved or zb-*", when=_moe),
-    Rule("moe-no-distributed-optimizer", lambda c: not c.pr.use_distributed_optimizer,
-         "--use-distributed-optimizer with --num-experts: sharding experts over their expert-data-parallel group is "
-         "not implemented yet (issue 48 item 4)", when=_moe),
-    Rule("moe-no-muon", lambda c: c.t.optimizer != "muon",
-         "--optimizer muon with --num-experts: per-expert orthogonalization is not implemented yet (issue 48 item 4)",
-         when=_moe),
-    Rule("moe-no-checkpoints", lambda c: c.ck.save is None and c.ck.load is None,
-         "--save/--load with --num-experts: checkpoints of experts (sharded by EP, the expert bias) are not "
-         "implemented yet (issue 48 item 5)", when=_moe),
-    Rule("moe-no-context-parallel", lambda c: c.cp == 1,
-         lambda c: f"--context-parallel-size {c.cp} with --num-experts: the router's capacity, auxiliary losses and "
-                   "token counts are not yet reduced over the context-parallel ranks: use --context-parallel-size 1",
-         when=_moe),
+    Rule("moe-muon-expert-tp", lambda c: etp(c) in (1, c.tp),
+         lambda c: f"--optimizer muon with --expert-tensor-parallel-size {etp(c)} != --tensor-model-parallel-size "
+                   f"{c.tp}: Muon gathers a sliced matrix over the TP group; use an expert TP of 1 or {c.tp}",
+         when=lambda c: _moe(c) and c.t.optimizer == "muon"),
     Rule("moe-fp8-shared-dims", lambda c: (c.m.moe_shared_expert_intermediate_size // c.tp) % 16 == 0,
          lambda c: f"--fp8-format needs the shared experts' size per TP rank "
                    f"({c.m.moe_shared_expert_intermediate_size // c.tp}) divisible by 16",

@@ -66,7 +66,7 @@ from bench_common import REPO, command_line, loadavg, markdown_table, offline_en
 offline_env()
 
 from convergence_measure import async_tokens_per_s, sync_seconds_per_update  # noqa: E402,F401
-from convergence_plots import plot, plot_predictors  # noqa: E402
+from convergence_plots import mean_band, plot, plot_predictors  # noqa: E402,F401
 from convergence_report import main_table, predictor_table, write_report  # noqa: E402,F401
 from convergence_runs import (_job_key, _optimizer_kwargs, _print, _training_config, build_emulator,  # noqa: E402,F401
                               calibrate_job, default_interval, plan_jobs, run_jobs, train_job)

@@ -18,6 +18,15 @@ def fit_ylim(ax, lows: list[float], highs: list[float]) -> None:
         ax.set_ylim(min(lows) - pad, max(highs) + pad)
 
 
+def mean_band(curves: list[list]) -> tuple:
+    """x, the mean and the standard deviation (0 for one seed) of the seeds' curves [(x, y), ...], to the shortest."""
+    import numpy as np
+    n = min(len(c) for c in curves)
+    x = np.array([p[0] for p in curves[0][:n]], dtype=float)
+    y = np.array([[p[1] for p in c[:n]] for c in curves])
+    return x, y.mean(0), (y.std(0, ddof=1) if len(curves) > 1 else np.zeros(n))
+
+
 def plot_predictors(s: Settings, summary: dict, path: str) -> str | None:
     """Validation loss over training per (D, optimizer): synchronous, PipeOptim, PipeDream and the variants
     (mean over seeds, band ±1 std)."""
@@ -36,21 +45,17 @@ def plot_predictors(s: Settings, summary: dict, path: str) -> str | None:
             ax = axes[i][j]
             lows, highs = [], []
             for m in methods:
-                runs = train.get((0, o, "sync") if m == "sync" else (D, o, m), {})
-                nv = min((len(r["val"]) for r in runs.values()), default=0)
-                if not nv:
+                curves = [r["val"] for r in train.get((0, o, "sync") if m == "sync" else (D, o, m), {}).values()]
+                if not curves or not min(map(len, curves)):
                     continue
-                x = np.array([q[0] for q in next(iter(runs.values()))["val"][:nv]])
-                vals = np.array([[r["val"][q][1] for q in range(nv)] for r in runs.values()])
-                mean = vals.mean(0)
-                std = vals.std(0, ddof=1) if len(vals) > 1 else np.zeros(nv)
+                x, mean, std = mean_band(curves)
                 color = COLORS.get(m) or VARIANT_COLORS[m]
                 style = "-" if m in ("sync", "pipeoptim") or m.startswith("po-") else ":"
                 (h,) = ax.plot(x, mean, color=color, lw=1.3, ls=style, marker="o", ms=3, label=LABELS[m])
                 ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.08, lw=0)
                 handles[m] = h
                 lows.append(float(np.nanmin(mean - std)))
-                highs.append(float(np.nanmax(mean[1:] + std[1:])) if nv > 1 else float(mean[0]))
+                highs.append(float(np.nanmax(mean[1:] + std[1:])) if len(x) > 1 else float(mean[0]))
             fit_ylim(ax, lows, highs)  # highs skip the first evaluation: it may be far off
             ax.set_title(f"D={D}, {OPT_LABELS[o]}")
             ax.set_xlabel(f"micro-batches of B={s.micro_batch}")
@@ -113,12 +118,8 @@ def plot(s: Settings, summary: dict, path: str) -> str:
                 (h,) = ax.plot(x, mean, color=color, lw=1.2, label=LABELS[m])
                 ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15, lw=0)
                 handles[m] = h
-                nv = min(len(r["val"]) for r in runs.values())
-                if nv:
-                    vx = np.array([runs[sd]["val"][q][0] for sd in list(runs)[:1] for q in range(nv)])
-                    vals = np.array([[r["val"][q][1] for q in range(nv)] for r in runs.values()])
-                    vm = vals.mean(0)
-                    vs = vals.std(0, ddof=1) if len(vals) > 1 else np.zeros(nv)
+                if min(len(r["val"]) for r in runs.values()):
+                    vx, vm, vs = mean_band([r["val"] for r in runs.values()])
                     ax.plot(vx, vm, color=color, lw=1.2, ls="--", marker="o", ms=3)
                     ax.fill_between(vx, vm - vs, vm + vs, color=color, alpha=0.15, lw=0)
                     lows.append(float(np.nanmin(vm - vs)))

@@ -97,14 +97,6 @@ def verdict1(s, study: dict, D: int, o: str) -> tuple[list[str], list[list[str]]
 # --------------------------------------------------------------------------------------------------
 
 
-def _mean_curve(runs: list[dict]):
-    import numpy as np
-    n = min(len(r["curve"]) for r in runs)
-    x = np.array([p[0] for p in runs[0]["curve"][:n]], dtype=float)
-    y = np.array([[p[1] for p in r["curve"][:n]] for r in runs])
-    return x, y.mean(0), (y.std(0, ddof=1) if len(runs) > 1 else np.zeros(n))
-
-
 def plot(s, study: dict, path: str, clocks: list[Clock] | None = None) -> str:
     """One row of panels per (D, optimizer): validation loss against training tokens, then against the
     simulated wall clock of each clock (the same curves, stretched by each configuration's seconds per
@@ -123,7 +115,7 @@ def plot(s, study: dict, path: str, clocks: list[Clock] | None = None) -> str:
         for M in (1, 2 * D, 4 * D):
             runs = study["runs"].get(Unit(o, "sync", 0, M))
             if runs:
-                x, m, sd = _mean_curve(runs)
+                x, m, sd = cv.mean_band([r["curve"] for r in runs])
                 ax_tok.plot(x * tpm / 1e6, m, color="black", ls=SYNC_STYLE.get(M // D, "-."), marker="o", ms=2,
                             label=Unit(o, "sync", 0, M).label)
                 ax_tok.fill_between(x * tpm / 1e6, m - sd, m + sd, color="black", alpha=0.08, lw=0)
@@ -131,7 +123,7 @@ def plot(s, study: dict, path: str, clocks: list[Clock] | None = None) -> str:
                 highs.append(float(m[-1]))
         for j, (clock, ax_time) in enumerate(zip(clocks, ax_times)):
             for row in configurations(s, study, D, o, clock):
-                x, m, sd = _mean_curve(study["runs"][row["unit"]])
+                x, m, sd = cv.mean_band([r["curve"] for r in study["runs"][row["unit"]]])
                 if row["name"] in ASYNC and j == 0:
                     ax_tok.plot(x * tpm / 1e6, m, color=row["color"], marker="o", ms=2, label=row["label"])
                     ax_tok.fill_between(x * tpm / 1e6, m - sd, m + sd, color=row["color"], alpha=0.08, lw=0)

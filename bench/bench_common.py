@@ -73,6 +73,14 @@ def write_text(path: str, text: str, atomic: bool = False) -> str:
     return path
 
 
+def publish(lines: list[str], out: str | None) -> None:
+    """A results file's lines printed, and written to `out` when one is given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        write_text(out, text)
+
+
 def write_json_atomic(path: str, obj) -> None:
     """`obj` as JSON at `path`, atomically (`write_text`): a run killed mid-write leaves no half file for --resume."""
     write_text(path, json.dumps(obj), atomic=True)

@@ -112,9 +112,7 @@ def main(argv=None) -> int:
              "Verdicts: a difference is real only when the mean ± std intervals do not overlap "
              "(bench/convergence/convergence.py's rule). Details of each rule: docs/delay_robust.md.", "",
              bench_common.load_at_end(start)]
-    bench_common.write_text(os.path.join(a.out, "delay_robust.md" if not a.quick else "delay_robust_quick.md"),
-                            "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    bench_common.publish(lines, os.path.join(a.out, "delay_robust.md" if not a.quick else "delay_robust_quick.md"))
     return 0
 
 

@@ -292,10 +292,7 @@ def recompute_main(args) -> None:
         lines.append("")
     lines += pipeline_table()
     lines.append(bench_common.load_at_end(started))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        bench_common.write_text(args.out, text)
+    bench_common.publish(lines, args.out)
 
 
 # --------------------------------------------------------------------------------------------------

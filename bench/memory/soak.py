@@ -164,8 +164,7 @@ def main(argv=None) -> int:
         f"Memory growth after warm-up: **{verdict_mem}** (largest RssAnon growth of any rank "
         f"{worst_growth:+.2%}). Exit codes {codes}; processes left behind: {len(leftovers)}.",
     ]
-    bench_common.write_text(args.out, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    bench_common.publish(lines, args.out)
     return 0
 
 

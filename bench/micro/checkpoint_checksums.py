@@ -104,10 +104,8 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {base:.3f} | {sums:.3f} | {sums / base:.2f} | {sums - base:.3f} | {alone} |")
     lines += ["", "baseline: save without checksums.json (as before), load with --no-verify-checkpoint. "
               "Files are read from the page cache (just written).", "",
-              bench_common.load_at_end(started), ""]
-    text = "\n".join(lines)
-    print(text)
-    bench_common.write_text(args.out, text)
+              bench_common.load_at_end(started)]
+    bench_common.publish(lines, args.out)
     ps.destroy_model_parallel()
 
 

@@ -71,9 +71,7 @@ def main():
         "",
         bench_common.load_at_end(started),
     ]
-    print("\n".join(lines))
-    if args.out:
-        bench_common.write_text(args.out, "\n".join(lines) + "\n")
+    bench_common.publish(lines, args.out)
     return 0 if equal else 1
 
 

@@ -241,10 +241,7 @@ def main() -> None:
             lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | {ms:.2f} | "
                          f"{ms / streams['async-naive']:.3f} |")
     lines += ["", bench_common.load_at_end(started)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        bench_common.write_text(args.out, text)
+    bench_common.publish(lines, args.out)
 
 
 if __name__ == "__main__":

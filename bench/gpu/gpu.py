@@ -175,6 +175,14 @@ def section_fused(run: Run) -> Section:
         markdown_table(["variant", "", "ms", "vs naive"], rows)])
 
 
+# (figures key, label, flags beside --optimizer muon, row) of section muon; the Gram iterations are opt-in (issue 44)
+MUON_RUNS = [("muon", "gpt_muon", [], "Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)"),
+             ("muon_gram", "gpt_muon_gram", ["--muon-gram-newton-schulz"],
+              "Muon, --muon-gram-newton-schulz (opt-in: Gram iterations on the MLP's matrices)"),
+             ("muon_fp32_qkv_whole", "gpt_muon_fp32", ["--muon-fp32-matmul-prec", "highest", "--muon-no-split-qkv"],
+              "Muon as before issue 31 (fp32, QKV whole)")]
+
+
 def section_muon(run: Run) -> Section:
     """Muon through pretrain_gpt.py at the defaults (bf16 Newton-Schulz, Q/K/V split) and as before issue 31
     (fp32, QKV whole), beside AdamW's iteration (section gpt's, or measured here in the same run when gpt did not
@@ -183,31 +191,20 @@ def section_muon(run: Run) -> Section:
     baseline = None
     if adamw is None:  # AdamW's iteration measured here, in the same run, when section gpt did not run
         adamw = baseline = measure_ours(run, "gpt_adamw", "", [])
-    muon = measure_ours(run, "gpt_muon", "", ["--optimizer", "muon"])
-    run.figure("muon ms_per_iteration", muon.figures["ms_per_iteration"])
-    # opt-in (issue 44): the same Newton-Schulz iterations through the Gram matrix on the MLP's matrices
-    gram = measure_ours(run, "gpt_muon_gram", "", ["--optimizer", "muon", "--muon-gram-newton-schulz"])
-    run.figure("muon_gram ms_per_iteration", gram.figures["ms_per_iteration"])
-    before = measure_ours(run, "gpt_muon_fp32", "", ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest",
-                                                     "--muon-no-split-qkv"])
-    run.figure("muon_fp32_qkv_whole ms_per_iteration", before.figures["ms_per_iteration"])
-    ns, ns_command = run.worker("newton_schulz")
-    figures = {"muon": muon.figures, "muon_gram": gram.figures, "muon_fp32_qkv_whole": before.figures,
-               "newton_schulz": ns}
-    if baseline is not None:
-        figures["adamw"] = baseline.figures
-    rows = []
-    for name, sec in (("Muon (bf16 Newton-Schulz, Q/K/V split: the defaults)", muon),
-                      ("Muon, --muon-gram-newton-schulz (opt-in: Gram iterations on the MLP's matrices)", gram),
-                      ("Muon as before issue 31 (fp32, QKV whole)", before)):
+    measured, rows = {}, [["AdamW (section gpt)" if baseline is None else "AdamW (measured here: section gpt did not "
+                           "run)", f"{adamw.figures['ms_per_iteration']:.1f}", "1x"]]
+    for key, label, flags, name in MUON_RUNS:
+        sec = measured[key] = measure_ours(run, label, "", ["--optimizer", "muon", *flags])
+        run.figure(f"{key} ms_per_iteration", sec.figures["ms_per_iteration"])
         sec.figures["over_adamw"] = ratio = sec.figures["ms_per_iteration"] / adamw.figures["ms_per_iteration"]
         rows.append([name, f"{sec.figures['ms_per_iteration']:.1f}", f"{ratio:.3f}x"])
-    rows.insert(0, ["AdamW (section gpt)" if baseline is None else "AdamW (measured here: section gpt did not run)",
-                    f"{adamw.figures['ms_per_iteration']:.1f}", "1x"])
+    ns, ns_command = run.worker("newton_schulz")
+    figures = {**{key: sec.figures for key, sec in measured.items()}, "newton_schulz": ns,
+               **({"adamw": baseline.figures} if baseline else {})}
     ns_rows = [[key.split(",")[0], key.split(",")[1], f"{ms:.2f}", f"{ms * ns['layers_per_stage']:.1f}"]
                for key, ms in ns["ms"].items()]
     return Section("Muon: iteration vs AdamW, Newton-Schulz per precision",
-                   [*(baseline.commands if baseline else []), *muon.commands, *gram.commands, *before.commands,
+                   [*(baseline.commands if baseline else []), *(c for sec in measured.values() for c in sec.commands),
                     ns_command], figures, [
         markdown_table(["optimizer", "ms / iteration", "vs AdamW"], rows), "",
         f"Newton-Schulz, {ns['steps']} steps on one layer's four matrices (QKV, projection, MLP up and down; hidden "

@@ -66,7 +66,7 @@ def test_quick_study_end_to_end(dp, tmp_path):
     corpus = tmp_path / "corpus.jsonl.gz"
     write_corpus(corpus)
     out = tmp_path / "out"
-    args = ["--quick", "--out", str(out), "--lr-grid", "adamw=2e-3,4e-3", "--equal-samples"]
+    args = ["--quick", "--out", str(out), "--lr-grid", "adamw=2e-3,4e-3"]
 
     def plan_of(extra=()):
         plan = dp.plan_from_args(args + list(extra))
@@ -96,16 +96,11 @@ def test_quick_study_end_to_end(dp, tmp_path):
     assert "lr" not in data["settings"] and "warmup" not in data["settings"]
     assert units[("sync", 4)]["ran"]["updates"] == 8 and data["definition"]["adamw,M=4"]["H"] == 32
     assert data["planned_runs"] == data["done_runs"] == len(grid) * 2 + 2
-    # the equal-samples view as runs of their own: H micro-batches at the unit's best lr, every seed
-    same = units[("pipeoptim", 4)]["equal_samples_runs"]
-    assert [r["seed"] for r in same] == [1, 2] and {r["lr"] for r in same} == {units[("pipeoptim", 4)]["best_lr"]}
-    assert all(r["micro_batches"] == units[("sync", 4)]["horizon"] == r["curve"][-1][0] for r in same)
     text = open(md).read()
     assert text.index("## The study (fixed before any run)") < text.index("## The verdict rule") < \
         text.index("## Result: D = 8, M = 4")
     assert "(MEASURED)" in text and "(DERIVED)" in text and "/tmp" not in text and str(tmp_path) not in text
     assert "p2p 0.10587 ms" in text and "IN PROGRESS" not in text and "5-27" not in text
-    assert "Equal samples (`--equal-samples`" in text
     # the load the runs met: each run's own record (not the command's, which trains nothing with --report-only)
     lo, hi, n, total = data["run_loads"]
     assert n == total == data["done_runs"] and 0 <= lo <= hi
@@ -129,7 +124,7 @@ def test_quick_study_end_to_end(dp, tmp_path):
     # the run cache is <out>/runs (committed for the real study); --report-only trains nothing and says what is
     # missing: one run taken away leaves an interim report, labelled as one
     runs = sorted((out / "runs").glob("dp-*.json"))
-    assert len(runs) == data["planned_runs"] + 2  # (+ the two equal-samples runs)
+    assert len(runs) == data["planned_runs"]
     sync_seed2 = next(p for p in runs if json.load(open(p))["unit"]["name"] == "sync" and json.load(open(p))["seed"] == 2)
     sync_seed2.unlink()
     logs = []

@@ -71,9 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-grid", nargs="+", default=None, metavar="OPT=LR,LR,...")
     p.add_argument("--cost-model", default=os.path.relpath(MEASURED, cv.REPO), metavar="PATH",
                    help="the clock that sets every unit's budget (default: the measured H200 model)")
-    p.add_argument("--equal-samples", action="store_true",
-                   help="also run every asynchronous unit at its best lr for H micro-batches (its cosine over H): "
-                        "the equal-samples view as runs, beside the equal wall-clock budget")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, H = 32, AdamW, sync and PipeOptim "
                    "at k = M, one lr (no growth), 2 seeds")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (one torch thread each)")
@@ -127,7 +124,6 @@ class Plan:
     max_growth: int
     deadline: float | None
     command: str
-    equal_samples: bool = False
     close_nat: float = CLOSE_NAT
     far_seeds: int = FAR_SEEDS
 
@@ -175,7 +171,7 @@ def plan_from_args(given: list[str]) -> Plan:
     deadline = 0.0 if a.report_only else _deadline(a.deadline)
     return Plan(blocks, cmm.load_cost_model(path), os.path.relpath(path, cv.REPO),
                 {o: grid[o] for o in dict.fromkeys(u.opt for b in blocks for u in b.units)},
-                0 if a.quick else MAX_GROWTH, deadline, command, a.equal_samples, CLOSE_NAT, far)
+                0 if a.quick else MAX_GROWTH, deadline, command, CLOSE_NAT, far)
 
 
 def run(plan: Plan, log=print) -> list[str]:
@@ -196,7 +192,7 @@ def run(plan: Plan, log=print) -> list[str]:
     for b in plan.blocks:
         load0, t0 = os.getloadavg(), time.perf_counter()
         study = run_study(b.s, plan.cm, b.units, {o: plan.grid[o] for o in {u.opt for u in b.units}}, log,
-                          plan.deadline, plan.max_growth, plan.equal_samples, b.conditional, plan.close_nat,
+                          plan.deadline, plan.max_growth, b.conditional, plan.close_nat,
                           plan.far_seeds, progress)
         if not any(study["runs"].values()):
             log(f"> {b.name}: no finished run yet, no report")

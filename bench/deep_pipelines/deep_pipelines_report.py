@@ -134,8 +134,6 @@ def analyse(study: dict, cms: dict) -> list[dict]:
                 tu = c["t"][(u.name, u.k)]
                 st = speed_stats(pair_speedups(runs, s_runs, c["budget"], tu))
                 row["clocks"][key] = {"t": tu, "bound": c["t"][c["best"]] / tu, **st}
-            own = study.get("equal_samples", {}).get(u, [])
-            row["equal_samples_run"] = (mean_std([dp.final_val(r) for r in own]), len(own)) if own else None
             rows.append(row)
         blocks.append({"D": study["D"], "opt": opt, "M": M, "H": H, "sync_final": s_final, "sync_n": len(s_runs),
                        "sync_curve": mean_curve(s_runs), "clocks": clocks, "rows": rows})
@@ -488,13 +486,6 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         L.append("Derived clock: the same curves (their runs planned for the measured budget) re-priced on the "
                  "derived 8,192-token model, with S re-chosen there.\n")
         L += prediction_lines(b, status)
-        same = [r for r in b["rows"] if r["equal_samples_run"]]
-        if same:  # --equal-samples: each unit again for H micro-batches, its cosine over H
-            L.append("Equal samples (`--equal-samples`: the unit at its best lr trained for H micro-batches, its "
-                     "cosine over H): " + "; ".join(
-                         f"{r['unit'].label} {r['equal_samples_run'][0][0]:.4f} ± {r['equal_samples_run'][0][1]:.4f} "
-                         f"({r['equal_samples_run'][0][0] - b['sync_final'][0]:+.4f} to S, n = {r['equal_samples_run'][1]})"
-                         for r in same) + ".\n")
     if png:
         L.append(f"![validation loss against the measured clock and against samples]({png})\n")
     L.append("## What did not run\n")

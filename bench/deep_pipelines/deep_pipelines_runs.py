@@ -267,7 +267,7 @@ def plan_size(s: cv.Settings, cm: dict, units: list[Unit], grid_points: int) -> 
 
 
 def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
-              deadline: float | None = None, max_growth: int = MAX_GROWTH, equal_samples: bool = False,
+              deadline: float | None = None, max_growth: int = MAX_GROWTH,
               conditional: list[Unit] = (), close_nat: float = CLOSE_NAT, far_seeds: int | None = None,
               progress: Progress | None = None) -> dict:
     """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
@@ -307,26 +307,13 @@ def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print
         planned |= {(u, None, sd) for u in conditional for sd in range(2, s.seeds + 1)}
     not_run = sorted(((u.opt, u.name, u.M, u.k, lr, sd) for (u, lr, sd) in planned - set(results)),
                      key=lambda x: (x[:4], x[4] or 0, x[5]))
-    # The equal-samples view as runs of their own: each asynchronous unit at its best lr stopped at H, its
-    # cosine over H (not read off the longer run, whose lr is still high at H).
-    same: dict = {}
-    if equal_samples:
-        jobs = [(u, best[u], sd, s.steps) for u in units if u.name != "sync" and steps[u] != s.steps
-                for sd in range(1, n_seeds[u] + 1)]
-        log(f"> {len(jobs)} equal-samples runs (H = {s.steps} micro-batches, the best lr)")
-        for (u, _, _), r in run_jobs(s, jobs, log, deadline).items():
-            same.setdefault(u, []).append(r)
-        not_run += sorted((u.opt, u.name, u.M, u.k, lr, sd, f"equal samples {n}") for u, lr, sd, n in jobs
-                          if sd not in {r["seed"] for r in same.get(u, [])})
     return {"D": depth_of(s), "units": units, "grid": grid, "grown": grown, "sweep": sweep, "best": best, "runs": runs,
             "horizons": steps, "not_run": not_run, "unigram": wl.unigram_baseline(),
             "planned": len(planned), "done": len(planned & set(results)),
             "conditional": {"units": [u.label for u in conditional],
                             "decided": "not yet" if decided is None else ("run" if decided else "not run")},
             "seeds_rule": {"close_nat": close_nat, "seeds": s.seeds, "far_seeds": far_seeds},
-            "equal_samples": {u: sorted(rs, key=lambda r: r["seed"]) for u, rs in same.items()},
-            "train_seconds": sum(r["seconds"] for r in results.values()) +
-            sum(r["seconds"] for rs in same.values() for r in rs),
+            "train_seconds": sum(r["seconds"] for r in results.values()),
             "train_cpu_seconds": [sum(r["cpu_seconds"] for r in results.values() if "cpu_seconds" in r),
                                   sum(1 for r in results.values() if "cpu_seconds" in r)],
             "run_loads": run_loads(list(results.values()))}
@@ -361,8 +348,7 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, co
                               u.name != "sync" else max(1, round(max(1, n // 32) / u.M)) * u.M,
                               "lr_schedule": "linear warm-up, cosine to 0.1 x over its own run"},
                       "sweep": {str(lr): v for lr, v in study["sweep"][u].items()}, "best_lr": study["best"][u],
-                      "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]],
-                      "equal_samples_runs": [{k: r[k] for k in RUN_KEYS} for r in study.get("equal_samples", {}).get(u, [])]})
+                      "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]]})
     opts = sorted({u.opt for u in study["units"]})
     data = {"command": command, "settings": settings_as_run(s, opts[0]), "cost_model": cm_path,
             "definition": definition(s, cm, study["units"]), "grid": study["grid"], "grown": study["grown"],
@@ -388,8 +374,6 @@ def study_from_json(data: dict) -> dict:
     study = bench_common.units_from_json(data, lambda e: Unit(e["opt"], e["name"], e["M"], e["k"]))
     entries = dict(zip(study["units"], data["units"]))
     return {**study, "D": data["settings"]["depths"][0], "horizons": {u: e["horizon"] for u, e in entries.items()},
-            "equal_samples": {u: bench_common.runs_from_json(e["equal_samples_runs"]) for u, e in entries.items()
-                              if e.get("equal_samples_runs")},
             "grid": data["grid"], "grown": data["grown"], "not_run": data["not_run"], "unigram": data["unigram"],
             "train_seconds": data["train_seconds"], "train_cpu_seconds": data.get("train_cpu_seconds"),
             "run_loads": data.get("run_loads"), "planned": data.get("planned_runs"),

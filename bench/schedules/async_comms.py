@@ -7,20 +7,19 @@ one torch thread per rank), written to bench/results/async_comms.md with the com
 the load average (this box is shared: read ratios, not absolute numbers):
 
 1. Tiny GPT, PP=2 x DP=2, PipeOptim (AdamW, k = 1): tokens/s of `AsyncPipelineRank.train_segment` over
-   n micro-batches with the plain optimizer (DP all-reduce of bucketed gradients from the backward), the
-   distributed optimizer as it was before (the old path: gradients reduce-scattered, found-inf and the
-   norm agreed in one more all-reduce over DP, after each step an all-gather of the updated weights, then
-   per predicted forward one all-gather of Ŵ and one to restore), with one packed all-gather per
-   micro-batch (updated + predicted shards; restore a pointer swap) but still the reduce-scatter, and now
-   (on gloo the gradients all-reduced, found-inf and norm taken locally: one DP collective fewer), also
-   with --overlap-param-gather; and, as a bound, plain plus one 8-byte DP all-reduce per step. Next to it
+   n micro-batches with the plain optimizer (DP all-reduce of bucketed gradients from the backward) and the
+   distributed optimizer (one packed all-gather per micro-batch: updated + predicted shards; restore a
+   pointer swap) with the gradients reduce-scattered (NCCL's path), all-reduced (gloo's: found-inf and norm
+   taken locally, one DP collective fewer), also with --overlap-param-gather; and, as a bound, plain plus
+   one 8-byte DP all-reduce per step. (The distributed optimizer before issue 17, three gathers a
+   micro-batch, was a row until commit 286484f: bench/results/async_comms.md.) Next to it
    the CPU time per micro-batch and rank, how many cores the ranks kept busy, and the parameter
    all-gather calls and bytes per micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
 2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
    fp32 gradient in 4 parameters, which the step must average over DP): PipeOptim micro-batches/s per pipeline
    at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
-   backward hooks (now), with all buckets reduced at the step (as before, `grad_sync` disabled), and with
-   no reduce at all (a bound: the cost of the extra processes alone); CPU time per micro-batch and rank
+   backward hooks and with no reduce at all (a bound: the cost of the extra processes alone; the reduce at
+   the step, before issue 17, was a row until commit 286484f); CPU time per micro-batch and rank
    and the cores the ranks kept busy next to it.
 3. The collectives on 2 ranks (all-reduce, reduce-scatter, all-gather), median ms per size.
 """
@@ -52,7 +51,7 @@ from schedules_measure import makespans, timed  # noqa: E402
 from schedules_stages import WIDTH, SleepStage, gpt_config, synthetic_batches  # noqa: E402
 
 TIMEOUT = 1800.0
-GPT_VARIANTS = ("plain", "plain+1-collective", "distopt-before", "distopt-reduce-scatter", "distopt", "distopt-overlap")
+GPT_VARIANTS = ("plain", "plain+1-collective", "distopt-reduce-scatter", "distopt", "distopt-overlap")
 
 
 def _makespans(results, variants):
@@ -63,12 +62,6 @@ def _makespans(results, variants):
 # --------------------------------------------------------------------------------------------------
 # 1. Tiny GPT, PP=2 x DP=2
 # --------------------------------------------------------------------------------------------------
-
-
-def _old_gather_path(rank: AsyncPipelineRank) -> None:
-    rank.stage.policy.gathers = [False] * len(rank.chunks)
-    for opt in rank.stage.optimizers:
-        opt.defer_param_gather = False
 
 
 def _one_more_collective(rank: AsyncPipelineRank) -> None:
@@ -98,11 +91,9 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
         cfg.precision.overlap_param_gather = v == "distopt-overlap"
         model_parallel_seed(1234)
         ranks[v] = AsyncPipelineRank(cfg, vocab, "pipeoptim", update_interval=1, message_specs=specs)
-        if v == "distopt-before":
-            _old_gather_path(ranks[v])
         if v == "plain+1-collective":
             _one_more_collective(ranks[v])
-        if v in ("distopt-before", "distopt-reduce-scatter"):  # the reduce as before: found-inf, norm agreed over DP
+        if v == "distopt-reduce-scatter":  # NCCL's reduce on gloo: found-inf and the norm agreed over DP
             for ddp in ranks[v].stage.ddps:
                 ddp.full_grads = False
     gather, counted = ddp_module.all_gather_single, []
@@ -135,7 +126,7 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
 
 
 BULK_PIECES = 4
-SYNTHETIC_VARIANTS = ("overlapped", "at-step", "none")
+SYNTHETIC_VARIANTS = ("overlapped", "none")
 
 
 class _Bulk(torch.autograd.Function):
@@ -169,7 +160,7 @@ class BulkSleepStage(SleepStage):
 
 def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
     """PipeOptim on the sleeping stages with a bulk parameter; variants: reduce from the backward hooks
-    ("overlapped") and at the step ("at-step"). Returns {variant: [(start, end)]}."""
+    ("overlapped") and none. Returns {variant: [(start, end)]}."""
     from megatron_po.config import Config
 
     def build(cfg, padded_vocab, rank, num_stages, num_chunks, device=None):
@@ -185,9 +176,8 @@ def synthetic_dp_bench(t_f, t_b, mbs, bulk, n, warmup, reps):
                                      optimizer_kwargs={"lr": 1e-4}, message_specs=ActivationSpecs((mbs, WIDTH)),
                                      build_chunks=build)
         stage = ranks[v].stage
-        if v in ("at-step", "none") and stage.ddps is not None:
-            stage._grad_sync = lambda c, enabled, s=stage: setattr(s.ddps[c], "sync_enabled", False)
         if v == "none" and stage.ddps is not None:  # each replica steps on its own gradient: a bound, not training
+            stage._grad_sync = lambda c, enabled, s=stage: setattr(s.ddps[c], "sync_enabled", False)
             for ddp in stage.ddps:
                 ddp.finish_grad_sync = lambda: None
     get_batch = synthetic_batches(mbs)

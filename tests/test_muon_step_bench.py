@@ -19,11 +19,11 @@ def test_quick_bench_writes_ratios_to_adamw(tmp_path):
     assert muon_step.main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
     assert "Command: `python bench/step/muon_step.py --quick" in text and "load average at start" in text
-    for row in ("| AdamW ", "| Muon before ", "| Muon fp32 ", "| Muon bf16 ", "| Muon bf16 (distributed optimizer) "):
+    for row in ("| AdamW ", "| Muon fp32 ", "| Muon bf16 ", "| Muon bf16 (distributed optimizer) "):
         assert row in text, row
     ratios = [line.split("|")[6].strip() for line in text.splitlines() if line.startswith("| AdamW")]
     assert ratios == ["1.00x"] * 3  # DP=1, DP=2 plain, DP=2 distributed: each Muon row is read against these
-    assert "all-to-all, all-to-all" in text and "| plain optimizer       | after, Muon bf16 | all-gather " in text
+    assert "all-to-all, all-to-all" in text and "| plain optimizer       | Muon bf16 | all-gather " in text
 
 
 def test_gpu_entry_points_run_on_cpu():

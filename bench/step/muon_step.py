@@ -1,4 +1,4 @@
-"""Muon's step per micro-batch before and after issue 31, as ratios to AdamW's step measured in the same run.
+"""Muon's step per micro-batch as ratios to AdamW's step measured in the same run.
 
     python bench/step/muon_step.py [--hidden 256 --heads 4 --layers 2 --ffn 1024 --reps 5 --tokens 8192] [--quick]
     python bench/step/muon_step.py --newton-schulz-variants [--hidden 2048 --bf16-hidden 512] --out FILE
@@ -8,8 +8,6 @@ A GPT (GELU MLP, multi-head attention: per layer a fused QKV [3h, h], the projec
 micro-batch. Variants, alternating round by round in the same processes (this box is shared: read ratios):
 
 - AdamW: `--optimizer adamw`, the baseline of every ratio;
-- Muon before: fp32 Newton-Schulz, one call per matrix, the fused QKV orthogonalised as one matrix (the code
-  before issue 31); at DP = 2 every rank orthogonalised every matrix, so its per-rank time was DP = 1's;
 - Muon fp32: fp32, batched by shape, Q, K and V split;
 - Muon bf16: the new default (bf16, batched, split). On a CPU without native bf16 matmuls (AVX2 only, like
   this box) bf16 runs emulated and is SLOWER than fp32: the bf16 speed-up is a GPU figure (bench/gpu/gpu.py);
@@ -17,7 +15,8 @@ micro-batch. Variants, alternating round by round in the same processes (this bo
   optimizer (replicated state, one packed all-gather of O) and the distributed optimizer (two all-to-alls);
   the per-rank step time (slowest rank per round) and each rank's collectives and bytes.
 
-Also printed: Newton-Schulz GFLOPs per step (whole model; the largest per-rank share at DP = 2) and their
+(Muon before issue 31, one fp32 call per matrix and the fused QKV as one, was a row until commit 65b26b1:
+bench/results/muon_step.md.) Also printed: Newton-Schulz GFLOPs per step (whole model; the largest per-rank share at DP = 2) and their
 ratio to the forward+backward FLOPs of the same matrices on `--tokens` tokens (6·params·tokens).
 
 `--newton-schulz-variants` (issue 44): faster orthogonalisations, all opt-in, against the default (5 "simple" steps,
@@ -50,12 +49,9 @@ import torch  # noqa: E402
 
 from bench_common import Lines, header, load_at_end, markdown_table  # noqa: E402
 
-MUON_VARIANTS = {  # name -> (build_optimizer kwargs, batched)
-    "Muon before": (dict(muon_fp32_matmul_prec="highest", muon_split_qkv=False), False),
-    "Muon fp32": (dict(muon_fp32_matmul_prec="highest"), True),
-    "Muon bf16": (dict(muon_fp32_matmul_prec="medium"), True),
-}
-DP2_VARIANTS = ("AdamW", "Muon fp32", "Muon bf16")
+MUON_VARIANTS = {"Muon fp32": dict(muon_fp32_matmul_prec="highest"),  # name -> build_optimizer kwargs
+                 "Muon bf16": dict(muon_fp32_matmul_prec="medium")}
+VARIANTS = ("AdamW", *MUON_VARIANTS)
 LR, WD = 1e-3, 0.01
 
 
@@ -249,14 +245,14 @@ def build_model(a):
     return GPTModel(model_config(a), a.vocab, 1)
 
 
-def newton_schulz_gflops(a, split: bool, world: int = 1) -> float:
+def newton_schulz_gflops(a, world: int = 1) -> float:
     """Newton-Schulz GFLOPs of one step: the whole model (world 1) or the largest DP rank's share."""
     from megatron_po.optim.muon import Muon, optimizer_param_groups
     from megatron_po.optim.muon_dp import assign_owners
     from megatron_po.optim.newton_schulz import newton_schulz_flops
     model = build_model(a)
     groups = optimizer_param_groups("muon", [model], WD)
-    opt = Muon(groups, lr=LR, split_qkv=split)
+    opt = Muon(groups, lr=LR)
     matrices = [p for g in groups if g["use_muon"] for p in g["params"]]
     costs = [sum(newton_schulz_flops(r, c, 5) for r, c in opt._orthogonalised_shapes(m)) for m in matrices]
     owners = assign_owners(costs, world)
@@ -280,11 +276,10 @@ def _dp1_rank(a) -> dict:
     from megatron_po.optim import build_optimizer
     from megatron_po.optim.muon import optimizer_param_groups
     runs = {}
-    for name in ("AdamW", *MUON_VARIANTS):
+    for name in VARIANTS:
         model = build_model(a)
-        opt_name, (kwargs, batched) = ("adamw", ({}, True)) if name == "AdamW" else ("muon", MUON_VARIANTS[name])
+        opt_name, kwargs = ("adamw", {}) if name == "AdamW" else ("muon", MUON_VARIANTS[name])
         opt = build_optimizer(opt_name, optimizer_param_groups(opt_name, [model], WD), LR, weight_decay=WD, **kwargs)
-        opt.batch_newton_schulz = batched
         params = list(model.parameters())
         _random_grads(params, 0)
         opt.step()  # creates the state
@@ -314,9 +309,9 @@ def _dp2_rank(a) -> dict:
     from megatron_po.optim.muon import optimizer_param_groups
     runs = {}
     for kind in ("plain", "distopt"):
-        for name in DP2_VARIANTS:
+        for name in VARIANTS:
             model = build_model(a)
-            opt_name, kwargs = ("adamw", {}) if name == "AdamW" else ("muon", MUON_VARIANTS[name][0])
+            opt_name, kwargs = ("adamw", {}) if name == "AdamW" else ("muon", MUON_VARIANTS[name])
             groups = optimizer_param_groups(opt_name, [model], WD)
 
             def factory(g, opt_name=opt_name, kwargs=kwargs):
@@ -361,16 +356,7 @@ def _dp2_rank(a) -> dict:
             if key[1] == "distopt":
                 opt.finish_param_sync()
             times[key].append(1e3 * (time.perf_counter() - start))
-    old_bytes = _old_distopt_gather(runs[("Muon fp32", "distopt")][1], runs[("Muon fp32", "distopt")][0])
-    return {"times": times, "collectives": collectives, "old_distopt": old_bytes}
-
-
-def _old_distopt_gather(ddp, opt) -> tuple[int, int]:
-    """(collectives, bytes this rank sent) of the code before issue 31 under the distributed optimizer: one
-    fp32 all-gather of every bucket holding a Muon matrix, each rank contributing its owned range."""
-    muon_ids = {id(p) for g in opt.optimizer._muon_models for p in g}
-    buckets = [b for b in ddp.buckets if any(id(p) in muon_ids for p in b.params)]
-    return len(buckets), sum(4 * (b.end - b.start) // ddp.dp_size for b in buckets)
+    return {"times": times, "collectives": collectives}
 
 
 def dp2_results(a) -> dict:
@@ -378,7 +364,7 @@ def dp2_results(a) -> dict:
     ranks = run_distributed(_dp2_rank, 2, args=(a,), timeout=3600.0)
     times = {key: statistics.median(max(r["times"][key][i] for r in ranks) for i in range(a.reps))
              for key in ranks[0]["times"]}
-    return {"times": times, "collectives": [r["collectives"] for r in ranks], "old_distopt": ranks[0]["old_distopt"]}
+    return {"times": times, "collectives": [r["collectives"] for r in ranks]}
 
 
 def main(argv=None) -> int:
@@ -416,53 +402,40 @@ def main(argv=None) -> int:
     matrix_params = sum(p.numel() for n, p in build_model(a).named_parameters()
                         if p.ndim == 2 and "embedding" not in n and "output_layer" not in n)
     fwd_bwd = 6 * matrix_params * a.tokens / 1e9
-    ns = {"whole": newton_schulz_gflops(a, False), "split": newton_schulz_gflops(a, True),
-          "split DP=2": newton_schulz_gflops(a, True, 2)}
+    ns = {1: newton_schulz_gflops(a), 2: newton_schulz_gflops(a, 2)}
     dp1 = dp1_times(a)
     dp2 = dp2_results(a)
     rows = []
     adamw = dp1["AdamW"]
-    flops = {"AdamW": None, "Muon before": ns["whole"], "Muon fp32": ns["split"], "Muon bf16": ns["split"]}
-    for name in ("AdamW", *MUON_VARIANTS):
-        g = flops[name]
+    for name in VARIANTS:
+        g = None if name == "AdamW" else ns[1]
         rows.append([name, "1", "-" if g is None else f"{g:.2f}", "-" if g is None else f"{g / fwd_bwd:.2f}",
                      f"{dp1[name]:.1f}", f"{dp1[name] / adamw:.2f}x"])
     for kind in ("plain", "distopt"):
         base = dp2["times"][("AdamW", kind)]
-        for name in DP2_VARIANTS:
-            g = None if name == "AdamW" else ns["split DP=2"]
+        for name in VARIANTS:
+            g = None if name == "AdamW" else ns[2]
             rows.append([f"{name} ({'plain optimizer' if kind == 'plain' else 'distributed optimizer'})", "2",
                          "-" if g is None else f"{g:.2f}", "-" if g is None else f"{g / fwd_bwd:.2f}",
                          f"{dp2['times'][(name, kind)]:.1f}", f"{dp2['times'][(name, kind)] / base:.2f}x"])
     lines.emit(markdown_table(["variant", "DP", "Newton-Schulz GFLOP per rank", f"/ fwd+bwd of the matrices "
                                f"({a.tokens} tokens)", "step ms per rank", "vs AdamW (same DP, same optimizer)"], rows))
     lines.emit("")
-    lines.emit(f"Muon before at DP = 2: every rank orthogonalised every matrix, so its per-rank time was the DP = 1 "
-               f"time ({dp1['Muon before']:.1f} ms, {dp1['Muon before'] / adamw:.2f}x AdamW) plus, under the "
-               f"distributed optimizer, the U all-gathers below.")
-    lines.emit("")
-    old_n, old_bytes = dp2["old_distopt"]
-    rows = [["plain optimizer", "before", "none (every rank orthogonalised everything)", "0"],
-            ["distributed optimizer", "before", f"{old_n} fp32 all-gather(s) of U (one per Muon bucket)",
-             f"{old_bytes:,}"]]
+    rows = []
     for kind in ("plain", "distopt"):
         for name in ("Muon fp32", "Muon bf16"):
             per_rank = [c[(name, kind)] for c in dp2["collectives"]]
             names = ", ".join(n for n, _ in per_rank[0])
             sent = " / ".join(f"{sum(b for _, b in c):,}" for c in per_rank)
-            rows.append(["plain optimizer" if kind == "plain" else "distributed optimizer", f"after, {name}",
-                         names, sent])
+            rows.append(["plain optimizer" if kind == "plain" else "distributed optimizer", name, names, sent])
     lines.emit("Muon's collectives per step at DP = 2 (bytes each rank sends to the other rank; rank 0 / rank 1):")
     lines.emit("")
-    lines.emit(markdown_table(["optimizer", "code", "collectives", "bytes sent"], rows))
+    lines.emit(markdown_table(["optimizer", "variant", "collectives", "bytes sent"], rows))
     lines.emit("")
-    lines.emit("Reading the bytes: before, under the distributed optimizer every rank received (DP - 1)/DP of every "
-               "Muon bucket's fp32 U; after, a rank receives only the U pieces of the matrices it owns (~1/DP of "
-               "them) and the O pieces (bf16 by default) of the matrices it holds pieces of, and a matrix inside "
-               "one rank's range moves nothing. Where every matrix is cut in half by the shards (here: matrices "
-               "larger than a bucket), DP = 2 moves about as many fp32 bytes as before (U halves out, O halves back) "
-               "and bf16 saves a quarter; the gain at DP = 2 is the halved Newton-Schulz work. The plain "
-               "optimizer's all-gather is new (before, every rank orthogonalised everything).")
+    lines.emit("Reading the bytes: under the distributed optimizer a rank receives only the U pieces of the matrices "
+               "it owns (~1/DP of them) and the O pieces (bf16 by default) of the matrices it holds pieces of, and "
+               "a matrix inside one rank's range moves nothing; under the plain optimizer each rank orthogonalises "
+               "its share of the matrices and all-gathers their O.")
     lines.emit("")
     lines.emit(load_at_end(started))
     lines.write(a.out)

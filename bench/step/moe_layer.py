@@ -8,10 +8,10 @@ active FLOPs, the bytes its alltoall dispatcher moves per token, and the expert 
    auxiliary loss) forward + backward against the dense MLP (models/transformer.py's MLP) of hidden k x f_e: the
    same expert FLOPs per token, the MoE's router adding h x E (E / (k g f_e) of them). The experts as one
    torch._grouped_mm per projection (--moe-grouped-gemm; where it cannot run here, experts.grouped_mm_error, the
-   row says why) and as the loop over the experts, fp32 and bf16; beside them the loop as experts.py wrote it
-   before this benchmark (`weight[e]` per expert). The variants alternate repetition by repetition; the ratio of
-   the median CPU times (time.process_time, one thread: the waits for a core on a shared machine left out) to the
-   dense MLP's, and of the wall times. Target (issue 48): <= 1.5x.
+   row says why) and as the loop over the experts, fp32 and bf16 (the loop as experts.py wrote it before this
+   benchmark, `weight[e]` per expert, was a row until commit 4c2b6b0: bench/results/moe_layer.md). The variants
+   alternate repetition by repetition; the ratio of the median CPU times (time.process_time, one thread: the waits
+   for a core on a shared machine left out) to the dense MLP's, and of the wall times. Target (issue 48): <= 1.5x.
 2. Dispatcher bytes. A real EP = 2 run on gloo (two forked ranks, tests/dist_harness.py): a GPT of 2 MoE layers
    with --moe-token-dispatcher-type alltoall, one micro-batch forward then backward, with every
    `dist.all_to_all_single` counted (the dispatcher's only collective at expert TP 1): the token rows' bytes
@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 import bench_common  # noqa: E402
@@ -66,38 +65,17 @@ def moe_cfg(hidden: int, ffn: int, seq: int, **kw) -> ModelConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def _looped_before(x, weight, bias, counts):
-    """The loop as it was before this benchmark: weight[e] per expert, whose backward fills a zero gradient of the
-    whole stack for every expert and adds them up."""
-    outs = [piece @ weight[e].t() if bias is None else piece @ weight[e].t() + bias[e]
-            for e, piece in enumerate(x.split(counts.tolist()))]
-    return torch.cat(outs)
-
-
-def _experts_forward_before(experts, x, counts):
-    """The experts' forward as it was before this benchmark (autograd through `_looped_before`; since then each
-    projection is one `experts.ExpertProjection`, whose backward builds the stack's gradient once)."""
-    up = _looped_before(x, experts.fc1, experts.fc1_bias, counts)
-    if experts.swiglu:
-        act = torch.nn.functional.silu(_looped_before(x, experts.fc1_gate, experts.fc1_gate_bias, counts)) * up
-    else:
-        act = torch.nn.functional.gelu(up, approximate="tanh")
-    return _looped_before(act, experts.fc2, experts.fc2_bias, counts)
-
-
 def time_layers(hidden: int, ffn: int, seq: int, batch: int, reps: int, dtype: torch.dtype) -> dict:
     """Median seconds of forward + backward per variant (alternating), and the variants' output difference."""
     cfg = moe_cfg(hidden, ffn, seq)
     layers = {}
-    for name, grouped in (("looped", False), ("grouped", True), ("looped_before", False)):
+    for name, grouped in (("looped", False), ("grouped", True)):
         why = grouped_mm_error("cpu", dtype, (hidden, ffn)) if grouped else None
         if why is not None:
             layers[name] = why
             continue
         torch.manual_seed(0)  # the same weights for all
         layers[name] = MoELayer(dataclasses.replace(cfg, moe_grouped_gemm=grouped), False, 0).to(dtype)
-    before = layers["looped_before"].experts
-    before.forward = types.MethodType(_experts_forward_before, before)
     layers["dense"] = MLP(cfg, False, TOPK * ffn).to(dtype)
     runnable = {n: m for n, m in layers.items() if not isinstance(m, str)}
     gen = torch.Generator().manual_seed(1)
@@ -148,15 +126,14 @@ def part_layer(size: str, out: Lines) -> dict:
         cpu = {n: statistics.median(t) for n, t in r["cpu_times"].items()}
         rows.append([name, "dense MLP", f"{cpu['dense'] * 1e3:.1f}", "1.00", "", f"{r['seconds']['dense'] * 1e3:.1f}",
                      "1.00", ""])
-        for variant in ("looped", "grouped", "looped_before"):
+        for variant in ("looped", "grouped"):
             if variant in r["not_run"]:
                 rows.append([name, f"MoE, {variant}", "not run", "", "", "", "", r["not_run"][variant]])
                 continue
             paired = sorted(a / b for a, b in zip(r["cpu_times"][variant], r["cpu_times"]["dense"]))
             ratio = cpu[variant] / cpu["dense"]
             r[f"{variant}_over_dense"], r[f"{variant}_over_dense_wall"] = ratio, r["seconds"][variant] / dense
-            label = "MoE, looped as before (weight[e])" if variant == "looped_before" else f"MoE, {variant}"
-            rows.append([name, label, f"{cpu[variant] * 1e3:.1f}", f"{ratio:.2f}",
+            rows.append([name, f"MoE, {variant}", f"{cpu[variant] * 1e3:.1f}", f"{ratio:.2f}",
                          f"{paired[0]:.2f} - {paired[-1]:.2f}", f"{r['seconds'][variant] * 1e3:.1f}",
                          f"{r[f'{variant}_over_dense_wall']:.2f}", "met" if ratio <= TARGET else "NOT MET"])
     out.emit(markdown_table(["dtype", "", "CPU ms", "/ dense", "per repetition", "wall ms", "/ dense, wall",
@@ -165,10 +142,7 @@ def part_layer(size: str, out: Lines) -> dict:
     out.emit("CPU ms: the median over the repetitions of the CPU time the process spent on one forward + backward "
              "(time.process_time: one thread, so time spent waiting for a core on a shared machine is left out); "
              "/ dense: the ratio of those medians, where the target is read; per repetition: the smallest and "
-             "largest ratio of one repetition's CPU times. Wall ms and its ratio: the same from the wall clock. "
-             "`looped as before`: the loop indexing the stacked weights per expert (`weight[e]`), as experts.py did "
-             "before this benchmark (its backward wrote a zero gradient of all experts' weights per expert); now "
-             "one `ExpertProjection` per projection (experts.py), whose backward builds the stack's gradient once.")
+             "largest ratio of one repetition's CPU times. Wall ms and its ratio: the same from the wall clock.")
     out.emit()
     diffs = {n: f["grouped_vs_looped_max_diff"] for n, f in figures.items()}
     out.emit("Grouped against looped, the same weights and input: largest |difference| of the outputs "

@@ -38,10 +38,11 @@ Four tables, measured in the same run, printed and written to bench/results/sche
 3. The real tiny GPT, asynchronous (PP=2 by default, untied, 4 and 8 layers): tokens/s of segments of
    `AsyncPipelineRank.train_segment` for async-naive, pipeoptim and pipedream (same schedule; they
    differ in the weight policy), repetitions alternating, over the whole segment and in its steady
-   state; the time each rank spends in the weight policy's hooks (for PipeOptim: cache copy + predict
-   + restore) as a share of the time per micro-batch; the same costs measured in one process without
-   competition (the intrinsic prediction overhead per rank); and the weight copies per chunk from
-   `copies_per_chunk()` at PP=4.
+   state; the time each rank spends in the weight policy's hooks as a share of the time per micro-batch
+   and each rank's CPU time against async-naive's (PipeOptim's prediction, written by the step itself
+   since issue 30, included); and the weight copies per chunk from `copies_per_chunk()` at PP=4. (The
+   prediction as a pass of its own, timed in one process, was a table until commit 81465f1:
+   bench/results/schedules.md; bench/step/fused_step.py times the step with and without it.)
 
 Times are medians of `--reps` repetitions after `--warmup` discarded ones. All variants of one table
 row run alternately in the same processes, so machine noise (this box is shared) hits them alike. A
@@ -85,8 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpt-async-pp", type=int, default=2, help="PP of the timed asynchronous GPT runs")
     p.add_argument("--gpt-async-layers", type=int, nargs="+", default=[4, 8])
     p.add_argument("--copies-pp", type=int, default=4, help="PP of the weight-copy count")
-    p.add_argument("--intrinsic-mbs", type=int, nargs="+", default=[8, 4],
-                   help="micro-batch sizes of the intrinsic prediction-cost table (8 = examples/gpt_tiny.sh)")
     p.add_argument("--gpt-async-n", type=int, default=16, help="micro-batches per segment")
     p.add_argument("--gpt-async-reps", type=int, default=11)
     p.add_argument("--skip-p2p", action="store_true", help="(the simulator then uses --t-p2p)")
@@ -106,7 +105,7 @@ def main():
     out = Lines()
     emit = out.emit
     started = time.perf_counter()
-    summary: dict = {"async": {}, "intrinsic": [], "cpu_share": {}, "e2e": {}, "copies": None}
+    summary: dict = {"async": {}, "cpu_vs": {}, "e2e": {}, "copies": None}
 
     emit(f"Command: `{command_line('bench/schedules/schedules.py', sys.argv[1:])}`")
     emit()

@@ -14,7 +14,7 @@ from megatron_po.config import ModelConfig
 from megatron_po.pipeline.executor import PREPOST_WINDOW
 from schedules_measure import async_bound, bound, makespans, steady_window
 from schedules_runs import (AGREED, ASYNC_VARIANTS, HEADER, SYNC_VARIANTS, calibrate_stage_costs, gpt_async_bench,
-                            gpt_bench, gpt_stage_costs, merge_p2p, p2p_costs, synthetic_async, synthetic_sync)
+                            gpt_bench, merge_p2p, p2p_costs, synthetic_async, synthetic_sync)
 from schedules_stages import ASYNC_LR, WIDTH, mean_sleeps
 
 TIMEOUT = 1800.0
@@ -204,7 +204,7 @@ def gpt_async_section(args, emit, summary: dict, started: float) -> None:
          f"{os.cpu_count()} cores{' (oversubscribed)' if P > (os.cpu_count() or 1) else ''}; median of "
          f"{args.gpt_async_reps} after 1 warm-up segment each.")
     emit("- `policy ms/mb`: wall time per micro-batch spent in the weight policy's hooks, per rank "
-         "(pipeoptim: copy the live weights to the cache + predict before each forward, restore after it; "
+         "(pipeoptim: point the parameters at the Ŵ the step wrote, or predict it, before each forward, and back; "
          "pipedream: stash copies and swaps around the backward). `policy share`: that over the segment "
          "time per micro-batch, on the rank where it is largest (wall / the same with CPU time: hook CPU "
          "time over the rank's CPU time in the segment). `step ms/mb`: the AdamW step (clip, lr, step) "
@@ -249,8 +249,8 @@ def gpt_async_section(args, emit, summary: dict, started: float) -> None:
                                  for x, y in zip(r[1][m][warm:], r[1]["async-naive"][warm:])]) for r in res]
                 cpu_vs = " / ".join(f"{x * 100:+.1f}%" for x in extra)
             if m == "pipeoptim":
-                summary["cpu_share"][layers] = max(cpu_share)
                 summary["e2e"][layers] = vs
+                summary["cpu_vs"][layers] = max(extra)
             rows.append([P, layers, m, f"{n * tokens_per_mb / median(spans[m]):,.0f} / "
                          f"{median(steady[m]) * tokens_per_mb:,.0f}", vs, cpu_vs,
                          " / ".join(f"{x * 1e3:.2f}" for x in pol),
@@ -259,35 +259,6 @@ def gpt_async_section(args, emit, summary: dict, started: float) -> None:
             print("  ", rows[-1], f"[{time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.2f}]",
                   flush=True)
     emit(markdown_table(header, rows))
-    emit()
-    emit(f"Intrinsic costs, one process, no p2p, no other rank competing (median of 20): per rank of the "
-         f"PP={P} split, one micro-batch's forward+backward of its chunk, one AsyncStage.step (AdamW, clip), and "
-         f"PipeOptim's work around one forward with s = D-r-1: `predict` = the policy computing "
-         f"Ŵ = W - s·lr·m̂/(√v̂+ε) out of place in one foreach pass and pointing the parameters at it, "
-         f"`restore` = pointing them back (our layers save the parameters themselves for the backward, so "
-         f"the backward reads the live weights); `copy fallback` = the policy's path for modules it does not "
-         f"know (cache copy + predict in place / copy back). `share` = policy / (forward+backward + step + "
-         f"policy): the prediction overhead as a fraction of the rank's time per step (k=1: one step per "
-         f"micro-batch). Micro-batch 8 is `examples/gpt_tiny.sh`'s (the tiny GPT: 4 layers, hidden 128, "
-         f"seq 128); 4 is the timed runs' above.")
-    emit()
-    rows = []
-    for layers in args.gpt_async_layers:
-        for intrinsic_mbs in args.intrinsic_mbs:
-            costs = run_distributed(gpt_stage_costs, 1, timeout=TIMEOUT,
-                                    args=(model(layers), vocab, intrinsic_mbs, P, 20))[0]
-            for r, c in sorted(costs.items()):
-                total = c["forward+backward"] + c["step"] + c["policy"]
-                fallback = c["copy: policy"] / (c["forward+backward"] + c["step"] + c["copy: policy"])
-                summary["intrinsic"].append((layers, intrinsic_mbs, r, c["policy"] / total, fallback))
-                rows.append([layers, intrinsic_mbs, r, f"{c['params']:,}", f"{c['forward+backward'] * 1e3:.1f}",
-                             f"{c['step'] * 1e3:.2f}", f"{c['predict'] * 1e3:.2f} / {c['restore'] * 1e3:.3f}",
-                             f"{c['policy'] * 1e3:.2f}", f"{c['policy'] / total * 100:.1f}%",
-                             f"{c['copy: predict'] * 1e3:.2f} / {c['copy: restore'] * 1e3:.2f}",
-                             f"{fallback * 100:.1f}%"])
-                print("  ", rows[-1], flush=True)
-    emit(markdown_table(["layers", "micro-batch", "rank", "params", "fwd+bwd ms", "step ms", "predict / restore ms",
-                         "policy ms", "share", "copy fallback: predict / restore ms", "fallback share"], rows))
     emit()
     # Weight copies at a deeper pipeline: a count, not a timing, so oversubscribing the cores is harmless.
     C = args.copies_pp
@@ -315,19 +286,13 @@ def targets_section(args, emit, summary: dict) -> None:
         if 8 in fr:
             rows.append(["async / torch Schedule1F1B at M=8 >= 1.3x", f"{fr[8][1]:.3f}x",
                          "yes" if fr[8][1] >= 1.3 else "no"])
-    if summary["intrinsic"]:
-        tiny = [x for x in summary["intrinsic"] if x[0] == 4 and x[1] == 8 and x[3] > 0]  # gpt_tiny.sh's model
-        judged = tiny or [x for x in summary["intrinsic"] if x[3] > 0]
+    if summary["cpu_vs"]:  # what PipeOptim's policy (prediction in the step + pointer swaps) adds to async-naive
         rows.append(["PipeOptim prediction overhead <= 3% of the step time (k=1: per micro-batch)",
-                     "intrinsic, predicting rank (layers / micro-batch): "
-                     + ", ".join(f"{la} / {mb} r{r}: {x * 100:.1f}%" for la, mb, r, x, _ in summary["intrinsic"]
-                                 if x > 0)
-                     + "; in-run CPU share (micro-batch 4): " + ", ".join(f"{la} layers {x * 100:.1f}%"
-                                                                          for la, x in summary["cpu_share"].items())
-                     + "; end to end vs async-naive (micro-batch 4, segment / steady): "
+                     "CPU time per micro-batch over async-naive's, the rank where it is largest (micro-batch 4): "
+                     + ", ".join(f"{la} layers {x * 100:+.1f}%" for la, x in summary["cpu_vs"].items())
+                     + "; end to end (segment / steady): "
                      + ", ".join(f"{la} layers {x}" for la, x in summary["e2e"].items()),
-                     ("yes" if max(x[3] for x in judged) <= 0.03 else "no")
-                     + (" (tiny GPT: 4 layers, micro-batch 8)" if tiny else "")])
+                     "yes" if max(summary["cpu_vs"].values()) <= 0.03 else "no"])
     if summary["copies"]:
         c = summary["copies"]
         depth = [len(c["pipedream"]) - r for r in range(len(c["pipedream"]))]

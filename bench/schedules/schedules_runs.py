@@ -1,7 +1,7 @@
 """bench/schedules/schedules.py's runs: the functions each forked rank executes (tests/dist_harness.py) and what
 they return: p2p costs on gloo, our schedules and torch's on the sleeping stages (synchronous and the
-asynchronous no-flush stream), the tiny GPT synchronous and asynchronous, and the one-process costs
-(a sleeping stage's real duration, PipeOptim's prediction on a GPT chunk)."""
+asynchronous no-flush stream), the tiny GPT synchronous and asynchronous, and a sleeping stage's real duration
+measured in one process."""
 
 from __future__ import annotations
 
@@ -296,63 +296,3 @@ def gpt_async_bench(model_cfg, vocab, mbs, n, methods, warmup, reps):
                 steady[m].append((b - a) / (loss_times[b] - loss_times[a]))
     copies = {m: ranks[m].copies_per_chunk() for m in methods}
     return spans, times, copies, steady
-
-
-def gpt_stage_costs(model_cfg, vocab, mbs, num_stages, reps):
-    """One process, no p2p: per pipeline rank r of a PP=num_stages split, the median cost of one
-    micro-batch's forward+backward of its chunk, of one AsyncStage.step (AdamW, clip 1.0) and of
-    PipeOptim's policy work around one forward with s = D-r-1: `predict` (the policy's `_predict`: Ŵ out
-    of place and the parameters pointed at it) and `restore` (pointed back), and the same with the
-    copy-based fallback the policy uses for modules it does not know (`copy:` cache copy + predict in
-    place, restore = copy back). Returns {r: {what: seconds}}."""
-    from megatron_po.pipeline.async_pipeline import AsyncStage, optimizer_kwargs_from_config
-    cfg = gpt_config(model_cfg)
-    model_parallel_seed(1234)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (mbs, model_cfg.seq_length + 1), generator=g)
-    out = {}
-    for r in range(num_stages):
-        chunks = build_chunks_for_rank(cfg, vocab, r, num_stages, 1)
-        t = cfg.training
-        stage = AsyncStage(r, num_stages, chunks, "pipeoptim", 1, t.optimizer, optimizer_kwargs_from_config(t),
-                           None, t.clip_grad)
-        chunk, policy = chunks[0], stage.policy
-        assert policy.swaps == [True]
-        hidden = torch.randn(model_cfg.seq_length, mbs, model_cfg.hidden_size)
-        s = num_stages - r - 1
-
-        def forward_backward():
-            x = None if chunk.pre_process else hidden.clone().requires_grad_(True)
-            y = chunk(input_ids=tokens[:, :-1] if chunk.pre_process else None, hidden_states=x,
-                      labels=tokens[:, 1:] if chunk.post_process else None)
-            if chunk.post_process:
-                y.mean().backward()
-            else:
-                y.backward(torch.ones_like(y))
-
-        def mode(swaps):
-            def set_mode():
-                policy.swaps = [swaps]
-            return set_mode
-
-        # The order of one micro-batch: step, then the next forward's prediction (and its restore).
-        # (a pass `key` the step wrote no fused Ŵ for: the policy predicts itself, as before issue 30)
-        parts = {"forward+backward": forward_backward, "step": lambda: stage.step(0),
-                 "swap mode": mode(True), "predict": lambda: policy._predict(0, s, key=("forward", 0)),
-                 "restore": lambda: policy._restore(0),
-                 "copy mode": mode(False), "copy: predict": lambda: policy._predict(0, s, key=("forward", 0)),
-                 "copy: restore": lambda: policy._restore(0)}
-        times = {name: [] for name in parts}
-        for i in range(reps + 2):
-            for name, fn in parts.items():
-                if s == 0 and name not in ("forward+backward", "step"):
-                    continue  # the last stage predicts nothing (s = 0)
-                c = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - c)
-        res = {name: median(ts[2:]) if ts else 0.0 for name, ts in times.items() if "mode" not in name}
-        res["policy"] = res["predict"] + res["restore"]
-        res["copy: policy"] = res["copy: predict"] + res["copy: restore"]
-        res["params"] = sum(p.numel() for p in chunk.parameters())
-        out[r] = res
-    return out

@@ -9,12 +9,12 @@ the load average (this box is shared: read ratios, not absolute numbers):
 1. Tiny GPT, PP=2 x DP=2, PipeOptim (AdamW, k = 1): tokens/s of `AsyncPipelineRank.train_segment` over
    n micro-batches with the plain optimizer (DP all-reduce of bucketed gradients from the backward) and the
    distributed optimizer (one packed all-gather per micro-batch: updated + predicted shards; restore a
-   pointer swap) with the gradients reduce-scattered (NCCL's path), all-reduced (gloo's: found-inf and norm
-   taken locally, one DP collective fewer), also with --overlap-param-gather; and, as a bound, plain plus
-   one 8-byte DP all-reduce per step. (The distributed optimizer before issue 17, three gathers a
-   micro-batch, was a row until commit 286484f: bench/results/async_comms.md.) Next to it
-   the CPU time per micro-batch and rank, how many cores the ranks kept busy, and the parameter
-   all-gather calls and bytes per micro-batch of stage 0 (s = 1) and stage 1 (s = 0).
+   pointer swap; on gloo the gradients all-reduced, found-inf and norm taken locally), also with
+   --overlap-param-gather; and, as a bound, plain plus one 8-byte DP all-reduce per step. (The distributed
+   optimizer before issue 17, three gathers a micro-batch, and with the reduce-scatter on gloo, were rows
+   until commit 286484f: bench/results/async_comms.md.) Next to it the CPU time per micro-batch and rank,
+   how many cores the ranks kept busy, and the parameter all-gather calls and bytes per micro-batch of
+   stage 0 (s = 1) and stage 1 (s = 0).
 2. Synthetic stages with a real gradient volume (a sleeping stage, t_b = 2 t_f, plus a `--bulk`-element
    fp32 gradient in 4 parameters, which the step must average over DP): PipeOptim micro-batches/s per pipeline
    at DP=1 (PP=2, 2 processes) and DP=2 (PP=2 x DP=2, 4 processes), with the reduce issued from the
@@ -51,7 +51,7 @@ from schedules_measure import makespans, timed  # noqa: E402
 from schedules_stages import WIDTH, SleepStage, gpt_config, synthetic_batches  # noqa: E402
 
 TIMEOUT = 1800.0
-GPT_VARIANTS = ("plain", "plain+1-collective", "distopt-reduce-scatter", "distopt", "distopt-overlap")
+GPT_VARIANTS = ("plain", "plain+1-collective", "distopt", "distopt-overlap")
 
 
 def _makespans(results, variants):
@@ -93,9 +93,6 @@ def gpt_dp_bench(model_cfg, vocab, mbs, n, warmup, reps, bucket_size):
         ranks[v] = AsyncPipelineRank(cfg, vocab, "pipeoptim", update_interval=1, message_specs=specs)
         if v == "plain+1-collective":
             _one_more_collective(ranks[v])
-        if v == "distopt-reduce-scatter":  # NCCL's reduce on gloo: found-inf and the norm agreed over DP
-            for ddp in ranks[v].stage.ddps:
-                ddp.full_grads = False
     gather, counted = ddp_module.all_gather_single, []
 
     def counting(output, input_, group, async_op):

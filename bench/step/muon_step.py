@@ -27,11 +27,9 @@ distance to the exact polar factor U·Vᵀ (SVD); the same in bf16 at `--bf16-hi
 slow on this CPU). Variants: the Gram iteration (`--muon-gram-newton-schulz`), fewer steps (4), and the other
 coefficient sets. `newton_schulz_variants` is what bench/gpu/gpu.py can time on a GPU.
 
-For bench/gpu/gpu.py (GPU timings; the device is where the given tensors/chunks live):
+For bench/gpu/gpu.py (GPU timings; the device is where the given tensors live):
 - `layer_newton_schulz_ms(hidden, ffn, device, ...)`: Newton-Schulz of one (or `layers`) layer's four matrices
-  at fp32 / TF32 / bf16, one call per matrix and batched as the optimizer runs it, median ms;
-- `muon_vs_adamw_step_ms(chunks, ...)`: `optimizer.step()` of Muon (any --muon-* settings) and AdamW on the
-  given model chunks with random gradients, median ms and their ratio.
+  at fp32 / TF32 / bf16, one call per matrix and batched as the optimizer runs it, median ms.
 """
 
 from __future__ import annotations
@@ -99,34 +97,6 @@ def layer_newton_schulz_ms(hidden: int = 2048, ffn: int = 8192, device="cpu", la
             lambda: [newton_schulz(m, steps, coefficient_type, precision) for m in mats], device, reps)
         out[(precision, "batched")] = _median_ms(
             lambda: [newton_schulz(s, steps, coefficient_type, precision) for s in stacks], device, reps)
-    return out
-
-
-def muon_vs_adamw_step_ms(chunks, reps: int = 5, lr: float = LR, weight_decay: float = WD, batched: bool = True,
-                          **muon_kwargs) -> dict:
-    """Median ms of one `optimizer.step()` of Muon (`build_optimizer("muon", ..., **muon_kwargs)`) and of AdamW
-    over the parameters of `chunks` (model chunks on their device, any dtype), each with random gradients,
-    alternating. {"adamw_ms", "muon_ms", "ratio"}."""
-    from megatron_po.optim import build_optimizer
-    from megatron_po.optim.muon import optimizer_param_groups
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    device = params[0].device
-    gen = torch.Generator(device=device).manual_seed(0)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen, device=device).to(p.dtype)
-    adamw = build_optimizer("adamw", optimizer_param_groups("adamw", chunks, weight_decay), lr,
-                            weight_decay=weight_decay)
-    muon = build_optimizer("muon", optimizer_param_groups("muon", chunks, weight_decay), lr,
-                           weight_decay=weight_decay, **muon_kwargs)
-    muon.batch_newton_schulz = batched
-    times = {"adamw_ms": [], "muon_ms": []}
-    for opt, key in ((adamw, "adamw_ms"), (muon, "muon_ms")):  # first steps create the state: untimed
-        opt.step()
-    for _ in range(reps):
-        for opt, key in ((adamw, "adamw_ms"), (muon, "muon_ms")):
-            times[key].append(_median_ms(opt.step, device, 1, warmup=0))
-    out = {key: statistics.median(v) for key, v in times.items()}
-    out["ratio"] = out["muon_ms"] / out["adamw_ms"]
     return out
 
 

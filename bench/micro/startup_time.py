@@ -7,10 +7,10 @@ __doc__ = """What a user's commands cost from process start to exit, against `py
 (issue 42): `--help` and a bad flag of pretrain_gpt.py (target: at most 1.3x the bare import), and the runnable
 blocks of the manual (what tests/test_docs.py runs; their budget: about 20 s of CPU together).
 
-    python bench/micro/startup_time.py [--reps 5] [--only startup docs] [--before DIR] [--quick] [--out FILE]
+    python bench/micro/startup_time.py [--reps 5] [--only startup docs] [--quick] [--out FILE]
 
-`--before DIR`: also time `--help` and the bad flag of another checkout (say `git worktree add DIR <commit>`),
-alternating with the rest: the change against its parent in one run.
+(`--before DIR`, the same commands in another checkout alternating with these, made the results file's
+`(at 4546b20)` rows at commit 7fdb8b7; removed since.)
 
 Each command is a fresh process (`subprocess.run`, stdout and stderr captured), timed from its start to its
 exit: wall seconds (perf_counter around the call) and CPU seconds (user + system of the waited-for children,
@@ -53,23 +53,14 @@ def timed(cmd: list[str], cwd: str, environ: dict, timeout: float = 600) -> tupl
     return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, proc.returncode
 
 
-def before_commands(checkout: str) -> dict:
-    """STARTUP's pretrain_gpt.py commands in another checkout, labelled with its commit."""
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    script = os.path.join(os.path.abspath(checkout), "pretrain_gpt.py")
-    return {f"{label} (at {rev.stdout.strip() or '?'})": ([script, *argv[1:]], code)
-            for label, (argv, code) in STARTUP.items() if argv[0] == "pretrain_gpt.py"}
-
-
-def measure_startup(reps: int, warm_up: bool = True, commands: dict | None = None) -> dict[str, dict]:
+def measure_startup(reps: int, warm_up: bool = True) -> dict[str, dict]:
     """Wall and CPU seconds per start-up command, `reps` each, alternating after a warm-up round."""
-    commands = commands or STARTUP
-    labels, environ = list(commands), env()
+    labels, environ = list(STARTUP), env()
     out = {label: {"wall": [], "cpu": []} for label in labels}
     for rep in range(-1 if warm_up else 0, reps):  # -1: the warm-up round, not kept
         for i in range(len(labels)):
             label = labels[(rep + i) % len(labels)]
-            argv, expected = commands[label]
+            argv, expected = STARTUP[label]
             wall, cpu, code = timed([sys.executable, *argv], bench_common.REPO, environ)
             if code != expected:
                 raise SystemExit(f"error: `{label}` exited {code}, expected {expected}")
@@ -114,7 +105,6 @@ def main(argv=None) -> None:
     parser.add_argument("--reps-docs", type=int, default=1, help="runs of each runnable block")
     parser.add_argument("--only", nargs="+", choices=("startup", "docs"), default=["startup", "docs"])
     parser.add_argument("--block", nargs="+", metavar="PAGE:LINE", help="only these runnable blocks")
-    parser.add_argument("--before", metavar="DIR", help="also time --help and the bad flag in this checkout")
     parser.add_argument("--quick", action="store_true", help="1 run of each start-up command, no warm-up, and of "
                                                             "the runnable blocks only those --block names (a smoke test)")
     parser.add_argument("--out", default=RESULTS)
@@ -128,8 +118,7 @@ def main(argv=None) -> None:
         f"{args.reps_docs} run(s) each"))
 
     # The bare import is measured even when only the blocks are: their ratios need it.
-    commands = {**STARTUP, **(before_commands(args.before) if args.before and "startup" in args.only else {})}
-    startup = measure_startup(reps if "startup" in args.only or args.quick else max(reps, 3), not args.quick, commands)
+    startup = measure_startup(reps if "startup" in args.only or args.quick else max(reps, 3), not args.quick)
     base = {kind: bench_common.median(startup[BASELINE][kind]) for kind in ("wall", "cpu")}
     if "startup" in args.only:
         rows, verdicts = [], []

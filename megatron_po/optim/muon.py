@@ -191,7 +191,7 @@ class Muon(AdamW):
     (so they are not in the state dict, and a checkpoint resumes under the flags it is resumed with)."""
 
     decoupled_weight_decay = True
-    batch_newton_schulz = True  # False: one Newton-Schulz call per matrix (for the bench's "before" and tests)
+    batch_newton_schulz = True  # False: one Newton-Schulz call per matrix (tests: batched = unbatched)
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  num_ns_steps: int = 5, scale_mode: str = "spectral", extra_scale_factor: float = 0.2,

@@ -94,6 +94,18 @@ def _step_blocks(t: int, ring: _Ring, c: int):
     return second, full, False, j
 
 
+def _step(t: int, ring: "_Ring", c: int, kv: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, document_ids):
+    """Ring step t's blocks (forward and backward alike): the query and key slices, whether the block is causal,
+    its document mask (then not causal: the mask says it all), and the held K/V block's keys and values."""
+    qs, ks, causal, j = _step_blocks(t, ring, c)
+    kb, vb = (x.view_as(k)[:, :, ks] for x in kv.split(k.numel()))
+    mask = None
+    if document_ids is not None:
+        k_idx = token_indices(q_idx.numel() * ring.size, ring.size, j, q_idx.device)
+        mask, causal = _document_mask(document_ids, q_idx[qs], k_idx[ks]), False
+    return qs, ks, causal, mask, kb, vb
+
+
 class _RingAttention(torch.autograd.Function):
     """p2p context-parallel attention (module docstring). q [b, heads, 2c, d]; k, v [b, groups, 2c, d]."""
 
@@ -109,12 +121,7 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if t < ring.size - 1:
                 next_kv, works = ring.shift(kv, _KV)
-            qs, ks, causal, j = _step_blocks(t, ring, c)
-            kb, vb = (x.view_as(k)[:, :, ks] for x in kv.split(k.numel()))
-            mask = None
-            if document_ids is not None:
-                k_idx = token_indices(seq, ring.size, j, q.device)
-                mask, causal = _document_mask(document_ids, q_idx[qs], k_idx[ks]), False
+            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, q_idx, document_ids)
             block_out, block_lse = attention_blocks.forward(q[:, :, qs], _repeat(kb, rep), _repeat(vb, rep), causal,
                                                             mask, math_kernel)
             if out is None:
@@ -145,12 +152,7 @@ class _RingAttention(torch.autograd.Function):
             kv_works = []
             if t < ring.size - 1:
                 next_kv, kv_works = ring.shift(kv, _KV)
-            qs, ks, causal, j = _step_blocks(t, ring, c)
-            kb, vb = (x.view_as(k)[:, :, ks] for x in kv.split(k.numel()))
-            mask = None
-            if document_ids is not None:
-                k_idx = token_indices(seq, ring.size, j, q.device)
-                mask, causal = _document_mask(document_ids, q_idx[qs], k_idx[ks]), False
+            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, q_idx, document_ids)
             dq_b, dk_b, dv_b = attention_blocks.backward(dout[:, :, qs], q[:, :, qs], _repeat(kb, rep), _repeat(vb, rep),
                                                          out[:, :, qs], lse[:, :, qs], causal, mask, ctx.math_kernel)
             dq[:, :, qs] += dq_b.float()

@@ -16,6 +16,7 @@ from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.periodic_work import PeriodicWork
 from megatron_po.run_controls import RunControls
 from megatron_po.run_rules import SkipGuard, loss_is_nonfinite
+from megatron_po.models.moe.report import moe_metrics
 from megatron_po.training_log import Progress
 from megatron_po.training_step import Trainable, TrainState, average_over_dp, last_checkpoint
 
@@ -121,6 +122,8 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
                 val = periodic.evaluate()
                 if val is not None:
                     progress.log_validation(it, val)
+                if cfg.model.num_experts is not None:  # the routers' numbers since the last cut or drain
+                    progress.log_moe(it, moe_metrics(cfg, model.chunks))
         return run
 
     while state.iteration < t.train_iters:
@@ -133,6 +136,8 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
         state.consumed_samples += (stop - state.iteration) * gbs
         state.updated_samples = state.consumed_samples  # the lr clocks are per chunk here (policy.lr_steps)
         state.iteration = stop
+        if cfg.model.num_experts is not None:  # the routers' numbers since the last cut or drain: every rank, drained
+            progress.log_moe(state.iteration, moe_metrics(cfg, model.chunks))
         controls.after_iteration(state.iteration)
         stop = periodic(collect=True, evaluated=in_stream)  # every segment ends at a drain
         if stop:

@@ -251,6 +251,22 @@ class Progress:
             yield
         self.window_start += time.perf_counter() - start
 
+    def log_moe(self, iteration: int, moe: dict) -> None:
+        """The MoE routers' numbers in an asynchronous pipeline since the last call, logged at a point every rank
+        reaches (an evaluation's cut in the stream, or the drain ending a segment) after iteration `iteration`,
+        beside that iteration's record. The stages are at different micro-batches there, so each layer's numbers
+        cover its own stage's forwards since the last call: over the run every forward is counted once."""
+        if not any(v for k, v in moe.items() if k.startswith("moe/tokens_per_expert_mean/")):
+            return  # no training forward since the last call (a drain right after an evaluation's cut)
+        self.logger.log(None, moe_line(moe) + f" (asynchronous: since the last evaluation or drain, to iteration "
+                                              f"{iteration})")
+        if self.pending is not None and self.pending["iteration"] == iteration:
+            self.pending.update(moe)
+        else:
+            self.flush()
+            self.pending = {"iteration": iteration, **moe}
+        self.record.update(moe)
+
     def log_validation(self, iteration: int, val: float, extra: dict | None = None) -> None:
         """`extra`: further validation metrics (NMT: `val_bleu`), logged beside the loss."""
         rec = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0)), **(extra or {})}

@@ -8,6 +8,8 @@
   The log shows, per MoE layer and log window, the aux loss and z-loss, tokens per expert (max / mean) and dropped
   tokens, summed over the ranks: equal to the one-process run's (losses within 1e-4 relative, the busiest expert's
   tokens within 5 of 512; measured: 1e-7 and equal), the mean the closed form 2 x 16 x 64 x 2 / 8 exactly.
+- PipeOptim at PP 2 x EP 2 with the distributed optimizer trains, and logs the routers' numbers at each evaluation's
+  cut in its stream and at its drains: over the run, the mean tokens per expert its closed form exactly.
 - `--help` lists the issue's MoE flags (test_megatron_flags checks that it lists every flag of the table).
 - Impossible settings stop at start-up with exit code 2 and one `error:` line naming the flags.
 """
@@ -28,7 +30,7 @@ MOE = {"--num-experts": 8, "--moe-router-topk": 2, "--moe-aux-loss-coeff": 0.01,
 def run(corpus, tmp_path, name, world, **flags):
     out = tmp_path / name
     out.mkdir()
-    codes = run_distributed(run_pretrain, world, args=(base_args(corpus, out, **MOE, **flags),), timeout=300)
+    codes = run_distributed(run_pretrain, world, args=(base_args(corpus, out, **{**MOE, **flags}),), timeout=300)
     assert codes == [0] * world
     return read_metrics(out / "metrics.jsonl")
 
@@ -118,3 +120,11 @@ def test_pipeoptim_with_experts_over_pp_ep_and_the_distributed_optimizer_trains(
     losses = [r["lm_loss"] for r in records if "lm_loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
     assert all(r["grad_norm"] > 0 for r in records if "lm_loss" in r)
+    # The routers' numbers at the evaluation's cut in the stream (iteration 6) and at the final drain (12): each
+    # layer's since the last call, so over the run every forward counts once: 12 x 16 x 64 x 2 / 8 per layer.
+    moe = {r["iteration"]: r for r in records if "moe/tokens_per_expert_mean" + "/layer0" in r}
+    assert sorted(moe) == [6, 12], sorted(moe)
+    for layer in range(4):
+        assert sum(r[f"moe/tokens_per_expert_mean/layer{layer}"] for r in moe.values()) == 12 * 16 * 64 * 2 / 8
+    for r in moe.values():
+        assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and r["moe/dropped_tokens"] == 0

@@ -15,8 +15,9 @@ TensorBoard get these keys (sections "moe/" there); the console a line of its ow
 
 `moe_metrics` is collective over all ranks (one all-reduce of a [MoE layers, 4 + experts] tensor): every rank
 holds its own layers' records (layer.py's MoERecord) and its own tokens, so the sums over the world are the
-run's; a synchronous run calls it at every logged iteration. (Asynchronous pipelines would call it at the
-same points on every rank; they are not wired for MoE yet.)
+run's; a synchronous run calls it at every logged iteration, an asynchronous pipeline at each evaluation's cut
+in its stream and at the drain that ends a segment (async_training.py: points every rank reaches; each layer's
+numbers then cover its stage's forwards since the last call).
 """
 
 from __future__ import annotations

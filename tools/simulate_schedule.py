@@ -1,4 +1,4 @@
-"""Print a pipeline schedule, simulate its timeline and draw it.
+r"""Print a pipeline schedule, simulate its timeline and draw it.
 
     python tools/simulate_schedule.py --pipeline-method 1f1b --num-stages 4 --num-chunks 2 \
         --num-microbatches 8 --png /tmp/interleaved.png
@@ -70,7 +70,8 @@ FITTED = "predicted (model fitted on the D = 8 study: Muon, hidden 64, 512 updat
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    head, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline-method", choices=["none", "gpipe", "1f1b", "async", "zb-h1", "zb-h2", "zb-v", "all"],
                    default="1f1b",
                    help="1f1b with --num-chunks > 1 is Megatron's interleaved 1F1B; async streams "

@@ -98,6 +98,7 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
     model_parallel_seed(SEED)
     cfg = make_cfg(**model)
     cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.parallel.pipeline_method = method  # ZB-V places its two chunks in a V
     D = ps.get_pipeline_model_parallel_world_size()
     chunks = build_chunks_for_rank(cfg, VOCAB, ps.get_pipeline_model_parallel_rank(), D, num_chunks)
     # Under context parallelism: gradients over DP x CP, every sequence split into this CP rank's chunks.

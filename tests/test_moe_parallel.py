@@ -5,7 +5,7 @@ records summed over the ranks: the same tokens per expert and, with a capacity, 
 
 Layouts: EP = 2 and 4 (alltoall and allgather dispatchers), EP x DP (expert data parallel 2), EP x TP with
 expert TP = TP and with expert TP 1 (experts whole, EP spanning the TP ranks), EP x PP under 1F1B, interleaved
-1F1B and ZB-H1, EP x CP (context parallelism: experts carved out of DP x CP, the router gathering the whole
+1F1B, ZB-H1, ZB-H2 and ZB-V (its two chunks in a V, the loss on rank 0), EP x CP (context parallelism: experts carved out of DP x CP, the router gathering the whole
 sequence over CP), with TP and DP; dropless and with a capacity (both drop policies, padded or not).
 """
 
@@ -62,7 +62,7 @@ def test_expert_parallel_with_tensor_parallel_matches_one_process(etp, model):
     check_equal(run_distributed(distributed_run, 4, tp=2, args=(model, 2, etp, "1f1b", 1, True)), ref)
 
 
-@pytest.mark.parametrize("method,v", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("method,v", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)])
 def test_expert_parallel_with_pipeline_matches_one_process(method, v):
     ref = reference(M * 2)  # PP 2 x DP 2, EP 2 on each stage
     check_equal(run_distributed(distributed_run, 4, pp=2, args=({}, 2, None, method, v)), ref)

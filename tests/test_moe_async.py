@@ -12,7 +12,8 @@
 - The closed form for such an expert, by hand: Adam, SGD with momentum and Muon move (and PipeOptim predicts)
   a zero-gradient expert slice by the momentum alone; Muon orthogonalises each expert's matrix on its own.
 - The emulator equals the distributed run bit for bit with MoE (PP only: PipeOptim, PipeDream interleaved,
-  2BW, SpecTrain, PipeNAG; k = 2, error feedback, grouped GEMM, the expert bias), and PP 2 x EP 2 (the experts split over the two data-parallel ranks of each
+  2BW, SpecTrain, PipeNAG; k = 2, error feedback, grouped GEMM, the expert bias; PipeOptim and PipeDream in
+  bf16 with fp32 main params), and PP 2 x EP 2 (the experts split over the two data-parallel ranks of each
   stage) equals the emulator on the concatenated micro-batches (rtol 1e-5 / atol 1e-6, reduction orders; the
   sequence-level aux loss and the z-loss are means over sequences and tokens, so the halves' mean is the
   whole's).
@@ -68,12 +69,15 @@ def optimizer_kwargs(optimizer: str) -> dict:
     return kwargs
 
 
-def moe_emulator(method, optimizer, D, v, k, model=None, weight_decay=0.01, clip_grad=0.0, **options):
+def moe_emulator(method, optimizer, D, v, k, model=None, weight_decay=0.01, clip_grad=0.0, precision=None,
+                 **options):
     torch.set_num_threads(1)
     model_parallel_seed(SEED)
     kwargs = {**optimizer_kwargs(optimizer), "weight_decay": weight_decay}
-    return AsyncEmulator(moe_cfg(D * v, **(model or {})), VOCAB, method, D, v, k, optimizer, kwargs,
-                         lr_fn_for(optimizer), clip_grad, **options)
+    cfg = moe_cfg(D * v, **(model or {}))
+    for key, value in (precision or {}).items():
+        setattr(cfg.precision, key, value)
+    return AsyncEmulator(cfg, VOCAB, method, D, v, k, optimizer, kwargs, lr_fn_for(optimizer), clip_grad, **options)
 
 
 def deepcopy_keeping_marks(obj):
@@ -272,8 +276,9 @@ def test_muon_orthogonalises_each_expert_on_its_own():
 # --------------------------------------------------------------------------------------------------
 
 
-def train_emulator(method, optimizer, D, v, k, segments, model, options, mbs=2, masked=True, clip_grad=0.0):
-    emu = moe_emulator(method, optimizer, D, v, k, model, clip_grad=clip_grad, **options)
+def train_emulator(method, optimizer, D, v, k, segments, model, options, mbs=2, masked=True, clip_grad=0.0,
+                   precision=None):
+    emu = moe_emulator(method, optimizer, D, v, k, model, clip_grad=clip_grad, precision=precision, **options)
     losses = []
     for m in segments:
         losses += emu.train_segment(lambda mb: get_batch(mb, mbs=mbs, masked=masked), m)
@@ -350,6 +355,27 @@ def test_distributed_equals_emulator_bitwise_with_experts(method, optimizer, D, 
     if biases:
         assert all(torch.equal(a, b) for a, b in zip(biases, emu_biases_in_rank_order(emu_biases, D, v)))
         assert any(b.any() for b in biases)  # the bias moved
+
+
+@pytest.mark.parametrize("method", ["pipeoptim", "pipedream"])
+def test_distributed_equals_emulator_bitwise_with_experts_in_bf16(method):
+    """bf16 weights, fp32 main params and gradient accumulation: the experts' bf16 copies, predicted (PipeOptim)
+    or stashed (PipeDream), and the expert bias, bit for bit the emulator's."""
+    precision = {"bf16": True, "accumulate_allreduce_grads_in_fp32": True}
+    args = (method, "adam", 2, 1, 1, (4, 4), BIAS, {})
+    emu_losses, emu_weights, emu_biases = run_distributed(train_emulator, 1,
+                                                          args=args + (2, True, 0.0, precision))[0]
+    results = run_distributed(train_distributed, 2, pp=2,
+                              args=(method, "adam", 1, 1, (4, 4), BIAS, {}, 1, 2, True, 0.0, precision), timeout=240)
+    assert results[1][0] == emu_losses
+    weights = {name: w for r in results for name, w in r[1].items()}
+    assert weights.keys() == emu_weights.keys()
+    assert any(".experts." in name and w.dtype == torch.bfloat16 for name, w in weights.items())
+    for name in weights:
+        assert torch.equal(weights[name], emu_weights[name]), name
+    biases = [b for r in results for b in r[2]]
+    assert len(biases) == len(emu_biases) == 2 and any(b.any() for b in biases)  # the bias moved
+    assert all(torch.equal(a, b) for a, b in zip(biases, emu_biases_in_rank_order(emu_biases, 2, 1)))
 
 
 def emu_biases_in_rank_order(biases, D, v):

@@ -369,11 +369,16 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                  f"{d['H']} micro-batches = {d['updates']} updates of S; budget = H x that = {d['budget_s']:.3f} s.")
     rule = data.get("seeds_rule") or {}
     cond = data.get("conditional") or {}
-    L.append(
-        "- Units: S; at k = M async-naive, PipeOptim and PipeOptim + error feedback (AdamW: PipeOptim and PipeOptim "
-        "+ error feedback); at k = M/2 PipeOptim (Muon). The other methods at k = M/2 (" +
-        (", ".join(cond.get("units", [])) or "none here") + ") run only if PipeOptim at k = M/2 (seed 1, its best "
-        f"lr) ends within {rule.get('close_nat', dp.CLOSE_NAT)} nat of S (seed 1): decided **{cond.get('decided', 'n/a')}**.")
+    if "--map-study" in data["command"].split():  # issue 50's units: fixed per setting, none conditional
+        L.append("- Units: S; " + ", ".join(u["label"] for u in data["units"] if u["name"] != "sync") +
+                 " (issue 50's plan for this setting; none conditional).")
+    else:
+        L.append(
+            "- Units: S; at k = M async-naive, PipeOptim and PipeOptim + error feedback (AdamW: PipeOptim and "
+            "PipeOptim + error feedback); at k = M/2 PipeOptim (Muon). The other methods at k = M/2 (" +
+            (", ".join(cond.get("units", [])) or "none here") + ") run only if PipeOptim at k = M/2 (seed 1, its "
+            f"best lr) ends within {rule.get('close_nat', dp.CLOSE_NAT)} nat of S (seed 1): decided "
+            f"**{cond.get('decided', 'n/a')}**.")
     L.append(
         f"- Seeds: {rule.get('seeds', s.get('seeds'))} for S and for every unit whose seed-1 final loss (at its best "
         f"lr) is within {rule.get('close_nat', dp.CLOSE_NAT)} nat of S's; {rule.get('far_seeds', s.get('seeds'))} for "

@@ -156,7 +156,10 @@ def test_advisor_prints_the_prediction_beside_the_bound(tmp_path, capsys):
     p = se.predict(fit, "pipeoptim", 16, 4, 4, bound)
     assert simulate_schedule.FITTED in row and cmm.format_speedup(p["speedup"]) in row
     assert f"80 % interval {cmm.format_speedup(p['median_lo'])}" in row and p["verdict"] in row
-    assert "study: no verdict" in out  # no measured verdict at D = 16 (yet): the prediction stands alone
+    assert "MEETS the target" in row  # the measured verdict (issue 50's D = 16 study) beside the prediction
+    simulate_schedule.main(["--cost-model", path, "--optimizer", "muon", "--num-stages", "16", "--num-microbatches", "8"])
+    out = capsys.readouterr().out
+    assert "study: no verdict" in out and simulate_schedule.FITTED in out  # no study here: the prediction alone
     simulate_schedule.main(["--cost-model", path, "--optimizer", "adamw", "--num-stages", "16", "--num-microbatches", "4"])
     out = capsys.readouterr().out
     assert simulate_schedule.FITTED not in out and "fitted on Muon" in out

@@ -297,7 +297,7 @@ def pipeline_staleness(cfg: Config, world: int) -> dict[str, int]:
     if D == 1 and v == 1:
         return {}
     if is_async(cfg):
-        from megatron_po.pipeline.async_pipeline import _probe_schedule  # long enough for the steady state
+        from megatron_po.pipeline.async_stage import _probe_schedule  # long enough for the steady state
         schedule = _probe_schedule(D, v, update_interval(cfg))
     else:
         schedule = build_schedule(p.pipeline_method, D, v, num_microbatches(cfg, world))

@@ -212,7 +212,7 @@ class StageRunner:
     deferred: dict = field(default_factory=dict)  # (mb, chunk) -> weight-gradient closures from BackwardInput
     placement: str = "interleaved"  # the schedule's chunk placement (ZB-V: "v")
     # chunk -> the gradient of its MoE auxiliary losses in a backward (None: `loss_scale`). Asynchronous fp16
-    # stages scale each chunk's gradients by the chunk's own loss scale (async_pipeline._StageLossScaling).
+    # stages scale each chunk's gradients by the chunk's own loss scale (async_stage._StageLossScaling).
     aux_loss_scale: object = None
 
     @property

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.optim.clip_grads import counts_toward_norm
+from megatron_po.optim.clip_grads import counts_toward_norm, sum_dense_and_experts
 from megatron_po.run_rules import any_rank
 
 
@@ -94,22 +94,15 @@ class RunControls:
 def replica_sums(params, group, expert_group=None) -> dict[str, float]:
     """`params_norm` and `num_zeros_in_grad` of one model replica, summed over `group` (model parallel); MoE
     experts over `expert_group` (the expert model-parallel group, optim/clip_grads.py) when given."""
-    sums = []
-    for experts in ((False, True) if expert_group is not None else (None,)):
-        sq = torch.zeros((), dtype=torch.float64, device=ps.get_device())
-        zeros = torch.zeros((), dtype=torch.float64, device=ps.get_device())
-        for p in params:
-            if not counts_toward_norm(p) or experts not in (None, getattr(p, "expert_parallel", False)):
-                continue
-            sq += p.detach().double().square().sum()
-            grad = getattr(p, "main_grad", None)
-            grad = p.grad if grad is None else grad
-            if grad is not None:
-                zeros += (grad == 0).sum()
-        both = torch.stack([sq, zeros])
-        over = expert_group if experts else group
-        if over is not None and dist.get_world_size(over) > 1:
-            dist.all_reduce(both, group=over)
-        sums.append(both)
-    both = torch.stack(sums).sum(dim=0)
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=ps.get_device())  # [dense, expert] x [squares, zeros]
+    for p in params:
+        if not counts_toward_norm(p):
+            continue
+        row = sums[int(getattr(p, "expert_parallel", False))]
+        row[0] += p.detach().double().square().sum()
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        if grad is not None:
+            row[1] += (grad == 0).sum()
+    both = sum_dense_and_experts(sums[0], sums[1], group, expert_group)
     return {"params_norm": float(both[0].sqrt()), "num_zeros_in_grad": int(both[1])}

@@ -260,12 +260,7 @@ class Progress:
             return  # no training forward since the last call (a drain right after an evaluation's cut)
         self.logger.log(None, moe_line(moe) + f" (asynchronous: since the last evaluation or drain, to iteration "
                                               f"{iteration})")
-        if self.pending is not None and self.pending["iteration"] == iteration:
-            self.pending.update(moe)
-        else:
-            self.flush()
-            self.pending = {"iteration": iteration, **moe}
-        self.record.update(moe)
+        self._join_record(iteration, moe)
 
     def log_validation(self, iteration: int, val: float, extra: dict | None = None) -> None:
         """`extra`: further validation metrics (NMT: `val_bleu`), logged beside the loss."""
@@ -273,6 +268,10 @@ class Progress:
         shown = "".join(f" | {k.removeprefix('val_').replace('_', ' ')} {v:.2f}" for k, v in (extra or {}).items())
         self.logger.log(None, f" validation at iteration {iteration} | val loss {val:.4f} | val ppl {rec['val_ppl']:.2f}"
                               f"{shown}")
+        self._join_record(iteration, rec)
+
+    def _join_record(self, iteration: int, rec: dict) -> None:
+        """`rec` into iteration `iteration`'s JSON record (written once nothing more can join it)."""
         if self.pending is not None and self.pending["iteration"] == iteration:
             self.pending.update(rec)
         else:

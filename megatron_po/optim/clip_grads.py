@@ -45,20 +45,25 @@ def _multi(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def reduce_squared_sums(sums: torch.Tensor, group=None, expert_group=None) -> float:
-    """The global norm from this rank's `squared_sums` (see module docstring); without `expert_group` the
-    experts are summed with the dense parameters over `group`."""
+def sum_dense_and_experts(dense: torch.Tensor, expert: torch.Tensor, group=None, expert_group=None) -> torch.Tensor:
+    """This rank's sums over the dense parameters, reduced over `group`, plus those over the experts, reduced
+    over `expert_group` (see module docstring); without `expert_group` both over `group`."""
     if expert_group is None:
-        total = sums.sum()
+        total = dense + expert
         if _multi(group):
             dist.all_reduce(total, group=group)
-        return float(total.sqrt())
-    dense, expert = sums[0].clone(), sums[1].clone()
+        return total
+    dense, expert = dense.clone(), expert.clone()
     if _multi(group):
         dist.all_reduce(dense, group=group)
     if _multi(expert_group):
         dist.all_reduce(expert, group=expert_group)
-    return float((dense + expert).sqrt())
+    return dense + expert
+
+
+def reduce_squared_sums(sums: torch.Tensor, group=None, expert_group=None) -> float:
+    """The global norm from this rank's `squared_sums`."""
+    return float(sum_dense_and_experts(sums[0], sums[1], group, expert_group).sqrt())
 
 
 def global_grad_norm(params, group=None, expert_group=None) -> float:

@@ -15,8 +15,10 @@ Every state tensor is recorded as (id, device, dtype, shape) before a load and c
   the fp16 grad scaler;
 - the asynchronous weight policies' versions: 2BW's older version, error-feedback buffers, PipeNAG (NAG's
   momentum buffer; its look-ahead points are recomputed), Muon's momentum and muon_update under PipeOptim;
-- the tensor-parallel RNG tracker: states of another device's generator are not installed.
-Single process (one forked gloo rank per case), a 2-layer GPT of hidden size 32.
+- the tensor-parallel RNG tracker: states of another device's generator are not installed;
+- MoE at EP = 2 (two ranks): the experts' blocks of the global tensors (weights, main params, distributed-optimizer
+  pieces, optimizer state) and the routers' expert bias, a buffer.
+Single process (one forked gloo rank per case; two for MoE), a 2-layer GPT of hidden size 32.
 """
 
 import copy
@@ -165,9 +167,18 @@ def test_load_state_dict_copies_into_the_state_held(name):
 # --------------------------------------------------------------------------------------------------
 
 
-def build_run(name: str, precision: str = "fp32", device=None, seed: int = 5):
+# A mixture of experts with DeepSeek-V3's expert bias (a checkpointed buffer), run at EP = 2 over 2 ranks: each
+# rank's experts are a block of the global tensors (checkpoint_dcp.expert_block), loaded through views of them.
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16, "moe_router_score_function": "sigmoid",
+       "moe_router_enable_expert_bias": True}
+
+
+def build_run(name: str, precision: str = "fp32", device=None, seed: int = 5, moe: bool = False):
     """(chunks, ddp, optimizer) of a tiny GPT as training_setup builds them; `precision`: fp32, bf16,
-    fp16 (dynamic loss scale) or distopt (bf16 + the distributed optimizer)."""
+    fp16 (dynamic loss scale) or distopt (bf16 + the distributed optimizer); `moe`: its MLPs mixtures of experts
+    split over all ranks (EP = the data-parallel size)."""
+    import dataclasses
+
     from megatron_po import parallel_state as ps
     from megatron_po.distributed.ddp import DistributedDataParallel
     from megatron_po.optim.mixed_precision import grad_buffer_dtype, model_dtype
@@ -175,6 +186,9 @@ def build_run(name: str, precision: str = "fp32", device=None, seed: int = 5):
     from megatron_po.tensor_parallel import model_parallel_seed
     from megatron_po.training_setup import build_optimizer_for
     cfg = make_cfg(2)
+    if moe:
+        cfg.model = dataclasses.replace(cfg.model, **MOE)
+        ps.initialize_expert_parallel(ps.get_data_parallel_world_size())
     cfg.training.optimizer, cfg.training.lr, cfg.training.seed = name, LR, seed
     pr = cfg.precision
     pr.bf16, pr.fp16 = precision in ("bf16", "distopt"), precision == "fp16"
@@ -200,33 +214,40 @@ def train(ddp, optimizer, seed: int, steps: int) -> None:
         ddp.zero_grad()
 
 
-def _checkpoint_round_trip(name: str, precision: str, root: str) -> None:
-    from megatron_po.distributed.checkpoint_format import named_parameters_for_load
+def _checkpoint_round_trip(name: str, precision: str, root: str, moe: bool = False) -> None:
+    from megatron_po.distributed.checkpoint_format import named_buffers_global, named_parameters_for_load
     from megatron_po.distributed.checkpoint_load import load_checkpoint
     from megatron_po.distributed.checkpoint_save import save_checkpoint
-    chunks, ddp, source = build_run(name, precision)
+    chunks, ddp, source = build_run(name, precision, moe=moe)
     train(ddp, source, 1, 3)
+    for i, (_, b) in enumerate(named_buffers_global(chunks)):  # an expert bias that has moved
+        b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(i)))
     save_checkpoint(root, 3, chunks, source, {"train_state": {}})
     want = optimizer_state(source, named_parameters_for_load(chunks))
+    want_buffers = {k: v.clone() for k, v in named_buffers_global(chunks)}
+    assert bool(want_buffers) == moe
 
     # Into a run that has stepped: every tensor keeps its object, device and dtype.
-    chunks_b, ddp_b, target = build_run(name, precision, seed=6)
+    chunks_b, ddp_b, target = build_run(name, precision, seed=6, moe=moe)
     train(ddp_b, target, 2, 1)
     names_b = named_parameters_for_load(chunks_b)
     held = optimizer_state(target, names_b)
     before = identities(held)
     params_before = identities(dict(names_b))
+    buffers_before = identities(dict(named_buffers_global(chunks_b)))
     scaler = getattr(target, "grad_scaler", None)
     load_checkpoint(root, chunks_b, target)
     got = optimizer_state(target, names_b)
     assert identities(got) == before
     assert identities(dict(names_b)) == params_before
+    assert identities(dict(named_buffers_global(chunks_b))) == buffers_before
     assert_same_values(got, want)
+    assert_same_values(dict(named_buffers_global(chunks_b)), want_buffers)
     if scaler is not None:  # fp16: the loss scaler too, the same object with the saved scale
         assert target.grad_scaler is scaler and scaler.state_dict() == source.grad_scaler.state_dict()
 
     # Into a fresh run: the state its first step would create, with the saved values.
-    chunks_c, ddp_c, fresh = build_run(name, precision, seed=7)
+    chunks_c, ddp_c, fresh = build_run(name, precision, seed=7, moe=moe)
     names_c = named_parameters_for_load(chunks_c)
     weights_before = identities({k: v for k, v in optimizer_state(fresh, names_c).items() if k[1] == "weights"})
     load_checkpoint(root, chunks_c, fresh)
@@ -249,6 +270,13 @@ def test_checkpoint_load_writes_into_every_optimizers_state(name, tmp_path):
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_checkpoint_load_writes_into_main_params_and_the_loss_scaler(name, precision, tmp_path):
     run_distributed(_checkpoint_round_trip, 1, args=(name, precision, str(tmp_path / "ck")))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "distopt"])
+def test_checkpoint_load_writes_into_expert_blocks_and_the_expert_bias(precision, tmp_path):
+    """MoE at EP = 2: the experts' weights, main params and optimizer state (blocks of the global tensors) and
+    the routers' expert bias (a buffer) are loaded into the tensors the run holds."""
+    run_distributed(_checkpoint_round_trip, 2, args=("adamw", precision, str(tmp_path / "ck"), True))
 
 
 def _load_onto_meta(name: str, root: str) -> str | None:

@@ -4,8 +4,9 @@ everywhere and on "cuda" where there is one; every run with wandb, datasets and 
 - Resume on the same device is bitwise (issue 29's reproduction): 8 iterations saving at 4, against
   loading iteration 4 and running 5..8, with --deterministic and dropout 0.1 (the device's random
   generators restored): every resumed iteration's loss and grad norm equal the uninterrupted run's. For
-  1F1B in bf16 (fp32 main params, AdamW) and for PipeDream-2BW with error feedback, whose checkpoint also
-  holds the weight policy's older version and the error-feedback buffers. Before the fix of issue 29 the
+  1F1B in bf16 (fp32 main params, AdamW), for PipeDream-2BW with error feedback, whose checkpoint also
+  holds the weight policy's older version and the error-feedback buffers, and for an MoE GPT in bf16 with
+  the routers' expert bias (a buffer). Before the fix of issue 29 the
   resumed run failed on a GPU at its first step ("scalar tensor is expected to be on cuda:0 but is on cpu").
 - A checkpoint moves CPU -> device -> CPU: iterations 1..4 on the CPU, 5..6 on the device from the
   CPU's checkpoint, 7..8 back on the CPU from the device's (fp32, AdamW, dropout 0). On the CPU that is
@@ -25,6 +26,10 @@ CASES = {
     "1f1b-bf16": {"--bf16": True},
     "2bw-ef-fp32": {"--pipeline-method": "pipedream-2bw", "--async-error-feedback": True,
                     "--untie-embeddings-and-output-weights": True},
+    # MoE: bf16 experts with fp32 main params, and the routers' expert bias (an fp32 buffer on the device)
+    "moe-bf16-expert-bias": {"--bf16": True, "--num-experts": 4, "--moe-router-topk": 2,
+                             "--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
+                             "--moe-aux-loss-coeff": 0.01},
 }
 
 

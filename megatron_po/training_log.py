@@ -18,6 +18,7 @@ from megatron_po.errors import RankError
 from megatron_po.models.compiled_layers import compile_summary
 from megatron_po.models.moe.report import moe_line
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
+from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.sample_schedule import SampleSchedule
 from megatron_po.run_controls import replica_sums
 
@@ -47,8 +48,7 @@ def replica_metrics(cfg: Config, params) -> dict:
     lc = cfg.logging
     if not (lc.log_params_norm or lc.log_num_zeros_in_grad):
         return {}
-    experts = ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
-    sums = replica_sums(params, ps.get_model_parallel_group(), experts)
+    sums = replica_sums(params, ps.get_model_parallel_group(), expert_norm_group(cfg))
     return {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
 
 

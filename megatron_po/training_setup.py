@@ -21,6 +21,7 @@ from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.moe.rules import moe_summary
 from megatron_po.optim import build_optimizer
+from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.mixed_precision import (MixedPrecisionOptimizer, build_grad_scaler, grad_buffer_dtype,
                                                model_dtype)
@@ -30,7 +31,7 @@ from megatron_po.output_paths import prepare_outputs
 from megatron_po.run_rules import check_resume_iteration, load_plan, no_validation_warning
 from megatron_po.tensor_parallel import model_parallel_seed
 from megatron_po.training_log import print_rank0
-from megatron_po.training_step import Trainable, TrainState, expert_norm_group
+from megatron_po.training_step import Trainable, TrainState
 
 
 # Run settings, not architecture: --use-checkpoint-args leaves these as given (Megatron copies neither).

@@ -24,10 +24,9 @@ from megatron_po.errors import UserError
 from megatron_po.gpt_workload import GPTWorkload
 from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
-from megatron_po.optim.clip_grads import clip_grad_norm_
-from megatron_po.optim.sample_schedule import set_lr
+from megatron_po.optim.clip_grads import clip_grad_norm_, expert_norm_group
 from megatron_po.optim.mixed_precision import MainParamsOptimizer
-from megatron_po.optim.sample_schedule import SampleSchedule
+from megatron_po.optim.sample_schedule import SampleSchedule, set_lr
 from megatron_po.run_rules import SkipGuard, any_rank, loss_is_nonfinite
 
 
@@ -117,11 +116,6 @@ def average_over_dp(x: torch.Tensor | None) -> float | None:
     x = x.detach().to(device=ps.get_device(), dtype=torch.float64, copy=True)
     dist.all_reduce(x, group=ps.get_data_parallel_group(with_context_parallel=True))
     return float(x) / ps.get_data_parallel_world_size(with_context_parallel=True)
-
-
-def expert_norm_group(cfg: Config):
-    """The group the MoE experts' gradient squares are summed over (optim/clip_grads.py); None without experts."""
-    return ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
 
 
 def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, decoupled_lr: float | None = None):

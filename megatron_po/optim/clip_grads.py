@@ -23,6 +23,12 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 
 
+def expert_norm_group(cfg):
+    """The group a model's MoE experts' squares are summed over (`expert_group` below): the expert model-parallel
+    group where `cfg` (a Config) has experts; None without."""
+    return ps.get_expert_tensor_model_pipeline_parallel_group() if cfg.model.num_experts is not None else None
+
+
 def counts_toward_norm(p: torch.Tensor) -> bool:
     if getattr(p, "embedding_copy", False):
         return False

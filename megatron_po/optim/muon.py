@@ -59,12 +59,11 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-import torch.distributed as dist
-
 from megatron_po import parallel_state as ps
-from megatron_po.distributed.ddp import all_gather_single
+from megatron_po.distributed.ddp import all_gather_single, is_expert
 from megatron_po.optim.muon_dp import assign_owners, owners_to_all, owners_to_pieces, pieces_to_owners
 from megatron_po.optim.newton_schulz import (check_precision, coefficients, newton_schulz, newton_schulz_flops,
                                              output_dtype)
@@ -105,18 +104,14 @@ def muon_param_groups(groups: list[dict], chunks) -> list[dict]:
     out = []
     for g in groups:
         hidden = [p for p in g["params"] if p.ndim == 2 and id(p) not in adamw_ids
-                  and not getattr(p, "shared_embedding", False) and not _expert(p)]
-        experts = [p for p in g["params"] if p.ndim == 3 and _expert(p)]  # stacked [E, out, in]; biases: AdamW
+                  and not getattr(p, "shared_embedding", False) and not is_expert(p)]
+        experts = [p for p in g["params"] if p.ndim == 3 and is_expert(p)]  # stacked [E, out, in]; biases: AdamW
         muon_ids = {id(p) for p in hidden + experts}
         rest = [p for p in g["params"] if id(p) not in muon_ids]
         out += [{**g, "params": hidden, "use_muon": True}] if hidden else []
         out += [{**g, "params": experts, "use_muon": True, "experts": True}] if experts else []
         out += [{**g, "params": rest, "use_muon": False}] if rest else []
     return out
-
-
-def _expert(p: Tensor) -> bool:
-    return getattr(p, "expert_parallel", False)
 
 
 class _Matrix:

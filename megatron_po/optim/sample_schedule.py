@@ -157,7 +157,6 @@ def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, w
     return min_lr + coeff * (lr - min_lr)
 
 
-
 def microbatch_lr(step: int, every: int, t) -> float:
     """The lr of step `step` of a chunk that steps every `every` micro-batches, on the micro-batch clock of the
     single-process studies (bench/): the lr of micro-batch step x every, the TrainingConfig `t`'s iteration

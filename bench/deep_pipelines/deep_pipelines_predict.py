@@ -87,7 +87,7 @@ def least_squares(points: list[dict]) -> dict:
     X = np.array([se.features(base, o["method"], o["D"], o["M"], o["k"]) for o in points])
     y = np.array([math.log(o["median"]) for o in points])
     theta, *_ = np.linalg.lstsq(X, y, rcond=None)
-    rank = np.linalg.matrix_rank(X)
+    rank = int(np.linalg.matrix_rank(X))
     dof = len(y) - rank
     sigma2 = float(((X @ theta - y) ** 2).sum()) / dof if dof > 0 else math.nan
     cov = sigma2 * np.linalg.pinv(X.T @ X)
@@ -325,7 +325,8 @@ def lodo_lines(m: dict) -> list[str]:
          "prediction of the median, in ln r: **own**, the fold fit's own error at a new setting (t at its residual "
          "degrees of freedom x sqrt(sigma^2 + x' Cov x): issue 50's construction); **calibrated**, t at n x the "
          "root-mean-square error of the n predictions of the OTHER left-out depths (its width is not taken from "
-         "the depth it is checked on).\n",
+         "the depth it is checked on; those predictions come from fits that include it: three depths cannot "
+         "separate the two further).\n",
          "| left out | unit | M | k | r measured | r predicted | error in ln r | own: half-width (dof), inside | "
          "calibrated: half-width, inside |", "|---|---|---|---|---|---|---|---|---|"]
     for r in lo["rows"]:

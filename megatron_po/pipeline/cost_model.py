@@ -181,6 +181,15 @@ def provenance(cm: dict) -> str:
     return cm.get("provenance", "measured")
 
 
+def pipeline_priced(cm: dict, D: int) -> str:
+    """The pipeline a clock at D stages prices, in words: the model the cost model prices over its
+    `pipeline_stages`, split over D stages instead, each stage pipeline_stages / D of the priced one (its per-op
+    costs scaled so; `stage_costs`), a p2p message the same at any D."""
+    n = cm["pipeline_stages"]
+    each = "the priced stage" if D == n else f"{n}/{D} = {n / D:.4g} of the priced stage"
+    return f"D = {D} stages, each {each} (the cost model's, at {n} stages: {cm['model']})"
+
+
 def format_speedup(x: float | None, bar: float = 1.25) -> str:
     """A speed-up as the studies' reports and the advisor print it: rounded down to 3 decimals, more where needed
     so that a value under the bar never prints at or above it (1.2486 -> 1.248x; 1.25 - 1e-16 -> 1.2499...x);

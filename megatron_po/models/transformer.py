@@ -296,8 +296,10 @@ class MLP(nn.Module):
 
 def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None) -> nn.Module:
     """The MLP of global layer `layer_number`: a mixture of experts where --num-experts and --moe-layer-freq
-    say so (models/moe/), else the dense MLP."""
-    if layer_number is None or not moe_layer_pattern(cfg)[layer_number]:
+    say so (models/moe/), else the dense MLP. The layers numbered after the decoder's are the MTP depths'
+    (models/mtp.py): of the kind of the last layer, as Megatron builds them from the last layer's spec."""
+    pattern = moe_layer_pattern(cfg)
+    if layer_number is None or not pattern[min(layer_number, len(pattern) - 1)]:
         return MLP(cfg, sequence_parallel)
     size = cfg.moe_shared_expert_intermediate_size
     shared = (lambda: MLP(cfg, sequence_parallel, size)) if size else None  # noqa: E731

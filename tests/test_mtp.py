@@ -1,0 +1,113 @@
+"""Multi-token prediction (--mtp-num-layers, models/mtp.py; issue 54 item 2).
+
+- The math: a GPT with 2 MTP depths gives the losses and every gradient of DeepSeek-V3's formulation written
+  here independently of the code's rolls (depth d computed on the sequence cut to its first s - d positions,
+  the embedding of tokens i + d, norms by F.rms_norm, the concatenation [embedding ; hidden], logits by the
+  output weight, cross entropy against labels i + d under mask i + d): LM loss + (0.1 / N) x sum_d L_d,
+  fp32, rtol 1e-5 / atol 1e-6 (the orders of the reductions differ). Also with a `loss_normalizer` (Megatron's
+  per-token form), the unchunked output loss, tied embeddings, MoE depths and full recomputation. Evaluation
+  does not run the depths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_po.config import ModelConfig
+from megatron_po.models.gpt import GPTModel, masked_mean_loss
+from megatron_po.models.moe.aux_losses import aux_loss_scale
+from megatron_po.tensor_parallel import model_parallel_seed
+
+VOCAB, SEED, SEQ, MBS = 64, 11, 12, 3
+
+DENSE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
+                    attention_dropout=0.0, make_vocab_size_divisible_by=8, position_embedding_type="rope",
+                    normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                    untie_embeddings_and_output_weights=True, mtp_num_layers=2)
+
+
+def batch(salt: int = 0) -> dict:
+    g = torch.Generator().manual_seed(salt)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    mask = torch.ones(MBS, SEQ)
+    mask[0, -4:] = 0  # a padded tail, and holes inside
+    mask[1, 3] = mask[2, 7] = 0
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+
+
+def deepseek_mtp_loss(net: GPTModel, b: dict, hidden: torch.Tensor, normalizer=None) -> torch.Tensor:
+    """(scale / N) x sum_d L_d, DeepSeek-V3's way (module docstring): `hidden` [s, b, h] are the main model's
+    final-normed states. With `normalizer` each depth's masked sum is weighted by the micro-batch's loss tokens over
+    its own and divided by it (Megatron's --calculate-per-token-loss form)."""
+    cfg, tokens, labels, mask = net.cfg, b["tokens"], b["labels"], b["loss_mask"]
+    embedding = net.embedding.word_embeddings.weight
+    out_w = net.output_layer.weight
+    total, depth_losses = 0.0, []
+    h = hidden
+    for d, depth in enumerate(net.mtp.layers, start=1):
+        n = SEQ - d  # the positions whose token i + d exists
+        emb = F.embedding(tokens[:, d:], embedding).transpose(0, 1)  # [n, b, h]
+        rms = lambda x, w: F.rms_norm(x, (cfg.hidden_size,), w, cfg.norm_epsilon)  # noqa: E731
+        x = torch.cat([rms(emb, depth.enorm.weight), rms(h[:n], depth.hnorm.weight)], dim=-1) @ depth.eh_proj.weight.t()
+        x = depth.transformer_layer(x, net.rotary(n, x.device))
+        h = rms(x, depth.final_norm.weight)
+        ce = F.cross_entropy((h @ out_w.t()).transpose(0, 1).reshape(-1, out_w.shape[0]),
+                             labels[:, d:].reshape(-1), reduction="none").view(MBS, n)
+        m = mask[:, d:]
+        summed = (ce * m).sum()
+        depth_losses.append(summed.detach() / m.sum())
+        total = total + (summed / m.sum() if normalizer is None else summed * (mask.sum() / m.sum()) / normalizer)
+    return total * 0.1 / len(net.mtp.layers), torch.stack(depth_losses)
+
+
+CASES = {
+    "dense": {},
+    "per-token-normalizer": {},
+    "unchunked-tied": {"chunked_output_loss": False, "untie_embeddings_and_output_weights": False},
+    "moe-recompute": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+                      "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mtp_equals_deepseek_v3_formulation(case):
+    torch.set_num_threads(1)
+    model_parallel_seed(SEED)
+    cfg = dataclasses.replace(DENSE, **CASES[case])
+    net = GPTModel(cfg, VOCAB, SEED)
+    b = batch()
+    normalizer = torch.tensor(7.5) if case == "per-token-normalizer" else None
+
+    def lm_loss(per_token):
+        if normalizer is None:
+            return masked_mean_loss(per_token, b["loss_mask"])
+        return (per_token * b["loss_mask"]).sum() / normalizer
+
+    # The code's run, as the executor drives it: the micro-batch dict, the mean (or normalized sum) of the
+    # per-token losses, the auxiliary losses' gradient 1.
+    lm = lm_loss(net({**b, "loss_normalizer": normalizer} if normalizer is not None else b))
+    with aux_loss_scale(1.0):
+        lm.backward()
+    got = {n: p.grad.clone() for n, p in net.named_parameters()}
+    depth_sums, forwards = net.mtp.record.take(2)
+    # The reference on the same parameters: the main model in evaluation mode (no depths run; no dropout here)
+    # gives the LM loss and the final-normed states, then DeepSeek-V3's depths by hand
+    net.zero_grad()
+    net.eval()
+    seen = {}
+    net.final_norm.register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
+    lm_ref = lm_loss(net(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"]))
+    assert net.mtp.record.take(2)[1] == 0  # evaluation runs no depth
+    mtp, depth_losses = deepseek_mtp_loss(net, b, seen["h"], normalizer)
+    (lm_ref + mtp).backward()
+    assert torch.equal(lm.detach(), lm_ref.detach())  # the LM loss alone: the MTP loss is attached, not added
+    assert forwards == 1
+    torch.testing.assert_close(depth_sums.float(), depth_losses, rtol=1e-5, atol=1e-6)
+    assert set(got) == {n for n, _ in net.named_parameters()}
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["mtp.layers.1.eh_proj.weight"].abs().sum() > 0

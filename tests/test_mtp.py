@@ -111,3 +111,60 @@ def test_mtp_equals_deepseek_v3_formulation(case):
     for name, p in net.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert got["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parallel layouts equal the one-process run
+# --------------------------------------------------------------------------------------------------
+
+MTP_DENSE = {"num_experts": None, "mtp_num_layers": 2, "position_embedding_type": "rope"}
+MTP_MOE = {"mtp_num_layers": 1, "position_embedding_type": "rope"}  # the harness's MoE GPT: its depth an MoE layer
+
+LAYOUTS = [
+    # id, world, tp, pp, model, (ep, etp, method, chunks, sequence parallel)
+    ("tp2-sp", 2, 2, 1, MTP_DENSE, (1, None, "1f1b", 1, True)),
+    ("dp2", 2, 1, 1, MTP_DENSE, (1, None, "1f1b", 1, False)),
+    ("pp2-1f1b-tied", 2, 1, 2, {**MTP_DENSE, "untie_embeddings_and_output_weights": False},
+     (1, None, "1f1b", 1, False)),
+    ("pp2-interleaved", 2, 1, 2, MTP_DENSE, (1, None, "1f1b", 2, False)),
+    ("pp2-zb-v", 2, 1, 2, MTP_DENSE, (1, None, "zb-v", 2, False)),
+    ("pp2xtp2xep2-moe", 4, 2, 2, MTP_MOE, (2, 1, "1f1b", 1, True)),
+]
+
+
+def mtp_distributed_run(model, *layout):
+    """moe_harness.distributed_run's results, and the MTP losses of the loss stage (None elsewhere)."""
+    from moe_harness import distributed_train, full_grad, grad_norms, make_cfg, params_norm
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
+    from megatron_po.models.moe.layer import take_records
+    from megatron_po.models.mtp import mtp_metrics
+    loss, chunks, ddp = distributed_train(model, *layout)
+    grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
+    return ((loss.item() if loss is not None else None), grads, take_records(chunks),
+            grad_norms(ddp.params) + (params_norm(ddp.params),), mtp_metrics(make_cfg(**model), chunks) or None)
+
+
+@pytest.mark.parametrize("name,world,tp,pp,model,layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, model, layout):
+    """TP 2 with sequence parallelism (eh_proj split over TP, gathered, split over the sequence again), DP 2,
+    PP 2 under 1F1B with tied embeddings (the depths read the output layer's copy of the embedding), interleaved
+    1F1B (the MTP block's own copy tied to the first stage's over the embedding group) and ZB-V (the last virtual
+    stage on rank 0 beside the embedding: the copies summed there), and PP 2 x TP 2 x EP 2 with an MoE depth:
+    the LM loss, every gradient (the embedding's with the depths' share), the gradient norm, the routers' records
+    (the depth's MoE layer numbered after the decoder's) and the MTP losses equal the one-process run's (fp32,
+    rtol 1e-5 / atol 1e-6, moe_harness.check_equal)."""
+    from dist_harness import run_distributed
+    from moe_harness import M, check_equal, make_cfg, reference_model, reference_results
+    from megatron_po.models.mtp import mtp_metrics
+    dp = world // (tp * pp)
+    net, loss = reference_model(M * dp, **model)
+    ref, ref_mtp = reference_results(net, loss), mtp_metrics(make_cfg(**model), [net])
+    assert ref_mtp["mtp_loss"] > 0
+    results = run_distributed(mtp_distributed_run, world, tp=tp, pp=pp, args=(model, *layout), timeout=300)
+    check_equal([r[:4] for r in results], ref)
+    mtps = [r[4] for r in results if r[4] is not None]
+    assert len(mtps) == tp * dp  # every rank of the loss stage
+    for mtp in mtps:
+        assert mtp.keys() == ref_mtp.keys()
+        for k in mtp:
+            assert abs(mtp[k] - ref_mtp[k]) < 1e-5 * ref_mtp[k], (k, mtp[k], ref_mtp[k])

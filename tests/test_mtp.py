@@ -168,3 +168,78 @@ def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, model, layo
         assert mtp.keys() == ref_mtp.keys()
         for k in mtp:
             assert abs(mtp[k] - ref_mtp[k]) < 1e-5 * ref_mtp[k], (k, mtp[k], ref_mtp[k])
+
+
+# --------------------------------------------------------------------------------------------------
+# Asynchronous methods
+# --------------------------------------------------------------------------------------------------
+
+ASYNC_MTP = {"mtp_num_layers": 1, "position_embedding_type": "rope"}  # test_moe_async's MoE GPT: an MoE depth
+
+FORMULA_CASES = [
+    # method, optimizer, D, v, k, segments, options
+    ("pipeoptim", "sgd", 2, 1, 1, (6, 6), {"s_offset": 1}),  # s = 1 on the last stage: the MTP block predicted
+    ("pipedream", "adam", 2, 2, 1, (4, 6), {}),
+]
+
+
+@pytest.mark.parametrize("method,optimizer,D,v,k,segments,options", FORMULA_CASES,
+                         ids=[f"{c[0]}-D{c[2]}v{c[3]}" for c in FORMULA_CASES])
+def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, D, v, k, segments, options,
+                                                          monkeypatch):
+    """The MTP block is one more part of the last stage: tests/test_async_policies.py's recorder and independent
+    replay check that every forward of the last virtual stage ran on the method's weights (PipeOptim: the MTP
+    depths and the block's own embedding predicted W - s·lr·ΔW with the rest), every micro-batch's gradient (the
+    MTP loss's included, through the replay's run of the chunk) and every step (fp32, rtol 1e-4 / atol 1e-5)."""
+    import types
+
+    import test_async_policies
+    from test_async_policies import get_batch, record, replay
+    from test_moe_async import deepcopy_keeping_marks, moe_emulator
+    emu = moe_emulator(method, optimizer, D, v, k, ASYNC_MTP, 0.01, **options)
+    last = emu.stages[D - 1].chunks[v - 1]
+    assert last.mtp is not None and last.mtp.embedding is not None
+    assert not any(getattr(p, "shared_embedding", False) for c in emu.chunks for p in c.parameters())  # stage-local
+    monkeypatch.setattr(test_async_policies, "copy", types.SimpleNamespace(deepcopy=deepcopy_keeping_marks))
+    recorders, initial = record(emu)
+    for m in segments:
+        emu.train_segment(get_batch, m)
+    predicted = {}
+    with aux_loss_scale(1.0 / k):
+        for r in range(D):
+            for c in range(v):
+                predicted[(r, c)] = replay(method, optimizer, 0.01, r, c, recorders[r].events[c], initial[(r, c)],
+                                           None, options.get("s_offset", 0))
+    if method == "pipeoptim":
+        assert predicted[(D - 1, v - 1)] > 0  # the last stage's forwards (MTP block included) ran on predictions
+    weights = emu.full_state_dict()
+    # The block's embedding started equal to the first stage's and trained on its own (the MTP loss only)
+    assert not torch.equal(weights["mtp.embedding.word_embeddings.weight"], weights["embedding.word_embeddings.weight"])
+    assert torch.equal(initial[(D - 1, v - 1)].mtp.embedding.word_embeddings.weight,
+                       initial[(0, 0)].embedding.word_embeddings.weight)
+
+
+BITWISE_CASES = [
+    # method, optimizer, D, v, k, segments, options
+    ("pipeoptim", "adam", 2, 1, 1, (4, 4), {"s_offset": 1}),
+    ("pipedream", "adam", 2, 2, 1, (4, 6), {}),
+    ("pipedream-2bw", "adam", 2, 1, 2, (4, 4), {}),
+]
+
+
+@pytest.mark.parametrize("method,optimizer,D,v,k,segments,options", BITWISE_CASES,
+                         ids=[f"{c[0]}-D{c[2]}v{c[3]}k{c[4]}" for c in BITWISE_CASES])
+def test_async_distributed_equals_emulator_bitwise_with_mtp(method, optimizer, D, v, k, segments, options):
+    """The emulator and the distributed run (one process per stage) train the MTP GPT bit for bit alike: every
+    micro-batch's LM loss and every weight at the end, the MTP depths and the last stage's own embedding included."""
+    from dist_harness import run_distributed
+    from test_moe_async import train_distributed, train_emulator
+    args = (method, optimizer, D, v, k, segments, ASYNC_MTP, options)
+    emu_losses, emu_weights, _ = run_distributed(train_emulator, 1, args=args)[0]
+    results = run_distributed(train_distributed, D, pp=D, args=(method, optimizer, v, k, segments, ASYNC_MTP, options),
+                              timeout=240)
+    assert results[D - 1][0] == emu_losses
+    weights = {name: w for r in results for name, w in r[1].items()}
+    assert weights.keys() == emu_weights.keys() and "mtp.layers.0.eh_proj.weight" in weights
+    for name in weights:
+        assert torch.equal(weights[name], emu_weights[name]), name

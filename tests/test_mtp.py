@@ -243,3 +243,39 @@ def test_async_distributed_equals_emulator_bitwise_with_mtp(method, optimizer, D
     assert weights.keys() == emu_weights.keys() and "mtp.layers.0.eh_proj.weight" in weights
     for name in weights:
         assert torch.equal(weights[name], emu_weights[name]), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Training runs: the logs, checkpoints
+# --------------------------------------------------------------------------------------------------
+
+RUN = {"--num-layers": 2, "--position-embedding-type": "rope", "--mtp-num-layers": 2, "--global-batch-size": 4,
+       "--train-iters": 6, "--save-interval": 3, "--pipeline-model-parallel-size": 2}
+RESUME = {
+    "pp2-1f1b": {},  # the MTP block's embedding copy tied to the first stage's (not saved: it equals the embedding)
+    "pp2-pipeoptim": {"--pipeline-method": "pipeoptim", "--untie-embeddings-and-output-weights": True},  # its own
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME))
+def test_mtp_logged_apart_and_resumed_bit_exact(case, tmp_path):
+    """pretrain_gpt.py's loop on 2 ranks (PP 2; 1F1B, PipeOptim): every logged iteration's record holds the LM loss
+    and, apart, the MTP losses (the mean over the depths and each depth's; tests/test_tensorboard.py reads them in
+    TensorBoard, W&B and the console); 6 iterations (saving every 3) equal, bit for bit, loading iteration 3 and running 3 more, the MTP losses too. The
+    checkpoint holds the depths under their global names; under PipeOptim also the last stage's own embedding (an
+    asynchronous stage trains its copy apart), under 1F1B not (the tied copy is the first stage's embedding)."""
+    from test_checkpoint import losses, read_all, train
+    flags = {**RUN, **RESUME[case]}
+    ckpt = str(tmp_path / "ckpt")
+    straight = train(str(tmp_path / "straight"), 2, **flags, **{"--save": ckpt})
+    resumed = train(str(tmp_path / "resumed"), 2, **flags, **{"--load": ckpt, "--ckpt-step": 3,
+                                                             "--save": str(tmp_path / "ckpt2")})
+    assert len(losses(straight)) == 6 and losses(resumed) == losses(straight)[3:]  # bit for bit
+    mtp = [[r[k] for k in ("mtp_loss", "mtp_loss/depth1", "mtp_loss/depth2")] for r in straight if "lm_loss" in r]
+    assert len(mtp) == 6 and all(abs(m[0] - (m[1] + m[2]) / 2) < 1e-6 for m in mtp)
+    assert all(m[0] != lm for m, lm in zip(mtp, losses(straight)))  # another number than the LM loss
+    assert [[r["mtp_loss"]] for r in resumed if "lm_loss" in r] == [[m[0]] for m in mtp[3:]]
+    saved = read_all(ckpt, 3)
+    assert saved["model.mtp.layers.1.eh_proj.weight"].shape == (32, 64)
+    assert "optimizer.mtp.layers.0.transformer_layer.attention.qkv.weight.exp_avg" in saved
+    assert ("model.mtp.embedding.word_embeddings.weight" in saved) == (case == "pp2-pipeoptim")

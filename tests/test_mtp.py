@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -304,3 +305,28 @@ def test_mtp_checkpoint_reshards_from_pp2_to_tp2(tmp_path):
     got = losses(train(out("tp2"), 2, **tp2, **{"--load": out("ck_ref"), "--ckpt-step": 2, "--save": out("ck_tp2")}))
     assert len(got) == 1 and abs(got[0] - ref[2]) <= 1e-5, (got, ref)
     assert_close(model_weights(out("ck_tp2"), 3), model_weights(out("ck_ref"), 3), 5e-6)
+
+
+def test_mtp_cost_benchmark_quick(tmp_path):
+    """bench/step/mtp_cost.py --quick: the FLOPs ratios it reports are flops.py's for 1 and 2 depths (exact: the
+    arithmetic side of the comparison); its timings are printed, never asserted."""
+    import json
+    import subprocess
+    import sys
+
+    from megatron_po.flops import gpt_flops_per_token
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "mtp_cost.md"
+    proc = subprocess.run([sys.executable, "bench/step/mtp_cost.py", "--quick", "--out", str(out)], cwd=root,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    sys.path.insert(0, os.path.join(root, "bench", "step"))
+    from mtp_cost import config
+    size = data["sizes"]
+    base = gpt_flops_per_token(config(size, 0), size["vocab"])
+    for depths in ("1", "2"):
+        want = gpt_flops_per_token(config(size, int(depths)), size["vocab"]) / base
+        assert data["figures"][depths]["flops_ratio"] == want and want > 1
+        assert data["figures"][depths]["cpu_ms"] > 0
+    assert "| MTP depths |" in out.read_text() and data["command"].startswith("Command: `python bench/step/mtp_cost.py")

@@ -5,8 +5,14 @@
   the embedding of tokens i + d, norms by F.rms_norm, the concatenation [embedding ; hidden], logits by the
   output weight, cross entropy against labels i + d under mask i + d): LM loss + (0.1 / N) x sum_d L_d,
   fp32, rtol 1e-5 / atol 1e-6 (the orders of the reductions differ). Also with a `loss_normalizer` (Megatron's
-  per-token form), the unchunked output loss, tied embeddings, MoE depths and full recomputation. Evaluation
-  does not run the depths.
+  per-token form), the unchunked output loss with tied embeddings, MoE depths with full recomputation.
+  Evaluation does not run the depths; the LM loss returned is the LM loss alone.
+- Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, PP 2 under
+  1F1B (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 with an MoE depth; the MTP losses too.
+- Asynchronous methods: the recorder's replay (PipeOptim predicting the MTP block, PipeDream interleaved), and
+  the emulator equal to the distributed run bit for bit (PipeOptim, PipeDream interleaved, 2BW).
+- Training runs (pretrain_gpt.py on forked ranks): the MTP losses logged apart, resume bit for bit (1F1B,
+  PipeOptim), a PP 2 checkpoint resharded to TP 2; the cost benchmark's quick mode.
 """
 
 from __future__ import annotations

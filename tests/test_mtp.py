@@ -358,3 +358,14 @@ def test_mtp_cost_benchmark_quick(tmp_path):
         assert data["figures"][depths]["flops_ratio"] == want and want > 1
         assert data["figures"][depths]["cpu_ms"] > 0
     assert "| MTP depths |" in out.read_text() and data["command"].startswith("Command: `python bench/step/mtp_cost.py")
+
+
+def test_transformer_engine_names_of_a_depths_layer_map_to_local_names():
+    """Checkpoints store the local layers' names under either --transformer-impl (models/te_layout.py): an MTP
+    depth's layer too, below its `transformer_layer.`."""
+    from megatron_po.models.te_layout import local_name, te_name
+    for local, te in [("mtp.layers.1.transformer_layer.attention.proj.weight",
+                       "mtp.layers.1.transformer_layer.self_attention.proj.weight"),
+                      ("layers.3.mlp.fc2.weight", "layers.3.layernorm_mlp.fc2.weight")]:
+        assert local_name(te) == local and te_name(local, swiglu=True) == te
+    assert local_name("mtp.layers.0.eh_proj.weight") == "mtp.layers.0.eh_proj.weight"

@@ -369,3 +369,19 @@ def test_transformer_engine_names_of_a_depths_layer_map_to_local_names():
                       ("layers.3.mlp.fc2.weight", "layers.3.layernorm_mlp.fc2.weight")]:
         assert local_name(te) == local and te_name(local, swiglu=True) == te
     assert local_name("mtp.layers.0.eh_proj.weight") == "mtp.layers.0.eh_proj.weight"
+
+
+def test_decoupled_lr_steps_the_mtp_embedding_copy_as_the_embedding():
+    """--decoupled-lr: the last stage's MTP copy of the word embedding is in the decoupled groups, as the first
+    stage's embedding is (Megatron marks it is_embedding_or_output_parameter): tied copies step alike."""
+    from megatron_po.optim import param_groups
+    from megatron_po.training_setup import split_decoupled
+    model_parallel_seed(SEED)
+    last = GPTModel(DENSE, VOCAB, SEED, pre_process=False, layer_offset=1, num_layers=1)
+    first = GPTModel(DENSE, VOCAB, SEED, post_process=False, num_layers=1)
+    copy = last.mtp.embedding.word_embeddings.weight
+    assert copy.shared_embedding and copy.embedding_copy and first.embedding.word_embeddings.weight.shared_embedding
+    for chunk, weights in ((last, {id(copy), id(last.output_layer.weight)}),
+                           (first, {id(first.embedding.word_embeddings.weight)})):
+        groups = split_decoupled(param_groups([chunk], 0.1), [chunk])
+        assert {id(p) for g in groups if g.get("decoupled") for p in g["params"]} == weights

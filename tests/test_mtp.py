@@ -5,7 +5,8 @@
   the embedding of tokens i + d, norms by F.rms_norm, the concatenation [embedding ; hidden], logits by the
   output weight, cross entropy against labels i + d under mask i + d): LM loss + (0.1 / N) x sum_d L_d,
   fp32, rtol 1e-5 / atol 1e-6 (the orders of the reductions differ). Also with a `loss_normalizer` (Megatron's
-  per-token form), the unchunked output loss with tied embeddings, MoE depths with full recomputation.
+  per-token form), the unchunked output loss with tied embeddings, MoE depths with full recomputation, document
+  masks and positions (--reset-attention-mask / --reset-position-ids: the depths take the main model's).
   Evaluation does not run the depths; the LM loss returned is the LM loss alone.
 - Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, PP 2 under
   ZB-H1 (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 (1F1B) with an MoE depth; the MTP losses too.
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_po.config import ModelConfig
+from megatron_po.data.document_masks import add_document_inputs, document_causal_mask
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.moe.aux_losses import aux_loss_scale
 from megatron_po.tensor_parallel import model_parallel_seed
@@ -62,7 +64,9 @@ def deepseek_mtp_loss(net: GPTModel, b: dict, hidden: torch.Tensor, normalizer=N
         emb = F.embedding(tokens[:, d:], embedding).transpose(0, 1)  # [n, b, h]
         rms = lambda x, w: F.rms_norm(x, (cfg.hidden_size,), w, cfg.norm_epsilon)  # noqa: E731
         x = torch.cat([rms(emb, depth.enorm.weight), rms(h[:n], depth.hnorm.weight)], dim=-1) @ depth.eh_proj.weight.t()
-        x = depth.transformer_layer(x, net.rotary(n, x.device))
+        positions = b["position_ids"][:, :n] if "position_ids" in b else None  # the main model's, not rolled
+        extra = (document_causal_mask(b["document_ids"])[..., :n, :n],) if "document_ids" in b else ()
+        x = depth.transformer_layer(x, net.rotary(n, x.device, positions), *extra)
         h = rms(x, depth.final_norm.weight)
         ce = F.cross_entropy((h @ out_w.t()).transpose(0, 1).reshape(-1, out_w.shape[0]),
                              labels[:, d:].reshape(-1), reduction="none").view(MBS, n)
@@ -79,7 +83,9 @@ CASES = {
     "unchunked-tied": {"chunked_output_loss": False, "untie_embeddings_and_output_weights": False},
     "moe-recompute": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
                       "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "documents": {},  # --reset-position-ids --reset-attention-mask: the depths see the main model's documents
 }
+EOD = 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -89,6 +95,9 @@ def test_mtp_equals_deepseek_v3_formulation(case):
     cfg = dataclasses.replace(DENSE, **CASES[case])
     net = GPTModel(cfg, VOCAB, SEED)
     b = batch()
+    if case == "documents":
+        b["tokens"][:, 4] = b["tokens"][1, 9] = EOD
+        add_document_inputs(b, EOD, reset_position_ids=True, reset_attention_mask=True)
     normalizer = torch.tensor(7.5) if case == "per-token-normalizer" else None
 
     def lm_loss(per_token):
@@ -109,7 +118,7 @@ def test_mtp_equals_deepseek_v3_formulation(case):
     net.eval()
     seen = {}
     net.final_norm.register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
-    lm_ref = lm_loss(net(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"]))
+    lm_ref = lm_loss(net(b))
     assert net.mtp.record.take(2)[1] == 0  # evaluation runs no depth
     mtp, depth_losses = deepseek_mtp_loss(net, b, seen["h"], normalizer)
     (lm_ref + mtp).backward()

@@ -275,6 +275,9 @@ RUN = {"--num-layers": 2, "--position-embedding-type": "rope", "--normalization"
 RESUME = {
     "pp2-1f1b": (2, {}),  # the MTP block's embedding copy tied to the first stage's (not saved: it equals the embedding)
     "pp2-pipeoptim": (2, {"--pipeline-method": "pipeoptim", "--untie-embeddings-and-output-weights": True}),  # its own
+    # ZB-V: the last virtual stage on rank 0 beside the embedding; its copy loaded from the embedding's entry there
+    "pp2-zb-v": (2, {"--pipeline-method": "zb-v", "--num-layers": 4, "--num-layers-per-virtual-pipeline-stage": 1,
+                     "--untie-embeddings-and-output-weights": True}),
     # ZeRO-1 and Muon at PP 2 x DP 2: the tied copy in a bucket of its own, the depths' matrices on Muon
     "pp2-dp2-distributed-optimizer-muon": (4, {"--untie-embeddings-and-output-weights": True,
                                                "--use-distributed-optimizer": True, "--optimizer": "muon"}),
@@ -283,7 +286,7 @@ RESUME = {
 
 @pytest.mark.parametrize("case", list(RESUME))
 def test_mtp_logged_apart_and_resumed_bit_exact(case, tmp_path):
-    """pretrain_gpt.py's loop at PP 2 (1F1B, PipeOptim, and 1F1B with the distributed optimizer and Muon at DP 2): every logged iteration's record holds the LM loss
+    """pretrain_gpt.py's loop at PP 2 (1F1B, PipeOptim, ZB-V, and 1F1B with the distributed optimizer and Muon at DP 2): every logged iteration's record holds the LM loss
     and, apart, the MTP losses (the mean over the depths and each depth's; tests/test_tensorboard.py reads them in
     TensorBoard, W&B and the console); 6 iterations (saving every 3) equal, bit for bit, loading iteration 3 and running 3 more, the MTP losses too. The
     checkpoint holds the depths under their global names; under PipeOptim also the last stage's own embedding (an

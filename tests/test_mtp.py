@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,9 @@ from megatron_po.data.document_masks import add_document_inputs, document_causal
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.moe.aux_losses import aux_loss_scale
 from megatron_po.tensor_parallel import model_parallel_seed
+
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", d)
+                for d in ("step", "")]  # bench/step/mtp_cost.py and bench_common, for the benchmark's test
 
 VOCAB, SEED, SEQ, MBS = 64, 11, 12, 3
 
@@ -347,29 +351,27 @@ def test_mtp_checkpoint_reshards_from_pp2_to_tp2(tmp_path):
     assert_close(model_weights(out("ck_tp2"), 3), model_weights(out("ck_ref"), 3), 5e-6)
 
 
-def test_mtp_cost_benchmark_quick(tmp_path):
-    """bench/step/mtp_cost.py --quick: the FLOPs ratios it reports are flops.py's for 1 and 2 depths (exact: the
-    arithmetic side of the comparison); its timings are printed, never asserted."""
-    import json
-    import subprocess
-    import sys
+def _quick_cost():
+    """bench/step/mtp_cost.py's report at its quick sizes, on this (forked) rank: (figures, the lines it wrote)."""
+    from bench_common import Lines
+    from mtp_cost import SIZES, report
+    out = Lines()
+    return report("quick", out), out.lines, SIZES["quick"]
+
+
+def test_mtp_cost_benchmark_quick():
+    """bench/step/mtp_cost.py at its quick sizes: the FLOPs ratios it reports are flops.py's for 1 and 2 depths
+    (exact: the arithmetic side of the comparison); its timings are printed, never asserted."""
+    from dist_harness import run_distributed
+    from mtp_cost import config
 
     from megatron_po.flops import gpt_flops_per_token
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "mtp_cost.md"
-    proc = subprocess.run([sys.executable, "bench/step/mtp_cost.py", "--quick", "--out", str(out)], cwd=root,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads(out.with_suffix(".json").read_text())
-    sys.path.insert(0, os.path.join(root, "bench", "step"))
-    from mtp_cost import config
-    size = data["sizes"]
+    figures, lines, size = run_distributed(_quick_cost, 1, timeout=300)[0]
     base = gpt_flops_per_token(config(size, 0), size["vocab"])
-    for depths in ("1", "2"):
-        want = gpt_flops_per_token(config(size, int(depths)), size["vocab"]) / base
-        assert data["figures"][depths]["flops_ratio"] == want and want > 1
-        assert data["figures"][depths]["cpu_ms"] > 0
-    assert "| MTP depths |" in out.read_text() and data["command"].startswith("Command: `python bench/step/mtp_cost.py")
+    for depths in (1, 2):
+        want = gpt_flops_per_token(config(size, depths), size["vocab"]) / base
+        assert figures[depths]["flops_ratio"] == want and want > 1 and figures[depths]["cpu_ms"] > 0
+    assert any(line.startswith("| MTP depths |") for line in lines)
 
 
 def test_transformer_engine_names_of_a_depths_layer_map_to_local_names():

@@ -453,7 +453,6 @@ RULES = [
      ["--mtp-loss-scaling-factor must be >= 0 (got -0.5)"]),
     ("mtp-position-embedding", 1, MOCK + ["--mtp-num-layers", "1"],
      ["--mtp-num-layers needs --position-embedding-type rope or none (got learned_absolute)"]),
-    ("mtp-context-parallel", 2, CP2 + MTP, ["--mtp-num-layers with --context-parallel-size 2", "use --context-parallel-size 1"]),
 ]
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
@@ -554,6 +553,7 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     validate(parse_args(MOCK), 1)
     validate(parse_args(MOCK + MTP + ["--mtp-loss-scaling-factor", "0.3"]), 1)
     validate(parse_args(CP2), 2)
+    validate(parse_args(CP2 + MTP), 2)
     validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)

@@ -8,8 +8,9 @@
   per-token form), the unchunked output loss with tied embeddings, MoE depths with full recomputation, document
   masks and positions (--reset-attention-mask / --reset-position-ids: the depths take the main model's).
   Evaluation does not run the depths; the LM loss returned is the LM loss alone.
-- Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, PP 2 under
-  ZB-H1 (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 (1F1B) with an MoE depth; the MTP losses too.
+- Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, CP 2, PP 2
+  under ZB-H1 (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 (1F1B) with an MoE depth;
+  the MTP losses too.
 - Asynchronous methods: the recorder's replay (PipeOptim predicting the MTP block, PipeDream interleaved), and
   the emulator equal to the distributed run bit for bit (PipeOptim, PipeDream interleaved, 2BW, SpecTrain,
   PipeNAG).
@@ -143,14 +144,16 @@ MTP_DENSE = {"num_experts": None, "mtp_num_layers": 2, "position_embedding_type"
 MTP_MOE = {"mtp_num_layers": 1, "position_embedding_type": "rope"}  # the harness's MoE GPT: its depth an MoE layer
 
 LAYOUTS = [
-    # id, world, tp, pp, model, (ep, etp, method, chunks, sequence parallel)
-    ("tp2-sp", 2, 2, 1, MTP_DENSE, (1, None, "1f1b", 1, True)),
-    ("dp2", 2, 1, 1, MTP_DENSE, (1, None, "1f1b", 1, False)),
-    ("pp2-zb-h1-tied", 2, 1, 2, {**MTP_DENSE, "untie_embeddings_and_output_weights": False},
+    # id, world, tp, pp, cp, model, (ep, etp, method, chunks, sequence parallel)
+    ("tp2-sp", 2, 2, 1, 1, MTP_DENSE, (1, None, "1f1b", 1, True)),
+    ("dp2", 2, 1, 1, 1, MTP_DENSE, (1, None, "1f1b", 1, False)),
+    ("cp2", 2, 1, 1, 2, MTP_DENSE, (1, None, "1f1b", 1, False)),
+    ("pp2-zb-h1-tied", 2, 1, 2, 1, {**MTP_DENSE, "untie_embeddings_and_output_weights": False},
      (1, None, "zb-h1", 1, False)),
-    ("pp2-interleaved", 2, 1, 2, MTP_DENSE, (1, None, "1f1b", 2, False)),
-    ("pp2-zb-v", 2, 1, 2, MTP_DENSE, (1, None, "zb-v", 2, False)),
-    ("pp2xtp2xep2-moe", 4, 2, 2, MTP_MOE, (2, 1, "1f1b", 1, True)),
+    ("pp2-interleaved", 2, 1, 2, 1, MTP_DENSE, (1, None, "1f1b", 2, False)),
+    ("pp2-zb-v", 2, 1, 2, 1, MTP_DENSE, (1, None, "zb-v", 2, False)),
+    ("pp2xtp2xep2-moe", 4, 2, 2, 1, MTP_MOE, (2, 1, "1f1b", 1, True)),
+    ("pp2xcp2xep2-moe", 4, 1, 2, 2, MTP_MOE, (2, None, "1f1b", 1, False)),
 ]
 
 
@@ -166,26 +169,28 @@ def mtp_distributed_run(model, *layout):
             grad_norms(ddp.params) + (params_norm(ddp.params),), mtp_metrics(make_cfg(**model), chunks) or None)
 
 
-@pytest.mark.parametrize("name,world,tp,pp,model,layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, model, layout):
+@pytest.mark.parametrize("name,world,tp,pp,cp,model,layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, cp, model, layout):
     """TP 2 with sequence parallelism (eh_proj split over TP, gathered, split over the sequence again), DP 2,
     PP 2 under ZB-H1 with tied embeddings (the depths read the output layer's copy of the embedding), interleaved
     1F1B (the MTP block's own copy tied to the first stage's over the embedding group) and ZB-V (the last virtual
-    stage on rank 0 beside the embedding: the copies summed there), and PP 2 x TP 2 x EP 2 with an MoE depth (1F1B):
+    stage on rank 0 beside the embedding: the copies summed there), CP 2 (the tokens, labels and mask rolled over
+    the whole sequences, each rank keeping its chunks; the depths' attention split over CP as the main layers'), and
+    PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 with an MoE depth (1F1B):
     the LM loss, every gradient (the embedding's with the depths' share), the gradient norm, the routers' records
     (the depth's MoE layer numbered after the decoder's) and the MTP losses equal the one-process run's (fp32,
     rtol 1e-5 / atol 1e-6, moe_harness.check_equal)."""
     from dist_harness import run_distributed
     from moe_harness import M, check_equal, make_cfg, reference_model, reference_results
     from megatron_po.models.mtp import mtp_metrics
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     net, loss = reference_model(M * dp, **model)
     ref, ref_mtp = reference_results(net, loss), mtp_metrics(make_cfg(**model), [net])
     assert ref_mtp["mtp_loss"] > 0
-    results = run_distributed(mtp_distributed_run, world, tp=tp, pp=pp, args=(model, *layout), timeout=300)
+    results = run_distributed(mtp_distributed_run, world, tp=tp, pp=pp, cp=cp, args=(model, *layout), timeout=300)
     check_equal([r[:4] for r in results], ref)
     mtps = [r[4] for r in results if r[4] is not None]
-    assert len(mtps) == tp * dp  # every rank of the loss stage
+    assert len(mtps) == tp * dp * cp  # every rank of the loss stage
     for mtp in mtps:
         assert mtp.keys() == ref_mtp.keys()
         for k in mtp:

@@ -20,8 +20,13 @@ the backward as the MoE auxiliary losses do (moe/aux_losses.py): attached to the
 identity whose backward gives it the gradient the LM loss gets (1/M, times the fp16 loss scale: the executor's
 `aux_loss_scale`), so no stage sends a loss anywhere and no schedule changes. Where the LM loss is divided by a
 `loss_normalizer` instead of its micro-batch's own tokens (--calculate-per-token-loss: a sum over the global
-batch's tokens), each depth's sum is rescaled by the micro-batch's loss tokens over its own before that division,
-as Megatron does, so the MTP term keeps its weight.
+batch's tokens; context parallelism: the whole micro-batch's tokens / CP), each depth's sum is rescaled by the
+micro-batch's loss tokens over its own before that division, as Megatron does, so the MTP term keeps its weight.
+
+Context parallelism: each CP rank holds 2 of the sequence's 2 x CP chunks (data/context_split.py), so a roll
+crosses the ranks. The tokens, labels and loss mask (small integer and float [b, s / CP] tensors, no gradient) are
+gathered into the whole sequences once per micro-batch, rolled there, and each rank keeps its share; the token
+counts are the whole micro-batch's (Megatron exchanges the chunks' boundary elements instead: the same values).
 
 Positions: MTP takes RoPE or no position embedding (--position-embedding-type rope or none, Megatron's rule):
 the depths use the main model's rotary (not rolled, as Megatron). Only training forwards run the depths:
@@ -50,6 +55,7 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, ModelConfig, mtp_loss_scale, recompute_granularity
 from megatron_po.config_check import Rule, at_least
+from megatron_po.data.context_split import this_rank_share, whole_sequences
 from megatron_po.models.moe.aux_losses import attach
 from megatron_po.models.recompute import maybe_recompute, recompute_state
 from megatron_po.models.transformer import build_norm, init_normal
@@ -128,16 +134,19 @@ class MultiTokenPrediction(nn.Module):
         `output_loss` the output layer's per-token loss (GPTModel.output_loss); `loss_normalizer`: what the caller
         divides the summed LM losses by, where not the micro-batch's own loss tokens."""
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
-        micro_batch_tokens = mask.sum()
+        # Rolled over the whole sequences (context parallelism: gathered from the CP ranks, each keeping its share)
+        whole = [whole_sequences(t) for t in (tokens, labels, mask)]
+        micro_batch_tokens, cp = whole[2].sum(), ps.get_context_parallel_world_size()
         total, per_depth = 0.0, []
         for depth in self.layers:
-            tokens, labels, mask = roll_left(tokens), roll_left(labels), roll_left(mask)
+            whole = [roll_left(t) for t in whole]
+            tokens, labels, mask = (this_rank_share(t) for t in whole)
             hidden = maybe_recompute(self.recompute, depth, hidden, embedding(tokens), rotary, *extra,
                                      params=list(depth.parameters()),
                                      state=recompute_state([depth]) if self.recompute else ())
-            summed = (output_loss(hidden, labels, loss_mask=mask) * mask).sum()
-            tokens_d = mask.sum().clamp(min=1.0)
-            per_depth.append(summed.detach() / tokens_d)
+            summed = (output_loss(hidden, labels, loss_mask=mask) * mask).sum()  # this CP rank's tokens
+            tokens_d = whole[2].sum().clamp(min=1.0)  # the whole micro-batch's
+            per_depth.append(summed.detach() * cp / tokens_d)  # the mean over the CP ranks is the depth's loss
             if loss_normalizer is None:
                 total = total + summed / tokens_d
             else:  # Megatron's per-token form: rescaled to the micro-batch's tokens, then divided as the LM loss
@@ -197,7 +206,4 @@ MTP_RULES = [
     Rule("mtp-position-embedding", lambda c: c.m.position_embedding_type in ("rope", "none"),
          lambda c: f"--mtp-num-layers needs --position-embedding-type rope or none (got {c.m.position_embedding_type}"
                    f"): the MTP depths reuse the main model's positions, as Megatron requires", when=_mtp),
-    Rule("mtp-context-parallel", lambda c: c.cp == 1,
-         lambda c: f"--mtp-num-layers with --context-parallel-size {c.cp}: rolling the labels and tokens across "
-                   f"the CP ranks' chunks is not implemented here; use --context-parallel-size 1", when=_mtp),
 ]

@@ -9,11 +9,11 @@
   masks and positions (--reset-attention-mask / --reset-position-ids: the depths take the main model's).
   Evaluation does not run the depths; the LM loss returned is the LM loss alone.
 - Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, CP 2, PP 2
-  under ZB-H1 (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 (1F1B) with an MoE depth;
+  under ZB-H1 (tied), interleaved 1F1B, ZB-V, ZB-H2 and GPipe, PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 (1F1B) with an MoE depth;
   the MTP losses too.
 - Asynchronous methods: the recorder's replay (PipeOptim predicting the MTP block, PipeDream interleaved), and
-  the emulator equal to the distributed run bit for bit (PipeOptim, PipeDream interleaved, 2BW, SpecTrain,
-  PipeNAG).
+  the emulator equal to the distributed run bit for bit (PipeOptim, async-naive, PipeDream interleaved, 2BW,
+  SpecTrain, PipeNAG); PipeOptim at PP 2 x CP 2 equal to the emulator within rtol 1e-5 / atol 1e-6.
 - Training runs (pretrain_gpt.py on forked ranks): the MTP losses logged apart, resume bit for bit (1F1B,
   PipeOptim, ZeRO-1 + Muon at PP 2 x DP 2), a PP 2 checkpoint resharded to TP 2 and exported to Hugging Face
   without the depths; the cost benchmark's quick mode.
@@ -152,6 +152,8 @@ LAYOUTS = [
      (1, None, "zb-h1", 1, False)),
     ("pp2-interleaved", 2, 1, 2, 1, MTP_DENSE, (1, None, "1f1b", 2, False)),
     ("pp2-zb-v", 2, 1, 2, 1, MTP_DENSE, (1, None, "zb-v", 2, False)),
+    ("pp2-zb-h2", 2, 1, 2, 1, MTP_DENSE, (1, None, "zb-h2", 1, False)),
+    ("pp2-gpipe", 2, 1, 2, 1, MTP_DENSE, (1, None, "gpipe", 1, False)),
     ("pp2xtp2xep2-moe", 4, 2, 2, 1, MTP_MOE, (2, 1, "1f1b", 1, True)),
     ("pp2xcp2xep2-moe", 4, 1, 2, 2, MTP_MOE, (2, None, "1f1b", 1, False)),
 ]
@@ -173,8 +175,8 @@ def mtp_distributed_run(model, *layout):
 def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, cp, model, layout):
     """TP 2 with sequence parallelism (eh_proj split over TP, gathered, split over the sequence again), DP 2,
     PP 2 under ZB-H1 with tied embeddings (the depths read the output layer's copy of the embedding), interleaved
-    1F1B (the MTP block's own copy tied to the first stage's over the embedding group) and ZB-V (the last virtual
-    stage on rank 0 beside the embedding: the copies summed there), CP 2 (the tokens, labels and mask rolled over
+    1F1B (the MTP block's own copy tied to the first stage's over the embedding group), ZB-V (the last virtual
+    stage on rank 0 beside the embedding: the copies summed there), ZB-H2 and GPipe, CP 2 (the tokens, labels and mask rolled over
     the whole sequences, each rank keeping its chunks; the depths' attention split over CP as the main layers'), and
     PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 with an MoE depth (1F1B):
     the LM loss, every gradient (the embedding's with the depths' share), the gradient norm, the routers' records
@@ -259,6 +261,7 @@ def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, ada
 BITWISE_CASES = [
     # method, optimizer, D, v, k, segments, options
     ("pipeoptim", "adam", 2, 1, 1, (4, 4), {"s_offset": 1}),
+    ("async-naive", "adam", 2, 1, 1, (4, 4), {}),
     ("pipedream", "adam", 2, 2, 1, (4, 6), {}),
     ("pipedream-2bw", "adam", 2, 1, 2, (4, 4), {}),
     ("spectrain", "sgd", 2, 1, 1, (4, 4), {}),
@@ -282,6 +285,32 @@ def test_async_distributed_equals_emulator_bitwise_with_mtp(method, optimizer, D
     assert weights.keys() == emu_weights.keys() and "mtp.layers.0.eh_proj.weight" in weights
     for name in weights:
         assert torch.equal(weights[name], emu_weights[name]), name
+
+
+def test_pipeoptim_pp2_cp2_with_mtp_equals_the_emulator():
+    """PipeOptim at PP 2 x CP 2 (each CP rank of a stage holding its 2 of every sequence's 4 chunks, the MTP roll
+    across them) trains the MTP GPT as the emulator (CP 1) does on the same micro-batches: every micro-batch's LM
+    loss (the mean over the CP ranks) and every weight at the end, the depths and the last stage's own embedding
+    included, within rtol 1e-5 / atol 1e-6 (momentum SGD and the tolerance of
+    tests/test_context_parallel_training.py: CP changes the order of the attention's sums); the two CP ranks of a
+    stage end bit for bit alike."""
+    from dist_harness import run_distributed
+    from test_moe_async import train_distributed, train_emulator
+    segments, options = (4, 4), {"s_offset": 1}
+    emu_losses, emu_weights, _ = run_distributed(train_emulator, 1, args=("pipeoptim", "sgd", 2, 1, 1, segments,
+                                                                          ASYNC_MTP, options))[0]
+    results = run_distributed(train_distributed, 4, pp=2, cp=2, args=("pipeoptim", "sgd", 1, 1, segments, ASYNC_MTP,
+                                                                      options), timeout=240)
+    last = [r[0] for r in results if r[0] is not None]  # ranks: PP-major, then CP
+    assert len(last) == 2 and len(last[0]) == sum(segments)
+    torch.testing.assert_close(torch.tensor([(a + b) / 2 for a, b in zip(*last)]), torch.tensor(emu_losses),
+                               rtol=1e-5, atol=1e-6)
+    for first in (0, 2):  # the CP ranks of a stage
+        assert all(torch.equal(w, results[first + 1][1][n]) for n, w in results[first][1].items())
+    weights = {**results[0][1], **results[2][1]}
+    assert weights.keys() == emu_weights.keys() and "mtp.embedding.word_embeddings.weight" in weights
+    for name in weights:
+        torch.testing.assert_close(weights[name], emu_weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -395,6 +395,57 @@ def test_mtp_checkpoint_reshards_from_pp2_to_tp2(tmp_path):
     assert_close(model_weights(out("ck_tp2"), 3), model_weights(out("ck_ref"), 3), 5e-6)
 
 
+def _resave_printing(argv, src, step, dst):
+    """test_checkpoint.load_and_resave on this rank; what it printed."""
+    import contextlib
+    import io
+
+    from test_checkpoint import load_and_resave
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        load_and_resave(argv, src, step, dst)
+    return out.getvalue()
+
+
+def test_sync_and_async_mtp_checkpoints_load_into_each_other(tmp_path):
+    """At PP 2 a synchronous run ties the MTP block's copy of the embedding to the first stage's and saves the
+    embedding once; an asynchronous run trains the copy apart and saves it (`mtp.embedding.word_embeddings.weight`).
+    Either loads the other's checkpoint, as they do without MTP: a 1F1B checkpoint loaded under PipeOptim (at
+    another vocabulary padding, re-padded) gives the copy the embedding's weights and Adam state, bit for bit,
+    every other tensor kept; loaded back under 1F1B (the copy left out, with a line saying so) it is the 1F1B
+    checkpoint again, tensor for tensor; and PipeOptim trains on from the re-padded checkpoint (its own copy
+    re-padded too)."""
+    from dist_harness import run_distributed
+    from test_checkpoint import read_all, tiny_args, train
+
+    def out(name):
+        return str(tmp_path / name)
+
+    flags = {**RUN, "--untie-embeddings-and-output-weights": True, "--train-iters": 2, "--save-interval": 2,
+             "--mtp-num-layers": 1}
+    pipeoptim = {**flags, "--pipeline-method": "pipeoptim"}
+    train(out("sync"), 2, **flags, **{"--save": out("ck_sync")})
+    run_distributed(_resave_printing, 2, timeout=120, args=(tiny_args(
+        out("re_async"), **pipeoptim, **{"--make-vocab-size-divisible-by": 96}), out("ck_sync"), 2, out("ck_async")))
+    sync, asynchronous = read_all(out("ck_sync"), 2), read_all(out("ck_async"), 2)
+    embedding = [k for k in sync if k.startswith(("model.embedding.", "optimizer.embedding."))]
+    assert "optimizer.embedding.word_embeddings.weight.exp_avg_sq" in embedding
+    assert asynchronous.keys() == sync.keys() | {k.replace(".embedding.", ".mtp.embedding.", 1) for k in embedding}
+    for k in embedding:
+        copy = asynchronous[k.replace(".embedding.", ".mtp.embedding.", 1)]
+        assert torch.equal(copy, asynchronous[k]), k
+        if copy.ndim == 2:  # re-padded: 100 tokens, 128 rows at 64, 192 at 96
+            assert copy.shape[0] == 192 and torch.equal(copy[:128], sync[k]) and not copy[128:].any()
+    printed = run_distributed(_resave_printing, 2, timeout=120, args=(tiny_args(out("re_sync"), **flags), out("ck_async"),
+                                                                      2, out("ck_back")))
+    assert "mtp.embedding.word_embeddings.weight (an asynchronous run's copy of the word embedding" in printed[0]
+    back = read_all(out("ck_back"), 2)
+    assert back.keys() == sync.keys() and all(torch.equal(back[k], sync[k]) for k in sync)
+    records = train(out("pipeoptim"), 2, **{**pipeoptim, "--train-iters": 3, "--load": out("ck_async"),
+                                            "--save": out("ck_pipeoptim")})
+    assert [r["iteration"] for r in records if "mtp_loss" in r] == [3]
+
+
 def _quick_cost():
     """bench/step/mtp_cost.py's report at its quick sizes, on this (forked) rank: (figures, the lines it wrote)."""
     from bench_common import Lines

@@ -224,12 +224,14 @@ def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, ada
     PipeOptim runs Adam with eps 1e-4. The replay rebuilds the whole weight history from its own gradients, so
     fp32 rounding differences (1 ulp in a prediction rebuilt from the last step's displacement, ~1e-8 in a
     gradient) carry forward, and Adam scales a gradient's rounding by lr / (sqrt(v_hat) + eps) into the weight:
-    on an element whose gradients were tiny (an embedding row of a rare token) that gain reaches ~1e6 at eps 1e-8,
-    and PipeOptim's extrapolation multiplies the weight's difference by up to 2s + 1 = 5 at s_offset 1. At eps 1e-8
-    this case (seed 5) ends 1.9e-5 off on 2 of the first stage's 2,048 embedding entries (1.4x the tolerance; seed 6
-    passes, at 0.2x); the same case in fp64 replays within 5e-15 everywhere, so it is rounding, not a wrong weight,
-    gradient or step (a wrong one is off by ~lr x |dW| ~ 1e-2 in any precision). eps 1e-4 bounds the gain by
-    lr / eps ~ 300: the worst difference is then 0.09x the tolerance (seed 5; 0.12x seed 6)."""
+    on elements whose gradients were tiny that gain reaches 3e5 in this run at eps 1e-8, and PipeOptim's
+    extrapolation multiplies a weight's difference by up to 2s + 1 = 5 at s_offset 1. At eps 1e-8 this case ends
+    1.9e-5 off on 2 of the first stage's 2,048 embedding entries (1.37x the tolerance at seed 5; 0.21x at seed 6,
+    0.14x at seed 7; without the MTP depth 0.06x at seed 5, 0.19x at seed 6: the trajectory decides, not MTP); in
+    float64 it replays within 5e-15 everywhere, so it is rounding, not a wrong weight, gradient or step (a wrong
+    staleness is off by ~1e4x the tolerance). eps 1e-4 bounds the gain by lr / eps (370 here): the worst
+    difference is then 0.09x the tolerance (seed 6: 0.12x). `python tests/replay_conditioning.py [--fp64 |
+    --eps 1e-4 | --seed 6 | --no-mtp | --replay-s-offset 0]` prints these figures."""
     import types
 
     import test_async_policies

@@ -229,9 +229,9 @@ def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, ada
     1.9e-5 off on 2 of the first stage's 2,048 embedding entries (1.37x the tolerance at seed 5; 0.21x at seed 6,
     0.14x at seed 7; without the MTP depth 0.06x at seed 5, 0.19x at seed 6: the trajectory decides, not MTP); in
     float64 it replays within 5e-15 everywhere, so it is rounding, not a wrong weight, gradient or step (a wrong
-    staleness is off by ~1e4x the tolerance). eps 1e-4 bounds the gain by lr / eps (370 here): the worst
+    staleness, s_offset 0, ends 2e5x the tolerance off). eps 1e-4 bounds the gain by lr / eps (370 here): the worst
     difference is then 0.09x the tolerance (seed 6: 0.12x). `python tests/replay_conditioning.py [--fp64 |
-    --eps 1e-4 | --seed 6 | --no-mtp | --replay-s-offset 0]` prints these figures."""
+    --eps 1e-4 | --seed 6 | --no-mtp | --eps 1e-4 --replay-s-offset 0]` prints these figures."""
     import types
 
     import test_async_policies

@@ -209,6 +209,10 @@ class MainParamsOptimizer:
     clip_grad: float
     predict_chunk_numel: int
     _planned: list[PredictionRequest] = []  # predictions the next step writes (`plan_prediction`)
+    # The fp32 main params are apart from the model weights, so a prediction is written straight into the model
+    # weights and undone by the main -> model copy (`predict_model_params`); False where they are the same
+    # tensors (FSDP2's fp32 shards, optim/fsdp_optimizer.py): a policy then caches the live weights itself.
+    predicts_into_model_weights = True
     expert_group = None  # MoE: the expert model-parallel group the experts' squares are summed over
 
     # -- what a subclass provides ---------------------------------------------------------------

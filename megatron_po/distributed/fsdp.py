@@ -13,8 +13,9 @@ runs and freed after (reshard-after-forward), so a rank holds 1/DP of every weig
   - the chunk itself (its root): what is left (the final norm, the output layer, a tied embedding). The chunked
     output loss reads the output layer's weight without calling the layer, so the output layer must live in a
     unit gathered around the whole last-stage forward: the root.
-Within a chunk each layer prefetches the next one's gather in the forward (`set_modules_to_forward_prefetch`),
-never across chunks: an asynchronous policy puts a chunk's weights in place just before that chunk runs.
+Within a chunk each unit prefetches the next one's gather, in the forward and in the backward
+(`_prefetch_in_order`), never across chunks: an asynchronous policy puts a chunk's weights in place just before
+that chunk runs. So every unit is gathered exactly once per forward and once per backward.
 
 Parameters: FSDP2 replaces each parameter by a DTensor whose local tensor is this rank's rows (dim 0, padded
 evenly); the attributes this code reads off parameters (tensor_model_parallel, sequence_parallel,
@@ -95,12 +96,24 @@ def shard_chunks(chunks: list[nn.Module], reshard_after_forward: bool = True,
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-        for unit, following in zip(units, units[1:]):
-            unit.set_modules_to_forward_prefetch([following])
+        _prefetch_in_order(chunk, units)
         for name, p in chunk.named_parameters():
             for key, value in attributes[name].items():
                 setattr(p, key, value)
     return chunks
+
+
+def _prefetch_in_order(root: FSDPModule, units: list[FSDPModule]) -> None:
+    """Each unit's gather starts while the one before it runs: in the forward root -> units[0] -> units[1] ...,
+    in the backward root -> units[-1] -> ... -> units[0] (-> root, which is gathered then: nothing). Explicit
+    for every unit: FSDP2's default backward prefetch follows the order of the last forwards, which in a
+    pipeline (forwards of later micro-batches before a backward) gathers units that do not run next."""
+    order = [root, *units]
+    for unit, following in zip(order, order[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+    backward = [root, *reversed(units), root]
+    for unit, following in zip(backward, backward[1:]):
+        unit.set_modules_to_backward_prefetch([following])
 
 
 def _set_divide_factor(module: FSDPModule, factor: float, group) -> None:

@@ -52,6 +52,14 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor if isinstance(p, DTensor) else p
 
 
+def shard_offset(p: torch.Tensor) -> int:
+    """Where this rank's shard of an FSDP2 parameter starts in the flattened (TP-local) parameter: FSDP2 cuts
+    dim 0 as torch.chunk does (ceil(rows / ranks) rows per rank, the last ranks' shards shorter or empty)."""
+    mesh = p.device_mesh
+    rows = -(-p.shape[0] // mesh.size())
+    return min(mesh.get_local_rank() * rows, p.shape[0]) * (p.numel() // max(p.shape[0], 1))
+
+
 def is_fully_sharded(chunk: nn.Module) -> bool:
     return isinstance(chunk, FSDPModule)
 

@@ -615,9 +615,6 @@ FSDP = [
     Rule("fsdp-delay-compensation", lambda c: c.p.delay_compensation_lambda == 0,
          f"--delay-compensation-lambda edits each gradient after its backward, which FSDP2 has already "
          f"reduce-scattered: drop it or {_FSDP_FLAG}", when=lambda c: _fsdp(c) and c.is_async),
-    Rule("fsdp-muon", lambda c: c.t.optimizer != "muon",
-         f"--optimizer muon orthogonalises whole matrices, which {_FSDP_FLAG} splits by rows over the ranks: use "
-         "--use-distributed-optimizer with muon (optim/muon_dp.py)", when=_fsdp),
 ]
 
 

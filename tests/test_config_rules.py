@@ -331,8 +331,6 @@ RULES = [
     ("fsdp-delay-compensation", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
                                                 "--delay-compensation-lambda", "0.1"],
      ["--delay-compensation-lambda", "--use-torch-fsdp2"]),
-    ("fsdp-muon", 2, MOCK + ["--use-torch-fsdp2", "--optimizer", "muon"],
-     ["--optimizer muon", "--use-torch-fsdp2", "--use-distributed-optimizer with muon"]),
     # FP8: backend and recipe (models/fp8.py; more cases, the GPU capability among them, in tests/test_fp8.py)
     ("fp8-flags-need-format", 1, MOCK + ["--fp8-recipe", "rowwise"], ["--fp8-recipe applies to FP8 training",
                                                                       "add --fp8-format hybrid"]),

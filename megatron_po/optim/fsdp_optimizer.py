@@ -25,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from megatron_po.distributed.fsdp import local_shard
+from megatron_po.distributed.ddp import Bucket, is_expert
+from megatron_po.distributed.fsdp import local_shard, shard_offset
 from megatron_po.errors import ConfigError
 from megatron_po.optim.mixed_precision import MainParamsOptimizer, normalize_param_groups
 from megatron_po.optim.optimizers import PredictiveOptimizer
@@ -63,6 +65,11 @@ class FSDPOptimizer(MainParamsOptimizer):
                                                   for g in groups])
         if not isinstance(self.optimizer, PredictiveOptimizer):
             raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
+        attach = getattr(self.optimizer, "attach_shards", None)
+        if attach is not None:  # Muon orthogonalises whole matrices: each assembled by one owner (optim/muon_dp.py)
+            attach([(local_shard(p), p, shard_offset(p), shard_offset(p) + local_shard(p).numel())
+                    for p in self.model_params], groups,
+                   _ShardLayout(self.model_params, shard_group, expert_shard_group, self.main_params[0].device))
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.shard_group, self.expert_shard_group = shard_group, expert_shard_group
@@ -122,3 +129,25 @@ class FSDPOptimizer(MainParamsOptimizer):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+class _ShardLayout:
+    """What Muon's sharded step (optim/muon.py with optim/muon_dp.py) reads of the distributed optimizer's DDP,
+    for FSDP2 shards: every parameter a 'bucket' of its own in a virtual flat buffer, cut into equal ranges of
+    ceil(rows / ranks) rows, rank r holding range r (FSDP2's dim-0 cut), over its shards' group (experts: their
+    expert-DP group). Each matrix is then assembled by its owner rank from the others' rows (one all-to-all),
+    orthogonalised there, and its update's rows sent back (one all-to-all), as under the distributed optimizer."""
+
+    def __init__(self, params, dp_group, expert_group, device):
+        self.dp_group = dp_group
+        self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.param_range, self.buckets, offset = {}, [], 0
+        for p in params:
+            group = expert_group if is_expert(p) and expert_group is not None else dp_group
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            per_rank = -(-p.shape[0] // size) * (p.numel() // max(p.shape[0], 1))
+            self.buckets.append(Bucket(start=offset, end=offset + per_rank * size, params=[p], expert=is_expert(p),
+                                       group=group, size=size, rank=rank))
+            self.param_range[id(p)] = (offset, offset + p.numel())
+            offset += per_rank * size
+        self.grad_buffer = torch.empty(0, device=device)  # only its device is read

@@ -35,6 +35,8 @@ torch.distributed.pipelining's `perform_reduce_grad` runs FSDP2's post-backward 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,6 +88,9 @@ def _units(chunk: nn.Module) -> list[nn.Module]:
 def shard_chunks(chunks: list[nn.Module], reshard_after_forward: bool = True,
                  mp_policy: MixedPrecisionPolicy | None = None) -> list[nn.Module]:
     """Apply FSDP2 to every chunk in place (see the module docstring); returns the chunks."""
+    # The last stage returns its per-token losses transposed (a view); FSDP2 warns that an in-place op on a
+    # view would lose its backward hook. Nothing writes a chunk's output in place (pipeline/executor.py).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     group = ps.get_data_parallel_group(with_context_parallel=True)
     mesh = ps.device_mesh(group)

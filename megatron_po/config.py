@@ -232,10 +232,11 @@ class ParallelConfig:
                                       "CP ranks of each TP rank and stage (experts over their expert-DP ranks), each "
                                       "transformer layer gathered for its forward and backward (ZeRO-3; = "
                                       "--data-parallel-sharding-strategy optim_grads_params); docs/fsdp.md")
-    torch_fsdp2_reshard_after_forward: bool = _f(True, "with --torch-fsdp2-no-reshard-after-forward FSDP2 keeps each "
-                                                       "layer gathered from its forward to its backward (one gather "
-                                                       "per micro-batch instead of two, whole weights of the layers "
-                                                       "in flight; synchronous methods only)",
+    torch_fsdp2_reshard_after_forward: bool = _f(True, "FSDP2 frees each layer's gathered weights after its forward "
+                                                       "and gathers them again for its backward; this flag keeps "
+                                                       "them from forward to backward instead (one gather per "
+                                                       "micro-batch instead of two, whole weights of every layer in "
+                                                       "flight; synchronous methods only)",
                                                  alias="--torch-fsdp2-no-reshard-after-forward")
     data_parallel_sharding_strategy: str = _f("no_shard", "what data parallelism shards (Megatron-FSDP's names): "
                                               "no_shard = DDP (nothing); optim = the distributed optimizer (ZeRO-1, "

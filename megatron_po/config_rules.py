@@ -596,6 +596,9 @@ _FSDP_FLAG = "--use-torch-fsdp2 (--data-parallel-sharding-strategy optim_grads/o
 
 # FSDP2 (distributed/fsdp.py): what it does not combine with.
 FSDP = [
+    Rule("fsdp-gpt-only", lambda c: c.workload != "nmt",
+         f"{_FSDP_FLAG} is wired for GPT (pretrain_gpt.py) only: the encoder-decoder model reads its shared embedding "
+         "outside the layers FSDP2 gathers", when=_fsdp),
     Rule("fsdp-no-distopt", lambda c: not c.pr.use_distributed_optimizer,
          f"{_FSDP_FLAG} shards the optimizer state itself: drop --use-distributed-optimizer "
          "(--data-parallel-sharding-strategy optim)", when=_fsdp),

@@ -18,7 +18,7 @@ from megatron_po.config_rules import validate
 from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
-from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, shard_chunks
+from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.moe.rules import moe_summary
@@ -191,8 +191,10 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     if fp8_summary(cfg.model):
         print_rank0(fp8_summary(cfg.model))  # which FP8 backend and recipe run, emulated or not
     n_params = sum(p.numel() for c in model.chunks for p in c.parameters())
+    held = sum(local_shard(p).numel() for c in model.chunks for p in c.parameters())  # FSDP2: its shards
+    whole = f" (FSDP2 shards of {n_params / 1e6:.2f} M)" if uses_fsdp2(cfg) else ""
     cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
-    print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
+    print_rank0(f"> rank 0 holds {held / 1e6:.2f} M parameters{whole}; world {world} = TP {p.tensor_model_parallel_size}"
                 f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
     if cfg.model.num_experts is not None:

@@ -467,6 +467,7 @@ RULES = [
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
+    ("fsdp-gpt-only", 2, NMT + ["--use-torch-fsdp2"], ["--use-torch-fsdp2", "wired for GPT (pretrain_gpt.py) only"]),
     ("eod-mask-loss-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
                                           "--recompute-num-layers", "1"],

@@ -13,7 +13,9 @@ pair, the dense layers over DP 4); and bf16 at DP 4 against DDP's bf16 within 2e
 weights), its shards fp32; Muon at DP 4 (each whole matrix assembled by its owner rank from the shards' rows for
 Newton-Schulz, fp32 matmuls) within 1e-4 (measured 2.4e-5 on the weights, 4.8e-7 on the losses at lr 0.1:
 Newton-Schulz amplifies the reduction-order rounding of the gradients; orthogonalising each rank's rows alone
-would move the weights by ~lr).
+would move the weights by ~lr). In every layout --log-params-norm (the shards' squares summed over the ranks they
+are sharded over) within 1e-5 relative, --log-num-zeros-in-grad within 8 elements (a gradient that cancels to
+exactly 0 in one reduction order need not in another: up to 4 apart measured, of 2-6; fp32 gradients only).
 
 Asynchronous methods (`AsyncPipelineRank` with FSDP2, against `AsyncEmulator`, test_async_pipeline.py's
 settings: two segments, an evaluation between them):
@@ -82,6 +84,7 @@ def _sync_run(flags: list, microbatches: int, fsdp: bool, iterations: int = 2):
     from megatron_po.data.context_split import split_for_this_rank
     from megatron_po.distributed.checkpoint_format import named_parameters_global
     from megatron_po.gpt_workload import build_model_chunks
+    from megatron_po.training_log import replica_metrics
     from megatron_po.training_setup import build_optimizer_for, data_parallel
     from megatron_po.training_step import train_step
     cfg = parse_args(MOCK + flags + (["--use-torch-fsdp2"] if fsdp else []))
@@ -111,7 +114,8 @@ def _sync_run(flags: list, microbatches: int, fsdp: bool, iterations: int = 2):
         norms.append(norm)
     weights = {n: (w.detach().full_tensor() if fsdp else w.detach().clone()) for n, w in named_parameters_global(chunks)}
     dtypes = {str(w._local_tensor.dtype) for _, w in named_parameters_global(chunks)} if fsdp else set()
-    return losses, norms, weights, len(w_ops), dtypes
+    cfg.logging.log_params_norm = cfg.logging.log_num_zeros_in_grad = True
+    return losses, norms, weights, len(w_ops), dtypes, replica_metrics(cfg, ddp.params)
 
 
 def _all_layouts():
@@ -131,6 +135,11 @@ def test_every_synchronous_layout_equals_ddp():
             for key in ddp[2]:
                 torch.testing.assert_close(fsdp[2][key].float(), ddp[2][key].float(), **tol, msg=f"{name} {key}")
             assert fsdp[4] == {"torch.float32"}, name  # the shards are the fp32 main params (bf16 too)
+            # --log-params-norm, --log-num-zeros-in-grad: the shards' sums over the ranks they are sharded over
+            assert fsdp[5]["params_norm"] == pytest.approx(ddp[5]["params_norm"], rel=1e-5), name
+            # (an element whose gradient is a sum that cancels exactly in one order may not in another)
+            if "bf16" not in name:  # (DDP's bf16 gradients round more of them to 0 than FSDP2's fp32 ones)
+                assert abs(fsdp[5]["num_zeros_in_grad"] - ddp[5]["num_zeros_in_grad"]) <= 8, name
             if name == "pp2-fsdp2-zb-v":  # one W op per micro-batch and chunk per iteration, each reduce-scattered
                 assert fsdp[3] == 2 * 4 * 2, fsdp[3]
 

@@ -26,22 +26,21 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from megatron_po.distributed.ddp import Bucket, is_expert
 from megatron_po.distributed.fsdp import local_shard, shard_offset
 from megatron_po.errors import ConfigError
-from megatron_po.optim.mixed_precision import MainParamsOptimizer, normalize_param_groups
+from megatron_po.optim.mixed_precision import MainParamsOptimizer, MixedPrecisionOptimizer
 from megatron_po.optim.optimizers import PredictiveOptimizer
 
 
-class FSDPOptimizer(MainParamsOptimizer):
-    """A PredictiveOptimizer over the local shards of FSDP2 parameters, with the mixed-precision step's
-    unscaling, skipping, clipping and agreement.
+class FSDPOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose main params are the local shards of FSDP2 parameters themselves: no copy,
+    nothing copied back after a step (the next gather delivers it).
 
     inner_optimizer_factory: called once with the shards' groups (one per model param group, same keys).
     model_param_groups: the FSDP2 (DTensor) parameters, as torch.optim takes them.
-    grad_scaler, clip_grad: as for MixedPrecisionOptimizer.
+    grad_scaler, clip_grad, model_parallel_group, expert_group: as for MixedPrecisionOptimizer.
     shard_group: the ranks the dense parameters are sharded over (DP x CP); expert_shard_group: the experts'
         (expert DP). Their squares are summed over these first, then over `model_parallel_group` (dense) and
         `expert_group` (experts: the expert model-parallel group, optim/clip_grads.py).
@@ -52,49 +51,27 @@ class FSDPOptimizer(MainParamsOptimizer):
     def __init__(self, inner_optimizer_factory: Callable[[list[dict]], PredictiveOptimizer], model_param_groups,
                  grad_scaler=None, clip_grad: float = 0.0, shard_group=None, model_parallel_group=None,
                  expert_group=None, expert_shard_group=None):
-        groups = normalize_param_groups(model_param_groups)
-        self.model_groups = [g["params"] for g in groups]
-        self.model_params = [p for g in self.model_groups for p in g]
-        if len({id(p) for p in self.model_params}) != len(self.model_params):
-            raise ValueError("a parameter appears in more than one param group")
-        dtypes = {local_shard(p).dtype for p in self.model_params}
+        self.shard_group, self.expert_shard_group = shard_group, expert_shard_group
+        super().__init__(inner_optimizer_factory, model_param_groups, grad_scaler, clip_grad, model_parallel_group,
+                         expert_group=expert_group)
+
+    def _main_params_of(self, model_params):
+        dtypes = {local_shard(p).dtype for p in model_params}
         if dtypes != {torch.float32}:
             raise ConfigError(f"FSDP2 keeps fp32 sharded parameters (the main params); got {sorted(map(str, dtypes))}")
-        self.main_params = [local_shard(p) for p in self.model_params]
-        self.optimizer = inner_optimizer_factory([{**g, "params": [local_shard(p) for p in g["params"]]}
-                                                  for g in groups])
-        if not isinstance(self.optimizer, PredictiveOptimizer):
-            raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
-        attach = getattr(self.optimizer, "attach_shards", None)
-        if attach is not None:  # Muon orthogonalises whole matrices: each assembled by one owner (optim/muon_dp.py)
-            attach([(local_shard(p), p, shard_offset(p), shard_offset(p) + local_shard(p).numel())
-                    for p in self.model_params], groups,
-                   _ShardLayout(self.model_params, shard_group, expert_shard_group, self.main_params[0].device))
-        self.grad_scaler = grad_scaler
-        self.clip_grad = clip_grad
-        self.shard_group, self.expert_shard_group = shard_group, expert_shard_group
-        self.model_parallel_group = model_parallel_group
-        self.expert_group = expert_group
-        self.predict_chunk_numel = 1 << 20
-        self._device = self.main_params[0].device
+        return [local_shard(p) for p in model_params]
 
-    # -- MainParamsOptimizer hooks --------------------------------------------------------------
-
-    def _main_grads(self):
-        for p, shard in zip(self.model_params, self.main_params):
-            grad = None if p.grad is None else local_shard(p.grad)
-            shard.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
-        return [m.grad for m in self.main_params if m.grad is not None]
-
-    def _norm_pieces(self):
-        return [(m.grad, p) for m, p in zip(self.main_params, self.model_params) if m.grad is not None]
-
-    def _release_main_grads(self):
-        for m in self.main_params:
-            m.grad = None
+    def _attach_shards(self, attach, groups):
+        """Muon orthogonalises whole matrices: each assembled by one owner rank from the shards (optim/muon_dp.py)."""
+        attach([(local_shard(p), p, shard_offset(p), shard_offset(p) + local_shard(p).numel())
+                for p in self.model_params], groups,
+               _ShardLayout(self.model_params, self.shard_group, self.expert_shard_group, self.main_params[0].device))
 
     def _copy_main_to_model(self):
         pass  # the shards are the model weights
+
+    def _step_and_write(self, requests):
+        MainParamsOptimizer._step_and_write(self, requests)  # nothing to write into other model weights
 
     def _agreement_groups(self):
         return [self.shard_group, self.model_parallel_group]
@@ -105,30 +82,9 @@ class FSDPOptimizer(MainParamsOptimizer):
     def _prediction_targets(self):
         return [[local_shard(p) for p in g] for g in self.model_groups]
 
-    # -- what the weight policies and checkpoints read ---------------------------------------------
-
     def predict(self, steps, include_weight_decay: bool = False, out=None) -> None:
         """Ŵ of the shards, in place (or into `out`): PredictiveOptimizer.predict of the inner optimizer."""
         self.optimizer.predict(steps, include_weight_decay=include_weight_decay, out=out)
-
-    def update_direction(self, include_weight_decay: bool = False) -> list[list[Tensor | None]]:
-        """ΔW of this rank's shards, per group aligned with the model params."""
-        return self.optimizer.update_direction(include_weight_decay)
-
-    @property
-    def state(self) -> dict:
-        """{model param: the inner optimizer's state of its shard}."""
-        return {p: self.optimizer.state[m] for p, m in zip(self.model_params, self.main_params)}
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        """This rank's shard state, saved under the same layout (checkpoints reshard: distributed/checkpoint_*)."""
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
 class _ShardLayout:

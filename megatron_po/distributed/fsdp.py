@@ -110,6 +110,7 @@ def shard_chunks(chunks: list[nn.Module], reshard_after_forward: bool = True,
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
         _prefetch_in_order(chunk, units)
+        _gathers_follow_writes(chunk)
         for name, p in chunk.named_parameters():
             for key, value in attributes[name].items():
                 setattr(p, key, value)
@@ -127,6 +128,37 @@ def _prefetch_in_order(root: FSDPModule, units: list[FSDPModule]) -> None:
     backward = [root, *reversed(units), root]
     for unit, following in zip(backward, backward[1:]):
         unit.set_modules_to_backward_prefetch([following])
+
+
+def _gathers_follow_writes(root: FSDPModule) -> None:
+    """Every pass of the chunk orders FSDP2's gathers after what the current stream has written into the shards.
+    FSDP2 copies the shards in and gathers them on streams of its own in the forward and the backward (CUDA), and
+    orders those after the current stream only at the first forward of an iteration; an asynchronous weight policy
+    writes a chunk's shards (a prediction, a stashed version swapped in) right before any of its passes. So before
+    FSDP2's own hooks: a forward pre-hook for the forward, and for the backward a hook on the chunk's outputs,
+    registered before FSDP2's pre-backward hook on them (tensor hooks run in the order registered). No-ops on a CPU."""
+    state = root._get_fsdp_state()
+
+    def wait() -> None:
+        ctx = state._comm_ctx
+        streams = [getattr(ctx, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
+        if None in streams:  # before FSDP2's lazy initialisation (the first forward): nothing gathered yet
+            return
+        current = ctx.device_handle.current_stream()
+        for stream in streams:
+            stream.wait_stream(current)
+
+    def before_backward(grad):
+        wait()
+        return grad
+
+    def after_forward(_module, _args, output):
+        for t in output if isinstance(output, (tuple, list)) else [output]:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(before_backward)
+
+    root.register_forward_pre_hook(lambda _module, _args: wait(), prepend=True)
+    root.register_forward_hook(after_forward, prepend=True)
 
 
 def _set_divide_factor(module: FSDPModule, factor: float, group) -> None:

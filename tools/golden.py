@@ -173,6 +173,10 @@ CONFIGS = [
            "--num-query-groups": 2}),
     gpt("pp2_moe_pipeoptim", ("PipeOptim with MoE at PP = 2",), 2, **ASYNC, **MOE_PIPEOPTIM,
         **{"--pipeline-method": "pipeoptim"}),
+    # FSDP2 (issue 55): parameters, gradients and optimizer state sharded over the DP ranks of each stage
+    gpt("dp2_fsdp2", ("FSDP2 at DP = 2 (--use-torch-fsdp2)",), 2, **{"--use-torch-fsdp2": True}),
+    gpt("pp2_fsdp2_pipeoptim", ("PipeOptim at PP = 2 x FSDP2 DP = 2 (predicted shards gathered)",), 4, **ASYNC,
+        **{"--pipeline-method": "pipeoptim", "--use-torch-fsdp2": True}),
     emu("emu_async_naive", ("async-naive, emulator",), "async-naive", "adam"),
     emu("emu_pipedream", ("PipeDream, emulator",), "pipedream", "adam"),
     emu("emu_pipedream_2bw", ("2BW, emulator", "--async-update-interval"), "pipedream-2bw", "adam",

@@ -28,7 +28,7 @@ from megatron_po.distributed.checkpoint_format import (MTP_OWN_EMBEDDING, WORD_E
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params, virtual_stage)
+                                                      parallel_layout, policy_key, stepped_params, virtual_stage)
 from megatron_po.errors import UserError
 
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
@@ -151,11 +151,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
     if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)
-        saved_versions = {p: [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
+        saved_versions = {policy_key(p): [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
                           for name, p in names}
         policy_weights = policy.load_targets(saved_versions)
         for name, p in names:
-            for key, buf in policy_weights.get(p, {}).items():
+            for key, buf in policy_weights.get(policy_key(p), {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
     dcp_load(state, path, md)
@@ -164,7 +164,8 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             name, key = k[len("optimizer."):].rsplit(".", 1)
             stepped[id(dict(names)[name])].state[key] = v
     for target, full, rows in repad:  # this rank's rows of the re-padded vocabulary
-        local = torch.zeros_like(target.param, dtype=full.dtype) if isinstance(target, FlatRange) else target
+        local = torch.zeros(target.param.shape, dtype=full.dtype, device=full.device) if isinstance(
+            target, FlatRange) else target
         n = max(0, min(local.shape[0], full.shape[0] - rows))
         local.zero_()
         local[:n].copy_(full[rows:rows + n])

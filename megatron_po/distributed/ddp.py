@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.errors import ConfigError
@@ -102,7 +101,9 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     if main_grad is not None:
         return main_grad
     grad = p.grad
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
+    # An FSDP2 DTensor's local shard; tested by attribute so that this module does not import
+    # torch.distributed.tensor (and sympy with it) before a flag is parsed (tests/test_startup.py).
+    return getattr(grad, "_local_tensor", grad)
 
 
 class DistributedDataParallel:

@@ -35,13 +35,12 @@ torch.distributed.pipelining's `perform_reduce_grad` runs FSDP2's post-backward 
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.distributed.ddp import grad_of, is_expert
@@ -49,9 +48,16 @@ from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.transformer import TransformerLayer
 
 
+# torch.distributed.fsdp and .tensor import sympy (~1 s): they are imported where FSDP2 is applied, so that
+# `--help` and a bad flag stay fast (tests/test_startup.py). No DTensor or FSDPModule exists before then.
+def is_dtensor(t) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_shard(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of an FSDP2-sharded parameter (a view of the storage its all-gather reads), else `p`."""
-    return p._local_tensor if isinstance(p, DTensor) else p
+    return p._local_tensor if is_dtensor(p) else p
 
 
 def shard_offset(p: torch.Tensor) -> int:
@@ -63,12 +69,14 @@ def shard_offset(p: torch.Tensor) -> int:
 
 
 def is_fully_sharded(chunk: nn.Module) -> bool:
-    return isinstance(chunk, FSDPModule)
+    module = sys.modules.get("torch.distributed.fsdp")
+    return module is not None and isinstance(chunk, module.FSDPModule)
 
 
-def fsdp_precision(precision) -> MixedPrecisionPolicy:
+def fsdp_precision(precision):
     """FSDP2's mixed precision for the precision flags (config PrecisionConfig): gather the fp32 shards in the
     model dtype of --bf16/--fp16 (fp32: no cast), reduce the gradients in fp32 (--grad-reduce-in-bf16: bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     if not (precision.bf16 or precision.fp16):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision.bf16 else torch.float16,
@@ -86,8 +94,9 @@ def _units(chunk: nn.Module) -> list[nn.Module]:
 
 
 def shard_chunks(chunks: list[nn.Module], reshard_after_forward: bool = True,
-                 mp_policy: MixedPrecisionPolicy | None = None) -> list[nn.Module]:
+                 mp_policy=None) -> list[nn.Module]:
     """Apply FSDP2 to every chunk in place (see the module docstring); returns the chunks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # The last stage returns its per-token losses transposed (a view); FSDP2 warns that an in-place op on a
     # view would lose its backward hook. Nothing writes a chunk's output in place (pipeline/executor.py).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
@@ -117,7 +126,7 @@ def shard_chunks(chunks: list[nn.Module], reshard_after_forward: bool = True,
     return chunks
 
 
-def _prefetch_in_order(root: FSDPModule, units: list[FSDPModule]) -> None:
+def _prefetch_in_order(root, units: list) -> None:
     """Each unit's gather starts while the one before it runs: in the forward root -> units[0] -> units[1] ...,
     in the backward root -> units[-1] -> ... -> units[0] (-> root, which is gathered then: nothing). Explicit
     for every unit: FSDP2's default backward prefetch follows the order of the last forwards, which in a
@@ -175,7 +184,7 @@ def _param_groups(module: nn.Module) -> list:
     torch.distributed.pipelining runs the post-backward by hand)."""
     groups = []
     for m in module.modules():
-        if isinstance(m, FSDPModule):
+        if is_fully_sharded(m):
             group = m._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 groups.append(group)

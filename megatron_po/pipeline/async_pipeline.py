@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, TrainingConfig, uses_fsdp2, virtual_pipeline_size
@@ -118,7 +117,8 @@ def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
     from megatron_po.distributed.checkpoint_format import named_parameters_global
     out = {}
     for name, p in named_parameters_global(chunks):
-        t = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()  # FSDP2: the shards gathered
+        # FSDP2's DTensor: the shards gathered (tested by attribute: torch.distributed.tensor is imported late)
+        t = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
         if gather_tp and getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             from megatron_po.tensor_parallel import gather_tensor
             shards = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]

@@ -9,7 +9,9 @@
 - One GPT process: recomputation (full uniform and block, selective) gives bitwise the run without it (dropout on);
   compiled layers (TorchDynamo + AOTAutograd, aot_eager) the eager losses and gradients within 1e-6; the chunked
   output loss the unchunked one within 1e-6; FP8 (torchao, emulated) runs every MLA projection in FP8 and no
-  norm, and trains; a document mask with reset positions gives a document the losses it has alone (1e-5).
+  norm, and trains; a document mask with reset positions gives a document the losses it has alone (1e-5); on a
+  CPU the core runs PyTorch's fused kernel (the values padded to the query/key head dimension), which keeps no
+  [b, heads, s, s] probabilities for the backward, and gives the math kernel's output (1e-6).
 - FLOPs: Megatron's MLA count (num_floating_point_operations), by hand for a DeepSeek-V3-shaped layer.
 """
 
@@ -223,3 +225,22 @@ def test_flops_count_megatrons_mla_projections():
     assert gpt_flops_per_token(cfg, V) == pytest.approx(expected + 3 * 2 * core, rel=1e-12)  # the full square
     cfg.model.q_lora_rank = None  # Moonlight: the query projected from the hidden state
     assert gpt_flops_per_token(cfg, V, causal=True) == pytest.approx(expected - 3 * 2 * (q - h * n * 192), rel=1e-12)
+
+
+def test_core_keeps_no_probabilities_on_the_cpu():
+    """The values' narrower head dimension would send SDPA to the math kernel, which saves the [b, heads, s, s]
+    probabilities for the backward; padded with zero columns it stays on the fused CPU kernel (the same output).
+    64 tokens: below some length PyTorch picks the math kernel whatever the head dimensions."""
+    seq = 64
+    x = torch.randn(seq, B, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    outs = {}
+    for backend in ("auto", "local"):
+        model_parallel_seed(SEED)
+        cfg = gpt_cfg(attention_backend=backend, attention_dropout=0.0, seq_length=seq)
+        attention = MultiLatentAttention(cfg, sequence_parallel=False)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            outs[backend] = attention(x, mla_rotary(cfg)(seq, x.device))
+        square = [shape for shape in saved if shape[-2:] == (seq, seq)]
+        assert bool(square) == (backend == "local"), (backend, square)
+    torch.testing.assert_close(outs["auto"], outs["local"], rtol=0, atol=1e-6)

@@ -88,6 +88,17 @@ Notes where our reading differs in detail:
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
   dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
   distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+- Multi-latent attention (`--multi-latent-attention`, `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`,
+  `--qk-pos-emb-head-dim`, `--v-head-dim`, `--rope-type`, `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim`):
+  Megatron-core's names, defaults and meanings (models/mla.py, docs/mla.md); `--qk-layernorm` is the query and
+  key/value latents' norm under MLA, as in Megatron; `--kv-channels` and the plain attention's
+  `--position-embedding-type rope` have no effect on MLA (its RoPE is always applied, as Megatron's MLA does).
+  `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`, `--yarn-beta-slow` and
+  `--no-yarn-correction-range-round-to-int` set MLA's YaRN here; in Megatron they configure
+  `--position-embedding-type yarn` (not available here) and its MLA keeps 4096, 32, 1 and rounding, the defaults
+  here. The MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
+  `--use-rope-scaling` and `--rotary-seq-len-interpolation-factor` with it, and `--transformer-impl
+  transformer_engine` with it are refused with one line.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

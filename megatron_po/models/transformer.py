@@ -229,6 +229,11 @@ class AttentionCore(nn.Module):
         if self.softmax_in_fp32:
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
+        value_dim = v.shape[-1]
+        if value_dim < q.shape[-1] and q.device.type == "cpu" and _SDPA_KERNELS[self.attention_backend] is None:
+            # PyTorch's fused CPU kernel takes one head dimension: narrower values (multi-latent attention) would send
+            # SDPA to the math kernel, which keeps the [b, heads, s, s] probabilities; zero columns keep it fused
+            v = F.pad(v, (0, q.shape[-1] - value_dim))
         scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
         with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
             if p > 0.0:
@@ -237,7 +242,7 @@ class AttentionCore(nn.Module):
                                             is_causal=causal, **scale)
             else:
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, **scale)
-        return ctx.to(dtype)
+        return ctx[..., :value_dim].to(dtype)
 
     def context_parallel_core(self, q, k, v, document_ids) -> torch.Tensor:
         """The core of a causal layer over a sequence split across the CP ranks: only the key/value groups travel

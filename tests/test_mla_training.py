@@ -10,11 +10,9 @@ a DeepSeek-V3 recipe's MLA flags (sizes shrunk, every other MLA flag kept: YaRN 
   tests/test_config_rules.py.
 """
 
-import contextlib
-import io
-
 import pytest
 from dist_harness import run_distributed
+from test_checkpoint import run_capturing
 from test_pretrain_gpt import base_args, read_metrics, run_pretrain
 
 DEEPSEEK_V3 = {  # MODEL_ARGS of DeepSeek-V3's Megatron recipe, shrunk: MLA, then MoE
@@ -62,11 +60,8 @@ def test_deepseek_v3_shaped_run_trains_under_pipeoptim(corpus, tmp_path):
      "--group-query-attention with --multi-latent-attention"),
 ], ids=["size-without-mla", "mla-with-gqa"])
 def test_bad_mla_input_is_one_line_at_start_up(corpus, tmp_path, flags, words, monkeypatch):
-    from megatron_po.training import run_main
     monkeypatch.setenv("WORLD_SIZE", "1")
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = run_main(base_args(corpus, tmp_path, **flags))
-    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    code, err = run_capturing(base_args(corpus, tmp_path, **flags))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert words in lines[0], lines

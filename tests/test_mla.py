@@ -244,3 +244,13 @@ def test_core_keeps_no_probabilities_on_the_cpu():
         square = [shape for shape in saved if shape[-2:] == (seq, seq)]
         assert bool(square) == (backend == "local"), (backend, square)
     torch.testing.assert_close(outs["auto"], outs["local"], rtol=0, atol=1e-6)
+
+
+def test_hugging_face_export_refuses_mla_with_one_line():
+    from megatron_po.errors import UserError
+    from megatron_po.models.hf_export import hf_architecture
+    from megatron_po.models.hf_export_moe import moe_architecture
+    model = dataclasses.asdict(gpt_cfg())
+    for architecture, extra in ((hf_architecture, {}), (moe_architecture, {"num_experts": 4})):
+        with pytest.raises(UserError, match="--multi-latent-attention: no Hugging Face export or import here yet"):
+            architecture({**model, **extra})

@@ -9,7 +9,8 @@ frequencies, the cos/sin factor and the softmax scale all differ from plain RoPE
 - Equal to the one-process model at the same global batch (moe_harness.check_equal: the mean loss, every gradient
   gathered whole, the gradient and parameter norms; fp32, rtol 1e-5 / atol 1e-6, reduction orders only): TP 2
   without sequence parallelism (no query compression, dense), TP 2 with it (DeepSeek-shaped: MoE), CP 2 ring (p2p)
-  and TP 2 x CP 2 all-gather with EP 2, CP 2 with document masks (--reset-attention-mask), PP 2 interleaved 1F1B.
+  and TP 2 x CP 2 all-gather with EP 2, CP 2 with document masks (--reset-attention-mask), PP 2 interleaved 1F1B
+  and ZB-V.
   The down-projections are whole on every TP rank: their gradients match the one-process ones only if the shared
   rotary key's gradient is summed over TP (without sequence parallelism) and the partial sums over the TP ranks'
   tokens are (with it).
@@ -56,8 +57,11 @@ def test_tensor_and_context_parallel_match_one_process(world, tp, cp, ep, model,
                                 args=(model, ep, None, "1f1b", 1, sequence_parallel)), ref)
 
 
-def test_interleaved_pipeline_matches_one_process():
-    check_equal(run_distributed(distributed_run, 2, pp=2, args=(MLA, 1, None, "1f1b", 2)), reference(M, **MLA))
+@pytest.mark.parametrize("method", ["1f1b", "zb-v"])
+def test_pipeline_schedules_match_one_process(method):
+    """Interleaved 1F1B, and ZB-V, whose backward defers the weight gradients (the replicated down-projections'
+    too) to its W ops."""
+    check_equal(run_distributed(distributed_run, 2, pp=2, args=(MLA, 1, None, method, 2)), reference(M, **MLA))
 
 
 def with_documents(batches: list[dict]) -> list[dict]:

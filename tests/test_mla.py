@@ -254,3 +254,11 @@ def test_hugging_face_export_refuses_mla_with_one_line():
     for architecture, extra in ((hf_architecture, {}), (moe_architecture, {"num_experts": 4})):
         with pytest.raises(UserError, match="--multi-latent-attention: no Hugging Face export or import here yet"):
             architecture({**model, **extra})
+
+
+def test_start_up_line_says_what_runs():
+    from megatron_po.models.mla import mla_summary
+    line = mla_summary(gpt_cfg(), tp=2)
+    assert line == ("> MLA: 4 heads, query/key 8 + 8 rotary (one key head shared), value 12; query latent 16, key/value "
+                    "latent 16, latent norms; YaRN factor 4 over 8, mscale 1 / 0.8, softmax scale 1.234 / sqrt(16); "
+                    "down-projections whole on each of the 2 TP rank(s), up-projections split by heads")

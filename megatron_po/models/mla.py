@@ -127,6 +127,23 @@ def softmax_scale(m: ModelConfig) -> float | None:
     return None if mscale == 1.0 else mscale * mscale / math.sqrt(mla_sizes(m).q_head_dim)
 
 
+def mla_summary(m: ModelConfig, tp: int) -> str:
+    """The start-up line: the sizes, the RoPE and where the projections are."""
+    z = mla_sizes(m)
+    query = f"query latent {z.q_lora_rank}" if z.q_lora_rank is not None else "no query latent"
+    if rope_type(m) == "yarn":
+        original = m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITIONS
+        rope = f"YaRN factor {m.rotary_scaling_factor:g} over {original}, mscale {m.mscale:g} / {m.mscale_all_dim:g}"
+    else:
+        rope = f"RoPE base {m.rotary_base}"
+    scale = softmax_scale(m)
+    scale = "" if scale is None else f", softmax scale {scale * math.sqrt(z.q_head_dim):.4g} / sqrt({z.q_head_dim})"
+    return (f"> MLA: {m.num_attention_heads} heads, query/key {z.qk_head_dim} + {z.qk_pos_emb_head_dim} rotary (one key "
+            f"head shared), value {z.v_head_dim}; {query}, key/value latent {z.kv_lora_rank}"
+            f"{', latent norms' if m.qk_layernorm else ''}; {rope}{scale}; down-projections whole on each of the "
+            f"{tp} TP rank(s), up-projections split by heads")
+
+
 def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on dimensions stored in interleaved pairs: de-interleaved (evens, then odds), then rotated half by half.
     Queries and keys get the same permutation, so their dot products are those of the pairs rotated in place."""

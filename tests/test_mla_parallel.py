@@ -14,8 +14,9 @@ frequencies, the cos/sin factor and the softmax scale all differ from plain RoPE
   The down-projections are whole on every TP rank: their gradients match the one-process ones only if the shared
   rotary key's gradient is summed over TP (without sequence parallelism) and the partial sums over the TP ranks'
   tokens are (with it).
-- The distributed optimizer (ZeRO-1) with Muon at TP 2 x DP 2: two clipped steps equal the one-process run (each
-  MLA factor its own matrix; the column-parallel up-projections gathered whole, --muon-tp-mode duplicated);
+- The distributed optimizer (ZeRO-1) with Muon at TP 2 (sequence parallel) x DP 2: two clipped steps equal the
+  one-process run (each MLA factor its own matrix; the column-parallel up-projections gathered whole, --muon-tp-mode
+  duplicated; the replicated down-projections' gradients summed over the TP ranks' tokens);
   losses rtol 1e-5 / atol 1e-6, weights atol 1e-5, as tests/test_moe_optimizers.py.
 - Asynchronous pipelines: PipeOptim (Adam; Muon with the distributed optimizer) and interleaved PipeDream at PP 2
   equal the single-process emulator bit for bit (the MLA weights are parameters like any: stashed, predicted).
@@ -115,7 +116,7 @@ def test_context_parallel_with_document_masks_matches_one_process(monkeypatch):
 # ---- ZeRO-1 and Muon -------------------------------------------------------------------------------------------
 
 
-def test_distributed_optimizer_with_muon_at_tp2_dp2_equals_one_process(monkeypatch):
+def test_distributed_optimizer_with_muon_at_tp2_sp_dp2_equals_one_process(monkeypatch):
     import test_moe_optimizers as opt_tests
     monkeypatch.setattr(opt_tests, "MODEL", DENSE)  # inherited by the forked ranks
     ref_losses, ref_norms, ref_weights = opt_tests.reference("muon", 2)

@@ -19,7 +19,9 @@ frequencies, the cos/sin factor and the softmax scale all differ from plain RoPE
   duplicated; the replicated down-projections' gradients summed over the TP ranks' tokens);
   losses rtol 1e-5 / atol 1e-6, weights atol 1e-5, as tests/test_moe_optimizers.py.
 - Asynchronous pipelines: PipeOptim (Adam; Muon with the distributed optimizer) and interleaved PipeDream at PP 2
-  equal the single-process emulator bit for bit (the MLA weights are parameters like any: stashed, predicted).
+  equal the single-process emulator bit for bit (the MLA weights are parameters like any: stashed, predicted); the
+  rest of the family (async-naive, PipeDream-2BW, SpecTrain, PipeNAG) trains MLA in the emulator (finite losses,
+  every MLA weight stepped).
 - Checkpoints through pretrain_gpt.py's entry: resume bit for bit at TP 2 with sequence parallelism; a TP 2
   checkpoint holds every MLA tensor at its global shape and its next iteration at TP 1 gives the TP 2 run's loss
   within 1e-5 and its weights within 5e-6.
@@ -155,6 +157,20 @@ def test_asynchronous_pipelines_equal_the_emulator_bitwise(method, optimizer, v,
     assert any(".attention.kv_up." in name for name in weights)
     for name in weights:
         assert torch.equal(weights[name], emu_weights[name]), name
+
+
+@pytest.mark.parametrize("method,optimizer,k", [("async-naive", "adam", 1), ("pipedream-2bw", "adam", 2),
+                                                ("spectrain", "sgd", 1), ("pipenag", "nag", 1)])
+def test_the_other_asynchronous_methods_train_mla_in_the_emulator(method, optimizer, k):
+    """The rest of the asynchronous family on the same model (PP 2, the single-process emulator): finite losses, and
+    every MLA weight stepped."""
+    from test_moe_async import moe_emulator, train_emulator
+    initial = moe_emulator(method, optimizer, 2, 1, k, ASYNC_MLA).full_state_dict()  # the same seed
+    losses, weights, _ = train_emulator(method, optimizer, 2, 1, k, (4, 4), ASYNC_MLA, {})
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    mla = [name for name in weights if ".attention." in name]
+    assert len(mla) == 2 * 7  # a layer per stage x (q_down, q_norm, q_up, kv_down, kv_norm, kv_up, proj)
+    assert all(not torch.equal(weights[name], initial[name]) for name in mla)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Multi-latent attention end to end through pretrain_gpt.py's entry (`training.run_main`) on the bundled corpus, with
 a DeepSeek-V3 recipe's MLA flags (sizes shrunk, every other MLA flag kept: YaRN factor 40, mscale 1 / 1,
---qk-layernorm, --kv-channels and --no-rope-fusion as the recipes pass them) and MoE flags this code takes
-(sigmoid scores, the expert bias, shared experts, a dense first layer, grouped GEMM, alltoall).
+--qk-layernorm, --kv-channels and --no-rope-fusion as the recipes pass them), bf16 with the softmax in fp32, and
+MoE flags this code takes (sigmoid scores, the expert bias, shared experts, a dense first layer, grouped GEMM,
+alltoall).
 
 - Under PipeOptim at PP 2 it trains: the loss falls by more than 0.3 over 12 iterations; the log's model TFLOP/s are
   the MLA count (flops.py, more than 5 % off the count of plain attention here) times the tokens per second.
@@ -21,7 +22,7 @@ DEEPSEEK_V3 = {  # MODEL_ARGS of DeepSeek-V3's Megatron recipe, shrunk: MLA, the
     "--mscale": 1.0, "--mscale-all-dim": 1.0, "--rope-type": "yarn", "--rotary-base": 10000,
     "--position-embedding-type": "rope", "--no-rope-fusion": True, "--kv-channels": 16, "--normalization": "RMSNorm",
     "--norm-epsilon": 1e-6, "--swiglu": True, "--untie-embeddings-and-output-weights": True,
-    "--disable-bias-linear": True, "--attention-softmax-in-fp32": True,
+    "--disable-bias-linear": True, "--attention-softmax-in-fp32": True, "--bf16": True,
     "--num-experts": 4, "--moe-layer-freq": "([0]*1+[1]*3)", "--moe-ffn-hidden-size": 32,
     "--moe-shared-expert-intermediate-size": 32, "--moe-router-topk": 2, "--moe-router-score-function": "sigmoid",
     "--moe-router-enable-expert-bias": True, "--moe-router-topk-scaling-factor": 2.5,

@@ -12,7 +12,9 @@
   norm, and trains; a document mask with reset positions gives a document the losses it has alone (1e-5); on a
   CPU the core runs PyTorch's fused kernel (the values padded to the query/key head dimension), which keeps no
   [b, heads, s, s] probabilities for the backward, and gives the math kernel's output (1e-6).
-- FLOPs: Megatron's MLA count (num_floating_point_operations), by hand for a DeepSeek-V3-shaped layer.
+- FLOPs: Megatron's MLA count (num_floating_point_operations), by hand for a DeepSeek-V3-shaped layer, and equal to
+  torch's FLOP counter on an MLA GPT's forward + backward but for the latent norms' terms Megatron adds.
+- Hugging Face export refuses an MLA model with one line; the start-up line says what runs.
 """
 
 from __future__ import annotations
@@ -262,3 +264,21 @@ def test_start_up_line_says_what_runs():
     assert line == ("> MLA: 4 heads, query/key 8 + 8 rotary (one key head shared), value 12; query latent 16, key/value "
                     "latent 16, latent norms; YaRN factor 4 over 8, mscale 1 / 0.8, softmax scale 1.234 / sqrt(16); "
                     "down-projections whole on each of the 2 TP rank(s), up-projections split by heads")
+
+
+def test_flops_equal_the_flop_counter_but_for_the_latent_norms():
+    """torch's FLOP counter (matmuls only, SDPA on its math path over the full square) on an MLA GPT's forward +
+    backward: Megatron's count minus the latent norms' r_q + r_kv multiply-adds per token and layer it adds."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_po.flops import gpt_flops_per_token
+    cfg = Config()
+    cfg.model = gpt_cfg(attention_backend="local", hidden_dropout=0.0, attention_dropout=0.0)
+    model_parallel_seed(SEED)
+    net = GPTModel(cfg.model, VOCAB, SEED)
+    b = batch()
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        net(input_ids=b["tokens"], labels=b["labels"]).sum().backward()
+    norms = 3 * 2 * (16 + 16) * cfg.model.num_layers  # per token: r_q + r_kv, forward + backward
+    assert counter.get_total_flops() == (gpt_flops_per_token(cfg, VOCAB) - norms) * B * SEQ

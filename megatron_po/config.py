@@ -208,6 +208,10 @@ class ModelConfig:
                                             "(default 1, the value Megatron's MLA fixes)")
     yarn_correction_range_round_to_int: bool = _f(True, "MLA's YaRN: --no-yarn-correction-range-round-to-int keeps the "
                                                         "correction range's ends unrounded")
+    mla_down_proj_fusion: bool = _f(False, "MLA: no effect here: Megatron's fused query/key-value down-projection "
+                                           "kernel switch (the same numbers); needs --multi-latent-attention as there")
+    cache_mla_latents: bool = _f(False, "MLA: Megatron's latent KV cache of its inference engine, which conflicts with "
+                                        "training there: refused with one line")
 
 
 @dataclass

@@ -454,7 +454,10 @@ RULES = [
       for argv in [["--q-lora-rank", "8"], ["--kv-lora-rank", "8"], ["--qk-head-dim", "8"],
                    ["--qk-pos-emb-head-dim", "8"], ["--v-head-dim", "8"], ["--rotary-scaling-factor", "40"],
                    ["--mscale", "0.707"], ["--mscale-all-dim", "1.0"], ["--yarn-original-max-position-embeddings", "8"],
-                   ["--yarn-beta-fast", "16"], ["--yarn-beta-slow", "2"], ["--no-yarn-correction-range-round-to-int"]]],
+                   ["--yarn-beta-fast", "16"], ["--yarn-beta-slow", "2"], ["--no-yarn-correction-range-round-to-int"],
+                   ["--mla-down-proj-fusion"]]],
+    ("cache-mla-latents-refused", 1, MLA + ["--cache-mla-latents"],
+     ["--cache-mla-latents is the latent KV cache of Megatron's inference engine", "drop it"]),
     ("rope-type-yarn-needs-mla", 1, MOCK + ["--rope-type", "yarn"],
      ["--rope-type yarn is multi-latent attention's RoPE", "add --multi-latent-attention"]),
     ("mla-vs-group-query-attention", 1, MLA + ["--group-query-attention", "--num-query-groups", "2"],
@@ -591,7 +594,8 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     deepseek = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
                 "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
                 "--mscale", "1.0", "--mscale-all-dim", "1.0", "--rope-type", "yarn", "--position-embedding-type", "rope",
-                "--no-rope-fusion", "--kv-channels", "16", "--normalization", "RMSNorm", "--disable-bias-linear"]
+                "--no-rope-fusion", "--kv-channels", "16", "--normalization", "RMSNorm", "--disable-bias-linear",
+                "--mla-down-proj-fusion"]
     validate(parse_args(MOCK + deepseek + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), 2)
     validate(parse_args(MOCK + deepseek[:1] + deepseek[3:] + ["--hidden-size", "112", "--num-attention-heads", "3",
                                                                  "--fp8-format", "hybrid"]), 1)

@@ -24,10 +24,10 @@ PROJECT_ONLY = {
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
-         "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
+         "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--mla-down-proj-fusion"}
 REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-router-num-groups", "--moe-router-group-topk",
            "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-permute-fusion", "--moe-shared-expert-overlap",
-           "--moe-layer-recompute"}
+           "--moe-layer-recompute", "--cache-mla-latents"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -96,7 +96,8 @@ Notes where our reading differs in detail:
   `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`, `--yarn-beta-slow` and
   `--no-yarn-correction-range-round-to-int` set MLA's YaRN here; in Megatron they configure
   `--position-embedding-type yarn` (not available here) and its MLA keeps 4096, 32, 1 and rounding, the defaults
-  here. The MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
+  here. `--mla-down-proj-fusion` (a CUDA fusion) is a no-op; `--cache-mla-latents` (inference) is refused. The
+  MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
   `--use-rope-scaling` and `--rotary-seq-len-interpolation-factor` with it, and `--transformer-impl
   transformer_engine` with it are refused with one line.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);

@@ -32,6 +32,7 @@ _NEED_MLA = [
     ("--yarn-beta-fast", lambda c: c.m.yarn_beta_fast is not None),
     ("--yarn-beta-slow", lambda c: c.m.yarn_beta_slow is not None),
     ("--no-yarn-correction-range-round-to-int", lambda c: not c.m.yarn_correction_range_round_to_int),
+    ("--mla-down-proj-fusion", lambda c: c.m.mla_down_proj_fusion),
 ]
 
 # The plain attention's RoPE options, which MLA's RoPE (--rope-type) does not read.
@@ -81,6 +82,9 @@ MLA_RULES = [
     Rule("mla-local-layers", lambda c: c.m.transformer_impl == "local",
          "--multi-latent-attention runs in the local layers here; the Transformer Engine layers take no MLA: use "
          "--transformer-impl local", when=_mla),
+    Rule("cache-mla-latents-refused", lambda c: not c.m.cache_mla_latents,
+         "--cache-mla-latents is the latent KV cache of Megatron's inference engine (it conflicts with training there): "
+         "drop it"),
     Rule("mla-gpt-only", lambda c: c.workload == "gpt",
          "--multi-latent-attention applies to pretrain_gpt.py: the NMT model's attention is multi-head", when=_mla),
 ]

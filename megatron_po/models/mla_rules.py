@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from megatron_po.config_check import Ctx, Rule, at_least, each
-from megatron_po.models.mla import mla_sizes
+from megatron_po.models.mla import YARN_BETA_FAST, YARN_BETA_SLOW, mla_sizes
 
 
 def _mla(c: Ctx) -> bool:
@@ -44,7 +44,7 @@ _PLAIN_ROPE = [
 
 
 def _yarn_betas(c: Ctx) -> tuple[float, float]:
-    return c.m.yarn_beta_fast or 32.0, c.m.yarn_beta_slow or 1.0
+    return c.m.yarn_beta_fast or YARN_BETA_FAST, c.m.yarn_beta_slow or YARN_BETA_SLOW
 
 
 def _finite(*values: float) -> bool:

@@ -9,8 +9,8 @@ d_v (--v-head-dim), latent ranks r_q (--q-lora-rank) and r_kv (--kv-lora-rank):
     head h: softmax([q_nope_h, rope(q_pe_h)] · [k_nope_h, rope(k_pe)] · scale) V_h, then W_o over the heads
 
 The rotary key k_pe is one head shared by every head. `norm` is --normalization over the latent, present with
---qk-layernorm (Megatron's meaning of that flag under MLA; DeepSeek-V3's recipes pass it). Weights as
-transformers' DeepseekV3Attention names them: q_down = q_a_proj, q_norm = q_a_layernorm, q_up = q_b_proj
+--qk-layernorm (Megatron's meaning of that flag under MLA; DeepSeek-V3's recipes pass it). The weights and
+transformers' DeepseekV3Attention's: q_down = q_a_proj, q_norm = q_a_layernorm, q_up = q_b_proj
 (q_proj without --q-lora-rank), kv_down = kv_a_proj_with_mqa, kv_norm = kv_a_layernorm, kv_up = kv_b_proj,
 proj = o_proj; the same math on the same weights (tests/test_mla.py). Biases: only the output projection's
 (--add-bias-linear), as Megatron.

@@ -100,6 +100,12 @@ Notes where our reading differs in detail:
   MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
   `--use-rope-scaling` and `--rotary-seq-len-interpolation-factor` with it, and `--transformer-impl
   transformer_engine` with it are refused with one line.
+- Multi-token prediction (`--mtp-num-layers`, `--mtp-loss-scaling-factor`): Megatron-core's names, default (0.1)
+  and meaning: DeepSeek-V3's sequential depths on the last virtual stage, their loss scaled by factor / N and
+  added to the LM loss for the backward, logged apart (`mtp_loss`). Where this code differs: the factor given
+  without `--mtp-num-layers` is refused (Megatron ignores it); evaluation reports the LM loss and does not run
+  the depths; under the asynchronous methods the MTP block's embedding on the last stage is that stage's own
+  parameter (checkpointed), not tied to the first stage's. See docs/mtp.md.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

@@ -11,6 +11,7 @@ frequencies, the cos/sin factor and the softmax scale all differ from plain RoPE
   without sequence parallelism (no query compression, dense), TP 2 with it (DeepSeek-shaped: MoE), CP 2 ring (p2p)
   and TP 2 x CP 2 all-gather with EP 2, CP 2 with document masks (--reset-attention-mask), PP 2 interleaved 1F1B
   and ZB-V.
+  With multi-token prediction (an MTP depth whose layer has MLA): TP 2 with sequence parallelism (MoE), CP 2.
   The down-projections are whole on every TP rank: their gradients match the one-process ones only if the shared
   rotary key's gradient is summed over TP (without sequence parallelism) and the partial sums over the TP ranks'
   tokens are (with it).
@@ -92,9 +93,7 @@ def reference_with_documents(n: int, **model):
         with aux_loss_scale(1.0 / n):
             (loss / n).backward()
         losses.append(loss.detach())
-    grads = {f"model.{k}": p.grad for k, p in net.named_parameters()}
-    params_norm = torch.stack([p.detach().double().square().sum() for p in net.parameters()]).sum().sqrt().item()
-    return torch.stack(losses).mean().item(), grads, {}, params_norm
+    return moe_harness.reference_results(net, torch.stack(losses).mean().item())
 
 
 def test_context_parallel_with_document_masks_matches_one_process(monkeypatch):
@@ -113,6 +112,26 @@ def test_context_parallel_with_document_masks_matches_one_process(monkeypatch):
     plain = reference(M, **DENSE)
     assert abs(ref[0] - plain[0]) > 1e-4  # the documents mattered (the check's tolerance: 5e-5)
     check_equal(run_distributed(distributed_run, 2, cp=2, args=(DENSE, 1)), ref)
+
+
+@pytest.mark.parametrize("world,tp,cp,model,layout", [
+    (2, 2, 1, {**MLA, "mtp_num_layers": 1}, (1, None, "1f1b", 1, True)),
+    (2, 1, 2, {**DENSE, "mtp_num_layers": 1}, (1,)),
+], ids=["tp2-sp-moe-mtp", "cp2-mtp"])
+def test_with_multi_token_prediction_matches_one_process(world, tp, cp, model, layout):
+    """DeepSeek-V3's pair: an MTP depth whose layer has MLA (and MoE), its losses included (tests/test_mtp.py's
+    run and check)."""
+    from test_mtp import mtp_distributed_run
+
+    from megatron_po.models.mla import MultiLatentAttention
+    from megatron_po.models.mtp import mtp_metrics
+    net, loss = moe_harness.reference_model(M, **model)
+    ref, ref_mtp = moe_harness.reference_results(net, loss), mtp_metrics(moe_harness.make_cfg(**model), [net])
+    assert isinstance(net.mtp.layers[0].transformer_layer.attention, MultiLatentAttention)
+    results = run_distributed(mtp_distributed_run, world, tp=tp, cp=cp, args=(model, *layout), timeout=240)
+    check_equal([r[:4] for r in results], ref)
+    for mtp in (r[4] for r in results if r[4] is not None):
+        assert all(abs(mtp[k] - ref_mtp[k]) < 1e-5 * ref_mtp[k] for k in ref_mtp), (mtp, ref_mtp)
 
 
 # ---- ZeRO-1 and Muon -------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 a DeepSeek-V3 recipe's MLA flags (sizes shrunk, every other MLA flag kept: YaRN factor 40, mscale 1 / 1,
 --qk-layernorm, --kv-channels and --no-rope-fusion as the recipes pass them), bf16 with the softmax in fp32, and
 MoE flags this code takes (sigmoid scores, the expert bias, shared experts, a dense first layer, grouped GEMM,
-alltoall).
+alltoall), and its multi-token prediction (one depth, factor 0.3).
 
 - Under PipeOptim at PP 2 it trains: the loss falls by more than 0.3 over 12 iterations; the log's model TFLOP/s are
   the MLA count (flops.py, more than 5 % off the count of plain attention here) times the tokens per second.
@@ -28,6 +28,7 @@ DEEPSEEK_V3 = {  # MODEL_ARGS of DeepSeek-V3's Megatron recipe, shrunk: MLA, the
     "--moe-router-enable-expert-bias": True, "--moe-router-topk-scaling-factor": 2.5,
     "--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": 1e-4,
     "--moe-token-dispatcher-type": "alltoall", "--moe-grouped-gemm": True,
+    "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 0.3,
     "--num-layers": 4, "--train-iters": 12, "--log-interval": 2, "--eval-interval": 6, "--log-throughput": True,
 }
 

@@ -182,6 +182,14 @@ def attention_kernel_context(backend: str, masked: bool = False):
     return sdpa_kernel(getattr(SDPBackend, kernel))
 
 
+def _one_head_dim_kernel(backend: str, device: torch.device) -> bool:
+    """Whether the SDPA kernel of --attention-backend takes only one head dimension for queries, keys and values:
+    flash and cuDNN (forced), and PyTorch's fused CPU kernel (auto on a CPU, which would otherwise fall back to the
+    math kernel and keep the [b, heads, s, s] probabilities). CUDA's memory-efficient kernel (auto) takes both."""
+    kernel = _SDPA_KERNELS[backend]
+    return kernel in ("FLASH_ATTENTION", "CUDNN_ATTENTION") or (kernel is None and device.type == "cpu")
+
+
 def sdpa_inputs(backend: str, *qkv: torch.Tensor) -> tuple:
     """q, k, v as the SDPA call gets them: unchanged, except in a compiled graph (--torch-compile) with the math
     kernel forced (--attention-backend local/unfused), where inductor (torch 2.13) lowers permuted inputs to
@@ -230,9 +238,8 @@ class AttentionCore(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
         value_dim = v.shape[-1]
-        if value_dim < q.shape[-1] and q.device.type == "cpu" and _SDPA_KERNELS[self.attention_backend] is None:
-            # PyTorch's fused CPU kernel takes one head dimension: narrower values (multi-latent attention) would send
-            # SDPA to the math kernel, which keeps the [b, heads, s, s] probabilities; zero columns keep it fused
+        if value_dim < q.shape[-1] and _one_head_dim_kernel(self.attention_backend, q.device):
+            # Narrower values (multi-latent attention): zero columns give the kernel one head dimension, the same output
             v = F.pad(v, (0, q.shape[-1] - value_dim))
         scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
         with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):

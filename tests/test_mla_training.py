@@ -30,6 +30,7 @@ DEEPSEEK_V3 = {  # MODEL_ARGS of DeepSeek-V3's Megatron recipe, shrunk: MLA, the
     "--moe-token-dispatcher-type": "alltoall", "--moe-grouped-gemm": True,
     "--mtp-num-layers": 1, "--mtp-loss-scaling-factor": 0.3,
     "--num-layers": 4, "--train-iters": 12, "--log-interval": 2, "--eval-interval": 6, "--log-throughput": True,
+    "--global-batch-size": 8,
 }
 
 

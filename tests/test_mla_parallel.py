@@ -19,6 +19,7 @@ frequencies, the cos/sin factor and the softmax scale all differ from plain RoPE
   one-process run (each MLA factor its own matrix; the column-parallel up-projections gathered whole, --muon-tp-mode
   duplicated; the replicated down-projections' gradients summed over the TP ranks' tokens);
   losses rtol 1e-5 / atol 1e-6, weights atol 1e-5, as tests/test_moe_optimizers.py.
+- FSDP2 (--use-torch-fsdp2) at TP 2 with sequence parallelism x DP 2 equals DDP (1e-6, tests/test_fsdp.py's run).
 - Asynchronous pipelines: PipeOptim (Adam; Muon with the distributed optimizer) and interleaved PipeDream at PP 2
   equal the single-process emulator bit for bit (the MLA weights are parameters like any: stashed, predicted); the
   rest of the family (async-naive, PipeDream-2BW, SpecTrain, PipeNAG) trains MLA in the emulator (finite losses,
@@ -152,6 +153,30 @@ def test_distributed_optimizer_with_muon_at_tp2_sp_dp2_equals_one_process(monkey
             torch.testing.assert_close(w, ref_weights[k], rtol=1e-5, atol=opt_tests.ATOL, msg=k)
     moved = ref_weights["model.layers.0.attention.kv_up.weight"]
     assert moved.shape == (4 * (8 + 12), 16)
+
+
+MLA_ARGV = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+            "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--rotary-scaling-factor", "4", "--mscale-all-dim", "0.8",
+            "--yarn-original-max-position-embeddings", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def _ddp_and_fsdp2():
+    from test_fsdp import _sync_run
+    return _sync_run(MLA_ARGV, 2, fsdp=False), _sync_run(MLA_ARGV, 2, fsdp=True)
+
+
+def test_fsdp2_at_tp2_sp_dp2_equals_ddp():
+    """--use-torch-fsdp2 (weights, gradients and optimizer state sharded over DP 2) against DDP at TP 2 with sequence
+    parallelism: the losses, gradient norms and weights of two steps within 1e-6 (tests/test_fsdp.py's run)."""
+    for ddp, fsdp in run_distributed(_ddp_and_fsdp2, 4, timeout=240):
+        assert (ddp[0][0] is None) == (fsdp[0][0] is None)
+        if ddp[0][0] is not None:
+            torch.testing.assert_close(torch.tensor(fsdp[0]), torch.tensor(ddp[0]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(fsdp[1]), torch.tensor(ddp[1]), rtol=0, atol=1e-6)
+        assert fsdp[2].keys() == ddp[2].keys() and any(".kv_down." in k for k in ddp[2])
+        for key in ddp[2]:
+            torch.testing.assert_close(fsdp[2][key], ddp[2][key], rtol=0, atol=1e-6, msg=key)
 
 
 # ---- asynchronous pipelines: emulator = distributed, bit for bit ---------------------------------------------

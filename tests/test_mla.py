@@ -67,7 +67,10 @@ def pair(q_lora_rank, rope: str, interleaved: bool = True):
             if mine is None:
                 continue
             w = theirs.weight
-            w.copy_(torch.rand(w.shape, generator=g) + 0.5 if "norm" in name else torch.randn(w.shape, generator=g) * 0.3)
+            if "norm" in name:
+                w.copy_(torch.rand(w.shape, generator=g) + 0.5)
+            else:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
             mine.weight.copy_(w)
     return ours, hf, DeepseekV3RotaryEmbedding(hf_cfg), cfg
 
@@ -168,7 +171,7 @@ def test_compiled_layers_and_chunked_loss_follow_eager(monkeypatch):
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     quiet = dict(hidden_dropout=0.0, attention_dropout=0.0)
     eager = loss_and_grads(gpt_cfg(**quiet), steps=2)
-    # the layers only: the chunked output loss's compilation is MLA's no more than any model's (tests/test_compiled_layers)
+    # the layers only: the chunked output loss compiles for MLA as for any model (tests/test_compiled_layers.py)
     compiled = loss_and_grads(gpt_cfg(torch_compile=True, **quiet),
                               lambda net: compiled_layers.compile_layers([types.SimpleNamespace(layers=net.layers)]),
                               steps=2)
@@ -268,9 +271,9 @@ def test_hugging_face_export_refuses_mla_with_one_line():
 def test_start_up_line_says_what_runs():
     from megatron_po.models.mla import mla_summary
     line = mla_summary(gpt_cfg(), tp=2)
-    assert line == ("> MLA: 4 heads, query/key 8 + 8 rotary (one key head shared), value 12; query latent 16, key/value "
-                    "latent 16, latent norms; YaRN factor 4 over 8, mscale 1 / 0.8, softmax scale 1.234 / sqrt(16); "
-                    "down-projections whole on each of the 2 TP rank(s), up-projections split by heads")
+    assert line == ("> MLA: 4 heads, query/key 8 + 8 rotary (one key head shared), value 12; query latent 16, "
+                    "key/value latent 16, latent norms; YaRN factor 4 over 8, mscale 1 / 0.8, softmax scale 1.234 / "
+                    "sqrt(16); down-projections whole on each of the 2 TP rank(s), up-projections split by heads")
 
 
 def test_flops_equal_the_flop_counter_but_for_the_latent_norms():

@@ -137,9 +137,9 @@ def main(argv=None) -> int:
     flops = {"MLA": 2 * mla_multiply_adds_per_token(mla), "MHA": 2 * mha_multiply_adds_per_token(mha)}
     out.emit(f"Hidden {h}, {n} heads, {seq} x {batch} tokens. MLA: query/key heads {d_n} + {d_r} (rotary, the key's "
              f"shared), value heads {d_v}, latents q {r_q} and kv {r_kv}, YaRN (factor 40); MHA: heads of "
-             f"{mha.kv_channels}. Forward FLOPs per token: MLA {flops['MLA'] / 1e6:.3f} M, MHA {flops['MHA'] / 1e6:.3f} "
-             f"M ({flops['MHA'] / flops['MLA']:.3f} of MLA's). {torch.get_num_threads()} thread(s); {reps} alternating "
-             f"repetitions after one tracked warm-up.")
+             f"{mha.kv_channels}. Forward FLOPs per token: MLA {flops['MLA'] / 1e6:.3f} M, MHA "
+             f"{flops['MHA'] / 1e6:.3f} M ({flops['MHA'] / flops['MLA']:.3f} of MLA's). {torch.get_num_threads()} "
+             f"thread(s); {reps} alternating repetitions after one tracked warm-up.")
     out.emit()
     figures = {"sizes": SIZES[size], "mha_head_dim": mha.kv_channels, "flops_per_token": flops, "dtypes": {}}
     table = []

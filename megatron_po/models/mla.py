@@ -113,10 +113,9 @@ def mla_rotary(m: ModelConfig) -> RotaryEmbedding:
     dim = mla_sizes(m).qk_pos_emb_head_dim
     if rope_type(m) == "rope":
         return RotaryEmbedding(dim, m.rotary_base, inv_freq=rope_inv_freq(dim, m.rotary_base))
-    s = m.rotary_scaling_factor
-    inv_freq = yarn_inv_freq(dim, m.rotary_base, s, m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITIONS,
-                             m.yarn_beta_fast or YARN_BETA_FAST, m.yarn_beta_slow or YARN_BETA_SLOW,
-                             m.yarn_correction_range_round_to_int)
+    s, original = m.rotary_scaling_factor, m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITIONS
+    inv_freq = yarn_inv_freq(dim, m.rotary_base, s, original, m.yarn_beta_fast or YARN_BETA_FAST,
+                             m.yarn_beta_slow or YARN_BETA_SLOW, m.yarn_correction_range_round_to_int)
     return RotaryEmbedding(dim, m.rotary_base, inv_freq=inv_freq,
                            attention_factor=yarn_mscale(s, m.mscale) / yarn_mscale(s, m.mscale_all_dim))
 
@@ -138,8 +137,8 @@ def mla_summary(m: ModelConfig, tp: int) -> str:
         rope = f"RoPE base {m.rotary_base}"
     scale = softmax_scale(m)
     scale = "" if scale is None else f", softmax scale {scale * math.sqrt(z.q_head_dim):.4g} / sqrt({z.q_head_dim})"
-    return (f"> MLA: {m.num_attention_heads} heads, query/key {z.qk_head_dim} + {z.qk_pos_emb_head_dim} rotary (one key "
-            f"head shared), value {z.v_head_dim}; {query}, key/value latent {z.kv_lora_rank}"
+    return (f"> MLA: {m.num_attention_heads} heads, query/key {z.qk_head_dim} + {z.qk_pos_emb_head_dim} rotary "
+            f"(one key head shared), value {z.v_head_dim}; {query}, key/value latent {z.kv_lora_rank}"
             f"{', latent norms' if m.qk_layernorm else ''}; {rope}{scale}; down-projections whole on each of the "
             f"{tp} TP rank(s), up-projections split by heads")
 

@@ -83,8 +83,8 @@ MLA_RULES = [
          "--multi-latent-attention runs in the local layers here; the Transformer Engine layers take no MLA: use "
          "--transformer-impl local", when=_mla),
     Rule("cache-mla-latents-refused", lambda c: not c.m.cache_mla_latents,
-         "--cache-mla-latents is the latent KV cache of Megatron's inference engine (it conflicts with training there): "
-         "drop it"),
+         "--cache-mla-latents is the latent KV cache of Megatron's inference engine (it conflicts with training "
+         "there): drop it"),
     Rule("mla-gpt-only", lambda c: c.workload == "gpt",
          "--multi-latent-attention applies to pretrain_gpt.py: the NMT model's attention is multi-head", when=_mla),
 ]

@@ -45,7 +45,8 @@ class ModelConfig:
                                   "is divisible by --tensor-model-parallel-size)")
     kv_channels: int | None = _f(None, "dimension of one attention head (default hidden / heads)")
     qk_layernorm: bool = _f(False, "normalize each query and key head (--normalization, over the head dimension) "
-                                   "before RoPE and the dot product")
+                                   "before RoPE and the dot product; with --multi-latent-attention: normalize the "
+                                   "query and key/value latents instead (DeepSeek's q_a/kv_a norms)")
     seq_length: int = _f(128, "training sequence length")
     max_position_embeddings: int | None = _f(None, "size of the learned position table (default seq_length)")
     position_embedding_type: str = _f("learned_absolute", "position encoding",
@@ -175,6 +176,42 @@ class ModelConfig:
                                                 "here, refused with one line")
     moe_layer_recompute: bool = _f(False, "MoE: Megatron's MoE-layer-only recomputation: not implemented here (use "
                                           "--recompute-granularity full), refused with one line")
+    # Multi-latent attention (Megatron-core's flags and meanings; megatron_po/models/mla.py, docs/mla.md)
+    multi_latent_attention: bool = _f(False, "DeepSeek-V2/V3's multi-latent attention: keys and values up-projected "
+                                             "per head from one shared low-rank latent (--kv-lora-rank), the query "
+                                             "from its own (--q-lora-rank), a rotary part (--qk-pos-emb-head-dim) "
+                                             "whose key is one head shared by all; --kv-channels and "
+                                             "--position-embedding-type rope have no effect on it (its RoPE is "
+                                             "--rope-type's); docs/mla.md")
+    q_lora_rank: int | None = _f(None, "MLA: rank of the query's low-rank compression (default: none, the query "
+                                       "projected from the hidden state, as Moonlight)")
+    kv_lora_rank: int | None = _f(None, "MLA: rank of the key/value latent (default 32, Megatron's)")
+    qk_head_dim: int | None = _f(None, "MLA: query/key head dimension without position information (default 128); a "
+                                       "query/key head is this + --qk-pos-emb-head-dim")
+    qk_pos_emb_head_dim: int | None = _f(None, "MLA: the rotary dimensions of a query/key head (default 64), the key's "
+                                               "one head shared by all heads")
+    v_head_dim: int | None = _f(None, "MLA: value head dimension (default 128)")
+    rope_type: str | None = _f(None, "MLA's RoPE: yarn (the default with --multi-latent-attention; DeepSeek-V3's "
+                                     "YaRN scaling) or rope (plain); plain attention takes only rope",
+                               choices=["rope", "yarn"])
+    rotary_scaling_factor: float = _f(1.0, "MLA: YaRN's context scaling factor s (DeepSeek-V3: 40); also in the "
+                                           "softmax scale, mscale(s, --mscale-all-dim)^2 / sqrt(query/key head dim)")
+    mscale: float = _f(1.0, "MLA: YaRN's mscale: cos/sin are scaled by mscale(s, mscale) / mscale(s, "
+                            "--mscale-all-dim), mscale(s, m) = 0.1 m ln(s) + 1")
+    mscale_all_dim: float = _f(0.0, "MLA: YaRN's mscale_all_dim (DeepSeek-V3: 1.0): see --mscale and "
+                                    "--rotary-scaling-factor")
+    yarn_original_max_position_embeddings: int | None = _f(None, "MLA's YaRN: the original (pretraining) context "
+                                                                 "(default 4096, the value Megatron's MLA fixes)")
+    yarn_beta_fast: float | None = _f(None, "MLA's YaRN: beta_fast, rotations below which a frequency is interpolated "
+                                            "(default 32, the value Megatron's MLA fixes)")
+    yarn_beta_slow: float | None = _f(None, "MLA's YaRN: beta_slow, rotations above which a frequency is kept "
+                                            "(default 1, the value Megatron's MLA fixes)")
+    yarn_correction_range_round_to_int: bool = _f(True, "MLA's YaRN: --no-yarn-correction-range-round-to-int keeps the "
+                                                        "correction range's ends unrounded")
+    mla_down_proj_fusion: bool = _f(False, "MLA: no effect here: Megatron's fused query/key-value down-projection "
+                                           "kernel switch (the same numbers); needs --multi-latent-attention as there")
+    cache_mla_latents: bool = _f(False, "MLA: Megatron's latent KV cache of its inference engine, which conflicts with "
+                                        "training there: refused with one line")
     # Multi-token prediction (DeepSeek-V3's; Megatron-core's flags and meanings; megatron_po/models/mtp.py, docs/mtp.md)
     mtp_num_layers: int | None = _f(None, "multi-token prediction: N sequential MTP modules on the last pipeline stage "
                                           "(DeepSeek-V3's); depth d combines the previous depth's states with the "

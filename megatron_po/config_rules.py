@@ -9,7 +9,8 @@ tests/test_config_rules.py: that test reads this table and fails when a rule has
 
 The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`), the FP8
 backend's and recipe's in models/fp8.py (`FP8_RULES`), the Mixture of Experts' in models/moe/rules.py
-(`MOE_RULES`), multi-token prediction's in models/mtp.py (`MTP_RULES`). This
+(`MOE_RULES`), multi-latent attention's in models/mla_rules.py (`MLA_RULES`), multi-token prediction's in
+models/mtp.py (`MTP_RULES`). This
 module sits above config.py (the tree and its derived values) and models/, so config.py imports nothing
 from models/.
 """
@@ -25,6 +26,7 @@ from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
 from megatron_po.models.fp8 import FP8_RULES
+from megatron_po.models.mla_rules import MLA_RULES
 from megatron_po.models.moe.rules import MOE_RULES
 from megatron_po.models.mtp import MTP_RULES
 from megatron_po.models.te_transformer import TE_RULES
@@ -181,7 +183,7 @@ LAYOUT = [
     *CONTEXT_PARALLEL,
     Rule("hidden-vs-heads", lambda c: c.m.kv_channels is not None or c.m.hidden_size % c.m.num_attention_heads == 0,
          lambda c: f"--hidden-size ({c.m.hidden_size}) is not divisible by --num-attention-heads "
-                   f"({c.m.num_attention_heads})"),
+                   f"({c.m.num_attention_heads})", when=lambda c: not c.m.multi_latent_attention),
     Rule("kv-channels>=1", lambda c: c.m.kv_channels is None or c.m.kv_channels >= 1,
          lambda c: f"--kv-channels must be >= 1 (got {c.m.kv_channels})"),
     Rule("hidden-vs-tp", lambda c: c.m.hidden_size % c.tp == 0,
@@ -227,7 +229,7 @@ LAYOUT = [
     Rule("rope-even-head-dim", lambda c: _rotary_dim(c) >= 2 and _rotary_dim(c) % 2 == 0,
          lambda c: f"RoPE needs an even number of rotated dimensions: head dimension {kv_channels(c.m)} x "
                    f"--rotary-percent {c.m.rotary_percent} = {_rotary_dim(c)}",
-         when=lambda c: c.m.position_embedding_type == "rope"),
+         when=lambda c: c.m.position_embedding_type == "rope" and not c.m.multi_latent_attention),
     Rule("seq-vs-positions", lambda c: c.m.seq_length <= (c.m.max_position_embeddings or c.m.seq_length),
          lambda c: f"--seq-length ({c.m.seq_length}) exceeds --max-position-embeddings "
                    f"({c.m.max_position_embeddings or c.m.seq_length})",
@@ -689,4 +691,5 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + FSDP + MOE_RULES + MTP_RULES + FP8_RULES + TE_RULES + NMT)
+                             + MEGATRON_SWITCHES + FSDP + MOE_RULES + MLA_RULES + MTP_RULES + FP8_RULES + TE_RULES
+                             + NMT)

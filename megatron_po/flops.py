@@ -10,12 +10,14 @@ router (h x E), its top-k routed experts of --moe-ffn-hidden-size f_e and the sh
 in the place of the dense MLP's 2 g h f (`moe_mlp_flops_per_token`), on the layers --moe-layer-freq marks.
 Model FLOPs, as MFU takes them: a capacity (--moe-expert-capacity-factor) that drops token-expert pairs or
 pads an expert's input is not subtracted or added (Megatron's convention, which leaves the router out).
+Multi-latent attention (--multi-latent-attention) is counted as Megatron counts it (`mla_multiply_adds_per_token`).
 docs/tracking.md#flops-and-mfu states the whole formula.
 """
 
 from __future__ import annotations
 
 from megatron_po.config import Config, ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
+from megatron_po.models.mla import mla_sizes
 from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_pattern
 
 
@@ -29,6 +31,21 @@ def moe_mlp_flops_per_token(m: ModelConfig) -> float:
     shared = m.moe_shared_expert_intermediate_size or 0
     return 2 * (m.hidden_size * m.num_experts + m.moe_router_topk * _mlp_multiply_adds(m, expert_ffn_hidden_size(m))
                 + _mlp_multiply_adds(m, shared))
+
+
+def mla_multiply_adds_per_token(m: ModelConfig, causal: bool = False) -> float:
+    """Multi-latent attention's forward multiply-adds per token, Megatron's count (num_floating_point_operations):
+    the query (r_q (h + n d_q + 1) with --q-lora-rank, the +1 its latent norm; h n d_q without), the key/value
+    latent and up-projection r_kv (h + n (d_n + d_v) + 1), the shared rotary key h d_r, the output n d_v h, and the
+    core: scores s n d_q and weighted values s n d_v over the full square (half with `causal`), d_q = d_n + d_r."""
+    z, h, n, s = mla_sizes(m), m.hidden_size, m.num_attention_heads, m.seq_length
+    if z.q_lora_rank is None:
+        query = h * n * z.q_head_dim
+    else:
+        query = z.q_lora_rank * (h + n * z.q_head_dim + 1)
+    keys_values = z.kv_lora_rank * (h + n * (z.qk_head_dim + z.v_head_dim) + 1) + h * z.qk_pos_emb_head_dim
+    core = s * n * (z.q_head_dim + z.v_head_dim) * (0.5 if causal else 1.0)
+    return query + keys_values + n * z.v_head_dim * h + core
 
 
 def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> float:
@@ -45,10 +62,13 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> f
     """
     m = cfg.model
     h, s, L = m.hidden_size, m.seq_length, m.num_layers
-    # Attention with a = heads x head dim (h by default) and g = key/value groups x head dim (GQA): QKV h (a + 2g),
-    # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
-    a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
-    attention = 2 * (h * (a + 2 * g) + a * h + (1 if causal else 2) * s * a)
+    if m.multi_latent_attention:
+        attention = 2 * mla_multiply_adds_per_token(m, causal)
+    else:
+        # Attention with a = heads x head dim (h by default) and g = key/value groups x head dim (GQA): QKV h (a + 2g),
+        # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
+        a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
+        attention = 2 * (h * (a + 2 * g) + a * h + (1 if causal else 2) * s * a)
     pattern = moe_layer_pattern(m)
     dense_mlp = 2 * _mlp_multiply_adds(m, ffn_hidden_size(m))
     moe_layers = sum(pattern)

@@ -21,6 +21,7 @@ from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
+from megatron_po.models.mla import mla_summary
 from megatron_po.models.moe.rules import moe_summary
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import expert_norm_group
@@ -201,6 +202,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
     if cfg.model.num_experts is not None:
         print_rank0(moe_summary(cfg))
+    if cfg.model.multi_latent_attention:
+        print_rank0(mla_summary(cfg.model, p.tensor_model_parallel_size))
     return model
 
 

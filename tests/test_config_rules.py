@@ -23,6 +23,7 @@ TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
 CP2 = MOCK + ["--context-parallel-size", "2", "--attention-dropout", "0"]  # valid on 2 ranks
+MLA = MOCK + ["--multi-latent-attention"]  # Megatron's default sizes
 MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 
 # (id, world size, argv, words the error line must contain)
@@ -464,6 +465,36 @@ RULES = [
     ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
                                        "--moe-shared-expert-intermediate-size", "40"],
      ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),
+    # Multi-latent attention (models/mla_rules.py)
+    *[(f"{flag[2:]}>=1", 1, MLA + [flag, "0"], [f"{flag} must be >= 1 (got 0)"])
+      for flag in ["--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
+                   "--yarn-original-max-position-embeddings"]],
+    *[(f"{argv[0][2:]}-needs-mla", 1, MOCK + argv,
+       [f"{argv[0]} applies to multi-latent attention: add --multi-latent-attention"])
+      for argv in [["--q-lora-rank", "8"], ["--kv-lora-rank", "8"], ["--qk-head-dim", "8"],
+                   ["--qk-pos-emb-head-dim", "8"], ["--v-head-dim", "8"], ["--rotary-scaling-factor", "40"],
+                   ["--mscale", "0.707"], ["--mscale-all-dim", "1.0"], ["--yarn-original-max-position-embeddings", "8"],
+                   ["--yarn-beta-fast", "16"], ["--yarn-beta-slow", "2"], ["--no-yarn-correction-range-round-to-int"],
+                   ["--mla-down-proj-fusion"]]],
+    ("cache-mla-latents-refused", 1, MLA + ["--cache-mla-latents"],
+     ["--cache-mla-latents is the latent KV cache of Megatron's inference engine", "drop it"]),
+    ("rope-type-yarn-needs-mla", 1, MOCK + ["--rope-type", "yarn"],
+     ["--rope-type yarn is multi-latent attention's RoPE", "add --multi-latent-attention"]),
+    ("mla-vs-group-query-attention", 1, MLA + ["--group-query-attention", "--num-query-groups", "2"],
+     ["--group-query-attention with --multi-latent-attention"]),
+    ("mla-rope-even", 1, MLA + ["--qk-pos-emb-head-dim", "7"], ["--qk-pos-emb-head-dim (7) must be even"]),
+    *[(f"{argv[-1 if len(argv) == 3 else 0][2:]}-vs-mla", 1, MLA + argv,
+       [f"{argv[-1 if len(argv) == 3 else 0]} configures the plain attention's RoPE", "--rope-type"])
+      for argv in [["--position-embedding-type", "rope", "--use-rope-scaling"],
+                   ["--rotary-seq-len-interpolation-factor", "2"], ["--rotary-percent", "0.5"]]],
+    ("mla-yarn-settings", 1, MLA + ["--yarn-beta-fast", "1", "--yarn-beta-slow", "2"],
+     ["0 < --yarn-beta-slow < --yarn-beta-fast (got 2.0, 1.0)"]),
+    ("mla-yarn-settings/factor", 1, MLA + ["--rotary-scaling-factor", "0"], ["--rotary-scaling-factor > 0 (got 0.0)"]),
+    ("mla-local-layers", 1, MLA + TE, ["--multi-latent-attention runs in the local layers here"]),
+    ("heads-vs-tp/mla", 2, MLA + ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3"],
+     ["--num-attention-heads (3) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("fp8-dims-by-16/mla", 1, MLA + ["--fp8-format", "hybrid", "--kv-lora-rank", "24"],
+     ["--fp8-format needs every FP8 GEMM dimension divisible by 16", "--kv-lora-rank 24"]),
     # Multi-token prediction (models/mtp.py)
     ("mtp-num-layers>=1", 1, MOCK + ["--mtp-num-layers", "0"], ["--mtp-num-layers must be >= 1 (got 0)"]),
     ("mtp-loss-scaling-factor-needs-mtp", 1, MOCK + ["--mtp-loss-scaling-factor", "0.3"],
@@ -520,6 +551,7 @@ NMT_RULES = [
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
     ("moe-gpt-only", 1, NMT + ["--num-experts", "8"], ["--num-experts is wired for pretrain_gpt.py only"]),
+    ("mla-gpt-only", 1, NMT + ["--multi-latent-attention"], ["--multi-latent-attention applies to pretrain_gpt.py"]),
     ("mtp-gpt-only", 1, NMT + ["--mtp-num-layers", "1"], ["--mtp-num-layers predicts further tokens of pretrain_gpt.py"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
@@ -590,6 +622,15 @@ def test_the_base_command_lines_are_valid(monkeypatch):
                                 "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-expert-capacity-factor", "1.5"]), 2)
     validate(parse_args(MOCK + ["--num-experts", "8", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
                                 "2", "--sequence-parallel", "--disable-bias-linear"]), 4)
+    # DeepSeek-V3's MLA flags (sizes shrunk), the query compressed or not, under TP with sequence parallelism, FP8
+    deepseek = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16", "--qk-layernorm", "--rotary-scaling-factor", "40",
+                "--mscale", "1.0", "--mscale-all-dim", "1.0", "--rope-type", "yarn", "--position-embedding-type", "rope",
+                "--no-rope-fusion", "--kv-channels", "16", "--normalization", "RMSNorm", "--disable-bias-linear",
+                "--mla-down-proj-fusion"]
+    validate(parse_args(MOCK + deepseek + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), 2)
+    validate(parse_args(MOCK + deepseek[:1] + deepseek[3:] + ["--hidden-size", "112", "--num-attention-heads", "3",
+                                                                 "--fp8-format", "hybrid"]), 1)
     fake_transformer_engine.install()
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: True)
     try:

@@ -5,7 +5,8 @@ The keys of a causal attention cut in two blocks, each block's output and log-su
 the ring merges them (`merge`; here the first block leaves some rows without a key, which the ring's first,
 diagonal block never does), equal F.scaled_dot_product_attention over all keys; each block's `backward` given the whole
 attention's output and lse gives its part of dq and its keys' dk, dv exactly. With a document mask whose rows
-see no key of a block (out 0, lse -inf there). fp32 on the CPU (rtol 1e-5, atol 1e-6), bf16 on CUDA (its
+see no key of a block (out 0, lse -inf there). With values of a narrower head dimension than the queries' and
+keys' (multi-latent attention; the CPU kernel pads them). fp32 on the CPU (rtol 1e-5, atol 1e-6), bf16 on CUDA (its
 kernel's rounding: atol 2e-2).
 """
 
@@ -19,13 +20,14 @@ from megatron_po.models import attention_blocks
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("documents", [False, True])
-def test_blocks_merge_into_the_whole_attention(device, documents, monkeypatch):
+@pytest.mark.parametrize("value_dim", [32, 24], ids=["mha", "mla-values"])  # MLA: values narrower than q/k heads
+def test_blocks_merge_into_the_whole_attention(device, documents, value_dim, monkeypatch):
     dev = use_device(device, monkeypatch)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tol = dict(rtol=2e-2, atol=2e-2) if dev.type == "cuda" else dict(rtol=1e-5, atol=1e-6)
     g = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 4, 64, 32
-    q, k, v, dout = (torch.randn(b, h, s, d, generator=g).to(dev, dtype) for _ in range(4))
+    q, k, v, dout = (torch.randn(b, h, s, d if i < 2 else value_dim, generator=g).to(dev, dtype) for i in range(4))
     allowed = torch.ones(s, s, dtype=torch.bool, device=dev).tril().expand(b, 1, s, s).clone()
     if documents:  # a document starting at 40: its rows see nothing of the first block of keys (0..31) but 40..
         doc = (torch.arange(s, device=dev) >= 40).long()

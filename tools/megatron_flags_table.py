@@ -24,10 +24,10 @@ PROJECT_ONLY = {
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
-         "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
+         "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--mla-down-proj-fusion"}
 REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-router-num-groups", "--moe-router-group-topk",
            "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-permute-fusion", "--moe-shared-expert-overlap",
-           "--moe-layer-recompute"}
+           "--moe-layer-recompute", "--cache-mla-latents"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -88,6 +88,18 @@ Notes where our reading differs in detail:
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
   dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
   distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+- Multi-latent attention (`--multi-latent-attention`, `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`,
+  `--qk-pos-emb-head-dim`, `--v-head-dim`, `--rope-type`, `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim`):
+  Megatron-core's names, defaults and meanings (models/mla.py, docs/mla.md); `--qk-layernorm` is the query and
+  key/value latents' norm under MLA, as in Megatron; `--kv-channels` and the plain attention's
+  `--position-embedding-type rope` have no effect on MLA (its RoPE is always applied, as Megatron's MLA does).
+  `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`, `--yarn-beta-slow` and
+  `--no-yarn-correction-range-round-to-int` set MLA's YaRN here; in Megatron they configure
+  `--position-embedding-type yarn` (not available here) and its MLA keeps 4096, 32, 1 and rounding, the defaults
+  here. `--mla-down-proj-fusion` (a CUDA fusion) is a no-op; `--cache-mla-latents` (inference) is refused. The
+  MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
+  `--use-rope-scaling` and `--rotary-seq-len-interpolation-factor` with it, and `--transformer-impl
+  transformer_engine` with it are refused with one line.
 - `--use-torch-fsdp2`, `--torch-fsdp2-no-reshard-after-forward` (also spelled `--no-torch-fsdp2-reshard-after-forward`
   here): Megatron's PyTorch-FSDP2 flags, on `torch.distributed.fsdp.fully_shard`; every pipeline method, the
   asynchronous ones included (they need the reshard after forward). `--data-parallel-sharding-strategy` takes

@@ -15,7 +15,8 @@ Kernels, PyTorch's own: on a CPU `_scaled_dot_product_flash_attention_for_cpu` a
 kernel F.scaled_dot_product_attention runs there; it returns lse = 0 for an entirely masked row, which is
 corrected here); on CUDA the memory-efficient kernel (`_scaled_dot_product_efficient_attention`, which
 takes a mask); `math=True` (--attention-backend local/unfused, or any other device): the explicit
-softmax(QKᵀ)V in fp32. Keys and values must have the queries' heads (the caller repeats GQA groups).
+softmax(QKᵀ)V in fp32. Keys and values must have the queries' heads (the caller repeats GQA groups); the
+values' head dimension may differ from the queries' and keys' (multi-latent attention).
 """
 
 from __future__ import annotations
@@ -85,18 +86,29 @@ def _math_backward(dout, q, k, v, out, lse, causal, mask):
 # --------------------------------------------------------------------------------------------------
 
 
+def _one_head_dim(*tensors, d: int):
+    """The CPU kernel takes one head dimension for queries, keys and values: the narrower ones padded with zeros
+    to `d` (zero query/key columns add nothing to the scores, zero value columns give zero outputs)."""
+    return [t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in tensors]
+
+
 def _cpu_forward(q, k, v, causal, mask):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                attn_mask=_additive(mask, q.dtype))
-    return out, lse
+    d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(*_one_head_dim(q, k, v, d=d), 0.0, causal,
+                                                                attn_mask=_additive(mask, q.dtype), scale=scale)
+    return out[..., :dv], lse
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, mask):
     # The kernel reads lse only through exp(scores - lse): an entirely masked row (lse = -inf here, every
     # score -inf) must not become exp(nan); any finite value gives the row its zero gradient.
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype))
+    d, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *_one_head_dim(dout, q, k, v, out, d=d), lse, 0.0, causal, attn_mask=_additive(mask, q.dtype),
+        scale=1.0 / math.sqrt(dqk))
+    return grads[0][..., :dqk], grads[1][..., :dqk], grads[2][..., :dv]
 
 
 _ALIGN = 16  # the memory-efficient kernel reads its bias in rows padded to this many elements

@@ -30,7 +30,7 @@ the training log prints it once, when the first iteration is done (training_log.
 from __future__ import annotations
 
 from megatron_po.dynamo_import import import_dynamo
-from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, graph_breaks
+from megatron_po.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, graph_breaks
 
 BACKEND = "inductor"  # torch.compile's backend (tests may pick a cheaper one)
 _compiled_layers = 0  # layers compiled in this process
@@ -46,7 +46,7 @@ def compile_layers(chunks: list, split_backward: bool = False) -> list:
         for layer in chunk.layers:
             if split_backward:
                 for module in layer.modules():
-                    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    if isinstance(module, (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear)):
                         module.gemm_in_compiled_graph = False
             layer.compile(backend=BACKEND)
             _compiled_layers += 1

@@ -23,6 +23,7 @@ allgather. K and V are gathered from every CP rank once (into the whole sequence
 query chunk attends to the keys before it (F.scaled_dot_product_attention, causal from the bottom right),
 and the backward reduce-scatters dK/dV. Memory: the whole sequence's K/V per layer, kept for the backward.
 
+The values' head dimension may differ from the queries' and keys' (multi-latent attention, models/mla.py).
 Grouped-query / multi-query attention: only the K/V groups travel; they are repeated to the query heads
 where a block is computed. --reset-attention-mask: each (query block, key block) pair gets the document
 mask of its tokens, built from the whole sequence's document ids and the global token positions. The
@@ -94,11 +95,18 @@ def _step_blocks(t: int, ring: _Ring, c: int):
     return second, full, False, j
 
 
-def _step(t: int, ring: "_Ring", c: int, kv: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor, document_ids):
+def _split_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """A flat K/V block (or its gradient) as keys and values of k's and v's shapes (v's head dimension may differ:
+    multi-latent attention)."""
+    return (x.view(like.shape) for x, like in zip(kv.split([k.numel(), v.numel()]), (k, v)))
+
+
+def _step(t: int, ring: "_Ring", c: int, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor,
+          document_ids):
     """Ring step t's blocks (forward and backward alike): the query and key slices, whether the block is causal,
     its document mask (then not causal: the mask says it all), and the held K/V block's keys and values."""
     qs, ks, causal, j = _step_blocks(t, ring, c)
-    kb, vb = (x.view_as(k)[:, :, ks] for x in kv.split(k.numel()))
+    kb, vb = (x[:, :, ks] for x in _split_kv(kv, k, v))
     mask = None
     if document_ids is not None:
         k_idx = token_indices(q_idx.numel() * ring.size, ring.size, j, q_idx.device)
@@ -121,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if t < ring.size - 1:
                 next_kv, works = ring.shift(kv, _KV)
-            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, q_idx, document_ids)
+            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, v, q_idx, document_ids)
             block_out, block_lse = attention_blocks.forward(q[:, :, qs], _repeat(kb, rep), _repeat(vb, rep), causal,
                                                             mask, math_kernel)
             if out is None:
@@ -152,14 +160,14 @@ class _RingAttention(torch.autograd.Function):
             kv_works = []
             if t < ring.size - 1:
                 next_kv, kv_works = ring.shift(kv, _KV)
-            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, q_idx, document_ids)
+            qs, ks, causal, mask, kb, vb = _step(t, ring, c, kv, k, v, q_idx, document_ids)
             dq_b, dk_b, dv_b = attention_blocks.backward(dout[:, :, qs], q[:, :, qs], _repeat(kb, rep), _repeat(vb, rep),
                                                          out[:, :, qs], lse[:, :, qs], causal, mask, ctx.math_kernel)
             dq[:, :, qs] += dq_b.float()
             if t > 0:  # the accumulator of this block, from the previous rank
                 _wait(dkv_works)
                 dkv = next_dkv
-            dk_acc, dv_acc = (x.view(k.shape) for x in dkv.split(k.numel()))
+            dk_acc, dv_acc = _split_kv(dkv, k, v)
             dk_acc[:, :, ks] += _sum_groups(dk_b.float(), rep)
             dv_acc[:, :, ks] += _sum_groups(dv_b.float(), rep)
             next_dkv, dkv_works = ring.shift(dkv, _DKV)  # on to the next rank (at the last step: the owner)
@@ -167,44 +175,58 @@ class _RingAttention(torch.autograd.Function):
             if t < ring.size - 1:
                 kv = next_kv
         _wait(dkv_works)
-        dk, dv = (x.view(k.shape).to(k.dtype) for x in next_dkv.split(k.numel()))
+        dk, dv = (x.to(k.dtype) for x in _split_kv(next_dkv, k, v))
         return dq.to(q.dtype), dk, dv, None, None
 
 
+def _sequence_order(parts: list[torch.Tensor], c: int) -> torch.Tensor:
+    """Every CP rank's [.., 2c, d] (rank r: chunks r and 2CP-1-r) as the whole sequence [.., 2c CP, d]."""
+    cp = len(parts)
+    chunks = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * cp - 1 - r] = part[..., :c, :], part[..., c:, :]
+    return torch.cat(chunks, dim=-2)
+
+
+def _rank_shares(full: torch.Tensor, cp: int) -> list[torch.Tensor]:
+    """The inverse of `_sequence_order`: rank r's chunks r and 2CP-1-r of the whole sequence, for every r."""
+    c = full.shape[-2] // (2 * cp)
+    return [torch.cat([full[..., r * c:(r + 1) * c, :], full[..., (2 * cp - 1 - r) * c:(2 * cp - r) * c, :]], dim=-2)
+            for r in range(cp)]
+
+
 class _GatherSequence(torch.autograd.Function):
-    """K and V of every CP rank in the whole sequence's order ([b, groups, s, d] each); the backward sums
-    the gradients of this rank's chunks over the ranks (a reduce-scatter)."""
+    """K and V of every CP rank in the whole sequence's order ([b, groups, s, d] each, V's d its own); the backward
+    sums the gradients of this rank's chunks over the ranks (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, k, v):
         group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
-        local = torch.stack([k, v]).contiguous()  # [2, b, groups, 2c, d]
+        local = torch.cat([k.reshape(-1), v.reshape(-1)])
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local, group=group)
         c = k.shape[2] // 2
-        chunks = [None] * (2 * cp)
-        for r, part in enumerate(parts):
-            chunks[r], chunks[2 * cp - 1 - r] = part[..., :c, :], part[..., c:, :]
-        full = torch.cat(chunks, dim=-2)
-        return full[0], full[1]
+        ctx.shapes = k.shape, v.shape
+        k_parts, v_parts = zip(*(part.split([k.numel(), v.numel()]) for part in parts))
+        return (_sequence_order([x.view(k.shape) for x in k_parts], c),
+                _sequence_order([x.view(v.shape) for x in v_parts], c))
 
     @staticmethod
     def backward(ctx, dk, dv):
         group, cp, rank = ps.get_context_parallel_group(), ps.get_context_parallel_world_size(), \
             ps.get_context_parallel_rank()
-        full = torch.stack([dk, dv])
-        c = full.shape[-2] // (2 * cp)
-        # rank r's share, in its order (chunks r and 2CP-1-r), for every r: [cp, 2, b, groups, 2c, d]
-        shares = torch.stack([torch.cat([full[..., r * c:(r + 1) * c, :],
-                                         full[..., (2 * cp - 1 - r) * c:(2 * cp - r) * c, :]], dim=-2)
-                              for r in range(cp)]).contiguous()
+        # rank r's share, in its order (chunks r and 2CP-1-r), for every r: [cp, k's numel + v's numel]
+        shares = torch.stack([torch.cat([dk_r.reshape(-1), dv_r.reshape(-1)])
+                              for dk_r, dv_r in zip(_rank_shares(dk, cp), _rank_shares(dv, cp))])
         if ps.reduce_scatter_grads(group):
             mine = torch.empty_like(shares[0])
             dist.reduce_scatter_tensor(mine, shares, group=group)
         else:  # gloo: an all-reduce, then this rank's share (parallel_state.reduce_scatter_grads)
             dist.all_reduce(shares, group=group)
             mine = shares[rank]
-        return mine[0], mine[1]
+        k_shape, v_shape = ctx.shapes
+        dk_mine, dv_mine = mine.split([k_shape.numel(), v_shape.numel()])
+        return dk_mine.view(k_shape), dv_mine.view(v_shape)
 
 
 def _all_gather_attention(q, k, v, document_ids):

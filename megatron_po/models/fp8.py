@@ -20,6 +20,7 @@ import torch
 
 from megatron_po.config import ModelConfig, ffn_hidden_size, fp8_backend, fp8_recipe, kv_channels, num_query_groups
 from megatron_po.config_check import Check, Ctx, Rule
+from megatron_po.models.mla import mla_sizes
 
 BACKEND_RECIPES = {"te": ("delayed",), "torchao": ("tensorwise", "rowwise")}
 BACKEND_NAMES = {"te": "Transformer Engine", "torchao": "torchao"}
@@ -68,19 +69,32 @@ def _torchao(c: Ctx) -> bool:
     return fp8_backend(c.m) == "torchao"
 
 
-def gemm_dims(m: ModelConfig, tp: int, micro_batch_size: int) -> dict[str, int]:
+def gemm_dims(m: ModelConfig, tp: int, micro_batch_size: int, sequence_parallel: bool = False) -> dict[str, int]:
     """The dimensions of the FP8 GEMMs on one TP rank, by what they are. Each is an inner or outer dimension of
     one of a linear's three GEMMs, which `torch._scaled_mm` takes only in multiples of 16. The tokens of a
     micro-batch are the inner dimension of the weight-gradient GEMMs: the full sequence even under sequence
-    parallelism, whose linears multiply the gathered sequence."""
+    parallelism, whose linears multiply the gathered sequence, except multi-latent attention's down-projections,
+    which multiply this rank's tokens."""
+    tokens = {"tokens per micro-batch (--seq-length x --micro-batch-size)": m.seq_length * micro_batch_size}
+    mlp = {"MLP size per TP rank": ffn_hidden_size(m) // tp}
+    if m.multi_latent_attention:
+        z, nh = mla_sizes(m), m.num_attention_heads
+        latents = {} if z.q_lora_rank is None else {"--q-lora-rank": z.q_lora_rank}
+        latents.update({"--kv-lora-rank": z.kv_lora_rank,
+                        "--kv-lora-rank + --qk-pos-emb-head-dim": z.kv_lora_rank + z.qk_pos_emb_head_dim})
+        heads = {"query outputs per TP rank": nh * z.q_head_dim // tp,
+                 "key/value up-projection outputs per TP rank": nh * (z.qk_head_dim + z.v_head_dim) // tp,
+                 "attention-projection inputs per TP rank": nh * z.v_head_dim // tp}
+        if sequence_parallel:
+            tokens["tokens per micro-batch per TP rank (sequence parallel)"] = m.seq_length * micro_batch_size // tp
+        return {"--hidden-size": m.hidden_size, **latents, **heads, **mlp, **tokens}
     nh, groups, hd = m.num_attention_heads, num_query_groups(m), kv_channels(m)
     return {"--hidden-size": m.hidden_size, "QKV outputs per TP rank": (nh + 2 * groups) * hd // tp,
-            "attention-projection inputs per TP rank": nh * hd // tp, "MLP size per TP rank": ffn_hidden_size(m) // tp,
-            "tokens per micro-batch (--seq-length x --micro-batch-size)": m.seq_length * micro_batch_size}
+            "attention-projection inputs per TP rank": nh * hd // tp, **mlp, **tokens}
 
 
 def _bad_dims(c: Ctx) -> str:
-    dims = gemm_dims(c.m, c.tp, c.t.micro_batch_size)
+    dims = gemm_dims(c.m, c.tp, c.t.micro_batch_size, c.p.sequence_parallel)
     return ", ".join(f"{name} {n}" for name, n in dims.items() if n % 16)
 
 
@@ -133,14 +147,16 @@ def uses_torchao(cfg: ModelConfig) -> bool:
 
 
 def enable_fp8(layer: torch.nn.Module, cfg: ModelConfig) -> None:
-    """Give the linears of a local TransformerLayer that Megatron runs in FP8 (QKV, attention projection, MLP) the
-    FP8 GEMM of --fp8-recipe / --fp8-format. Their parameters, names and initialization stay as they are."""
+    """Give the linears of a local TransformerLayer that Megatron runs in FP8 (QKV, attention projection, MLP; under
+    multi-latent attention its down- and up-projections) the FP8 GEMM of --fp8-recipe / --fp8-format. Their
+    parameters, names and initialization stay as they are."""
     gemm = _gemm(fp8_recipe(cfg), cfg.fp8_format, emulated())
     attention, mlp = layer.attention, layer.mlp
     if hasattr(mlp, "experts"):  # a mixture of experts: its shared experts in FP8, the routed ones not (fp8_summary)
         mlp = mlp.shared_experts
     mlp_linears = (mlp.fc1, mlp.fc1_gate, mlp.fc2) if mlp is not None else ()
-    for linear in (attention.qkv, attention.proj, *mlp_linears):
+    attention_linears = attention.linears() if hasattr(attention, "linears") else (attention.qkv, attention.proj)
+    for linear in (*attention_linears, *mlp_linears):
         if linear is not None:
             linear.fp8 = gemm
 
@@ -155,6 +171,8 @@ def fp8_summary(cfg: ModelConfig) -> str | None:
             f"layer unchanged")
     if backend == "torchao" and emulated():
         line += "; emulated on the CPU (FP8 roundings through fp32 matmuls: slow)"
+    if cfg.multi_latent_attention:
+        line += "; MLA: its down-projections, up-projections and output projection in FP8, the latent norms not"
     if cfg.num_experts is not None:
         line += ("; MoE: the shared experts' GEMMs in FP8, the routed experts' and the router's stay in bf16 (FP8 "
                  "GEMMs take token counts in multiples of 16, and torchao's FP8 grouped GEMM is not wired here)")

@@ -23,10 +23,11 @@ from megatron_po.config import ModelConfig
 from megatron_po.data.context_split import this_rank_positions
 from megatron_po.data.document_masks import document_causal_mask
 from megatron_po.models.fp8 import enable_fp8, uses_torchao
+from megatron_po.models.mla import MultiLatentAttention, mla_rotary
 from megatron_po.models.mtp import MTPDepth, MultiTokenPrediction
 from megatron_po.models.recompute import layer_groups, run_layers
-from megatron_po.models.transformer import (RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal,
-                                             rotary_dim)
+from megatron_po.models.transformer import (RotaryEmbedding, SelfAttention, TransformerLayer, build_norm, dropout,
+                                             init_normal, rotary_dim)
 from megatron_po.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                          scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from megatron_po.tensor_parallel.output_cross_entropy import output_layer_cross_entropy
@@ -50,8 +51,10 @@ def _seeded(seed: int, part: int):
 def build_transformer_layer(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None = None) -> nn.Module:
     """A pre-norm layer of the configured implementation. Both start from the same weights: the
     Transformer Engine layer copies those of the local layer built here (same seed, same draws).
-    `layer_number`: the global layer number (which layers are MoE layers)."""
-    layer = TransformerLayer(cfg, sequence_parallel, layer_number)
+    `layer_number`: the global layer number (which layers are MoE layers). --multi-latent-attention: its
+    attention is multi-latent (models/mla.py; local layers only, config rule mla-local-layers)."""
+    attention = MultiLatentAttention if cfg.multi_latent_attention else SelfAttention
+    layer = TransformerLayer(cfg, sequence_parallel, layer_number, attention)
     if uses_torchao(cfg):  # --fp8-format on the local layers: their linears' GEMMs in FP8 (models/fp8.py)
         enable_fp8(layer, cfg)
     if cfg.transformer_impl == "transformer_engine":
@@ -123,7 +126,9 @@ class GPTModel(nn.Module):
             mtp_elsewhere = bool(cfg.mtp_num_layers) and not post_process and share_mtp_embedding
             self.embedding.word_embeddings.weight.shared_embedding = self.tie_output or mtp_elsewhere
         self.rotary = None
-        if cfg.position_embedding_type == "rope":
+        if cfg.multi_latent_attention:  # rotates its rotary part whatever the position embedding (Megatron's MLA)
+            self.rotary = mla_rotary(cfg)
+        elif cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor,
                                           cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
         layers = []

@@ -55,9 +55,16 @@ def with_defaults(model: dict) -> dict:
     return dataclasses.asdict(model_config_from_dict(model))
 
 
+def refuse_multi_latent_attention(model: dict) -> None:
+    if model["multi_latent_attention"]:
+        raise UserError("--multi-latent-attention: no Hugging Face export or import here yet (DeepSeek-V3's classes "
+                        "are not wired; docs/mla.md names transformers' weights)")
+
+
 def hf_architecture(model: dict) -> str:
     """"gpt2" or "llama" for a saved `config["model"]` dict; UserError for other combinations."""
     model = with_defaults(model)
+    refuse_multi_latent_attention(model)
     if model["num_experts"] is not None:  # tools/checkpoint_convert.py sends MoE models to hf_export_moe.py
         raise UserError("a mixture of experts exports to an HF MoE class (hf_export_moe), not GPT-2 or Llama")
     combo = (model["normalization"], "SwiGLU" if model["swiglu"] else "GELU", model["position_embedding_type"])

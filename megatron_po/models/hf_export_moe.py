@@ -33,7 +33,7 @@ import torch
 
 from megatron_po.errors import UserError
 from megatron_po.models.hf_export import (_groups, _head_dim, _is_norm_weight, _rope_parameters, check_llama_rope,
-                                          ffn_size, llama_attention, with_defaults)
+                                          ffn_size, llama_attention, refuse_multi_latent_attention, with_defaults)
 
 MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
@@ -57,6 +57,7 @@ def moe_architecture(model: dict) -> str:
     """"mixtral", "qwen2_moe" or "qwen3_moe" for a saved MoE `config["model"]` dict; UserError (one line) for
     what none of them can express."""
     model = with_defaults(model)
+    refuse_multi_latent_attention(model)
     if model["num_experts"] is None:
         raise UserError("not a mixture of experts (no --num-experts): export it as GPT-2 or Llama")
     combo = (model["normalization"], "SwiGLU" if model["swiglu"] else "GELU", model["position_embedding_type"])

@@ -93,20 +93,35 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tenso
     return torch.where(medium, blended, scaled)
 
 
+def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """RoPE's frequencies base^(-2i/d), i < d/2."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half (GPT-NeoX / Llama) convention over the first `rotary_dim` dimensions of a
     head (Megatron's --rotary-percent x head dimension); `apply_rotary` passes the rest through. Positions
     are divided by `interpolation_factor` (--rotary-seq-len-interpolation-factor); with `llama3_factor`
-    (--use-rope-scaling --rope-scaling-factor) the frequencies are Llama 3.1's (`llama3_scaled_inv_freq`)."""
+    (--use-rope-scaling --rope-scaling-factor) the frequencies are Llama 3.1's (`llama3_scaled_inv_freq`).
+    `inv_freq` given: those frequencies instead (multi-latent attention's YaRN, models/mla.py), and cos and sin
+    multiplied by `attention_factor` (YaRN's concentration factor)."""
 
     def __init__(self, rotary_dim: int, base: int, interpolation_factor: int | None = None,
-                 llama3_factor: float | None = None):
+                 llama3_factor: float | None = None, inv_freq: torch.Tensor | None = None,
+                 attention_factor: float = 1.0):
         super().__init__()
         self.interpolation_factor = interpolation_factor
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        if llama3_factor is not None:
-            inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_factor)
+        self.attention_factor = attention_factor
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(rotary_dim, base)
+            if llama3_factor is not None:
+                inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _cos_sin(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.attention_factor == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
     def forward(self, seq_len: int, device, position_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +132,15 @@ class RotaryEmbedding(nn.Module):
             if self.interpolation_factor is not None:
                 t = t / self.interpolation_factor
             freqs = t[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
-            emb = torch.cat([freqs, freqs], dim=-1)
-            return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
+            cos, sin = self._cos_sin(torch.cat([freqs, freqs], dim=-1))
+            return cos[:, :, None, :], sin[:, :, None, :]
         t = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
              else positions.to(device=device, dtype=torch.float32))
         if self.interpolation_factor is not None:
             t = t / self.interpolation_factor
         freqs = torch.outer(t, self.inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)  # [s, rotary_dim]
-        return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
+        cos, sin = self._cos_sin(torch.cat([freqs, freqs], dim=-1))  # [s, rotary_dim]
+        return cos[:, None, None, :], sin[:, None, None, :]
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -167,6 +182,14 @@ def attention_kernel_context(backend: str, masked: bool = False):
     return sdpa_kernel(getattr(SDPBackend, kernel))
 
 
+def _one_head_dim_kernel(backend: str, device: torch.device) -> bool:
+    """Whether the SDPA kernel of --attention-backend takes only one head dimension for queries, keys and values:
+    flash and cuDNN (forced), and PyTorch's fused CPU kernel (auto on a CPU, which would otherwise fall back to the
+    math kernel and keep the [b, heads, s, s] probabilities). CUDA's memory-efficient kernel (auto) takes both."""
+    kernel = _SDPA_KERNELS[backend]
+    return kernel in ("FLASH_ATTENTION", "CUDNN_ATTENTION") or (kernel is None and device.type == "cpu")
+
+
 def sdpa_inputs(backend: str, *qkv: torch.Tensor) -> tuple:
     """q, k, v as the SDPA call gets them: unchanged, except in a compiled graph (--torch-compile) with the math
     kernel forced (--attention-backend local/unfused), where inductor (torch 2.13) lowers permuted inputs to
@@ -176,17 +199,19 @@ def sdpa_inputs(backend: str, *qkv: torch.Tensor) -> tuple:
     return qkv
 
 
-class SelfAttention(nn.Module):
-    """Multi-head, grouped-query (--group-query-attention) or multi-query (one group) self-attention."""
+class AttentionCore(nn.Module):
+    """The core of a self-attention layer, softmax(QKᵀ·scale)V of its projected queries, keys and values, shared by
+    SelfAttention and multi-latent attention (models/mla.py): on this rank's sequence, or with
+    --context-parallel-size over the whole sequence split across the CP ranks (context_parallel_attention.py);
+    recomputed in the backward with --recompute-granularity selective. `heads_per_group`: query heads per
+    key/value head (GQA); `softmax_scale`: None is 1/√(query head dim)."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, causal: bool = True):
+    def __init__(self, cfg: ModelConfig, heads_per_group: int = 1, causal: bool = True,
+                 softmax_scale: float | None = None):
         super().__init__()
-        tp = ps.get_tensor_model_parallel_world_size()
-        h, nh, groups = cfg.hidden_size, cfg.num_attention_heads, num_query_groups(cfg)
-        self.head_dim = kv_channels(cfg)
-        self.num_local_heads, self.num_local_groups = nh // tp, groups // tp
-        self.heads_per_group = nh // groups
+        self.heads_per_group = heads_per_group
         self.causal = causal
+        self.softmax_scale = softmax_scale
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
@@ -194,6 +219,62 @@ class SelfAttention(nn.Module):
         # --context-parallel-size > 1: this rank holds 2 of the sequence's 2 x CP chunks (context_parallel_attention.py)
         self.context_parallel = ps.get_context_parallel_world_size() > 1
         self.cp_comm_type = cfg.cp_comm_type
+
+    def attend(self, q, k, v, attn_mask, causal: bool, context_parallel: bool) -> torch.Tensor:
+        """q [b, heads, s, d], k and v [b, groups, s, d or the value's] -> [b, heads, s, value head dim]. `attn_mask`:
+        [b, 1, s, s] bool, or under context parallelism the whole sequence's document ids [b, s] (or None)."""
+        if context_parallel:
+            return maybe_recompute(self.recompute_core, self.context_parallel_core, q, k, v, attn_mask)
+        return maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
+
+    def core_attention(self, q, k, v, attn_mask, causal: bool) -> torch.Tensor:
+        """softmax(QKᵀ·scale)V with dropout, [b, heads, s, head_dim]: what selective recomputation recomputes
+        (the key/value groups are repeated in here, so a recomputed core keeps only the unrepeated ones)."""
+        if self.heads_per_group > 1:  # query head i reads key/value group i // heads_per_group
+            k, v = k.repeat_interleave(self.heads_per_group, dim=1), v.repeat_interleave(self.heads_per_group, dim=1)
+        p = self.attention_dropout if self.training else 0.0
+        dtype = q.dtype
+        if self.softmax_in_fp32:
+            q, k, v = q.float(), k.float(), v.float()
+        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
+        value_dim = v.shape[-1]
+        if value_dim < q.shape[-1] and _one_head_dim_kernel(self.attention_backend, q.device):
+            # Narrower values (multi-latent attention): zero columns give the kernel one head dimension, the same output
+            v = F.pad(v, (0, q.shape[-1] - value_dim))
+        scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
+        with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
+            if p > 0.0:
+                # Heads are split across TP ranks, so attention dropout must differ between them.
+                ctx = on_model_parallel_rng(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=p,
+                                            is_causal=causal, **scale)
+            else:
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, **scale)
+        return ctx[..., :value_dim].to(dtype)
+
+    def context_parallel_core(self, q, k, v, document_ids) -> torch.Tensor:
+        """The core of a causal layer over a sequence split across the CP ranks: only the key/value groups travel
+        (no dropout: config rule context-parallel-attention-dropout). The split attention takes the default scale,
+        so another one is folded into the queries."""
+        assert self.causal, "context parallelism splits causal self-attention only"
+        dtype = q.dtype
+        if self.softmax_in_fp32:
+            q, k, v = q.float(), k.float(), v.float()
+        if self.softmax_scale is not None:
+            q = q * (self.softmax_scale * math.sqrt(q.shape[-1]))
+        ctx = context_parallel_attention(q, k, v, document_ids, self.cp_comm_type,
+                                         math_kernel=_SDPA_KERNELS[self.attention_backend] == "MATH")
+        return ctx.to(dtype)
+
+
+class SelfAttention(AttentionCore):
+    """Multi-head, grouped-query (--group-query-attention) or multi-query (one group) self-attention."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, causal: bool = True):
+        h, nh, groups = cfg.hidden_size, cfg.num_attention_heads, num_query_groups(cfg)
+        super().__init__(cfg, nh // groups, causal)
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.head_dim = kv_channels(cfg)
+        self.num_local_heads, self.num_local_groups = nh // tp, groups // tp
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=cfg.add_bias_linear,
                                         gather_output=False, init_method=init_normal(cfg.init_method_std),
@@ -227,44 +308,11 @@ class SelfAttention(nn.Module):
                 attn_mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - s)
         # Without a cache k.shape[2] == s: a plain bool, also when torch.compile makes s symbolic (NMT lengths).
         causal = self.causal and attn_mask is None and (kv_cache is None or k.shape[2] == s)
-        if self.context_parallel and kv_cache is None:  # attn_mask: the whole sequence's document ids, or None
-            ctx = maybe_recompute(self.recompute_core, self.context_parallel_core, q, k, v, attn_mask)
-        else:
-            ctx = maybe_recompute(self.recompute_core, self.core_attention, q, k, v, attn_mask, causal)
+        # attn_mask under context parallelism: the whole sequence's document ids, or None
+        ctx = self.attend(q, k, v, attn_mask, causal, context_parallel=self.context_parallel and kv_cache is None)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_local_heads * self.head_dim)
         out, _ = self.proj(ctx)
         return out
-
-    def core_attention(self, q, k, v, attn_mask, causal: bool) -> torch.Tensor:
-        """softmax(QKᵀ/√d)V with dropout, [b, heads, s, head_dim]: what selective recomputation recomputes
-        (the key/value groups are repeated in here, so a recomputed core keeps only the unrepeated ones)."""
-        if self.heads_per_group > 1:  # query head i reads key/value group i // heads_per_group
-            k, v = k.repeat_interleave(self.heads_per_group, dim=1), v.repeat_interleave(self.heads_per_group, dim=1)
-        p = self.attention_dropout if self.training else 0.0
-        dtype = q.dtype
-        if self.softmax_in_fp32:
-            q, k, v = q.float(), k.float(), v.float()
-        q, k, v = sdpa_inputs(self.attention_backend, q, k, v)
-        with attention_kernel_context(self.attention_backend, masked=attn_mask is not None):
-            if p > 0.0:
-                # Heads are split across TP ranks, so attention dropout must differ between them.
-                ctx = on_model_parallel_rng(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                            is_causal=causal)
-            else:
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
-        return ctx.to(dtype)
-
-
-    def context_parallel_core(self, q, k, v, document_ids) -> torch.Tensor:
-        """The core of a causal layer over a sequence split across the CP ranks: only the key/value groups travel
-        (no dropout: config rule context-parallel-attention-dropout)."""
-        assert self.causal, "context parallelism splits causal self-attention only"
-        dtype = q.dtype
-        if self.softmax_in_fp32:
-            q, k, v = q.float(), k.float(), v.float()
-        ctx = context_parallel_attention(q, k, v, document_ids, self.cp_comm_type,
-                                         math_kernel=_SDPA_KERNELS[self.attention_backend] == "MATH")
-        return ctx.to(dtype)
 
 
 class MLP(nn.Module):
@@ -307,14 +355,16 @@ def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | Non
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). `layer_number`: the global layer
-    number (a mixture of experts for the MLP where --moe-layer-freq says; None: dense)."""
+    number (a mixture of experts for the MLP where --moe-layer-freq says; None: dense). `attention`: the
+    attention's class, built as attention(cfg, sequence_parallel) (multi-latent attention, models/mla.py)."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None = None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None = None,
+                 attention: type[nn.Module] = SelfAttention):
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = cfg.hidden_dropout
         self.input_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
-        self.attention = SelfAttention(cfg, sequence_parallel)
+        self.attention = attention(cfg, sequence_parallel)
         self.post_attention_norm = build_norm(cfg, cfg.hidden_size, sequence_parallel)
         self.mlp = build_mlp(cfg, sequence_parallel, layer_number)
 

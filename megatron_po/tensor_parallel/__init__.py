@@ -4,6 +4,7 @@ vocab-parallel cross entropy and the TP-aware random streams."""
 from megatron_po.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_po.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabUtility,
@@ -30,7 +31,7 @@ from megatron_po.tensor_parallel.random import (RNGStatesTracker, checkpoint, ge
                                                on_model_parallel_rng, recompute_weights)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabUtility",
+    "ColumnParallelLinear", "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabUtility",
     "copy_tensor_model_parallel_attributes", "gather_tensor", "init_method_normal", "pad_vocab_size",
     "param_is_not_tensor_parallel_duplicate", "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes", "shard_tensor",

@@ -326,6 +326,34 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class ReplicatedLinear(nn.Module):
+    """Y = X A^T with A ([output_size, input_size]) whole on every TP rank, no bias (Megatron's "duplicated" linear:
+    multi-latent attention's down-projections, models/mla.py).
+
+    input:  this rank's tokens, [s, b, input_size] (replicated) or [s/tp, b, input_size] with sequence_parallel.
+    output: the same tokens, [s or s/tp, b, output_size].
+
+    Every TP rank draws the same weight. Without sequence parallelism the ranks multiply the same tokens and, the
+    output's gradient being whole there (the consumer sums it over TP), compute the same gradient; with it each
+    rank's gradient covers its own tokens: `sequence_parallel=True`, summed over TP before the step."""
+
+    def __init__(self, input_size: int, output_size: int, *, init_method=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.gemm_in_compiled_graph = True  # False: a compiled layer runs the GEMM eagerly (see `linear`)
+        self.fp8 = None  # an FP8Gemm: the GEMM in FP8 (tensor_parallel/fp8.py; set by models/fp8.py)
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        (init_method or init_method_normal(0.02))(self.weight.data)
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=False, dim=-1, stride=1)
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        return linear(input_, self.weight, None, self.gemm_in_compiled_graph, self.fp8)
+
+    def extra_repr(self):
+        return f"input_size={self.input_size}, output_size={self.output_size} (replicated)"
+
+
 # --------------------------------------------------------------------------------------------------
 # Embedding
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
-from megatron_po.models.moe.rules import moe_summary
+from megatron_po.models.moe.rules import moe_summary, no_op_switches_line
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
@@ -179,6 +179,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
     if cfg.model.num_experts is not None:
         print_rank0(moe_summary(cfg))
+    if no_op_switches_line(cfg.model):
+        print_rank0(no_op_switches_line(cfg.model))
     return model
 
 

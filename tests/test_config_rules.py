@@ -380,6 +380,8 @@ RULES = [
                    ["--delay-compensation-adaptive"], ["--async-error-feedback"]]],
     ("no-load-rng-needs-load", 1, MOCK + ["--no-load-rng"], ["--no-load-rng needs --load"]),
     ("no-save-rng-needs-save", 1, MOCK + ["--no-save-rng"], ["--no-save-rng needs --save"]),
+    ("add-qkv-bias-needs-local", 1, MOCK + TE + ["--add-qkv-bias", "--disable-bias-linear"],
+     ["--add-qkv-bias needs --transformer-impl local"]),
     ("reset-position-ids-needs-local", 1, MOCK + TE + ["--reset-position-ids"],
      ["--reset-position-ids needs --transformer-impl local"]),
     ("log-num-zeros-in-grad-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-num-zeros-in-grad"],
@@ -387,17 +389,32 @@ RULES = [
     # Mixture of Experts (models/moe/rules.py)
     *[(f"{flag[2:]}>=1", 1, MOCK + [flag, "0"], [f"{flag} must be >= 1 (got 0)"])
       for flag in ["--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
-                   "--expert-tensor-parallel-size", "--expert-model-parallel-size"]],
+                   "--expert-tensor-parallel-size", "--moe-router-num-groups", "--moe-router-group-topk",
+                   "--expert-model-parallel-size"]],
     *[(f"{argv[0][2:]}-needs-experts", 2, MOCK + argv, [f"{argv[0]} applies to a mixture of experts: add --num-experts"])
       for argv in [["--expert-model-parallel-size", "2"], ["--expert-tensor-parallel-size", "1"],
                    ["--moe-ffn-hidden-size", "8"], ["--moe-shared-expert-intermediate-size", "8"],
                    ["--moe-aux-loss-coeff", "0.1"], ["--moe-z-loss-coeff", "0.1"], ["--moe-router-enable-expert-bias"],
                    ["--moe-expert-capacity-factor", "1"], ["--moe-pad-expert-input-to-capacity"], ["--moe-grouped-gemm"],
-                   ["--moe-layer-freq", "2"]]],
+                   ["--moe-layer-freq", "2"], ["--moe-router-num-groups", "2"], ["--moe-router-group-topk", "1"],
+                   ["--moe-router-dtype", "fp64"], ["--moe-layer-recompute"]]],
     *[(f"{argv[0][2:]}-refused", 1, MOCK + ["--num-experts", "8"] + argv, [f"{argv[0]} is Megatron's, not implemented"])
-      for argv in [["--moe-router-num-groups", "2"], ["--moe-router-group-topk", "1"], ["--moe-router-dtype", "fp32"],
-                   ["--moe-input-jitter-eps", "0.01"], ["--moe-permute-fusion"], ["--moe-shared-expert-overlap"],
-                   ["--moe-layer-recompute"]]],
+      for argv in [["--moe-input-jitter-eps", "0.01"]]],
+    ("moe-group-topk-needs-groups", 1, MOCK + ["--num-experts", "8", "--moe-router-group-topk", "2"],
+     ["--moe-router-group-topk needs --moe-router-num-groups"]),
+    ("moe-experts-vs-groups", 1, MOCK + ["--num-experts", "8", "--moe-router-num-groups", "3",
+                                         "--moe-router-group-topk", "2"],
+     ["--num-experts (8) is not divisible by --moe-router-num-groups (3)"]),
+    ("moe-group-topk-vs-groups", 1, MOCK + ["--num-experts", "8", "--moe-router-num-groups", "2",
+                                            "--moe-router-group-topk", "4"],
+     ["--moe-router-group-topk (4) must be at most --moe-router-num-groups (2)"]),
+    ("moe-group-topk-vs-topk", 1, MOCK + ["--num-experts", "8", "--moe-router-num-groups", "4",
+                                          "--moe-router-group-topk", "1", "--moe-router-topk", "4"],
+     ["--moe-router-group-topk 1 of --moe-router-num-groups 4 (2 experts each) with --moe-router-topk 4",
+      "group-topk <= topk <= group-topk x experts per group"]),
+    ("moe-group-topk-vs-topk/below", 1, MOCK + ["--num-experts", "8", "--moe-router-num-groups", "4",
+                                                "--moe-router-group-topk", "3", "--moe-router-topk", "2"],
+     ["--moe-router-group-topk 3 of --moe-router-num-groups 4", "with --moe-router-topk 2"]),
     ("moe-sinkhorn-refused", 1, MOCK + ["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
      ["--moe-router-load-balancing-type sinkhorn is Megatron's, not implemented here"]),
     ("moe-flex-refused", 1, MOCK + ["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
@@ -491,6 +508,7 @@ NMT_RULES = [
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
     ("moe-gpt-only", 1, NMT + ["--num-experts", "8"], ["--num-experts is wired for pretrain_gpt.py only"]),
+    ("add-qkv-bias-gpt-only", 1, NMT + ["--add-qkv-bias"], ["--add-qkv-bias applies to pretrain_gpt.py"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
         [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]

@@ -451,14 +451,18 @@ def test_expert_bias_moves_once_per_step_by_the_tokens_counted_since_the_last():
         assert all(r.tokens_per_expert.sum() == 0 for r in stage.chunks[0].modules() if isinstance(r, TopKRouter))
 
 
-@pytest.mark.parametrize("method", ["pipeoptim", "pipedream", "spectrain"])
-def test_recomputation_routes_with_the_bias_its_forward_saw(method, monkeypatch):
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.mark.parametrize("method,recompute", [("pipeoptim", FULL_RECOMPUTE), ("pipedream", FULL_RECOMPUTE),
+                                              ("spectrain", FULL_RECOMPUTE), ("pipeoptim", {"moe_layer_recompute": True})],
+                         ids=["pipeoptim", "pipedream", "spectrain", "pipeoptim-moe-layer-recompute"])
+def test_recomputation_routes_with_the_bias_its_forward_saw(method, recompute, monkeypatch):
     """The bias moves at every step, between a micro-batch's forward and its backward when s(j) > 0: the
-    recomputation in the backward puts the forward's bias back for its routing, so the run equals the one
-    without recomputation bit for bit. Replaying only the weights (the bias as it is at the backward) routes
-    other tokens, so the runs differ."""
+    recomputation in the backward (of whole layers, or of the MoE layers alone) puts the forward's bias back for
+    its routing, so the run equals the one without recomputation bit for bit. Replaying only the weights (the
+    bias as it is at the backward) routes other tokens, so the runs differ."""
     optimizer = "sgd" if method == "spectrain" else "adam"
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
     def run(model):
         emu = moe_emulator(method, optimizer, 3, 1, 1, {**BIAS, "moe_router_bias_update_rate": 0.5, **model})

@@ -1,6 +1,6 @@
 """The MoE layer in one process (models/moe/): the router's rules against their closed forms, the capacity's drop
 policies, the auxiliary losses and their way into the gradients, grouped GEMM = loop, the expert bias update,
---moe-layer-freq's parser, recomputation, torch.compile (its recompilations counted) and FP8.
+--moe-layer-freq's parser, recomputation (--moe-layer-recompute too), torch.compile (its recompilations counted) and FP8.
 
 Tolerances: closed forms and grouped = loop are exact (fp32 and bf16, same ops); the auxiliary-loss gradient
 against its explicit sum 1e-6; recomputation bitwise; the compiled layer (aot_eager: no code generation) equals
@@ -237,6 +237,32 @@ def test_full_recomputation_is_bitwise_and_counts_once():
     for a, b in zip(plain[1], recomputed[1]):
         assert torch.equal(a, b)
     assert plain[2] == recomputed[2]
+
+
+def test_moe_layer_recomputation_is_bitwise_counts_once_and_keeps_only_its_input():
+    """--moe-layer-recompute (the recipes of DeepSeek-R1, Kimi K2 and Qwen3-235B pass it): the same gradients,
+    expert loads and records as without, the expert bias replayed; the layer's forward saves no activation of its
+    own for the backward, only its input."""
+    plain, recomputed = run_model(), run_model(moe_layer_recompute=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
+    assert plain[2] == recomputed[2]
+
+    def saved_bytes(**kw):
+        model_parallel_seed(SEED)
+        layer = MoELayer(moe_cfg(**kw), sequence_parallel=False, layer_number=0,
+                         shared_experts=lambda: TransformerLayer(moe_cfg(num_experts=None), False).mlp)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(16, 2, BASE.hidden_size, requires_grad=True))
+        return total[0]
+    kept, recomputed_kept = saved_bytes(), saved_bytes(moe_layer_recompute=True)
+    input_bytes = 16 * 2 * BASE.hidden_size * 4
+    assert recomputed_kept == input_bytes and kept > 10 * input_bytes, (kept, recomputed_kept)
 
 
 def test_compiled_moe_layer_equals_eager_and_never_recompiles():

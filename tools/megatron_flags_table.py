@@ -24,10 +24,9 @@ PROJECT_ONLY = {
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
-         "--no-create-attention-mask-in-dataloader", "--use-mcore-models"}
-REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-router-num-groups", "--moe-router-group-topk",
-           "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-permute-fusion", "--moe-shared-expert-overlap",
-           "--moe-layer-recompute"}
+         "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--moe-permute-fusion",
+         "--moe-router-fusion", "--moe-shared-expert-overlap"}
+REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-input-jitter-eps"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -86,8 +85,11 @@ Notes where our reading differs in detail:
   (capacity, dropped tokens, auxiliary losses) is decided over all its tokens also under sequence parallelism
   (Megatron: each TP rank's own), so any layout drops the tokens the one-process run drops; the drop policies
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
-  dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
-  distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+  dispatcher are refused, as are the listed Megatron flags marked refused. `--moe-router-dtype` leaves the
+  default (no flag) as Megatron's: the gating GEMM in the model dtype, the scores in fp32. `--moe-permute-fusion`,
+  `--moe-router-fusion` and `--moe-shared-expert-overlap` are accepted and change nothing (one start-up line says
+  what runs instead). Every synchronous and asynchronous pipeline method, the distributed optimizer and Muon run
+  with MoE. See docs/moe.md.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

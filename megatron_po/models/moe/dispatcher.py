@@ -85,8 +85,10 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
 
 
 def combine(outputs: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum of every routed output times its weight into its token's row: [num_tokens, h]."""
-    weighted = outputs * weights.unsqueeze(-1).to(outputs.dtype)
+    """Sum of every routed output times its weight into its token's row: [num_tokens, h], in the wider dtype of the
+    two (--moe-router-dtype: the routing weights' fp32 or fp64, as Megatron's unpermute)."""
+    dtype = torch.promote_types(outputs.dtype, weights.dtype)
+    weighted = outputs.to(dtype) * weights.unsqueeze(-1).to(dtype)
     return weighted.new_zeros(num_tokens, outputs.shape[1]).index_add(0, rows, weighted)
 
 
@@ -127,7 +129,7 @@ class AllToAllDispatcher:
         y = reduce_scatter_rows(y, self.etp_group, sizes, self.etp_rank)
         if self.ep > 1:
             y = all_to_all(y, self.ep_group, sent, received)
-        return combine(y, weights, rows, num_tokens)
+        return combine(y, weights, rows, num_tokens).to(y.dtype)
 
 
 class AllGatherDispatcher:
@@ -151,7 +153,7 @@ class AllGatherDispatcher:
 
     def restore(self, y: torch.Tensor, context) -> torch.Tensor:
         rows, weights, num_gathered, sizes = context
-        return reduce_scatter_rows(combine(y, weights, rows, num_gathered), self.group, sizes, self.rank)
+        return reduce_scatter_rows(combine(y, weights, rows, num_gathered), self.group, sizes, self.rank).to(y.dtype)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

@@ -6,8 +6,8 @@ allgather), as
 Megatron-LM / Transformer Engine's `attn_forward_func_with_cp`:
 
 p2p (ring attention). The K/V blocks travel around the ring: at step t rank i holds the block of rank
-j = i − t (mod CP), posts the send of that block to rank i + 1 and the receive of the next from i − 1,
-and computes this block's attention while they travel (isend/irecv). Which queries see which keys
+j = i − t (mod CP), posts the send of that block to rank i + 1 and the receive of the next from i − 1
+(one batched isend/irecv, `_Ring.shift`), and computes this block's attention while they travel. Which queries see which keys
 follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
     t = 0     its own block, causally (its two chunks in order are a causal sequence)
     j < i     every query sees the block's first chunk (j < i), none its second: q x K[:c], unmasked
@@ -71,11 +71,14 @@ class _Ring:
         self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
 
     def shift(self, tensor: torch.Tensor, tag: int):
-        """Send `tensor` to the next rank, receive the previous rank's into a new buffer: (buffer, works)."""
+        """Send `tensor` to the next rank, receive the previous rank's into a new buffer: (buffer, works). The send
+        and the receive go out as ONE batch (`batch_isend_irecv`), even ranks sending first and odd ranks receiving
+        first, as Transformer Engine's flash_attn_p2p_communicate: at CP = 2 the next and the previous rank are one
+        peer, and two separate NCCL calls to it could each wait for the other's match."""
         recv = torch.empty_like(tensor)
-        works = [dist.isend(tensor, self.next, group=self.group, tag=tag),
-                 dist.irecv(recv, self.prev, group=self.group, tag=tag)]
-        return recv, works
+        send = dist.P2POp(dist.isend, tensor, self.next, self.group, tag)
+        receive = dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)
+        return recv, dist.batch_isend_irecv([send, receive] if self.rank % 2 == 0 else [receive, send])
 
 
 def _wait(works) -> None:

@@ -455,7 +455,8 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 
 
 @pytest.mark.parametrize("method,recompute", [("pipeoptim", FULL_RECOMPUTE), ("pipedream", FULL_RECOMPUTE),
-                                              ("spectrain", FULL_RECOMPUTE), ("pipeoptim", {"moe_layer_recompute": True})],
+                                              ("spectrain", FULL_RECOMPUTE),
+                                              ("pipeoptim", {"moe_layer_recompute": True})],
                          ids=["pipeoptim", "pipedream", "spectrain", "pipeoptim-moe-layer-recompute"])
 def test_recomputation_routes_with_the_bias_its_forward_saw(method, recompute, monkeypatch):
     """The bias moves at every step, between a micro-batch's forward and its backward when s(j) > 0: the

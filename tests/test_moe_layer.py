@@ -1,6 +1,7 @@
 """The MoE layer in one process (models/moe/): the router's rules against their closed forms, the capacity's drop
 policies, the auxiliary losses and their way into the gradients, grouped GEMM = loop, the expert bias update,
---moe-layer-freq's parser, recomputation (--moe-layer-recompute too), torch.compile (its recompilations counted) and FP8.
+--moe-layer-freq's parser, recomputation (--moe-layer-recompute too), torch.compile (its recompilations counted)
+and FP8.
 
 Tolerances: closed forms and grouped = loop are exact (fp32 and bf16, same ops); the auxiliary-loss gradient
 against its explicit sum 1e-6; recomputation bitwise; the compiled layer (aot_eager: no code generation) equals
@@ -172,6 +173,31 @@ def test_grouped_gemm_equals_the_loop(dtype, swiglu, bias):
     assert outs[0][-1 if not bias else 2].abs().sum() > 0
 
 
+def test_grouped_gemm_gives_an_expert_without_tokens_an_exactly_zero_weight_gradient(monkeypatch):
+    """torch._grouped_mm may leave an empty group's block of the weight gradient unwritten or wrong (pytorch#172439:
+    non-zero gradients for experts without tokens on B200 GPUs); the CPU kernel writes zeros, so here it is
+    replaced by one that leaves NaN in those blocks, as such a GPU may: the gradient of an expert that got no
+    token is still exactly zero, the others' untouched."""
+    real = torch._grouped_mm
+
+    def leaves_empty_groups_unwritten(a, b, offs=None, **kw):
+        out = real(a, b, offs=offs, **kw)
+        if out.dim() == 3:  # [groups, out, in]: the weight gradient
+            out[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")
+        return out
+    torch.manual_seed(0)
+    experts = GroupedExperts(moe_cfg(), range(4), 1, 0, grouped_gemm=True)
+    reference = GroupedExperts(moe_cfg(), range(4), 1, 0, grouped_gemm=False)
+    reference.load_state_dict(experts.state_dict())
+    counts, x = torch.tensor([5, 0, 3, 0]), torch.randn(8, 32)
+    monkeypatch.setattr(torch, "_grouped_mm", leaves_empty_groups_unwritten)
+    for module in (experts, reference):
+        module(x, counts).square().sum().backward()
+    for p, ref in zip(experts.parameters(), reference.parameters()):
+        assert not p.grad[counts == 0].isnan().any() and not p.grad[counts == 0].any()
+        assert torch.equal(p.grad, ref.grad) and p.grad[0].abs().sum() > 0
+
+
 def test_experts_hold_their_slice_of_the_one_process_weights():
     cfg = moe_cfg()
     torch.manual_seed(0)
@@ -337,3 +363,5 @@ def test_grouped_gemm_on_cuda_where_it_runs():
         outs.append([y, xi.grad] + [p.grad for p in experts.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for p in grouped.parameters():  # the experts without tokens: exactly zero (pytorch#172439)
+        assert not p.grad[counts == 0].any()

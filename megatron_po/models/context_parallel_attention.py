@@ -7,8 +7,8 @@ Megatron-LM / Transformer Engine's `attn_forward_func_with_cp`:
 
 p2p (ring attention). The K/V blocks travel around the ring: at step t rank i holds the block of rank
 j = i − t (mod CP), posts the send of that block to rank i + 1 and the receive of the next from i − 1
-(one batched isend/irecv, `_Ring.shift`), and computes this block's attention while they travel. Which queries see which keys
-follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
+(one batched isend/irecv, `_Ring.shift`), and computes this block's attention while they travel. Which
+queries see which keys follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
     t = 0     its own block, causally (its two chunks in order are a causal sequence)
     j < i     every query sees the block's first chunk (j < i), none its second: q x K[:c], unmasked
     j > i     only the second query chunk sees anything, both key chunks: Q[c:] x k, unmasked

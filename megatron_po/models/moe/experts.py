@@ -133,6 +133,9 @@ class ExpertProjection(torch.autograd.Function):
                 grad_x = torch._grouped_mm(grad_out, weight, offs=offs)
             if ctx.needs_input_grad[1]:
                 grad_w = torch._grouped_mm(grad_out.t(), x, offs=offs)  # [experts, out, in], contiguous
+                # An expert without tokens: its block of the output may be left unwritten or wrong by the kernel
+                # (pytorch#172439, B200 GPUs); its gradient is exactly zero (no host sync: a device mask).
+                grad_w.masked_fill_((counts == 0).view(-1, 1, 1), 0.0)
             return grad_x, grad_w, None, None
         sizes = counts.tolist()
         grads, pieces = grad_out.split(sizes), x.split(sizes)

@@ -10,6 +10,7 @@ sequence over CP), with TP and DP; dropless and with a capacity (both drop polic
 """
 
 import pytest
+import torch
 from dist_harness import run_distributed
 from moe_harness import M, check_equal, distributed_run, reference
 
@@ -31,6 +32,55 @@ def test_expert_layout_is_megatrons():
     assert whole["ep"] == [[8, 9, 10, 11]] and whole["edp"] == [[8], [9], [10], [11]]
     with pytest.raises(ConfigError, match="does not divide the 8 ranks"):
         expert_layout(list(range(8)), etp=1, ep=3)
+
+
+def _experts_at_each_ep():
+    """Per EP size 1, 2, 4 on these 4 ranks: (this rank's expert weights {name: tensor} with their first expert,
+    the elements the build drew from a normal distribution, the local expert elements)."""
+    from megatron_po import parallel_state as ps
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
+    from megatron_po.pipeline.partition import build_chunks_for_rank
+    from megatron_po.tensor_parallel import model_parallel_seed
+    from moe_harness import SEED, VOCAB, make_cfg
+    out = {}
+    normal = torch.Tensor.normal_
+    for ep in (1, 2, 4):
+        ps.initialize_expert_parallel(ep)
+        model_parallel_seed(SEED)
+        drawn = [0]
+
+        def counting(self, *args, **kwargs):
+            drawn[0] += self.numel()
+            return normal(self, *args, **kwargs)
+        torch.Tensor.normal_ = counting
+        try:
+            chunks = build_chunks_for_rank(make_cfg(), VOCAB, 0, 1, 1)
+        finally:
+            torch.Tensor.normal_ = normal
+        experts = {f"model.{n}": p.detach() for n, p in named_parameters_global(chunks) if ".experts." in n}
+        out[ep] = (experts, 8 // ep * ps.get_expert_model_parallel_rank(), drawn[0],
+                   sum(p.numel() for p in experts.values()))
+    return out
+
+
+def test_each_rank_draws_only_its_experts_the_same_at_any_ep():
+    """The experts' weights of EP 1, 2 and 4 are the slices of the one-process model's (seeded per expert), and a
+    rank draws and holds only its own experts: what the build draws drops by the other ranks' experts exactly
+    (8 experts in 3 MoE layers, fc1, gate and fc2 of 32 x 32 each), so a 256-expert layer is never materialized
+    whole on a rank."""
+    from moe_harness import SEED, VOCAB, make_cfg
+    from megatron_po.models.gpt import GPTModel
+    from megatron_po.tensor_parallel import model_parallel_seed
+    model_parallel_seed(SEED)
+    whole = {f"model.{n}": p.detach() for n, p in GPTModel(make_cfg().model, VOCAB, SEED).named_parameters()}
+    per_expert = 3 * 3 * 32 * 32  # 3 MoE layers x (fc1, gate, fc2) of one expert
+    for rank in run_distributed(_experts_at_each_ep, 4):
+        for ep, (experts, first, drawn, held) in rank.items():
+            local = 8 // ep
+            assert held == local * per_expert
+            assert drawn - rank[1][2] == -(8 - local) * per_expert  # the other ranks' experts are never drawn
+            for name, w in experts.items():
+                assert torch.equal(w, whole[name][first:first + local]), (ep, name)
 
 
 @pytest.mark.parametrize("world,ep,model", [

@@ -198,6 +198,23 @@ def test_grouped_gemm_gives_an_expert_without_tokens_an_exactly_zero_weight_grad
         assert torch.equal(p.grad, ref.grad) and p.grad[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_dispatch_hands_restore_a_named_context(kind):
+    """One process: the dispatch groups the pairs by expert and hands `restore` a dataclass (not a tuple); restore
+    gives every token the weighted sum of its experts' outputs."""
+    from megatron_po.models.moe.dispatcher import DISPATCHERS, AllGatherContext, AllToAllContext
+    g = torch.Generator().manual_seed(0)
+    tokens, logits = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    probs, routing_map = topk_routing(logits, 2)
+    dispatcher = DISPATCHERS[kind](4)
+    x, counts, context = dispatcher.dispatch(tokens, probs, routing_map)
+    assert isinstance(context, {"alltoall": AllToAllContext, "allgather": AllGatherContext}[kind])
+    assert dataclasses.is_dataclass(context) and counts.tolist() == routing_map.sum(0).tolist()
+    scale = torch.arange(1.0, 5.0).repeat_interleave(counts)[:, None]  # expert e multiplies its tokens by e + 1
+    expected = tokens * (probs * torch.arange(1.0, 5.0)).sum(-1, keepdim=True)
+    torch.testing.assert_close(dispatcher.restore(x * scale, context), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_experts_hold_their_slice_of_the_one_process_weights():
     cfg = moe_cfg()
     torch.manual_seed(0)

@@ -131,6 +131,38 @@ def test_recomputation_and_compiled_layers_under_expert_parallelism(model, monke
     check_equal(run_distributed(distributed_run, 2, args=(model, 2)), reference(M * 2))
 
 
+def _counting_context_parallel_gathers(*args):
+    """distributed_run, counting the calls of the one context-parallel gather (tensor_parallel/sequence_pieces.py)
+    by (dim, sum_grads): the router's (dim 0, its own rows back) and the all-gather attention's (keys and values,
+    dim -2, summed back)."""
+    from collections import Counter
+
+    from moe_harness import distributed_run
+    from megatron_po.tensor_parallel import sequence_pieces
+    calls, apply = Counter(), sequence_pieces._GatherFromContextParallelRegion.apply
+
+    def counting(x, dim, sum_grads):
+        calls[(dim, sum_grads)] += 1
+        return apply(x, dim, sum_grads)
+    sequence_pieces._GatherFromContextParallelRegion.apply = counting
+    try:
+        return distributed_run(*args) + (dict(calls),)
+    finally:
+        sequence_pieces._GatherFromContextParallelRegion.apply = apply
+
+
+def test_router_and_attention_share_one_context_parallel_gather():
+    """CP 2 with the all-gather attention (TP 2, sequence parallel): every router (3 MoE layers) and every attention
+    (4 layers) gathers the sequence through the same autograd function, once per micro-batch; the run equals the
+    one-process run."""
+    model = {"cp_comm_type": "allgather"}
+    results = run_distributed(_counting_context_parallel_gathers, 4, tp=2, cp=2,
+                              args=(model, 2, None, "1f1b", 1, True))
+    for *_, calls in results:
+        assert calls == {(0, False): 3 * M, (-2, True): 4 * M}, calls
+    check_equal([r[:4] for r in results], reference(M, **model))
+
+
 @pytest.mark.parametrize("world,tp,cp,ep,model", [
     (2, 1, 2, 1, {**CAPACITY, "moe_token_drop_policy": "position"}),  # capacity by position over the whole sequence
     (2, 1, 2, 2, {}),  # EP carved out of the CP ranks

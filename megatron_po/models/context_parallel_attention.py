@@ -39,6 +39,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.data.context_split import token_indices
 from megatron_po.models import attention_blocks
 from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
+from megatron_po.tensor_parallel.sequence_pieces import gather_from_context_parallel_region
 
 _KV, _DKV = 0, 1  # p2p tags: K/V blocks and their gradient accumulators travel as separate messages
 
@@ -174,47 +175,12 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """K and V of every CP rank in the whole sequence's order ([b, groups, s, d] each); the backward sums
-    the gradients of this rank's chunks over the ranks (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, k, v):
-        group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
-        local = torch.stack([k, v]).contiguous()  # [2, b, groups, 2c, d]
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local, group=group)
-        c = k.shape[2] // 2
-        chunks = [None] * (2 * cp)
-        for r, part in enumerate(parts):
-            chunks[r], chunks[2 * cp - 1 - r] = part[..., :c, :], part[..., c:, :]
-        full = torch.cat(chunks, dim=-2)
-        return full[0], full[1]
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        group, cp, rank = ps.get_context_parallel_group(), ps.get_context_parallel_world_size(), \
-            ps.get_context_parallel_rank()
-        full = torch.stack([dk, dv])
-        c = full.shape[-2] // (2 * cp)
-        # rank r's share, in its order (chunks r and 2CP-1-r), for every r: [cp, 2, b, groups, 2c, d]
-        shares = torch.stack([torch.cat([full[..., r * c:(r + 1) * c, :],
-                                         full[..., (2 * cp - 1 - r) * c:(2 * cp - r) * c, :]], dim=-2)
-                              for r in range(cp)]).contiguous()
-        if ps.reduce_scatter_grads(group):
-            mine = torch.empty_like(shares[0])
-            dist.reduce_scatter_tensor(mine, shares, group=group)
-        else:  # gloo: an all-reduce, then this rank's share (parallel_state.reduce_scatter_grads)
-            dist.all_reduce(shares, group=group)
-            mine = shares[rank]
-        return mine[0], mine[1]
-
-
 def _all_gather_attention(q, k, v, document_ids):
     cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
     seq = 2 * c * cp
-    k_all, v_all = (_repeat(t, rep) for t in _GatherSequence.apply(k, v))
+    # K and V of every CP rank in the sequence's order; the backward sums each rank's share of dK/dV over the ranks
+    k_all, v_all = (_repeat(t, rep) for t in gather_from_context_parallel_region(torch.stack([k, v]), -2, True))
     q_idx = token_indices(seq, cp, rank, q.device)
     outs = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):  # each query chunk sees the keys up to its end

@@ -43,12 +43,11 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
-from megatron_po.data.context_split import token_indices
 from megatron_po.models.moe.aux_losses import (attach, load_balancing_loss, sequence_load_balancing_loss,
                                                switch_transformer_loss, z_loss)
-from megatron_po.tensor_parallel import gather_from_sequence_parallel_region
 from megatron_po.tensor_parallel.layers import linear
 from megatron_po.tensor_parallel.random import is_recomputing
+from megatron_po.tensor_parallel.sequence_pieces import gather_whole_sequence, this_rank_tokens
 
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
@@ -122,27 +121,6 @@ def routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function:
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
 
 
-class _GatherSequenceOverContextParallel(torch.autograd.Function):
-    """[s / CP, b, E] of this CP rank's chunks -> [s, b, E] of the whole sequence in its order; the backward
-    hands back this rank's rows of the gradient (the others' are their own)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        cp, group = ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
-        parts = [torch.empty_like(x) for _ in range(cp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        s = x.shape[0] * cp
-        order = torch.cat([token_indices(s, cp, r, x.device) for r in range(cp)])
-        whole = torch.empty((s, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        whole[order] = torch.cat(parts)
-        ctx.mine = token_indices(s, cp, ps.get_context_parallel_rank(), x.device)
-        return whole
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.index_select(0, ctx.mine)
-
-
 def _sum_over_data_parallel(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(counts summed over the data-parallel ranks, their number). The router routes a whole micro-batch (its TP
     and CP pieces gathered), so the data-parallel group alone holds the other micro-batches of this step's slot."""
@@ -194,13 +172,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [s, b, h] (s split over TP under sequence parallelism) -> (weights [s*b, E] in x's dtype, routing map
         [s*b, E] bool) of this rank's tokens, flattened s-major."""
-        s_local, b, _ = x.shape
+        b = x.shape[1]
         logits = linear(x, self.weight, dtype=self.dtype)  # [s, b, E]
-        if self.sequence_parallel:  # route the whole micro-batch (module docstring); the backward keeps my slice
-            logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        # route the whole micro-batch, its sequence in order (module docstring); the backward keeps my rows
+        logits = gather_whole_sequence(logits, self.sequence_parallel)
         cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        if cp > 1:  # ... and the whole sequence, in its order (module docstring)
-            logits = _GatherSequenceOverContextParallel.apply(logits)
         seq = logits.shape[0]
         logits = logits.reshape(-1, self.num_experts).to(self.dtype or torch.float32)
         training = self.training and torch.is_grad_enabled()
@@ -230,14 +206,8 @@ class TopKRouter(nn.Module):
             keep = capacity_mask(probs, routing_map, capacity, cfg.moe_token_drop_policy)
             routing_map = keep if cfg.moe_pad_expert_input_to_capacity else routing_map & keep
             probs = probs * routing_map
-        if cp > 1:  # this CP rank's chunks, in its order
-            mine = token_indices(seq, cp, ps.get_context_parallel_rank(), probs.device)
-            probs, routing_map, routed = (v.view(seq, b, -1).index_select(0, mine).reshape(-1, self.num_experts)
-                                          for v in (probs, routing_map, routed))
-        if self.sequence_parallel:  # this rank's rows
-            rows = slice(ps.get_tensor_model_parallel_rank() * s_local * b, (ps.get_tensor_model_parallel_rank() + 1)
-                         * s_local * b)
-            probs, routing_map, routed = probs[rows], routing_map[rows], routed[rows]
+        probs, routing_map, routed = (this_rank_tokens(v.view(seq, b, -1), self.sequence_parallel)
+                                      .reshape(-1, self.num_experts) for v in (probs, routing_map, routed))
         if training and not is_recomputing():
             with torch.no_grad():
                 kept = routing_map & routed

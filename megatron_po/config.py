@@ -189,6 +189,15 @@ class ModelConfig:
                                                 "ones, the same numbers (a start-up line says so)")
     moe_layer_recompute: bool = _f(False, "MoE: recompute each MoE layer (router, dispatch, experts, shared experts) "
                                           "in the backward, keeping only its input (the same numbers)")
+    # Multi-token prediction (DeepSeek-V3's; Megatron-core's flags and meanings; megatron_po/models/mtp.py, docs/mtp.md)
+    mtp_num_layers: int | None = _f(None, "multi-token prediction: N sequential MTP modules on the last pipeline stage "
+                                          "(DeepSeek-V3's); depth d combines the previous depth's states with the "
+                                          "embedding of the tokens d ahead, runs one transformer layer of the model's "
+                                          "last layer's kind and predicts token t+d+1 through the shared output layer "
+                                          "(default: none)")
+    mtp_loss_scaling_factor: float | None = _f(None, "MTP: the mean of the depths' losses times this factor is "
+                                                     "added to the LM loss for the backward (default 0.1 with "
+                                                     "--mtp-num-layers, as Megatron's; logged apart, not in lm loss)")
 
 
 @dataclass
@@ -241,6 +250,24 @@ class ParallelConfig:
                                             "carved out of the data-parallel ranks (Megatron's layout)")
     expert_tensor_parallel_size: int | None = _f(None, "MoE: tensor-parallel size of each expert (default "
                                                        "--tensor-model-parallel-size, as Megatron)")
+    use_torch_fsdp2: bool = _f(False, "fully sharded data parallelism with PyTorch FSDP2 (torch.distributed.fsdp."
+                                      "fully_shard): parameters, gradients and optimizer state sharded over the DP x "
+                                      "CP ranks of each TP rank and stage (experts over their expert-DP ranks), each "
+                                      "transformer layer gathered for its forward and backward (ZeRO-3; = "
+                                      "--data-parallel-sharding-strategy optim_grads_params); docs/fsdp.md")
+    torch_fsdp2_reshard_after_forward: bool = _f(True, "FSDP2 frees each layer's gathered weights after its forward "
+                                                       "and gathers them again for its backward; this flag keeps "
+                                                       "them from forward to backward instead (one gather per "
+                                                       "micro-batch instead of two, whole weights of every layer in "
+                                                       "flight; synchronous methods only)",
+                                                 alias="--torch-fsdp2-no-reshard-after-forward")
+    data_parallel_sharding_strategy: str = _f("no_shard", "what data parallelism shards (Megatron-FSDP's names): "
+                                              "no_shard = DDP (nothing); optim = the distributed optimizer (ZeRO-1, "
+                                              "= --use-distributed-optimizer); optim_grads = FSDP2 without resharding "
+                                              "after forward (optimizer state and gradients sharded, parameters "
+                                              "gathered once per micro-batch and kept until its backward); "
+                                              "optim_grads_params = FSDP2 (= --use-torch-fsdp2); docs/fsdp.md",
+                                              choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
 
 
 @dataclass
@@ -532,6 +559,8 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     if values["tokenizer_type"] == "SentencePieceTokenizer" and values["tokenizer_model"] is None \
             and values["vocab_file"] is not None and values["merge_file"] is not None:
         values = dict(values, tokenizer_type="GPT2BPETokenizer")
+    if values["data_parallel_sharding_strategy"] == "optim":  # Megatron-FSDP's name of the distributed optimizer
+        values = dict(values, use_distributed_optimizer=True)
     sections = {}
     for section, section_cls in _sections():
         sections[section] = section_cls(**{f.name: values[f.name] for f in dataclasses.fields(section_cls)})
@@ -548,6 +577,20 @@ ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipe
 
 def is_async(cfg: "Config") -> bool:
     return cfg.parallel.pipeline_method in ASYNC_METHODS
+
+
+def uses_fsdp2(cfg: "Config") -> bool:
+    """FSDP2 shards this run's data parallelism: --use-torch-fsdp2, or the sharding strategies that shard
+    gradients (optim_grads, optim_grads_params)."""
+    p = cfg.parallel
+    return p.use_torch_fsdp2 or p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+
+def fsdp2_reshard_after_forward(cfg: "Config") -> bool:
+    """FSDP2 frees each gathered layer after its forward and gathers it again for its backward (optim_grads and
+    --torch-fsdp2-no-reshard-after-forward keep it instead)."""
+    p = cfg.parallel
+    return p.torch_fsdp2_reshard_after_forward and p.data_parallel_sharding_strategy != "optim_grads"
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
@@ -576,6 +619,15 @@ def num_query_groups(m: ModelConfig) -> int:
 def recompute_granularity(m: ModelConfig) -> str | None:
     """The activation recomputation in effect: --recompute-activations is Megatron's alias of selective."""
     return "selective" if m.recompute_activations else m.recompute_granularity
+
+
+MTP_LOSS_SCALING_FACTOR = 0.1  # Megatron's default of --mtp-loss-scaling-factor
+
+
+def mtp_loss_scale(m: ModelConfig) -> float:
+    """--mtp-loss-scaling-factor in effect (Megatron's 0.1 when not given); None-default so that the flag given
+    without --mtp-num-layers can be refused."""
+    return MTP_LOSS_SCALING_FACTOR if m.mtp_loss_scaling_factor is None else m.mtp_loss_scaling_factor
 
 
 def fp8_backend(m: ModelConfig) -> str | None:

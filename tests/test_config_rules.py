@@ -23,6 +23,7 @@ TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
 CP2 = MOCK + ["--context-parallel-size", "2", "--attention-dropout", "0"]  # valid on 2 ranks
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 
 # (id, world size, argv, words the error line must contain)
 RULES = [
@@ -312,6 +313,25 @@ RULES = [
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
     ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
+    # FSDP2 (distributed/fsdp.py)
+    ("fsdp-no-distopt", 2, MOCK + ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+     ["--use-torch-fsdp2", "drop --use-distributed-optimizer"]),
+    ("fsdp-no-distopt/strategy", 2, MOCK + ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim"],
+     ["--use-torch-fsdp2", "--data-parallel-sharding-strategy optim"]),
+    ("fsdp-local-layers", 2, MOCK + TE + ["--data-parallel-sharding-strategy", "optim_grads_params"],
+     ["optim_grads_params", "--transformer-impl transformer_engine", "use --transformer-impl local"]),
+    ("fsdp-async-reshards", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
+                                            "--torch-fsdp2-no-reshard-after-forward"],
+     ["--pipeline-method pipedream under FSDP2", "drop --torch-fsdp2-no-reshard-after-forward"]),
+    ("fsdp-async-reshards/optim-grads", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim",
+                                                        "--data-parallel-sharding-strategy", "optim_grads"],
+     ["--pipeline-method pipeoptim under FSDP2", "optim_grads"]),
+    ("fsdp-async-recompute", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-torch-fsdp2",
+                                             "--recompute-granularity", "selective"],
+     ["--recompute-granularity with --pipeline-method pipeoptim under FSDP2", "pipedream-2bw"]),
+    ("fsdp-delay-compensation", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
+                                                "--delay-compensation-lambda", "0.1"],
+     ["--delay-compensation-lambda", "--use-torch-fsdp2"]),
     # FP8: backend and recipe (models/fp8.py; more cases, the GPU capability among them, in tests/test_fp8.py)
     ("fp8-flags-need-format", 1, MOCK + ["--fp8-recipe", "rowwise"], ["--fp8-recipe applies to FP8 training",
                                                                       "add --fp8-format hybrid"]),
@@ -461,10 +481,19 @@ RULES = [
     ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
                                        "--moe-shared-expert-intermediate-size", "40"],
      ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),
+    # Multi-token prediction (models/mtp.py)
+    ("mtp-num-layers>=1", 1, MOCK + ["--mtp-num-layers", "0"], ["--mtp-num-layers must be >= 1 (got 0)"]),
+    ("mtp-loss-scaling-factor-needs-mtp", 1, MOCK + ["--mtp-loss-scaling-factor", "0.3"],
+     ["--mtp-loss-scaling-factor weights the multi-token prediction loss: it needs --mtp-num-layers"]),
+    ("mtp-loss-scaling-factor>=0", 1, MOCK + MTP + ["--mtp-loss-scaling-factor", "-0.5"],
+     ["--mtp-loss-scaling-factor must be >= 0 (got -0.5)"]),
+    ("mtp-position-embedding", 1, MOCK + ["--mtp-num-layers", "1"],
+     ["--mtp-num-layers needs --position-embedding-type rope or none (got learned_absolute)"]),
 ]
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
+    ("fsdp-gpt-only", 2, NMT + ["--use-torch-fsdp2"], ["--use-torch-fsdp2", "wired for GPT (pretrain_gpt.py) only"]),
     ("eod-mask-loss-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
                                           "--recompute-num-layers", "1"],
@@ -509,6 +538,7 @@ NMT_RULES = [
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
     ("moe-gpt-only", 1, NMT + ["--num-experts", "8"], ["--num-experts is wired for pretrain_gpt.py only"]),
     ("add-qkv-bias-gpt-only", 1, NMT + ["--add-qkv-bias"], ["--add-qkv-bias applies to pretrain_gpt.py"]),
+    ("mtp-gpt-only", 1, NMT + ["--mtp-num-layers", "1"], ["--mtp-num-layers predicts further tokens of pretrain_gpt.py"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
         [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]
@@ -559,7 +589,9 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings; FP8 on a usable
     Transformer Engine, here the fake one; an NMT corpus) passes."""
     validate(parse_args(MOCK), 1)
+    validate(parse_args(MOCK + MTP + ["--mtp-loss-scaling-factor", "0.3"]), 1)
     validate(parse_args(CP2), 2)
+    validate(parse_args(CP2 + MTP), 2)
     validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)

@@ -22,12 +22,12 @@ from megatron_po import parallel_state as ps
 from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_dcp import (FlatRange, dcp_load, global_shape, global_view,
                                                     is_tp_shard, read_metadata)
-from megatron_po.distributed.checkpoint_format import (checkpoint_dir, find_checkpoint, named_buffers_global,
-                                                       named_parameters_for_load)
+from megatron_po.distributed.checkpoint_format import (checkpoint_dir, copies_beside_their_embedding, find_checkpoint,
+                                                       named_buffers_global, named_parameters_for_load)
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params, virtual_stage)
+                                                      parallel_layout, policy_key, stepped_params, virtual_stage)
 from megatron_po.errors import UserError
 
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
@@ -138,11 +138,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
     if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)
-        saved_versions = {p: [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
+        saved_versions = {policy_key(p): [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
                           for name, p in names}
         policy_weights = policy.load_targets(saved_versions)
         for name, p in names:
-            for key, buf in policy_weights.get(p, {}).items():
+            for key, buf in policy_weights.get(policy_key(p), {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
     dcp_load(state, path, md)
@@ -151,12 +151,15 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             name, key = k[len("optimizer."):].rsplit(".", 1)
             stepped[id(dict(names)[name])].state[key] = v
     for target, full, rows in repad:  # this rank's rows of the re-padded vocabulary
-        local = torch.zeros_like(target.param, dtype=full.dtype) if isinstance(target, FlatRange) else target
+        local = torch.zeros(target.param.shape, dtype=full.dtype, device=full.device) if isinstance(
+            target, FlatRange) else target
         n = max(0, min(local.shape[0], full.shape[0] - rows))
         local.zero_()
         local[:n].copy_(full[rows:rows + n])
         if isinstance(target, FlatRange):
             target.copy_from_local(local)
+    for copy, embedding in copies_beside_their_embedding(chunks):  # one entry for both (ZB-V's rank 0 with MTP)
+        _copy_stepped(stepped, copy, embedding, load_optim)
     for inner in {id(x.inner): x.inner for x in stepped.values()}.values():
         inner.forget_kept_direction()  # ΔW kept from the last step describes the state before loading
     for wrapper in {id(x.wrapper): x.wrapper for x in stepped.values() if x.wrapper is not None}.values():
@@ -175,6 +178,22 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             print(f"> {path} was saved under another parallel layout: random generators freshly seeded",
                   flush=True)
     return extra
+
+
+def _copy_stepped(stepped: dict, copy: torch.Tensor, source: torch.Tensor, with_optimizer: bool) -> None:
+    """`copy` made the loaded `source` again: the weights where the optimizer steps them (the parameter, its fp32
+    main param, or this data-parallel rank's piece of it: tied copies share their buckets' layout), and their
+    optimizer state."""
+    to, of = stepped.get(id(copy)), stepped.get(id(source))
+    if to is None or of is None:  # not stepped here: the model parameters themselves
+        copy.data.copy_(source.data)
+        return
+    if to.tensor is None or of.tensor is None:  # the distributed optimizer: other data-parallel ranks own it all
+        return
+    to.tensor.data.copy_(of.tensor.data)
+    if with_optimizer:
+        to.state.clear()
+        to.state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in of.state.items()})
 
 
 def _repad_buffers(state: dict, names, meta) -> list:

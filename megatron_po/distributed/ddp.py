@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.errors import ConfigError
@@ -95,9 +96,13 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient to reduce/clip/step with: the DDP buffer slice when there is one, else `.grad`."""
+    """The gradient to reduce/clip/step with: the DDP buffer slice when there is one, else `.grad` (of an
+    FSDP2-sharded parameter: this rank's shard of it, distributed/fsdp.py)."""
     main_grad = getattr(p, "main_grad", None)
-    return main_grad if main_grad is not None else p.grad
+    if main_grad is not None:
+        return main_grad
+    grad = p.grad
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 class DistributedDataParallel:
@@ -373,18 +378,19 @@ def allreduce_sequence_parallel_grads(params) -> None:
 
 
 def allreduce_embedding_grads(params) -> None:
-    """Tied input/output embeddings split across virtual stages: the last one holds a copy of the word
-    embedding (`embedding_copy`). Summing the two gradients keeps both copies equal after every step
-    (synchronous methods only). The copies may sit on one rank (one stage, several chunks) or on the
-    first and last pipeline ranks (the embedding group)."""
+    """The word embedding's copy on the last virtual stage (`embedding_copy`: tied input/output embeddings, or
+    the multi-token prediction block's, models/mtp.py). Summing the two gradients keeps both copies equal after
+    every step (synchronous methods only). The copies may sit on one rank (one stage, several chunks; ZB-V's
+    rank 0, which holds the first and the last virtual stage: summed there) or on the first and last pipeline
+    ranks (summed over the embedding group)."""
     shared = [p for p in params if getattr(p, "shared_embedding", False) and grad_of(p) is not None]
-    if not shared or not any(getattr(p, "embedding_copy", False) for p in shared) \
-            and ps.get_pipeline_model_parallel_world_size() == 1:
+    copies = sum(bool(getattr(p, "embedding_copy", False)) for p in shared)
+    if not shared or (copies == 0 and ps.get_pipeline_model_parallel_world_size() == 1):
         return
     total = grad_of(shared[0]).clone()
     for p in shared[1:]:
         total += grad_of(p)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if ps.get_pipeline_model_parallel_world_size() > 1 and copies in (0, len(shared)):  # the other end is there
         dist.all_reduce(total, group=ps.get_embedding_group())
     for p in shared:
         grad_of(p).copy_(total)

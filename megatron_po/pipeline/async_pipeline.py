@@ -37,13 +37,15 @@ Both use the same `AsyncStage`, so their updates are identical.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
+from megatron_po.config import Config, TrainingConfig, uses_fsdp2, virtual_pipeline_size
 from megatron_po.errors import ConfigError
 from megatron_po.optim.muon import muon_kwargs
 from megatron_po.pipeline.async_policy import shift_microbatches
@@ -68,6 +70,14 @@ def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: in
         raise ConfigError(f"the async update interval must be an integer >= 1, got {update_interval!r}")
     if num_stages < 1 or num_chunks < 1:
         raise ConfigError(f"need num_stages >= 1 and num_chunks >= 1, got {num_stages}, {num_chunks}")
+
+
+def with_method(cfg: Config, method: str) -> Config:
+    """`cfg` running --pipeline-method `method` (the engines take the method apart from the config; the chunks'
+    build reads it: an MTP block apart from the embedding owns its copy under the asynchronous methods)."""
+    if cfg.parallel.pipeline_method == method:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_method=method))
 
 
 def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
@@ -108,7 +118,7 @@ def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
     from megatron_po.distributed.checkpoint_format import named_parameters_global
     out = {}
     for name, p in named_parameters_global(chunks):
-        t = p.detach().clone()
+        t = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()  # FSDP2: the shards gathered
         if gather_tp and getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             from megatron_po.tensor_parallel import gather_tensor
             shards = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
@@ -145,6 +155,7 @@ class AsyncEmulator:
                  lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None,
                  build_chunks=build_chunks_for_rank, **policy_options):
         check_async_config(cfg, method, num_stages, num_chunks, update_interval)
+        cfg = with_method(cfg, method)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = num_stages, num_chunks, update_interval
         optimizer_name, optimizer_kwargs, clip_grad = _training_defaults(cfg, optimizer_name, optimizer_kwargs,
@@ -245,6 +256,7 @@ class AsyncPipelineRank:
         D = ps.get_pipeline_model_parallel_world_size()
         v = num_chunks if num_chunks is not None else virtual_pipeline_size(cfg)
         check_async_config(cfg, method, D, v, update_interval)
+        cfg = with_method(cfg, method)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = D, v, update_interval
         self.rank = ps.get_pipeline_model_parallel_rank()
@@ -255,7 +267,7 @@ class AsyncPipelineRank:
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
                                 tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
                                 ddp_bucket_size=cfg.parallel.ddp_bucket_size, compile_step=cfg.model.torch_compile,
-                                **policy_options)
+                                fsdp=uses_fsdp2(cfg), **policy_options)
         if cfg.precision.fp16:
             message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()

@@ -1,10 +1,11 @@
 """A sequence held in pieces by the ranks of a layer, gathered whole and cut back to this rank's tokens.
 
 Context parallelism (data/context_split.py) gives CP rank i chunks i and 2·CP−1−i of every sequence;
-sequence parallelism (mappings.py) gives each TP rank a contiguous slice of a CP rank's tokens. Two layers need
+sequence parallelism (mappings.py) gives each TP rank a contiguous slice of a CP rank's tokens. Three places need
 the whole sequence in its order on every rank: the all-gather form of context-parallel attention (keys and
-values, models/context_parallel_attention.py) and the MoE router (its logits, models/moe/router.py: the capacity,
-the per-sequence loss and the ties see the sequence as one process does). One autograd function serves both:
+values, models/context_parallel_attention.py), the MoE router (its logits, models/moe/router.py: the capacity,
+the per-sequence loss and the ties see the sequence as one process does) and multi-token prediction (the tokens,
+labels and loss mask it rolls, models/mtp.py, then `context_parallel_rows`). One autograd function serves all:
 
     gather_from_context_parallel_region(x, dim, sum_grads)
         forward: all-gather over the CP group, each rank's chunks put in their places along `dim`

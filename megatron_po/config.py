@@ -84,6 +84,8 @@ class ModelConfig:
     init_method_std: float = _f(0.02, "std of the normal weight init; output projections get std/sqrt(2*layers)")
     add_bias_linear: bool = _f(True, "no biases in the linear layers (QKV, attention output, MLP)",
                                alias="--disable-bias-linear")
+    add_qkv_bias: bool = _f(False, "a bias on the attention's QKV projection even with --disable-bias-linear (Qwen2, "
+                                   "GLM-4.5), split over the TP ranks like the projection's rows")
     attention_backend: str = _f("auto", "attention kernel: auto (PyTorch picks), local/unfused (explicit "
                                         "softmax(QK^T)V, any device), flash/fused (flash / cuDNN kernels, CUDA)",
                                 choices=["auto", "flash", "fused", "unfused", "local"])
@@ -143,9 +145,12 @@ class ModelConfig:
                                              "top-k logits)")
     moe_router_topk_scaling_factor: float | None = _f(None, "MoE: multiply the top-k routing weights by this")
     moe_router_load_balancing_type: str = _f("aux_loss", "MoE: load balancing: aux_loss (Switch Transformer's, "
-                                                         "per micro-batch), seq_aux_loss (per sequence), none; "
-                                                         "sinkhorn is refused here",
-                                             choices=["aux_loss", "seq_aux_loss", "none", "sinkhorn"])
+                                                         "per micro-batch), seq_aux_loss (per sequence), "
+                                                         "global_aux_loss (the expert loads counted over the "
+                                                         "data-parallel ranks and the step's micro-batches so far, "
+                                                         "Megatron's), none; sinkhorn is refused here",
+                                             choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none",
+                                                      "sinkhorn"])
     moe_aux_loss_coeff: float = _f(0.0, "MoE: coefficient of the load-balancing loss (0: none)")
     moe_z_loss_coeff: float | None = _f(None, "MoE: coefficient of the router z-loss (ST-MoE)")
     moe_router_enable_expert_bias: bool = _f(False, "MoE: DeepSeek-V3's aux-loss-free balancing: a per-expert bias "
@@ -162,20 +167,29 @@ class ModelConfig:
                                         choices=["allgather", "alltoall", "flex"])
     moe_grouped_gemm: bool = _f(False, "MoE: the local experts as one grouped GEMM (torch._grouped_mm; default: a "
                                        "loop over the local experts, the same numbers)")
-    moe_router_num_groups: int | None = _f(None, "MoE: Megatron's group-limited routing: not implemented here, "
-                                                 "refused with one line")
-    moe_router_group_topk: int | None = _f(None, "MoE: Megatron's group-limited routing: not implemented here, "
-                                                 "refused with one line")
-    moe_router_dtype: str | None = _f(None, "MoE: Megatron's router precision switch: not implemented here (the "
-                                            "routing scores are fp32), refused with one line", choices=["fp32", "fp64"])
+    moe_router_num_groups: int | None = _f(None, "MoE: group-limited routing (Megatron's): the experts in this many "
+                                                 "equal groups; each token picks --moe-router-group-topk groups by "
+                                                 "the sum of the top-(topk / group-topk) scores in each, then its "
+                                                 "top-k experts among them (DeepSeek-V3: 8 groups, 4 picked); 1 or "
+                                                 "without --moe-router-group-topk: no grouping")
+    moe_router_group_topk: int | None = _f(None, "MoE: group-limited routing: the groups each token picks (needs "
+                                                 "--moe-router-num-groups)")
+    moe_router_dtype: str | None = _f(None, "MoE: precision of the router: the gating GEMM, the scores and the "
+                                            "weighted sum of the experts' outputs in fp32 or fp64 (default: the "
+                                            "GEMM in the model dtype, the scores in fp32, the sum in the model "
+                                            "dtype; fp32 changes no number of an fp32 run)", choices=["fp32", "fp64"])
     moe_input_jitter_eps: float | None = _f(None, "MoE: Megatron's router input jitter: not implemented here, "
                                                   "refused with one line")
-    moe_permute_fusion: bool = _f(False, "MoE: Megatron's fused permutation kernels (Transformer Engine): not "
-                                         "available here, refused with one line")
-    moe_shared_expert_overlap: bool = _f(False, "MoE: Megatron's shared-expert/dispatch overlap: not implemented "
-                                                "here, refused with one line")
-    moe_layer_recompute: bool = _f(False, "MoE: Megatron's MoE-layer-only recomputation: not implemented here (use "
-                                          "--recompute-granularity full), refused with one line")
+    moe_permute_fusion: bool = _f(False, "MoE: Megatron's fused permutation kernels (Transformer Engine): accepted, "
+                                         "no effect here: tokens are permuted by index_select / index_add (a start-up "
+                                         "line says so)")
+    moe_router_fusion: bool = _f(False, "MoE: Megatron's fused router kernels (Transformer Engine): accepted, no "
+                                        "effect here: the routing runs unfused (a start-up line says so)")
+    moe_shared_expert_overlap: bool = _f(False, "MoE: Megatron's overlap of the shared experts with the dispatch: "
+                                                "accepted, no effect here: the shared experts run after the routed "
+                                                "ones, the same numbers (a start-up line says so)")
+    moe_layer_recompute: bool = _f(False, "MoE: recompute each MoE layer (router, dispatch, experts, shared experts) "
+                                          "in the backward, keeping only its input (the same numbers)")
     # Multi-latent attention (Megatron-core's flags and meanings; megatron_po/models/mla.py, docs/mla.md)
     multi_latent_attention: bool = _f(False, "DeepSeek-V2/V3's multi-latent attention: keys and values up-projected "
                                              "per head from one shared low-rank latent (--kv-lora-rank), the query "

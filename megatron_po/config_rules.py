@@ -542,6 +542,9 @@ MEGATRON_SWITCHES = [
           lambda c, flag: f"{flag} needs --transformer-impl local (the Transformer Engine layers take no "
                           f"per-document positions or mask here)",
           when=lambda c: c.m.transformer_impl != "local"),
+    Rule("add-qkv-bias-needs-local", lambda c: c.m.transformer_impl == "local",
+         "--add-qkv-bias needs --transformer-impl local (the Transformer Engine layers here put a bias on every "
+         "projection or on none: --add-bias-linear)", when=lambda c: c.m.add_qkv_bias and not c.m.add_bias_linear),
     Rule("decoupled-lr-sync-only", lambda c: c.t.decoupled_lr is None or not c.is_async,
          lambda c: f"--decoupled-lr is wired for the synchronous methods (gpipe, 1f1b), not --pipeline-method "
                    f"{c.meth}, whose stages build their own optimizers"),
@@ -645,6 +648,9 @@ NMT = [
                               ("--qk-layernorm", lambda c: c.m.qk_layernorm)],
           lambda c, flag: f"{flag} applies to pretrain_gpt.py: the NMT model's cross-attention has one key/value "
                           f"head per query head of dimension hidden / heads", when=_nmt),
+    Rule("add-qkv-bias-gpt-only", lambda c: not c.m.add_qkv_bias,
+         "--add-qkv-bias applies to pretrain_gpt.py's self-attention; the NMT model's projections take "
+         "--add-bias-linear", when=_nmt),
     Rule("no-sequence-parallel", lambda c: not c.p.sequence_parallel,
          "--sequence-parallel is not supported by pretrain_nmt.py (sentence lengths vary per batch)", when=_nmt),
     Rule("no-mock-data", lambda c: not c.d.mock_data,

@@ -22,7 +22,7 @@ from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precisio
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.mla import mla_summary
-from megatron_po.models.moe.rules import moe_summary
+from megatron_po.models.moe.rules import moe_summary, no_op_switches_line
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
@@ -204,6 +204,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
         print_rank0(moe_summary(cfg))
     if cfg.model.multi_latent_attention:
         print_rank0(mla_summary(cfg.model, p.tensor_model_parallel_size))
+    if no_op_switches_line(cfg.model):
+        print_rank0(no_op_switches_line(cfg.model))
     return model
 
 

@@ -22,7 +22,7 @@ from megatron_po.distributed.ddp import (DistributedDataParallel, allreduce_embe
                                          allreduce_sequence_parallel_grads)
 from megatron_po.errors import UserError
 from megatron_po.gpt_workload import GPTWorkload
-from megatron_po.models.moe.router import update_expert_bias
+from megatron_po.models.moe.router import after_optimizer_step
 from megatron_po.monitor import timers
 from megatron_po.optim.clip_grads import clip_grad_norm_, expert_norm_group
 from megatron_po.optim.mixed_precision import MainParamsOptimizer
@@ -123,9 +123,10 @@ def train_step(cfg, chunks, ddp, optimizer, batches, lr: float, workload=None, d
     step was skipped for inf/NaN gradients). `decoupled_lr`: the lr of the "decoupled" groups
     (--decoupled-lr: input embedding and output layer). MoE: right after the optimizer step every expert bias
     moves by the tokens its router counted in this iteration (--moe-router-enable-expert-bias), also after a
-    step skipped for inf/NaN gradients, as Megatron (which updates it before the optimizer decides)."""
+    step skipped for inf/NaN gradients, as Megatron (which updates it before the optimizer decides), and the global
+    aux loss's loads start again (--moe-router-load-balancing-type global_aux_loss)."""
     loss, grad_norm = _forward_backward_step(cfg, chunks, ddp, optimizer, batches, lr, workload, decoupled_lr)
-    update_expert_bias(chunks)
+    after_optimizer_step(chunks)
     return loss, grad_norm
 
 

@@ -142,6 +142,10 @@ def test_unsupported_combinations_and_bad_paths_give_one_line(tmp_path, capsys):
     model = dataclasses.asdict(ModelConfig(normalization="RMSNorm"))  # RMSNorm + GELU + learned positions
     with pytest.raises(UserError, match="normalization=RMSNorm, MLP=GELU, positions=learned_absolute"):
         hf_architecture(model)
+    llama_with_qkv_bias = dataclasses.asdict(ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                                         position_embedding_type="rope", add_qkv_bias=True))
+    with pytest.raises(UserError, match="--add-qkv-bias"):  # never a Llama without the bias
+        hf_architecture(llama_with_qkv_bias)
     for argv, needle in [(["consolidate", "--load", str(tmp_path / "none"), "--out", str(tmp_path / "x.safetensors")],
                           "no such directory"),
                          (["export-hf", "--load", str(tmp_path), "--out", str(tmp_path / "hf")], "no checkpoint"),

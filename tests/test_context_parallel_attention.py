@@ -139,3 +139,54 @@ def test_process_groups_at_tp2_cp2_dp2():
     cp_ranks, dp_ranks, dp_cp_ranks, pp_ranks, size, rank = results[5]
     assert (cp_ranks, dp_ranks, dp_cp_ranks, pp_ranks) == ((5, 7), (1, 5), (1, 3, 5, 7), (5,))
     assert (size, rank) == (4, 2) and results[7][5] == 3 and results[0][5] == 0
+
+
+def _ring_transfers(cp_size):
+    """The ring's p2p calls on this rank while the split attention runs forward and backward: every batch
+    given to batch_isend_irecv as [(op, peer)], and the isend/irecv issued outside a batch."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    batches, loose = [], []
+    batch, isend, irecv = dist.batch_isend_irecv, dist.isend, dist.irecv
+    in_batch = [False]
+
+    def record_batch(ops):
+        batches.append([("isend" if op.op is dist.isend else "irecv", op.peer) for op in ops])
+        in_batch[0] = True
+        try:
+            return batch(ops)
+        finally:
+            in_batch[0] = False
+
+    def loose_call(fn, name):
+        def call(*args, **kwargs):
+            if not in_batch[0]:
+                loose.append(name)
+            return fn(*args, **kwargs)
+        return call
+    dist.batch_isend_irecv = record_batch
+    # P2POp accepts only the isend/irecv that distributed_c10d names: both spellings get the counting ones
+    dist.isend = c10d.isend = loose_call(isend, "isend")
+    dist.irecv = c10d.irecv = loose_call(irecv, "irecv")
+    try:
+        _split_attention(8 * cp_size, 2, False, "p2p", False)
+    finally:
+        dist.batch_isend_irecv, dist.isend, dist.irecv = batch, isend, irecv
+        c10d.isend, c10d.irecv = isend, irecv
+    ranks = ps.get_context_parallel_ranks()
+    me = ps.get_context_parallel_rank()
+    return batches, loose, ranks[(me + 1) % cp_size], ranks[(me - 1) % cp_size], me
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_exchange_is_one_batched_send_and_receive(cp):
+    """Every ring step's exchange (K/V forward and backward, dK/dV accumulators) is ONE batch_isend_irecv of a send
+    to the next rank and a receive from the previous, even ranks sending first (Transformer Engine's order), and
+    no isend/irecv goes out alone: at CP = 2 the two neighbours are one peer, and two separate NCCL calls to it
+    can deadlock. The numbers stay those of the whole-sequence attention (checked inside)."""
+    for batches, loose, nxt, prev, me in run_distributed(_ring_transfers, cp, cp=cp, args=(cp,)):
+        assert not loose
+        # forward: CP - 1 K/V shifts; backward: CP - 1 K/V shifts and CP accumulator shifts
+        assert len(batches) == (cp - 1) + (cp - 1) + cp
+        send, receive = ("isend", nxt), ("irecv", prev)
+        assert all(b == ([send, receive] if me % 2 == 0 else [receive, send]) for b in batches), batches

@@ -3,7 +3,8 @@
 - The formulas (tests/test_async_policies.py's recorder and independent replay, with MoE chunks: 16 experts,
   top-2, shared experts, aux and z losses): the weights every forward and backward ran on, each micro-batch's
   gradient and every step equal the method's closed form with torch.optim (fp32, rtol 1e-4 / atol 1e-5, the
-  replay's tolerance). The MoE chunks run PipeOptim's and SpecTrain's predictions by pointer swaps (their
+  replay's tolerance; Adam's and AdamW's weights atol 5e-5, see the test). The MoE chunks run PipeOptim's and SpecTrain's
+  predictions by pointer swaps (their
   experts' backward reads the stacked parameter itself, experts.py), so a backward reading the forward's
   predicted storage would fail the gradient check. Experts that got no token from a step's micro-batch occur
   (asserted): their gradient slice is exactly zero, they still move by the optimizer's momentum (torch.optim
@@ -181,6 +182,19 @@ FORMULA_CASES = [
 def test_updates_follow_the_method_formula_with_experts(method, optimizer, D, v, k, segments, model, options,
                                                         monkeypatch):
     weight_decay = 0.1 if optimizer in ("adamw", "muon") else 0.01
+    if optimizer in ("adam", "adamw"):
+        # The replay recomputes each micro-batch's gradient in another order; where an expert's or a shared
+        # expert's few token terms nearly cancel, their rounding (~1e-3 relative) becomes, through Adam's
+        # normalisation, up to 3e-5 of an lr 1e-2 step (measured 1.1e-5 to 2.6e-5 over seeds 5-7 for AdamW at
+        # k = 2; the dense formula tests keep 1e-5). A wrong formula is off by about lr. The gradients keep 1e-5.
+        gradients_close = test_async_policies.close
+
+        def close(actual, expected, what):
+            if "gradient" in what:
+                return gradients_close(actual, expected, what)
+            for i, (a, e) in enumerate(zip(actual, expected)):
+                torch.testing.assert_close(a, e, rtol=test_async_policies.RTOL, atol=5e-5, msg=f"{what}, tensor {i}")
+        monkeypatch.setattr(test_async_policies, "close", close)
     emu = moe_emulator(method, optimizer, D, v, k, model, weight_decay, **options)
     if method in ("pipeoptim", "spectrain"):  # the predictions swap pointers over the MoE chunks
         assert all(all(s.policy.swaps) for s in emu.stages)
@@ -453,14 +467,19 @@ def test_expert_bias_moves_once_per_step_by_the_tokens_counted_since_the_last():
         assert all(r.tokens_per_expert.sum() == 0 for r in stage.chunks[0].modules() if isinstance(r, TopKRouter))
 
 
-@pytest.mark.parametrize("method", ["pipeoptim", "pipedream", "spectrain"])
-def test_recomputation_routes_with_the_bias_its_forward_saw(method, monkeypatch):
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.mark.parametrize("method,recompute", [("pipeoptim", FULL_RECOMPUTE), ("pipedream", FULL_RECOMPUTE),
+                                              ("spectrain", FULL_RECOMPUTE),
+                                              ("pipeoptim", {"moe_layer_recompute": True})],
+                         ids=["pipeoptim", "pipedream", "spectrain", "pipeoptim-moe-layer-recompute"])
+def test_recomputation_routes_with_the_bias_its_forward_saw(method, recompute, monkeypatch):
     """The bias moves at every step, between a micro-batch's forward and its backward when s(j) > 0: the
-    recomputation in the backward puts the forward's bias back for its routing, so the run equals the one
-    without recomputation bit for bit. Replaying only the weights (the bias as it is at the backward) routes
-    other tokens, so the runs differ."""
+    recomputation in the backward (of whole layers, or of the MoE layers alone) puts the forward's bias back for
+    its routing, so the run equals the one without recomputation bit for bit. Replaying only the weights (the
+    bias as it is at the backward) routes other tokens, so the runs differ."""
     optimizer = "sgd" if method == "spectrain" else "adam"
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
     def run(model):
         emu = moe_emulator(method, optimizer, 3, 1, 1, {**BIAS, "moe_router_bias_update_rate": 0.5, **model})

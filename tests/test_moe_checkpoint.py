@@ -66,11 +66,12 @@ def test_resume_is_bit_exact(case, tmp_path):
                                                                           "--save": str(tmp_path / "ckpt2")}))
     assert len(straight) == 6 and resumed == straight[3:]  # bit for bit
     saved = read_all(ckpt, 3)
-    for layer in range(2):  # every expert at its global shape; the bias saved after it moved
+    for layer in range(2):  # every expert at its global shape
         assert saved[f"model.layers.{layer}.mlp.experts.fc1"].shape == (4, 16, 32)
         assert saved[f"model.layers.{layer}.mlp.experts.fc2"].shape == (4, 32, 16)
         assert saved[f"optimizer.layers.{layer}.mlp.experts.fc1.exp_avg_sq"].shape == (4, 16, 32)
-        assert saved[f"model.layers.{layer}.mlp.router.expert_bias"].abs().max() > 0
+    # the biases saved after they moved (a layer's may be back at 0: the sign update's +rate, then -rate)
+    assert any(saved[f"model.layers.{layer}.mlp.router.expert_bias"].abs().max() > 0 for layer in range(2))
     if "--bf16" in flags:  # the fp32 main params, as for dense weights
         assert saved["model.layers.0.mlp.experts.fc1_gate"].dtype == torch.float32
     assert_no_pickles(checkpoint_dir(ckpt, 3))

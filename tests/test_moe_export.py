@@ -112,7 +112,9 @@ def moe_model(**overrides) -> dict:
     ({"add_bias_linear": True}, "--add-bias-linear"),
     ({"qk_layernorm": True, "moe_shared_expert_intermediate_size": 32}, "--qk-layernorm with shared experts"),
     ({"normalization": "LayerNorm"}, "no Hugging Face MoE class for normalization=LayerNorm"),
-], ids=["sigmoid-bias", "capacity", "scaling", "bias", "qk-norm-shared", "layernorm"])
+    ({"add_qkv_bias": True}, "--add-qkv-bias"),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "route without groups"),
+], ids=["sigmoid-bias", "capacity", "scaling", "bias", "qk-norm-shared", "layernorm", "qkv-bias", "groups"])
 def test_what_no_hf_class_holds_is_one_line(overrides, needle):
     from megatron_po.errors import UserError
     from megatron_po.models.hf_export import hf_architecture

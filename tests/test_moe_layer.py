@@ -1,6 +1,7 @@
 """The MoE layer in one process (models/moe/): the router's rules against their closed forms, the capacity's drop
 policies, the auxiliary losses and their way into the gradients, grouped GEMM = loop, the expert bias update,
---moe-layer-freq's parser, recomputation, torch.compile (its recompilations counted) and FP8.
+--moe-layer-freq's parser, recomputation (--moe-layer-recompute too), torch.compile (its recompilations counted)
+and FP8.
 
 Tolerances: closed forms and grouped = loop are exact (fp32 and bf16, same ops); the auxiliary-loss gradient
 against its explicit sum 1e-6; recomputation bitwise; the compiled layer (aot_eager: no code generation) equals
@@ -172,6 +173,48 @@ def test_grouped_gemm_equals_the_loop(dtype, swiglu, bias):
     assert outs[0][-1 if not bias else 2].abs().sum() > 0
 
 
+def test_grouped_gemm_gives_an_expert_without_tokens_an_exactly_zero_weight_gradient(monkeypatch):
+    """torch._grouped_mm may leave an empty group's block of the weight gradient unwritten or wrong (pytorch#172439:
+    non-zero gradients for experts without tokens on B200 GPUs); the CPU kernel writes zeros, so here it is
+    replaced by one that leaves NaN in those blocks, as such a GPU may: the gradient of an expert that got no
+    token is still exactly zero, the others' untouched."""
+    real = torch._grouped_mm
+
+    def leaves_empty_groups_unwritten(a, b, offs=None, **kw):
+        out = real(a, b, offs=offs, **kw)
+        if out.dim() == 3:  # [groups, out, in]: the weight gradient
+            out[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")
+        return out
+    torch.manual_seed(0)
+    experts = GroupedExperts(moe_cfg(), range(4), 1, 0, grouped_gemm=True)
+    reference = GroupedExperts(moe_cfg(), range(4), 1, 0, grouped_gemm=False)
+    reference.load_state_dict(experts.state_dict())
+    counts, x = torch.tensor([5, 0, 3, 0]), torch.randn(8, 32)
+    monkeypatch.setattr(torch, "_grouped_mm", leaves_empty_groups_unwritten)
+    for module in (experts, reference):
+        module(x, counts).square().sum().backward()
+    for p, ref in zip(experts.parameters(), reference.parameters()):
+        assert not p.grad[counts == 0].isnan().any() and not p.grad[counts == 0].any()
+        assert torch.equal(p.grad, ref.grad) and p.grad[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_dispatch_hands_restore_a_named_context(kind):
+    """One process: the dispatch groups the pairs by expert and hands `restore` a dataclass (not a tuple); restore
+    gives every token the weighted sum of its experts' outputs."""
+    from megatron_po.models.moe.dispatcher import DISPATCHERS, AllGatherContext, AllToAllContext
+    g = torch.Generator().manual_seed(0)
+    tokens, logits = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    probs, routing_map = topk_routing(logits, 2)
+    dispatcher = DISPATCHERS[kind](4)
+    x, counts, context = dispatcher.dispatch(tokens, probs, routing_map)
+    assert isinstance(context, {"alltoall": AllToAllContext, "allgather": AllGatherContext}[kind])
+    assert dataclasses.is_dataclass(context) and counts.tolist() == routing_map.sum(0).tolist()
+    scale = torch.arange(1.0, 5.0).repeat_interleave(counts)[:, None]  # expert e multiplies its tokens by e + 1
+    expected = tokens * (probs * torch.arange(1.0, 5.0)).sum(-1, keepdim=True)
+    torch.testing.assert_close(dispatcher.restore(x * scale, context), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_experts_hold_their_slice_of_the_one_process_weights():
     cfg = moe_cfg()
     torch.manual_seed(0)
@@ -237,6 +280,32 @@ def test_full_recomputation_is_bitwise_and_counts_once():
     for a, b in zip(plain[1], recomputed[1]):
         assert torch.equal(a, b)
     assert plain[2] == recomputed[2]
+
+
+def test_moe_layer_recomputation_is_bitwise_counts_once_and_keeps_only_its_input():
+    """--moe-layer-recompute (the recipes of DeepSeek-R1, Kimi K2 and Qwen3-235B pass it): the same gradients,
+    expert loads and records as without, the expert bias replayed; the layer's forward saves no activation of its
+    own for the backward, only its input."""
+    plain, recomputed = run_model(), run_model(moe_layer_recompute=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
+    assert plain[2] == recomputed[2]
+
+    def saved_bytes(**kw):
+        model_parallel_seed(SEED)
+        layer = MoELayer(moe_cfg(**kw), sequence_parallel=False, layer_number=0,
+                         shared_experts=lambda: TransformerLayer(moe_cfg(num_experts=None), False).mlp)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(16, 2, BASE.hidden_size, requires_grad=True))
+        return total[0]
+    kept, recomputed_kept = saved_bytes(), saved_bytes(moe_layer_recompute=True)
+    input_bytes = 16 * 2 * BASE.hidden_size * 4
+    assert recomputed_kept == input_bytes and kept > 10 * input_bytes, (kept, recomputed_kept)
 
 
 def test_compiled_moe_layer_equals_eager_and_never_recompiles():
@@ -311,3 +380,5 @@ def test_grouped_gemm_on_cuda_where_it_runs():
         outs.append([y, xi.grad] + [p.grad for p in experts.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for p in grouped.parameters():  # the experts without tokens: exactly zero (pytorch#172439)
+        assert not p.grad[counts == 0].any()

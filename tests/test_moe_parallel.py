@@ -10,6 +10,7 @@ sequence over CP), with TP and DP; dropless and with a capacity (both drop polic
 """
 
 import pytest
+import torch
 from dist_harness import run_distributed
 from moe_harness import M, check_equal, distributed_run, reference
 
@@ -31,6 +32,55 @@ def test_expert_layout_is_megatrons():
     assert whole["ep"] == [[8, 9, 10, 11]] and whole["edp"] == [[8], [9], [10], [11]]
     with pytest.raises(ConfigError, match="does not divide the 8 ranks"):
         expert_layout(list(range(8)), etp=1, ep=3)
+
+
+def _experts_at_each_ep():
+    """Per EP size 1, 2, 4 on these 4 ranks: (this rank's expert weights {name: tensor} with their first expert,
+    the elements the build drew from a normal distribution, the local expert elements)."""
+    from megatron_po import parallel_state as ps
+    from megatron_po.distributed.checkpoint_format import named_parameters_global
+    from megatron_po.pipeline.partition import build_chunks_for_rank
+    from megatron_po.tensor_parallel import model_parallel_seed
+    from moe_harness import SEED, VOCAB, make_cfg
+    out = {}
+    normal = torch.Tensor.normal_
+    for ep in (1, 2, 4):
+        ps.initialize_expert_parallel(ep)
+        model_parallel_seed(SEED)
+        drawn = [0]
+
+        def counting(self, *args, **kwargs):
+            drawn[0] += self.numel()
+            return normal(self, *args, **kwargs)
+        torch.Tensor.normal_ = counting
+        try:
+            chunks = build_chunks_for_rank(make_cfg(), VOCAB, 0, 1, 1)
+        finally:
+            torch.Tensor.normal_ = normal
+        experts = {f"model.{n}": p.detach() for n, p in named_parameters_global(chunks) if ".experts." in n}
+        out[ep] = (experts, 8 // ep * ps.get_expert_model_parallel_rank(), drawn[0],
+                   sum(p.numel() for p in experts.values()))
+    return out
+
+
+def test_each_rank_draws_only_its_experts_the_same_at_any_ep():
+    """The experts' weights of EP 1, 2 and 4 are the slices of the one-process model's (seeded per expert), and a
+    rank draws and holds only its own experts: what the build draws drops by the other ranks' experts exactly
+    (8 experts in 3 MoE layers, fc1, gate and fc2 of 32 x 32 each), so a 256-expert layer is never materialized
+    whole on a rank."""
+    from moe_harness import SEED, VOCAB, make_cfg
+    from megatron_po.models.gpt import GPTModel
+    from megatron_po.tensor_parallel import model_parallel_seed
+    model_parallel_seed(SEED)
+    whole = {f"model.{n}": p.detach() for n, p in GPTModel(make_cfg().model, VOCAB, SEED).named_parameters()}
+    per_expert = 3 * 3 * 32 * 32  # 3 MoE layers x (fc1, gate, fc2) of one expert
+    for rank in run_distributed(_experts_at_each_ep, 4):
+        for ep, (experts, first, drawn, held) in rank.items():
+            local = 8 // ep
+            assert held == local * per_expert
+            assert drawn - rank[1][2] == -(8 - local) * per_expert  # the other ranks' experts are never drawn
+            for name, w in experts.items():
+                assert torch.equal(w, whole[name][first:first + local]), (ep, name)
 
 
 @pytest.mark.parametrize("world,ep,model", [
@@ -79,6 +129,38 @@ def test_recomputation_and_compiled_layers_under_expert_parallelism(model, monke
     from megatron_po.models import compiled_layers
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     check_equal(run_distributed(distributed_run, 2, args=(model, 2)), reference(M * 2))
+
+
+def _counting_context_parallel_gathers(*args):
+    """distributed_run, counting the calls of the one context-parallel gather (tensor_parallel/sequence_pieces.py)
+    by (dim, sum_grads): the router's (dim 0, its own rows back) and the all-gather attention's (keys and values,
+    dim -2, summed back)."""
+    from collections import Counter
+
+    from moe_harness import distributed_run
+    from megatron_po.tensor_parallel import sequence_pieces
+    calls, apply = Counter(), sequence_pieces._GatherFromContextParallelRegion.apply
+
+    def counting(x, dim, sum_grads):
+        calls[(dim, sum_grads)] += 1
+        return apply(x, dim, sum_grads)
+    sequence_pieces._GatherFromContextParallelRegion.apply = counting
+    try:
+        return distributed_run(*args) + (dict(calls),)
+    finally:
+        sequence_pieces._GatherFromContextParallelRegion.apply = apply
+
+
+def test_router_and_attention_share_one_context_parallel_gather():
+    """CP 2 with the all-gather attention (TP 2, sequence parallel): every router (3 MoE layers) and every attention
+    (4 layers) gathers the sequence through the same autograd function, once per micro-batch; the run equals the
+    one-process run."""
+    model = {"cp_comm_type": "allgather"}
+    results = run_distributed(_counting_context_parallel_gathers, 4, tp=2, cp=2,
+                              args=(model, 2, None, "1f1b", 1, True))
+    for *_, calls in results:
+        assert calls == {(0, False): 3 * M, (-2, True): 4 * M}, calls
+    check_equal([r[:4] for r in results], reference(M, **model))
 
 
 @pytest.mark.parametrize("world,tp,cp,ep,model", [

@@ -76,9 +76,11 @@ def test_expert_parallel_training_tracks_the_one_process_run(corpus, tmp_path, c
      "--moe-grouped-gemm cannot run the float32 expert GEMMs here: dimensions [30]"),
     ({"--num-experts": 8, "--moe-layer-freq": "[0]*3"}, 1, "3 entries for --num-layers 2"),
     ({"--expert-model-parallel-size": 2}, 2, "--expert-model-parallel-size applies to a mixture of experts"),
-    ({"--num-experts": 8, "--moe-router-num-groups": 2}, 1, "--moe-router-num-groups is Megatron's, not implemented"),
+    ({"--num-experts": 8, "--moe-input-jitter-eps": 0.01}, 1, "--moe-input-jitter-eps is Megatron's, not implemented"),
+    ({"--num-experts": 8, "--moe-router-num-groups": 3, "--moe-router-group-topk": 2}, 1,
+     "--num-experts (8) is not divisible by --moe-router-num-groups (3)"),
 ], ids=["experts-vs-ep", "topk", "ep-vs-dp", "pad", "bias-sigmoid", "grouped-gemm-dims", "layer-freq",
-        "ep-needs-experts", "refused"])
+        "ep-needs-experts", "refused", "groups"])
 def test_impossible_settings_are_one_line_at_start_up(corpus, tmp_path, flags, world, words, monkeypatch):
     """In-process (a world size from the environment, as torchrun gives it): exit code 2, one error line."""
     from megatron_po.training import run_main

@@ -24,10 +24,9 @@ PROJECT_ONLY = {
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
-         "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--mla-down-proj-fusion"}
-REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-router-num-groups", "--moe-router-group-topk",
-           "--moe-router-dtype", "--moe-input-jitter-eps", "--moe-permute-fusion", "--moe-shared-expert-overlap",
-           "--moe-layer-recompute", "--cache-mla-latents"}
+         "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--moe-permute-fusion",
+         "--moe-router-fusion", "--moe-shared-expert-overlap", "--mla-down-proj-fusion"}
+REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-input-jitter-eps", "--cache-mla-latents"}
 
 HEADER = """# Megatron-LM flags in megatron_po
 
@@ -86,8 +85,11 @@ Notes where our reading differs in detail:
   (capacity, dropped tokens, auxiliary losses) is decided over all its tokens also under sequence parallelism
   (Megatron: each TP rank's own), so any layout drops the tokens the one-process run drops; the drop policies
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
-  dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
-  distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+  dispatcher are refused, as are the listed Megatron flags marked refused. `--moe-router-dtype` leaves the
+  default (no flag) as Megatron's: the gating GEMM in the model dtype, the scores in fp32. `--moe-permute-fusion`,
+  `--moe-router-fusion` and `--moe-shared-expert-overlap` are accepted and change nothing (one start-up line says
+  what runs instead). Every synchronous and asynchronous pipeline method, the distributed optimizer and Muon run
+  with MoE. See docs/moe.md.
 - Multi-latent attention (`--multi-latent-attention`, `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`,
   `--qk-pos-emb-head-dim`, `--v-head-dim`, `--rope-type`, `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim`):
   Megatron-core's names, defaults and meanings (models/mla.py, docs/mla.md); `--qk-layernorm` is the query and

@@ -410,9 +410,11 @@ def cp_measure_rank(seq: int, reps: int) -> dict:
         return ((model(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"]) * b["loss_mask"]).sum()
                 / b.get("loss_normalizer", b["loss_mask"].sum()))
 
-    sent, tracker = [], LiveTensors()  # the bytes of every isend the ring posts
-    with bench_common.watching(context_parallel_attention.dist, "isend",
-                               lambda tensor, *a, **k: sent.append(tensor.numel() * tensor.element_size())), tracker:
+    sent, tracker = [], LiveTensors()  # the bytes of every isend the ring posts (in its batched exchanges)
+    dist = context_parallel_attention.dist
+    with bench_common.watching(dist, "batch_isend_irecv",
+                               lambda ops: sent.extend(op.tensor.numel() * op.tensor.element_size()
+                                                       for op in ops if op.op is dist.isend)), tracker:
         forward = loss()
         kept = tracker.live
         forward.backward()

@@ -6,9 +6,9 @@ allgather), as
 Megatron-LM / Transformer Engine's `attn_forward_func_with_cp`:
 
 p2p (ring attention). The K/V blocks travel around the ring: at step t rank i holds the block of rank
-j = i − t (mod CP), posts the send of that block to rank i + 1 and the receive of the next from i − 1,
-and computes this block's attention while they travel (isend/irecv). Which queries see which keys
-follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
+j = i − t (mod CP), posts the send of that block to rank i + 1 and the receive of the next from i − 1
+(one batched isend/irecv, `_Ring.shift`), and computes this block's attention while they travel. Which
+queries see which keys follows from the chunk order (rank i's chunks are i < 2·CP−1−i):
     t = 0     its own block, causally (its two chunks in order are a causal sequence)
     j < i     every query sees the block's first chunk (j < i), none its second: q x K[:c], unmasked
     j > i     only the second query chunk sees anything, both key chunks: Q[c:] x k, unmasked
@@ -40,6 +40,7 @@ from megatron_po import parallel_state as ps
 from megatron_po.data.context_split import token_indices
 from megatron_po.models import attention_blocks
 from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
+from megatron_po.tensor_parallel.sequence_pieces import gather_from_context_parallel_region
 
 _KV, _DKV = 0, 1  # p2p tags: K/V blocks and their gradient accumulators travel as separate messages
 
@@ -72,11 +73,14 @@ class _Ring:
         self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
 
     def shift(self, tensor: torch.Tensor, tag: int):
-        """Send `tensor` to the next rank, receive the previous rank's into a new buffer: (buffer, works)."""
+        """Send `tensor` to the next rank, receive the previous rank's into a new buffer: (buffer, works). The send
+        and the receive go out as ONE batch (`batch_isend_irecv`), even ranks sending first and odd ranks receiving
+        first, as Transformer Engine's flash_attn_p2p_communicate: at CP = 2 the next and the previous rank are one
+        peer, and two separate NCCL calls to it could each wait for the other's match."""
         recv = torch.empty_like(tensor)
-        works = [dist.isend(tensor, self.next, group=self.group, tag=tag),
-                 dist.irecv(recv, self.prev, group=self.group, tag=tag)]
-        return recv, works
+        send = dist.P2POp(dist.isend, tensor, self.next, self.group, tag)
+        receive = dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)
+        return recv, dist.batch_isend_irecv([send, receive] if self.rank % 2 == 0 else [receive, send])
 
 
 def _wait(works) -> None:
@@ -179,61 +183,14 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None
 
 
-def _sequence_order(parts: list[torch.Tensor], c: int) -> torch.Tensor:
-    """Every CP rank's [.., 2c, d] (rank r: chunks r and 2CP-1-r) as the whole sequence [.., 2c CP, d]."""
-    cp = len(parts)
-    chunks = [None] * (2 * cp)
-    for r, part in enumerate(parts):
-        chunks[r], chunks[2 * cp - 1 - r] = part[..., :c, :], part[..., c:, :]
-    return torch.cat(chunks, dim=-2)
-
-
-def _rank_shares(full: torch.Tensor, cp: int) -> list[torch.Tensor]:
-    """The inverse of `_sequence_order`: rank r's chunks r and 2CP-1-r of the whole sequence, for every r."""
-    c = full.shape[-2] // (2 * cp)
-    return [torch.cat([full[..., r * c:(r + 1) * c, :], full[..., (2 * cp - 1 - r) * c:(2 * cp - r) * c, :]], dim=-2)
-            for r in range(cp)]
-
-
-class _GatherSequence(torch.autograd.Function):
-    """K and V of every CP rank in the whole sequence's order ([b, groups, s, d] each, V's d its own); the backward
-    sums the gradients of this rank's chunks over the ranks (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, k, v):
-        group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
-        local = torch.cat([k.reshape(-1), v.reshape(-1)])
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local, group=group)
-        c = k.shape[2] // 2
-        ctx.shapes = k.shape, v.shape
-        k_parts, v_parts = zip(*(part.split([k.numel(), v.numel()]) for part in parts))
-        return (_sequence_order([x.view(k.shape) for x in k_parts], c),
-                _sequence_order([x.view(v.shape) for x in v_parts], c))
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        group, cp, rank = ps.get_context_parallel_group(), ps.get_context_parallel_world_size(), \
-            ps.get_context_parallel_rank()
-        # rank r's share, in its order (chunks r and 2CP-1-r), for every r: [cp, k's numel + v's numel]
-        shares = torch.stack([torch.cat([dk_r.reshape(-1), dv_r.reshape(-1)])
-                              for dk_r, dv_r in zip(_rank_shares(dk, cp), _rank_shares(dv, cp))])
-        if ps.reduce_scatter_grads(group):
-            mine = torch.empty_like(shares[0])
-            dist.reduce_scatter_tensor(mine, shares, group=group)
-        else:  # gloo: an all-reduce, then this rank's share (parallel_state.reduce_scatter_grads)
-            dist.all_reduce(shares, group=group)
-            mine = shares[rank]
-        k_shape, v_shape = ctx.shapes
-        dk_mine, dv_mine = mine.split([k_shape.numel(), v_shape.numel()])
-        return dk_mine.view(k_shape), dv_mine.view(v_shape)
-
-
 def _all_gather_attention(q, k, v, document_ids):
     cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
     seq = 2 * c * cp
-    k_all, v_all = (_repeat(t, rep) for t in _GatherSequence.apply(k, v))
+    # K and V of every CP rank in the sequence's order, as one gather of [K | V] (MLA's V head dim differs from
+    # K's); the backward sums each rank's share of dK/dV over the ranks
+    kv = gather_from_context_parallel_region(torch.cat([k, v], dim=-1), -2, True)
+    k_all, v_all = (_repeat(t, rep) for t in kv.split([k.shape[-1], v.shape[-1]], dim=-1))
     q_idx = token_indices(seq, cp, rank, q.device)
     outs = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):  # each query chunk sees the keys up to its end

@@ -70,6 +70,9 @@ def hf_architecture(model: dict) -> str:
     combo = (model["normalization"], "SwiGLU" if model["swiglu"] else "GELU", model["position_embedding_type"])
     if model["qk_layernorm"]:
         raise UserError("--qk-layernorm has no equivalent in GPT-2 or Llama: no Hugging Face export")
+    if model["add_qkv_bias"] and not model["add_bias_linear"]:
+        raise UserError("--add-qkv-bias (a bias on the QKV projection only) has no equivalent in GPT-2 or Llama: no "
+                        "Hugging Face export")
     if combo == ("LayerNorm", "GELU", "learned_absolute"):
         if model["group_query_attention"] or _head_dim(model) * model["num_attention_heads"] != model["hidden_size"]:
             raise UserError("GPT-2 has neither grouped-query attention nor --kv-channels other than hidden / heads")

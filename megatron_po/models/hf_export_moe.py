@@ -22,8 +22,8 @@ maps to is decided by what each class can hold:
 - --apply-layernorm-1p stores norm weights (q/k norms too) as w - 1: exported as w + 1.
 
 What no class here can express is refused, one line: sigmoid scores and DeepSeek-V3's expert bias, a capacity
-(tokens dropped: HF's MoE blocks are dropless), --moe-router-topk-scaling-factor, biases (--add-bias-linear),
-shared experts with --qk-layernorm. The auxiliary losses and z-loss are training-only and need no equivalent;
+(tokens dropped: HF's MoE blocks are dropless), --moe-router-topk-scaling-factor, biases (--add-bias-linear,
+--add-qkv-bias), group-limited routing, shared experts with --qk-layernorm. The auxiliary losses and z-loss are training-only and need no equivalent;
 --moe-aux-loss-coeff becomes `router_aux_loss_coef`, used by HF only with output_router_logits.
 """
 
@@ -76,6 +76,12 @@ def moe_architecture(model: dict) -> str:
     if model["add_bias_linear"]:
         raise UserError("--add-bias-linear: the MLPs of Mixtral and Qwen-MoE have no biases (export needs "
                         "--disable-bias-linear)")
+    if model["add_qkv_bias"]:
+        raise UserError("--add-qkv-bias: the attention of Mixtral and Qwen3-MoE has no QKV bias (and this export "
+                        "writes none for Qwen2-MoE's): no Hugging Face export")
+    if model["moe_router_group_topk"] and (model["moe_router_num_groups"] or 1) > 1:
+        raise UserError("--moe-router-num-groups / --moe-router-group-topk: Mixtral and Qwen-MoE route without "
+                        "groups; no Hugging Face export")
     shared = model["moe_shared_expert_intermediate_size"] is not None
     if model["qk_layernorm"]:
         if shared:

@@ -55,12 +55,12 @@ from torch import nn
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, ModelConfig, mtp_loss_scale, recompute_granularity
 from megatron_po.config_check import Rule, at_least
-from megatron_po.data.context_split import this_rank_share, whole_sequences
 from megatron_po.models.moe.aux_losses import attach
 from megatron_po.models.recompute import maybe_recompute, recompute_state
 from megatron_po.models.transformer import build_norm, init_normal
 from megatron_po.tensor_parallel import (ColumnParallelLinear, gather_from_tensor_model_parallel_region,
                                          scatter_to_sequence_parallel_region)
+from megatron_po.tensor_parallel.sequence_pieces import context_parallel_rows, gather_from_context_parallel_region
 
 
 def roll_left(t: torch.Tensor) -> torch.Tensor:
@@ -135,12 +135,12 @@ class MultiTokenPrediction(nn.Module):
         divides the summed LM losses by, where not the micro-batch's own loss tokens."""
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
         # Rolled over the whole sequences (context parallelism: gathered from the CP ranks, each keeping its share)
-        whole = [whole_sequences(t) for t in (tokens, labels, mask)]
+        whole = [gather_from_context_parallel_region(t, 1) for t in (tokens, labels, mask)]
         micro_batch_tokens, cp = whole[2].sum(), ps.get_context_parallel_world_size()
         total, per_depth = 0.0, []
         for depth in self.layers:
             whole = [roll_left(t) for t in whole]
-            tokens, labels, mask = (this_rank_share(t) for t in whole)
+            tokens, labels, mask = (context_parallel_rows(t, 1) for t in whole)
             hidden = maybe_recompute(self.recompute, depth, hidden, embedding(tokens), rotary, *extra,
                                      params=list(depth.parameters()),
                                      state=recompute_state([depth]) if self.recompute else ())

@@ -276,7 +276,8 @@ class SelfAttention(AttentionCore):
         self.head_dim = kv_channels(cfg)
         self.num_local_heads, self.num_local_groups = nh // tp, groups // tp
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=cfg.add_bias_linear,
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias  # --add-qkv-bias: on this projection only
+        self.qkv = ColumnParallelLinear(h, (nh + 2 * groups) * self.head_dim, bias=qkv_bias,
                                         gather_output=False, init_method=init_normal(cfg.init_method_std),
                                         sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(nh * self.head_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,

@@ -65,7 +65,7 @@ from megatron_po.config import PrecisionConfig
 from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads, is_expert
 from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, shard_chunks
 from megatron_po.errors import ConfigError
-from megatron_po.models.moe.router import update_expert_bias
+from megatron_po.models.moe.router import after_optimizer_step
 from megatron_po.monitor import timers
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
@@ -236,8 +236,9 @@ class AsyncStage:
         if ef is not None:
             ef.end(c, self.policy.gradient_delay(c))
         # Aux-loss-free balancing: once per optimizer step of the chunk (a skipped fp16 step too, as in
-        # synchronous training), from the tokens its routers counted in the forwards since the last update.
-        update_expert_bias([self.chunks[c]])
+        # synchronous training), from the tokens its routers counted in the forwards since the last update;
+        # the global aux loss's loads start again.
+        after_optimizer_step([self.chunks[c]])
         if self.ddps is not None:
             self.ddps[c].zero_grad()
         else:

@@ -134,18 +134,23 @@ class _Linear(torch.autograd.Function):
     weights; with the storage unchanged the results are F.linear's, bit for bit (tests/test_layers.py)."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias):
+    def forward(ctx, input_, weight, bias, dtype=None):
         ctx.save_for_backward(input_, weight)
         ctx.has_bias = bias is not None
         # The deferred W op (weight_grads.py) accumulates into these very tensors: a saved tensor unpacked
         # under activation recomputation is an alias with its own gradient, not the Parameter.
         ctx.weight, ctx.bias = weight, bias
+        if dtype is not None:  # the GEMM in `dtype` (the MoE router's --moe-router-dtype)
+            input_, weight = input_.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
         return F.linear(input_, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        # In the forward GEMM's dtype (grad_output's); each gradient goes back in its tensor's dtype.
+        grad_input = (grad_output.matmul(weight.to(grad_output.dtype)).to(input_.dtype)
+                      if ctx.needs_input_grad[0] else None)
         need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         bias = ctx.bias if need_b else None
         # Zero-bubble B op: leave the weight gradient to the W op (weight_grads.py). Only for leaf
@@ -153,21 +158,25 @@ class _Linear(torch.autograd.Function):
         if (weight_grads.deferring() and need_w and ctx.weight.grad_fn is None
                 and (bias is None or bias.grad_fn is None)):
             weight_grads.defer(functools.partial(_Linear._weight_grads, input_, grad_output, ctx.weight, bias))
-            return grad_input, None, None
+            return grad_input, None, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = grad_2d.t().mm(input_.reshape(-1, input_.shape[-1])) if need_w else None
-        grad_bias = grad_2d.sum(0) if need_b else None
-        return grad_input, grad_weight, grad_bias
+        grad_weight = _weight_grad(grad_2d, input_, weight) if need_w else None
+        grad_bias = grad_2d.sum(0).to(bias.dtype) if need_b else None
+        return grad_input, grad_weight, grad_bias, None
 
     @staticmethod
     def _weight_grads(input_, grad_output, weight, bias):
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         out = []
         if weight is not None:
-            out.append((weight, grad_2d.t().mm(input_.reshape(-1, input_.shape[-1]))))
+            out.append((weight, _weight_grad(grad_2d, input_, weight)))
         if bias is not None:
-            out.append((bias, grad_2d.sum(0)))
+            out.append((bias, grad_2d.sum(0).to(bias.dtype)))
         return out
+
+
+def _weight_grad(grad_2d: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad_2d.t().mm(input_.reshape(-1, input_.shape[-1]).to(grad_2d.dtype)).to(weight.dtype)
 
 
 # Zero-bubble's B op decides at backward time to defer the weight gradient (weight_grads.py); a compiled
@@ -183,12 +192,15 @@ def _fp8_linear_outside_compiled_graph(input_, weight, bias, fp8):
 
 
 def linear(input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           in_compiled_graph: bool = True, fp8=None) -> torch.Tensor:
+           in_compiled_graph: bool = True, fp8=None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`_Linear`. Traced by torch.compile (a compiled layer, models/compiled_layers.py) it is F.linear, whose
     AOTAutograd backward reads the weight through the Parameter too (a graph input is saved as itself), so
     the same weight policies work (tests/test_compiled_layers.py checks it); `in_compiled_graph=False` (split
     backward) leaves the graph for `_Linear`, whose B op can defer the weight gradient. `fp8` (an FP8Gemm,
-    tensor_parallel/fp8.py): the same, its GEMMs in FP8."""
+    tensor_parallel/fp8.py): the same, its GEMMs in FP8. `dtype`: the GEMM (and its output) in that dtype,
+    eager only (the MoE router, which runs outside compiled graphs)."""
+    if dtype is not None:
+        return _Linear.apply(input_, weight, bias, dtype)
     if fp8 is not None:
         if torch.compiler.is_compiling() and not in_compiled_graph:
             return _fp8_linear_outside_compiled_graph(input_, weight, bias, fp8)

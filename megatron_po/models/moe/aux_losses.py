@@ -12,6 +12,9 @@ The losses (E experts, top-k, T tokens of one micro-batch, s_t,i the router's sc
 - load balancing (aux_loss, Switch Transformer): coeff * E / (k T^2) * sum_i (sum_t s_t,i) * n_i, n_i the
   tokens whose top-k (of the unbiased scores) holds expert i; 1.0 x coeff when perfectly balanced;
 - sequence load balancing (seq_aux_loss, DeepSeek-V2): the same per sequence of the micro-batch, averaged;
+- global load balancing (global_aux_loss, Megatron's, after Qiu et al. 2025): the micro-batch's scores against
+  the loads n_i of the step's forwards so far, each summed over the data-parallel ranks and averaged over the
+  forwards, T the tokens of one micro-batch on every DP rank (router.py, `TopKRouter.global_loss`);
 - z-loss (ST-MoE): coeff * mean_t logsumexp(logits_t)^2.
 """
 
@@ -52,12 +55,18 @@ def attach(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
     return AuxLossScaler.apply(output, aux_loss)
 
 
+def switch_transformer_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                            num_tokens: int) -> torch.Tensor:
+    """E / (k T^2) x sum_i (sum_t s_t,i) n_i over the rows of scores [rows, E], the loads n_i and the tokens T
+    they were counted over (Megatron's switch_load_balancing_loss_func), without the coefficient."""
+    num_experts = scores.shape[1]
+    return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts / (topk * num_tokens * num_tokens))
+
+
 def load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int) -> torch.Tensor:
     """Switch Transformer's loss over one micro-batch, without the coefficient: scores [T, E] (fp32),
     topk_map [T, E] (the top-k of those scores)."""
-    num_tokens, num_experts = scores.shape
-    tokens_per_expert = topk_map.sum(dim=0).to(scores.dtype)
-    return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts / (topk * num_tokens * num_tokens))
+    return switch_transformer_loss(scores, topk_map.sum(dim=0).to(scores.dtype), topk, scores.shape[0])
 
 
 def sequence_load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int,

@@ -21,6 +21,8 @@ other way), so gathers and reduce-scatters of unequal sizes are one primitive.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -85,9 +87,34 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
 
 
 def combine(outputs: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum of every routed output times its weight into its token's row: [num_tokens, h]."""
-    weighted = outputs * weights.unsqueeze(-1).to(outputs.dtype)
+    """Sum of every routed output times its weight into its token's row: [num_tokens, h], in the wider dtype of the
+    two (--moe-router-dtype: the routing weights' fp32 or fp64, as Megatron's unpermute)."""
+    dtype = torch.promote_types(outputs.dtype, weights.dtype)
+    weighted = outputs.to(dtype) * weights.unsqueeze(-1).to(dtype)
     return weighted.new_zeros(num_tokens, outputs.shape[1]).index_add(0, rows, weighted)
+
+
+@dataclass
+class AllToAllContext:
+    """What `AllToAllDispatcher.restore` needs of its dispatch."""
+
+    rows: torch.Tensor  # the token row of every routed (token, expert) pair, in expert order
+    weights: torch.Tensor  # their routing weights
+    num_tokens: int  # this rank's tokens
+    sent: list[int]  # pairs sent to each EP rank
+    received: list[int]  # pairs received from each EP rank
+    sizes: list[int]  # pairs each expert-TP rank of this EP rank received (gathered over expert TP)
+    order: torch.Tensor | None  # the permutation that put the received chunks expert-major (None: already)
+
+
+@dataclass
+class AllGatherContext:
+    """What `AllGatherDispatcher.restore` needs of its dispatch."""
+
+    rows: torch.Tensor  # the gathered token row of every pair routed to a local expert, in expert order
+    weights: torch.Tensor  # their routing weights
+    num_gathered: int  # the tokens of the whole dispatch group
+    sizes: list[int]  # each rank's tokens in the dispatch group
 
 
 class AllToAllDispatcher:
@@ -98,7 +125,7 @@ class AllToAllDispatcher:
         self.local = local_experts(num_experts, self.ep, ps.get_expert_model_parallel_rank())
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        """(expert inputs grouped by local expert, rows per local expert [local experts], what `restore` needs)."""
+        """(expert inputs grouped by local expert, rows per local expert [local experts], AllToAllContext)."""
         x, rows, experts = permute(tokens, routing_map)
         weights = probs[rows, experts]
         counts = routing_map.sum(dim=0).view(self.ep, len(self.local))  # [destination EP rank, its expert]
@@ -117,17 +144,16 @@ class AllToAllDispatcher:
             expert_of_chunk = torch.arange(len(self.local), device=x.device).expand_as(chunks).reshape(-1)
             order = torch.sort(expert_of_chunk.repeat_interleave(chunks.reshape(-1)), stable=True).indices
             x = x.index_select(0, order)
-        return x, chunks.sum(dim=(0, 1)), (rows, weights, tokens.shape[0], sent, received, sizes, order)
+        return x, chunks.sum(dim=(0, 1)), AllToAllContext(rows, weights, tokens.shape[0], sent, received, sizes, order)
 
-    def restore(self, y: torch.Tensor, context) -> torch.Tensor:
+    def restore(self, y: torch.Tensor, context: AllToAllContext) -> torch.Tensor:
         """The experts' outputs `y` (dispatch's order) back to their tokens, weighted and summed: [T, h]."""
-        rows, weights, num_tokens, sent, received, sizes, order = context
-        if order is not None:
-            y = y.index_select(0, torch.argsort(order))
-        y = reduce_scatter_rows(y, self.etp_group, sizes, self.etp_rank)
+        if context.order is not None:
+            y = y.index_select(0, torch.argsort(context.order))
+        y = reduce_scatter_rows(y, self.etp_group, context.sizes, self.etp_rank)
         if self.ep > 1:
-            y = all_to_all(y, self.ep_group, sent, received)
-        return combine(y, weights, rows, num_tokens)
+            y = all_to_all(y, self.ep_group, context.sent, context.received)
+        return combine(y, context.weights, context.rows, context.num_tokens).to(y.dtype)
 
 
 class AllGatherDispatcher:
@@ -139,6 +165,7 @@ class AllGatherDispatcher:
                                    ps.get_expert_model_parallel_rank())
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """(the group's tokens routed to my experts, grouped by local expert; rows per local expert; AllGatherContext)."""
         num_tokens = tokens.shape[0]
         sizes = [num_tokens] * self.size
         tokens, probs = gather_rows(tokens, self.group, sizes), gather_rows(probs, self.group, sizes)
@@ -147,11 +174,11 @@ class AllGatherDispatcher:
         mine = routing_map[:, self.local.start:self.local.stop]
         x, rows, experts = permute(tokens, mine)
         weights = probs[rows, experts + self.local.start]
-        return x, mine.sum(dim=0), (rows, weights, tokens.shape[0], sizes)
+        return x, mine.sum(dim=0), AllGatherContext(rows, weights, tokens.shape[0], sizes)
 
-    def restore(self, y: torch.Tensor, context) -> torch.Tensor:
-        rows, weights, num_gathered, sizes = context
-        return reduce_scatter_rows(combine(y, weights, rows, num_gathered), self.group, sizes, self.rank)
+    def restore(self, y: torch.Tensor, context: AllGatherContext) -> torch.Tensor:
+        combined = combine(y, context.weights, context.rows, context.num_gathered)
+        return reduce_scatter_rows(combined, self.group, context.sizes, self.rank).to(y.dtype)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

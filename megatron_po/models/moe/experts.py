@@ -10,9 +10,11 @@ each projection as one `torch._grouped_mm` (`grouped_mm_error` says where it can
 the flag there); otherwise a loop over the local experts runs one matmul each. Both add the biases after the
 matmul, so they give the same numbers (bitwise in fp32 on a CPU: tests/test_moe_layer.py).
 
-Initialization does not depend on the layout: the full weights of all experts are drawn (fc1, then the gate,
-then fc2, each [experts, ...]) from the layer's seed and every rank keeps its experts' slices, so the EP = 4 x
-ETP = 2 model holds exactly the pieces of the one-process model.
+Initialization does not depend on the layout: one draw of the default generator (the same on every rank of a
+stage) is the layer's expert seed, and each expert's fc1, gate and fc2 come from a generator seeded by it and the
+expert's index. A rank draws its own experts only, one whole matrix at a time, keeping its expert-TP slice, so
+the EP = 4 x ETP = 2 model holds exactly the pieces of the one-process model and a 256-expert layer never
+materializes the experts of other ranks.
 
 The projections' backward reads the stacked weight through the Parameter itself (`ExpertProjection`, as
 `tensor_parallel.layers.linear` does for the dense layers), never through a view of the storage the forward
@@ -76,17 +78,25 @@ class GroupedExperts(nn.Module):
         self.experts, self.swiglu, self.grouped_gemm = experts, cfg.swiglu, grouped_gemm
         h, f = cfg.hidden_size, expert_ffn_hidden_size(cfg)
         rows = slice(etp_rank * f // etp, (etp_rank + 1) * f // etp)
-        local = slice(experts.start, experts.stop)
+        # One draw of the default generator (the same on every rank of the stage) seeds the layer's experts; each
+        # expert's matrices come from a generator of their own, so a rank draws only its experts, one matrix at a
+        # time, and every expert gets the same weights at any EP and expert TP (module docstring).
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
-        def draw(shape, std):  # every expert's full weight, as the one-process model draws it
-            return nn.init.normal_(torch.empty(cfg.num_experts, *shape), mean=0.0, std=std)
+        def draw(matrix: int, shape: tuple[int, int], std: float, cut) -> torch.Tensor:
+            """The local experts' `matrix` (0 fc1, 1 gate, 2 fc2), each drawn whole and cut to this expert-TP slice."""
+            out = []
+            for e in experts:
+                g = torch.Generator().manual_seed((base + (3 * e + matrix + 1) * 0x9E3779B97F4A7C15) % 2**63)
+                out.append(torch.empty(shape).normal_(0.0, std, generator=g)[cut])
+            return torch.stack(out)
 
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.fc1 = _mark(nn.Parameter(draw((f, h), cfg.init_method_std)[local, rows].contiguous()), etp, 1)
+        self.fc1 = _mark(nn.Parameter(draw(0, (f, h), cfg.init_method_std, rows)), etp, 1)
         self.fc1_gate = None
         if cfg.swiglu:
-            self.fc1_gate = _mark(nn.Parameter(draw((f, h), cfg.init_method_std)[local, rows].contiguous()), etp, 1)
-        self.fc2 = _mark(nn.Parameter(draw((h, f), out_std)[local][:, :, rows].contiguous()), etp, 2)
+            self.fc1_gate = _mark(nn.Parameter(draw(1, (f, h), cfg.init_method_std, rows)), etp, 1)
+        self.fc2 = _mark(nn.Parameter(draw(2, (h, f), out_std, (slice(None), rows))), etp, 2)
         self.fc1_bias = self.fc1_gate_bias = self.fc2_bias = None
         if cfg.add_bias_linear:  # expert TP 1 (config rule): whole experts
             self.fc1_bias = _mark(nn.Parameter(torch.zeros(len(experts), f)), 1, -1)
@@ -133,6 +143,9 @@ class ExpertProjection(torch.autograd.Function):
                 grad_x = torch._grouped_mm(grad_out, weight, offs=offs)
             if ctx.needs_input_grad[1]:
                 grad_w = torch._grouped_mm(grad_out.t(), x, offs=offs)  # [experts, out, in], contiguous
+                # An expert without tokens: its block of the output may be left unwritten or wrong by the kernel
+                # (pytorch#172439, B200 GPUs); its gradient is exactly zero (no host sync: a device mask).
+                grad_w.masked_fill_((counts == 0).view(-1, 1, 1), 0.0)
             return grad_x, grad_w, None, None
         sizes = counts.tolist()
         grads, pieces = grad_out.split(sizes), x.split(sizes)

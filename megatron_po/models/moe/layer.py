@@ -11,6 +11,11 @@ backward reads the executor's scale at backward time (aux_losses.py). The attent
 shared experts stay compiled; the graphs' shapes do not depend on the routing, so no micro-batch recompiles
 them (tests/test_moe_layer.py counts).
 
+--moe-layer-recompute (Megatron's): the whole layer (router, dispatch, experts, combine, shared experts) keeps
+only its input in the forward and runs again in the backward (models/recompute.py's checkpoint: the forward's
+random streams, weights, expert bias and global aux loss counts replayed, so the numbers are those of the run
+without it; nothing is counted twice). The dispatch's collectives run again in the backward on every rank alike.
+
 `record`: a small per-layer record of what the router did since the trainer last read it (`take_records`):
 the auxiliary losses without their coefficients, the tokens each expert got (this rank's tokens) and the
 token-expert pairs the capacity dropped.
@@ -27,6 +32,7 @@ from megatron_po.models.moe.dispatcher import DISPATCHERS
 from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.moe.layout import local_experts
 from megatron_po.models.moe.router import TopKRouter
+from megatron_po.models.recompute import maybe_recompute, recompute_state
 from megatron_po.tensor_parallel.graph_breaks import runs_eagerly
 
 
@@ -80,8 +86,15 @@ class MoELayer(nn.Module):
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](cfg.num_experts)
         self.shared_experts = shared_experts() if shared_experts is not None else None
         self.record = self.router.record = MoERecord(cfg.num_experts)
+        self.recompute = cfg.moe_layer_recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.recompute:
+            return self.compute(x)
+        return maybe_recompute(True, self.compute, x, params=list(self.parameters()), state=recompute_state([self]))
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts plus the shared experts: [s, b, h] -> [s, b, h]."""
         out = self.routed(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

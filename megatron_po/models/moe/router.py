@@ -3,7 +3,13 @@ the auxiliary losses and DeepSeek-V3's expert bias (Megatron-core's TopKRouter, 
 
 Scores: softmax over the top-k logits (default), softmax over all logits before the top-k
 (--moe-router-pre-softmax), or sigmoid (--moe-router-score-function sigmoid: the top-k scores normalized
-to sum 1 when k > 1); times --moe-router-topk-scaling-factor. With --moe-router-enable-expert-bias the top-k
+to sum 1 when k > 1); times --moe-router-topk-scaling-factor. Group-limited routing (--moe-router-num-groups G,
+--moe-router-group-topk g; Megatron's group_limited_topk): the experts in G equal groups, each group scored by
+the sum of its top (k // g) selection scores, and the top-k taken among the experts of each token's g best
+groups (DeepSeek-V3: k 8 of 256 experts in 4 of 8 groups, each scored by its top-2, as transformers'
+DeepseekV3TopkRouter, which always sums a group's top-2). --moe-router-dtype fp32/fp64: the gating GEMM, the
+scores and the weights in that dtype (the combine sums the experts' outputs in it, dispatcher.py); by default
+the GEMM runs in the model's dtype and the scores in fp32. With --moe-router-enable-expert-bias the top-k
 is taken over score + bias (sigmoid), the weights stay the unbiased scores; the bias moves after every
 optimizer step by `rate x sign(mean load - load)` of the tokens each expert got since the last update
 (`update_expert_bias`), which the forwards of training count (not evaluation, not recomputation). In an
@@ -37,11 +43,11 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import ModelConfig
-from megatron_po.data.context_split import token_indices
-from megatron_po.models.moe.aux_losses import attach, load_balancing_loss, sequence_load_balancing_loss, z_loss
-from megatron_po.tensor_parallel import gather_from_sequence_parallel_region
+from megatron_po.models.moe.aux_losses import (attach, load_balancing_loss, sequence_load_balancing_loss,
+                                               switch_transformer_loss, z_loss)
 from megatron_po.tensor_parallel.layers import linear
 from megatron_po.tensor_parallel.random import is_recomputing
+from megatron_po.tensor_parallel.sequence_pieces import gather_whole_sequence, this_rank_tokens
 
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
@@ -49,22 +55,42 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """Megatron's group_limited_topk (values, indices) of scores [T, E]: the experts in `num_groups` equal groups,
+    each group scored by the sum of its top (topk // group_topk) scores; the top-k among the experts of each
+    token's `group_topk` best groups (DeepSeek-V3's node-limited routing; its top-2 sum at topk 8, 4 groups)."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    picked = group_scores.topk(group_topk, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, picked, True)
+    mask = mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    return scores.masked_fill(~mask, float("-inf")).topk(topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None):
-    """(weights [T, E] fp32, zero outside the top-k; routing map [T, E] bool) of logits [T, E] (fp32)."""
+                 scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
+                 num_groups: int | None = None, group_topk: int | None = None):
+    """(weights [T, E] in the logits' dtype, zero outside the top-k; routing map [T, E] bool) of logits [T, E]
+    (fp32 or fp64). `num_groups` / `group_topk`: the top-k of `group_limited_topk` (1 group: the plain top-k)."""
+    def select(x):
+        if group_topk and num_groups and num_groups > 1:
+            return group_limited_topk(x, topk, num_groups, group_topk)
+        return x.topk(topk, dim=-1)
+
     if score_function == "softmax":
         if pre_softmax:
-            weights, top = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+            weights, top = select(torch.softmax(logits, dim=-1))
         else:
-            top_logits, top = logits.topk(topk, dim=-1)
+            top_logits, top = select(logits)
             weights = torch.softmax(top_logits, dim=-1)
     else:
         scores = torch.sigmoid(logits)
-        if expert_bias is not None:
-            top = (scores + expert_bias).topk(topk, dim=-1).indices
+        if expert_bias is not None:  # the bias chooses the experts; the weights are the unbiased scores
+            top = select(scores + expert_bias).indices
             weights = scores.gather(1, top)
         else:
-            weights, top = scores.topk(topk, dim=-1)
+            weights, top = select(scores)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
@@ -95,25 +121,17 @@ def routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function:
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
 
 
-class _GatherSequenceOverContextParallel(torch.autograd.Function):
-    """[s / CP, b, E] of this CP rank's chunks -> [s, b, E] of the whole sequence in its order; the backward
-    hands back this rank's rows of the gradient (the others' are their own)."""
+def _sum_over_data_parallel(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(counts summed over the data-parallel ranks, their number). The router routes a whole micro-batch (its TP
+    and CP pieces gathered), so the data-parallel group alone holds the other micro-batches of this step's slot."""
+    if not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1:
+        return counts, 1
+    dist.all_reduce(counts, group=ps.get_data_parallel_group())
+    return counts, ps.get_data_parallel_world_size()
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        cp, group = ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
-        parts = [torch.empty_like(x) for _ in range(cp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        s = x.shape[0] * cp
-        order = torch.cat([token_indices(s, cp, r, x.device) for r in range(cp)])
-        whole = torch.empty((s, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        whole[order] = torch.cat(parts)
-        ctx.mine = token_indices(s, cp, ps.get_context_parallel_rank(), x.device)
-        return whole
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.index_select(0, ctx.mine)
+# Buffers that stay fp32 in a bf16/fp16 model: the expert bias and the load counts (bf16 would round them).
+_FP32_BUFFERS = ("expert_bias", "tokens_per_expert", "global_tokens_per_expert", "global_forwards")
 
 
 class TopKRouter(nn.Module):
@@ -132,12 +150,19 @@ class TopKRouter(nn.Module):
                                  persistent=False)
         else:
             self.expert_bias = self.tokens_per_expert = None
+        if cfg.moe_router_load_balancing_type == "global_aux_loss":  # the step's loads so far (`global_loss`)
+            self.register_buffer("global_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+            self.register_buffer("global_forwards", torch.zeros(()), persistent=False)
+        else:
+            self.global_tokens_per_expert = self.global_forwards = None
+        # --moe-router-dtype: the gating GEMM and everything after it in this dtype (None: the GEMM in the model's
+        # dtype, the scores in fp32, the weights handed on in the model's dtype), as Megatron's router_dtype.
+        self.dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[cfg.moe_router_dtype]
         self.record = None  # a MoERecord (layer.py) the forward adds its losses and loads to
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` keeps the bias and the counts fp32 (bf16 would round the bias and the counts)."""
-        kept = {name: getattr(self, name) for name in ("expert_bias", "tokens_per_expert")
-                if getattr(self, name) is not None}
+        kept = {name: getattr(self, name) for name in _FP32_BUFFERS if getattr(self, name) is not None}
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = getattr(self, name)
@@ -147,15 +172,13 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [s, b, h] (s split over TP under sequence parallelism) -> (weights [s*b, E] in x's dtype, routing map
         [s*b, E] bool) of this rank's tokens, flattened s-major."""
-        s_local, b, _ = x.shape
-        logits = linear(x, self.weight)  # [s, b, E]
-        if self.sequence_parallel:  # route the whole micro-batch (module docstring); the backward keeps my slice
-            logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        b = x.shape[1]
+        logits = linear(x, self.weight, dtype=self.dtype)  # [s, b, E]
+        # route the whole micro-batch, its sequence in order (module docstring); the backward keeps my rows
+        logits = gather_whole_sequence(logits, self.sequence_parallel)
         cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-        if cp > 1:  # ... and the whole sequence, in its order (module docstring)
-            logits = _GatherSequenceOverContextParallel.apply(logits)
         seq = logits.shape[0]
-        logits = logits.reshape(-1, self.num_experts).float()
+        logits = logits.reshape(-1, self.num_experts).to(self.dtype or torch.float32)
         training = self.training and torch.is_grad_enabled()
         cfg = self.cfg
         if training and cfg.moe_z_loss_coeff:
@@ -163,29 +186,28 @@ class TopKRouter(nn.Module):
             logits = attach(logits, loss * cfg.moe_z_loss_coeff * cp)
             self._note("z_loss", loss)
         probs, routing_map = topk_routing(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
-                                          cfg.moe_router_topk_scaling_factor, self.expert_bias)
-        if training and cfg.moe_aux_loss_coeff and cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
+                                          cfg.moe_router_topk_scaling_factor, self.expert_bias,
+                                          cfg.moe_router_num_groups, cfg.moe_router_group_topk)
+        balancing = cfg.moe_router_load_balancing_type
+        if training and cfg.moe_aux_loss_coeff and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
             scores, topk_map = routing_scores_for_aux_loss(logits, self.topk, cfg.moe_router_score_function)
-            if cfg.moe_router_load_balancing_type == "aux_loss":
+            dp = 1  # global_aux_loss: each DP rank's loss is its share of the DP sum, which is logged (as Megatron)
+            if balancing == "aux_loss":
                 loss = load_balancing_loss(scores, topk_map, self.topk)
-            else:
+            elif balancing == "seq_aux_loss":
                 loss = sequence_load_balancing_loss(scores, topk_map, self.topk, seq, b)
+            else:
+                loss, dp = self.global_loss(scores, topk_map)
             probs = attach(probs, loss * cfg.moe_aux_loss_coeff * cp)
-            self._note("aux_loss", loss)
+            self._note("aux_loss", loss * dp)
         routed = routing_map
         if cfg.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(probs.shape[0], self.num_experts, self.topk, cfg.moe_expert_capacity_factor)
             keep = capacity_mask(probs, routing_map, capacity, cfg.moe_token_drop_policy)
             routing_map = keep if cfg.moe_pad_expert_input_to_capacity else routing_map & keep
             probs = probs * routing_map
-        if cp > 1:  # this CP rank's chunks, in its order
-            mine = token_indices(seq, cp, ps.get_context_parallel_rank(), probs.device)
-            probs, routing_map, routed = (v.view(seq, b, -1).index_select(0, mine).reshape(-1, self.num_experts)
-                                          for v in (probs, routing_map, routed))
-        if self.sequence_parallel:  # this rank's rows
-            rows = slice(ps.get_tensor_model_parallel_rank() * s_local * b, (ps.get_tensor_model_parallel_rank() + 1)
-                         * s_local * b)
-            probs, routing_map, routed = probs[rows], routing_map[rows], routed[rows]
+        probs, routing_map, routed = (this_rank_tokens(v.view(seq, b, -1), self.sequence_parallel)
+                                      .reshape(-1, self.num_experts) for v in (probs, routing_map, routed))
         if training and not is_recomputing():
             with torch.no_grad():
                 kept = routing_map & routed
@@ -193,13 +215,27 @@ class TopKRouter(nn.Module):
                     self.tokens_per_expert += kept.sum(dim=0)
                 if self.record is not None:
                     self.record.add_routing(kept.sum(dim=0), (routed & ~routing_map).sum())
-        return probs.to(x.dtype), routing_map
+        return (probs if self.dtype is not None else probs.to(x.dtype)), routing_map
+
+    def global_loss(self, scores: torch.Tensor, topk_map: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(Megatron's global_aux_loss without the coefficient, the DP size): this micro-batch's loads (its top-k
+        counts) summed over the data-parallel ranks and averaged with those of the step's earlier forwards,
+        against this micro-batch's scores, over the tokens of one micro-batch on every DP rank. The counts carry
+        no gradient; they start again after every optimizer step (`after_optimizer_step`)."""
+        counts, dp = _sum_over_data_parallel(topk_map.sum(dim=0).float())
+        with torch.no_grad():
+            self.global_tokens_per_expert += counts
+            self.global_forwards += 1
+        loads = (self.global_tokens_per_expert / self.global_forwards).to(scores.dtype)
+        return switch_transformer_loss(scores, loads, self.topk, scores.shape[0] * dp), dp
 
     def recompute_state(self) -> list[torch.Tensor]:
         """What a recomputation of this router must see as its forward saw it (models/recompute.py): the expert
         bias, which an asynchronous stage moves at every step, possibly between a micro-batch's forward and its
-        backward; the recomputation then routes the tokens as the forward did."""
-        return [self.expert_bias] if self.expert_bias is not None else []
+        backward, so the recomputation routes the tokens as the forward did; the global aux loss's loads of the
+        step so far, which later forwards add to (the recomputation adds its micro-batch again to the values its
+        forward saw, and the checkpoint puts the current ones back after it)."""
+        return [t for t in (self.expert_bias, self.global_tokens_per_expert, self.global_forwards) if t is not None]
 
     def _note(self, name: str, loss: torch.Tensor) -> None:
         if self.record is not None and not is_recomputing():
@@ -216,6 +252,16 @@ class TopKRouter(nn.Module):
 
 def routers_with_expert_bias(chunks) -> list[TopKRouter]:
     return [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
+
+
+def after_optimizer_step(chunks) -> None:
+    """What the routers of a stage's chunks do after its optimizer step: the expert biases move
+    (`update_expert_bias`), the global aux loss's loads start again."""
+    update_expert_bias(chunks)
+    for router in (m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)):
+        if router.global_forwards is not None:
+            router.global_tokens_per_expert.zero_()
+            router.global_forwards.zero_()
 
 
 def update_expert_bias(chunks) -> None:

@@ -20,6 +20,11 @@ def _moe(c: Ctx) -> bool:
     return c.m.num_experts is not None
 
 
+def _grouped(c: Ctx) -> bool:
+    """Group-limited routing asked for (Megatron's condition: a group top-k, with its groups)."""
+    return _moe(c) and c.m.moe_router_group_topk is not None and c.m.moe_router_num_groups is not None
+
+
 def etp(c: Ctx) -> int:
     """--expert-tensor-parallel-size, defaulted to the TP size (Megatron's default)."""
     return c.p.expert_tensor_parallel_size or c.tp
@@ -42,17 +47,15 @@ _NEED_EXPERTS = [
     ("--moe-pad-expert-input-to-capacity", lambda c: c.m.moe_pad_expert_input_to_capacity),
     ("--moe-grouped-gemm", lambda c: c.m.moe_grouped_gemm),
     ("--moe-layer-freq", lambda c: c.m.moe_layer_freq != "1"),
+    ("--moe-layer-recompute", lambda c: c.m.moe_layer_recompute),
+    ("--moe-router-num-groups", lambda c: c.m.moe_router_num_groups is not None),
+    ("--moe-router-group-topk", lambda c: c.m.moe_router_group_topk is not None),
+    ("--moe-router-dtype", lambda c: c.m.moe_router_dtype is not None),
 ]
 
 # Megatron's MoE flags this code does not take: one line each, never silently ignored.
 _REFUSED = [
-    ("--moe-router-num-groups", lambda c: c.m.moe_router_num_groups is not None, "group-limited routing"),
-    ("--moe-router-group-topk", lambda c: c.m.moe_router_group_topk is not None, "group-limited routing"),
-    ("--moe-router-dtype", lambda c: c.m.moe_router_dtype is not None, "the routing scores are always fp32 here"),
     ("--moe-input-jitter-eps", lambda c: c.m.moe_input_jitter_eps is not None, "router input jitter"),
-    ("--moe-permute-fusion", lambda c: c.m.moe_permute_fusion, "Transformer Engine's fused permutation"),
-    ("--moe-shared-expert-overlap", lambda c: c.m.moe_shared_expert_overlap, "overlap of shared experts and dispatch"),
-    ("--moe-layer-recompute", lambda c: c.m.moe_layer_recompute, "use --recompute-granularity full"),
 ]
 
 
@@ -70,7 +73,9 @@ MOE_RULES = [
     *at_least(1, [("--num-experts", lambda c: c.m.num_experts),
                   ("--moe-ffn-hidden-size", lambda c: c.m.moe_ffn_hidden_size),
                   ("--moe-shared-expert-intermediate-size", lambda c: c.m.moe_shared_expert_intermediate_size),
-                  ("--expert-tensor-parallel-size", lambda c: c.p.expert_tensor_parallel_size)], optional=True),
+                  ("--expert-tensor-parallel-size", lambda c: c.p.expert_tensor_parallel_size),
+                  ("--moe-router-num-groups", lambda c: c.m.moe_router_num_groups),
+                  ("--moe-router-group-topk", lambda c: c.m.moe_router_group_topk)], optional=True),
     *at_least(1, [("--expert-model-parallel-size", lambda c: c.p.expert_model_parallel_size)]),
     *each("{flag}-needs-experts", _NEED_EXPERTS, lambda c, flag: f"{flag} applies to a mixture of experts: add "
                                                                  f"--num-experts", when=lambda c: not _moe(c)),
@@ -87,6 +92,25 @@ MOE_RULES = [
          when=_moe),
     Check("moe-layer-freq", lambda c: raised(lambda: parse_layer_freq(c.m.moe_layer_freq, c.m.num_layers)),
           when=_moe),
+    # Group-limited routing: Megatron's checks (the groups need --moe-router-num-groups, equal groups, no more
+    # picked than there are), and ours: each picked group is scored by its top (topk // group-topk) scores, and
+    # the picked groups must hold the top-k (Megatron would route to -inf scores past them).
+    Rule("moe-group-topk-needs-groups", lambda c: c.m.moe_router_num_groups is not None,
+         "--moe-router-group-topk needs --moe-router-num-groups (group-limited routing, as in Megatron)",
+         when=lambda c: _moe(c) and c.m.moe_router_group_topk is not None),
+    Rule("moe-experts-vs-groups", lambda c: c.m.num_experts % c.m.moe_router_num_groups == 0,
+         lambda c: f"--num-experts ({c.m.num_experts}) is not divisible by --moe-router-num-groups "
+                   f"({c.m.moe_router_num_groups}): the groups are equal", when=lambda c: _grouped(c)),
+    Rule("moe-group-topk-vs-groups", lambda c: c.m.moe_router_group_topk <= c.m.moe_router_num_groups,
+         lambda c: f"--moe-router-group-topk ({c.m.moe_router_group_topk}) must be at most --moe-router-num-groups "
+                   f"({c.m.moe_router_num_groups})", when=lambda c: _grouped(c)),
+    Rule("moe-group-topk-vs-topk", lambda c: c.m.moe_router_group_topk <= c.m.moe_router_topk
+         <= c.m.moe_router_group_topk * (c.m.num_experts // c.m.moe_router_num_groups),
+         lambda c: f"--moe-router-group-topk {c.m.moe_router_group_topk} of --moe-router-num-groups "
+                   f"{c.m.moe_router_num_groups} ({c.m.num_experts // c.m.moe_router_num_groups} experts each) with "
+                   f"--moe-router-topk {c.m.moe_router_topk}: each picked group is scored by its top (topk // "
+                   f"group-topk) scores and the picked groups must hold the top-k, so group-topk <= topk <= "
+                   f"group-topk x experts per group", when=lambda c: _grouped(c)),
     Rule("experts-vs-ep", lambda c: c.m.num_experts % c.p.expert_model_parallel_size == 0,
          lambda c: f"--num-experts ({c.m.num_experts}) is not divisible by --expert-model-parallel-size "
                    f"({c.p.expert_model_parallel_size})", when=_moe),
@@ -143,6 +167,25 @@ MOE_RULES = [
 ]
 
 
+# Megatron's MoE switches that change no number here: accepted, and what runs instead said once at start-up.
+NO_OP_SWITCHES = [
+    ("--moe-permute-fusion", lambda m: m.moe_permute_fusion,
+     "the tokens are permuted by index_select and put back by index_add"),
+    ("--moe-router-fusion", lambda m: m.moe_router_fusion, "the routing runs unfused (the same formulas)"),
+    ("--moe-shared-expert-overlap", lambda m: m.moe_shared_expert_overlap,
+     "the shared experts run after the routed ones, not overlapped with the dispatch"),
+]
+
+
+def no_op_switches_line(m) -> str | None:
+    """The start-up line for the no-op MoE switches given (ModelConfig `m`), or None."""
+    given = [(flag, instead) for flag, on, instead in NO_OP_SWITCHES if on(m)]
+    if not given:
+        return None
+    return (f"> {', '.join(flag for flag, _ in given)}: accepted, no effect here (Transformer Engine kernels and "
+            f"CUDA stream overlap): {'; '.join(instead for _, instead in given)}")
+
+
 def moe_summary(cfg) -> str:
     """The start-up line: where the experts are and how tokens reach them."""
     import megatron_po.parallel_state as ps
@@ -151,8 +194,13 @@ def moe_summary(cfg) -> str:
     capacity = (f"capacity factor {m.moe_expert_capacity_factor} ({m.moe_token_drop_policy} drop policy"
                 f"{', padded' if m.moe_pad_expert_input_to_capacity else ''})"
                 if m.moe_expert_capacity_factor is not None else "dropless")
-    return (f"> MoE: {m.num_experts} experts, top-{m.moe_router_topk} ({m.moe_router_score_function}), in layers "
+    groups = (f" in {m.moe_router_group_topk} of {m.moe_router_num_groups} groups"
+              if m.moe_router_group_topk and (m.moe_router_num_groups or 1) > 1 else "")
+    router = f", router in {m.moe_router_dtype}" if m.moe_router_dtype else ""
+    return (f"> MoE: {m.num_experts} experts, top-{m.moe_router_topk}{groups} ({m.moe_router_score_function}{router}), "
+            f"in layers "
             f"{layers}; EP {ps.get_expert_model_parallel_world_size()} x expert TP "
             f"{ps.get_expert_tensor_parallel_world_size()} per stage; {m.moe_token_dispatcher_type} dispatcher; "
             f"{capacity}; experts as {'one grouped GEMM' if m.moe_grouped_gemm else 'a loop over the local experts'}"
-            f"{'; recomputed with their layers' if recompute_granularity(m) == 'full' else ''}")
+            f"{'; recomputed with their layers' if recompute_granularity(m) == 'full' else ''}"
+            f"{'; MoE layers recomputed in the backward' if m.moe_layer_recompute else ''}")

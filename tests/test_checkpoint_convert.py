@@ -134,14 +134,12 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
 
 
 def test_unsupported_combinations_and_bad_paths_give_one_line(tmp_path, capsys):
-    import dataclasses
-
     from megatron_po.config import ModelConfig
     from megatron_po.errors import UserError
-    from megatron_po.models.hf_export import hf_architecture
-    model = dataclasses.asdict(ModelConfig(normalization="RMSNorm"))  # RMSNorm + GELU + learned positions
+    from megatron_po.models.hf.configs import export_family
+    model = ModelConfig(normalization="RMSNorm")  # RMSNorm + GELU + learned positions
     with pytest.raises(UserError, match="normalization=RMSNorm, MLP=GELU, positions=learned_absolute"):
-        hf_architecture(model)
+        export_family(model)
     for argv, needle in [(["consolidate", "--load", str(tmp_path / "none"), "--out", str(tmp_path / "x.safetensors")],
                           "no such directory"),
                          (["export-hf", "--load", str(tmp_path), "--out", str(tmp_path / "hf")], "no checkpoint"),

@@ -83,7 +83,8 @@ def logits_of_checkpoint(ckpt: str, ids: torch.Tensor):
     state.setdefault("output_layer.weight", state["embedding.word_embeddings.weight"])  # a tied head
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
-        return model.eval()(ids).transpose(0, 1)[..., :extra["hf_vocab_size"]], extra
+        rows = extra.get("hf_vocab_size", extra["vocab_size"])  # an imported checkpoint's, else the run's
+        return model.eval()(ids).transpose(0, 1)[..., :rows], extra
 
 
 def hf_tensors(directory) -> dict:

@@ -143,7 +143,7 @@ def _moe_fields(family: Family, c) -> dict:
     if family.expert_ffn == "intermediate_size":  # Mixtral: no dense layers, one size
         out["ffn_hidden_size"] = moe_ffn
     if family.shared == "shared_expert_intermediate_size" and c.shared_expert_intermediate_size:
-        out["moe_shared_expert_intermediate_size"] = c.shared_expert_intermediate_size
+        out.update(moe_shared_expert_intermediate_size=c.shared_expert_intermediate_size, moe_shared_expert_gate=True)
     if family.shared == "n_shared_experts" and c.n_shared_experts:
         out["moe_shared_expert_intermediate_size"] = c.n_shared_experts * moe_ffn
     if getattr(c, "router_jitter_noise", 0.0):
@@ -255,6 +255,8 @@ def _why_not_moe(family: Family, m: ModelConfig) -> str | None:
     shared = m.moe_shared_expert_intermediate_size
     if shared and family.shared is None:
         return "shared experts"
+    if m.moe_shared_expert_gate and family.shared != "shared_expert_intermediate_size":
+        return "a gated shared expert (--moe-shared-expert-gate)"
     if shared and family.shared == "n_shared_experts" and shared % expert_ffn_hidden_size(m):
         return "a shared expert size that is not a multiple of --moe-ffn-hidden-size"
     groups = getattr(m, "moe_router_num_groups", None) or 1

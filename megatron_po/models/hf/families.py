@@ -16,10 +16,10 @@ under. `FAMILIES` is the list; configs.py reads and writes config.json from thes
                                        the first k layers dense, shared experts, sigmoid scores with the expert
                                        bias (e_score_correction_bias), routed_scaling_factor, group routing
 
-Our shared experts have no gate; Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)). The export
-writes a zero gate (sigmoid 0 = 1/2) and twice our down projection: 1/2 x (2 W a) is W a exactly (powers of two);
-the import takes a Qwen2-MoE whose gate is zero back that way and refuses another gate (one line). A Qwen2-MoE
-without shared experts has one of size 0 (an empty sum): written and read as such.
+Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)): --moe-shared-expert-gate (Megatron's), imported
+as such. A model of ours with ungated shared experts exports as a zero gate (sigmoid 0 = 1/2) and twice its down
+projection: 1/2 x (2 W a) is W a exactly (powers of two). A Qwen2-MoE without shared experts has one of size 0
+(an empty sum, with a gate that gates nothing): written as zeros, not imported.
 """
 
 from __future__ import annotations
@@ -87,14 +87,15 @@ GPT2 = (
 
 
 def qwen2_moe_shared_expert(mappings: list[Mapping], m) -> list[Mapping]:
-    """Qwen2-MoE's gated shared expert (module docstring): our down projection is half theirs, their gate is zero,
-    and without shared experts theirs has size 0."""
+    """Qwen2-MoE's gated shared expert (module docstring): a model of ours without the gate writes a zero one and
+    twice its down projection; without shared experts theirs has size 0 (and a gate that gates nothing)."""
     out = []
+    gated = m.moe_shared_expert_gate
     for mp in mappings:
-        if mp.ours is not None and mp.ours.endswith(".mlp.shared_experts.fc2.weight"):
+        if mp.ours is not None and mp.ours.endswith(".mlp.shared_experts.fc2.weight") and not gated:
             mp = Mapping(mp.ours, mp.theirs, "double")
         out.append(mp)
-        if mp.ours is not None and mp.ours.endswith(".mlp.router.weight"):
+        if mp.ours is not None and mp.ours.endswith(".mlp.router.weight") and not gated:
             block, h = mp.theirs[0].removesuffix("gate.weight"), m.hidden_size
             out.append(Mapping(None, [block + "shared_expert_gate.weight"], "zeros", (1, h)))
             if not m.moe_shared_expert_intermediate_size:
@@ -140,7 +141,8 @@ FAMILIES = (
         sliding_window=True, experts="num_local_experts", expert_ffn="intermediate_size", topk_norm=False,
         fixed=(("sliding_window", None), ("router_jitter_noise", 0.0))),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", LLAMA_LIKE + QWEN_MOE + (
-        *_swiglu("layers.{i}.mlp.shared_experts.", L + "mlp.shared_expert."),),
+        *_swiglu("layers.{i}.mlp.shared_experts.", L + "mlp.shared_expert."),
+        rule("layers.{i}.mlp.shared_experts.gate_weight", L + "mlp.shared_expert_gate.weight")),
         qkv_bias="qkv_bias", sliding_window=True, experts="num_experts", dense_layers="mlp_only_layers",
         shared="shared_expert_intermediate_size", adjust=qwen2_moe_shared_expert, fixed=(("use_sliding_window", False), ("decoder_sparse_step", 1))),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", LLAMA_LIKE + QWEN_MOE, qk_norm=True, sliding_window=True,

@@ -17,8 +17,8 @@ Kinds (our tensor <- HF tensors on import, -> on export):
   conv1d      GPT-2's Conv1D stores [in, out]: transposed
   conv1d_qkv  GPT-2's c_attn weight [hidden, q | k | v]: transposed, then split and regrouped per head
   fused_qkv   GPT-2's c_attn bias [q | k | v]: regrouped per head
-  double      export only: twice ours (Qwen2-MoE's ungated shared expert, see families.py)
-  zeros       export only: an HF tensor with no counterpart here, written as zeros (`Mapping.shape`)
+  double      twice ours (a Qwen2-MoE shared expert exported from our ungated one, see families.py)
+  zeros       an HF tensor with no counterpart here: exported as zeros of `Mapping.shape`, not imported
 """
 
 from __future__ import annotations

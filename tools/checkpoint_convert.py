@@ -73,9 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer directory the printed flags "
                    "name (default: --hf, when it holds a tokenizer)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary like the training run will (x --tensor-model-parallel-size)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP size of the run that loads it (only the vocabulary padding depends on it)")
+                   help="the run's padding of the vocabulary (in the printed flags; the checkpoint holds the HF "
+                        "rows, padded by the run when it loads them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("export-te", help="Transformer Engine te.pytorch.TransformerLayer state dicts, one per TP rank")
     p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
@@ -177,8 +176,7 @@ def parse_size(text: str) -> int:
 
 def import_hf(args) -> None:
     from megatron_po.distributed.checkpoint_hf import import_hf as import_
-    import_(args.hf, args.out, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
-            args.tokenizer_model, not args.no_progress)
+    import_(args.hf, args.out, args.make_vocab_size_divisible_by, args.tokenizer_model, not args.no_progress)
 
 
 def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, padded: int, source: str) -> None:

@@ -7,8 +7,10 @@ checks every shape against the safetensors headers before writing anything: a mi
 that disagrees with config.json, a tensor nothing reads, an architecture not served, a tokenizer directory
 without a tokenizer: one line each. Then DCP writes the checkpoint of iteration 0 one tensor at a time
 (`Deferred` entries: each made from its HF tensors when written, then released), global tensors as a
-one-process save writes them, so it loads at any TP, PP, EP, ETP, CP and DP. Peak host memory: about the
-largest of our tensors (a layer's stacked experts) and the HF tensors it is made of.
+one-process save writes them, so it loads at any TP, PP, EP, ETP, CP and DP (the vocabulary rows as the HF
+checkpoint has them: the run pads them to its multiple when it loads them). Peak host memory: about the largest
+of our tensors (a layer's stacked experts) and the HF tensors it is made of, plus DCP's serialized copy of it
+(bench/results/hf_convert_memory.md).
 
 export-hf reads a checkpoint saved at any layout one layer at a time and writes HF's sharded safetensors one
 tensor at a time (models/hf/files.py), config.json from the family's config class and the tokenizer's files.
@@ -54,9 +56,9 @@ def meta_model_tensors(m: ModelConfig, padded_vocab: int) -> dict[str, torch.Ten
     return dict(named_parameters_global([model]) + named_buffers_global([model]))
 
 
-def layout_of(m: ModelConfig, padded_vocab: int, hf_vocab: int) -> Layout:
+def layout_of(m: ModelConfig, hf_vocab: int) -> Layout:
     return Layout(heads=m.num_attention_heads, groups=num_query_groups(m), num_experts=m.num_experts or 0,
-                  padded_vocab=padded_vocab, hf_vocab=hf_vocab, one_p=m.apply_layernorm_1p)
+                  hf_vocab=hf_vocab, one_p=m.apply_layernorm_1p)
 
 
 def mappings_of(family, m: ModelConfig, ours: list[str]) -> list:
@@ -121,14 +123,13 @@ def _skipped(name: str, c) -> bool:
     return bool(layer and int(layer.group(1)) >= c.num_hidden_layers and getattr(c, "num_nextn_predict_layers", 0))
 
 
-def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tp: int = 1, tokenizer_model: str | None = None,
+def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: str | None = None,
               progress: bool = True) -> str:
     """Write the HF model in `hf_dir` as our checkpoint of iteration 0 under `out`; return the flag line that
-    trains from it."""
+    trains from it (`divisible_by`: its --make-vocab-size-divisible-by)."""
     import transformers
 
     from megatron_po.config import Config
-    from megatron_po.tensor_parallel import pad_vocab_size
     raw = read_config_json(hf_dir)
     family = family_of(raw)
     try:
@@ -142,10 +143,9 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tp: int = 1, token
     tok_dir, tok_vocab = tokenizer_of(tokenizer_model or hf_dir, explicit=tokenizer_model is not None)
     hf_vocab = c.vocab_size
     vocab = min(hf_vocab, tok_vocab) if tok_vocab else hf_vocab  # rows the run's tokenizer can produce
-    padded = pad_vocab_size(hf_vocab, divisible_by, tp)
-    expected = meta_model_tensors(m, padded)
+    expected = meta_model_tensors(m, hf_vocab)  # the vocabulary unpadded: the run pads it when it loads
     tensors = HFTensors(hf_dir)
-    layout = layout_of(m, padded, hf_vocab)
+    layout = layout_of(m, hf_vocab)
     mappings = mappings_of(family, m, list(expected))
 
     # Every shape from the headers alone, before anything is written.
@@ -188,7 +188,7 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tp: int = 1, token
     if tok_dir is not None:
         cfg["data"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
     state["extra"] = JsonEntry({"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg,
-                                "vocab_size": vocab, "padded_vocab_size": padded, "hf_vocab_size": hf_vocab,
+                                "vocab_size": vocab, "padded_vocab_size": hf_vocab, "hf_vocab_size": hf_vocab,
                                 "hf_model_type": family.model_type, "imported_from": os.path.abspath(hf_dir)})
     staging = _staging(out)
     try:
@@ -273,7 +273,7 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     if missing:
         raise UserError(f"--load {reader.path}: {missing[0]} is in the checkpoint or its model config but not in both")
     tok_dir, _ = tokenizer_of(tokenizer_model or _run_tokenizer(config), explicit=tokenizer_model is not None)
-    layout = layout_of(m, padded, hf_vocab)
+    layout = layout_of(m, hf_vocab)
     groups = _by_layer(mappings_of(family, m, list(expected)))  # one layer read at a time
     dtype = specs["embedding.word_embeddings.weight"].properties.dtype
     plan = []

@@ -16,8 +16,8 @@ Mappings beyond the obvious (hidden size, layers, heads, ...):
   --moe-aux-loss-coeff. Softmax routing: `norm_topk_prob` true is our default (the softmax of the top-k logits:
   the renormalized top-k of the softmax), false is --moe-router-pre-softmax. Sigmoid routing (GLM-4.5): the expert
   bias (--moe-router-enable-expert-bias), `routed_scaling_factor` (--moe-router-topk-scaling-factor), `n_group` /
-  `topk_group` (--moe-router-num-groups / --moe-router-group-topk); ours renormalizes the top-k when k > 1, so
-  `norm_topk_prob` must be true exactly then.
+  `topk_group` (--moe-router-num-groups / --moe-router-group-topk, where a group's score means the same:
+  HF_GROUP_SCORE_TOPK); ours renormalizes the top-k when k > 1, so `norm_topk_prob` must be true exactly then.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ from megatron_po.models.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_
 # HF's "llama3" rope type spells out the constants Megatron's --use-rope-scaling fixes.
 LLAMA3_CONSTANTS = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
                     "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS}
+
+
+# transformers' group-limited routers (GLM-4.5, DeepSeek-V3) score a group by the sum of its top 2 scores; Megatron's
+# --moe-router-group-topk by the sum of its top top-k / group-topk: the same when that is 2 (DeepSeek-V3: 8 / 4).
+HF_GROUP_SCORE_TOPK = 2
 
 
 def family_of(config: dict) -> Family:
@@ -159,6 +164,10 @@ def _moe_fields(family: Family, c) -> dict:
     if c.routed_scaling_factor != 1.0:
         out["moe_router_topk_scaling_factor"] = float(c.routed_scaling_factor)
     if c.n_group > 1:
+        if topk // c.topk_group != HF_GROUP_SCORE_TOPK:
+            raise UserError(f"n_group {c.n_group}, topk_group {c.topk_group}, num_experts_per_tok {topk}: a group "
+                            f"scores the sum of its top {HF_GROUP_SCORE_TOPK} here only when top-k / group-topk is "
+                            f"{HF_GROUP_SCORE_TOPK} (--moe-router-group-topk sums the top {topk // c.topk_group})")
         out.update(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group)
     return out
 
@@ -259,7 +268,7 @@ def _why_not_moe(family: Family, m: ModelConfig) -> str | None:
         return "a gated shared expert (--moe-shared-expert-gate)"
     if shared and family.shared == "n_shared_experts" and shared % expert_ffn_hidden_size(m):
         return "a shared expert size that is not a multiple of --moe-ffn-hidden-size"
-    groups = getattr(m, "moe_router_num_groups", None) or 1
+    groups = router_groups(m)
     if family.router == "softmax":
         if m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias:
             return "--moe-router-score-function sigmoid / the expert bias (it routes by softmax)"
@@ -272,7 +281,16 @@ def _why_not_moe(family: Family, m: ModelConfig) -> str | None:
         return None
     if m.moe_router_score_function != "sigmoid" or not m.moe_router_enable_expert_bias:
         return "softmax routing or sigmoid without the expert bias (it routes by sigmoid + e_score_correction_bias)"
+    if groups > 1 and m.moe_router_topk // m.moe_router_group_topk != HF_GROUP_SCORE_TOPK:
+        return (f"group-limited routing scoring a group by its top {m.moe_router_topk // m.moe_router_group_topk} "
+                f"(it sums each group's top {HF_GROUP_SCORE_TOPK})")
     return None
+
+
+def router_groups(m: ModelConfig) -> int:
+    """The expert groups of group-limited routing (1: none; --moe-router-num-groups without a group top-k neither)."""
+    groups, picked = getattr(m, "moe_router_num_groups", None), getattr(m, "moe_router_group_topk", None)
+    return groups if groups and picked else 1
 
 
 def export_family(m: ModelConfig, model_type: str | None = None) -> Family:
@@ -359,7 +377,7 @@ def _moe_config(family: Family, m: ModelConfig) -> dict:
             out["norm_topk_prob"] = not m.moe_router_pre_softmax
         out.update(router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=False)
     else:
-        groups = getattr(m, "moe_router_num_groups", None) or 1
+        groups = router_groups(m)
         out.update(norm_topk_prob=m.moe_router_topk > 1, routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
-                   n_group=groups, topk_group=getattr(m, "moe_router_group_topk", None) or groups)
+                   n_group=groups, topk_group=m.moe_router_group_topk if groups > 1 else 1)
     return out

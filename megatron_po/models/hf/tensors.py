@@ -10,8 +10,9 @@ import, is an HF tensor no rule reads. So the tables list every tensor a family 
 Kinds (our tensor <- HF tensors on import, -> on export):
   copy        the same tensor
   norm        the same, but --apply-layernorm-1p stores w - 1: exported as w + 1 (imports never use 1p)
-  vocab       our rows are the vocabulary padded (a multiple of --make-vocab-size-divisible-by x TP): the
-              import pads with zero rows, the export keeps the HF config's vocab_size rows
+  vocab       the vocabulary's rows: imported as they are (the HF config's vocab_size; a run pads them to its
+              multiple of --make-vocab-size-divisible-by x TP when it loads them, as after a layout change), exported
+              as the first vocab_size rows of ours (a run's checkpoint holds them padded)
   qkv         our fused QKV rows per key/value group [(q heads of g, k_g, v_g) for g] <- q, k, v projections
   experts     our experts stacked [experts, ...] <- one tensor per expert (the template's {e})
   conv1d      GPT-2's Conv1D stores [in, out]: transposed
@@ -50,7 +51,6 @@ class Layout:
     heads: int
     groups: int            # key/value groups (= heads without grouped-query attention)
     num_experts: int       # 0: dense
-    padded_vocab: int      # our rows
     hf_vocab: int          # the HF config's vocab_size
     one_p: bool = False    # --apply-layernorm-1p
 
@@ -89,10 +89,10 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> 
     return torch.cat(blocks, dim=1).reshape(-1, *rest)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] > rows:
-        raise ValueError(f"{t.shape[0]} vocabulary rows exceed the padded size {rows}")
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+def _vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] != rows:
+        raise ValueError(f"{t.shape[0]} vocabulary rows, not vocab_size {rows}")
+    return t
 
 
 def _stack(read, names, layout):
@@ -115,7 +115,7 @@ def _gpt2_qkv_to_theirs(t, layout):
 KINDS: dict[str, tuple[Callable, Callable]] = {
     "copy": (lambda read, n, lo: read(n[0]), lambda t, lo: [t]),
     "norm": (lambda read, n, lo: read(n[0]), lambda t, lo: [t + 1 if lo.one_p else t]),
-    "vocab": (lambda read, n, lo: _pad_rows(read(n[0]), lo.padded_vocab), lambda t, lo: [t[:lo.hf_vocab]]),
+    "vocab": (lambda read, n, lo: _vocab_rows(read(n[0]), lo.hf_vocab), lambda t, lo: [t[:lo.hf_vocab]]),
     "qkv": (lambda read, n, lo: join_qkv(*(read(x) for x in n), lo.groups),
             lambda t, lo: list(split_qkv(t, lo.groups, lo.heads))),
     "experts": (_stack, lambda t, lo: list(t.unbind(0))),

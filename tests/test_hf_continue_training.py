@@ -9,6 +9,9 @@ tokenizer. Each trains 3 iterations under PipeOptim at PP = 2 (Llama: TP = 2; Qw
 parallelism and EP = 2): the loss falls. The trained checkpoint exports (with the tokenizer, which
 `AutoTokenizer` loads and which encodes as the original) and `transformers` gives our trained model's logits
 (fp32, |delta| <= 1e-5, the export tests' tolerance).
+
+The same import loads at any layout: a Qwen3-MoE import trains 2 iterations with the one-process run's losses at
+TP 2 x CP 2 with EP 2 x expert TP 2, and at PP 2 x DP 2 with EP 2.
 """
 
 import json
@@ -88,3 +91,46 @@ def test_import_train_export(name, byte_bpe, hf_corpus, tmp_path):
     text = "In the beginning God created the heavens and the earth."
     exported_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))
     assert exported_tok(text).input_ids == tok(text).input_ids
+
+
+# The same imported checkpoint at three layouts; mock data (the same tokens at any layout), 2 iterations of 1F1B.
+LAYOUTS = {
+    "one process": (1, {}),
+    "TP 2 x CP 2, EP 2 x expert TP 2": (4, {"--tensor-model-parallel-size": 2, "--sequence-parallel": True,
+                                           "--context-parallel-size": 2, "--expert-model-parallel-size": 2,
+                                           "--expert-tensor-parallel-size": 2}),
+    "PP 2 x DP 2, EP 2": (4, {"--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2}),
+}
+
+
+def test_an_import_loads_at_any_layout(tmp_path):
+    """A Qwen3-MoE import (4 layers, 4 experts) trained 2 iterations at each layout of LAYOUTS: the losses equal the
+    one-process run's (fp32, |delta| <= 1e-5, as tests/test_checkpoint.py's resharding: reduction orders only;
+    measured <= 4.8e-7)."""
+    import contextlib
+    import io
+
+    import transformers
+    from cli_args import flags_to_argv
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=128, **dict(COMMON, num_hidden_layers=4, initializer_range=0.2),
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "hf"))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"),
+                     "--no-progress"]) == 0
+    line = shlex.split(printed.getvalue().strip().splitlines()[-1])
+    losses = {}
+    for name, (world, layout) in LAYOUTS.items():
+        run = tmp_path / name.replace(" ", "_")
+        flags = {**RUN, "--pipeline-method": "1f1b", "--train-iters": 2, "--pipeline-model-parallel-size": 1,
+                 "--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": 127, **layout,
+                 "--data-cache-path": str(run / "cache"), "--metrics-file": str(run / "metrics.jsonl")}
+        results = run_distributed(run_capturing, world, args=(line + flags_to_argv(flags),), timeout=300)
+        assert [c for c, _ in results] == [0] * world, results
+        with open(run / "metrics.jsonl") as f:
+            losses[name] = [r["lm_loss"] for r in map(json.loads, f) if "lm_loss" in r]
+    reference = losses.pop("one process")
+    assert len(reference) == 2
+    for name, got in losses.items():
+        assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (name, got, reference)

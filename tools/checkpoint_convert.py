@@ -183,22 +183,14 @@ def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, pad
     """`weights` ({global name: full tensor}) as our checkpoint of iteration 0 under `out`, with the run
     config `cfg` (a Config dict) and the vocabulary sizes; training continues from it with --finetune."""
     from megatron_po.distributed.checkpoint_data import JsonEntry
-    from megatron_po.distributed.checkpoint_dcp import dcp_save
     from megatron_po.distributed.checkpoint_format import checkpoint_dir
-    from megatron_po.distributed.checkpoint_save import publish
-    from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
+    from megatron_po.distributed.checkpoint_save import save_in_one_process
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
              "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}
     state = {f"model.{k}": v for k, v in weights.items()}
     state["extra"] = JsonEntry(extra)
     os.makedirs(out, exist_ok=True)
-    partial = checkpoint_dir(out, 0) + ".partial"
-    import warnings
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp_save(state, partial)
-    checksum_checkpoint(partial)  # checksums.json, verified when training loads it
-    publish(out, 0)
+    save_in_one_process(state, out)
     from megatron_po.distributed.checkpoint_hf import model_flags
     print(f"wrote {len(weights)} tensors to {checkpoint_dir(out, 0)}; train from it with\n"
           f"  --load {out} --finetune {model_flags(cfg['model'])}")

@@ -32,12 +32,11 @@ import torch
 
 from megatron_po.config import ModelConfig, model_config_from_dict, num_query_groups
 from megatron_po.distributed.checkpoint_data import JsonEntry
-from megatron_po.distributed.checkpoint_dcp import Deferred, dcp_save
+from megatron_po.distributed.checkpoint_dcp import Deferred
 from megatron_po.distributed.checkpoint_format import (checkpoint_dir, named_buffers_global,
                                                        named_parameters_global)
-from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
 from megatron_po.distributed.checkpoint_load import CheckpointReader
-from megatron_po.distributed.checkpoint_save import publish
+from megatron_po.distributed.checkpoint_save import save_in_one_process
 from megatron_po.errors import UserError
 from megatron_po.models.hf.configs import export_family, family_of, hf_config, model_config, model_fields
 from megatron_po.models.hf.files import HFTensors, ShardedWriter
@@ -192,7 +191,7 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: s
                                 "hf_model_type": family.model_type, "imported_from": os.path.abspath(hf_dir)})
     staging = _staging(out)
     try:
-        _save_iteration_0(state, staging)
+        save_in_one_process(state, staging)
         bar.close()
         _publish(staging, out)
     except BaseException:
@@ -207,16 +206,6 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: s
     print(f"wrote {family.architecture} ({len(state) - 1} tensors, vocabulary {hf_vocab}) to {checkpoint_dir(out, 0)}; "
           f"train from it with\n  {line}")
     return line
-
-
-def _save_iteration_0(state: dict, root: str) -> None:
-    import warnings
-    partial = checkpoint_dir(root, 0) + ".partial"
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp_save(state, partial)
-    checksum_checkpoint(partial)  # checksums.json, verified when training loads it
-    publish(root, 0)
 
 
 def model_flags(model: dict) -> str:

@@ -2,7 +2,9 @@
 
 A Llama-3-shaped model (grouped-query attention, llama3 RoPE scaling, untied head) and a Qwen3-MoE (q/k norms,
 4 experts, top-2) are built by `transformers` from tiny configs whose vocabulary is the byte-level BPE tokenizer
-of tests/conftest.py (trained locally on the bundled corpus), saved with that tokenizer, and imported. The
+of tests/conftest.py (trained locally on the bundled corpus; the Llama's config holds 24 rows more, as Qwen's
+and GLM's do: the run, which pads the tokenizer's ids to its own multiple, loads the rows it has room for),
+saved with that tokenizer, and imported. The
 flag line import-hf prints (model flags from config.json, `--tokenizer-type HuggingFaceTokenizer
 --tokenizer-model DIR`) is what the run gets, with the corpus tools/preprocess_data.py tokenized with that
 tokenizer. Each trains 3 iterations under PipeOptim at PP = 2 (Llama: TP = 2; Qwen3-MoE: TP = 2 with sequence
@@ -56,7 +58,8 @@ def test_import_train_export(name, byte_bpe, hf_corpus, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(byte_bpe["dir"]))
     hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
-    config = getattr(transformers, cls)(vocab_size=len(tok), **COMMON, **kwargs)
+    spare = 24 if name == "llama3" else 0  # Qwen's and GLM's configs hold more rows than their tokenizers' ids
+    config = getattr(transformers, cls)(vocab_size=len(tok) + spare, **COMMON, **kwargs)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(hf_dir))
     for f in os.listdir(byte_bpe["dir"]):
         shutil.copy(byte_bpe["dir"] / f, hf_dir / f)
@@ -86,7 +89,7 @@ def test_import_train_export(name, byte_bpe, hf_corpus, tmp_path):
     ours, extra = logits_of_checkpoint(str(run / "ckpt"), ids)
     with torch.no_grad():
         theirs = back(ids).logits
-    assert extra["train_state"]["iteration"] == 3 and ours.shape == theirs.shape
+    assert extra["train_state"]["iteration"] == 3 and ours.shape == theirs.shape == (2, 32, len(tok))
     assert (ours - theirs).abs().max().item() <= 1e-5
     text = "In the beginning God created the heavens and the earth."
     exported_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf2"))

@@ -11,7 +11,7 @@ over 1 GB on disk, against the largest tensor and the largest layer.
 A LlamaForCausalLM directory (bf16, random weights, GQA 16 heads / 4 groups, ffn 5632, vocabulary 32,000, untied
 head; sharded at 500 MB with model.safetensors.index.json) is generated tensor by tensor under --dir (default: a
 temporary directory), then each conversion runs in its own process (`tools/checkpoint_convert.py`), whose peak
-resident set (ru_maxrss) is read at its end: import-hf (the HF directory -> our checkpoint), export-hf (that
+resident set (VmHWM) is read at its end: import-hf (the HF directory -> our checkpoint), export-hf (that
 checkpoint -> HF shards of 500 MB). The same two commands on a 2-layer model of hidden 64 (vocabulary 1,024) give each tool's fixed
 cost (interpreter, torch, transformers, DCP: the baseline); the streamed part of the peak is the difference,
 compared with the largest tensor and the largest layer. Everything generated is deleted at the end.
@@ -24,8 +24,10 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 RESULTS = os.path.join(bench_common.RESULTS, "hf_convert_memory.md")
-MEASURE = ("import resource, sys; from tools.checkpoint_convert import main; code = main(sys.argv[1:]); "
-           "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+# VmHWM, the peak of this process's own memory: ru_maxrss would keep the forking parent's across the exec.
+MEASURE = ("import sys; from tools.checkpoint_convert import main; code = main(sys.argv[1:]); "
+           "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM'))); "
+           "sys.exit(code)")
 
 
 def generate(directory: str, layers: int, hidden: int, vocab: int = 32000) -> dict:

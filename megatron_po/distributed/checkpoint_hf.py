@@ -263,7 +263,9 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
         raise UserError(f"--load {reader.path}: {missing[0]} is in the checkpoint or its model config but not in both")
     tok_dir, _ = tokenizer_of(tokenizer_model or _run_tokenizer(config), explicit=tokenizer_model is not None)
     layout = layout_of(m, hf_vocab)
-    groups = _by_layer(mappings_of(family, m, list(expected)))  # one layer read at a time
+    # The depths of --mtp-num-layers, which no class here holds: the export computes the LM alone (docs/mtp.md).
+    left_out = [n for n in expected if n.startswith("mtp.")]
+    groups = _by_layer(mappings_of(family, m, [n for n in expected if n not in left_out]))  # a layer read at a time
     dtype = specs["embedding.word_embeddings.weight"].properties.dtype
     plan = []
     for mp in (mp for group in groups for mp in group):  # every HF tensor's name, shape and dtype: the headers
@@ -292,8 +294,9 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    depths = f"; its {m.mtp_num_layers} multi-token prediction depth(s) (mtp.*) left out" if left_out else ""
     print(f"wrote {family.architecture} (vocabulary {hf_vocab}, iteration {reader.iteration}, {len(writer.files)} "
-          f"safetensors file(s){', tokenizer from ' + tok_dir if tok_dir else ', no tokenizer'}) to {out}")
+          f"safetensors file(s){', tokenizer from ' + tok_dir if tok_dir else ', no tokenizer'}) to {out}{depths}")
     return family.architecture
 
 

@@ -46,7 +46,7 @@ FAMILIES = {
                   None),
     "glm4_moe": ("Glm4MoeConfig", dict(BASE, **MOE, n_routed_experts=4, n_group=1, topk_group=1,
                                        first_k_dense_replace=1, n_shared_experts=1, attention_bias=False,
-                                       use_qk_norm=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                                       use_qk_norm=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5}), "30KB"),
 }
@@ -67,7 +67,32 @@ def hf_model(family: str, directory=None):
                 t.copy_(torch.randn_like(t) * 0.2 + (1.0 if "norm" in name or name.endswith("ln_f.weight") else 0.0))
     if directory is not None:
         model.save_pretrained(str(directory), max_shard_size=shard or "50GB")
+        if getattr(model.config, "num_nextn_predict_layers", 0):
+            add_mtp_layer(model, directory)
     return model
+
+
+def add_mtp_layer(model, directory):
+    """The multi-token prediction layer (one depth) as GLM-4.5's Hub checkpoints hold it, which `save_pretrained`
+    does not write: layer L's tensors (random, shaped as the last layer's), enorm, hnorm, eh_proj,
+    shared_head.norm, and copies of the embedding and the head; in a shard of its own, added to the index."""
+    from safetensors.torch import load_file, save_file
+    with open(directory / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    state = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(str(directory / f)).items()}
+    last, h = model.config.num_hidden_layers - 1, model.config.hidden_size
+    new = {k.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."): torch.randn_like(v) * 0.2
+           for k, v in state.items() if k.startswith(f"model.layers.{last}.")}
+    g = f"model.layers.{last + 1}."
+    new.update({g + "enorm.weight": 1 + 0.1 * torch.randn(h), g + "hnorm.weight": 1 + 0.1 * torch.randn(h),
+                g + "eh_proj.weight": 0.2 * torch.randn(h, 2 * h),
+                g + "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+                g + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+                g + "shared_head.head.weight": state["lm_head.weight"].clone()})
+    save_file(new, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in new})
+    with open(directory / "model.safetensors.index.json", "w") as f:
+        json.dump(index, f)
 
 
 def logits_of_checkpoint(ckpt: str, ids: torch.Tensor):
@@ -122,6 +147,8 @@ def test_import_and_export_give_the_same_logits_and_tensors(family, tmp_path, ca
     assert all(first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]) for k in first)
     assert os.path.isfile(tmp_path / "hf2" / "model.safetensors.index.json") == (shard is not None)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), output_loading_info=True)
+    mtp_layer = f"model.layers.{getattr(hf.config, 'num_hidden_layers', 0)}."  # GLM-4.5's MTP: no HF module reads it
+    info["unexpected_keys"] = {k for k in info["unexpected_keys"] if not k.startswith(mtp_layer)}
     assert type(back).__name__ == type(hf).__name__ and not any(info.values()), info
     with torch.no_grad():
         assert (back.eval()(ids).logits - theirs).abs().max().item() <= 1e-5  # GPT-2: gelu_new as gelu_pytorch_tanh

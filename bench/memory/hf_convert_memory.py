@@ -12,9 +12,9 @@ A LlamaForCausalLM directory (bf16, random weights, GQA 16 heads / 4 groups, ffn
 head; sharded at 500 MB with model.safetensors.index.json) is generated tensor by tensor under --dir (default: a
 temporary directory), then each conversion runs in its own process (`tools/checkpoint_convert.py`), whose peak
 resident set (VmHWM) is read at its end: import-hf (the HF directory -> our checkpoint), export-hf (that
-checkpoint -> HF shards of 500 MB). The same two commands on a 2-layer model of hidden 64 (vocabulary 1,024) give each tool's fixed
-cost (interpreter, torch, transformers, DCP: the baseline); the streamed part of the peak is the difference,
-compared with the largest tensor and the largest layer. Everything generated is deleted at the end.
+checkpoint -> HF shards of 500 MB). The same two commands on a 2-layer model of hidden 64 (vocabulary 1,024) give
+each tool's fixed cost (interpreter, torch, transformers, DCP: the baseline); the streamed part of the peak is the
+difference, compared with the largest tensor and the largest layer. Everything generated is deleted at the end.
 Writes bench/results/hf_convert_memory.md (`--quick`: a small model, printed only).
 """
 
@@ -108,11 +108,11 @@ def main(argv=None) -> None:
     mb = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
     lines.emit(f"Model: {mb(big['disk'])} on disk in {big['files']} safetensors shards; largest tensor "
                f"{mb(big['largest_tensor'])} (embedding, lm_head), one layer {mb(big['layer'])}; our checkpoint "
-               f"{mb(run['ckpt_bytes'])}; exported into {run['back_files']} shards. Baseline: the same tools on a 2-layer "
-               f"hidden-64 model ({small['disk'] / 2**10:,.0f} KiB).")
+               f"{mb(run['ckpt_bytes'])}; exported into {run['back_files']} shards. Baseline: the same tools on a "
+               f"2-layer hidden-64 model ({small['disk'] / 2**10:,.0f} KiB).")
     lines.emit("")
-    lines.emit("| conversion | peak RSS | baseline peak | streamed part (peak - baseline) | largest tensor + one layer | "
-               "time |")
+    lines.emit("| conversion | peak RSS | baseline peak | streamed part (peak - baseline) | largest tensor + one layer "
+               "| time |")
     lines.emit("|---|---|---|---|---|---|")
     for kind in ("import", "export"):
         peak, seconds = run[kind]

@@ -40,7 +40,8 @@ from megatron_po.distributed.checkpoint_save import save_in_one_process
 from megatron_po.errors import UserError
 from megatron_po.models.hf.configs import export_family, family_of, hf_config, model_config, model_fields
 from megatron_po.models.hf.files import HFTensors, ShardedWriter
-from megatron_po.models.hf.tensors import Layout, expand, to_ours, to_theirs
+from megatron_po.models.hf.families import MTP_SHARED
+from megatron_po.models.hf.tensors import Layout, Mapping, expand, to_ours, to_theirs
 
 # The files of a Hugging Face tokenizer (any of the first four makes a directory a tokenizer's).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -61,8 +62,20 @@ def layout_of(m: ModelConfig, hf_vocab: int) -> Layout:
 
 
 def mappings_of(family, m: ModelConfig, ours: list[str]) -> list:
-    mappings = expand(family.tensors, ours, m.num_experts or 0, family.architecture)
-    return family.adjust(mappings, m) if family.adjust else mappings
+    """The family's table applied to our tensors `ours`, adjusted (families.py), with the Hub's copies of the
+    embedding and the head in each multi-token prediction depth: the main ones, or the MTP block's own embedding
+    where it keeps one (the last stage's copy under an asynchronous pipeline, docs/mtp.md)."""
+    own = "mtp.embedding.word_embeddings.weight"
+    mappings = expand(family.tensors, [n for n in ours if n != own], m.num_experts or 0, family.architecture,
+                      m.num_layers)
+    mappings = family.adjust(mappings, m) if family.adjust else mappings
+    if any(n.startswith("mtp.") for n in ours):
+        sources = {"embedding.word_embeddings.weight": own if own in ours else "embedding.word_embeddings.weight",
+                   "output_layer.weight": "output_layer.weight" if m.untie_embeddings_and_output_weights
+                   else "embedding.word_embeddings.weight"}
+        mappings += [Mapping(sources[name], [theirs.replace("{i}", str(m.num_layers + d))], "shared")
+                     for d in range(m.mtp_num_layers) for name, theirs in MTP_SHARED]
+    return mappings
 
 
 def tokenizer_of(directory: str | None, explicit: bool) -> tuple[str | None, int | None]:
@@ -73,7 +86,8 @@ def tokenizer_of(directory: str | None, explicit: bool) -> tuple[str | None, int
     present = directory is not None and any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES[:4])
     if not present:
         if explicit:
-            raise UserError(f"--tokenizer-model {directory}: no tokenizer there (none of {', '.join(TOKENIZER_FILES[:4])})")
+            raise UserError(f"--tokenizer-model {directory}: no tokenizer there (none of "
+                            f"{', '.join(TOKENIZER_FILES[:4])})")
         return None, None
     try:
         return os.path.abspath(directory), HuggingFaceTokenizer(directory).vocab_size
@@ -122,6 +136,30 @@ def _skipped(name: str, c) -> bool:
     return bool(layer and int(layer.group(1)) >= c.num_hidden_layers and getattr(c, "num_nextn_predict_layers", 0))
 
 
+def _planned_dtypes(mappings: list, tensors: HFTensors, expected: dict, layout: Layout) -> dict:
+    """{our name: dtype} of the tensors the import makes, every shape checked from the headers alone (the
+    transforms run on meta tensors) before anything is written; UserError (one line) at the first disagreement."""
+    dtypes = {}
+    for mp in mappings:
+        if mp.kind == "shared":  # the Hub's copies of our embedding or head in an MTP layer: not read
+            continue
+        where = f"--hf {tensors.dir}: shapes disagree with config.json: " + ", ".join(
+            f"{n} {tuple(tensors.meta(n).shape)}" for n in mp.theirs[:3])
+        if mp.ours is None:  # an HF tensor with nothing to hold here (Qwen2-MoE's empty shared expert)
+            if tuple(tensors.meta(mp.theirs[0]).shape) != tuple(mp.shape):
+                raise UserError(f"{where}, config.json makes it {tuple(mp.shape)}")
+            continue
+        try:
+            planned = to_ours(mp, tensors.meta, layout)
+        except (ValueError, RuntimeError) as e:
+            raise UserError(f"{where} ({e})") from None
+        if planned.shape != expected[mp.ours].shape:
+            raise UserError(f"{where} make our {mp.ours} {tuple(planned.shape)}, config.json "
+                            f"{tuple(expected[mp.ours].shape)}")
+        dtypes[mp.ours] = planned.dtype
+    return dtypes
+
+
 def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: str | None = None,
               progress: bool = True) -> str:
     """Write the HF model in `hf_dir` as our checkpoint of iteration 0 under `out`; return the flag line that
@@ -138,32 +176,21 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: s
         raise UserError(f"--hf {hf_dir}: config.json is not a valid {family.architecture} config ({reason})") from None
     fields = model_fields(family, c)
     fields["make_vocab_size_divisible_by"] = divisible_by
+    tensors = HFTensors(hf_dir)
+    depths = fields.get("mtp_num_layers") or 0
+    if depths and not all(f"model.layers.{c.num_hidden_layers + d}.eh_proj.weight" in tensors.entries
+                          for d in range(depths)):  # config.json names depths the files do not hold
+        print(f"config.json names {depths} multi-token prediction depth(s) the checkpoint does not hold: "
+              "imported without them")
+        del fields["mtp_num_layers"]
     m = model_config(fields)
     tok_dir, tok_vocab = tokenizer_of(tokenizer_model or hf_dir, explicit=tokenizer_model is not None)
     hf_vocab = c.vocab_size
     vocab = min(hf_vocab, tok_vocab) if tok_vocab else hf_vocab  # rows the run's tokenizer can produce
     expected = meta_model_tensors(m, hf_vocab)  # the vocabulary unpadded: the run pads it when it loads
-    tensors = HFTensors(hf_dir)
     layout = layout_of(m, hf_vocab)
     mappings = mappings_of(family, m, list(expected))
-
-    # Every shape from the headers alone, before anything is written.
-    dtypes = {}
-    for mp in mappings:
-        where = ", ".join(f"{n} {tuple(tensors.meta(n).shape)}" for n in mp.theirs[:3])
-        if mp.ours is None:  # an HF tensor with nothing to hold here (Qwen2-MoE's empty shared expert)
-            if tuple(tensors.meta(mp.theirs[0]).shape) != tuple(mp.shape):
-                raise UserError(f"--hf {hf_dir}: shapes disagree with config.json: {where}, config.json makes it "
-                                f"{tuple(mp.shape)}")
-            continue
-        try:
-            planned = to_ours(mp, tensors.meta, layout)
-        except (ValueError, RuntimeError) as e:
-            raise UserError(f"--hf {hf_dir}: shapes disagree with config.json: {where} ({e})") from None
-        if planned.shape != expected[mp.ours].shape:
-            raise UserError(f"--hf {hf_dir}: shapes disagree with config.json: {where} make our {mp.ours} "
-                            f"{tuple(planned.shape)}, config.json {tuple(expected[mp.ours].shape)}")
-        dtypes[mp.ours] = planned.dtype
+    dtypes = _planned_dtypes(mappings, tensors, expected, layout)
     read = {n for mp in mappings for n in mp.theirs}
     skipped = [n for n in tensors.entries if n not in read and _skipped(n, c)]
     unread = [n for n in tensors.entries if n not in read and n not in skipped]
@@ -180,7 +207,7 @@ def import_hf(hf_dir: str, out: str, divisible_by: int = 128, tokenizer_model: s
         return t
 
     state = {f"model.{mp.ours}": Deferred(expected[mp.ours].shape, dtypes[mp.ours], lambda mp=mp: make(mp))
-             for mp in mappings if mp.ours is not None}
+             for mp in mappings if mp.ours is not None and mp.kind != "shared"}
     cfg = Config().to_dict()
     cfg["model"] = {**cfg["model"], **fields}
     cfg["data"]["vocab_size"] = vocab
@@ -263,8 +290,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
         raise UserError(f"--load {reader.path}: {missing[0]} is in the checkpoint or its model config but not in both")
     tok_dir, _ = tokenizer_of(tokenizer_model or _run_tokenizer(config), explicit=tokenizer_model is not None)
     layout = layout_of(m, hf_vocab)
-    # The depths of --mtp-num-layers, which no class here holds: the export computes the LM alone (docs/mtp.md).
-    left_out = [n for n in expected if n.startswith("mtp.")]
+    # The depths of --mtp-num-layers, in a family whose Hub checkpoints hold none, are left out: the LM alone.
+    left_out = [n for n in expected if n.startswith("mtp.") and not family.mtp]
     groups = _by_layer(mappings_of(family, m, [n for n in expected if n not in left_out]))  # a layer read at a time
     dtype = specs["embedding.word_embeddings.weight"].properties.dtype
     plan = []

@@ -79,7 +79,8 @@ def model_fields(family: Family, c) -> dict:
                   group_query_attention=kv != nh, num_query_groups=kv if kv != nh else 1,
                   kv_channels=None if head_dim * nh == h else head_dim, ffn_hidden_size=c.intermediate_size,
                   seq_length=c.max_position_embeddings, position_embedding_type="rope", normalization="RMSNorm",
-                  norm_epsilon=c.rms_norm_eps, swiglu=True, untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+                  norm_epsilon=c.rms_norm_eps, swiglu=True,
+                  untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                   hidden_dropout=0.0, attention_dropout=getattr(c, "attention_dropout", 0.0),
                   init_method_std=c.initializer_range, add_bias_linear=False, **_rope_fields(family, c))
     if family.linear_bias:
@@ -94,6 +95,8 @@ def model_fields(family: Family, c) -> dict:
     fields["qk_layernorm"] = _has(c, family.qk_norm)
     if family.experts is not None:
         fields.update(_moe_fields(family, c))
+    if family.mtp and getattr(c, family.mtp, 0):
+        fields["mtp_num_layers"] = getattr(c, family.mtp)
     return fields
 
 
@@ -127,7 +130,8 @@ def _rope_fields(family: Family, c) -> dict:
     if kind == "llama3":
         got = {k: rope.get(k) for k in LLAMA3_CONSTANTS}
         if got != LLAMA3_CONSTANTS:
-            raise UserError(f"llama3 RoPE scaling with {got}: --use-rope-scaling (as Megatron's) fixes {LLAMA3_CONSTANTS}")
+            raise UserError(f"llama3 RoPE scaling with {got}: --use-rope-scaling (as Megatron's) fixes "
+                            f"{LLAMA3_CONSTANTS}")
         if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
             raise UserError(f"llama3 RoPE scaling factor {rope.get('factor')!r} is not a number >= 1")
         out.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
@@ -273,7 +277,8 @@ def _why_not_moe(family: Family, m: ModelConfig) -> str | None:
         if m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias:
             return "--moe-router-score-function sigmoid / the expert bias (it routes by softmax)"
         if m.moe_router_topk_scaling_factor not in (None, 1.0):
-            return f"--moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor} (it does not scale the weights)"
+            return (f"--moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor} (it does not scale the "
+                    "weights)")
         if m.moe_router_pre_softmax and not family.topk_norm:
             return "--moe-router-pre-softmax (it renormalizes the top-k)"
         if groups > 1:
@@ -340,6 +345,8 @@ def hf_config(family: Family, m: ModelConfig, vocab_size: int):
         kw[family.qk_norm] = m.qk_layernorm
     if family.experts is not None:
         kw.update(_moe_config(family, m))
+    if family.mtp:
+        kw[family.mtp] = m.mtp_num_layers or 0
     kw.update(family.fixed)
     return cls(**kw)
 

@@ -14,7 +14,8 @@ under. `FAMILIES` is the list; configs.py reads and writes config.json from thes
     qwen3_moe   Qwen3MoeForCausalLM    q/k norms, dense layers (mlp_only_layers), norm_topk_prob
     glm4_moe    Glm4MoeForCausalLM     q/k/v biases (attention_bias), q/k norms (use_qk_norm), partial rotary,
                                        the first k layers dense, shared experts, sigmoid scores with the expert
-                                       bias (e_score_correction_bias), routed_scaling_factor, group routing
+                                       bias (e_score_correction_bias), routed_scaling_factor, group routing,
+                                       multi-token prediction (num_nextn_predict_layers: --mtp-num-layers)
 
 Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)): --moe-shared-expert-gate (Megatron's), imported
 as such. A model of ours with ungated shared experts exports as a zero gate (sigmoid 0 = 1/2) and twice its down
@@ -61,6 +62,17 @@ LLAMA_LIKE = (
     rule("layers.{i}.attention.k_norm.weight", L + "self_attn.k_norm.weight", kind="norm"),
     *_swiglu("layers.{i}.mlp.", L + "mlp.", bias=True),  # a dense layer's MLP
 )
+# Multi-token prediction as DeepSeek-V3's and GLM-4.5's Hub checkpoints hold it: depth d is layer L + d (tensors.py's
+# mtp_alias), its transformer layer that layer's tensors (the tables above), these its own; plus copies of the
+# embedding and the head in that layer (MTP_SHARED: written by export, not read by import).
+MTP = (
+    rule("layers.{i}.mtp.enorm.weight", L + "enorm.weight", kind="norm"),
+    rule("layers.{i}.mtp.hnorm.weight", L + "hnorm.weight", kind="norm"),
+    rule("layers.{i}.mtp.eh_proj.weight", L + "eh_proj.weight"),
+    rule("layers.{i}.mtp.final_norm.weight", L + "shared_head.norm.weight", kind="norm"),
+)
+MTP_SHARED = (("embedding.word_embeddings.weight", L + "embed_tokens.weight"),
+              ("output_layer.weight", L + "shared_head.head.weight"))
 QWEN_MOE = (
     rule("layers.{i}.mlp.router.weight", L + "mlp.gate.weight"),
     *_experts(L + "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
@@ -119,10 +131,11 @@ class Family:
     expert_ffn: str = "moe_intermediate_size"
     dense_layers: str | None = None     # "mlp_only_layers" (any), "first_k_dense_replace" (the first k); None: none
     shared: str | None = None           # "shared_expert_intermediate_size" (Qwen2-MoE, gated), "n_shared_experts" (GLM)
-    router: str = "softmax"             # "softmax" (norm_topk_prob where `topk_norm`), "sigmoid" (+ bias, scaling, groups)
+    router: str = "softmax"             # "softmax" (norm_topk_prob: `topk_norm`); "sigmoid" (+ bias, scaling, groups)
     topk_norm: bool = True              # has norm_topk_prob (Mixtral: always renormalized)
     refused: tuple[str, ...] = ()       # config keys whose true value nothing here expresses (import refuses)
     adjust: Callable | None = None      # adjust(mappings, model config) -> mappings: what the table cannot say
+    mtp: str | None = None              # config key of the multi-token prediction depths (MTP rules); None: none
     # What transformers' config class takes besides our mapping (export) and checks nothing of (import).
     fixed: tuple[tuple[str, object], ...] = ()
 
@@ -144,15 +157,16 @@ FAMILIES = (
         *_swiglu("layers.{i}.mlp.shared_experts.", L + "mlp.shared_expert."),
         rule("layers.{i}.mlp.shared_experts.gate_weight", L + "mlp.shared_expert_gate.weight")),
         qkv_bias="qkv_bias", sliding_window=True, experts="num_experts", dense_layers="mlp_only_layers",
-        shared="shared_expert_intermediate_size", adjust=qwen2_moe_shared_expert, fixed=(("use_sliding_window", False), ("decoder_sparse_step", 1))),
+        shared="shared_expert_intermediate_size", adjust=qwen2_moe_shared_expert,
+        fixed=(("use_sliding_window", False), ("decoder_sparse_step", 1))),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", LLAMA_LIKE + QWEN_MOE, qk_norm=True, sliding_window=True,
            experts="num_experts", dense_layers="mlp_only_layers", refused=("attention_bias",),
            fixed=(("use_sliding_window", False), ("decoder_sparse_step", 1), ("attention_bias", False))),
-    Family("glm4_moe", "Glm4MoeForCausalLM", LLAMA_LIKE + QWEN_MOE + (
+    Family("glm4_moe", "Glm4MoeForCausalLM", LLAMA_LIKE + QWEN_MOE + MTP + (
         rule("layers.{i}.mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias"),
         *_swiglu("layers.{i}.mlp.shared_experts.", L + "mlp.shared_experts.")),
         qkv_bias="attention_bias", qk_norm="use_qk_norm", partial_rotary=True, experts="n_routed_experts",
         dense_layers="first_k_dense_replace", shared="n_shared_experts", router="sigmoid",
-        fixed=(("num_nextn_predict_layers", 0),)),
+        mtp="num_nextn_predict_layers"),
 )
 BY_TYPE = {f.model_type: f for f in FAMILIES}

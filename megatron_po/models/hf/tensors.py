@@ -19,6 +19,8 @@ Kinds (our tensor <- HF tensors on import, -> on export):
   conv1d_qkv  GPT-2's c_attn weight [hidden, q | k | v]: transposed, then split and regrouped per head
   fused_qkv   GPT-2's c_attn bias [q | k | v]: regrouped per head
   double      twice ours (a Qwen2-MoE shared expert exported from our ungated one, see families.py)
+  shared      another HF name of one of our tensors (an MTP layer's copies of the embedding and the head, which
+              the Hub's checkpoints hold): exported as a copy, not imported
   zeros       an HF tensor with no counterpart here: exported as zeros of `Mapping.shape`, not imported
 """
 
@@ -124,6 +126,7 @@ KINDS: dict[str, tuple[Callable, Callable]] = {
                    lambda t, lo: [_gpt2_qkv_to_theirs(t, lo)[0].t()]),
     "fused_qkv": (lambda read, n, lo: join_qkv(*read(n[0]).chunk(3), lo.heads), _gpt2_qkv_to_theirs),
     "double": (lambda read, n, lo: read(n[0]) / 2, lambda t, lo: [t * 2]),
+    "shared": (None, lambda t, lo: [t[:lo.hf_vocab]]),
 }
 
 
@@ -148,13 +151,24 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
 
-def expand(rules: tuple[Rule, ...], ours: list[str], num_experts: int, family: str) -> list[Mapping]:
-    """One Mapping per name in `ours` (in its order), from the rule whose template it matches; UserError naming
-    the first of our tensors that no rule of `family` makes (the family cannot hold it)."""
+def mtp_alias(name: str, num_layers: int) -> str:
+    """The name the tables give one of our multi-token prediction tensors: depth d is the Hub's layer num_layers + d
+    (DeepSeek-V3's and GLM-4.5's checkpoints), its transformer layer that layer's tensors, its own tensors that
+    layer's `mtp.` ones (`layers.<L + d>.mtp.eh_proj.weight`); other names unchanged."""
+    found = re.match(r"mtp\.layers\.(\d+)\.(transformer_layer\.)?(.*)$", name)
+    if found is None:
+        return name
+    depth, in_layer, rest = found.groups()
+    return f"layers.{num_layers + int(depth)}.{'' if in_layer else 'mtp.'}{rest}"
+
+
+def expand(rules: tuple[Rule, ...], ours: list[str], num_experts: int, family: str, num_layers: int) -> list[Mapping]:
+    """One Mapping per name in `ours` (in its order), from the rule whose template it matches (`mtp_alias`);
+    UserError naming the first of our tensors that no rule of `family` makes (the family cannot hold it)."""
     compiled = [(_pattern(r.ours), r) for r in rules]
     out = []
     for name in ours:
-        found = next(((m, r) for p, r in compiled if (m := p.match(name))), None)
+        found = next(((m, r) for p, r in compiled if (m := p.match(mtp_alias(name, num_layers)))), None)
         if found is None:
             raise UserError(f"{family} has no tensor for our {name}: the model does not fit that class")
         match, r = found

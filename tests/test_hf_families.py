@@ -13,7 +13,8 @@ and saved by `save_pretrained` (some families in several shards). Then:
 The checks can fail: GLM-4.5 with its expert bias zeroed routes elsewhere (logits >= 1e-3 away), and so on per
 family (`MATTERS`).
 Bad input is one line and leaves no output: an architecture not served, a missing shard, a shape that disagrees
-with config.json, a tensor nothing reads, a tokenizer directory without a tokenizer. Streaming: DCP makes each
+with config.json, a tensor nothing reads, a tokenizer directory without a tokenizer, an --out that is not empty;
+on export too (a shard size that is no size, a --model-type that cannot hold the model). Streaming: DCP makes each
 imported tensor when it writes it, the previous ones already released.
 """
 
@@ -236,6 +237,25 @@ def test_bad_input_is_one_line_and_writes_nothing(case, sharded_qwen3, tmp_path,
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert sorted(os.listdir(tmp_path)) == (["ckpt", "hf"] if case == "not-empty" else
                                            ["hf", "tok"] if case == "no-tokenizer" else ["hf"])
+
+
+def test_export_bad_input_is_one_line_and_writes_nothing(sharded_qwen3, tmp_path, capsys):
+    """export-hf: an --out that is not empty, a --max-shard-size that is no size, a --model-type that cannot hold the
+    model, a --tokenizer-model without a tokenizer: one line each, the output directory untouched."""
+    assert main(["import-hf", "--hf", str(sharded_qwen3), "--out", str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    (tmp_path / "tok").mkdir()
+    capsys.readouterr()
+    for extra, needle in [(["--out", str(tmp_path / "full")], "exists and is not empty"),
+                          (["--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
+                          (["--model-type", "mistral"], "MistralForCausalLM cannot hold this model: q/k norms"),
+                          (["--tokenizer-model", str(tmp_path / "tok")], "no tokenizer there")]:
+        argv = ["export-hf", "--load", str(tmp_path / "ckpt"), "--no-progress", "--out", str(tmp_path / "hf"), *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "full", "tok"] and os.listdir(tmp_path / "full") == ["x"]
 
 
 def test_deferred_tensors_are_made_one_at_a_time(tmp_path):

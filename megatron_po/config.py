@@ -238,6 +238,24 @@ class ParallelConfig:
                                             "carved out of the data-parallel ranks (Megatron's layout)")
     expert_tensor_parallel_size: int | None = _f(None, "MoE: tensor-parallel size of each expert (default "
                                                        "--tensor-model-parallel-size, as Megatron)")
+    use_torch_fsdp2: bool = _f(False, "fully sharded data parallelism with PyTorch FSDP2 (torch.distributed.fsdp."
+                                      "fully_shard): parameters, gradients and optimizer state sharded over the DP x "
+                                      "CP ranks of each TP rank and stage (experts over their expert-DP ranks), each "
+                                      "transformer layer gathered for its forward and backward (ZeRO-3; = "
+                                      "--data-parallel-sharding-strategy optim_grads_params); docs/fsdp.md")
+    torch_fsdp2_reshard_after_forward: bool = _f(True, "FSDP2 frees each layer's gathered weights after its forward "
+                                                       "and gathers them again for its backward; this flag keeps "
+                                                       "them from forward to backward instead (one gather per "
+                                                       "micro-batch instead of two, whole weights of every layer in "
+                                                       "flight; synchronous methods only)",
+                                                 alias="--torch-fsdp2-no-reshard-after-forward")
+    data_parallel_sharding_strategy: str = _f("no_shard", "what data parallelism shards (Megatron-FSDP's names): "
+                                              "no_shard = DDP (nothing); optim = the distributed optimizer (ZeRO-1, "
+                                              "= --use-distributed-optimizer); optim_grads = FSDP2 without resharding "
+                                              "after forward (optimizer state and gradients sharded, parameters "
+                                              "gathered once per micro-batch and kept until its backward); "
+                                              "optim_grads_params = FSDP2 (= --use-torch-fsdp2); docs/fsdp.md",
+                                              choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
 
 
 @dataclass
@@ -529,6 +547,8 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     if values["tokenizer_type"] == "SentencePieceTokenizer" and values["tokenizer_model"] is None \
             and values["vocab_file"] is not None and values["merge_file"] is not None:
         values = dict(values, tokenizer_type="GPT2BPETokenizer")
+    if values["data_parallel_sharding_strategy"] == "optim":  # Megatron-FSDP's name of the distributed optimizer
+        values = dict(values, use_distributed_optimizer=True)
     sections = {}
     for section, section_cls in _sections():
         sections[section] = section_cls(**{f.name: values[f.name] for f in dataclasses.fields(section_cls)})
@@ -545,6 +565,20 @@ ASYNC_METHODS = ("async-naive", "pipedream", "pipedream-2bw", "spectrain", "pipe
 
 def is_async(cfg: "Config") -> bool:
     return cfg.parallel.pipeline_method in ASYNC_METHODS
+
+
+def uses_fsdp2(cfg: "Config") -> bool:
+    """FSDP2 shards this run's data parallelism: --use-torch-fsdp2, or the sharding strategies that shard
+    gradients (optim_grads, optim_grads_params)."""
+    p = cfg.parallel
+    return p.use_torch_fsdp2 or p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+
+def fsdp2_reshard_after_forward(cfg: "Config") -> bool:
+    """FSDP2 frees each gathered layer after its forward and gathers it again for its backward (optim_grads and
+    --torch-fsdp2-no-reshard-after-forward keep it instead)."""
+    p = cfg.parallel
+    return p.torch_fsdp2_reshard_after_forward and p.data_parallel_sharding_strategy != "optim_grads"
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:

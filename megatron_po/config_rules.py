@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 import os
 
-from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, kv_channels,
-                                recompute_granularity, virtual_pipeline_size)
+from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, fsdp2_reshard_after_forward,
+                                kv_channels, recompute_granularity, uses_fsdp2, virtual_pipeline_size)
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
@@ -589,6 +589,39 @@ MEGATRON_SWITCHES = [
 ]
 
 
+def _fsdp(c: Ctx) -> bool:
+    return uses_fsdp2(c.cfg)
+
+
+_FSDP_FLAG = "--use-torch-fsdp2 (--data-parallel-sharding-strategy optim_grads/optim_grads_params)"
+
+# FSDP2 (distributed/fsdp.py): what it does not combine with.
+FSDP = [
+    Rule("fsdp-gpt-only", lambda c: c.workload != "nmt",
+         f"{_FSDP_FLAG} is wired for GPT (pretrain_gpt.py) only: the encoder-decoder model reads its shared embedding "
+         "outside the layers FSDP2 gathers", when=_fsdp),
+    Rule("fsdp-no-distopt", lambda c: not c.pr.use_distributed_optimizer,
+         f"{_FSDP_FLAG} shards the optimizer state itself: drop --use-distributed-optimizer "
+         "(--data-parallel-sharding-strategy optim)", when=_fsdp),
+    Rule("fsdp-local-layers", lambda c: c.m.transformer_impl == "local",
+         f"{_FSDP_FLAG} shards this code's layers; --transformer-impl transformer_engine keeps its own weight "
+         "copies (FP8 casts) outside FSDP2's gathers: use --transformer-impl local", when=_fsdp),
+    Rule("fsdp-async-reshards", lambda c: fsdp2_reshard_after_forward(c.cfg),
+         lambda c: f"--pipeline-method {c.meth} under FSDP2 needs each layer resharded after its forward: the "
+                   f"backward gathers the weights the method put in the shards then; drop "
+                   f"--torch-fsdp2-no-reshard-after-forward (--data-parallel-sharding-strategy optim_grads)",
+         when=lambda c: _fsdp(c) and c.is_async),
+    Rule("fsdp-async-recompute", lambda c: recompute_granularity(c.m) is None,
+         lambda c: f"--recompute-granularity with --pipeline-method {c.meth} under FSDP2: the recomputation in the "
+                   f"backward gathers the live shards, not the weights the forward ran on; recomputation composes "
+                   f"with FSDP2 under the synchronous methods, pipedream and pipedream-2bw",
+         when=lambda c: _fsdp(c) and c.meth in ("async-naive", "spectrain", "pipeoptim", "pipenag")),
+    Rule("fsdp-delay-compensation", lambda c: c.p.delay_compensation_lambda == 0,
+         f"--delay-compensation-lambda edits each gradient after its backward, which FSDP2 has already "
+         f"reduce-scattered: drop it or {_FSDP_FLAG}", when=lambda c: _fsdp(c) and c.is_async),
+]
+
+
 def _nmt(c: Ctx) -> bool:
     return c.workload == "nmt"
 
@@ -656,4 +689,4 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + MOE_RULES + MTP_RULES + FP8_RULES + TE_RULES + NMT)
+                             + MEGATRON_SWITCHES + FSDP + MOE_RULES + MTP_RULES + FP8_RULES + TE_RULES + NMT)

@@ -298,6 +298,7 @@ def destroy_model_parallel() -> None:
     """Forget the groups (the watchdog, if one runs, is stopped first: rank_watchdog.stop_watchdog)."""
     global _STATE, _EXPERT
     _STATE = _EXPERT = None
+    _MESHES.clear()
 
 
 def _st() -> _State:
@@ -539,6 +540,22 @@ def get_expert_data_parallel_world_size() -> int:
 def get_expert_tensor_model_pipeline_parallel_group():
     """ETP x EP x PP ranks: every expert slice of the model once (Megatron's expert tensor-model-pipeline group)."""
     return _EXPERT.expert_mp_group if _EXPERT else (_STATE.model_parallel_group if _STATE else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Device meshes of the groups (FSDP2 shards over a DeviceMesh: distributed/fsdp.py)
+# --------------------------------------------------------------------------------------------------
+
+_MESHES: dict = {}
+
+
+def device_mesh(group):
+    """A one-dimensional DeviceMesh over the ranks of `group` (built once per group, on this device type)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    key = id(group)
+    if key not in _MESHES or _MESHES[key][0] is not group:
+        _MESHES[key] = (group, DeviceMesh.from_group(group, get_device().type))
+    return _MESHES[key][1]
 
 
 # --------------------------------------------------------------------------------------------------

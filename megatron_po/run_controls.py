@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
+from megatron_po.distributed.ddp import grad_of
+from megatron_po.distributed.fsdp import local_shard
 from megatron_po.optim.clip_grads import counts_toward_norm, sum_dense_and_experts
 from megatron_po.run_rules import any_rank
 
@@ -91,18 +93,22 @@ class RunControls:
             gc.enable()
 
 
-def replica_sums(params, group, expert_group=None) -> dict[str, float]:
+def replica_sums(params, group, expert_group=None, shard_groups=None) -> dict[str, float]:
     """`params_norm` and `num_zeros_in_grad` of one model replica, summed over `group` (model parallel); MoE
-    experts over `expert_group` (the expert model-parallel group, optim/clip_grads.py) when given."""
+    experts over `expert_group` (the expert model-parallel group, optim/clip_grads.py) when given. FSDP2-sharded
+    parameters count this rank's shards, summed first over `shard_groups` (dense, experts: the ranks they are
+    sharded over, distributed/fsdp.py)."""
     sums = torch.zeros(2, 2, dtype=torch.float64, device=ps.get_device())  # [dense, expert] x [squares, zeros]
     for p in params:
         if not counts_toward_norm(p):
             continue
         row = sums[int(getattr(p, "expert_parallel", False))]
-        row[0] += p.detach().double().square().sum()
-        grad = getattr(p, "main_grad", None)
-        grad = p.grad if grad is None else grad
+        row[0] += local_shard(p).detach().double().square().sum()
+        grad = grad_of(p)
         if grad is not None:
             row[1] += (grad == 0).sum()
+    for row, shard_group in zip(sums, shard_groups or ()):
+        if shard_group is not None and dist.get_world_size(shard_group) > 1:
+            dist.all_reduce(row, group=shard_group)
     both = sum_dense_and_experts(sums[0], sums[1], group, expert_group)
     return {"params_norm": float(both[0].sqrt()), "num_zeros_in_grad": int(both[1])}

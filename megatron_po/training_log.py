@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval
+from megatron_po.config import Config, global_batch_size, is_async, num_microbatches, update_interval, uses_fsdp2
 from megatron_po.errors import RankError
 from megatron_po.models.compiled_layers import compile_summary
 from megatron_po.models.moe.report import moe_line
@@ -49,7 +49,11 @@ def replica_metrics(cfg: Config, params) -> dict:
     lc = cfg.logging
     if not (lc.log_params_norm or lc.log_num_zeros_in_grad):
         return {}
-    sums = replica_sums(params, ps.get_model_parallel_group(), expert_norm_group(cfg))
+    shards = None
+    if uses_fsdp2(cfg):  # each rank holds its shards: summed over the ranks they are sharded over first
+        shards = (ps.get_data_parallel_group(with_context_parallel=True),
+                  ps.get_expert_data_parallel_group() if cfg.model.num_experts is not None else None)
+    sums = replica_sums(params, ps.get_model_parallel_group(), expert_norm_group(cfg), shards)
     return {k: v for k, v in sums.items() if getattr(lc, "log_" + k)}
 
 

@@ -12,17 +12,20 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po import rank_watchdog
 from megatron_po.async_training import build_async_engine
-from megatron_po.config import Config, is_async, num_microbatches, virtual_pipeline_size
+from megatron_po.config import (Config, fsdp2_reshard_after_forward, is_async, num_microbatches, uses_fsdp2,
+                                virtual_pipeline_size)
 from megatron_po.config_rules import validate
 from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
+from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
 from megatron_po.errors import UserError
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.moe.rules import moe_summary
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
+from megatron_po.optim.fsdp_optimizer import FSDPOptimizer
 from megatron_po.optim.mixed_precision import (MixedPrecisionOptimizer, build_grad_scaler, grad_buffer_dtype,
                                                model_dtype)
 from megatron_po.optim.muon import muon_kwargs, optimizer_param_groups
@@ -141,6 +144,11 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
         groups = split_decoupled(groups, chunks)
     scaler = build_grad_scaler(pr.fp16, pr.loss_scale, pr.initial_loss_scale, pr.min_loss_scale,
                                pr.loss_scale_window, pr.hysteresis)
+    if uses_fsdp2(cfg):  # the fp32 shards are the main params (optim/fsdp_optimizer.py)
+        experts = cfg.model.num_experts is not None
+        return FSDPOptimizer(inner, groups, scaler, t.clip_grad, ps.get_data_parallel_group(with_context_parallel=True),
+                             ps.get_model_parallel_group(), expert_group=expert_norm_group(cfg),
+                             expert_shard_group=ps.get_expert_data_parallel_group() if experts else None)
     if pr.use_distributed_optimizer:
         return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group(),
                                     expert_group=expert_norm_group(cfg))
@@ -149,6 +157,23 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
                                        expert_group=expert_norm_group(cfg))
     return inner(groups)
 
+
+
+def data_parallel(cfg: Config, chunks: list) -> tuple[list, object]:
+    """This rank's model chunks and their data-parallel wrapper (synchronous methods): FSDP2 (fp32 shards over
+    DP x CP, gathered in the model dtype: distributed/fsdp.py), else DDP's gradient buffers (the chunks in the
+    model dtype; the distributed optimizer's sharded ones with --use-distributed-optimizer)."""
+    pr, p = cfg.precision, cfg.parallel
+    if uses_fsdp2(cfg):
+        chunks = shard_chunks(chunks, fsdp2_reshard_after_forward(cfg), fsdp_precision(pr))
+        return chunks, FullyShardedDataParallel(chunks)
+    chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in chunks]
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients averaged over DP x CP
+    ddp = DistributedDataParallel(chunks, dp_cp_group, p.ddp_bucket_size,
+                                  grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16, pr.accumulate_allreduce_grads_in_fp32),
+                                  use_distributed_optimizer=pr.use_distributed_optimizer,
+                                  overlap_param_gather=pr.overlap_param_gather)
+    return chunks, ddp
 
 
 def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
@@ -160,14 +185,7 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
         engine = build_async_engine(cfg, workload.padded_vocab, num_microbatches(cfg, world), workload, schedule)
         model = Trainable(engine.chunks, engine.stage.optimizers, engine=engine)
     else:
-        pr = cfg.precision
-        chunks = [c.to(model_dtype(pr.bf16, pr.fp16)) for c in workload.model_chunks()]
-        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients averaged over DP x CP
-        ddp = DistributedDataParallel(chunks, dp_cp_group, p.ddp_bucket_size,
-                                      grad_dtype=grad_buffer_dtype(pr.bf16, pr.fp16,
-                                                                   pr.accumulate_allreduce_grads_in_fp32),
-                                      use_distributed_optimizer=pr.use_distributed_optimizer,
-                                      overlap_param_gather=pr.overlap_param_gather)
+        chunks, ddp = data_parallel(cfg, workload.model_chunks())
         model = Trainable(chunks, build_optimizer_for(cfg, chunks, ddp), ddp)
         if cfg.model.transformer_impl == "transformer_engine":  # weights change only at steps, after a flush
             from megatron_po.models.te_transformer import enable_fp8_weight_cache
@@ -175,8 +193,10 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     if fp8_summary(cfg.model):
         print_rank0(fp8_summary(cfg.model))  # which FP8 backend and recipe run, emulated or not
     n_params = sum(p.numel() for c in model.chunks for p in c.parameters())
+    held = sum(local_shard(p).numel() for c in model.chunks for p in c.parameters())  # FSDP2: its shards
+    whole = f" (FSDP2 shards of {n_params / 1e6:.2f} M)" if uses_fsdp2(cfg) else ""
     cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
-    print_rank0(f"> rank 0 holds {n_params / 1e6:.2f} M parameters; world {world} = TP {p.tensor_model_parallel_size}"
+    print_rank0(f"> rank 0 holds {held / 1e6:.2f} M parameters{whole}; world {world} = TP {p.tensor_model_parallel_size}"
                 f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
     if cfg.model.num_experts is not None:

@@ -179,14 +179,14 @@ def step_counts(events):
     return out
 
 
-def torch_optimizer(name, model, lr, weight_decay):
+def torch_optimizer(name, model, lr, weight_decay, adam_eps=1e-8):
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     if name == "adam":
-        return torch.optim.Adam(groups, lr=lr)
+        return torch.optim.Adam(groups, lr=lr, eps=adam_eps)
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, eps=adam_eps)
     if name == "muon":  # no torch counterpart; its own steps are checked against the formula in test_muon.py
         return build_optimizer("muon", optimizer_param_groups("muon", [model], weight_decay), lr,
                                weight_decay=weight_decay, muon_fp32_matmul_prec="highest")
@@ -236,15 +236,16 @@ def close(actual, expected, what):
 
 
 def replay(method, optimizer, weight_decay, rank, chunk_id, events, chunk0, spectrain=None, s_offset=0,
-           include_weight_decay=False):
+           include_weight_decay=False, adam_eps=1e-8):
     """Check one (rank, chunk)'s recorded run against the method's formula; returns the number of
-    checked forwards whose weights differ from the live ones (so tests can see the formula mattered)."""
+    checked forwards whose weights differ from the live ones (so tests can see the formula mattered).
+    `adam_eps`: the ε of Adam and AdamW (the run's --adam-eps)."""
     model = copy.deepcopy(chunk0)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     decay = [weight_decay if p.ndim > 1 else 0.0 for p in params]
     lr_fn = lr_fn_for(optimizer)
-    opt = torch_optimizer(optimizer, model, lr_fn(0), weight_decay)
+    opt = torch_optimizer(optimizer, model, lr_fn(0), weight_decay, adam_eps)
     history = [snapshot(params)]
     counts = step_counts(events)
     decoupled = optimizer in ("adamw", "muon")

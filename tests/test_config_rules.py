@@ -313,6 +313,25 @@ RULES = [
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
     ("use-checkpoint-args-needs-load", 1, MOCK + ["--use-checkpoint-args"], ["--use-checkpoint-args needs --load"]),
+    # FSDP2 (distributed/fsdp.py)
+    ("fsdp-no-distopt", 2, MOCK + ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+     ["--use-torch-fsdp2", "drop --use-distributed-optimizer"]),
+    ("fsdp-no-distopt/strategy", 2, MOCK + ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim"],
+     ["--use-torch-fsdp2", "--data-parallel-sharding-strategy optim"]),
+    ("fsdp-local-layers", 2, MOCK + TE + ["--data-parallel-sharding-strategy", "optim_grads_params"],
+     ["optim_grads_params", "--transformer-impl transformer_engine", "use --transformer-impl local"]),
+    ("fsdp-async-reshards", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
+                                            "--torch-fsdp2-no-reshard-after-forward"],
+     ["--pipeline-method pipedream under FSDP2", "drop --torch-fsdp2-no-reshard-after-forward"]),
+    ("fsdp-async-reshards/optim-grads", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim",
+                                                        "--data-parallel-sharding-strategy", "optim_grads"],
+     ["--pipeline-method pipeoptim under FSDP2", "optim_grads"]),
+    ("fsdp-async-recompute", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-torch-fsdp2",
+                                             "--recompute-granularity", "selective"],
+     ["--recompute-granularity with --pipeline-method pipeoptim under FSDP2", "pipedream-2bw"]),
+    ("fsdp-delay-compensation", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
+                                                "--delay-compensation-lambda", "0.1"],
+     ["--delay-compensation-lambda", "--use-torch-fsdp2"]),
     # FP8: backend and recipe (models/fp8.py; more cases, the GPU capability among them, in tests/test_fp8.py)
     ("fp8-flags-need-format", 1, MOCK + ["--fp8-recipe", "rowwise"], ["--fp8-recipe applies to FP8 training",
                                                                       "add --fp8-format hybrid"]),
@@ -459,6 +478,7 @@ RULES = [
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
+    ("fsdp-gpt-only", 2, NMT + ["--use-torch-fsdp2"], ["--use-torch-fsdp2", "wired for GPT (pretrain_gpt.py) only"]),
     ("eod-mask-loss-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",
                                           "--recompute-num-layers", "1"],

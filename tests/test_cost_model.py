@@ -79,6 +79,24 @@ def test_stage_costs_scale_to_d_and_put_the_policy_on_stale_stages():
         cmm.stage_costs(MODEL, 8, "adamw", "pipedream")
 
 
+def test_fsdp_prices_the_gathers_and_shards_the_step():
+    """4 stages of 1.4e9 / 4 = 350 M weights at 350 GB/s over DP 2: a bf16 gather receives half of 700 MB (1 ms),
+    an fp32 reduce-scatter sends half of 1.4 GB (2 ms); a forward of 10 ms hides them, one of 0.5 ms does not."""
+    fsdp = cmm.with_fsdp(MODEL, 2, 1.4e9)
+    assert fsdp["forward_ms"] == 10.0 and fsdp["ratios"]["backward_input"] == 1.2
+    assert fsdp["ratios"]["step"]["adamw"] == 0.25 and fsdp["ratios"]["policy"]["pipeoptim"]["Step"] == 0.1
+    assert cmm.provenance(fsdp) == "derived" and "FSDP2 over DP = 2" in fsdp["derivation"][-1]
+    fast = dict(MODEL, forward_ms=0.5)  # comm-bound: each op takes its transfers' time
+    c = cmm.with_fsdp(fast, 2, 1.4e9)
+    assert c["forward_ms"] == pytest.approx(1.0)  # the gather
+    assert c["ratios"]["backward_input"] == pytest.approx(1.0) and c["ratios"]["backward_weight"] == pytest.approx(2.0)
+    kept = cmm.with_fsdp(fast, 2, 1.4e9, reshard_after_forward=False)  # no second gather: B its compute alone
+    assert kept["ratios"]["backward_input"] == pytest.approx(1.2 * 0.5 / 1.0)
+    assert cmm.with_fsdp(MODEL, 1, 1.4e9)["ratios"]["backward_weight"] == 0.8  # DP 1: nothing moves
+    with pytest.raises(ConfigError, match="FSDP over 0 ranks"):
+        cmm.with_fsdp(MODEL, 0, 1.4e9)
+
+
 def test_load_errors_are_one_line(tmp_path):
     bad = dict(MODEL, ratios=dict(MODEL["ratios"], backward_input=1.5))
     path = tmp_path / "bad.json"

@@ -395,3 +395,21 @@ def test_committed_refit_is_the_refit_of_the_committed_runs(dp):
         assert again["median_lo"] == pytest.approx(m["median_lo"]) and again["verdict"] == m["verdict"]
     with pytest.raises(SystemExit, match="--map-study 50: its runs have begun"):
         pr.main(["--map-study", "50"])
+
+
+def test_a_block_keeps_the_plan_its_runs_were_made_with(dp, tmp_path):
+    """Issue 57: the corrected clock (no transfer at ZB-V's turn) makes ZB-V S at D = 16, M = 4 and gives
+    PipeOptim k = 4 a budget of 5,248 micro-batches; its runs made 5,280. The plan read back from the block's
+    JSON keeps 5,280 and the S its runs were planned with, so --report-only finds every committed run; a block
+    with no JSON, or one planned on another cost model, is planned afresh."""
+    plan = dp.plan_from_args(["--map-study"])
+    b = plan.blocks[2]
+    path = os.path.join(dp.OUT, b.name + ".json")
+    horizons, definition = dp.recorded_plan(path, plan.cost_model_path)
+    po = dp.Unit("muon", "pipeoptim", 4, 4)
+    assert dp.horizon(b.s, plan.cm, po) == 5248 and horizons[po] == 5280
+    assert definition["muon,M=4"]["S"] == "interleaved-zb-h1" and dp.best_sync(plan.cm, "muon", 4, 16)[0] == "zb-v"
+    best = next(u["best_lr"] for u in json.load(open(path))["units"] if (u["name"], u["k"]) == ("pipeoptim", 4))
+    assert all(os.path.isfile(dp.job_path(b.s, po, best, seed, 5280)) for seed in range(1, 6))
+    assert dp.recorded_plan(path, "another_cost_model.json") == ({}, None)
+    assert dp.recorded_plan(str(tmp_path / "none.json"), plan.cost_model_path) == ({}, None)

@@ -94,3 +94,34 @@ def test_the_mtp_loss_is_a_series_of_its_own():
     assert "moved at iteration 3 (bitwise" in message and f"mtp loss:  golden {pinned['mtp_loss'][2]!r}" in message
     assert golden.compare(g, pinned, pinned, pinned["machine"]) is None
     assert golden.largest_deviation(pinned, moved) > 0
+
+
+def _emulated_mtp(settings):
+    """On a forked rank: the emulator configuration's curve, and the same emulator run again unobserved with the
+    MTP losses the log would read at its end (mtp_metrics)."""
+    from megatron_po.models.mtp import mtp_metrics
+    curve = golden.emulate(settings)
+    emu, batch = golden.emulator(settings)
+    losses = emu.train_segment(batch, settings["microbatches"])
+    return curve, losses, mtp_metrics(emu.cfg, emu.stages[-1].chunks)
+
+
+def test_the_emulator_carries_model_settings_and_the_mtp_loss():
+    """An emulator configuration's `model` (ModelConfig fields) reaches the emulated GPT. With multi-token
+    prediction (2 depths, PipeOptim on 2 stages) its curve pins every micro-batch's MTP loss (the mean of the
+    depths'), and reading it changes no number: the run again without the reading gives the same losses bit for
+    bit, and the log's `mtp_loss` over those micro-batches (mtp_metrics) is the series' mean (1e-12). Without
+    `model` the series is absent and an existing configuration's command is what it was."""
+    from dist_harness import run_distributed
+    model = {"mtp_num_layers": 2, "position_embedding_type": "rope"}
+    settings = dict(golden.EMULATOR, method="pipeoptim", optimizer="adamw", num_stages=2, microbatches=6, model=model)
+    curve, losses, metrics = run_distributed(_emulated_mtp, 1, args=(settings,))[0]
+    assert curve["loss"] == losses and len(curve["mtp_loss"]) == len(losses) == 6
+    assert all(m > 0 for m in curve["mtp_loss"]) and curve["mtp_loss"] != curve["loss"]
+    assert abs(sum(curve["mtp_loss"]) / 6 - metrics["mtp_loss"]) < 1e-12 * metrics["mtp_loss"]
+    g = golden.Golden("emu_mtp", ("MTP, emulator",), emulate=dict(method="pipeoptim", optimizer="adamw", model=model))
+    assert "model={'mtp_num_layers': 2, 'position_embedding_type': 'rope'}" in golden.command(g)
+    plain = dict(settings, model={})
+    assert "mtp_loss" not in run_distributed(golden.emulate, 1, args=(plain,))[0]
+    pinned = golden.BY_NAME["emu_pipeoptim"]
+    assert golden.load(pinned.name)["command"] == golden.command(pinned) and "model=" not in golden.command(pinned)

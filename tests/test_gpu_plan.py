@@ -68,9 +68,9 @@ def test_plan_runs_the_cuda_suite_then_never_measured_then_changed_then_unchange
     plan = gpu_plan.make_plan(gpu_budget.PLANNED, recs, now, budget_s=None)
     order = [p.step for p in plan]
     never = ["compiled", "moe", "gpipe", "stream_compiled", "fp16", "stream", "stream_compiled_muon", "fp8",
-             "long_context"]
+             "long_context", "fsdp"]
     assert order == ["cuda_tests", *never, "gpt", "fused", "peak", "plain", "muon"]
-    assert [p.why for p in plan] == ["first"] + ["never measured"] * 9 + ["code changed"] * 2 + ["unchanged"] * 3
+    assert [p.why for p in plan] == ["first"] + ["never measured"] * 10 + ["code changed"] * 2 + ["unchanged"] * 3
     assert all(p.chosen for p in plan)  # no budget: everything, in that order
     assert "code changed since 2026-11-27 at aaaa111" in plan[order.index("gpt")].reason
     # the compile tests run beside the timed steps, not in this order

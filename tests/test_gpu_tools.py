@@ -136,7 +136,7 @@ def check_summary(out_dir, label: str) -> tuple[dict, str]:
 # Every step but fp8 and moe, whose quick sizes compile for minutes on a CPU: tests/test_fp8.py and
 # tests/test_moe_bench.py run their sections (eager) on their own, and test_the_fp8_section_is_registered and
 # test_moe_bench.py's test_the_moe_section_is_registered check the check finds them.
-STEPS_BUT_FP8 = [step for step in gpu_budget.STEPS if step not in ("fp8", "moe")]
+STEPS_BUT_FP8 = [step for step in gpu_budget.STEPS if step not in ("fp8", "moe", "fsdp")]  # (their own tests)
 
 
 def test_the_fp8_section_is_registered():
@@ -144,6 +144,21 @@ def test_the_fp8_section_is_registered():
     import gpu_fp8
     assert gpu.section_function("fp8") is gpu_fp8.section_fp8 and "fp8" in gpu_budget.PLANNED
     assert gpu_budget.baselines("fp8") == ["peak", "gpt", "plain", "compiled"]  # compiled's own read plain
+
+
+def test_the_fsdp_section_runs_at_the_quick_size(tmp_path):
+    """bench/gpu/gpu_fsdp.py on a CPU: the tiny GPT under DDP and under --use-torch-fsdp2 (DP 1), both timed."""
+    import gpu
+    import gpu_fsdp
+    assert gpu.section_function("fsdp") is gpu_fsdp.section_fsdp and "fsdp" in gpu_budget.PLANNED
+    proc = run_bench(tmp_path, "--quick", "--only", "fsdp", "--budget-s", "600", "--out", str(tmp_path / "f.md"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "f.json").read_text())
+    figures = data["sections"]["fsdp"]["figures"]
+    assert figures["ddp"]["tokens_per_s"] > 0 and figures["fsdp"]["tokens_per_s"] > 0
+    assert figures["ratios"]["ms_fsdp_over_ddp"] > 0
+    md = (tmp_path / "f.md").read_text()
+    assert "FSDP2 at DP 1 against DDP" in md and "--use-torch-fsdp2" in md
 
 
 def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_path):
@@ -175,7 +190,7 @@ def test_gpu_check_quick_runs_every_step_and_gpu_bench_writes_every_section(tmp_
 
     data = json.loads((out_dir / "gpu_cpu_call1.json").read_text())
     assert data["size"] == "quick" and data["failures"] == [] and data["data_parallel_size"] == 1
-    sections_run = [name for name in gpu_budget.SECTION_ORDER if name not in ("fp8", "moe")]  # (STEPS_BUT_FP8)
+    sections_run = [name for name in gpu_budget.SECTION_ORDER if name not in ("fp8", "moe", "fsdp")]  # (STEPS_BUT_FP8)
     assert list(data["sections"]) == sections_run
     assert {name: st["status"] for name, st in data["section_status"].items()} == dict.fromkeys(sections_run, "done")
     sections = {name: s["figures"] for name, s in data["sections"].items()}

@@ -38,6 +38,7 @@ from test_async_policies import LR, get_batch, lr_fn_for, record, replay
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, ModelConfig
+from megatron_po.data.context_split import split_for_this_rank
 from megatron_po.models.moe.aux_losses import aux_loss_scale
 from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.moe.router import TopKRouter
@@ -70,10 +71,10 @@ def optimizer_kwargs(optimizer: str) -> dict:
 
 
 def moe_emulator(method, optimizer, D, v, k, model=None, weight_decay=0.01, clip_grad=0.0, precision=None,
-                 **options):
+                 adam_eps=1e-8, **options):
     torch.set_num_threads(1)
     model_parallel_seed(SEED)
-    kwargs = {**optimizer_kwargs(optimizer), "weight_decay": weight_decay}
+    kwargs = {**optimizer_kwargs(optimizer), "weight_decay": weight_decay, "adam_eps": adam_eps}
     cfg = moe_cfg(D * v, **(model or {}))
     for key, value in (precision or {}).items():
         setattr(cfg.precision, key, value)
@@ -303,8 +304,9 @@ def train_distributed(method, optimizer, v, k, segments, model, options, ep=1, m
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = mbs // dp
 
-    def batch(mb):  # this DP rank's rows of the micro-batch the emulator sees whole
-        return {key: t[d * share:(d + 1) * share] for key, t in get_batch(mb, mbs=mbs, masked=masked).items()}
+    def batch(mb):  # this DP rank's rows of the micro-batch the emulator sees whole, this CP rank's chunks of them
+        rows = {key: t[d * share:(d + 1) * share] for key, t in get_batch(mb, mbs=mbs, masked=masked).items()}
+        return split_for_this_rank(rows)
 
     losses = []
     for m in segments:

@@ -9,11 +9,11 @@
   masks and positions (--reset-attention-mask / --reset-position-ids: the depths take the main model's).
   Evaluation does not run the depths; the LM loss returned is the LM loss alone.
 - Parallel layouts equal the one-process run (moe_harness, rtol 1e-5 / atol 1e-6): TP 2 + SP, DP 2, CP 2, PP 2
-  under ZB-H1 (tied), interleaved 1F1B and ZB-V, PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 (1F1B) with an MoE depth;
+  under ZB-H1 (tied), interleaved 1F1B, ZB-V, ZB-H2 and GPipe, PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 (1F1B) with an MoE depth;
   the MTP losses too.
 - Asynchronous methods: the recorder's replay (PipeOptim predicting the MTP block, PipeDream interleaved), and
-  the emulator equal to the distributed run bit for bit (PipeOptim, PipeDream interleaved, 2BW, SpecTrain,
-  PipeNAG).
+  the emulator equal to the distributed run bit for bit (PipeOptim, async-naive, PipeDream interleaved, 2BW,
+  SpecTrain, PipeNAG); PipeOptim at PP 2 x CP 2 equal to the emulator within rtol 1e-5 / atol 1e-6.
 - Training runs (pretrain_gpt.py on forked ranks): the MTP losses logged apart, resume bit for bit (1F1B,
   PipeOptim, ZeRO-1 + Muon at PP 2 x DP 2), a PP 2 checkpoint resharded to TP 2 and exported to Hugging Face
   without the depths; the cost benchmark's quick mode.
@@ -152,6 +152,8 @@ LAYOUTS = [
      (1, None, "zb-h1", 1, False)),
     ("pp2-interleaved", 2, 1, 2, 1, MTP_DENSE, (1, None, "1f1b", 2, False)),
     ("pp2-zb-v", 2, 1, 2, 1, MTP_DENSE, (1, None, "zb-v", 2, False)),
+    ("pp2-zb-h2", 2, 1, 2, 1, MTP_DENSE, (1, None, "zb-h2", 1, False)),
+    ("pp2-gpipe", 2, 1, 2, 1, MTP_DENSE, (1, None, "gpipe", 1, False)),
     ("pp2xtp2xep2-moe", 4, 2, 2, 1, MTP_MOE, (2, 1, "1f1b", 1, True)),
     ("pp2xcp2xep2-moe", 4, 1, 2, 2, MTP_MOE, (2, None, "1f1b", 1, False)),
 ]
@@ -173,8 +175,8 @@ def mtp_distributed_run(model, *layout):
 def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, cp, model, layout):
     """TP 2 with sequence parallelism (eh_proj split over TP, gathered, split over the sequence again), DP 2,
     PP 2 under ZB-H1 with tied embeddings (the depths read the output layer's copy of the embedding), interleaved
-    1F1B (the MTP block's own copy tied to the first stage's over the embedding group) and ZB-V (the last virtual
-    stage on rank 0 beside the embedding: the copies summed there), CP 2 (the tokens, labels and mask rolled over
+    1F1B (the MTP block's own copy tied to the first stage's over the embedding group), ZB-V (the last virtual
+    stage on rank 0 beside the embedding: the copies summed there), ZB-H2 and GPipe, CP 2 (the tokens, labels and mask rolled over
     the whole sequences, each rank keeping its chunks; the depths' attention split over CP as the main layers'), and
     PP 2 x TP 2 x EP 2 and PP 2 x CP 2 x EP 2 with an MoE depth (1F1B):
     the LM loss, every gradient (the embedding's with the depths' share), the gradient norm, the routers' records
@@ -204,26 +206,38 @@ def test_mtp_parallel_layouts_equal_one_process(name, world, tp, pp, cp, model, 
 ASYNC_MTP = {"mtp_num_layers": 1, "position_embedding_type": "rope"}  # test_moe_async's MoE GPT: an MoE depth
 
 FORMULA_CASES = [
-    # method, optimizer, D, v, k, segments, options
-    ("pipeoptim", "sgd", 2, 1, 1, (6, 6), {"s_offset": 1}),  # s = 1 on the last stage: the MTP block predicted
-    ("pipedream", "adam", 2, 2, 1, (4, 6), {}),
+    # method, optimizer, Adam's eps, D, v, k, segments, options
+    ("pipeoptim", "adam", 1e-4, 2, 1, 1, (6, 6), {"s_offset": 1}),  # s = 1 on the last stage: the MTP block predicted
+    ("pipedream", "adam", 1e-8, 2, 2, 1, (4, 6), {}),
 ]
 
 
-@pytest.mark.parametrize("method,optimizer,D,v,k,segments,options", FORMULA_CASES,
-                         ids=[f"{c[0]}-D{c[2]}v{c[3]}" for c in FORMULA_CASES])
-def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, D, v, k, segments, options,
+@pytest.mark.parametrize("method,optimizer,adam_eps,D,v,k,segments,options", FORMULA_CASES,
+                         ids=[f"{c[0]}-D{c[3]}v{c[4]}" for c in FORMULA_CASES])
+def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, adam_eps, D, v, k, segments, options,
                                                           monkeypatch):
     """The MTP block is one more part of the last stage: tests/test_async_policies.py's recorder and independent
     replay check that every forward of the last virtual stage ran on the method's weights (PipeOptim: the MTP
     depths and the block's own embedding predicted W - s·lr·ΔW with the rest), every micro-batch's gradient (the
-    MTP loss's included, through the replay's run of the chunk) and every step (fp32, rtol 1e-4 / atol 1e-5)."""
+    MTP loss's included, through the replay's run of the chunk) and every step (fp32, rtol 1e-4 / atol 1e-5).
+
+    PipeOptim runs Adam with eps 1e-4. The replay rebuilds the whole weight history from its own gradients, so
+    fp32 rounding differences (1 ulp in a prediction rebuilt from the last step's displacement, ~1e-8 in a
+    gradient) carry forward, and Adam scales a gradient's rounding by lr / (sqrt(v_hat) + eps) into the weight:
+    on elements whose gradients were tiny that gain reaches 3e5 in this run at eps 1e-8, and PipeOptim's
+    extrapolation multiplies a weight's difference by up to 2s + 1 = 5 at s_offset 1. At eps 1e-8 this case ends
+    1.9e-5 off on 2 of the first stage's 2,048 embedding entries (1.37x the tolerance at seed 5; 0.21x at seed 6,
+    0.14x at seed 7; without the MTP depth 0.06x at seed 5, 0.19x at seed 6: the trajectory decides, not MTP); in
+    float64 it replays within 5e-15 everywhere, so it is rounding, not a wrong weight, gradient or step (a wrong
+    staleness, s_offset 0, ends 2e5x the tolerance off). eps 1e-4 bounds the gain by lr / eps (370 here): the worst
+    difference is then 0.09x the tolerance (seed 6: 0.12x). `python tests/replay_conditioning.py [--fp64 |
+    --eps 1e-4 | --seed 6 | --no-mtp | --eps 1e-4 --replay-s-offset 0]` prints these figures."""
     import types
 
     import test_async_policies
     from test_async_policies import get_batch, record, replay
     from test_moe_async import deepcopy_keeping_marks, moe_emulator
-    emu = moe_emulator(method, optimizer, D, v, k, ASYNC_MTP, 0.01, **options)
+    emu = moe_emulator(method, optimizer, D, v, k, ASYNC_MTP, 0.01, adam_eps=adam_eps, **options)
     last = emu.stages[D - 1].chunks[v - 1]
     assert last.mtp is not None and last.mtp.embedding is not None
     assert not any(getattr(p, "shared_embedding", False) for c in emu.chunks for p in c.parameters())  # stage-local
@@ -236,7 +250,7 @@ def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, D, 
         for r in range(D):
             for c in range(v):
                 predicted[(r, c)] = replay(method, optimizer, 0.01, r, c, recorders[r].events[c], initial[(r, c)],
-                                           None, options.get("s_offset", 0))
+                                           None, options.get("s_offset", 0), adam_eps=adam_eps)
     if method == "pipeoptim":
         assert predicted[(D - 1, v - 1)] > 0  # the last stage's forwards (MTP block included) ran on predictions
     weights = emu.full_state_dict()
@@ -249,6 +263,7 @@ def test_async_updates_follow_the_method_formula_with_mtp(method, optimizer, D, 
 BITWISE_CASES = [
     # method, optimizer, D, v, k, segments, options
     ("pipeoptim", "adam", 2, 1, 1, (4, 4), {"s_offset": 1}),
+    ("async-naive", "adam", 2, 1, 1, (4, 4), {}),
     ("pipedream", "adam", 2, 2, 1, (4, 6), {}),
     ("pipedream-2bw", "adam", 2, 1, 2, (4, 4), {}),
     ("spectrain", "sgd", 2, 1, 1, (4, 4), {}),
@@ -272,6 +287,32 @@ def test_async_distributed_equals_emulator_bitwise_with_mtp(method, optimizer, D
     assert weights.keys() == emu_weights.keys() and "mtp.layers.0.eh_proj.weight" in weights
     for name in weights:
         assert torch.equal(weights[name], emu_weights[name]), name
+
+
+def test_pipeoptim_pp2_cp2_with_mtp_equals_the_emulator():
+    """PipeOptim at PP 2 x CP 2 (each CP rank of a stage holding its 2 of every sequence's 4 chunks, the MTP roll
+    across them) trains the MTP GPT as the emulator (CP 1) does on the same micro-batches: every micro-batch's LM
+    loss (the mean over the CP ranks) and every weight at the end, the depths and the last stage's own embedding
+    included, within rtol 1e-5 / atol 1e-6 (momentum SGD and the tolerance of
+    tests/test_context_parallel_training.py: CP changes the order of the attention's sums); the two CP ranks of a
+    stage end bit for bit alike."""
+    from dist_harness import run_distributed
+    from test_moe_async import train_distributed, train_emulator
+    segments, options = (4, 4), {"s_offset": 1}
+    emu_losses, emu_weights, _ = run_distributed(train_emulator, 1, args=("pipeoptim", "sgd", 2, 1, 1, segments,
+                                                                          ASYNC_MTP, options))[0]
+    results = run_distributed(train_distributed, 4, pp=2, cp=2, args=("pipeoptim", "sgd", 1, 1, segments, ASYNC_MTP,
+                                                                      options), timeout=240)
+    last = [r[0] for r in results if r[0] is not None]  # ranks: PP-major, then CP
+    assert len(last) == 2 and len(last[0]) == sum(segments)
+    torch.testing.assert_close(torch.tensor([(a + b) / 2 for a, b in zip(*last)]), torch.tensor(emu_losses),
+                               rtol=1e-5, atol=1e-6)
+    for first in (0, 2):  # the CP ranks of a stage
+        assert all(torch.equal(w, results[first + 1][1][n]) for n, w in results[first][1].items())
+    weights = {**results[0][1], **results[2][1]}
+    assert weights.keys() == emu_weights.keys() and "mtp.embedding.word_embeddings.weight" in weights
+    for name in weights:
+        torch.testing.assert_close(weights[name], emu_weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,6 +395,57 @@ def test_mtp_checkpoint_reshards_from_pp2_to_tp2(tmp_path):
     got = losses(train(out("tp2"), 2, **tp2, **{"--load": out("ck_ref"), "--ckpt-step": 2, "--save": out("ck_tp2")}))
     assert len(got) == 1 and abs(got[0] - ref[2]) <= 1e-5, (got, ref)
     assert_close(model_weights(out("ck_tp2"), 3), model_weights(out("ck_ref"), 3), 5e-6)
+
+
+def _resave_printing(argv, src, step, dst):
+    """test_checkpoint.load_and_resave on this rank; what it printed."""
+    import contextlib
+    import io
+
+    from test_checkpoint import load_and_resave
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        load_and_resave(argv, src, step, dst)
+    return out.getvalue()
+
+
+def test_sync_and_async_mtp_checkpoints_load_into_each_other(tmp_path):
+    """At PP 2 a synchronous run ties the MTP block's copy of the embedding to the first stage's and saves the
+    embedding once; an asynchronous run trains the copy apart and saves it (`mtp.embedding.word_embeddings.weight`).
+    Either loads the other's checkpoint, as they do without MTP: a 1F1B checkpoint loaded under PipeOptim (at
+    another vocabulary padding, re-padded) gives the copy the embedding's weights and Adam state, bit for bit,
+    every other tensor kept; loaded back under 1F1B (the copy left out, with a line saying so) it is the 1F1B
+    checkpoint again, tensor for tensor; and PipeOptim trains on from the re-padded checkpoint (its own copy
+    re-padded too)."""
+    from dist_harness import run_distributed
+    from test_checkpoint import read_all, tiny_args, train
+
+    def out(name):
+        return str(tmp_path / name)
+
+    flags = {**RUN, "--untie-embeddings-and-output-weights": True, "--train-iters": 2, "--save-interval": 2,
+             "--mtp-num-layers": 1}
+    pipeoptim = {**flags, "--pipeline-method": "pipeoptim"}
+    train(out("sync"), 2, **flags, **{"--save": out("ck_sync")})
+    run_distributed(_resave_printing, 2, timeout=120, args=(tiny_args(
+        out("re_async"), **pipeoptim, **{"--make-vocab-size-divisible-by": 96}), out("ck_sync"), 2, out("ck_async")))
+    sync, asynchronous = read_all(out("ck_sync"), 2), read_all(out("ck_async"), 2)
+    embedding = [k for k in sync if k.startswith(("model.embedding.", "optimizer.embedding."))]
+    assert "optimizer.embedding.word_embeddings.weight.exp_avg_sq" in embedding
+    assert asynchronous.keys() == sync.keys() | {k.replace(".embedding.", ".mtp.embedding.", 1) for k in embedding}
+    for k in embedding:
+        copy = asynchronous[k.replace(".embedding.", ".mtp.embedding.", 1)]
+        assert torch.equal(copy, asynchronous[k]), k
+        if copy.ndim == 2:  # re-padded: 100 tokens, 128 rows at 64, 192 at 96
+            assert copy.shape[0] == 192 and torch.equal(copy[:128], sync[k]) and not copy[128:].any()
+    printed = run_distributed(_resave_printing, 2, timeout=120, args=(tiny_args(out("re_sync"), **flags), out("ck_async"),
+                                                                      2, out("ck_back")))
+    assert "mtp.embedding.word_embeddings.weight (an asynchronous run's copy of the word embedding" in printed[0]
+    back = read_all(out("ck_back"), 2)
+    assert back.keys() == sync.keys() and all(torch.equal(back[k], sync[k]) for k in sync)
+    records = train(out("pipeoptim"), 2, **{**pipeoptim, "--train-iters": 3, "--load": out("ck_async"),
+                                            "--save": out("ck_pipeoptim")})
+    assert [r["iteration"] for r in records if "mtp_loss" in r] == [3]
 
 
 def _quick_cost():

@@ -173,6 +173,10 @@ CONFIGS = [
            "--num-query-groups": 2}),
     gpt("pp2_moe_pipeoptim", ("PipeOptim with MoE at PP = 2",), 2, **ASYNC, **MOE_PIPEOPTIM,
         **{"--pipeline-method": "pipeoptim"}),
+    # FSDP2 (issue 55): parameters, gradients and optimizer state sharded over the DP ranks of each stage
+    gpt("dp2_fsdp2", ("FSDP2 at DP = 2 (--use-torch-fsdp2)",), 2, **{"--use-torch-fsdp2": True}),
+    gpt("pp2_fsdp2_pipeoptim", ("PipeOptim at PP = 2 x FSDP2 DP = 2 (predicted shards gathered)",), 4, **ASYNC,
+        **{"--pipeline-method": "pipeoptim", "--use-torch-fsdp2": True}),
     emu("emu_async_naive", ("async-naive, emulator",), "async-naive", "adam"),
     emu("emu_pipedream", ("PipeDream, emulator",), "pipedream", "adam"),
     emu("emu_pipedream_2bw", ("2BW, emulator", "--async-update-interval"), "pipedream-2bw", "adam",
@@ -188,6 +192,9 @@ BY_NAME = {g.name: g for g in CONFIGS}
 
 # Emulator runs: a GPT of one layer per stage on 3 stages, random micro-batches of 2 x 16 tokens, 20
 # micro-batches streamed without a drain; the lr decays 5 % per step of a chunk (predictions must follow it).
+# A configuration may add `model`: ModelConfig fields over that GPT (e.g. {"mtp_num_layers": 1,
+# "position_embedding_type": "rope"} for multi-token prediction, whose loss the curve then pins per micro-batch;
+# experts, multi-latent attention, num_layers a multiple of the stages).
 EMULATOR = {"num_stages": 3, "microbatches": 20, "update_interval": 1, "lr": 1e-2, "weight_decay": 0.01,
             "clip_grad": 1.0, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16, "vocab": 64,
             "micro_batch_size": 2, "seed": 5}
@@ -328,25 +335,42 @@ def run_command(g: Golden, workdir: str, data: str | None, straight: bool = Fals
     return _curve(head + tail)
 
 
-def emulate(s: dict) -> dict:
-    """The curve of emulator settings `s` (EMULATOR updated by a configuration's `emulate`): every rank of
-    the asynchronous pipeline in this process, fp32, one segment of s["microbatches"] micro-batches."""
+def emulator(s: dict):
+    """The AsyncEmulator of emulator settings `s` (EMULATOR updated by a configuration's `emulate`), and the batch
+    of each micro-batch: every rank of the asynchronous pipeline in this process, fp32."""
+    import dataclasses
+
     import torch
 
     from megatron_po.config import Config, ModelConfig
     from megatron_po.pipeline.async_pipeline import AsyncEmulator
     from megatron_po.tensor_parallel import model_parallel_seed
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=s["num_stages"], hidden_size=s["hidden_size"],
-                            num_attention_heads=s["num_attention_heads"], seq_length=s["seq_length"],
-                            hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=s["vocab"],
-                            untie_embeddings_and_output_weights=True)
+    cfg.model = dataclasses.replace(
+        ModelConfig(num_layers=s["num_stages"], hidden_size=s["hidden_size"],
+                    num_attention_heads=s["num_attention_heads"], seq_length=s["seq_length"], hidden_dropout=0.0,
+                    attention_dropout=0.0, make_vocab_size_divisible_by=s["vocab"],
+                    untie_embeddings_and_output_weights=True), **s.get("model", {}))
     cfg.training.seed = s["seed"]
     model_parallel_seed(s["seed"])
     kwargs = {"lr": s["lr"], "weight_decay": s["weight_decay"], "sgd_momentum": 0.9}
     options = {"error_feedback": True} if s.get("error_feedback") else {}
     emu = AsyncEmulator(cfg, s["vocab"], s["method"], s["num_stages"], 1, s["update_interval"], s["optimizer"],
                         kwargs, lambda i: s["lr"] * 0.95 ** i, s["clip_grad"], **options)
+
+    def batch(mb):
+        gen = torch.Generator().manual_seed(1000 * s["seed"] + mb)
+        tokens = torch.randint(0, s["vocab"], (s["micro_batch_size"], s["seq_length"] + 1), generator=gen)
+        return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape)}
+    return emu, batch
+
+
+def emulate(s: dict) -> dict:
+    """The curve of emulator settings `s`: one segment of s["microbatches"] micro-batches; with multi-token
+    prediction also each micro-batch's MTP loss (the mean of its depths' losses, what the log's `mtp_loss`
+    averages over an interval's micro-batches)."""
+    from megatron_po.models.mtp import mtp_blocks
+    emu, batch = emulator(s)
     last = emu.stages[-1]
     norms = []
 
@@ -354,14 +378,16 @@ def emulate(s: dict) -> dict:
         step(c)
         norms.append(last.grad_norms[c])
     last.step = step
-
-    def batch(mb):
-        gen = torch.Generator().manual_seed(1000 * s["seed"] + mb)
-        tokens = torch.randint(0, s["vocab"], (s["micro_batch_size"], s["seq_length"] + 1), generator=gen)
-        return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape)}
+    mtp = []
+    for block in mtp_blocks(last.chunks):  # its record holds the one forward that just ran: read and reset
+        block.register_forward_hook(lambda m, args, out: mtp.append(m.record.take(len(m.layers))[0].mean().item()))
 
     losses = emu.train_segment(batch, s["microbatches"])
-    return {"iteration": list(range(1, len(losses) + 1)), "loss": losses, "grad_norm": norms}
+    curve = {"iteration": list(range(1, len(losses) + 1)), "loss": losses, "grad_norm": norms}
+    if mtp:
+        assert len(mtp) == len(losses), (len(mtp), len(losses))  # one training forward per micro-batch
+        curve["mtp_loss"] = mtp
+    return curve
 
 
 def run(g: Golden, workdir: str, data: str | None = None, straight: bool = False, as_command: bool = False) -> dict:
@@ -476,7 +502,8 @@ def write(g: Golden, measured: dict, reason: str) -> dict:
              "last_grad_norm": [old["grad_norm"][-1] if old else None, measured["grad_norm"][-1]]}
     doc = {"name": g.name, "covers": list(g.covers), "command": command(g), "world_size": g.world,
            "comparison": {"on its machine": "bitwise", "elsewhere": {"rtol": g.rtol_elsewhere, "reason": ELSEWHERE}},
-           "unit": "micro-batch (loss), step of the loss stage (grad norm)" if g.emulate is not None else "iteration",
+           "unit": (f"micro-batch (loss{', mtp loss' if 'mtp_loss' in measured else ''}), step of the loss stage "
+                    "(grad norm)") if g.emulate is not None else "iteration",
            **({"resume": f"checked in two halves: the command with --save $OUT/ckpt --exit-interval {g.resume_at}, "
                          "then with --load $OUT/ckpt; together they must give this (uninterrupted) curve"}
               if g.resume_at is not None else {}),

@@ -20,7 +20,7 @@ PROJECT_ONLY = {
     "--encoder-num-layers", "--decoder-num-layers", "--decoder-seq-length", "--src-lang", "--tgt-lang",
     "--tgt-tokenizer-model", "--untie-encoder-decoder-embeddings", "--max-tokens", "--label-smoothing",
     "--eval-bleu-sentences", "--no-add-bias-linear", "--no-verify-checkpoint", "--torch-compile",
-    "--no-chunked-output-loss", "--fp8-backend",
+    "--no-chunked-output-loss", "--fp8-backend", "--no-torch-fsdp2-reshard-after-forward",
 }
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
@@ -88,6 +88,13 @@ Notes where our reading differs in detail:
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
   dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
   distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+- `--use-torch-fsdp2`, `--torch-fsdp2-no-reshard-after-forward` (also spelled `--no-torch-fsdp2-reshard-after-forward`
+  here): Megatron's PyTorch-FSDP2 flags, on `torch.distributed.fsdp.fully_shard`; every pipeline method, the
+  asynchronous ones included (they need the reshard after forward). `--data-parallel-sharding-strategy` takes
+  Megatron-FSDP's names, but here it picks among DDP (`no_shard`), the distributed optimizer (`optim`) and FSDP2
+  (`optim_grads`: without the reshard after forward; `optim_grads_params`), where Megatron applies it to
+  Megatron-FSDP (`--use-megatron-fsdp`, not implemented here). With `--bf16`/`--fp16` FSDP2 keeps fp32 shards and
+  reduces gradients in fp32 (`--grad-reduce-in-bf16`: bf16). See docs/fsdp.md.
 - Multi-token prediction (`--mtp-num-layers`, `--mtp-loss-scaling-factor`): Megatron-core's names, default (0.1)
   and meaning: DeepSeek-V3's sequential depths on the last virtual stage, their loss scaled by factor / N and
   added to the LM loss for the backward, logged apart (`mtp_loss`). Where this code differs: the factor given

@@ -40,6 +40,13 @@ measured, and the table says so:
 
     python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
         --num-stages 4 --num-microbatches 2 --seq-length 16384 --micro-batch-size 1 --context-parallel-size 2
+
+FSDP2: `--use-torch-fsdp2 --data-parallel-size DP` adds to every op the gathers and reduce-scatters of its stage's
+weights, overlapped with the op's compute, and divides the step by DP (cost_model.with_fsdp; DERIVED at the
+p2p messages' NVLink bandwidth, the weights counted as 12 h^2 per layer):
+
+    python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
+        --num-stages 4 --num-microbatches 8 --use-torch-fsdp2 --data-parallel-size 8
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import json
 import math
 import os
+import re
 import textwrap
 
 from megatron_po.errors import ConfigError, UserError
@@ -132,6 +140,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --seq-length: sequences per micro-batch (default: the cost model's)")
     p.add_argument("--context-parallel-size", type=int, default=1,
                    help="with --seq-length: each sequence split over this many ranks, each pricing its share")
+    p.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="with --cost-model: price FSDP2 over --data-parallel-size ranks: the gathers and "
+                        "reduce-scatters of every op (DERIVED: cost_model.with_fsdp)")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="with --use-torch-fsdp2: the DP ranks sharded over")
+    p.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
+                   help="with --use-torch-fsdp2: no second gather in the backward")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="with --use-torch-fsdp2: the model's layers (12 h^2 weights each; default: read off the cost "
+                        "model's description, e.g. 'GPT 24 layers')")
     p.add_argument("--map", nargs=2, default=None, metavar=("DS", "MS"),
                    help="with --cost-model: the (D, M) map instead of one table, e.g. --map 4,8,16 2,4,8,16,32: "
                         "per cell the best synchronous schedule and the fastest asynchronous stream (k = M) against it")
@@ -299,13 +316,32 @@ def _sync_flushes(D: int, M: int, base) -> dict:
 def cost_model_of(args) -> tuple[dict, list[str]]:
     """The --cost-model, re-derived at --seq-length / --micro-batch-size / --context-parallel-size when given, and
     the derivation lines that re-deriving added (printed with the table)."""
-    cm = cmm.load_cost_model(args.cost_model)
+    cm = base = cmm.load_cost_model(args.cost_model)
     if args.seq_length is None:
         if args.micro_batch_size is not None or args.context_parallel_size != 1:
             raise ConfigError("--micro-batch-size and --context-parallel-size apply with --seq-length")
-        return cm, []
-    at = cmm.at_sequence_length(cm, args.seq_length, args.micro_batch_size, args.context_parallel_size)
-    return at, at["derivation"][len(cm.get("derivation", [])):]
+    else:
+        cm = cmm.at_sequence_length(cm, args.seq_length, args.micro_batch_size, args.context_parallel_size)
+    if args.use_torch_fsdp2:
+        cm = cmm.with_fsdp(cm, args.data_parallel_size, fsdp_parameters(base, args.num_layers),
+                           not args.torch_fsdp2_no_reshard_after_forward)
+    elif args.data_parallel_size != 1 or args.torch_fsdp2_no_reshard_after_forward or args.num_layers is not None:
+        raise ConfigError("--data-parallel-size, --torch-fsdp2-no-reshard-after-forward and --num-layers apply with "
+                          "--use-torch-fsdp2")
+    return cm, cm.get("derivation", [])[len(base.get("derivation", [])):]
+
+
+def fsdp_parameters(cm: dict, num_layers: int | None) -> float:
+    """The weights FSDP2 gathers: 12 h^2 per layer (attention and a 4h MLP; norms, biases and embeddings left
+    out), the layers given or read off the cost model's description ('GPT 24 layers')."""
+    if num_layers is None:
+        found = re.search(r"(\d+) layers", cm["model"])
+        if found is None:
+            raise ConfigError(f"cost model {cm['name']} does not say its layers: give --num-layers")
+        num_layers = int(found.group(1))
+    if "dims" not in cm:
+        raise ConfigError(f"cost model {cm['name']} states no hidden size (dims): --use-torch-fsdp2 cannot size it")
+    return 12 * cm["dims"]["hidden_size"] ** 2 * num_layers
 
 
 def throughput_map(args) -> str:

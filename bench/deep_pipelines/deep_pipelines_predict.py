@@ -80,48 +80,41 @@ def fitted_points(obs: list[dict]) -> list[dict]:
     return [o for o in obs if o["seeds"] >= MIN_SEEDS and math.isfinite(o["median"])]
 
 
-def least_squares(points: list[dict]) -> dict:
-    """ln(median r) on the model's design rows: coefficients, their covariance, residual sigma and dof, and the
-    methods the points identify (a method no point ran has no coefficient to predict with)."""
+def design(points: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """The model's design rows of `points` and ln of their median r."""
     base = {"methods": list(METHODS)}
     X = np.array([se.features(base, o["method"], o["D"], o["M"], o["k"]) for o in points])
-    y = np.array([math.log(o["median"]) for o in points])
+    return X, np.array([math.log(o["median"]) for o in points])
+
+
+def least_squares(points: list[dict]) -> dict:
+    """ln(median r) on the model's design rows: coefficients, their covariance, residual sigma and dof (a method
+    no point ran gets coefficient 0 and is not identified: nothing to predict it with)."""
+    X, y = design(points)
     theta, *_ = np.linalg.lstsq(X, y, rcond=None)
-    rank = int(np.linalg.matrix_rank(X))
-    dof = len(y) - rank
+    dof = len(y) - int(np.linalg.matrix_rank(X))
     sigma2 = float(((X @ theta - y) ** 2).sum()) / dof if dof > 0 else math.nan
     cov = sigma2 * np.linalg.pinv(X.T @ X)
-    return {**base, "coefficients": theta.tolist(), "covariance": cov.tolist(), "sigma": math.sqrt(sigma2),
-            "dof": dof, "identified": sorted({o["method"] for o in points}), "X": X, "y": y}
+    return {"methods": list(METHODS), "coefficients": theta.tolist(), "covariance": cov.tolist(),
+            "sigma": math.sqrt(sigma2), "dof": dof}
 
 
 def fit(obs: list[dict]) -> dict:
     """Least squares on the uncensored units (`fitted_points`): coefficients, their covariance, the residual
-    sigma, the seeds' pooled spread offsets, and the leave-one-out check of every point whose removal leaves the
-    model identified."""
+    sigma, the seeds' pooled spread offsets and each point's fitted r. (Issue 50's file also holds a
+    leave-one-point-out check, from the code of its commit; leaving a depth out, `lodo`, replaced it.)"""
     fitp = fitted_points(obs)
     ls = least_squares(fitp)
-    X, y, theta = ls.pop("X"), ls.pop("y"), np.array(ls["coefficients"])
-    ls.pop("identified")
+    X, _ = design(fitp)
+    theta = np.array(ls["coefficients"])
     # The seeds' spread: ln r at the pairings' 10th / 90th percentile less ln of their median, averaged over the
     # fitted units whose 90th percentile reaches (a pairing spread is a property of the seeds, not the setting).
     spread = [o for o in fitp if math.isfinite(o["p90"])]
     offsets = [float(np.mean([math.log(o["p10"] / o["median"]) for o in spread])),
                float(np.mean([math.log(o["p90"] / o["median"]) for o in spread]))]
-    out = {**ls, "parameters": [f"beta[{m}]" for m in METHODS] + ["gamma"], "seed_offsets": offsets,
-           "points": [{k: o[k] for k in ("file", "method", "D", "M", "k", "seeds", "median", "p10", "p90")}
-                      | {"fitted": math.exp(float(np.dot(row, theta)))} for o, row in zip(fitp, X)]}
-    loo = []
-    for i, o in enumerate(fitp):
-        keep = [j for j in range(len(fitp)) if j != i]
-        Xi = X[keep]
-        if np.linalg.matrix_rank(Xi) < X.shape[1]:
-            continue  # the only point of a coefficient: nothing left to predict it from
-        th, *_ = np.linalg.lstsq(Xi, y[keep], rcond=None)
-        loo.append({"method": o["method"], "D": o["D"], "M": o["M"], "k": o["k"], "measured": o["median"],
-                    "predicted": math.exp(float(X[i] @ th))})
-    out["leave_one_out"] = loo
-    return out
+    return {**ls, "parameters": [f"beta[{m}]" for m in METHODS] + ["gamma"], "seed_offsets": offsets,
+            "points": [{k: o[k] for k in ("file", "method", "D", "M", "k", "seeds", "median", "p10", "p90")}
+                       | {"fitted": math.exp(float(np.dot(row, theta)))} for o, row in zip(fitp, X)]}
 
 
 def _rms(xs: list[float]) -> float:
@@ -140,9 +133,10 @@ def lodo(obs: list[dict]) -> dict:
     fitp = fitted_points(obs)
     rows, skipped = [], []
     for d in sorted({o["D"] for o in fitp}):
-        ls = least_squares([o for o in fitp if o["D"] != d])
+        train = [o for o in fitp if o["D"] != d]
+        ls = least_squares(train)
         for o in (o for o in fitp if o["D"] == d):
-            if o["method"] not in ls["identified"]:
+            if o["method"] not in {x["method"] for x in train}:
                 skipped.append({k: o[k] for k in ("method", "D", "M", "k")})
                 continue
             row = se.features(ls, o["method"], o["D"], o["M"], o["k"])
@@ -281,10 +275,6 @@ def markdown(out: dict) -> str:
     L.append("")
     if "lodo" in m:
         L += lodo_lines(m)
-    else:
-        L.append("Leave one out (each point predicted from the others, where they still identify the model): " +
-                 "; ".join(f"{dp.LABELS[x['method']]} M = {x['M']}, k = {x['k']}: r {x['predicted']:.3f} predicted, "
-                           f"{x['measured']:.3f} measured" for x in m["leave_one_out"]) + ".\n")
     L.append("Censored units (their median pairing never reaches S's loss: r > their own micro-batches / H), and what "
              "the fit says of them: " + "; ".join(
                  f"{dp.LABELS[c['method']]} D = {c['D']}, M = {c['M']}, k = {c['k']} ({c['seeds']} "

@@ -47,6 +47,8 @@ each with its exact command in the results:
   fp8     FP8 through torchao against our bf16, eager and compiled (bench/gpu/gpu_fp8.py)
   long_context  GPT-1.3B at 16,384 tokens per sequence, CP = 1: tokens/s, model TFLOP/s and MFU with the attention
           counted as Megatron does and over its causal half (bench/gpu/gpu_long_context.py)
+  fsdp    the GPT with --use-torch-fsdp2 at DP 1 (one GPU) against DDP: ms per iteration and peak memory
+          (bench/gpu/gpu_fsdp.py)
   targets the GPU targets (bench/gpu_check/gpu_targets.py), read from the sections above: met or not
 
 Sections run in the order --only gives (bench/gpu_check/gpu_check.py puts baselines first), `targets` last. With

@@ -90,6 +90,10 @@ TABLE = [
     # causal attention FLOPs; 12 iterations of 4 sequences, the gpt section's start-up
     Step("long_context", "section", (150, 20), OURS + ("bench/gpu/gpu_long_context.py",), ("peak",),
          run="gpu_long_context:section_long_context"),
+    # * the GPT of the check's size with --use-torch-fsdp2 at DP 1 against DDP (issue 55; bench/gpu/gpu_fsdp.py):
+    # one run of pretrain_gpt.py as gpt's (gpt's own figures reused when it ran), guessed at 40 s
+    Step("fsdp", "section", (45, 25), OURS + ("bench/gpu/gpu_fsdp.py",), ("peak", "gpt"),
+         run="gpu_fsdp:section_fsdp"),
     Step("targets", "section", (0, 0), (), run="section_targets"),
     # the compile tests on the device's CPU (gpu_check.CPU_COMPILE_TESTS): 205 s on the H100's 16 cores beside the
     # CUDA tests; * the rest: all of them took 1,460 s on a 2-core CPU at a load of 15-20, 520 s of it the subset

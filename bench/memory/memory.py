@@ -46,6 +46,12 @@ tracker above, on forked gloo ranks), the ring's bytes against the arithmetic an
 (`context_parallel_main` below); --quick: 1,024 tokens.
 
     python bench/memory/memory.py --context-parallel [--out bench/results/context_parallel.md]
+
+With --fsdp: FSDP2's parameter, gradient, optimizer-state, stash and gathered bytes per rank at DP 1, 2, 4 for 1F1B,
+PipeOptim and PipeDream at PP 2, against DDP / DP and the gathered units' arithmetic, and the time per iteration
+against DDP at equal work (bench/memory/fsdp.py says what is measured); --quick: DP 1 and 2, one timed repetition.
+
+    python bench/memory/memory.py --fsdp [--reps 5 --out bench/results/fsdp.md]
 """
 
 from __future__ import annotations
@@ -500,12 +506,20 @@ def main() -> None:
                         help="the asynchronous methods' peak bytes over async-naive (memory guard) instead")
     parser.add_argument("--context-parallel", action="store_true",
                         help="context parallelism's memory per rank, ring bytes and time at CP = 1, 2, 4 instead")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FSDP2's bytes per rank against the arithmetic and its time against DDP, DP 1, 2, 4 "
+                             "(bench/memory/fsdp.py) instead")
     parser.add_argument("--seq", type=int, default=8192, help="--context-parallel: tokens per sequence")
     parser.add_argument("--quick", action="store_true", help="--async: a shorter segment; --context-parallel: 1,024 "
                                                              "tokens")
-    parser.add_argument("--reps", type=int, default=7, help="--recompute: timed steps per mode")
-    parser.add_argument("--out", help="--recompute, --context-parallel: also write the table to this markdown file")
+    parser.add_argument("--reps", type=int, default=7, help="--recompute, --fsdp: timed repetitions")
+    parser.add_argument("--out", help="--recompute, --context-parallel, --fsdp: also write the table to this markdown "
+                                      "file")
     args = parser.parse_args()
+    if args.fsdp:
+        from fsdp import fsdp_main  # bench/memory/fsdp.py
+        fsdp_main(args)
+        return
     if args.context_parallel:
         context_parallel_main(args)
         return

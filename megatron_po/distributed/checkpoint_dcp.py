@@ -5,6 +5,8 @@ so DCP stores global tensors. MoE experts are stacked [local experts, ...] per e
 split along their ffn dim over the expert TP ranks): each rank hands DCP its block of the global
 [num_experts, ...] tensor at its offset (`expert_block`, written like a distributed-optimizer piece below),
 so the checkpoint does not depend on EP or ETP either, and expert-data-parallel replicas write one copy.
+FSDP2 (distributed/fsdp.py) writes them too: each rank's rows of a parameter (and of its optimizer state) are
+the flat range `shard_offset` onward of the TP-local tensor, a `FlatRange` like a distributed-optimizer piece.
 The distributed optimizer (ZeRO-1) writes the same per-parameter tensors: its fp32 main params and
 per-element state live in flat ranges of a padded buffer that ignore parameter boundaries, and each rank
 writes the piece of each parameter it owns as DCP chunks of that parameter's global tensor at the piece's
@@ -25,10 +27,12 @@ import math
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.distributed.checkpoint_data import JsonEntry
 from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, load_metadata, read_byte_entry, trusted_reader
+from megatron_po.distributed.fsdp import shard_offset
 from megatron_po.errors import UserError
 
 _MESH = None
@@ -69,12 +73,16 @@ def global_view(p: torch.Tensor, t: torch.Tensor):
     """`t` (a param or a state tensor shaped like `p`) as DCP should see it: a DTensor when `p` is a
     tensor-parallel shard, this rank's block of the global tensor (a `FlatRange` covering all of `t`) when
     it holds a slice of the experts, else the plain tensor (replicated across TP/DP; DCP writes one copy)."""
+    if isinstance(p, DTensor):  # FSDP2: this rank's rows of the (TP-local, expert-local) parameter
+        if t.shape != p._local_tensor.shape:
+            raise ValueError("a tensor checkpointed beside an FSDP2 parameter must be shaped like its shard")
+        return FlatRange(p, shard_offset(p), t.reshape(-1))
     if expert_block(p) is not None and t.shape == p.shape:
         if not t.is_contiguous():  # the block must be a view of `t`, so that loading fills it in place
             raise ValueError("an expert tensor to checkpoint must be contiguous")
         return FlatRange(p, 0, t.view(-1))
     if is_tp_shard(p) and t.shape == p.shape:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
         if getattr(p, "partition_stride", 1) != 1:  # Shard(dim) means contiguous slices
             raise UserError("checkpointing a strided tensor-parallel partition is not supported")
         return DTensor.from_local(t, _tp_mesh(), [Shard(p.partition_dim)], run_check=False)

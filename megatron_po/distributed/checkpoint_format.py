@@ -157,6 +157,23 @@ def copies_beside_their_embedding(chunks) -> list[tuple[torch.nn.Parameter, torc
             if getattr(p, "embedding_copy", False) and p is not embedding]
 
 
+# Multi-token prediction's copy of the word embedding on the last stage (models/mtp.py): a parameter of its own, saved
+# under this name, where an asynchronous stage trains it apart; a synchronous run ties it to the embedding and saves
+# the embedding once. Each loads the other's checkpoint (`for_checkpoint`, checkpoint_load.py).
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+MTP_OWN_EMBEDDING = "mtp.embedding.word_embeddings.weight"
+
+
+def for_checkpoint(names: list[tuple[str, torch.nn.Parameter]], saved) -> list[tuple[str, torch.nn.Parameter]]:
+    """`names` (`named_parameters_for_load`) to read from a checkpoint holding the entries `saved` (model.<name>,
+    ...): an asynchronous MTP block's own copy of the embedding reads the embedding's entry, weights and optimizer
+    state, where the checkpoint has no copy (a synchronous run's, or one whose block read the embedding on its own
+    chunk): it starts equal to the embedding, as in a fresh run."""
+    if f"model.{MTP_OWN_EMBEDDING}" in saved or WORD_EMBEDDING in {n for n, _ in names}:
+        return names
+    return [(WORD_EMBEDDING if n == MTP_OWN_EMBEDDING else n, p) for n, p in names]
+
+
 def named_parameters_for_load(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     """`named_parameters_global` plus the last stage's tied-embedding copy under the embedding's name
     (it must be loaded too, weights and optimizer state alike: it is stepped like the embedding)."""
@@ -164,7 +181,7 @@ def named_parameters_for_load(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     have = {name for name, _ in out}
     for chunk in chunks:
         for p in chunk.parameters():
-            if getattr(p, "embedding_copy", False) and "embedding.word_embeddings.weight" not in have:
-                out.append(("embedding.word_embeddings.weight", p))
-                have.add("embedding.word_embeddings.weight")
+            if getattr(p, "embedding_copy", False) and WORD_EMBEDDING not in have:
+                out.append((WORD_EMBEDDING, p))
+                have.add(WORD_EMBEDDING)
     return out

@@ -22,18 +22,19 @@ from megatron_po import parallel_state as ps
 from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_dcp import (FlatRange, dcp_load, global_shape, global_view,
                                                     is_tp_shard, read_metadata)
-from megatron_po.distributed.checkpoint_format import (checkpoint_dir, copies_beside_their_embedding, find_checkpoint,
+from megatron_po.distributed.checkpoint_format import (MTP_OWN_EMBEDDING, WORD_EMBEDDING, checkpoint_dir,
+                                                       copies_beside_their_embedding, find_checkpoint, for_checkpoint,
                                                        named_buffers_global, named_parameters_for_load)
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params, virtual_stage)
+                                                      parallel_layout, policy_key, stepped_params, virtual_stage)
 from megatron_po.errors import UserError
 
 # Their rows are the (padded) vocabulary: padded to a multiple of --make-vocab-size-divisible-by x TP,
 # so their row count may change with the layout. Loading re-pads them (rows beyond the tokenizer's
 # vocabulary are never produced as inputs or labels; new ones start at zero).
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight",
+VOCAB_PARAMS = (WORD_EMBEDDING, "output_layer.weight", MTP_OWN_EMBEDDING,
                 "encoder_embedding.word_embeddings.weight")  # NMT's separate source vocabulary
 
 
@@ -58,6 +59,14 @@ def _check_fits(md, names, stepped: dict, load_optim: bool, vocab_size: int | No
         if missing is not None:
             return f"no optimizer state for parameter {missing}; use --no-load-optim to load the weights only"
     return None
+
+
+def _mtp_copy_left_out(surplus: list[str], meta, ours: set[str]) -> bool:
+    """Whether the checkpoint's asynchronous MTP copy of the embedding is left out: it is surplus, this model has
+    MTP depths (whose block reads the embedding or its tied copy here), and the copy is shaped as the embedding."""
+    copy, embedding = (meta.get(f"model.{n}") for n in (MTP_OWN_EMBEDDING, WORD_EMBEDDING))
+    return (MTP_OWN_EMBEDDING in surplus and any(n.startswith("mtp.layers.") for n in ours)
+            and embedding is not None and tuple(copy.size) == tuple(embedding.size))
 
 
 def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_rng: bool = True,
@@ -89,7 +98,7 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         print(f"> {path} has no checksums.json (saved before checksums were written): loaded unverified",
               flush=True)
     meta = md.state_dict_metadata
-    names = named_parameters_for_load(chunks)
+    names = for_checkpoint(named_parameters_for_load(chunks), meta)
     buffers = named_buffers_global(chunks)  # loaded like weights that no optimizer steps (an expert bias)
     stepped = stepped_params(optimizer)
     load_optim = load_optim and bool(stepped)
@@ -111,6 +120,10 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     if error is None and dist.get_rank() == 0:
         ours = {n for rank_names in all_names for n in rank_names}
         extra_params = sorted(k[len("model."):] for k in meta if k.startswith("model.") and k[len("model."):] not in ours)
+        if _mtp_copy_left_out(extra_params, meta, ours):
+            print(f"> {path}: {MTP_OWN_EMBEDDING} (an asynchronous run's copy of the word embedding, trained apart by "
+                  "the MTP loss) not loaded: this run's MTP block reads the embedding (docs/mtp.md)", flush=True)
+            extra_params.remove(MTP_OWN_EMBEDDING)
         if extra_params:
             error = (f"{where}: the checkpoint has parameter {extra_params[0]} that this model lacks "
                      f"({len(extra_params)} such; saved from another model configuration?)")
@@ -138,11 +151,11 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     load_policy = policy is not None and "policy_steps" in small
     policy_weights = {}
     if load_policy:  # into the weight versions the policy holds (or creates now, as its steps would)
-        saved_versions = {p: [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
+        saved_versions = {policy_key(p): [k[len(f"policy.{name}."):] for k in meta if k.startswith(f"policy.{name}.")]
                           for name, p in names}
         policy_weights = policy.load_targets(saved_versions)
         for name, p in names:
-            for key, buf in policy_weights.get(p, {}).items():
+            for key, buf in policy_weights.get(policy_key(p), {}).items():
                 state[f"policy.{name}.{key}"] = global_view(p, buf)
     repad = _repad_buffers(state, names, meta)
     dcp_load(state, path, md)
@@ -151,7 +164,8 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             name, key = k[len("optimizer."):].rsplit(".", 1)
             stepped[id(dict(names)[name])].state[key] = v
     for target, full, rows in repad:  # this rank's rows of the re-padded vocabulary
-        local = torch.zeros_like(target.param, dtype=full.dtype) if isinstance(target, FlatRange) else target
+        local = torch.zeros(target.param.shape, dtype=full.dtype, device=full.device) if isinstance(
+            target, FlatRange) else target
         n = max(0, min(local.shape[0], full.shape[0] - rows))
         local.zero_()
         local[:n].copy_(full[rows:rows + n])

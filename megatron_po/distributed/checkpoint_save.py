@@ -27,7 +27,7 @@ from megatron_po.distributed.checkpoint_format import (TRACKER, checkpoint_dir, 
 from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
 from megatron_po.distributed.checkpoint_rng import rng_state
 from megatron_po.distributed.checkpoint_state import (as_list, grad_scalers, model_and_optimizer_state,
-                                                      parallel_layout, stepped_params, virtual_stage)
+                                                      parallel_layout, policy_key, stepped_params, virtual_stage)
 from megatron_po.errors import SaveError
 
 # Test-only: "ITERATION:SECONDS:RANK" makes that rank sleep after writing that iteration's files into
@@ -214,4 +214,5 @@ def _test_pause(iteration: int) -> None:
 def _policy_state(names, weights: dict) -> dict:
     """`policy.<name>.<key>` entries of an async weight policy's extra weight versions (`weights`: its
     state_dict's {param: {key: tensor}})."""
-    return {f"policy.{name}.{k}": global_view(p, t) for name, p in names for k, t in weights.get(p, {}).items()}
+    return {f"policy.{name}.{k}": global_view(p, t) for name, p in names
+            for k, t in weights.get(policy_key(p), {}).items()}

@@ -11,6 +11,7 @@ import torch
 
 from megatron_po import parallel_state as ps
 from megatron_po.distributed.checkpoint_dcp import FlatRange, global_view
+from megatron_po.distributed.fsdp import local_shard
 
 
 def as_list(optimizers) -> list:
@@ -55,6 +56,12 @@ class _Stepped:
         if t.shape != self.tensor.shape:
             return t
         return global_view(p, t) if self.offset is None else FlatRange(p, self.offset, t)
+
+
+def policy_key(p: torch.Tensor) -> torch.Tensor:
+    """The tensor an asynchronous weight policy keys `p`'s extra weight versions by: `p`, or under FSDP2 this
+    rank's shard of it (the policy moves shards: pipeline/async_policy.chunk_parameters)."""
+    return local_shard(p)
 
 
 def stepped_params(optimizers) -> dict[int, _Stepped]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
 from megatron_po.errors import ConfigError
@@ -95,9 +96,13 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient to reduce/clip/step with: the DDP buffer slice when there is one, else `.grad`."""
+    """The gradient to reduce/clip/step with: the DDP buffer slice when there is one, else `.grad` (of an
+    FSDP2-sharded parameter: this rank's shard of it, distributed/fsdp.py)."""
     main_grad = getattr(p, "main_grad", None)
-    return main_grad if main_grad is not None else p.grad
+    if main_grad is not None:
+        return main_grad
+    grad = p.grad
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 class DistributedDataParallel:

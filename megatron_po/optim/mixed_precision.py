@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_po.distributed.ddp import grad_of
 from megatron_po.errors import ConfigError
 from megatron_po.optim.clip_grads import squared_sums
 from megatron_po.optim.fused_prediction import PredictionRequest, steps_per_group, write_group
@@ -209,6 +210,10 @@ class MainParamsOptimizer:
     clip_grad: float
     predict_chunk_numel: int
     _planned: list[PredictionRequest] = []  # predictions the next step writes (`plan_prediction`)
+    # The fp32 main params are apart from the model weights, so a prediction is written straight into the model
+    # weights and undone by the main -> model copy (`predict_model_params`); False where they are the same
+    # tensors (FSDP2's fp32 shards, optim/fsdp_optimizer.py): a policy then caches the live weights itself.
+    predicts_into_model_weights = True
     expert_group = None  # MoE: the expert model-parallel group the experts' squares are summed over
 
     # -- what a subclass provides ---------------------------------------------------------------
@@ -364,7 +369,7 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
         self.model_params = [p for g in self.model_groups for p in g]
         if len({id(p) for p in self.model_params}) != len(self.model_params):
             raise ValueError("a parameter appears in more than one param group")
-        self.main_params = [p.detach().to(torch.float32, copy=True) for p in self.model_params]
+        self.main_params = self._main_params_of(self.model_params)
         main_of = dict(zip(map(id, self.model_params), self.main_params))
         main_groups = [{**g, "params": [main_of[id(p)] for p in g["params"]]} for g in groups]
         self.optimizer = inner_optimizer_factory(main_groups)
@@ -372,7 +377,7 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
             raise TypeError(f"the inner optimizer must be a PredictiveOptimizer, got {type(self.optimizer).__name__}")
         attach = getattr(self.optimizer, "attach_shards", None)
         if attach is not None:  # an optimizer stepping whole matrices (Muon) needs the model params' layout
-            attach([(m, p, 0, p.numel()) for p, m in zip(self.model_params, self.main_params)], groups)
+            self._attach_shards(attach, groups)
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
@@ -380,10 +385,17 @@ class MixedPrecisionOptimizer(MainParamsOptimizer):
         self.predict_chunk_numel = predict_chunk_numel
         self._device = self.main_params[0].device
 
+    def _main_params_of(self, model_params: list[Tensor]) -> list[Tensor]:
+        """The fp32 main params the inner optimizer steps: fp32 copies of the model params."""
+        return [p.detach().to(torch.float32, copy=True) for p in model_params]
+
+    def _attach_shards(self, attach, groups: list[dict]) -> None:
+        """Tell an optimizer stepping whole matrices (Muon's `attach_shards`) where its params lie: whole here."""
+        attach([(m, p, 0, p.numel()) for p, m in zip(self.model_params, self.main_params)], groups)
+
     def _main_grads(self):
         for model_p, main_p in zip(self.model_params, self.main_params):
-            grad = getattr(model_p, "main_grad", None)
-            grad = grad if grad is not None else model_p.grad
+            grad = grad_of(model_p)  # the DDP buffer's slice, `.grad`, or this rank's shard of an FSDP2 gradient
             main_p.grad = None if grad is None else grad if grad.dtype == torch.float32 else grad.float()
         return [m.grad for m in self.main_params if m.grad is not None]
 

@@ -42,9 +42,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, TrainingConfig, virtual_pipeline_size
+from megatron_po.config import Config, TrainingConfig, uses_fsdp2, virtual_pipeline_size
 from megatron_po.errors import ConfigError
 from megatron_po.optim.muon import muon_kwargs
 from megatron_po.pipeline.async_policy import shift_microbatches
@@ -117,7 +118,7 @@ def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
     from megatron_po.distributed.checkpoint_format import named_parameters_global
     out = {}
     for name, p in named_parameters_global(chunks):
-        t = p.detach().clone()
+        t = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()  # FSDP2: the shards gathered
         if gather_tp and getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             from megatron_po.tensor_parallel import gather_tensor
             shards = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
@@ -266,7 +267,7 @@ class AsyncPipelineRank:
                                 lr_fn, clip_grad, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
                                 tp_group=ps.get_tensor_model_parallel_group(), precision=cfg.precision,
                                 ddp_bucket_size=cfg.parallel.ddp_bucket_size, compile_step=cfg.model.torch_compile,
-                                **policy_options)
+                                fsdp=uses_fsdp2(cfg), **policy_options)
         if cfg.precision.fp16:
             message_specs = fp32_gradient_specs(message_specs)
         self.transport = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_po.distributed.fsdp import local_shard
 from megatron_po.errors import ConfigError
 from megatron_po.pipeline.error_feedback import ErrorFeedback
 from megatron_po.pipeline.executor import WeightPolicy
@@ -107,8 +108,10 @@ def spectrain_staleness(schedule: Schedule) -> dict[tuple[int, int], dict[int, t
 # --------------------------------------------------------------------------------------------------
 
 
-def chunk_parameters(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(chunk.parameters())
+def chunk_parameters(chunk: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights a policy moves: the parameters, or of an FSDP2 chunk this rank's shards of them (what the
+    gathers of the chunk's next forward or backward deliver: distributed/fsdp.py)."""
+    return [local_shard(p) for p in chunk.parameters()]
 
 
 @torch.no_grad()

@@ -35,6 +35,15 @@ prediction, restore) of 1× each (`predicting_policies._PredictingPolicy`). Pipe
 unchanged: they stash and swap the (full, replicated) model weights, never the sharded main params.
 Found-inf and the grad norm are agreed over DP and TP of the stage.
 
+FSDP2 (`fsdp=True`, --use-torch-fsdp2; distributed/fsdp.py): every chunk is fully sharded over DP x CP and each
+of its layers is gathered for every forward and every backward (reshard after forward, always): the gather
+delivers whatever the shards hold at that moment. The policy works on this rank's shards
+(`async_policy.chunk_parameters`): PipeOptim and SpecTrain predict the own shard from the own optimizer state
+in place (the live shard cached, 2 shard-sized copies), PipeDream and 2BW stash shards (1/DP of a stashed
+version), so a pass gathers the predicted or stashed weights with one all-gather per layer, as a plain pass.
+(a) is FSDP2's reduce-scatter at the end of each backward; the step (`FSDPOptimizer`) agrees on found-inf and
+the norm over the shards' group and the stage's TP group and updates the shards in place.
+
 fp16 loss scaling is per chunk (virtual stage): each has its own dynamic scale and skips its own steps
 on inf/NaN. So that stages with different scales compose, gradients cross stage boundaries unscaled, in
 fp32 (`_StageLossScaling`): the sender divides its input gradient by its own scale, the receiver
@@ -54,12 +63,14 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import PrecisionConfig
 from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads, is_expert
+from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, shard_chunks
 from megatron_po.errors import ConfigError
 from megatron_po.models.moe.router import update_expert_bias
 from megatron_po.monitor import timers
 from megatron_po.optim import build_optimizer
 from megatron_po.optim.clip_grads import clip_grad_norm_, global_grad_norm
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
+from megatron_po.optim.fsdp_optimizer import FSDPOptimizer
 from megatron_po.optim.mixed_precision import (MainParamsOptimizer, MixedPrecisionOptimizer, build_grad_scaler,
                                                grad_buffer_dtype, model_dtype)
 from megatron_po.optim.muon import optimizer_param_groups
@@ -99,7 +110,8 @@ class AsyncStage:
     def __init__(self, rank: int, num_stages: int, chunks: list, method: str, update_interval: int,
                  optimizer_name: str, optimizer_kwargs: dict, lr_fn: Callable[[int], float] | None,
                  clip_grad: float = 0.0, dp_group=None, tp_group=None, precision: PrecisionConfig | None = None,
-                 ddp_bucket_size: int = 40_000_000, compile_step: bool = False, **policy_options):
+                 ddp_bucket_size: int = 40_000_000, compile_step: bool = False, fsdp: bool = False,
+                 **policy_options):
         self.rank, self.num_stages, self.chunks = rank, num_stages, chunks
         self.method, self.update_interval = method, update_interval
         kwargs = dict(optimizer_kwargs)
@@ -129,13 +141,18 @@ class AsyncStage:
         def groups(chunk):  # Megatron's decay split; Muon also splits hidden matrices from the rest
             return optimizer_param_groups(optimizer_name, [chunk], weight_decay)
 
-        for c in chunks:
-            c.to(self.dtype)
-        self.ddps = None
+        self.ddps = self.fsdp = None
         mixed = pr.bf16 or pr.fp16
+        if fsdp:  # fp32 shards over DP x CP, resharded after every pass: the policies act on the shards
+            self.fsdp = FullyShardedDataParallel(shard_chunks(chunks, reshard_after_forward=True,
+                                                              mp_policy=fsdp_precision(pr)))
+        else:
+            for c in chunks:
+                c.to(self.dtype)
         # Delay compensation edits each gradient after its backward: the DP mean must wait for the step.
         bucketed_dp = self.reduces and not policy_options.get("delay_compensation")
-        if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32) or bucketed_dp:
+        if not fsdp and (pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32)
+                         or bucketed_dp):
             # A gradient buffer per chunk: the distributed optimizer reduce-scatters it; fp32 accumulation
             # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`);
             # with DP > 1 its buckets are all-reduced as the chunk's last backward before a step fills
@@ -149,7 +166,13 @@ class AsyncStage:
         # MoE: the experts' gradient squares (norm, clipping, found-inf) are summed over the stage's expert
         # TP x EP ranks, which hold every expert of the stage once (optim/clip_grads.py); stage-local, as the rest.
         self.expert_groups = [_stage_expert_group(c) for c in chunks]
-        if pr.use_distributed_optimizer:
+        if fsdp:
+            shard_group = ps.get_data_parallel_group(with_context_parallel=True)
+            self.optimizers = [FSDPOptimizer(inner, groups(c), scaler(), clip_grad, shard_group, self.tp_group,
+                                             expert_group=eg,
+                                             expert_shard_group=ps.get_expert_data_parallel_group() if eg else None)
+                               for c, eg in zip(chunks, self.expert_groups)]
+        elif pr.use_distributed_optimizer:
             self.optimizers = [DistributedOptimizer(inner, groups(c), ddp, scaler(), clip_grad, self.tp_group,
                                                     expert_group=eg)
                                for c, ddp, eg in zip(chunks, self.ddps, self.expert_groups)]
@@ -181,6 +204,8 @@ class AsyncStage:
             with timers("grad-sync", 1):  # what the last backward's bucketed reduces did not overlap
                 self.ddps[c].finish_grad_sync()
             params = self.ddps[c].params
+        elif self.fsdp is not None:  # FSDP2 reduce-scattered the DP mean into each shard's grad in the backward
+            params = list(self.chunks[c].parameters())
         else:
             params = self.params[c]
             if self.reduces:  # one all-reduce per group per step of this chunk: the DP mean

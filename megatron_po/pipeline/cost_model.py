@@ -331,6 +331,63 @@ def at_sequence_length(cm: dict, seq_length: int, micro_batch_size: int | None =
     return check_cost_model(out, out["name"])
 
 
+def with_fsdp(cm: dict, dp: int, parameters: float, reshard_after_forward: bool = True,
+              bandwidth_gb_s: float = H200_NVLINK_P2P_GB_S) -> dict:
+    """cm re-derived for FSDP2 over `dp` data-parallel ranks (distributed/fsdp.py), the model holding `parameters`
+    weights shared equally by the cost model's stages. DERIVED, never measured (the copy's `derivation` says so).
+
+    Per micro-batch a stage gathers its weights for the forward (bf16: each rank receives (DP-1)/DP of them) and,
+    resharded after the forward, again for the backward, and reduce-scatters their gradients (fp32: (DP-1)/DP of
+    them sent), at `bandwidth_gb_s` (the p2p messages' NVLink figure; ring collectives move at bus bandwidth). The
+    gathers are prefetched a unit ahead and each unit's reduce-scatter starts when its gradients are done, so
+    they overlap their op's compute: forward max(F, gather), backward input max(B, gather) (B alone without the
+    reshard), backward weight max(W, reduce-scatter) (zero bubble reduce-scatters after W). The optimizer step
+    and the weight policies' work touch this rank's 1/DP of the elements: divided by DP."""
+    if dp < 1 or not parameters > 0:
+        _fail(cm["name"], f"FSDP over {dp} ranks of a model of {parameters} parameters: both must be >= 1")
+    n = cm["pipeline_stages"]
+    stage = parameters / n
+
+    def comm_ms(nbytes: float) -> float:
+        return nbytes * (dp - 1) / dp / (bandwidth_gb_s * 1e9) * 1e3
+    gather, reduce = comm_ms(stage * 2), comm_ms(stage * 4)
+    out = copy.deepcopy(cm)
+    r = out["ratios"]
+    fwd = per_stage(cm["forward_ms"], n)
+    new_fwd = [max(f, gather) for f in fwd]
+
+    def collapse(values):  # one number where every stage has the same value
+        values = [round(v, 6) for v in values]
+        return values[0] if len(set(values)) == 1 else values
+
+    def rescale(value, work_ms):  # a ratio to the old forward -> the ratio of `work_ms(old ms)` to the new one
+        return collapse([work_ms(v * f) / nf for v, f, nf in zip(per_stage(value, n), fwd, new_fwd)])
+
+    r["backward_input"] = rescale(r["backward_input"], lambda b: max(b, gather if reshard_after_forward else 0.0))
+    r["backward_weight"] = rescale(r["backward_weight"], lambda w: max(w, reduce))
+    r["backward"] = collapse([b + w for b, w in zip(per_stage(r["backward_input"], n),
+                                                   per_stage(r["backward_weight"], n))])
+    for entries in [r["step"]] + [v.get("step", {}) for v in out.get("variants", {}).values()]:
+        for k in entries:
+            entries[k] = rescale(entries[k], lambda t: t / dp)
+    for policy in [r.get("policy", {})] + [v.get("policy", {}) for v in out.get("variants", {}).values()]:
+        for e in policy.values():
+            for k in KINDS:
+                if k in e:
+                    e[k] = rescale(e[k], lambda t: t / dp)
+    out["forward_ms"] = collapse(new_fwd)
+    line = (f"FSDP2 over DP = {dp} (cost_model.with_fsdp, DERIVED): {parameters / 1e9:.3g} B parameters, "
+            f"{stage / 1e6:.0f} M per stage of {n}; per micro-batch and stage a bf16 gather of {gather:.3f} ms "
+            f"{'twice (forward, backward)' if reshard_after_forward else 'once (forward; no reshard after it)'} and an "
+            f"fp32 reduce-scatter of {reduce:.3f} ms, at {bandwidth_gb_s:g} GB/s, (DP-1)/DP of the bytes; each "
+            "overlapped with its op's compute (forward max(F, gather), B max(B, gather), W max(W, reduce-scatter)); "
+            "steps and weight-policy work on 1/DP of the elements.")
+    out.update(name=f"{cm['name']} FSDP2 DP={dp}", provenance="derived", data_parallel=dp,
+               model=f"{cm['model']}; DERIVED for FSDP2 over DP = {dp}")
+    out["derivation"] = list(cm.get("derivation", [])) + [line]
+    return check_cost_model(out, out["name"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-op durations of one method at D stages
 # --------------------------------------------------------------------------------------------------

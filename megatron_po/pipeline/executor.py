@@ -204,6 +204,7 @@ class StageRunner:
     policy: WeightPolicy = field(default_factory=WeightPolicy)
     step_fn: object = None  # chunk -> None, for Step ops
     grad_sync: object = None  # (chunk, enabled: bool) -> None, DDP sync on a chunk's last backward
+    weight_grads_done: object = None  # chunk -> None after a W op (FSDP2 reduce-scatters its gradients: fsdp.py)
     forward_only: bool = False
     on_loss: object = None  # (mb, detached loss) -> None, on the last virtual stage (progress logging)
     detail_level: int = 2  # --timing-log-level of the per-op timers (asynchronous runs: 1, they have no coarser)
@@ -325,6 +326,8 @@ class StageRunner:
             self.grad_sync(c, sync_grads)
         with timers("backward-compute", self.detail_level):
             weight_grads.apply_weight_grads(queue)
+        if self.weight_grads_done is not None:
+            self.weight_grads_done(c)
         if self.grad_sync is not None:
             self.grad_sync(c, False)
 
@@ -437,6 +440,7 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
                          transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=grad_scale / M,
                          grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only,
+                         weight_grads_done=getattr(ddp, "weight_grads_done", None),
                          placement=_SCHEDULE_CACHE[key].placement)
     run_rank(_SCHEDULE_CACHE[key], runner)
     if ddp is not None:

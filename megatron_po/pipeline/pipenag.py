@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from megatron_po.errors import ConfigError
+from megatron_po.optim.fsdp_optimizer import FSDPOptimizer
 from megatron_po.optim.nag import NAG
 from megatron_po.pipeline.async_policy import AsyncPolicy, _swap
 from megatron_po.pipeline.policies import POLICIES
@@ -36,13 +37,15 @@ class PipeNAGPolicy(AsyncPolicy):
     """Forward and backward of micro-batch j on the look-ahead point of the weights live at F(j)."""
 
     def __init__(self, rank, chunks, optimizers, schedule=None, **options):
-        for opt in optimizers:
+        # FSDP2: the NAG steps the chunk's shards themselves (optim/fsdp_optimizer.py), the points are of shards
+        self.nags = [opt.optimizer if isinstance(opt, FSDPOptimizer) else opt for opt in optimizers]
+        for opt in self.nags:
             if not isinstance(opt, NAG):
                 raise ConfigError("--pipeline-method pipenag runs the paper's Nesterov step: it needs --optimizer nag "
                                   f"with fp32 weights and no distributed optimizer (got {type(opt).__name__})")
             for group in opt.param_groups:
                 group["explicit_lookahead"] = True  # the policy supplies the look-ahead; the step is w − η·b
-        self.gammas = [opt.param_groups[0]["momentum"] for opt in optimizers]
+        self.gammas = [opt.param_groups[0]["momentum"] for opt in self.nags]
         self.version_of: dict[tuple[int, int], int] = {}  # (mb, chunk) in flight -> step count at F(j)
         self.points: list[dict[int, list[torch.Tensor]]] = [{} for _ in chunks]  # chunk -> version -> w + d
         super().__init__(rank, chunks, optimizers, schedule, **options)
@@ -56,7 +59,7 @@ class PipeNAGPolicy(AsyncPolicy):
     @torch.no_grad()
     def _lookahead(self, chunk: int) -> list[torch.Tensor]:
         """w + γ(w − w_prev) = w − γ·η·b (NAG's `predicted(γ)`); w itself before the first step (d_0 = 0)."""
-        point = dict(self.optimizers[chunk].predicted(self.gammas[chunk]))
+        point = dict(self.nags[chunk].predicted(self.gammas[chunk]))
         return [point[p] if p in point else p.data.clone() for p in self.params[chunk]]
 
     def _in_flight(self, chunk: int) -> set[int]:

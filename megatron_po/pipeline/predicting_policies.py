@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_po.distributed.fsdp import is_fully_sharded
 from megatron_po.errors import ConfigError
 from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.moe.router import TopKRouter
@@ -62,7 +63,8 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
             # Predictions reuse the ΔW the step computed (Adam's √v̂ + ε, ...) instead of rebuilding it from
             # the state; off where the step writes them itself (fused_steps.py `before_step`).
             getattr(opt, "optimizer", opt).keep_direction = True
-        self.swaps = [_backward_reads_parameters(c) for c in chunks]
+        # FSDP2 gathers from its own shard storage: a prediction there is written in place (copies)
+        self.swaps = [_backward_reads_parameters(c) and not is_fully_sharded(c) for c in chunks]
         self.cache: list[list[torch.Tensor] | None] = [None] * len(chunks)  # copies: the live weights
         self.live: list[list[tuple] | None] = [None] * len(chunks)  # swaps: (parameter, live tensor)
         self.predicted = [False] * len(chunks)
@@ -154,7 +156,7 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
             return
         if steps == 0 or not opt.has_state():
             return
-        if hasattr(opt, "predict_model_params"):
+        if getattr(opt, "predicts_into_model_weights", False):
             # Mixed precision: the fp32 main params are the live weights already, so predict straight
             # into the low-precision model weights and restore by the usual main -> model copy. No cache.
             opt.predict_model_params(steps, include_weight_decay)
@@ -185,7 +187,7 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
                 for p, w in self.live[chunk]:
                     p.data = w
                 self.live[chunk] = None
-            elif hasattr(opt, "restore_model_params"):
+            elif getattr(opt, "predicts_into_model_weights", False):
                 opt.restore_model_params()
             else:
                 _copy_into(self.params[chunk], self.cache[chunk])

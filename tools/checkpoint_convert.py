@@ -51,13 +51,15 @@ from megatron_po.errors import UserError, run_cli
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("consolidate", "one safetensors file + JSON config"),
-                        ("export-hf", "a Hugging Face transformers model directory")]:
-        p = sub.add_parser(name, help=help_)
+    readers = {name: sub.add_parser(name, help=help_) for name, help_ in [
+        ("consolidate", "one safetensors file + JSON config"),
+        ("export-hf", "a Hugging Face transformers model directory")]}
+    for p in readers.values():
         p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
         p.add_argument("--ckpt-step", type=int, default=None, help="iteration to read (default: the latest)")
-        p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf)")
+        p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf; new or empty)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = readers["export-hf"]
     p.add_argument("--model-type", default=None, help="the HF family (config.json's model_type) to write, e.g. "
                    "mistral (default: the one an imported checkpoint came from, else the first that holds the model)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB, bytes); "

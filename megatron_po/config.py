@@ -140,6 +140,8 @@ class ModelConfig:
                                   "list form with one 0/1 per layer, e.g. '([0]*1+[1]*3)' (1 = MoE)")
     moe_shared_expert_intermediate_size: int | None = _f(None, "MoE: hidden size of the shared experts every token "
                                                                "goes through (default: none)")
+    moe_shared_expert_gate: bool = _f(False, "MoE: scale the shared experts' output by sigmoid(x w), w a learned "
+                                              "[1, hidden] gate (Megatron's; Qwen2-MoE's shared_expert_gate)")
     moe_router_score_function: str = _f("softmax", "MoE: router scores", choices=["softmax", "sigmoid"])
     moe_router_pre_softmax: bool = _f(False, "MoE: softmax over all experts before the top-k (default: over the "
                                              "top-k logits)")

@@ -12,8 +12,9 @@
   "llama3" rope type and the same logits; init std 0.1 makes the positions matter enough that the same
   model without the scaling is 1e-3 or more away (at 0.02 it would be 5e-6, under the tolerance).
 - import-hf round-trips exactly: every tensor of import(export(ckpt)) equals the checkpoint's (the
-  padded vocabulary rows, which the export drops, come back as zeros), and re-exporting reproduces the
-  HF tensors bit for bit and the same RoPE parameters. The imported checkpoint trains with --finetune.
+  vocabulary's 101 rows without the padding, which the export drops and the run that loads the import
+  adds back), and re-exporting reproduces the HF tensors bit for bit and the same RoPE parameters. The
+  imported checkpoint trains with --finetune (at PP = 2, its vocabulary padded on load).
 - Unsupported combinations and bad paths give one error line.
 """
 
@@ -103,10 +104,9 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
         with torch.no_grad():
             assert (unscaled(ids).logits - theirs).abs().max().item() >= 1e-3  # the check above can fail
 
-    # Back into our format: the same tensors (padded vocabulary rows as zeros), then the same HF tensors.
+    # Back into our format: the same tensors (the vocabulary unpadded), then the same HF tensors.
     assert main(["import-hf", "--hf", str(d / "hf"), "--out", str(d / "imported"),
-                 "--make-vocab-size-divisible-by", "16", "--tensor-model-parallel-size", str(tp),
-                 "--no-progress"]) == 0
+                 "--make-vocab-size-divisible-by", "16", "--no-progress"]) == 0
     assert main(["consolidate", "--load", str(d / "imported"), "--out", str(d / "back.safetensors"),
                  "--no-progress"]) == 0
     back = load_file(str(d / "back.safetensors"))
@@ -114,8 +114,8 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
         del weights["output_layer.weight"]  # added above for the tied head; not a separate tensor
     assert back.keys() == weights.keys()
     for k, w in weights.items():
-        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):  # vocabulary rows
-            assert torch.equal(back[k][:101], w[:101]) and not back[k][101:].any(), k
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):  # the vocabulary's 101 rows, unpadded
+            assert torch.equal(back[k], w[:101]), k
         elif "--apply-layernorm-1p" in trained["flags"] and k.endswith("norm.weight"):  # imported as plain weights
             assert torch.equal(back[k], w + 1), k
         else:
@@ -134,18 +134,19 @@ def test_export_matches_logits_and_import_round_trips(trained, tmp_path):
 
 
 def test_unsupported_combinations_and_bad_paths_give_one_line(tmp_path, capsys):
-    import dataclasses
-
     from megatron_po.config import ModelConfig
     from megatron_po.errors import UserError
-    from megatron_po.models.hf_export import hf_architecture
-    model = dataclasses.asdict(ModelConfig(normalization="RMSNorm"))  # RMSNorm + GELU + learned positions
+    from megatron_po.models.hf.configs import export_family
+    model = ModelConfig(normalization="RMSNorm")  # RMSNorm + GELU + learned positions
     with pytest.raises(UserError, match="normalization=RMSNorm, MLP=GELU, positions=learned_absolute"):
-        hf_architecture(model)
-    llama_with_qkv_bias = dataclasses.asdict(ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                                                         position_embedding_type="rope", add_qkv_bias=True))
+        export_family(model)
+    llama_with_qkv_bias = ModelConfig(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                      position_embedding_type="rope", add_qkv_bias=True)
     with pytest.raises(UserError, match="--add-qkv-bias"):  # never a Llama without the bias
-        hf_architecture(llama_with_qkv_bias)
+        export_family(llama_with_qkv_bias, "llama")
+    with pytest.raises(UserError, match="multi-latent attention"):
+        export_family(ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                                  multi_latent_attention=True))
     for argv, needle in [(["consolidate", "--load", str(tmp_path / "none"), "--out", str(tmp_path / "x.safetensors")],
                           "no such directory"),
                          (["export-hf", "--load", str(tmp_path), "--out", str(tmp_path / "hf")], "no checkpoint"),

@@ -456,6 +456,8 @@ RULES = [
     ("moe-ffn-vs-etp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                   "--moe-ffn-hidden-size", "33"],
      ["the expert MLP size (33) is not divisible by --expert-tensor-parallel-size (2)"]),
+    ("moe-shared-expert-gate-needs-shared", 1, MOCK + ["--num-experts", "8", "--moe-shared-expert-gate"],
+     ["--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size"]),
     ("moe-shared-vs-tp", 2, MOCK + ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                     "--moe-shared-expert-intermediate-size", "33"],
      ["--moe-shared-expert-intermediate-size (33) is not divisible by --tensor-model-parallel-size (2)"]),

@@ -260,12 +260,10 @@ def test_core_keeps_no_probabilities_on_the_cpu():
 
 def test_hugging_face_export_refuses_mla_with_one_line():
     from megatron_po.errors import UserError
-    from megatron_po.models.hf_export import hf_architecture
-    from megatron_po.models.hf_export_moe import moe_architecture
-    model = dataclasses.asdict(gpt_cfg())
-    for architecture, extra in ((hf_architecture, {}), (moe_architecture, {"num_experts": 4})):
-        with pytest.raises(UserError, match="--multi-latent-attention: no Hugging Face export or import here yet"):
-            architecture({**model, **extra})
+    from megatron_po.models.hf.configs import export_family
+    for extra in ({}, {"num_experts": 4}):
+        with pytest.raises(UserError, match="multi-latent attention"):
+            export_family(dataclasses.replace(gpt_cfg(), **extra))
 
 
 def test_start_up_line_says_what_runs():

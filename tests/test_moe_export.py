@@ -15,11 +15,11 @@ makes the routing matter: the same export with two experts of the last MoE layer
   --apply-layernorm-1p, TP = 2 with sequence parallelism x EP = 2 (expert TP 1).
 - qwen3_moe: --qk-layernorm (q_norm/k_norm), --moe-layer-freq 2 (dense layers 1 and 3), --kv-channels 12.
 
-What no class can express is one error line (sigmoid scores with the expert bias, a capacity, a top-k scaling
-factor, biases, shared experts with --qk-layernorm), from the converter too.
+What no class can express is one error line (sigmoid scores without the expert bias, a capacity, a top-k scaling
+factor with softmax scores, biases, shared experts with --qk-layernorm and softmax scores), from the converter
+too. (Sigmoid scores with the expert bias export to GLM-4.5: tests/test_hf_families.py.)
 """
 
-import dataclasses
 import json
 import shutil
 
@@ -98,50 +98,49 @@ def test_export_gives_the_same_logits(trained, tmp_path):
         assert (swapped(ids).logits - theirs).abs().max().item() >= 0.1
 
 
-def moe_model(**overrides) -> dict:
+def moe_model(**overrides):
     from megatron_po.config import ModelConfig
     base = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
                 num_experts=4, moe_router_topk=2, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32)
-    return dataclasses.asdict(ModelConfig(**{**base, **overrides}))
+    return ModelConfig(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, "route by softmax"),
+    ({"moe_router_score_function": "sigmoid"}, "sigmoid without the expert bias"),
     ({"moe_expert_capacity_factor": 1.0}, "dropless"),
-    ({"moe_router_topk_scaling_factor": 2.5}, "do not scale the routing weights"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "does not scale the weights"),
     ({"add_bias_linear": True}, "--add-bias-linear"),
-    ({"qk_layernorm": True, "moe_shared_expert_intermediate_size": 32}, "--qk-layernorm with shared experts"),
-    ({"normalization": "LayerNorm"}, "no Hugging Face MoE class for normalization=LayerNorm"),
-    ({"add_qkv_bias": True}, "--add-qkv-bias"),
-    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "route without groups"),
-], ids=["sigmoid-bias", "capacity", "scaling", "bias", "qk-norm-shared", "layernorm", "qkv-bias", "groups"])
+    ({"qk_layernorm": True, "moe_shared_expert_intermediate_size": 32}, "Qwen3MoeForCausalLM: shared experts"),
+    ({"normalization": "LayerNorm"}, "MixtralForCausalLM: normalization=LayerNorm"),
+    ({"multi_latent_attention": True}, "multi-latent attention"),
+], ids=["sigmoid-no-bias", "capacity", "scaling", "bias", "qk-norm-shared", "layernorm", "mla"])
 def test_what_no_hf_class_holds_is_one_line(overrides, needle):
     from megatron_po.errors import UserError
-    from megatron_po.models.hf_export import hf_architecture
-    from megatron_po.models.hf_export_moe import moe_architecture
+    from megatron_po.models.hf.configs import export_family
     with pytest.raises(UserError, match=needle):
-        moe_architecture(moe_model(**overrides))
-    with pytest.raises(UserError, match="exports to an HF MoE class"):  # never silently as a Llama
-        hf_architecture(moe_model())
-    assert moe_architecture(moe_model()) == "mixtral"
-    assert moe_architecture(moe_model(moe_router_pre_softmax=True)) == "qwen2_moe"
+        export_family(moe_model(**overrides))
+    with pytest.raises(UserError, match="LlamaForCausalLM cannot hold this model: a mixture of experts"):
+        export_family(moe_model(), "llama")  # never silently as a Llama
+    assert export_family(moe_model()).model_type == "mixtral"
+    assert export_family(moe_model(moe_router_pre_softmax=True)).model_type == "qwen2_moe"
 
 
 def test_the_converter_refuses_an_unexportable_checkpoint_with_one_line(tmp_path, capsys):
-    """A sigmoid/expert-bias model's checkpoint (written as import-hf writes one): exit 2, one line, nothing out."""
-    from megatron_po.config import Config, ModelConfig
+    """A model with an expert capacity (written as import-te writes a checkpoint): exit 2, one line, nothing out."""
+    import dataclasses
+
+    from megatron_po.config import Config
     from megatron_po.models.gpt import GPTModel
     from tools.checkpoint_convert import write_weights_checkpoint
-    model = moe_model(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
-    weights = {k: v for k, v in GPTModel(ModelConfig(**model), 112, seed=0).state_dict().items()}
-    assert "layers.0.mlp.router.expert_bias" in weights
+    model = moe_model(moe_expert_capacity_factor=1.0)
+    weights = {k: v for k, v in GPTModel(model, 112, seed=0).state_dict().items()}
     cfg = Config().to_dict()
-    cfg["model"] = model
+    cfg["model"] = dataclasses.asdict(model)
     write_weights_checkpoint(str(tmp_path / "ckpt"), weights, cfg, 101, 112, "test")
     capsys.readouterr()
     assert main(["export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "route by softmax" in err[0], err
-    assert not (tmp_path / "hf").exists()
+    assert len(err) == 1 and err[0].startswith("error: ") and "dropless" in err[0], err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
     with open(tmp_path / "ckpt" / "iter_0000000" / "checksums.json") as f:
         assert json.load(f)  # a real checkpoint was refused, not a missing one

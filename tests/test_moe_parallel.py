@@ -4,7 +4,8 @@ from their EP and expert-TP ranks), fp32, rtol=1e-5 / atol=1e-6 (reduction order
 records summed over the ranks: the same tokens per expert and, with a capacity, the same dropped tokens.
 
 Layouts: EP = 2 and 4 (alltoall and allgather dispatchers), EP x DP (expert data parallel 2), EP x TP with
-expert TP = TP and with expert TP 1 (experts whole, EP spanning the TP ranks), EP x PP under 1F1B, interleaved
+expert TP = TP and with expert TP 1 (experts whole, EP spanning the TP ranks; there with the shared experts'
+sigmoid gate, --moe-shared-expert-gate, whose gradient each sequence-parallel rank takes over its own tokens), EP x PP under 1F1B, interleaved
 1F1B, ZB-H1, ZB-H2 and ZB-V (its two chunks in a V, the loss on rank 0), EP x CP (context parallelism: experts carved out of DP x CP, the router gathering the whole
 sequence over CP), with TP and DP; dropless and with a capacity (both drop policies, padded or not).
 """
@@ -102,10 +103,10 @@ def test_expert_and_data_parallel_match_one_process(world, ep, model):
 
 @pytest.mark.parametrize("etp,model", [
     (2, {}),  # expert TP = TP: EP carved from the DP ranks
-    (1, {}),  # experts whole: EP 2 spans the TP ranks of a DP rank pair
+    (1, {"moe_shared_expert_gate": True}),  # experts whole: EP 2 spans the TP ranks of a DP rank pair; gated
     (1, {**CAPACITY, "moe_token_drop_policy": "position"}),  # the capacity over the micro-batch, not a TP slice
     (2, {"moe_token_dispatcher_type": "allgather"}),
-], ids=["etp2", "etp1", "etp1-capacity", "etp2-allgather"])
+], ids=["etp2", "etp1-shared-expert-gate", "etp1-capacity", "etp2-allgather"])
 def test_expert_parallel_with_tensor_parallel_matches_one_process(etp, model):
     ref = reference(M * 2, **model)  # TP 2 x DP 2: two data-parallel replicas
     assert all(r["dropped_tokens"] > 0 for r in ref[2].values()) == ("moe_expert_capacity_factor" in model)

@@ -92,8 +92,14 @@ def test_flags_reach_the_model_and_position_ids_match_contiguous_positions():
 
 
 def test_hf_import_and_export_edges():
+    from transformers import LlamaConfig
+
     from megatron_po.config import ModelConfig
-    from megatron_po.models.hf_export import hf_architecture, model_config_from_hf
+    from megatron_po.models.hf.configs import export_family, family_of, model_fields
+
+    def model_config_from_hf(config):
+        return model_fields(family_of(config), LlamaConfig.from_dict(config))
+
     llama31 = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                "num_hidden_layers": 2, "intermediate_size": 160, "max_position_embeddings": 131072,
                "rope_theta": 500000.0,
@@ -107,6 +113,5 @@ def test_hf_import_and_export_edges():
     assert "\n" not in str(e.value)
     both = ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", use_rope_scaling=True,
                        rotary_seq_len_interpolation_factor=2)
-    import dataclasses
     with pytest.raises(UserError, match="--use-rope-scaling with --rotary-seq-len-interpolation-factor"):
-        hf_architecture(dataclasses.asdict(both))
+        export_family(both)

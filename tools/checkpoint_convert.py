@@ -1,8 +1,10 @@
 """Convert megatron_po checkpoints: consolidate to one safetensors file, export to / import from Hugging Face.
 
     python tools/checkpoint_convert.py consolidate --load ckpt [--ckpt-step N] --out model.safetensors
-    python tools/checkpoint_convert.py export-hf   --load ckpt [--ckpt-step N] --out hf_dir
+    python tools/checkpoint_convert.py export-hf   --load ckpt [--ckpt-step N] --out hf_dir [--model-type mistral]
+                                                   [--max-shard-size 5GB] [--tokenizer-model DIR]
     python tools/checkpoint_convert.py import-hf   --hf hf_dir --out ckpt [--make-vocab-size-divisible-by 128]
+                                                   [--tokenizer-model DIR]
     python tools/checkpoint_convert.py export-te   --load ckpt [--ckpt-step N] --out te_dir [--tensor-model-parallel-size 2]
     python tools/checkpoint_convert.py import-te   --te te_dir --out ckpt
     python tools/checkpoint_convert.py verify      CKPT [--ckpt-step N]
@@ -12,15 +14,15 @@ DCP stores global tensors, so each is assembled from every rank's shards on read
 
 - consolidate: every parameter under its global name (`layers.3.attention.qkv.weight`, ...) plus a JSON
   next to it (model.safetensors -> model.json) with the run's config, iteration and vocabulary sizes.
-- export-hf: `GPT2LMHeadModel` (LayerNorm + GELU + learned positions) or `LlamaForCausalLM` (RMSNorm +
-  SwiGLU + RoPE; grouped-query attention as `num_key_value_heads`, --kv-channels as `head_dim`) as
-  config.json + model.safetensors, loadable with `AutoModelForCausalLM.from_pretrained`
-  (see megatron_po/models/hf_export.py for the layout mapping). A mixture of experts (--num-experts) exports to
-  `MixtralForCausalLM`, `Qwen2MoeForCausalLM` or `Qwen3MoeForCausalLM`, whichever can hold it
-  (megatron_po/models/hf_export_moe.py), experts per expert as the Hub's checkpoints store them. The tokenizer
-  is not converted.
-- import-hf: a GPT-2 or Llama HF checkpoint (safetensors) as our checkpoint at iteration 0; train from
-  it with `--load OUT --finetune` and the model flags the tool prints.
+- import-hf / export-hf: Hugging Face model directories (config.json + safetensors, sharded or not) of the
+  families GPT-2, Llama (3.x rope scaling), Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5
+  (megatron_po/models/hf/families.py; docs/checkpoints.md, "From and to Hugging Face"), both ways, streamed
+  one tensor at a time (megatron_po/distributed/checkpoint_hf.py). import-hf writes our checkpoint of
+  iteration 0 (it loads at any TP, PP, EP, ETP, CP and DP) and prints the flags that train from it
+  (`--load OUT --finetune` and the model flags read from config.json, and `--tokenizer-type
+  HuggingFaceTokenizer --tokenizer-model DIR` when the directory holds a tokenizer). export-hf writes the
+  family that holds the model (or --model-type's), model.safetensors or shards of --max-shard-size with
+  model.safetensors.index.json, and copies the run's Hugging Face tokenizer.
 - export-te / import-te: the layers as Transformer Engine's `te.pytorch.TransformerLayer` state dicts (fused
   QKV, SwiGLU's fused [gate; up] fc1 per TP rank, empty `_extra_state`), one safetensors file per TP rank,
   plus te_config.json (this checkpoint's config and the TransformerLayer constructor arguments); and back.
@@ -39,7 +41,6 @@ if not __package__:  # run as `python tools/checkpoint_convert.py`: make the rep
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -50,23 +51,32 @@ from megatron_po.errors import UserError, run_cli
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("consolidate", "one safetensors file + JSON config"),
-                        ("export-hf", "a Hugging Face transformers model directory")]:
-        p = sub.add_parser(name, help=help_)
+    readers = {name: sub.add_parser(name, help=help_) for name, help_ in [
+        ("consolidate", "one safetensors file + JSON config"),
+        ("export-hf", "a Hugging Face transformers model directory")]}
+    for p in readers.values():
         p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
         p.add_argument("--ckpt-step", type=int, default=None, help="iteration to read (default: the latest)")
-        p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf)")
+        p.add_argument("--out", required=True, help="output file (consolidate) or directory (export-hf; new or empty)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = readers["export-hf"]
+    p.add_argument("--model-type", default=None, help="the HF family (config.json's model_type) to write, e.g. "
+                   "mistral (default: the one an imported checkpoint came from, else the first that holds the model)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB, bytes); "
+                   "more than one file: model-0000k-of-0000n.safetensors + model.safetensors.index.json")
+    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer directory to copy into the "
+                   "export (default: the run's --tokenizer-model with --tokenizer-type HuggingFaceTokenizer)")
     p = sub.add_parser("verify", help="check a checkpoint's files against its checksums.json")
     p.add_argument("ckpt", help="a --save directory (its latest checkpoint) or one iter_N directory")
     p.add_argument("--ckpt-step", type=int, default=None, help="iteration to verify (default: the latest)")
-    p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama directory into our checkpoint format")
+    p = sub.add_parser("import-hf", help="a Hugging Face model directory into our checkpoint format")
     p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
-    p.add_argument("--out", required=True, help="checkpoint directory to write (iteration 0)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (iteration 0); new or empty")
+    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer directory the printed flags "
+                   "name (default: --hf, when it holds a tokenizer)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary like the training run will (x --tensor-model-parallel-size)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP size of the run that loads it (only the vocabulary padding depends on it)")
+                   help="the run's padding of the vocabulary (in the printed flags; the checkpoint holds the HF "
+                        "rows, padded by the run when it loads them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("export-te", help="Transformer Engine te.pytorch.TransformerLayer state dicts, one per TP rank")
     p.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
@@ -147,91 +157,43 @@ def config_path_of(safetensors_path: str) -> str:
 
 
 def export_hf(args) -> None:
-    from safetensors.torch import save_file
-
-    from megatron_po.models import hf_export, hf_export_moe
-    weights, info = read_checkpoint(args.load, args.ckpt_step, not args.no_progress)
-    model = info["config"]["model"]
-    if model.get("num_experts") is not None:  # a mixture of experts: Mixtral, Qwen2-MoE or Qwen3-MoE
-        architecture, hf_config, to_hf = (hf_export_moe.moe_architecture, hf_export_moe.moe_hf_config,
-                                          hf_export_moe.moe_to_hf)
-    else:
-        architecture, hf_config, to_hf = hf_export.hf_architecture, hf_export.hf_config, hf_export.to_hf
-    architecture(model)  # refuse unsupported combinations before writing anything
-    config = hf_config(model, info["vocab_size"])
-    state = to_hf(weights, model, info["vocab_size"])
-    os.makedirs(args.out, exist_ok=True)
-    config.save_pretrained(args.out)
-    save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    left_out = ""
-    if model.get("mtp_num_layers"):  # the HF classes have no MTP: the export computes the LM alone
-        left_out = f"; its {model['mtp_num_layers']} multi-token prediction depth(s) (mtp.*) left out"
-    print(f"wrote {config.architectures[0]} (vocabulary {info['vocab_size']}, iteration {info['iteration']}) "
-          f"to {args.out}{left_out}")
+    from megatron_po.distributed.checkpoint_hf import export_hf as export
+    export(args.load, args.out, args.ckpt_step, args.model_type, parse_size(args.max_shard_size),
+           args.tokenizer_model, not args.no_progress)
 
 
-def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, state dict) of an HF model directory (single or sharded safetensors)."""
-    from safetensors.torch import load_file
-    config_file = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(config_file):
-        raise UserError(f"--hf {hf_dir}: no config.json there")
-    with open(config_file) as f:
-        config = json.load(f)
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise UserError(f"--hf {hf_dir}: no model.safetensors (or model.safetensors.index.json); "
-                        "only safetensors checkpoints are read")
-    state = {}
-    for name in files:
-        try:
-            state.update(load_file(os.path.join(hf_dir, name)))
-        except Exception as e:
-            raise UserError(f"--hf {hf_dir}: cannot read {name}: {e}") from None
-    return config, state
+def parse_size(text: str) -> int:
+    """5GB, 500MB, 10KB (powers of ten, as Hugging Face's max_shard_size) or a number of bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    unit = next((u for u in units if t.endswith(u)), "B")
+    try:
+        size = int(float(t[:len(t) - len(unit)] if t.endswith(unit) else t) * units[unit])
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise UserError(f"--max-shard-size {text!r} is not a size (e.g. 5GB, 500MB or bytes)")
+    return size
 
 
 def import_hf(args) -> None:
-    from megatron_po.config import Config, ModelConfig
-    from megatron_po.models.hf_export import from_hf, model_config_from_hf
-    from megatron_po.tensor_parallel import pad_vocab_size
-    hf, hf_state = read_hf(args.hf)
-    model = dataclasses.asdict(ModelConfig(**model_config_from_hf(hf)))
-    model["make_vocab_size_divisible_by"] = args.make_vocab_size_divisible_by
-    vocab = hf["vocab_size"]
-    padded = pad_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    weights = from_hf(hf_state, model, padded)
-    cfg = Config().to_dict()
-    cfg["model"] = model
-    cfg["data"]["vocab_size"] = vocab
-    write_weights_checkpoint(args.out, weights, cfg, vocab, padded, args.hf)
+    from megatron_po.distributed.checkpoint_hf import import_hf as import_
+    import_(args.hf, args.out, args.make_vocab_size_divisible_by, args.tokenizer_model, not args.no_progress)
 
 
 def write_weights_checkpoint(out: str, weights: dict, cfg: dict, vocab: int, padded: int, source: str) -> None:
     """`weights` ({global name: full tensor}) as our checkpoint of iteration 0 under `out`, with the run
     config `cfg` (a Config dict) and the vocabulary sizes; training continues from it with --finetune."""
     from megatron_po.distributed.checkpoint_data import JsonEntry
-    from megatron_po.distributed.checkpoint_dcp import dcp_save
     from megatron_po.distributed.checkpoint_format import checkpoint_dir
-    from megatron_po.distributed.checkpoint_save import publish
-    from megatron_po.distributed.checkpoint_integrity import checksum_checkpoint
+    from megatron_po.distributed.checkpoint_save import save_in_one_process
     extra = {"train_state": {"iteration": 0, "consumed_samples": 0}, "config": cfg, "vocab_size": vocab,
              "padded_vocab_size": padded, "imported_from": os.path.abspath(source)}
     state = {f"model.{k}": v for k, v in weights.items()}
     state["extra"] = JsonEntry(extra)
     os.makedirs(out, exist_ok=True)
-    partial = checkpoint_dir(out, 0) + ".partial"
-    import warnings
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp_save(state, partial)
-    checksum_checkpoint(partial)  # checksums.json, verified when training loads it
-    publish(out, 0)
+    save_in_one_process(state, out)
+    from megatron_po.distributed.checkpoint_hf import model_flags
     print(f"wrote {len(weights)} tensors to {checkpoint_dir(out, 0)}; train from it with\n"
           f"  --load {out} --finetune {model_flags(cfg['model'])}")
 
@@ -283,22 +245,6 @@ def import_te(args) -> None:
         raise UserError(f"--te {args.te}: {e.args[0]}") from None
     write_weights_checkpoint(args.out, weights, info["config"], info["vocab_size"], info["padded_vocab_size"],
                              args.te)
-
-
-def model_flags(model: dict) -> str:
-    """The command-line flags that build `model` (non-default values only)."""
-    from megatron_po.config import ModelConfig
-    default = dataclasses.asdict(ModelConfig())
-    flags = []
-    for k, v in model.items():
-        if v == default[k]:
-            continue
-        name = k.replace("_", "-")
-        if isinstance(v, bool):
-            flags.append(f"--{name}" if v else f"--no-{name}")
-        else:
-            flags.append(f"--{name} {v}")
-    return " ".join(flags)
 
 
 if __name__ == "__main__":

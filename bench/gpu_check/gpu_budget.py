@@ -26,7 +26,8 @@ from dataclasses import dataclass
 OURS = ("pretrain_gpt.py", "megatron_po/**/*.py", "!megatron_po/optim/muon*.py", "!megatron_po/optim/newton_schulz.py",
         "!megatron_po/optim/nag.py", "!megatron_po/optim/nadamw.py", "!megatron_po/pipeline/async_*.py",
         "!megatron_po/pipeline/pipenag.py", "!megatron_po/nmt_workload.py", "!megatron_po/models/nmt.py",
-        "!megatron_po/data/nmt_dataset.py", "!megatron_po/models/hf_export.py", "!megatron_po/models/te_*.py")
+        "!megatron_po/data/nmt_dataset.py", "!megatron_po/models/hf/*.py", "!megatron_po/distributed/checkpoint_hf.py",
+        "!megatron_po/models/te_*.py")
 MUON = ("megatron_po/optim/muon*.py", "megatron_po/optim/newton_schulz.py")
 STREAM = ("megatron_po/pipeline/**/*.py", "megatron_po/optim/**/*.py", "megatron_po/models/**/*.py",
           "megatron_po/tensor_parallel/**/*.py", "megatron_po/config*.py", "bench/gpu/gpu_worker.py",

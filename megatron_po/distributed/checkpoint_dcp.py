@@ -201,6 +201,16 @@ def read_metadata(path: str):
     return md
 
 
+class Deferred:
+    """A tensor made only when DCP writes it (`make()`), of a known shape and dtype: a converter streams a
+    checkpoint through it (tools/checkpoint_convert.py import-hf), each tensor made, written and released alone."""
+
+    __slots__ = ("shape", "dtype", "make")
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, make):
+        self.shape, self.dtype, self.make = tuple(shape), dtype, make
+
+
 def _split_ranges(state: dict) -> tuple[dict, dict]:
     """(the state DCP takes as is, the `FlatRange` entries its planners must handle)."""
     ranges = {k: v for k, v in state.items() if isinstance(v, FlatRange)}
@@ -209,10 +219,14 @@ def _split_ranges(state: dict) -> tuple[dict, dict]:
 
 def dcp_save(state: dict, path: str) -> None:
     """dcp.save of `state`, `FlatRange` entries written as chunks of their global tensors, `JsonEntry`
-    values as their raw JSON bytes (DCP would torch.save them: a pickle)."""
+    values as their raw JSON bytes (DCP would torch.save them: a pickle). `Deferred` entries are planned from
+    their shape and made when written; DCP keeps every tensor of a file until the file is done, so a state
+    with them is written one file per entry."""
     import torch.distributed.checkpoint as dcp  # heavy import (~1-3 s): only when checkpointing
 
     state, ranges = _split_ranges(state)
+    deferred = {k: v for k, v in state.items() if isinstance(v, Deferred)}
+    state.update({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in deferred.items()})
 
     class Planner(dcp.DefaultSavePlanner):
         def create_local_plan(self):
@@ -222,12 +236,15 @@ def dcp_save(state: dict, path: str) -> None:
             return self.plan
 
         def lookup_object(self, index):
+            if index.fqn in deferred:
+                return deferred[index.fqn].make()
             return ranges[index.fqn].blocks[index.offset] if index.fqn in ranges else super().lookup_object(index)
 
         def transform_object(self, write_item, obj):
             return io.BytesIO(obj.data) if isinstance(obj, JsonEntry) else super().transform_object(write_item, obj)
 
-    dcp.save(state, checkpoint_id=path, planner=Planner())
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=not deferred)
+    dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=Planner())
 
 
 def dcp_load(state: dict, path: str, metadata=None) -> None:

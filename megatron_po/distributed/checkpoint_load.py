@@ -264,42 +264,54 @@ def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+class CheckpointReader:
+    """A checkpoint read in this process alone, without torch.distributed (DCP without a process group
+    assembles each tensor from every rank's shards): `extra`, `iteration`, `specs` ({entry: DCP tensor
+    metadata}) and `read(entries)`, which loads just those."""
+
+    def __init__(self, root: str, step: int | None = None):
+        if not os.path.isdir(root):
+            raise UserError(f"--load {root}: no such directory")
+        iteration = find_checkpoint(root, step)
+        if iteration is None:
+            raise UserError(f"--load {root}: no checkpoint there")
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        self.path, self.iteration = checkpoint_dir(root, iteration), iteration
+        self.metadata = read_metadata(self.path)
+        small = {"extra": b""}
+        dcp_load(small, self.path, self.metadata)
+        self.extra = small["extra"]
+        self.specs = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def read(self, entries) -> dict[str, torch.Tensor]:
+        state = {k: torch.empty(tuple(self.specs[k].size), dtype=self.specs[k].properties.dtype) for k in entries}
+        dcp_load(state, self.path, self.metadata)
+        return state
+
+
 def read_full_checkpoint(root: str, step: int | None = None, prefix: str = "model.",
                          progress: bool = True) -> tuple[dict[str, torch.Tensor], dict, int]:
     """({name: full tensor} of the entries under `prefix`, extra, iteration) of a checkpoint, read in
-    this process alone (DCP without a process group assembles each tensor from every rank's shards)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    if not os.path.isdir(root):
-        raise UserError(f"--load {root}: no such directory")
-    iteration = find_checkpoint(root, step)
-    if iteration is None:
-        raise UserError(f"--load {root}: no checkpoint there")
-    path = checkpoint_dir(root, iteration)
-    md = read_metadata(path)
-    small = {"extra": b""}
-    dcp_load(small, path, md)
-    extra = small["extra"]
-    specs = {k: v for k, v in md.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    this process alone."""
+    reader = CheckpointReader(root, step)
+    specs = {k: v for k, v in reader.specs.items() if k.startswith(prefix)}
     out = {}
     # A few hundred MB per read keeps memory near the size of the result and gives progress steps.
-    groups, group, size = [], {}, 0
+    groups, group, size = [], [], 0
     for k, v in specs.items():
-        group[k] = v
+        group.append(k)
         size += v.size.numel() * v.properties.dtype.itemsize
         if size > 256 << 20:
             groups.append(group)
-            group, size = {}, 0
+            group, size = [], 0
     if group:
         groups.append(group)
     from tqdm import tqdm
     total = sum(v.size.numel() * v.properties.dtype.itemsize for v in specs.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {os.path.basename(reader.path)}",
               disable=not progress) as bar:
         for group in groups:
-            state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in group.items()}
-            dcp_load(state, path, md)
-            for k, t in state.items():
+            for k, t in reader.read(group).items():
                 out[k[len(prefix):]] = t
                 bar.update(t.numel() * t.element_size())
-    return out, extra, iteration
+    return out, reader.extra, reader.iteration

@@ -138,6 +138,19 @@ def _os_error_line(e: BaseException) -> str:
     return first_line(e)
 
 
+def save_in_one_process(state: dict, root: str, iteration: int = 0) -> None:
+    """`state` (DCP entries: tensors, `Deferred`, `JsonEntry`) as the checkpoint of `iteration` under `root`, written
+    by this process alone without torch.distributed (the converters of tools/checkpoint_convert.py), with its
+    checksums, published like a training run's."""
+    import warnings
+    partial = checkpoint_dir(root, iteration) + ".partial"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp_save(state, partial)
+    checksum_checkpoint(partial)  # checksums.json, verified when training loads it
+    publish(root, iteration)
+
+
 def publish(root: str, iteration: int, keep_last: int | None = None) -> None:
     """Make the fully written `iter_N.partial/` the checkpoint of iteration N: rename it, then point
     the tracker at it, then rotate. One process (rank 0) only."""

@@ -343,6 +343,24 @@ class MLP(nn.Module):
         return out
 
 
+class SharedExpertMLP(MLP):
+    """An MoE layer's shared experts: the dense MLP every token goes through; with --moe-shared-expert-gate its
+    output is scaled by sigmoid(x w), w [1, hidden] (Megatron's SharedExpertMLP gate; Qwen2-MoE's
+    shared_expert_gate), drawn after the MLP's weights."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, hidden_size: int):
+        super().__init__(cfg, sequence_parallel, hidden_size)
+        self.gate_weight = None
+        if cfg.moe_shared_expert_gate:
+            self.gate_weight = nn.Parameter(init_normal(cfg.init_method_std)(torch.empty(1, cfg.hidden_size)))
+            # Replicated; under sequence parallelism each TP rank's gradient covers its own tokens: summed over TP.
+            self.gate_weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.gate_weight is None else out * torch.sigmoid(F.linear(x, self.gate_weight))
+
+
 def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None) -> nn.Module:
     """The MLP of global layer `layer_number`: a mixture of experts where --num-experts and --moe-layer-freq
     say so (models/moe/), else the dense MLP. The layers numbered after the decoder's are the MTP depths'
@@ -350,7 +368,7 @@ def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | Non
     if layer_number is None or layer_number not in moe_layer_numbers(cfg):
         return MLP(cfg, sequence_parallel)
     size = cfg.moe_shared_expert_intermediate_size
-    shared = (lambda: MLP(cfg, sequence_parallel, size)) if size else None  # noqa: E731
+    shared = (lambda: SharedExpertMLP(cfg, sequence_parallel, size)) if size else None  # noqa: E731
     return MoELayer(cfg, sequence_parallel, layer_number, shared_experts=shared)
 
 

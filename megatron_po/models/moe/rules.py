@@ -125,6 +125,9 @@ MOE_RULES = [
     Rule("moe-ffn-vs-etp", lambda c: expert_ffn_hidden_size(c.m) % etp(c) == 0,
          lambda c: f"the expert MLP size ({expert_ffn_hidden_size(c.m)}) is not divisible by "
                    f"--expert-tensor-parallel-size ({etp(c)})", when=_moe),
+    Rule("moe-shared-expert-gate-needs-shared", lambda c: c.m.moe_shared_expert_intermediate_size is not None,
+         "--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size",
+         when=lambda c: c.m.moe_shared_expert_gate),
     Rule("moe-shared-vs-tp", lambda c: c.m.moe_shared_expert_intermediate_size % c.tp == 0,
          lambda c: f"--moe-shared-expert-intermediate-size ({c.m.moe_shared_expert_intermediate_size}) is not "
                    f"divisible by --tensor-model-parallel-size ({c.tp})",

@@ -221,16 +221,16 @@ def draw(rng: random.Random) -> Layout:
     return layout
 
 
-def sample(seed: int, count: int, max_draws: int = 100_000) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+def sample(seed: int, count: int, where=None, max_draws: int = 100_000) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Draw (random.Random(seed)) until `count` distinct layouts are accepted: (accepted, [(refused, its line)]),
-    each in the order first drawn."""
+    each in the order first drawn. `where(layout)`: keep only the draws for which it is True."""
     rng = random.Random(seed)
     accepted, refused, seen = [], [], set()
     for _ in range(max_draws):
         if len(accepted) == count:
             break
         layout = draw(rng)
-        if layout in seen:
+        if layout in seen or (where is not None and not where(layout)):
             continue
         seen.add(layout)
         line = verdict(layout)

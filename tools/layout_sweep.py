@@ -110,8 +110,15 @@ def _run_jobs(jobs: list[Job], workdir: str) -> None:
         print(f"=== {job.name}: {job.kind} {job.layout.name()}", flush=True)
         (_emulate if job.kind == "emulate" else _pretrain)(job.layout, os.path.join(out, "metrics.jsonl"))
         dist.barrier()
-        if rank == 0:
-            open(os.path.join(out, "done"), "w").close()
+        if rank == 0:  # with the threads this process holds now: released groups keep the count flat
+            with open(os.path.join(out, "done"), "w") as f:
+                f.write(str(_threads()))
+
+
+def _threads() -> int:
+    """This process's threads, the C++ ones (gloo's) included."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
 
 
 def _pretrain(layout: Layout, metrics_file: str) -> None:
@@ -192,6 +199,8 @@ def run_jobs(jobs: list[Job], world: int, workdir: str) -> dict[str, dict | str]
             if not os.path.exists(os.path.join(workdir, job.name, "done")):
                 break
             out[job.name] = read_curve(os.path.join(workdir, job.name, "metrics.jsonl"))
+            with open(os.path.join(workdir, job.name, "done")) as f:
+                out[job.name]["threads"] = int(f.read())
             pending.remove(job)
         if error is not None and pending:
             out[pending.pop(0).name] = _last_line(error)

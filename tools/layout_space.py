@@ -62,7 +62,9 @@ MODELS = {
 # takes them, its --data-parallel-sharding-strategy values as further entries): the sampler draws every entry.
 SHARDING = {"ddp": {}, "distributed-optimizer": {"--use-distributed-optimizer": True}}
 
-OPTIMIZERS = {"adam": {}, "sgd": {"--optimizer": "sgd"}, "muon": {"--optimizer": "muon"}, "nag": {"--optimizer": "nag"}}
+# Muon orthogonalises in fp32 here (its default is bf16, whose rounding the equivalences would measure instead).
+OPTIMIZERS = {"adam": {}, "sgd": {"--optimizer": "sgd"}, "nag": {"--optimizer": "nag"},
+              "muon": {"--optimizer": "muon", "--muon-fp32-matmul-prec": "highest"}}
 METHOD_OPTIMIZERS = {"spectrain": ("sgd",), "pipenag": ("nag",)}  # the optimizer the method is defined with
 ANY_OPTIMIZER = ("adam", "sgd", "muon")
 

@@ -203,7 +203,11 @@ def run_jobs(jobs: list[Job], world: int, workdir: str) -> dict[str, dict | str]
                 out[job.name]["threads"] = int(f.read())
             pending.remove(job)
         if error is not None and pending:
-            out[pending.pop(0).name] = _last_line(error)
+            job = pending.pop(0)
+            os.makedirs(os.path.join(workdir, job.name), exist_ok=True)
+            with open(os.path.join(workdir, job.name, "error.txt"), "w") as f:
+                f.write(error)
+            out[job.name] = _last_line(error)
     return out
 
 

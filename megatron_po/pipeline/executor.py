@@ -428,14 +428,16 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
     key = (method, D, v, M)
     if key not in _SCHEDULE_CACHE:
         _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
-    if (D, v, message_specs) not in _TRANSPORT:
-        _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
+    transport = _TRANSPORT.get((D, v, message_specs))
+    if transport is None or (D > 1 and transport.group is not ps.get_pipeline_model_parallel_group()):
+        # a transport sends over the pipeline group it was made with: a new one after the groups are rebuilt
+        transport = _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
 
     def grad_sync(_chunk, enabled):
         ddp.sync_enabled = enabled
 
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
-                         transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=grad_scale / M,
+                         transport=transport, get_batch=batches.__getitem__, loss_scale=grad_scale / M,
                          grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only,
                          placement=_SCHEDULE_CACHE[key].placement)
     run_rank(_SCHEDULE_CACHE[key], runner)

@@ -6,7 +6,8 @@ weights move: the world size (2, 4 or 8 processes), the model (a tiny dense GPT 
 without sequence parallelism, CP and `--cp-comm-type`, PP with every pipeline method (synchronous schedules and
 asynchronous methods) and `--num-layers-per-virtual-pipeline-stage`, the update interval of the asynchronous
 methods, the micro-batch size, tied or untied embeddings, the optimizer, how data parallelism holds the
-optimizer (`SHARDING`), EP, expert TP, the MoE dispatcher, capacity, grouped GEMM, load balancing and expert
+optimizer (`SHARDING`: DDP, the distributed optimizer with or without its overlapped gather) and its bucket size, EP,
+expert TP, the MoE dispatcher, capacity, grouped GEMM, load balancing and expert
 bias, and activation recomputation. `Layout.flags()` is its command line (pretrain_gpt.py's flags);
 `verdict(layout)` asks the real start-up rules (config_rules.validate, no process group) whether a run of it
 starts, and returns the refusal's line if not.
@@ -60,7 +61,9 @@ MODELS = {
 # How data parallelism holds gradients, optimizer state and weights. The extension point for FSDP2 (branch
 # `fsdp2`): once `--use-torch-fsdp2` is on main, add `"fsdp2": {"--use-torch-fsdp2": True}` here (and, if it
 # takes them, its --data-parallel-sharding-strategy values as further entries): the sampler draws every entry.
-SHARDING = {"ddp": {}, "distributed-optimizer": {"--use-distributed-optimizer": True}}
+SHARDING = {"ddp": {}, "distributed-optimizer": {"--use-distributed-optimizer": True},
+            "distributed-optimizer+overlap-gather": {"--use-distributed-optimizer": True, "--overlap-param-gather": True}}
+SMALL_BUCKETS = 2000  # elements: many DDP buckets, their shards cutting through parameters
 
 # Muon orthogonalises in fp32 here (its default is bf16, whose rounding the equivalences would measure instead).
 OPTIMIZERS = {"adam": {}, "sgd": {"--optimizer": "sgd"}, "nag": {"--optimizer": "nag"},
@@ -94,6 +97,7 @@ class Layout:
     untied: bool = True
     optimizer: str = "adam"
     sharding: str = "ddp"
+    small_buckets: bool = False
     recompute: str = "none"
     # MoE only
     ep: int = 1
@@ -129,7 +133,8 @@ class Layout:
              "--num-layers-per-virtual-pipeline-stage": self.layers_per_virtual_stage,
              "--async-update-interval": self.update_interval, "--micro-batch-size": self.micro_batch,
              "--untie-embeddings-and-output-weights": self.untied, **OPTIMIZERS[self.optimizer],
-             **SHARDING[self.sharding], **RECOMPUTE[self.recompute]}
+             **SHARDING[self.sharding], "--ddp-bucket-size": SMALL_BUCKETS if self.small_buckets else None,
+             **RECOMPUTE[self.recompute]}
         if self.cp > 1:
             f["--cp-comm-type"] = self.cp_comm
         if self.model == "moe":
@@ -159,6 +164,7 @@ class Layout:
         parts += [f"mbs{self.micro_batch}", self.optimizer]
         parts += [] if self.untied else ["tied"]
         parts += [] if self.sharding == "ddp" else [self.sharding]
+        parts += [f"buckets:{SMALL_BUCKETS}"] if self.small_buckets else []
         parts += [] if self.recompute == "none" else [f"recompute:{self.recompute}"]
         if self.model == "moe":
             parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp is not None else ""))
@@ -207,7 +213,7 @@ def draw(rng: random.Random) -> Layout:
         layers_per_virtual_stage=rng.choice((None, 1, 2)) if pp > 1 else None,
         update_interval=rng.choice((None, 2, 4)) if is_async else None, micro_batch=rng.choice((1, 2)),
         untied=is_async or rng.random() < 0.5, optimizer=rng.choice(METHOD_OPTIMIZERS.get(method, ANY_OPTIMIZER)),
-        sharding=rng.choice(tuple(SHARDING)), recompute=rng.choice(tuple(RECOMPUTE)))
+        sharding=rng.choice(tuple(SHARDING)), small_buckets=rng.random() < 0.3, recompute=rng.choice(tuple(RECOMPUTE)))
     if model == "moe":
         stage = world // pp if world % pp == 0 else world
         ep = rng.choice((1, 2, 4, 8)) if free else rng.choice(_divisors(stage, 8))
@@ -241,29 +247,6 @@ def sample(seed: int, count: int, where=None, max_draws: int = 100_000) -> tuple
         else:
             refused.append((layout, line))
     return accepted, refused
-
-
-def every_layout():
-    """Every layout of the space (a large number: `--all` of tools/layout_sweep.py counts it first)."""
-    import itertools
-    for world, tp, cp, pp in itertools.product(WORLDS, SIZES, SIZES, SIZES):
-        for method in SYNC_METHODS + ASYNC_METHODS if pp > 1 else ("1f1b",):
-            is_async = method in ASYNC_METHODS
-            for lpv, k, mbs, untied, optimizer, sharding, recompute, sp, cp_comm in itertools.product(
-                    (None, 1, 2) if pp > 1 else (None,), (None, 2, 4) if is_async else (None,), (1, 2),
-                    (True,) if is_async else (False, True), METHOD_OPTIMIZERS.get(method, ANY_OPTIMIZER), SHARDING,
-                    RECOMPUTE, (False, True) if tp > 1 else (False,), ("p2p", "allgather") if cp > 1 else ("p2p",)):
-                base = Layout(world, "dense", tp, sp, cp, cp_comm, pp, method, lpv, k, mbs, untied, optimizer,
-                              sharding, recompute)
-                yield base
-                for ep, etp, dispatcher, capacity, grouped, lb, bias in itertools.product(
-                        (1, 2, 4, 8), (None, 1, 2), ("alltoall", "allgather"), CAPACITY, (False, True),
-                        ("aux_loss", "seq_aux_loss"), (False, True)):
-                    moe = dataclasses.replace(base, model="moe", ep=ep, etp=etp, dispatcher=dispatcher,
-                                              capacity=capacity, grouped_gemm=grouped, load_balancing=lb,
-                                              expert_bias=bias)
-                    if not (is_async and moe.dp > 1 and (capacity != "dropless" or lb != "seq_aux_loss")):
-                        yield moe
 
 
 # --------------------------------------------------------------------------------------------------

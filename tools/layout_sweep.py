@@ -82,7 +82,8 @@ class Outcome:
     def row(self, i: int) -> list:
         diff = "" if self.max_rel is None else f"{self.max_rel:.1e}"
         verdict = "refused" if self.status == "refused" else "accepted"
-        return [i, f"`{self.layout.name()}`", verdict, self.against, diff, self.status, self.note.replace("|", "/")]
+        note = bench_common.portable(self.note).replace("|", "/")
+        return [i, f"`{self.layout.name()}`", verdict, self.against, diff, self.status, note]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -412,7 +412,8 @@ def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict
 # --------------------------------------------------------------------------------------------------
 
 _SCHEDULE_CACHE: dict = {}
-_TRANSPORT: dict = {}
+_TRANSPORT: dict = {}  # (D, v, message_specs) -> the transport over `_TRANSPORT_GROUP`, the current pipeline group
+_TRANSPORT_GROUP = None
 
 
 def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False,
@@ -428,10 +429,16 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
     key = (method, D, v, M)
     if key not in _SCHEDULE_CACHE:
         _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
-    transport = _TRANSPORT.get((D, v, message_specs))
-    if transport is None or (D > 1 and transport.group is not ps.get_pipeline_model_parallel_group()):
-        # a transport sends over the pipeline group it was made with: a new one after the groups are rebuilt
-        transport = _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
+    global _TRANSPORT_GROUP
+    if _TRANSPORT_GROUP is not ps.get_pipeline_model_parallel_group():
+        # A transport sends over the group it was made with: after the groups are rebuilt (and the old ones released,
+        # parallel_state.destroy_model_parallel) the old transports go, and with them the last references to the old
+        # groups, whose threads a reference would keep alive.
+        _TRANSPORT.clear()
+        _TRANSPORT_GROUP = ps.get_pipeline_model_parallel_group()
+    if (D, v, message_specs) not in _TRANSPORT:
+        _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
+    transport = _TRANSPORT[(D, v, message_specs)]
 
     def grad_sync(_chunk, enabled):
         ddp.sync_enabled = enabled

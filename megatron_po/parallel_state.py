@@ -306,7 +306,8 @@ def _new_group(ranks: list[int]):
 def destroy_model_parallel() -> None:
     """Forget the groups and release them (the watchdog, if one runs, is stopped first: rank_watchdog.stop_watchdog).
     Each gloo group holds threads and connections until it is destroyed: a process that builds groups again and
-    again (a launch running many layouts, tools/layout_sweep.py) would pile them up. Local: no rank waits for another."""
+    again (a launch running many layouts, tools/layout_sweep.py) would pile them up. Local: no rank waits for
+    another."""
     global _STATE, _EXPERT
     _STATE = _EXPERT = None
     while _MADE:

@@ -62,7 +62,8 @@ MODELS = {
 # `fsdp2`): once `--use-torch-fsdp2` is on main, add `"fsdp2": {"--use-torch-fsdp2": True}` here (and, if it
 # takes them, its --data-parallel-sharding-strategy values as further entries): the sampler draws every entry.
 SHARDING = {"ddp": {}, "distributed-optimizer": {"--use-distributed-optimizer": True},
-            "distributed-optimizer+overlap-gather": {"--use-distributed-optimizer": True, "--overlap-param-gather": True}}
+            "distributed-optimizer+overlap-gather": {"--use-distributed-optimizer": True,
+                                                     "--overlap-param-gather": True}}
 SMALL_BUCKETS = 2000  # elements: many DDP buckets, their shards cutting through parameters
 
 # Muon orthogonalises in fp32 here (its default is bf16, whose rounding the equivalences would measure instead).
@@ -229,7 +230,8 @@ def draw(rng: random.Random) -> Layout:
     return layout
 
 
-def sample(seed: int, count: int, where=None, max_draws: int = 100_000) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+def sample(seed: int, count: int, where=None,
+           max_draws: int = 100_000) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Draw (random.Random(seed)) until `count` distinct layouts are accepted: (accepted, [(refused, its line)]),
     each in the order first drawn. `where(layout)`: keep only the draws for which it is True."""
     rng = random.Random(seed)

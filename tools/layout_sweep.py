@@ -50,18 +50,6 @@ SEED = 59
 SECONDS_PER_JOB = 60  # a launch's time limit grows by this per job it runs (a hung job ends its launch)
 
 
-def known_exclusion(layout: Layout) -> str | None:
-    """The known wrong layouts the sweep does not run yet, each with why (None: runs).
-
-    Expert data parallelism without dense data parallelism (e.g. TP 2 with expert TP 1 on 2 ranks: expert-DP 2,
-    dense DP x CP 1): the DDP buffer skips every reduction when the dense DP x CP group has one rank, so the experts'
-    gradients are never summed over their expert-data-parallel group. The fix is on branch `moe-routing` (issue 54,
-    item 6); REMOVE this exclusion when it is merged."""
-    if layout.model == "moe" and layout.expert_dp > 1 and layout.dp * layout.cp == 1:
-        return "known: expert gradients unsummed when expert-DP > 1 and dense DP x CP = 1 (fix on branch moe-routing)"
-    return None
-
-
 def comparison(layout: Layout) -> str:
     """What an accepted layout's run is compared with."""
     if not layout.is_async:
@@ -72,8 +60,8 @@ def comparison(layout: Layout) -> str:
 @dataclass
 class Outcome:
     layout: Layout
-    status: str  # refused | ok | differs | failed | excluded
-    note: str = ""  # the refusal's line, the error, or why excluded
+    status: str  # refused | ok | differs | failed
+    note: str = ""  # the refusal's line, or the error
     against: str = ""
     max_rel: float | None = None
     curve: dict | None = None
@@ -174,7 +162,8 @@ def _emulate(layout: Layout, metrics_file: str) -> None:
         pending.setdefault(g, []).append(loss)
         if len(pending[g]) == num_mb:
             mean = float(torch.stack(pending.pop(g)).mean().double())
-            records.append({"iteration": g + 1, "lm_loss": mean, "grad_norm": loss_stage_grad_norm(emulator.stages[-1])})
+            norm = loss_stage_grad_norm(emulator.stages[-1])
+            records.append({"iteration": g + 1, "lm_loss": mean, "grad_norm": norm})
     emulator.train_segment(stream_batches(one, workload, train_ds, 1), ITERATIONS * num_mb, on_loss=on_loss)
     with open(metrics_file, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
@@ -237,10 +226,9 @@ def max_relative_difference(curve: dict, expected: dict) -> float:
 
 
 def run_layouts(layouts: list[Layout], workdir: str, log=print) -> list[Outcome]:
-    """Run accepted layouts (known exclusions aside) and compare each with its reference or emulator."""
-    outcomes = {i: Outcome(layout, "excluded", known_exclusion(layout)) for i, layout in enumerate(layouts)
-                if known_exclusion(layout)}
-    runs = {i: layout for i, layout in enumerate(layouts) if i not in outcomes}
+    """Run accepted layouts and compare each with its reference or emulator."""
+    outcomes = {}
+    runs = dict(enumerate(layouts))
     references: dict[Layout, Job] = {}
     expected: dict[int, str] = {}  # layout index -> the job of what it is compared with
     for i, layout in runs.items():
@@ -297,7 +285,7 @@ def summary(outcomes: list[Outcome]) -> list[str]:
     return [f"{len(outcomes)} layouts drawn: {len(accepted)} accepted by the start-up rules, {status['refused']} "
             f"refused with one line naming a flag before any process group.",
             f"Of the accepted: {status['ok']} train like their reference, {status['differs']} differ, "
-            f"{status['failed']} failed, {status['excluded']} excluded as known (not run).",
+            f"{status['failed']} failed.",
             f"Largest relative difference against one process or the emulator: {worst:.1e} (tolerance "
             f"{TOLERANCE:g}); pipeline-only asynchronous layouts equal to their emulator bit for bit: "
             f"{sum(o.max_rel == 0 for o in bitwise)} of {len(bitwise)}.",
@@ -336,7 +324,7 @@ def main(argv=None) -> int:
     lines.emit(bench_common.load_at_end(started))
     if args.out:
         lines.write(args.out)
-    return 0 if all(o.status in ("ok", "refused", "excluded") for o in outcomes) else 1
+    return 0 if all(o.status in ("ok", "refused") for o in outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Every layout the start-up rules accept trains the same model (issue 59): a sampled search over the parallel-layout
 space of tools/layout_space.py.
 
-    python tools/layout_sweep.py --count 40                  # draw (seed 59) until 40 layouts are accepted, run them
-    python tools/layout_sweep.py --count 300 --seed 1 --out bench/results/layout_sweep.md
+    python tools/layout_sweep.py --count 40             # draw (seed 59) until 40 layouts are accepted, run them
+    python tools/layout_sweep.py --count 150 --seed 1   # the committed sweep: bench/results/layout_sweep.md
+
+Run it from the repository's root (it writes `--out`, default bench/results/layout_sweep.md), under `nice`: it
+launches up to 8 processes.
 
 Each drawn layout gets the start-up rules' verdict (layout_space.verdict: config_rules.validate, no process group).
 A refused layout must be refused by pretrain_gpt.py's entry with one `error:` line naming a flag, before any process
@@ -16,10 +19,11 @@ of every iteration are compared with
   layout is pipeline parallelism alone (the rule those methods are held to, tests/test_async_pipeline.py), within
   `TOLERANCE` where TP, CP or DP change reduction orders.
 
-Processes are shared: one launch per world size runs its layouts in sequence (each `pretrain` builds its process
-groups and forgets them after), and one one-process launch runs every reference and emulator, each reference once.
+Processes are shared: one launch per world size (2, then 4, then 8) runs its layouts in sequence (each `pretrain`
+builds its process groups and releases them after), and one one-process launch runs every reference and emulator,
+each reference once.
 A layout that fails or hangs ends its launch; the layouts after it run in a new one. The table (layout, the rules'
-verdict, what it was compared with, the largest relative difference) is printed and, with `--out`, written with the
+verdict, what it was compared with, the largest relative difference) is printed and written to `--out` with the
 command, commit, machine and load.
 """
 
@@ -305,7 +309,8 @@ def main(argv=None) -> int:
     parser = bench_common.parser(__doc__)
     parser.add_argument("--count", type=int, default=40, help="draw until this many layouts are accepted")
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--out", default=None, help="write the results here (e.g. bench/results/layout_sweep.md)")
+    parser.add_argument("--out", default=os.path.join("bench", "results", "layout_sweep.md"),
+                        help="the results file (default: %(default)s; \"\" writes none)")
     parser.add_argument("--workdir", default=None, help="where the runs write (default: a temporary directory)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv

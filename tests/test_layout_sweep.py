@@ -39,11 +39,36 @@ def suite_sample():
     return tuple(accepted), tuple(refused)
 
 
+# What the sweep found, each layout once wrong (relative difference to the emulator before its fix), now held to
+# the emulator like every other: SpecTrain with the distributed optimizer's overlapped gather, --overlap-param-gather.
+OVERLAP = dict(world=4, pp=2, method="spectrain", layers_per_virtual_stage=1, optimizer="sgd",
+               sharding="distributed-optimizer+overlap-gather")
+FINDINGS = {
+    # A backward's prediction made at the backward (not gathered with the step's) was gathered asynchronously,
+    # and no forward pre-hook waited for it: the backward read a half-gathered buffer (1.7e-4).
+    "backward-prediction": Layout(**OVERLAP, cp=2, update_interval=4),
+    # The chunked output loss reads the output layer's weight without calling the layer, whose pre-hook would
+    # have waited for its gather: in a bucket of its own, that forward ran on the previous prediction (1.5e-1).
+    "output-layer-bucket": Layout(**OVERLAP, small_buckets=True),
+    # A recomputed layer's weights were copied as its forward began, before its modules' pre-hooks waited for
+    # the gather: the recomputation ran on the old prediction (9.2e-5).
+    "recomputed-layer": Layout(**OVERLAP, recompute="full-uniform"),
+}
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
+def runs(tmp_path_factory):
+    """The sample's outcomes and, in the same launches, those of what the sweep found (FINDINGS)."""
     warm_imports()  # once here, not in every forked rank
     accepted, _ = suite_sample()
-    return run_layouts(accepted, str(tmp_path_factory.mktemp("layouts")), log=lambda line: None)
+    done = run_layouts(list(accepted) + list(FINDINGS.values()), str(tmp_path_factory.mktemp("layouts")),
+                       log=lambda line: None)
+    return done[:len(accepted)], dict(zip(FINDINGS, done[len(accepted):]))
+
+
+@pytest.fixture(scope="module")
+def outcomes(runs):
+    return runs[0]
 
 
 def test_sample_covers_the_space():
@@ -97,33 +122,9 @@ def test_the_comparison_fails_a_curve_that_moved():
     assert Outcome(Layout(world=2), "ok").row(1)[2] == "accepted"
 
 
-# What the sweep found, each layout once wrong (relative difference to the emulator before its fix), now held to
-# the emulator like every other: SpecTrain with the distributed optimizer's overlapped gather, --overlap-param-gather.
-OVERLAP = dict(world=4, pp=2, method="spectrain", layers_per_virtual_stage=1, optimizer="sgd",
-               sharding="distributed-optimizer+overlap-gather")
-FINDINGS = {
-    # A backward's prediction made at the backward (not gathered with the step's) was gathered asynchronously,
-    # and no forward pre-hook waited for it: the backward read a half-gathered buffer (1.7e-4).
-    "backward-prediction": Layout(**OVERLAP, cp=2, update_interval=4),
-    # The chunked output loss reads the output layer's weight without calling the layer, whose pre-hook would
-    # have waited for its gather: in a bucket of its own, that forward ran on the previous prediction (1.5e-1).
-    "output-layer-bucket": Layout(**OVERLAP, small_buckets=True),
-    # A recomputed layer's weights were copied as its forward began, before its modules' pre-hooks waited for
-    # the gather: the recomputation ran on the old prediction (9.2e-5).
-    "recomputed-layer": Layout(**OVERLAP, recompute="full-uniform"),
-}
-
-
-@pytest.fixture(scope="module")
-def findings(tmp_path_factory):
-    warm_imports()
-    outcomes = run_layouts(list(FINDINGS.values()), str(tmp_path_factory.mktemp("findings")), log=lambda line: None)
-    return dict(zip(FINDINGS, outcomes))
-
-
 @pytest.mark.parametrize("name", list(FINDINGS))
-def test_what_the_sweep_found_trains_like_its_emulator(findings, name):
-    outcome = findings[name]
+def test_what_the_sweep_found_trains_like_its_emulator(runs, name):
+    outcome = runs[1][name]
     assert verdict(outcome.layout) is None and outcome.against == "emulator"
     assert outcome.status == "ok" and outcome.max_rel <= 1e-5, (outcome.note, outcome.max_rel)
 

@@ -230,42 +230,36 @@ def max_relative_difference(curve: dict, expected: dict) -> float:
 
 
 def run_layouts(layouts: list[Layout], workdir: str, log=print) -> list[Outcome]:
-    """Run accepted layouts and compare each with its reference or emulator."""
-    outcomes = {}
-    runs = dict(enumerate(layouts))
+    """Run accepted layouts and compare each with its reference or emulator (outcomes in the layouts' order)."""
     references: dict[Layout, Job] = {}
-    expected: dict[int, str] = {}  # layout index -> the job of what it is compared with
-    for i, layout in runs.items():
-        if layout.is_async:
-            expected[i] = f"emulate-{i:03d}"
-            references[dataclasses.replace(layout)] = Job(expected[i], "emulate", layout)
-        else:
-            ref = layout.reference()
-            references.setdefault(ref, Job(f"reference-{len(references):03d}", "pretrain", ref))
-            expected[i] = references[ref].name
+    expected = []  # per layout, the job of what it is compared with
+    for layout in layouts:  # an asynchronous layout's emulator; a synchronous one's one-process run
+        ref = layout if layout.is_async else layout.reference()
+        kind = "emulate" if layout.is_async else "pretrain"
+        expected.append(references.setdefault(ref, Job(f"{kind}-{len(references):03d}", kind, ref)).name)
     started = time.perf_counter()
     curves = run_jobs(list(references.values()), 1, workdir)
     log(f"> {len(references)} references and emulators on 1 process: {time.perf_counter() - started:.1f} s")
     for world in WORLDS:
-        jobs = [Job(f"layout-{i:03d}", "pretrain", layout) for i, layout in runs.items() if layout.world == world]
+        jobs = [Job(f"layout-{i:03d}", "pretrain", layout) for i, layout in enumerate(layouts) if layout.world == world]
         if jobs:
             started = time.perf_counter()
             curves.update(run_jobs(jobs, world, workdir))
             log(f"> {len(jobs)} layouts on {world} processes: {time.perf_counter() - started:.1f} s")
-    for i, layout in runs.items():
-        curve, ref = curves[f"layout-{i:03d}"], curves[expected[i]]
+    outcomes = []
+    for i, (layout, name) in enumerate(zip(layouts, expected)):
+        curve, ref = curves[f"layout-{i:03d}"], curves[name]
         outcome = Outcome(layout, "ok", against=comparison(layout))
         if isinstance(curve, str) or isinstance(ref, str):
             outcome.status = "failed"
-            outcome.note = curve if isinstance(curve, str) else f"its {expected[i].split('-')[0]} failed: {ref}"
+            outcome.note = curve if isinstance(curve, str) else f"its reference ({name}) failed: {ref}"
         else:
             outcome.curve, outcome.expected = curve, ref
             outcome.max_rel = max_relative_difference(curve, ref)
-            limit = 0.0 if outcome.against == "emulator, bitwise" else TOLERANCE
-            if outcome.max_rel > limit:
+            if outcome.max_rel > (0.0 if outcome.against == "emulator, bitwise" else TOLERANCE):
                 outcome.status = "differs"
-        outcomes[i] = outcome
-    return [outcomes[i] for i in range(len(layouts))]
+        outcomes.append(outcome)
+    return outcomes
 
 
 def sweep(seed: int, count: int, workdir: str, log=print) -> list[Outcome]:

@@ -17,6 +17,7 @@ from megatron_po.periodic_work import PeriodicWork
 from megatron_po.run_controls import RunControls
 from megatron_po.run_rules import SkipGuard, loss_is_nonfinite
 from megatron_po.models.moe.report import moe_metrics
+from megatron_po.models.mtp import mtp_metrics
 from megatron_po.training_log import Progress
 from megatron_po.training_step import Trainable, TrainState, average_over_dp, last_checkpoint
 
@@ -130,7 +131,9 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
                                   ps.describe_rank(dist.get_rank()))
             # The loss chunk's lr clock: the schedule's lr of iteration g unless steps were skipped (fp16)
             lr = stage.scheduled_lr(stage.loss_chunk)
-            progress.iteration_done(g + 1, average_over_dp(mean), lr, last_norm, scale)
+            # The MTP block sits on this (the loss) stage: its losses of the forwards so far, like the LM loss's
+            mtp = mtp_metrics(cfg, model.chunks) if progress.logs(g + 1) else {}
+            progress.iteration_done(g + 1, average_over_dp(mean), lr, last_norm, scale, mtp=mtp)
 
     in_stream = getattr(workload, "eval_in_stream", False)  # else (NMT BLEU decoding) drain to evaluate
 

@@ -175,6 +175,15 @@ class ModelConfig:
                                                 "here, refused with one line")
     moe_layer_recompute: bool = _f(False, "MoE: Megatron's MoE-layer-only recomputation: not implemented here (use "
                                           "--recompute-granularity full), refused with one line")
+    # Multi-token prediction (DeepSeek-V3's; Megatron-core's flags and meanings; megatron_po/models/mtp.py, docs/mtp.md)
+    mtp_num_layers: int | None = _f(None, "multi-token prediction: N sequential MTP modules on the last pipeline stage "
+                                          "(DeepSeek-V3's); depth d combines the previous depth's states with the "
+                                          "embedding of the tokens d ahead, runs one transformer layer of the model's "
+                                          "last layer's kind and predicts token t+d+1 through the shared output layer "
+                                          "(default: none)")
+    mtp_loss_scaling_factor: float | None = _f(None, "MTP: the mean of the depths' losses times this factor is "
+                                                     "added to the LM loss for the backward (default 0.1 with "
+                                                     "--mtp-num-layers, as Megatron's; logged apart, not in lm loss)")
 
 
 @dataclass
@@ -562,6 +571,15 @@ def num_query_groups(m: ModelConfig) -> int:
 def recompute_granularity(m: ModelConfig) -> str | None:
     """The activation recomputation in effect: --recompute-activations is Megatron's alias of selective."""
     return "selective" if m.recompute_activations else m.recompute_granularity
+
+
+MTP_LOSS_SCALING_FACTOR = 0.1  # Megatron's default of --mtp-loss-scaling-factor
+
+
+def mtp_loss_scale(m: ModelConfig) -> float:
+    """--mtp-loss-scaling-factor in effect (Megatron's 0.1 when not given); None-default so that the flag given
+    without --mtp-num-layers can be refused."""
+    return MTP_LOSS_SCALING_FACTOR if m.mtp_loss_scaling_factor is None else m.mtp_loss_scaling_factor
 
 
 def fp8_backend(m: ModelConfig) -> str | None:

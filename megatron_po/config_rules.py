@@ -9,7 +9,7 @@ tests/test_config_rules.py: that test reads this table and fails when a rule has
 
 The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`), the FP8
 backend's and recipe's in models/fp8.py (`FP8_RULES`), the Mixture of Experts' in models/moe/rules.py
-(`MOE_RULES`). This
+(`MOE_RULES`), multi-token prediction's in models/mtp.py (`MTP_RULES`). This
 module sits above config.py (the tree and its derived values) and models/, so config.py imports nothing
 from models/.
 """
@@ -26,6 +26,7 @@ from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
 from megatron_po.models.fp8 import FP8_RULES
 from megatron_po.models.moe.rules import MOE_RULES
+from megatron_po.models.mtp import MTP_RULES
 from megatron_po.models.te_transformer import TE_RULES
 from megatron_po.optim.newton_schulz import coefficients
 from megatron_po.run_rules import SEED_LIMIT, SEED_STRIDE_PER_STAGE
@@ -655,4 +656,4 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + MOE_RULES + FP8_RULES + TE_RULES + NMT)
+                             + MEGATRON_SWITCHES + MOE_RULES + MTP_RULES + FP8_RULES + TE_RULES + NMT)

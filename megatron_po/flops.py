@@ -38,7 +38,8 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> f
     (h^2), MLP (2 h f, or 3 h f with SwiGLU; an MoE layer's active MLP: `moe_mlp_flops_per_token`), and
     attention scores + weighted values (2 s h, counting the full s x s square as Megatron does, although
     causal masking needs only half). Plus the output layer (h V). With f = 4h and no SwiGLU this is
-    Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token. `causal`: the attention counted over the causal
+    Megatron's 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token. Multi-token prediction adds its depths
+    (`mtp_flops_per_token`). `causal`: the attention counted over the causal
     half of the square (s h), the work a kernel that skips masked blocks does; at long sequences the two
     conventions part (bench/gpu/gpu_long_context.py).
     """
@@ -48,11 +49,24 @@ def gpt_flops_per_token(cfg: Config, vocab_size: int, causal: bool = False) -> f
     # output a h, scores + weighted values 2 s a; 4h^2 + 2 s h without GQA and --kv-channels.
     a, g = m.num_attention_heads * kv_channels(m), num_query_groups(m) * kv_channels(m)
     attention = 2 * (h * (a + 2 * g) + a * h + (1 if causal else 2) * s * a)
-    moe_layers = sum(moe_layer_pattern(m))
-    mlps = (L - moe_layers) * 2 * _mlp_multiply_adds(m, ffn_hidden_size(m))
+    pattern = moe_layer_pattern(m)
+    dense_mlp = 2 * _mlp_multiply_adds(m, ffn_hidden_size(m))
+    moe_layers = sum(pattern)
+    mlps = (L - moe_layers) * dense_mlp
     if moe_layers:
         mlps += moe_layers * moe_mlp_flops_per_token(m)
-    return 3.0 * (L * attention + mlps + 2 * h * vocab_size)
+    return 3.0 * (L * attention + mlps + 2 * h * vocab_size + mtp_flops_per_token(m, vocab_size, attention, dense_mlp))
+
+
+def mtp_flops_per_token(m: ModelConfig, vocab_size: int, attention: float, dense_mlp: float) -> float:
+    """Forward FLOPs per token of the --mtp-num-layers depths (models/mtp.py), Megatron's MTP terms: each depth runs
+    one layer of the last layer's kind (`attention` + its MLP), the 2h -> h projection (2h^2 multiply-adds) and the
+    shared output layer once more (h V). Their norms are not counted, as no norm is here (Megatron adds 3h)."""
+    if not m.mtp_num_layers:
+        return 0.0
+    h = m.hidden_size
+    mlp = moe_mlp_flops_per_token(m) if moe_layer_pattern(m)[-1] else dense_mlp
+    return m.mtp_num_layers * (attention + mlp + 2 * (2 * h * h + h * vocab_size))
 
 
 def nmt_flops_per_sample(hidden_size: int, ffn_hidden_size: int, encoder_num_layers: int, decoder_num_layers: int,

@@ -27,6 +27,7 @@ from megatron_po.distributed import launcher_death, save_lock
 from megatron_po.errors import ConfigError, DataError, RankError, SaveError, UserError
 from megatron_po.gpt_workload import GPTWorkload
 from megatron_po.models.moe.report import moe_metrics
+from megatron_po.models.mtp import mtp_metrics
 from megatron_po.periodic_work import PeriodicWork
 from megatron_po.run_controls import RunControls
 from megatron_po.run_rules import SkipGuard, launcher_rank
@@ -68,9 +69,10 @@ def pretrain(cfg: Config, workload=None) -> dict:
             logged = progress.logs(state.iteration)
             metrics = replica_metrics(cfg, model.ddp.params) if logged else {}  # --log-params-norm, ...
             moe = moe_metrics(cfg, model.chunks) if logged else {}  # the routers' losses and loads, per layer
+            mtp = mtp_metrics(cfg, model.chunks) if logged else {}  # the MTP depths' losses, on the loss stage
             progress.iteration_done(state.iteration, average_over_dp(loss) if holds_loss(cfg) else None, lr,
                                     grad_norm, model.optimizer.get_loss_scale() if cfg.precision.fp16 else None,
-                                    metrics=metrics, moe=moe)
+                                    metrics=metrics, moe=moe, mtp=mtp)
             controls.after_iteration(state.iteration)
             if periodic(collect=progress.boundary(state.iteration)):  # evaluate, save, exit as the intervals say
                 break

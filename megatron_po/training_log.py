@@ -17,6 +17,7 @@ from megatron_po.config import Config, global_batch_size, is_async, num_microbat
 from megatron_po.errors import RankError
 from megatron_po.models.compiled_layers import compile_summary
 from megatron_po.models.moe.report import moe_line
+from megatron_po.models.mtp import mtp_text
 from megatron_po.monitor import device_peak_tflops, memory_gb, timers
 from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.sample_schedule import SampleSchedule
@@ -147,7 +148,8 @@ class Progress:
     FLOPs per iteration / time / world size) and, given a peak, `mfu`; with `--timing-log-level` the
     logging rank's timers (`time/<name>`, ms per iteration); with pipelining the largest staleness of
     each stage (`staleness/stage<r>`); with MoE each MoE layer's auxiliary losses, tokens per expert and dropped
-    tokens (`moe/...`, models/moe/report.py). Evaluation and checkpoints (`excluded()`) are not timed. The
+    tokens (`moe/...`, models/moe/report.py); with multi-token prediction its losses (`mtp_loss`, the mean over
+    the depths, and `mtp_loss/depth<d>`, models/mtp.py). Evaluation and checkpoints (`excluded()`) are not timed. The
     console line is printed when an iteration is logged; its record is written once the iteration's
     evaluation (if any) is known, so `val_loss` joins the same JSON object."""
 
@@ -177,10 +179,13 @@ class Progress:
             ck.save and ck.save_interval and iteration % ck.save_interval == 0)
 
     def iteration_done(self, iteration: int, loss: float | None, lr: float, grad_norm: float | None,
-                       loss_scale: float | None = None, metrics: dict | None = None, moe: dict | None = None) -> None:
+                       loss_scale: float | None = None, metrics: dict | None = None, moe: dict | None = None,
+                       mtp: dict | None = None) -> None:
         """`metrics`: further numbers of a logged iteration (--log-params-norm, --log-num-zeros-in-grad), shown
         on its console line; `moe`: the MoE routers' per-layer numbers (models/moe/report.py), shown on a line
-        of their own. `grad_norm` None: the step was skipped (inf/NaN gradients under fp16/bf16)."""
+        of their own; `mtp`: the multi-token prediction losses since the last logged iteration (models/mtp.py
+        `mtp_metrics`), shown after the lm loss. `grad_norm` None: the step was skipped (inf/NaN gradients under
+        fp16/bf16)."""
         t, lc = self.cfg.training, self.cfg.logging
         if not self.compile_reported and self._backward_ran(iteration):  # the first ones compiled the layers
             self.compile_reported = True
@@ -218,6 +223,7 @@ class Progress:
             self.record[k] = v
             extra_text = f"{v:.3f}" if isinstance(v, float) else str(v)
             extra += f" | {k.replace('_', ' ')} {extra_text}"
+        self.record.update(mtp or {})
         self.record.update(moe or {})
         self.record.update(memory_gb())
         self.record.update(self.staleness)
@@ -226,7 +232,8 @@ class Progress:
         self.pending = self.record
         norm = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
         self.logger.log(None, f" iteration {iteration:6d}/{t.train_iters} | consumed samples {consumed} |"
-                              f" lm loss {self.record['lm_loss']:.4f} | lr {lr:.3e} | grad norm {norm} |"
+                              f" lm loss {self.record['lm_loss']:.4f}{mtp_text(mtp or {})} | lr {lr:.3e} |"
+                              f" grad norm {norm} |"
                               f" {sec_per_iter * 1000:.1f} ms/iter | tokens/s {tokens_per_sec:.0f}{extra}")
         if moe:
             self.logger.log(None, moe_line(moe))

@@ -106,12 +106,14 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
 
 def split_decoupled(groups: list[dict], chunks) -> list[dict]:
     """--decoupled-lr: the input word embedding and output layer weights (Megatron's
-    is_embedding_or_output_parameter; the last stage's copy of a tied embedding too) in groups of their own,
-    marked "decoupled", each keeping its weight decay."""
+    is_embedding_or_output_parameter; the last stage's copy of a tied embedding too, and the MTP block's, which
+    must step as the embedding it copies) in groups of their own, marked "decoupled", each keeping its weight
+    decay."""
     ids = set()
     for c in chunks:
-        if getattr(c, "embedding", None) is not None:
-            ids.add(id(c.embedding.word_embeddings.weight))
+        for embedding in (getattr(c, "embedding", None), getattr(getattr(c, "mtp", None), "embedding", None)):
+            if embedding is not None:
+                ids.add(id(embedding.word_embeddings.weight))
         if getattr(c, "output_layer", None) is not None:
             ids.add(id(c.output_layer.weight))
     out = []

@@ -51,18 +51,29 @@ def microbatches(n: int) -> list[dict]:
 
 def reference(n: int = M, **model):
     """One process, `n` micro-batches: (mean loss, {name: grad}, {layer: record}, the parameters' norm)."""
+    return reference_results(*reference_model(n, **model))
+
+
+def reference_results(net: GPTModel, loss: float):
+    """`reference`'s tuple from the one-process model after its backwards (`reference_model`)."""
+    grads = {f"model.{k}": p.grad for k, p in net.named_parameters()}
+    params_norm = torch.stack([p.detach().double().square().sum() for p in net.parameters()]).sum().sqrt().item()
+    return loss, grads, take_records([net]), params_norm
+
+
+def reference_model(n: int = M, **model) -> tuple[GPTModel, float]:
+    """The one-process model after its forwards and backwards over `n` micro-batches, and their mean loss."""
     torch.set_num_threads(1)
     model_parallel_seed(SEED)
     net = GPTModel(make_cfg(**model).model, VOCAB, SEED)
     losses = []
     for b in microbatches(n):
-        loss = masked_mean_loss(net(input_ids=b["tokens"], labels=b["labels"]), b["loss_mask"])
+        loss = masked_mean_loss(net(input_ids=b["tokens"], labels=b["labels"], loss_mask=b["loss_mask"]),
+                                b["loss_mask"])
         with aux_loss_scale(1.0 / n):  # what the executor gives every micro-batch
             (loss / n).backward()
         losses.append(loss.detach())
-    grads = {f"model.{k}": p.grad for k, p in net.named_parameters()}
-    params_norm = torch.stack([p.detach().double().square().sum() for p in net.parameters()]).sum().sqrt().item()
-    return torch.stack(losses).mean().item(), grads, take_records([net]), params_norm
+    return net, torch.stack(losses).mean().item()
 
 
 def _all_gather(t: torch.Tensor, group, n: int) -> list[torch.Tensor]:
@@ -93,6 +104,16 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
                     sequence_parallel: bool = False):
     """This rank's part of the global batch (M micro-batches per DP rank) through the synchronous executor and
     DDP: (mean loss on the loss rank or None, {global name: full grad}, {layer: record}, (grad norms, params norm))."""
+    loss, chunks, ddp = distributed_train(model, ep, etp, method, num_chunks, sequence_parallel)
+    grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
+    return ((loss.item() if loss is not None else None), grads, take_records(chunks),
+            grad_norms(ddp.params) + (params_norm(ddp.params),))
+
+
+def distributed_train(model: dict, ep: int = 1, etp: int | None = None, method: str = "1f1b", num_chunks: int = 1,
+                      sequence_parallel: bool = False):
+    """`distributed_run`'s forwards and backwards: (the loss averaged over DP on the loss rank or None, this
+    rank's chunks, their DDP with the gradients synchronized)."""
     torch.set_num_threads(1)
     ps.initialize_expert_parallel(ep, etp)
     model_parallel_seed(SEED)
@@ -114,9 +135,7 @@ def distributed_run(model: dict, ep: int = 1, etp: int | None = None, method: st
     if loss is not None and n > 1:
         dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
         loss = loss / n
-    grads = {f"model.{name}": full_grad(p) for name, p in named_parameters_global(chunks)}
-    return ((loss.item() if loss is not None else None), grads, take_records(chunks),
-            grad_norms(ddp.params) + (params_norm(ddp.params),))
+    return loss, chunks, ddp
 
 
 def grad_norms(params) -> tuple[float, float]:

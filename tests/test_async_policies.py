@@ -296,6 +296,8 @@ def replay(method, optimizer, weight_decay, rank, chunk_id, events, chunk0, spec
             batch = get_batch(mb)
             kwargs = {"input_ids": batch["tokens"] if model.pre_process else None,
                       "hidden_states": inputs.pop(mb), "labels": batch["labels"] if model.post_process else None}
+            if getattr(model, "reads_batch", False):  # as the executor calls it (an MTP block reads the tokens)
+                kwargs = {"input_ids": batch, "hidden_states": kwargs["hidden_states"]}
             grad = hybrid_grad(model, names, forward_weights.pop(mb), w_b, kwargs, ev["out_grad"])
             close(ev["grad"], grad, f"rank {rank} chunk {chunk_id} gradient of mb {mb}")
             accumulated = grad if accumulated is None else [a + g for a, g in zip(accumulated, grad)]

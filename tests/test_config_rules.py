@@ -23,6 +23,7 @@ TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
 CP2 = MOCK + ["--context-parallel-size", "2", "--attention-dropout", "0"]  # valid on 2 ranks
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 
 # (id, world size, argv, words the error line must contain)
 RULES = [
@@ -444,6 +445,14 @@ RULES = [
     ("moe-fp8-shared-dims", 1, MOCK + ["--num-experts", "8", "--fp8-format", "hybrid",
                                        "--moe-shared-expert-intermediate-size", "40"],
      ["--fp8-format needs the shared experts' size per TP rank (40) divisible by 16"]),
+    # Multi-token prediction (models/mtp.py)
+    ("mtp-num-layers>=1", 1, MOCK + ["--mtp-num-layers", "0"], ["--mtp-num-layers must be >= 1 (got 0)"]),
+    ("mtp-loss-scaling-factor-needs-mtp", 1, MOCK + ["--mtp-loss-scaling-factor", "0.3"],
+     ["--mtp-loss-scaling-factor weights the multi-token prediction loss: it needs --mtp-num-layers"]),
+    ("mtp-loss-scaling-factor>=0", 1, MOCK + MTP + ["--mtp-loss-scaling-factor", "-0.5"],
+     ["--mtp-loss-scaling-factor must be >= 0 (got -0.5)"]),
+    ("mtp-position-embedding", 1, MOCK + ["--mtp-num-layers", "1"],
+     ["--mtp-num-layers needs --position-embedding-type rope or none (got learned_absolute)"]),
 ]
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
@@ -491,6 +500,7 @@ NMT_RULES = [
     *[(f"{argv[0][2:]}-gpt-only", 1, NMT + argv, [f"{argv[0]} applies to pretrain_gpt.py: the NMT model's"])
       for argv in [["--kv-channels", "32"], ["--qk-layernorm"]]],
     ("moe-gpt-only", 1, NMT + ["--num-experts", "8"], ["--num-experts is wired for pretrain_gpt.py only"]),
+    ("mtp-gpt-only", 1, NMT + ["--mtp-num-layers", "1"], ["--mtp-num-layers predicts further tokens of pretrain_gpt.py"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
         [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]
@@ -541,7 +551,9 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     """Each row breaks one rule: its base (mock data; PP=2 async with untied embeddings; FP8 on a usable
     Transformer Engine, here the fake one; an NMT corpus) passes."""
     validate(parse_args(MOCK), 1)
+    validate(parse_args(MOCK + MTP + ["--mtp-loss-scaling-factor", "0.3"]), 1)
     validate(parse_args(CP2), 2)
+    validate(parse_args(CP2 + MTP), 2)
     validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)

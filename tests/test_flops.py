@@ -85,6 +85,28 @@ def test_moe_gpt_formula_equals_the_flop_counter_on_active_parameters(extra):
     assert flops == gpt_flops_per_token(cfg, vocab) * batch * cfg.model.seq_length
 
 
+@pytest.mark.parametrize("extra", [{}, {**MOE, "num_layers": 2, "moe_layer_freq": "([0]*1+[1]*1)"}],
+                         ids=["dense", "moe-depths"])
+def test_mtp_formula_equals_the_flop_counter(extra):
+    """--mtp-num-layers 2 (models/mtp.py): each depth's 2h -> h projection, its layer (an MoE layer where the last
+    layer is one) and the output layer once more, over all s positions, as `mtp_flops_per_token` counts them; the
+    counter sees the training forward and backward of the depths (the chunked output loss's gradients included)."""
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.model = ModelConfig(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                      hidden_dropout=0.0, attention_dropout=0.0), **extra,
+                               "position_embedding_type": "rope", "mtp_num_layers": 2})
+    vocab, batch = 256, 3
+    model = GPTModel(cfg.model, vocab, seed=1)
+    tokens = torch.randint(vocab, (batch, cfg.model.seq_length))
+    micro_batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(batch, cfg.model.seq_length)}
+    flops = measured_training_flops(lambda: model(micro_batch))
+    assert flops == gpt_flops_per_token(cfg, vocab) * batch * cfg.model.seq_length
+    without = Config()
+    without.model = ModelConfig(**{**vars(cfg.model), "mtp_num_layers": None})
+    assert gpt_flops_per_token(cfg, vocab) > gpt_flops_per_token(without, vocab) * 2  # 2 layers + 2 depths
+
+
 def test_moe_formula_closed_form_counts_k_experts_not_all():
     """Against the dense GPT: k experts of f / k each are the dense MLP of f plus the router (h E per token and MoE
     layer, x 2 x 3); more experts add only their router columns; shared experts add a dense MLP of their size."""

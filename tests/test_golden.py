@@ -77,3 +77,20 @@ def test_a_changed_configuration_is_reported():
     pinned = dict(golden.load(g.name), command=golden.command(g).replace("--lr 0.002", "--lr 0.003"))
     message = golden.compare(g, pinned, pinned)
     assert "configuration changed" in message and "update" in message
+
+
+def test_the_mtp_loss_is_a_series_of_its_own():
+    """A run with --mtp-num-layers logs `mtp_loss` apart from the LM loss: its curve pins it as a series of its own
+    (absent from runs without MTP), and a move in it alone is reported."""
+    records = [{"iteration": i, "lm_loss": 5.0 - i, "grad_norm": 1.0, "mtp_loss": 6.0 - i} for i in (1, 2, 3)]
+    curve = golden._curve(records)
+    assert curve["mtp_loss"] == [5.0, 4.0, 3.0] and curve["loss"] == [4.0, 3.0, 2.0] and "loss_scale" not in curve
+    assert "mtp_loss" not in golden._curve([{k: v for k, v in r.items() if k != "mtp_loss"} for r in records])
+    g = golden.BY_NAME["muon"]
+    pinned = dict(golden.load(g.name), command=golden.command(g))
+    pinned["mtp_loss"] = [2.0 * x for x in pinned["loss"]]
+    moved = dict(pinned, mtp_loss=pinned["mtp_loss"][:2] + [pinned["mtp_loss"][2] + 1e-3] + pinned["mtp_loss"][3:])
+    message = golden.compare(g, pinned, moved, pinned["machine"])
+    assert "moved at iteration 3 (bitwise" in message and f"mtp loss:  golden {pinned['mtp_loss'][2]!r}" in message
+    assert golden.compare(g, pinned, pinned, pinned["machine"]) is None
+    assert golden.largest_deviation(pinned, moved) > 0

@@ -5,7 +5,8 @@ A PP=2 PipeOptim run with --tensorboard-dir, --wandb-project (WANDB_MODE=offline
 loss, lr, grad norm, tokens/s, TFLOP/s per GPU, MFU, memory, the level-2 timers and each stage's
 staleness (1 and 0 for D = 2), and the evaluation; the method goes to W&B's summary and TensorBoard's
 text. A synchronous run at level 1 logs the coarse timers only. An MoE run (EP = 2, a capacity) logs each MoE
-layer's aux loss, z-loss, tokens per expert and dropped tokens to all three.
+layer's aux loss, z-loss, tokens per expert and dropped tokens to all three. A multi-token prediction run (PP = 2,
+PipeOptim) logs the MTP losses apart from the LM loss to all three and the console.
 """
 
 import math
@@ -118,3 +119,32 @@ def test_moe_run_logs_the_routers_per_layer_to_tensorboard_and_wandb(corpus, tmp
     _, history, _ = read_offline_run(str(run_dir))
     for h, r in zip(history, records):
         assert all(math.isclose(float(h[key]), r[key], rel_tol=1e-9) for key in layer | summary), h
+
+
+def test_mtp_run_logs_its_losses_apart_to_tensorboard_and_wandb(corpus, tmp_path, monkeypatch, capfd):
+    """--mtp-num-layers 2 under PipeOptim at PP = 2 (the block on the loss stage, its losses read there at every
+    logged iteration, like the LM loss): `mtp_loss` (the mean over the depths) and `mtp_loss/depth1`, `/depth2`
+    in the metrics file, TensorBoard and W&B alike, and after the lm loss on the console line."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "mtp"
+    out.mkdir()
+    argv = base_args(corpus, out, **{
+        "--mtp-num-layers": 2, "--position-embedding-type": "rope", "--pipeline-model-parallel-size": 2,
+        "--pipeline-method": "pipeoptim", "--untie-embeddings-and-output-weights": True, "--train-iters": 4,
+        "--log-interval": 2, "--eval-interval": 4, "--tensorboard-dir": str(out / "tb"), "--wandb-project": "mpo-test",
+        "--wandb-save-dir": str(out)})
+    assert run_distributed(run_pretrain, 2, args=(argv,), timeout=300) == [0, 0]
+    console = capfd.readouterr().out
+    assert console.count(" | mtp loss ") == 2 and " (depths " in console
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "lm_loss" in r]
+    keys = {"mtp_loss", "mtp_loss/depth1", "mtp_loss/depth2"}
+    assert len(records) == 2 and all({k for k in r if k.startswith("mtp")} == keys for r in records)
+    assert all(math.isclose(r["mtp_loss"], (r["mtp_loss/depth1"] + r["mtp_loss/depth2"]) / 2) for r in records)
+    scalars, _ = read_tensorboard(out / "tb")
+    for r in records:
+        for key in keys:
+            assert math.isclose(scalars[key][r["iteration"]], r[key], rel_tol=1e-6), key
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    _, history, _ = read_offline_run(str(run_dir))
+    for h, r in zip(history, records):
+        assert all(math.isclose(float(h[key]), r[key], rel_tol=1e-9) for key in keys), h

@@ -163,8 +163,11 @@ def export_hf(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     config.save_pretrained(args.out)
     save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    left_out = ""
+    if model.get("mtp_num_layers"):  # the HF classes have no MTP: the export computes the LM alone
+        left_out = f"; its {model['mtp_num_layers']} multi-token prediction depth(s) (mtp.*) left out"
     print(f"wrote {config.architectures[0]} (vocabulary {info['vocab_size']}, iteration {info['iteration']}) "
-          f"to {args.out}")
+          f"to {args.out}{left_out}")
 
 
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -296,11 +296,18 @@ def _launch(g: Golden, argv: list[str], out: str, as_command: bool = False) -> l
         return [r for r in map(json.loads, f) if "lm_loss" in r]
 
 
+# The series a curve pins, each where a run logs it: (curve key, record key, label in messages). The loss and grad
+# norm always; fp16's loss scale; multi-token prediction's loss (--mtp-num-layers), apart from the LM loss.
+SERIES = (("loss", "lm_loss", "loss"), ("grad_norm", "grad_norm", "grad norm"),
+          ("loss_scale", "loss_scale", "loss scale"), ("mtp_loss", "mtp_loss", "mtp loss"))
+OPTIONAL = ("loss_scale", "mtp_loss")
+
+
 def _curve(records: list[dict]) -> dict:
-    curve = {"iteration": [r["iteration"] for r in records], "loss": [r["lm_loss"] for r in records],
-             "grad_norm": [r["grad_norm"] for r in records]}
-    if any("loss_scale" in r for r in records):  # fp16
-        curve["loss_scale"] = [r.get("loss_scale") for r in records]
+    curve = {"iteration": [r["iteration"] for r in records]}
+    for key, logged, _ in SERIES:
+        if key not in OPTIONAL or any(logged in r for r in records):
+            curve[key] = [r.get(logged) for r in records]
     return curve
 
 
@@ -405,9 +412,9 @@ def _same(a, b, rtol) -> bool:
 
 
 def first_difference(golden: dict, measured: dict, rtol: float | None = None) -> int | None:
-    """The first position where the loss, the grad norm or (fp16) the loss scale moved (a curve of another
-    length moves where the shorter one ends), or None."""
-    keys = [k for k in ("loss", "grad_norm", "loss_scale") if k in golden or k in measured]
+    """The first position where the loss, the grad norm, (fp16) the loss scale or (MTP) the MTP loss moved (a curve
+    of another length moves where the shorter one ends), or None."""
+    keys = [k for k, _, _ in SERIES if k in golden or k in measured]
     for i in range(max(len(c.get(k, [])) for c in (golden, measured) for k in keys)):
         for key in keys:
             g, m = golden.get(key, []), measured.get(key, [])
@@ -417,9 +424,9 @@ def first_difference(golden: dict, measured: dict, rtol: float | None = None) ->
 
 
 def largest_deviation(golden: dict, measured: dict) -> float:
-    """The largest relative difference between two curves of the same length (the loss, the grad norm and the
-    loss scale alike; skipped steps left out)."""
-    return max((abs(m - g) / abs(g) for key in ("loss", "grad_norm", "loss_scale")
+    """The largest relative difference between two curves of the same length (every series alike; skipped steps
+    left out)."""
+    return max((abs(m - g) / abs(g) for key, _, _ in SERIES
                 for g, m in zip(golden.get(key, []), measured.get(key, []))
                 if g is not None and m is not None and g != 0), default=0.0)
 
@@ -444,11 +451,9 @@ def compare(g: Golden, golden: dict, measured: dict, here: dict | None = None) -
     unit = "micro-batch / step" if g.emulate is not None else "iteration"
     rule = "bitwise: the machine the golden was made on" if rtol is None else \
         f"rtol {rtol}: made on {golden['machine']}, this is {here}: {ELSEWHERE}"
-    return (f"{g.name}: moved at {unit} {i + 1} ({rule})\n"
-            f"  loss:      golden {at(golden, 'loss')}  now {at(measured, 'loss')}\n"
-            f"  grad norm: golden {at(golden, 'grad_norm')}  now {at(measured, 'grad_norm')}\n"
-            + (f"  loss scale: golden {at(golden, 'loss_scale')}  now {at(measured, 'loss_scale')}\n"
-               if "loss_scale" in golden else "") +
+    values = "".join(f"  {label + ':':<10} golden {at(golden, key)}  now {at(measured, key)}\n"
+                     for key, _, label in SERIES if key not in OPTIONAL or key in golden)
+    return (f"{g.name}: moved at {unit} {i + 1} ({rule})\n" + values +
             f"  golden made at commit {golden['commit']}\n"
             f"  reproduce: python tools/golden.py check {g.name}\n"
             f"  command:   {command(g)}\n  {fix}")

@@ -88,6 +88,12 @@ Notes where our reading differs in detail:
   break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
   dispatcher are refused, as are the listed Megatron flags marked refused. Asynchronous pipeline methods, the
   distributed optimizer and Muon are refused with MoE until issue 48's later items wire them. See docs/moe.md.
+- Multi-token prediction (`--mtp-num-layers`, `--mtp-loss-scaling-factor`): Megatron-core's names, default (0.1)
+  and meaning: DeepSeek-V3's sequential depths on the last virtual stage, their loss scaled by factor / N and
+  added to the LM loss for the backward, logged apart (`mtp_loss`). Where this code differs: the factor given
+  without `--mtp-num-layers` is refused (Megatron ignores it); evaluation reports the LM loss and does not run
+  the depths; under the asynchronous methods the MTP block's embedding on the last stage is that stage's own
+  parameter (checkpointed), not tied to the first stage's. See docs/mtp.md.
 - `--torch-compile`: Megatron-LM has no such flag (it fuses with hand-written kernels and Transformer Engine);
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline

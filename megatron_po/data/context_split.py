@@ -21,6 +21,7 @@ and the mean of the ranks' losses over CP is that micro-batch's loss.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_po import parallel_state as ps
 
@@ -51,6 +52,30 @@ def split_for_this_rank(batch: dict) -> dict:
     """`split_batch` for this rank's CP group (the batch unchanged without context parallelism)."""
     cp = ps.get_context_parallel_world_size()
     return batch if cp == 1 else split_batch(batch, cp, ps.get_context_parallel_rank())
+
+
+def whole_sequences(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `split_for_this_rank` for one [b, s / CP] tensor (no gradient): every CP rank's share
+    gathered into the whole sequences [b, s]; `t` itself without context parallelism. Collective over the CP
+    group."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(cp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_context_parallel_group())
+    s = t.shape[1] * cp
+    whole = t.new_empty(t.shape[0], s)
+    for r, part in enumerate(parts):
+        whole[:, token_indices(s, cp, r, t.device)] = part
+    return whole
+
+
+def this_rank_share(whole: torch.Tensor) -> torch.Tensor:
+    """This CP rank's share of a whole [b, s] tensor (`split_batch`'s); the tensor itself without CP."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return whole
+    return whole.index_select(1, token_indices(whole.shape[1], cp, ps.get_context_parallel_rank(), whole.device))
 
 
 def this_rank_positions(local_len: int, device) -> torch.Tensor | None:

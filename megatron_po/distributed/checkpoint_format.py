@@ -145,6 +145,18 @@ def named_buffers_global(chunks) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def copies_beside_their_embedding(chunks) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(copy, embedding) where this rank holds the word embedding and a copy of it (ZB-V's rank 0: the first and
+    the last virtual stage, whose MTP block copies the embedding): one checkpoint entry serves both, loaded into
+    the embedding (`named_parameters_for_load`), then copied into the copy (checkpoint_load.py)."""
+    embedding = next((c.embedding.word_embeddings.weight for c in chunks if getattr(c, "embedding", None) is not None
+                      and hasattr(c.embedding, "word_embeddings")), None)
+    if embedding is None:
+        return []
+    return [(p, embedding) for c in chunks for p in c.parameters()
+            if getattr(p, "embedding_copy", False) and p is not embedding]
+
+
 def named_parameters_for_load(chunks) -> list[tuple[str, torch.nn.Parameter]]:
     """`named_parameters_global` plus the last stage's tied-embedding copy under the embedding's name
     (it must be loaded too, weights and optimizer state alike: it is stepped like the embedding)."""

@@ -22,8 +22,8 @@ from megatron_po import parallel_state as ps
 from megatron_po.distributed.agreement import agree
 from megatron_po.distributed.checkpoint_dcp import (FlatRange, dcp_load, global_shape, global_view,
                                                     is_tp_shard, read_metadata)
-from megatron_po.distributed.checkpoint_format import (checkpoint_dir, find_checkpoint, named_buffers_global,
-                                                       named_parameters_for_load)
+from megatron_po.distributed.checkpoint_format import (checkpoint_dir, copies_beside_their_embedding, find_checkpoint,
+                                                       named_buffers_global, named_parameters_for_load)
 from megatron_po.distributed.checkpoint_integrity import has_manifest, verify_share
 from megatron_po.distributed.checkpoint_rng import set_rng_state
 from megatron_po.distributed.checkpoint_state import (grad_scalers, model_and_optimizer_state,
@@ -157,6 +157,8 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
         local[:n].copy_(full[rows:rows + n])
         if isinstance(target, FlatRange):
             target.copy_from_local(local)
+    for copy, embedding in copies_beside_their_embedding(chunks):  # one entry for both (ZB-V's rank 0 with MTP)
+        _copy_stepped(stepped, copy, embedding, load_optim)
     for inner in {id(x.inner): x.inner for x in stepped.values()}.values():
         inner.forget_kept_direction()  # ΔW kept from the last step describes the state before loading
     for wrapper in {id(x.wrapper): x.wrapper for x in stepped.values() if x.wrapper is not None}.values():
@@ -175,6 +177,22 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
             print(f"> {path} was saved under another parallel layout: random generators freshly seeded",
                   flush=True)
     return extra
+
+
+def _copy_stepped(stepped: dict, copy: torch.Tensor, source: torch.Tensor, with_optimizer: bool) -> None:
+    """`copy` made the loaded `source` again: the weights where the optimizer steps them (the parameter, its fp32
+    main param, or this data-parallel rank's piece of it: tied copies share their buckets' layout), and their
+    optimizer state."""
+    to, of = stepped.get(id(copy)), stepped.get(id(source))
+    if to is None or of is None:  # not stepped here: the model parameters themselves
+        copy.data.copy_(source.data)
+        return
+    if to.tensor is None or of.tensor is None:  # the distributed optimizer: other data-parallel ranks own it all
+        return
+    to.tensor.data.copy_(of.tensor.data)
+    if with_optimizer:
+        to.state.clear()
+        to.state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in of.state.items()})
 
 
 def _repad_buffers(state: dict, names, meta) -> list:

@@ -381,18 +381,19 @@ def allreduce_sequence_parallel_grads(params) -> None:
 
 
 def allreduce_embedding_grads(params) -> None:
-    """Tied input/output embeddings split across virtual stages: the last one holds a copy of the word
-    embedding (`embedding_copy`). Summing the two gradients keeps both copies equal after every step
-    (synchronous methods only). The copies may sit on one rank (one stage, several chunks) or on the
-    first and last pipeline ranks (the embedding group)."""
+    """The word embedding's copy on the last virtual stage (`embedding_copy`: tied input/output embeddings, or
+    the multi-token prediction block's, models/mtp.py). Summing the two gradients keeps both copies equal after
+    every step (synchronous methods only). The copies may sit on one rank (one stage, several chunks; ZB-V's
+    rank 0, which holds the first and the last virtual stage: summed there) or on the first and last pipeline
+    ranks (summed over the embedding group)."""
     shared = [p for p in params if getattr(p, "shared_embedding", False) and grad_of(p) is not None]
-    if not shared or not any(getattr(p, "embedding_copy", False) for p in shared) \
-            and ps.get_pipeline_model_parallel_world_size() == 1:
+    copies = sum(bool(getattr(p, "embedding_copy", False)) for p in shared)
+    if not shared or (copies == 0 and ps.get_pipeline_model_parallel_world_size() == 1):
         return
     total = grad_of(shared[0]).clone()
     for p in shared[1:]:
         total += grad_of(p)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if ps.get_pipeline_model_parallel_world_size() > 1 and copies in (0, len(shared)):  # the other end is there
         dist.all_reduce(total, group=ps.get_embedding_group())
     for p in shared:
         grad_of(p).copy_(total)

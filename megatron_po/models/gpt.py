@@ -2,7 +2,8 @@
 
 One `GPTModel` instance is one model chunk: a contiguous range of layers, with the embedding only when
 it is the first virtual pipeline stage (`pre_process`) and the final norm, output layer and loss only
-when it is the last (`post_process`). With one stage and one chunk it is the whole model.
+when it is the last (`post_process`), and there too the multi-token prediction depths (--mtp-num-layers,
+models/mtp.py). With one stage and one chunk it is the whole model.
 
 Initialization does not depend on the parallel layout: every layer is built from its own seed
 (derived from `--seed` and its global layer number), and tensor-parallel layers draw the full weight
@@ -22,6 +23,7 @@ from megatron_po.config import ModelConfig
 from megatron_po.data.context_split import this_rank_positions
 from megatron_po.data.document_masks import document_causal_mask
 from megatron_po.models.fp8 import enable_fp8, uses_torchao
+from megatron_po.models.mtp import MTPDepth, MultiTokenPrediction
 from megatron_po.models.recompute import layer_groups, run_layers
 from megatron_po.models.transformer import (RotaryEmbedding, TransformerLayer, build_norm, dropout, init_normal,
                                              rotary_dim)
@@ -99,7 +101,9 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, seed: int, *, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_layers: int | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, share_mtp_embedding: bool = True):
+        """`share_mtp_embedding` False (asynchronous methods): an MTP block on a chunk without the embedding owns
+        its copy of the word embedding instead of tying it to the first stage's (models/mtp.py)."""
         super().__init__()
         self.cfg = cfg
         self.pre_process, self.post_process = pre_process, post_process
@@ -114,8 +118,10 @@ class GPTModel(nn.Module):
         if pre_process:
             with _seeded(seed, -1):
                 self.embedding = Embedding(cfg, padded_vocab_size, sequence_parallel)
-            # Tied to the output layer (here or on the last virtual stage): see allreduce_embedding_grads.
-            self.embedding.word_embeddings.weight.shared_embedding = self.tie_output
+            # Tied to the output layer, or read by the MTP block (here or on the last virtual stage): see
+            # allreduce_embedding_grads.
+            mtp_elsewhere = bool(cfg.mtp_num_layers) and not post_process and share_mtp_embedding
+            self.embedding.word_embeddings.weight.shared_embedding = self.tie_output or mtp_elsewhere
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(rotary_dim(cfg), cfg.rotary_base, cfg.rotary_seq_len_interpolation_factor,
@@ -151,24 +157,55 @@ class GPTModel(nn.Module):
                     self.output_layer.weight = copy.weight
                     self.output_layer.weight.shared_embedding = True
                     self.output_layer.weight.embedding_copy = True  # not counted twice in norms/checkpoints
+        self.mtp = None
+        if post_process and cfg.mtp_num_layers:
+            self.mtp = self._build_mtp(cfg, padded_vocab_size, seed, sequence_parallel, share_mtp_embedding)
+            self.reads_batch = True  # the executor hands this chunk the micro-batch: MTP reads its tokens
+
+    def _build_mtp(self, cfg: ModelConfig, padded_vocab_size: int, seed: int, sequence_parallel: bool,
+                   share_embedding: bool) -> MultiTokenPrediction:
+        """The MTP depths, depth d's layer global layer L + d - 1 (its seed and, with MoE, its layer number), and
+        the block's copy of the word embedding where this chunk has none (models/mtp.py)."""
+        depths = []
+        for number in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers):
+            with _seeded(seed, number):
+                depths.append(MTPDepth(cfg, sequence_parallel, build_transformer_layer(cfg, sequence_parallel, number)))
+        mtp = MultiTokenPrediction(cfg, depths)
+        if not self.pre_process:
+            with _seeded(seed, -1):  # the embedding's draws: equal to the first stage's at the start
+                mtp.embedding = Embedding(cfg, padded_vocab_size, sequence_parallel)
+            word = mtp.embedding.word_embeddings
+            if self.tie_output:  # the output layer's copy of the embedding serves MTP too
+                word.weight = self.output_layer.weight
+            elif share_embedding:
+                word.weight.shared_embedding = True
+                word.weight.embedding_copy = True
+        return mtp
 
     def forward(self, input_ids: torch.Tensor | dict | None = None, hidden_states: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                loss_normalizer: torch.Tensor | None = None) -> torch.Tensor:
         """First stage takes `input_ids` [b, s]; later stages take `hidden_states` [s, b, h].
-        With `reads_batch` set (--reset-position-ids / --reset-attention-mask) every stage is handed the
-        micro-batch dict instead, whose `position_ids` / `document_ids` [b, s] shape positions and mask.
+        With `reads_batch` set (--reset-position-ids / --reset-attention-mask, or the MTP block here) every
+        stage is handed the micro-batch dict instead, whose `position_ids` / `document_ids` [b, s] shape
+        positions and mask.
 
         Returns hidden states [s, b, h] (not the last stage), per-token losses [b, s] (last stage with
-        labels) or vocab-parallel logits [s, b, V/tp] (last stage without labels). `loss_mask` [b, s]: how the
-        caller will weight the per-token losses (the chunked output loss then computes its gradients in the
-        forward, `output_loss`).
+        labels; in training with the MTP loss attached, models/mtp.py) or vocab-parallel logits [s, b, V/tp]
+        (last stage without labels). `loss_mask` [b, s]: how the caller will weight the per-token losses (the
+        chunked output loss then computes its gradients in the forward, `output_loss`); `loss_normalizer`: what
+        the caller divides their masked sum by, where not the micro-batch's own loss tokens (the MTP loss
+        follows it).
         """
         position_ids = attn_mask = None
+        tokens = input_ids  # the MTP block reads them on the last stage
         if isinstance(input_ids, dict):
             batch = input_ids
-            input_ids = batch["tokens"] if self.pre_process else None
+            tokens = batch["tokens"]
+            input_ids = tokens if self.pre_process else None
             labels = batch.get("labels") if self.post_process else None
             loss_mask = batch.get("loss_mask") if self.post_process else None
+            loss_normalizer = batch.get("loss_normalizer") if self.post_process else None
             position_ids = batch.get("position_ids")
             if "document_ids" in batch:  # context parallelism: the attention masks each key block itself
                 ids = batch["document_ids"]
@@ -190,7 +227,13 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if labels is None:
             return self.output_layer(x)[0]  # [s, b, V/tp]; gathers the sequence under sequence parallel
-        return self.output_loss(x, labels, loss_mask=loss_mask)
+        losses = self.output_loss(x, labels, loss_mask=loss_mask)
+        if self.mtp is None or not self.training:
+            return losses
+        with self.layers_context():
+            return self.mtp(x, tokens, labels, loss_mask, losses, rotary=rotary, extra=extra,
+                            embedding=self.embedding if self.pre_process else self.mtp.embedding,
+                            output_loss=self.output_loss, loss_normalizer=loss_normalizer)
 
     def output_loss(self, x: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
                     loss_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -73,7 +73,8 @@ _SWIGLU_MLP = [
     ("mlp.fc2.bias", "layernorm_mlp.fc2.bias"),
 ]
 _TE_TO_LOCAL = {te: local for local, te in _ATTENTION + _GELU_MLP + _SWIGLU_MLP}
-_LAYER = re.compile(r"^(.*?layers\.\d+\.)(.+)$")  # "<prefix>layers.<N>.", the rest
+# "<prefix>layers.<N>." (an MTP depth's layer: "mtp.layers.<d>.transformer_layer.", models/mtp.py), the rest
+_LAYER = re.compile(r"^(.*?layers\.\d+\.(?:transformer_layer\.)?)(.+)$")
 
 # The TE modules of one `te.TransformerLayer` that carry an `_extra_state` entry.
 TRANSFORMER_LAYER_MODULES = ("self_attention.layernorm_qkv", "self_attention.core_attention",

@@ -22,7 +22,7 @@ from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_q
                                  recompute_granularity)
 from megatron_po.models.context_parallel_attention import context_parallel_attention
 from megatron_po.models.moe.layer import MoELayer
-from megatron_po.models.moe.layout import moe_layer_pattern
+from megatron_po.models.moe.layout import moe_layer_numbers
 from megatron_po.models.recompute import maybe_recompute
 from megatron_po.tensor_parallel import ColumnParallelLinear, RowParallelLinear, on_model_parallel_rng
 
@@ -296,8 +296,9 @@ class MLP(nn.Module):
 
 def build_mlp(cfg: ModelConfig, sequence_parallel: bool, layer_number: int | None) -> nn.Module:
     """The MLP of global layer `layer_number`: a mixture of experts where --num-experts and --moe-layer-freq
-    say so (models/moe/), else the dense MLP."""
-    if layer_number is None or not moe_layer_pattern(cfg)[layer_number]:
+    say so (models/moe/), else the dense MLP. The layers numbered after the decoder's are the MTP depths'
+    (models/mtp.py): of the kind of the last layer, as Megatron builds them from the last layer's spec."""
+    if layer_number is None or layer_number not in moe_layer_numbers(cfg):
         return MLP(cfg, sequence_parallel)
     size = cfg.moe_shared_expert_intermediate_size
     shared = (lambda: MLP(cfg, sequence_parallel, size)) if size else None  # noqa: E731

@@ -37,6 +37,7 @@ Both use the same `AsyncStage`, so their updates are identical.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,6 +69,14 @@ def check_async_config(cfg: Config, method: str, num_stages: int, num_chunks: in
         raise ConfigError(f"the async update interval must be an integer >= 1, got {update_interval!r}")
     if num_stages < 1 or num_chunks < 1:
         raise ConfigError(f"need num_stages >= 1 and num_chunks >= 1, got {num_stages}, {num_chunks}")
+
+
+def with_method(cfg: Config, method: str) -> Config:
+    """`cfg` running --pipeline-method `method` (the engines take the method apart from the config; the chunks'
+    build reads it: an MTP block apart from the embedding owns its copy under the asynchronous methods)."""
+    if cfg.parallel.pipeline_method == method:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_method=method))
 
 
 def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
@@ -145,6 +154,7 @@ class AsyncEmulator:
                  lr_fn: Callable[[int], float] | None = None, clip_grad: float | None = None,
                  build_chunks=build_chunks_for_rank, **policy_options):
         check_async_config(cfg, method, num_stages, num_chunks, update_interval)
+        cfg = with_method(cfg, method)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = num_stages, num_chunks, update_interval
         optimizer_name, optimizer_kwargs, clip_grad = _training_defaults(cfg, optimizer_name, optimizer_kwargs,
@@ -248,6 +258,7 @@ class AsyncPipelineRank:
         D = ps.get_pipeline_model_parallel_world_size()
         v = num_chunks if num_chunks is not None else virtual_pipeline_size(cfg)
         check_async_config(cfg, method, D, v, update_interval)
+        cfg = with_method(cfg, method)
         self.cfg, self.method = cfg, method
         self.num_stages, self.num_chunks, self.update_interval = D, v, update_interval
         self.rank = ps.get_pipeline_model_parallel_rank()

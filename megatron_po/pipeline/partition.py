@@ -3,7 +3,8 @@
 Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering; ZB-V's "v" placement:
 `schedules.virtual_stage`) holds the contiguous layers
 `[vs*n, (vs+1)*n)` with `n = L / (D*v)`; virtual stage 0 also holds the embedding and the last one
-the final norm, output layer and loss. Every builder of a rank's chunks ends in `placed` (device,
+the final norm, output layer and loss, and the multi-token prediction depths (--mtp-num-layers, Megatron's
+placement: beside its n layers, models/mtp.py). Every builder of a rank's chunks ends in `placed` (device,
 --torch-compile).
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import Config, virtual_pipeline_size
+from megatron_po.config import Config, is_async, virtual_pipeline_size
 from megatron_po.errors import ConfigError
 from megatron_po.models.compiled_layers import compile_layers
 from megatron_po.models.gpt import GPTModel
@@ -54,8 +55,10 @@ def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages:
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)
     for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
+        # asynchronous stages sum no gradient across stages: an MTP block apart from the embedding owns its copy
         chunks.append(GPTModel(cfg.model, padded_vocab, cfg.training.seed,
-                               sequence_parallel=cfg.parallel.sequence_parallel, **placement))
+                               sequence_parallel=cfg.parallel.sequence_parallel,
+                               share_mtp_embedding=not is_async(cfg), **placement))
     return placed(cfg, chunks, device)
 
 

@@ -65,6 +65,14 @@ def moe_layer_pattern(m: ModelConfig) -> list[bool]:
     return parse_layer_freq(m.moe_layer_freq, m.num_layers)
 
 
+def moe_layer_numbers(m: ModelConfig) -> list[int]:
+    """The global numbers of the MoE layers: the decoder's (`moe_layer_pattern`), then the MTP depths' layers
+    (L .. L + --mtp-num-layers - 1, models/mtp.py) where the last decoder layer is an MoE layer."""
+    pattern = moe_layer_pattern(m)
+    mtp = range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0)) if pattern and pattern[-1] else []
+    return [i for i, moe in enumerate(pattern) if moe] + list(mtp)
+
+
 def expert_ffn_hidden_size(m: ModelConfig) -> int:
     """One expert's MLP hidden size: --moe-ffn-hidden-size, else --ffn-hidden-size (Megatron's default)."""
     return m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else ffn_hidden_size(m)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config
 from megatron_po.models.moe.layer import take_records
-from megatron_po.models.moe.layout import moe_layer_pattern
+from megatron_po.models.moe.layout import moe_layer_numbers
 
 
 def _reported_losses(cfg: Config) -> list[str]:
@@ -46,7 +46,7 @@ def moe_metrics(cfg: Config, chunks) -> dict[str, float]:
     rank, the same dict on each. {} without --num-experts."""
     if cfg.model.num_experts is None:
         return {}
-    layers = [i for i, moe in enumerate(moe_layer_pattern(cfg.model)) if moe]
+    layers = moe_layer_numbers(cfg.model)  # with the MTP depths' MoE layers, numbered after the decoder's
     row = {number: r for r, number in enumerate(layers)}
     losses = _reported_losses(cfg)
     # Per layer: the losses summed over the forwards, the forwards, dropped pairs, tokens per expert.

@@ -13,7 +13,7 @@ import torch
 from megatron_po.config import fp8_backend, recompute_granularity
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.models.moe.experts import grouped_mm_error
-from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_pattern, parse_layer_freq
+from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_numbers, parse_layer_freq
 
 
 def _moe(c: Ctx) -> bool:
@@ -147,7 +147,7 @@ def moe_summary(cfg) -> str:
     """The start-up line: where the experts are and how tokens reach them."""
     import megatron_po.parallel_state as ps
     m = cfg.model
-    layers = [i for i, moe in enumerate(moe_layer_pattern(m)) if moe]
+    layers = moe_layer_numbers(m)
     capacity = (f"capacity factor {m.moe_expert_capacity_factor} ({m.moe_token_drop_policy} drop policy"
                 f"{', padded' if m.moe_pad_expert_input_to_capacity else ''})"
                 if m.moe_expert_capacity_factor is not None else "dropless")

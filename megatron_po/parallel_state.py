@@ -167,6 +167,7 @@ _STATE: _State | None = None
 # Of the world group and every group built here (new_group would otherwise default to 30 minutes).
 _TIMEOUT = datetime.timedelta(minutes=10)
 _MADE: list = []  # every group initialize_model_parallel and initialize_expert_parallel made (destroy_model_parallel)
+_ON_RELEASE: list = []  # what modules holding objects built on the groups drop when they go (`on_release`)
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
@@ -303,6 +304,14 @@ def _new_group(ranks: list[int]):
     return group
 
 
+def on_release(callback) -> None:
+    """`callback()` runs as destroy_model_parallel releases the groups: a module that keeps objects built on them
+    (pipeline/executor.py's transports) drops them there, in the process that made them (a forked child that
+    dropped the last reference to an object holding its parent's group would run that group's destructor, which
+    waits for threads that did not survive the fork)."""
+    _ON_RELEASE.append(callback)
+
+
 def destroy_model_parallel() -> None:
     """Forget the groups and release them (the watchdog, if one runs, is stopped first: rank_watchdog.stop_watchdog).
     Each gloo group holds threads and connections until it is destroyed: a process that builds groups again and
@@ -310,6 +319,8 @@ def destroy_model_parallel() -> None:
     another."""
     global _STATE, _EXPERT
     _STATE = _EXPERT = None
+    for callback in _ON_RELEASE:
+        callback()
     while _MADE:
         group = _MADE.pop()
         with contextlib.suppress(ValueError):  # gone already, with the default group

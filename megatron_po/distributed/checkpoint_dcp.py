@@ -34,6 +34,14 @@ from megatron_po.errors import UserError
 _MESH = None
 
 
+def _forget_mesh() -> None:
+    global _MESH
+    _MESH = None
+
+
+ps.on_release(_forget_mesh)  # the mesh is built on the TP group: it goes with the groups
+
+
 def _tp_mesh():
     from torch.distributed.device_mesh import DeviceMesh
     global _MESH

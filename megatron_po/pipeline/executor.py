@@ -412,8 +412,8 @@ def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict
 # --------------------------------------------------------------------------------------------------
 
 _SCHEDULE_CACHE: dict = {}
-_TRANSPORT: dict = {}  # (D, v, message_specs) -> the transport over `_TRANSPORT_GROUP`, the current pipeline group
-_TRANSPORT_GROUP = None
+_TRANSPORT: dict = {}  # (D, v, message_specs) -> the transport over the pipeline group
+ps.on_release(_TRANSPORT.clear)  # a transport sends over the groups it was made with: it goes with them
 
 
 def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False,
@@ -429,13 +429,6 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
     key = (method, D, v, M)
     if key not in _SCHEDULE_CACHE:
         _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
-    global _TRANSPORT_GROUP
-    if _TRANSPORT_GROUP is not ps.get_pipeline_model_parallel_group():
-        # A transport sends over the group it was made with: after the groups are rebuilt (and the old ones released,
-        # parallel_state.destroy_model_parallel) the old transports go, and with them the last references to the old
-        # groups, whose threads a reference would keep alive.
-        _TRANSPORT.clear()
-        _TRANSPORT_GROUP = ps.get_pipeline_model_parallel_group()
     if (D, v, message_specs) not in _TRANSPORT:
         _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
     transport = _TRANSPORT[(D, v, message_specs)]

@@ -39,15 +39,15 @@ def next_boundary(iteration: int, cfg: Config, eval_drains: bool = False) -> int
     return min([t.train_iters] + [(iteration // n + 1) * n for n in intervals])
 
 
-def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None,
-                       schedule: SampleSchedule | None = None):
-    """This rank of an asynchronous pipeline. The LR schedule is counted in iterations (global
-    batches), so warm-up and decay span the same samples as in synchronous training although a stage
-    steps `microbatches_per_iteration / k` times per iteration."""
-    from megatron_po.pipeline.async_pipeline import AsyncPipelineRank, optimizer_kwargs_from_config
+def async_engine_arguments(cfg: Config, microbatches_per_iteration: int, schedule: SampleSchedule) -> dict:
+    """The keyword arguments, taken from the flags, that this rank of the pipeline (`AsyncPipelineRank`) and the
+    one-process emulator of the same run (`AsyncEmulator`, tools/layout_sweep.py) are built with: the update
+    interval, the optimizer's settings, the lr of every step, the clip norm and the method's options. The LR
+    schedule is counted in iterations (global batches), so warm-up and decay span the same samples as in
+    synchronous training although a stage steps `microbatches_per_iteration / k` times per iteration."""
+    from megatron_po.pipeline.async_pipeline import optimizer_kwargs_from_config
     p, t = cfg.parallel, cfg.training
     k = update_interval(cfg)
-    schedule = schedule or SampleSchedule(cfg, dist.get_world_size())
     steps_per_iteration = microbatches_per_iteration // k
     kwargs = optimizer_kwargs_from_config(t)
     if t.optimizer == "sgd":
@@ -62,12 +62,36 @@ def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteratio
                        delay_compensation_adaptive=p.delay_compensation_adaptive)
     options["staleness_lr_scaling"] = p.staleness_lr_scaling
     options["error_feedback"] = p.async_error_feedback
-    workload = workload or GPTWorkload(cfg)
-    return AsyncPipelineRank(cfg, padded_vocab, p.pipeline_method, update_interval=k, optimizer_kwargs=kwargs,
-                             lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), clip_grad=t.clip_grad,
-                             message_specs=workload.message_specs(t.micro_batch_size),
-                             build_chunks=workload.chunks_for_rank, **options)
+    return dict(update_interval=k, optimizer_kwargs=kwargs, clip_grad=t.clip_grad,
+                lr_fn=lambda step: schedule.lr_at(step // steps_per_iteration), **options)
 
+
+def build_async_engine(cfg: Config, padded_vocab: int, microbatches_per_iteration: int, workload=None,
+                       schedule: SampleSchedule | None = None):
+    """This rank of an asynchronous pipeline."""
+    from megatron_po.pipeline.async_pipeline import AsyncPipelineRank
+    schedule = schedule or SampleSchedule(cfg, dist.get_world_size())
+    workload = workload or GPTWorkload(cfg)
+    return AsyncPipelineRank(cfg, padded_vocab, cfg.parallel.pipeline_method,
+                             message_specs=workload.message_specs(cfg.training.micro_batch_size),
+                             build_chunks=workload.chunks_for_rank,
+                             **async_engine_arguments(cfg, microbatches_per_iteration, schedule))
+
+
+def loss_stage_grad_norm(stage) -> float:
+    """The grad norm an asynchronous run logs: the loss stage's, at its chunks' last steps (before clipping)."""
+    return next((n for n in reversed(stage.grad_norms) if n is not None), float("nan"))
+
+
+def stream_batches(cfg: Config, workload, train_ds, world: int):
+    """mb -> this DP rank's share of micro-batch `mb` of the stream: micro-batch mb % M of global batch mb // M
+    (same data order as synchronous training)."""
+    gbs, num_mb, mbs = global_batch_size(cfg, world), num_microbatches(cfg, world), cfg.training.micro_batch_size
+
+    def batch_of(mb: int) -> dict:
+        g, m = divmod(mb, num_mb)
+        return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
+    return batch_of
 
 
 def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainState, train_ds, schedule: SampleSchedule,
@@ -77,14 +101,8 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
     t, ck = cfg.training, cfg.checkpoint
     engine = model.engine
     world = dist.get_world_size()
-    gbs, num_mb, mbs = global_batch_size(cfg, world), num_microbatches(cfg, world), t.micro_batch_size
-
-    def batch_of(mb: int) -> dict:
-        """Micro-batch `mb` of the stream is micro-batch mb % M of global batch mb // M (same data
-        order as synchronous training)."""
-        g, m = divmod(mb, num_mb)
-        return workload.microbatches(train_ds, g * gbs + m * mbs * ps.get_data_parallel_world_size(), 1, mbs)[0]
-
+    gbs, num_mb = global_batch_size(cfg, world), num_microbatches(cfg, world)
+    batch_of = stream_batches(cfg, workload, train_ds, world)
     pending: dict[int, list] = {}
     skipped_steps_seen = 0  # the loss stage's skipped steps already reported
     check_nan = t.check_for_nan_in_loss_and_grad and not cfg.precision.fp16  # fp16: the loss scaler skips
@@ -100,7 +118,7 @@ def train_asynchronous(cfg: Config, workload, model: Trainable, state: TrainStat
         if len(pending[g]) == num_mb:
             mean = torch.stack(pending.pop(g)).mean()
             stage = engine.stage
-            last_norm = next((n for n in reversed(stage.grad_norms) if n is not None), float("nan"))
+            last_norm = loss_stage_grad_norm(stage)
             # Steps are stage-local here: the iteration counts as skipped when this (the loss) stage
             # skipped a step for inf/NaN gradients since the last one; fp16 logs this stage's scale.
             skipped = sum(stage.skipped_steps)

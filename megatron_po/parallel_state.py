@@ -24,6 +24,7 @@ which a blocked peer cannot tell from slow ones, and makes every rank exit with 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -165,6 +166,8 @@ class _State:
 _STATE: _State | None = None
 # Of the world group and every group built here (new_group would otherwise default to 30 minutes).
 _TIMEOUT = datetime.timedelta(minutes=10)
+_MADE: list = []  # every group initialize_model_parallel and initialize_expert_parallel made (destroy_model_parallel)
+_ON_RELEASE: list = []  # what modules holding objects built on the groups drop when they go (`on_release`)
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
@@ -233,36 +236,36 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         for d in range(dp):
             for c in range(cp):
                 ranks = [at(t, d, p, c) for t in range(tp)]
-                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                g = _new_group(ranks)
                 if (d, p, c) == (my_dp, my_pp, my_cp):
                     st.tp_group, st.tp_ranks = g, tuple(ranks)
     for p in range(pp):
         for t in range(tp):
             for c in range(cp):
                 ranks = [at(t, d, p, c) for d in range(dp)]
-                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                g = _new_group(ranks)
                 if (t, p, c) == (my_tp, my_pp, my_cp):
                     st.dp_group, st.dp_ranks = g, tuple(ranks)
     for d in range(dp):
         for c in range(cp):
             for t in range(tp):
                 ranks = [at(t, d, p, c) for p in range(pp)]
-                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                g = _new_group(ranks)
                 if (t, d, c) == (my_tp, my_dp, my_cp):
                     st.pp_group, st.pp_ranks = g, tuple(ranks)
                 emb = sorted({ranks[0], ranks[-1]})
-                g = dist.new_group(emb, timeout=_TIMEOUT)
+                g = _new_group(emb)
                 if (t, d, c) == (my_tp, my_dp, my_cp):
                     st.embedding_group = g
     for d in range(dp):
         for c in range(cp):
             ranks = [at(t, d, p, c) for p in range(pp) for t in range(tp)]
-            g = dist.new_group(ranks, timeout=_TIMEOUT)
+            g = _new_group(ranks)
             if (d, c) == (my_dp, my_cp):
                 st.model_parallel_group = g
     for p in range(pp):
         ranks = [at(t, d, p, c) for d in range(dp) for c in range(cp) for t in range(tp)]
-        g = dist.new_group(ranks, timeout=_TIMEOUT)
+        g = _new_group(ranks)
         if p == my_pp:
             st.tp_dp_group = g
     if cp > 1:  # with CP = 1 these are the TP-less DP groups above (no new groups: the same order as before)
@@ -279,13 +282,13 @@ def _context_parallel_groups(st: _State, at, my_tp: int, my_dp: int, my_pp: int,
         for d in range(st.dp):
             for t in range(st.tp):
                 ranks = [at(t, d, p, c) for c in range(st.cp)]
-                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                g = _new_group(ranks)
                 if (t, d, p) == (my_tp, my_dp, my_pp):
                     st.cp_group, st.cp_ranks = g, tuple(ranks)
     for p in range(st.pp):
         for t in range(st.tp):
             ranks = [at(t, d, p, c) for d in range(st.dp) for c in range(st.cp)]
-            g = dist.new_group(ranks, timeout=_TIMEOUT)
+            g = _new_group(ranks)
             if (t, p) == (my_tp, my_pp):
                 st.dp_cp_group, st.dp_cp_ranks = g, tuple(ranks)
 
@@ -294,11 +297,35 @@ def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
 
+def _new_group(ranks: list[int]):
+    """A process group of `ranks` (every rank calls it, in the same order), released by destroy_model_parallel."""
+    group = dist.new_group(ranks, timeout=_TIMEOUT)
+    _MADE.append(group)
+    return group
+
+
+def on_release(callback) -> None:
+    """`callback()` runs as destroy_model_parallel releases the groups: a module that keeps objects built on them
+    (pipeline/executor.py's transports) drops them there, in the process that made them (a forked child that
+    dropped the last reference to an object holding its parent's group would run that group's destructor, which
+    waits for threads that did not survive the fork)."""
+    _ON_RELEASE.append(callback)
+
+
 def destroy_model_parallel() -> None:
-    """Forget the groups (the watchdog, if one runs, is stopped first: rank_watchdog.stop_watchdog)."""
+    """Forget the groups and release them (the watchdog, if one runs, is stopped first: rank_watchdog.stop_watchdog).
+    Each gloo group holds threads and connections until it is destroyed: a process that builds groups again and
+    again (a launch running many layouts, tools/layout_sweep.py) would pile them up. Local: no rank waits for
+    another."""
     global _STATE, _EXPERT
     _STATE = _EXPERT = None
     _MESHES.clear()
+    for callback in _ON_RELEASE:
+        callback()
+    while _MADE:
+        group = _MADE.pop()
+        with contextlib.suppress(ValueError):  # gone already, with the default group
+            dist.destroy_process_group(group)
 
 
 def _st() -> _State:
@@ -477,7 +504,7 @@ def initialize_expert_parallel(expert_model_parallel_size: int = 1,
         for kind, field_name in (("etp", "etp_group"), ("ep", "ep_group"), ("dispatch", "dispatch_group"),
                                  ("edp", "edp_group")):
             for ranks in layout[kind]:
-                g = dist.new_group(ranks, timeout=_TIMEOUT)
+                g = _new_group(ranks)
                 if rank in ranks:
                     setattr(ex, field_name, g)
                     if kind == "ep":
@@ -487,7 +514,7 @@ def initialize_expert_parallel(expert_model_parallel_size: int = 1,
         for d, ranks in enumerate(layout["dispatch"]):
             mp.setdefault(d, []).extend(ranks)
     for d in sorted(mp):
-        g = dist.new_group(sorted(mp[d]), timeout=_TIMEOUT)
+        g = _new_group(sorted(mp[d]))
         if rank in mp[d]:
             ex.expert_mp_group = g
     _EXPERT = ex

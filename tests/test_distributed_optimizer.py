@@ -304,6 +304,46 @@ def test_overlapped_param_gather_equals_blocking_gather():
         assert pending_a == [0, 0, 0] and pending_b == [num_buckets] * 3  # gathers left to the next forward
 
 
+def _read_outside_forward():
+    """Untied output layer (its own bucket): the chunked output loss reads its weight, not its forward."""
+    model, ddp, opt = build("adam", True, overlap=True, cfg="llama")
+    alone = [b.params for b in ddp.buckets if any(p is model.output_layer.weight for p in b.params)][0]
+    train_step(model, ddp, opt, 0)  # the step leaves every bucket's all-gather pending
+    batch = make_batch(n=2, seed=9)
+    with torch.no_grad():
+        model(input_ids=batch["tokens"], labels=batch["labels"])
+    return len(alone), [b.gather_handle is not None for b in ddp.buckets]
+
+
+def test_overlapped_gather_of_a_weight_read_outside_its_forward_is_waited_for():
+    """A forward waits for every bucket's gather, also the output layer's, whose weight the chunked output loss
+    reads without calling the layer (found by the layout sweep: SpecTrain read a stale prediction of it)."""
+    for alone, pending_after_forward in run_distributed(_read_outside_forward, 2):
+        assert alone == 1 and not any(pending_after_forward), pending_after_forward
+
+
+def _predict_during_gather(pending):
+    """The predicted shard of 2 steps ahead, gathered; with `pending`, written while an overlapped gather of the
+    same buffer (a 1-step prediction) is still in flight."""
+    model, ddp, opt = build("adam", True, overlap=True)
+    opt.defer_param_gather = True  # as the asynchronous pipelines: live and predicted shards in one gather
+    train_step(model, ddp, opt, 0)
+    if pending:
+        opt.predict_shard("F", 1)
+        opt.start_gathers(async_op=True)
+    opt.predict_shard("F", 2)
+    opt.start_gathers(async_op=False)
+    return opt.predicted_buffers["F"].clone()
+
+
+def test_a_prediction_written_during_an_overlapped_gather_is_not_overwritten():
+    """Waiting for a pending gather copies every rank's piece home, this rank's included: a prediction written
+    into the buffer meanwhile must not be replaced by the one the gather carried."""
+    for fresh, written_during in zip(run_distributed(_predict_during_gather, 2, args=(False,)),
+                                     run_distributed(_predict_during_gather, 2, args=(True,))):
+        assert torch.equal(fresh, written_during)
+
+
 # ---- pipeline parallel with tied embeddings ---------------------------------------------------------
 
 def _pipeline(sharded):

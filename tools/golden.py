@@ -255,14 +255,14 @@ def prepare_data(directory: str) -> str:
     return directory
 
 
-def _warm_imports() -> None:
+def warm_imports() -> None:
     """What the ranks import lazily, imported once here before they are forked (~1 s each otherwise)."""
     for module in ("torch._dynamo", "torch.distributed.checkpoint", "megatron_po.data.gpt_dataset",
                    "megatron_po.training", "megatron_po.nmt_workload", "megatron_po.pipeline.async_pipeline"):
         importlib.import_module(module)
 
 
-def _to_log(path: str) -> None:
+def to_log(path: str) -> None:
     """This rank's output (Python's and the C++ side's) into `path`."""
     log = open(path, "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -272,7 +272,7 @@ def _to_log(path: str) -> None:
 
 def _rank_main(script: str, argv: list[str], out: str) -> int:
     import torch.distributed as dist
-    _to_log(os.path.join(out, f"rank{dist.get_rank()}.log"))
+    to_log(os.path.join(out, f"rank{dist.get_rank()}.log"))
     from megatron_po.training import run_main
     if script == "pretrain_nmt.py":
         from megatron_po.nmt_workload import NMTWorkload
@@ -395,7 +395,7 @@ def run(g: Golden, workdir: str, data: str | None = None, straight: bool = False
     emulator: the loss of every micro-batch, the loss stage's grad norm at every step). `data`: the
     directory of `prepare_data`, for configurations that read a corpus. `as_command`: launch command-line
     configurations as their command does, in a subprocess (slower; proves the command gives the curve)."""
-    _warm_imports()
+    warm_imports()
     if g.needs_data and data is None:
         raise ValueError(f"{g.name} reads a corpus: pass the directory of prepare_data()")
     if g.emulate is not None:

@@ -34,15 +34,9 @@ from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, load_m
 from megatron_po.distributed.fsdp import is_dtensor, shard_offset
 from megatron_po.errors import UserError
 
-_MESH = None
-
-
 def _tp_mesh():
-    from torch.distributed.device_mesh import DeviceMesh
-    global _MESH
-    if _MESH is None or _MESH.get_group() is not ps.get_tensor_model_parallel_group():
-        _MESH = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), ps.get_device().type)
-    return _MESH
+    # parallel_state keeps one mesh per group and drops them with the groups (destroy_model_parallel)
+    return ps.device_mesh(ps.get_tensor_model_parallel_group())
 
 
 def is_tp_shard(p: torch.Tensor) -> bool:

@@ -328,8 +328,16 @@ class DistributedDataParallel:
             if bucket is not None:
                 self._wait_gather(bucket)
 
+    def _wait_for_params_read_outside_forward(self, _module, _args) -> None:
+        """Parameters read outside their module's forward (the chunked output loss reads the output layer's
+        weight, tensor_parallel/output_cross_entropy.py): their module's pre-hook never runs, so the chunk's waits."""
+        for p in self.params:
+            if getattr(p, "read_outside_forward", False):
+                self._wait_gather(self._bucket_of[id(p)])
+
     def _register_forward_pre_hooks(self) -> None:
         for chunk in self.chunks:
+            chunk.register_forward_pre_hook(_weak_hook(self._wait_for_params_read_outside_forward))
             for module in chunk.modules():
                 if any(True for _ in module.parameters(recurse=False)):
                     module.register_forward_pre_hook(_weak_hook(self._wait_for_own_params))

@@ -242,6 +242,9 @@ class DistributedOptimizer(MainParamsOptimizer):
     def predict_shard(self, slot, steps, include_weight_decay: bool = False) -> None:
         """Ŵ of this rank's shard into the owned ranges of buffer `slot` (gathered by `start_gathers`)."""
         from megatron_po.optim.mixed_precision import predict_into
+        # A pending (--overlap-param-gather) gather of this buffer would, when waited for, copy every rank's piece
+        # home, this rank's old prediction over the new one: wait for it first, as a step does.
+        self._before_weights_change()
         buf = self.predicted_buffer(slot)
         predict_into(self.optimizer, steps, self._prediction_targets(buf), include_weight_decay,
                      self.predict_chunk_numel)

@@ -175,18 +175,21 @@ class AsyncEmulator:
         return [self.stages[r].chunks[c] for c in range(self.num_chunks) for r in range(self.num_stages)]
 
     def train_segment(self, get_batch, num_microbatches: int | None = None,
-                      evaluations: dict[int, Callable[[], None]] | None = None) -> list[float]:
+                      evaluations: dict[int, Callable[[], None]] | None = None, on_loss=None) -> list[float]:
         """Stream `num_microbatches` micro-batches through the pipeline and drain it; returns each
         micro-batch's loss, in order. `get_batch` is a function of the global micro-batch id
         (`microbatches_consumed + i`) or a list of this segment's batches. `evaluations`: {N: fn}, fn()
         (which calls `evaluate`) sees every rank's weights as they were at its cut for N, as in the
-        distributed run; the training stream is not changed by it."""
+        distributed run; the training stream is not changed by it. `on_loss(mb, loss)`: as for
+        `AsyncPipelineRank`, called as the last stage computes each loss (its state then is the
+        distributed last stage's)."""
         first = self.microbatches_consumed
         get_batch, count = _batch_getter(get_batch, first)
         num_microbatches = num_microbatches if num_microbatches is not None else count
         schedule = segment_schedule(self.num_stages, self.num_chunks, num_microbatches, self.update_interval, first)
         mailbox = Mailbox()
-        runners = {s.rank: s.runner(schedule, mailbox, get_batch) for s in self.stages}
+        runners = {s.rank: s.runner(schedule, mailbox, get_batch, on_loss if s.rank == self.num_stages - 1 else None)
+                   for s in self.stages}
         snapshots: dict[tuple[int, int], list[torch.Tensor]] = {}
 
         def snapshot(n: int, stage: AsyncStage) -> Callable[[], None]:

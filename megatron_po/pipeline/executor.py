@@ -415,7 +415,8 @@ def emulate(schedule: Schedule, runners: dict[int, StageRunner], before_op: dict
 # --------------------------------------------------------------------------------------------------
 
 _SCHEDULE_CACHE: dict = {}
-_TRANSPORT: dict = {}
+_TRANSPORT: dict = {}  # (D, v, message_specs) -> the transport over the pipeline group
+ps.on_release(_TRANSPORT.clear)  # a transport sends over the groups it was made with: it goes with them
 
 
 def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only: bool = False,
@@ -433,12 +434,13 @@ def synchronous_forward_backward(method: str, chunks, ddp, batches, forward_only
         _SCHEDULE_CACHE[key] = build_schedule(method, D, v, M)
     if (D, v, message_specs) not in _TRANSPORT:
         _TRANSPORT[(D, v, message_specs)] = P2PTransport(D, v, message_specs) if D > 1 else Mailbox()
+    transport = _TRANSPORT[(D, v, message_specs)]
 
     def grad_sync(_chunk, enabled):
         ddp.sync_enabled = enabled
 
     runner = StageRunner(rank=ps.get_pipeline_model_parallel_rank(), num_stages=D, chunks=chunks,
-                         transport=_TRANSPORT[(D, v, message_specs)], get_batch=batches.__getitem__, loss_scale=grad_scale / M,
+                         transport=transport, get_batch=batches.__getitem__, loss_scale=grad_scale / M,
                          grad_sync=grad_sync if ddp is not None else None, forward_only=forward_only,
                          weight_grads_done=getattr(ddp, "weight_grads_done", None),
                          placement=_SCHEDULE_CACHE[key].placement)

@@ -121,7 +121,9 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
                 return
             slot = key[0]
             opt.predict_shard(slot, steps, include_weight_decay)
-            opt.start_gathers(async_op=opt.ddp.overlap_param_gather)
+            # --overlap-param-gather: a forward's pre-hooks wait for the gather; a backward (SpecTrain's) has no
+            # pre-hook to wait in, so its weights are gathered before it starts.
+            opt.start_gathers(async_op=opt.ddp.overlap_param_gather and key[0] == "F")
         opt.point_model_at(slot)
         self.predicted[chunk] = True
         self._note_copies(chunk)
@@ -130,6 +132,12 @@ class _PredictingPolicy(StepFusedPrediction, AsyncPolicy):
         """A backward reads the weights outside any forward pre-hook: wait for a pending all-gather."""
         if self.gathers[chunk]:
             self.optimizers[chunk].finish_param_sync()
+
+    def _keep_for_recompute(self, chunk, params):
+        # A recomputed region's weights are copied as its forward starts, before its modules' pre-hooks wait for
+        # an overlapped all-gather (--overlap-param-gather): wait for it here, or the copy holds the old values.
+        self._wait_for_live(chunk)
+        return super()._keep_for_recompute(chunk, params)
 
     def copies(self, chunk):
         if self.gathers[chunk]:

@@ -340,6 +340,9 @@ def output_layer_cross_entropy(output_layer: ColumnParallelLinear, hidden: torch
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     x = output_layer.parallel_input(hidden)  # [s, b, h]: the TP region mapping (its collectives run eagerly)
     weight = output_layer.weight
+    # Read here, not in output_layer's forward, whose pre-hooks would wait for an overlapped all-gather of it
+    # (--overlap-param-gather): the DDP waits for it before the chunk's forward instead (distributed/ddp.py).
+    weight.read_outside_forward = True
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     forward_weights = weights_kept_for_recompute([weight]) if needs_grad else None
     flat_target = target.reshape(-1)

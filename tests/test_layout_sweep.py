@@ -134,12 +134,17 @@ def test_one_launch_runs_layout_after_layout_as_if_each_had_its_own(tmp_path):
     after (destroy_model_parallel: a gloo group holds threads until destroyed; unreleased, about 20 more per layout
     on 2 ranks), and what a layout leaves behind changes no later one: the same pipeline layout before and after
     two others gives the same bits, its pipeline transport rebuilt on the new groups (executor._TRANSPORT kept the
-    first one's, whose group the release had destroyed: ValueError, group not registered)."""
+    first one's, whose group the release had destroyed: ValueError, group not registered). An FSDP2 layout after
+    another: DTensor's sharding-propagation caches returned specs on the first one's meshes (equal to the new ones
+    over the same ranks), and Muon's shard offsets asked their destroyed group for its rank (RuntimeError)."""
     warm_imports()
     pipeline = Layout(world=2, pp=2, method="gpipe")
+    fsdp2_muon = Layout(world=2, optimizer="muon", sharding="fsdp2")
     jobs = [Job(f"{i}", "pretrain", layout) for i, layout in enumerate(
-        [pipeline, Layout(world=2, tp=2, sequence_parallel=True), Layout(world=2, model="moe", ep=2), pipeline])]
+        [pipeline, Layout(world=2, tp=2, sequence_parallel=True), Layout(world=2, model="moe", ep=2), pipeline,
+         fsdp2_muon, fsdp2_muon])]
     curves = run_jobs(jobs, 2, str(tmp_path))
     assert all(isinstance(curves[j.name], dict) for j in jobs), curves
     assert curves["0"]["loss"] == curves["3"]["loss"] and curves["0"]["grad_norm"] == curves["3"]["grad_norm"]
+    assert curves["4"]["loss"] == curves["5"]["loss"] and curves["4"]["grad_norm"] == curves["5"]["grad_norm"]
     assert curves["3"]["threads"] <= curves["1"]["threads"], curves

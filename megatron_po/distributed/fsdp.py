@@ -60,6 +60,20 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
     return p._local_tensor if is_dtensor(p) else p
 
 
+def _forget_sharding_propagation() -> None:
+    """As the groups are released (parallel_state.on_release): DTensor's sharding-propagation caches (Python's and
+    the C++ fast path's) key on specs whose DeviceMesh compares equal to any mesh over the same ranks, whatever its
+    process group, so a run that builds its groups again (a launch running layout after layout,
+    tools/layout_sweep.py) got specs carrying the released groups' meshes: FSDPOptimizer's `shard_offset` then
+    asked a destroyed group for its rank (RuntimeError: could not resolve the process group)."""
+    if "torch.distributed.tensor" in sys.modules:  # no DTensor made, nothing cached (and no sympy import)
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+
+
+ps.on_release(_forget_sharding_propagation)
+
+
 def shard_offset(p: torch.Tensor) -> int:
     """Where this rank's shard of an FSDP2 parameter starts in the flattened (TP-local) parameter: FSDP2 cuts
     dim 0 as torch.chunk does (ceil(rows / ranks) rows per rank, the last ranks' shards shorter or empty)."""

@@ -186,10 +186,14 @@ def _gathers_follow_writes(root: FSDPModule) -> None:
 
 def _set_divide_factor(module: FSDPModule, factor: float, group) -> None:
     """Divide the module's reduced gradients by `factor` instead of its group's size. NCCL does it in the
-    reduce-scatter (PREMUL_SUM); gloo has no such op, so there FSDP2 sums and divides after."""
+    reduce-scatter (PREMUL_SUM); gloo has no such op, so there FSDP2 sums and divides after. Over a group of one
+    rank (experts no other rank holds: expert-DP 1 under dense DP > 1) nothing is reduced and FSDP2 divides as it
+    copies; with the summing reduction forced it divided again after (torch 2.13: the experts' gradients were
+    1/factor of DDP's, the grad norm 2e-4 low at DP 2 = EP 2, tools/layout_sweep.py), so it is forced only where
+    a reduction runs."""
     setter = getattr(module, "set_gradient_divide_factor", None) or module.set_reduce_scatter_divide_factor
     setter(float(factor))
-    if dist.get_backend(group) == "gloo":
+    if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
         module.set_force_sum_reduction_for_comms(True)
 
 

@@ -1,7 +1,8 @@
 """Every layout the start-up rules accept trains the same model (issue 59): the suite's sample of the layout sweep
 (tools/layout_sweep.py over the space of tools/layout_space.py).
 
-A fixed-seed sample of 40 accepted layouts on 2, 4 and 8 gloo processes (a dense and an MoE GPT), and one pipeline
+A fixed-seed sample of 40 accepted layouts on 2, 4 and 8 gloo processes (the four models of layout_space.MODELS:
+dense, MoE, MLA + MTP, MoE with DeepSeek-V3's routing; DDP, the distributed optimizer and FSDP2), and one pipeline
 layout under every pipeline method drawn by the same sampler (the asynchronous ones under pipeline parallelism
 alone, so each method is held to its emulator bit for bit): each trains 3
 iterations through `training.pretrain` and its loss and grad norm of every iteration equal
@@ -18,7 +19,8 @@ import math
 
 import pytest
 
-from tools.layout_space import ASYNC_METHODS, SYNC_METHODS, Layout, refusal_problem, sample, verdict
+from tools.layout_space import (ASYNC_METHODS, MODELS, SHARDING, SYNC_METHODS, Layout, refusal_problem, sample,
+                                sharding_family, verdict)
 from tools.layout_sweep import (SEED, Job, Outcome, max_relative_difference, run_jobs, run_layouts, summary, table,
                                 warm_imports)
 
@@ -79,7 +81,9 @@ def outcomes(runs):
 def test_sample_covers_the_space():
     accepted, refused = suite_sample()
     assert {layout.world for layout in accepted} == {2, 4, 8}
-    assert {layout.model for layout in accepted} == {"dense", "moe"}
+    assert {layout.model for layout in accepted} == set(MODELS)  # MLA + MTP and DeepSeek-V3's routing included
+    assert {sharding_family(layout.sharding) for layout in accepted} == {sharding_family(s) for s in SHARDING}
+    assert any(sharding_family(x.sharding) == "fsdp2" and x.pp > 1 for x in accepted)
     assert {layout.method for layout in accepted if layout.pp > 1} == set(SYNC_METHODS + ASYNC_METHODS)
     for flag in (lambda x: x.tp > 1, lambda x: x.cp > 1, lambda x: x.dp > 1, lambda x: x.ep > 1,
                  lambda x: x.layers_per_virtual_stage is not None, lambda x: x.sharding != "ddp",

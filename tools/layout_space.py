@@ -2,13 +2,15 @@
 start-up rules say of each layout.
 
 A `Layout` is one point of the product of every parallel flag and every flag that changes how gradients and
-weights move: the world size (2, 4 or 8 processes), the model (a tiny dense GPT or a tiny MoE GPT), TP with or
+weights move: the world size (2, 4 or 8 processes), the model (`MODELS`: a tiny dense GPT, a tiny MoE GPT, a tiny
+GPT with multi-latent attention and multi-token prediction, a tiny MoE with DeepSeek-V3's routing), TP with or
 without sequence parallelism, CP and `--cp-comm-type`, PP with every pipeline method (synchronous schedules and
 asynchronous methods) and `--num-layers-per-virtual-pipeline-stage`, the update interval of the asynchronous
 methods, the micro-batch size, tied or untied embeddings, the optimizer, how data parallelism holds the
-optimizer (`SHARDING`: DDP, the distributed optimizer with or without its overlapped gather) and its bucket size, EP,
-expert TP, the MoE dispatcher, capacity, grouped GEMM, load balancing and expert
-bias, and activation recomputation. `Layout.flags()` is its command line (pretrain_gpt.py's flags);
+optimizer (`SHARDING`: DDP, the distributed optimizer with or without its overlapped gather, FSDP2 with or without
+the reshard after forward, each also by its --data-parallel-sharding-strategy name) and its bucket size, EP,
+expert TP, the MoE dispatcher, capacity, grouped GEMM, load balancing and expert bias, and activation recomputation
+(MoE-layer recomputation included). `Layout.flags()` is its command line (pretrain_gpt.py's flags);
 `verdict(layout)` asks the real start-up rules (config_rules.validate, no process group) whether a run of it
 starts, and returns the refusal's line if not.
 
@@ -49,21 +51,48 @@ COMMON = {"--hidden-size": 32, "--num-attention-heads": 4, "--seq-length": 16, "
           "--attention-dropout": 0.0, "--mock-data": True, "--vocab-size": 127, "--tokenizer-type": "NullTokenizer",
           "--make-vocab-size-divisible-by": 32, "--log-interval": 1, "--eval-iters": 0, "--seed": 3}
 
-# The two models: a dense GPT of 8 layers (interleaving up to 2 chunks on 4 stages) and an MoE GPT of 4 layers,
-# the first dense (Megatron's list form), 8 experts top-2 with SwiGLU and a shared expert, both auxiliary losses.
+# The models: a dense GPT of 8 layers (interleaving up to 2 chunks on 4 stages); an MoE GPT of 4 layers, the
+# first dense (Megatron's list form), 8 experts top-2 with SwiGLU and a shared expert, both auxiliary losses; a GPT
+# of 4 layers with multi-latent attention (a query latent, RMSNorm'd latents, YaRN RoPE) and one multi-token
+# prediction depth (docs/mla.md, docs/mtp.md); and an MoE of DeepSeek-V3's routing: sigmoid scores, group-limited
+# (2 of 4 groups of 2 experts), a gated shared expert, the router in fp64, a bias on QKV alone (Qwen2's), the
+# expert bias an axis of its own (`Layout.expert_bias`) as for the first MoE.
 MODELS = {
     "dense": {"--num-layers": 8},
     "moe": {"--num-layers": 4, "--num-experts": 8, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32,
             "--moe-shared-expert-intermediate-size": 32, "--moe-layer-freq": "([0]*1+[1]*3)", "--swiglu": True,
             "--disable-bias-linear": True, "--moe-aux-loss-coeff": 0.01, "--moe-z-loss-coeff": 0.001},
+    "mla-mtp": {"--num-layers": 4, "--multi-latent-attention": True, "--q-lora-rank": 16, "--kv-lora-rank": 16,
+                "--qk-head-dim": 8, "--qk-pos-emb-head-dim": 4, "--v-head-dim": 8, "--qk-layernorm": True,
+                "--normalization": "RMSNorm", "--position-embedding-type": "rope", "--mtp-num-layers": 1},
+    "moe-grouped": {"--num-layers": 4, "--num-experts": 8, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32,
+                    "--moe-router-score-function": "sigmoid", "--moe-router-num-groups": 4,
+                    "--moe-router-group-topk": 2, "--moe-shared-expert-intermediate-size": 32,
+                    "--moe-shared-expert-gate": True, "--moe-router-dtype": "fp64",
+                    "--moe-layer-freq": "([0]*1+[1]*3)", "--swiglu": True, "--disable-bias-linear": True,
+                    "--add-qkv-bias": True, "--moe-aux-loss-coeff": 0.01},
 }
+MOE_MODELS = ("moe", "moe-grouped")
 
-# How data parallelism holds gradients, optimizer state and weights. The extension point for FSDP2 (branch
-# `fsdp2`): once `--use-torch-fsdp2` is on main, add `"fsdp2": {"--use-torch-fsdp2": True}` here (and, if it
-# takes them, its --data-parallel-sharding-strategy values as further entries): the sampler draws every entry.
+# How data parallelism holds gradients, optimizer state and weights: a family (DDP, the distributed optimizer,
+# FSDP2), drawn uniformly, then one of its spellings and options, drawn uniformly: the distributed optimizer by
+# its flag, with its overlapped gather, or by Megatron-FSDP's strategy name; FSDP2 (docs/fsdp.md) by its flag,
+# without the reshard after forward, or by the strategies that mean FSDP2 (optim_grads: no reshard after forward).
 SHARDING = {"ddp": {}, "distributed-optimizer": {"--use-distributed-optimizer": True},
             "distributed-optimizer+overlap-gather": {"--use-distributed-optimizer": True,
-                                                     "--overlap-param-gather": True}}
+                                                     "--overlap-param-gather": True},
+            "distributed-optimizer:optim": {"--data-parallel-sharding-strategy": "optim"},
+            "fsdp2": {"--use-torch-fsdp2": True},
+            "fsdp2+no-reshard": {"--use-torch-fsdp2": True, "--no-torch-fsdp2-reshard-after-forward": True},
+            "fsdp2:optim_grads": {"--data-parallel-sharding-strategy": "optim_grads"},
+            "fsdp2:optim_grads_params": {"--data-parallel-sharding-strategy": "optim_grads_params"}}
+
+
+def sharding_family(sharding: str) -> str:
+    """ddp, distributed-optimizer or fsdp2."""
+    return sharding.split("+")[0].split(":")[0]
+
+
 SMALL_BUCKETS = 2000  # elements: many DDP buckets, their shards cutting through parameters
 
 # Muon orthogonalises in fp32 here (its default is bf16, whose rounding the equivalences would measure instead).
@@ -114,6 +143,10 @@ class Layout:
         return self.method in ASYNC_METHODS
 
     @property
+    def is_moe(self) -> bool:
+        return self.model in MOE_MODELS
+
+    @property
     def dp(self) -> int:
         """The data-parallel size (0 where TP x CP x PP does not divide the world)."""
         n = self.tp * self.cp * self.pp
@@ -138,7 +171,7 @@ class Layout:
              **RECOMPUTE[self.recompute]}
         if self.cp > 1:
             f["--cp-comm-type"] = self.cp_comm
-        if self.model == "moe":
+        if self.is_moe:
             f.update({"--expert-model-parallel-size": self.ep, "--expert-tensor-parallel-size": self.etp,
                       "--moe-token-dispatcher-type": self.dispatcher, **CAPACITY[self.capacity],
                       "--moe-grouped-gemm": self.grouped_gemm, "--moe-router-load-balancing-type": self.load_balancing})
@@ -167,7 +200,7 @@ class Layout:
         parts += [] if self.sharding == "ddp" else [self.sharding]
         parts += [f"buckets:{SMALL_BUCKETS}"] if self.small_buckets else []
         parts += [] if self.recompute == "none" else [f"recompute:{self.recompute}"]
-        if self.model == "moe":
+        if self.is_moe:
             parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp is not None else ""))
             parts.append(self.dispatcher)
             parts += [] if self.capacity == "dropless" else [f"capacity:{self.capacity}"]
@@ -208,14 +241,17 @@ def draw(rng: random.Random) -> Layout:
     model = rng.choice(tuple(MODELS))
     method = rng.choice(SYNC_METHODS + ASYNC_METHODS) if pp > 1 or free else "1f1b"
     is_async = method in ASYNC_METHODS
+    family = rng.choice(sorted({sharding_family(s) for s in SHARDING}))
+    recompute = [r for r in RECOMPUTE if r != "moe-layer" or model in MOE_MODELS]
     layout = Layout(
         world=world, model=model, tp=tp, sequence_parallel=tp > 1 and rng.random() < 0.7, cp=cp,
         cp_comm=rng.choice(("p2p", "allgather")) if cp > 1 else "p2p", pp=pp, method=method,
         layers_per_virtual_stage=rng.choice((None, 1, 2)) if pp > 1 else None,
         update_interval=rng.choice((None, 2, 4)) if is_async else None, micro_batch=rng.choice((1, 2)),
         untied=is_async or rng.random() < 0.5, optimizer=rng.choice(METHOD_OPTIMIZERS.get(method, ANY_OPTIMIZER)),
-        sharding=rng.choice(tuple(SHARDING)), small_buckets=rng.random() < 0.3, recompute=rng.choice(tuple(RECOMPUTE)))
-    if model == "moe":
+        sharding=rng.choice([s for s in SHARDING if sharding_family(s) == family]),
+        small_buckets=rng.random() < 0.3, recompute=rng.choice(recompute))
+    if model in MOE_MODELS:
         stage = world // pp if world % pp == 0 else world
         ep = rng.choice((1, 2, 4, 8)) if free else rng.choice(_divisors(stage, 8))
         etp = rng.choice((None, 1, 2)) if free else rng.choice([None] + _divisors(stage // ep, 2))

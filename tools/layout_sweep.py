@@ -30,6 +30,7 @@ command, commit, machine and load.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -124,6 +125,9 @@ def _pretrain(layout: Layout, metrics_file: str) -> None:
         pretrain(parse_args(layout.argv() + ["--metrics-file", metrics_file]))
     finally:
         rank_watchdog.stop_watchdog()
+        # An FSDP2 model outlives pretrain as garbage in reference cycles (its hooks refer to its modules), its
+        # DeviceMeshes holding the groups: collected first, so that releasing the groups ends their threads.
+        gc.collect()
         ps.destroy_model_parallel()
 
 

@@ -1,7 +1,7 @@
 """Every layout the start-up rules accept trains the same model (issue 59): the suite's sample of the layout sweep
 (tools/layout_sweep.py over the space of tools/layout_space.py).
 
-A fixed-seed sample of 40 accepted layouts on 2, 4 and 8 gloo processes (the four models of layout_space.MODELS:
+A fixed-seed sample of 30 accepted layouts on 2, 4 and 8 gloo processes (the four models of layout_space.MODELS:
 dense, MoE, MLA + MTP, MoE with DeepSeek-V3's routing; DDP, the distributed optimizer and FSDP2), and one pipeline
 layout under every pipeline method drawn by the same sampler (the asynchronous ones under pipeline parallelism
 alone, so each method is held to its emulator bit for bit): each trains 3
@@ -24,7 +24,10 @@ from tools.layout_space import (ASYNC_METHODS, MODELS, SHARDING, SYNC_METHODS, L
 from tools.layout_sweep import (SEED, Job, Outcome, max_relative_difference, run_jobs, run_layouts, summary, table,
                                 warm_imports)
 
-COUNT = 40
+# The random draws, then one pipeline layout per method: 41 accepted layouts in all (at least 40, issue 59). 30, not
+# 40 since FSDP2 and the MLA and routed-MoE models joined the space: a layout costs about 1.7 x what it did (FSDP2's
+# gathers and reduce-scatters per layer over gloo), and the suite's budget is the same.
+COUNT = 30
 
 
 @functools.cache
@@ -95,7 +98,7 @@ def test_sample_covers_the_space():
 
 
 def test_accepted_layouts_train_like_one_process_or_their_emulator(outcomes):
-    assert len(outcomes) > COUNT
+    assert len(outcomes) >= 40
     bad = [f"{o.layout.name()}: {o.status} {o.note} (max rel. difference {o.max_rel})"
            for o in outcomes if o.status != "ok"]
     assert not bad, "\n".join(bad)

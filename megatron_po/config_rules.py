@@ -458,6 +458,12 @@ ASYNC = [
          lambda c: f"--pipeline-method pipedream-2bw accumulates m >= D micro-batches per update: "
                    f"--async-update-interval ({c.k}) must be >= --pipeline-model-parallel-size ({c.pp})",
          when=lambda c: c.meth == "pipedream-2bw"),
+    Rule("2bw-interleaved-staleness", lambda c: _async_staleness(c) <= 1,
+         lambda c: f"--pipeline-method pipedream-2bw needs every micro-batch's forward and backward within one step "
+                   f"of each other; interleaved over {virtual_pipeline_size(c.cfg)} chunks "
+                   f"(--num-layers-per-virtual-pipeline-stage) with --async-update-interval {c.k} a micro-batch "
+                   f"spans {_async_staleness(c)} steps: use a larger --async-update-interval",
+         when=lambda c: c.meth == "pipedream-2bw" and virtual_pipeline_size(c.cfg) > 1),
     *each("{flag}-needs-pipeoptim", _PREDICTOR_FLAGS,
           lambda c, flag: f"{flag} applies to --pipeline-method pipeoptim, not {c.meth}",
           when=lambda c: c.is_async and c.meth != "pipeoptim"),
@@ -592,6 +598,15 @@ MEGATRON_SWITCHES = [
     Rule("use-checkpoint-args-needs-load", lambda c: not c.ck.use_checkpoint_args or c.ck.load is not None,
          "--use-checkpoint-args needs --load"),
 ]
+
+
+def _async_staleness(c: Ctx) -> int:
+    """The largest staleness (steps between a micro-batch's forward and backward) of the asynchronous schedule
+    this run's policies validate themselves on (pipeline/async_stage.py), over every rank and chunk."""
+    from megatron_po.pipeline.async_stage import _probe_schedule  # imported where a pipedream-2bw run starts
+    from megatron_po.pipeline.schedules import staleness
+    per_rank = staleness(_probe_schedule(c.pp, virtual_pipeline_size(c.cfg), c.k)).values()
+    return max((s for per_mb in per_rank for s in per_mb.values()), default=0)
 
 
 def _fsdp(c: Ctx) -> bool:

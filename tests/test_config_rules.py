@@ -211,6 +211,13 @@ RULES = [
                                                  "--sgd-momentum", "0"], ["--pipeline-method spectrain"]),
     ("2bw-interval>=stages", 2, PP2_ASYNC + ["--pipeline-method", "pipedream-2bw", "--async-update-interval", "1"],
      ["--async-update-interval (1) must be >= --pipeline-model-parallel-size (2)"]),
+    # The layout sweep's finding (tools/layout_sweep.py): accepted, then refused by the policy after the groups.
+    ("2bw-interleaved-staleness", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--untie-embeddings-and-output-weights",
+                                             "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+                                             "--pipeline-method", "pipedream-2bw", "--async-update-interval", "4",
+                                             "--global-batch-size", "16"],
+     ["--pipeline-method pipedream-2bw", "interleaved over 2 chunks", "--async-update-interval 4",
+      "spans 2 steps"]),
     ("weight-predictor-needs-pipeoptim", 2, PP2_ASYNC + ["--pipeline-method", "pipedream",
                                                        "--weight-predictor", "rollout"],
      ["--weight-predictor applies to --pipeline-method pipeoptim, not pipedream"]),

@@ -631,8 +631,9 @@ FSDP = [
                    f"backward gathers the weights the method put in the shards then; drop "
                    f"--torch-fsdp2-no-reshard-after-forward (--data-parallel-sharding-strategy optim_grads)",
          when=lambda c: _fsdp(c) and c.is_async),
-    Rule("fsdp-async-recompute", lambda c: recompute_granularity(c.m) is None,
-         lambda c: f"--recompute-granularity with --pipeline-method {c.meth} under FSDP2: the recomputation in the "
+    Rule("fsdp-async-recompute", lambda c: recompute_granularity(c.m) is None and not c.m.moe_layer_recompute,
+         lambda c: f"{'--recompute-granularity' if recompute_granularity(c.m) else '--moe-layer-recompute'} with "
+                   f"--pipeline-method {c.meth} under FSDP2: the recomputation in the "
                    f"backward gathers the live shards, not the weights the forward ran on; recomputation composes "
                    f"with FSDP2 under the synchronous methods, pipedream and pipedream-2bw",
          when=lambda c: _fsdp(c) and c.meth in ("async-naive", "spectrain", "pipeoptim", "pipenag")),

@@ -337,6 +337,10 @@ RULES = [
     ("fsdp-async-recompute", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-torch-fsdp2",
                                              "--recompute-granularity", "selective"],
      ["--recompute-granularity with --pipeline-method pipeoptim under FSDP2", "pipedream-2bw"]),
+    # The layout sweep's finding: MoE-layer recomputation too (PipeOptim on FSDP2 3.6e-5 off its emulator).
+    ("fsdp-async-recompute/moe-layer", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-torch-fsdp2",
+                                                       "--num-experts", "4", "--moe-layer-recompute"],
+     ["--moe-layer-recompute with --pipeline-method pipeoptim under FSDP2", "live shards"]),
     ("fsdp-delay-compensation", 2, PP2_ASYNC + ["--pipeline-method", "pipedream", "--use-torch-fsdp2",
                                                 "--delay-compensation-lambda", "0.1"],
      ["--delay-compensation-lambda", "--use-torch-fsdp2"]),

@@ -97,11 +97,12 @@ def test_sample_covers_the_space():
     assert {layout.method for layout in accepted if layout.pp > 1} == set(SYNC_METHODS + ASYNC_METHODS)
     for flag in (lambda x: x.tp > 1, lambda x: x.cp > 1, lambda x: x.dp > 1, lambda x: x.ep > 1,
                  lambda x: x.layers_per_virtual_stage is not None, lambda x: x.sharding != "ddp",
-                 lambda x: x.recompute != "none", lambda x: x.capacity != "dropless", lambda x: x.grouped_gemm):
+                 lambda x: x.recompute != "none", lambda x: x.recompute == "moe-layer",
+                 lambda x: x.capacity != "dropless", lambda x: x.grouped_gemm):
         assert any(map(flag, accepted))
     assert len(refused) >= 10 and all(verdict(layout) == line for layout, line in refused)
-    # issue 59's finding (fixed): expert data parallelism without dense data parallelism (TP 2, expert TP 1)
-    assert any(x.model == "moe" and x.expert_dp > 1 and x.dp * x.cp == 1 for x in accepted)
+    # issue 59's finding (fixed): expert data parallelism without dense data parallelism (TP > 1, expert TP 1)
+    assert any(x.is_moe and x.expert_dp > 1 and x.dp * x.cp == 1 for x in accepted)
 
 
 def test_accepted_layouts_train_like_one_process_or_their_emulator(outcomes):

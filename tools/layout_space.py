@@ -105,7 +105,8 @@ RECOMPUTE = {"none": {}, "selective": {"--recompute-granularity": "selective"},
              "full-uniform": {"--recompute-granularity": "full", "--recompute-method": "uniform",
                               "--recompute-num-layers": 1},
              "full-block": {"--recompute-granularity": "full", "--recompute-method": "block",
-                            "--recompute-num-layers": 1}}
+                            "--recompute-num-layers": 1},
+             "moe-layer": {"--moe-layer-recompute": True}}  # MoE models only
 CAPACITY = {"dropless": {}, "probs": {"--moe-expert-capacity-factor": 1.0},
             "position": {"--moe-expert-capacity-factor": 1.0, "--moe-token-drop-policy": "position"},
             "padded": {"--moe-expert-capacity-factor": 1.0, "--moe-pad-expert-input-to-capacity": True}}

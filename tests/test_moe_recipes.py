@@ -35,7 +35,7 @@ import re
 
 import pytest
 from cli_args import flags_to_argv
-from dist_harness import run_distributed
+from dist_harness import in_turn, run_distributed, run_mains
 
 from tools.golden import warm_imports
 
@@ -330,12 +330,6 @@ def test_every_recipe_passes_the_start_up_rules(name):
 # --------------------------------------------------------------------------------------------------
 
 
-def _train_each(runs: list[tuple[str, list[str]]]) -> list[tuple[str, int]]:
-    """On a forked rank: run_main on every (name, argv) in turn; its exit codes."""
-    from megatron_po.training import run_main
-    return [(name, run_main(argv)) for name, argv in runs]
-
-
 STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
     "deepseek_v3": ["> MoE: 16 experts, top-8 in 4 of 8 groups (sigmoid, router in fp32)"],
     "kimi_k2": ["> MoE: 16 experts, top-8 (sigmoid, router in fp32)"],
@@ -348,12 +342,11 @@ STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
 @pytest.mark.parametrize("layout", ["ep2", "pp2_pipeoptim"])
 def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
-    runs = [(name, command_line(argv, str(tmp_path / name), **flags)) for name, argv in RECIPES.items()]
+    runs = in_turn([command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()])
     warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
-    results = run_distributed(_train_each, 2, args=(runs,), timeout=300)
-    assert all(codes == [(name, 0) for name, _ in runs] for codes in results), results
+    assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2
     out = capfd.readouterr().out
-    for name, _ in runs:
+    for name in RECIPES:
         with open(tmp_path / name / "metrics.jsonl") as f:
             records = [r for r in map(json.loads, f) if "lm_loss" in r]
         losses = [r["lm_loss"] for r in records]

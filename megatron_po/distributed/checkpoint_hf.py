@@ -38,7 +38,8 @@ from megatron_po.distributed.checkpoint_format import (checkpoint_dir, named_buf
 from megatron_po.distributed.checkpoint_load import CheckpointReader
 from megatron_po.distributed.checkpoint_save import save_in_one_process
 from megatron_po.errors import UserError
-from megatron_po.models.hf.configs import export_family, family_of, hf_config, model_config, model_fields
+from megatron_po.models.hf.configs import (export_family, family_of, hf_config, latent_norm_note, model_config,
+                                           model_fields)
 from megatron_po.models.hf.files import HFTensors, ShardedWriter
 from megatron_po.models.hf.families import MTP_SHARED
 from megatron_po.models.hf.tensors import Layout, Mapping, expand, to_ours, to_theirs
@@ -321,6 +322,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if latent_norm_note(m):
+        print(latent_norm_note(m))
     depths = f"; its {m.mtp_num_layers} multi-token prediction depth(s) (mtp.*) left out" if left_out else ""
     print(f"wrote {family.architecture} (vocabulary {hf_vocab}, iteration {reader.iteration}, {len(writer.files)} "
           f"safetensors file(s){', tokenizer from ' + tok_dir if tok_dir else ', no tokenizer'}) to {out}{depths}")

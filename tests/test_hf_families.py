@@ -6,7 +6,8 @@ at random (std 0.2, norms around 1, GLM-4.5's expert bias too: nothing is left a
 and saved by `save_pretrained` (some families in several shards). Then:
 - import-hf writes our checkpoint; our GPTModel built from it gives the transformers model's logits (fp32,
   |delta| <= 1e-5, the export tests' tolerance, on logits up to 5.2; measured 0 for Llama, Mistral and Qwen3,
-  7.2e-7 for GPT-2, 8.3e-7 to 1.6e-6 for the MoE families, whose routing weights are computed in another order);
+  7.2e-7 for GPT-2, 8.3e-7 to 1.6e-6 for the MoE families, whose routing weights are computed in another order,
+  4.9e-6 for DeepSeek-V3 and 3.9e-6 for Moonlight's shape, whose attention is multi-latent);
 - the printed flag line parses and validates (one process) to the checkpoint's model config;
 - export-hf (in shards where --max-shard-size says) writes every HF tensor bit for bit, loads with
   `from_pretrained` with nothing missing or unexpected, and names the same class.
@@ -125,6 +126,7 @@ def logits_of_checkpoint(ckpt: str, ids: torch.Tensor):
     model = GPTModel(model_config_from_dict(extra["config"]["model"]), extra["padded_vocab_size"], seed=0)
     state = {k: v.float() for k, v in weights.items()}
     state.setdefault("output_layer.weight", state["embedding.word_embeddings.weight"])  # a tied head
+    state.pop("mtp.embedding.word_embeddings.weight", None)  # an asynchronous run's MTP copy (one process: shared)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
         rows = extra.get("hf_vocab_size", extra["vocab_size"])  # an imported checkpoint's, else the run's
@@ -265,7 +267,7 @@ def test_deepseek_v3_refuses_what_it_cannot_hold_in_one_line(tmp_path, capsys):
     """Export: an MLA model without the latent norms, with softmax routing, with --mscale but no --mscale-all-dim,
     with plain RoPE and a softmax scale; import: rope_interleave false, attention_bias, mscale_all_dim without
     mscale, an explicit attention_factor, fewer key/value heads, a quantized checkpoint. One line each, nothing
-    written."""
+    written. Kimi K2's model_type (kimi_k2, the same class) imports."""
     import shutil
 
     from megatron_po.config import ModelConfig
@@ -304,6 +306,11 @@ def test_deepseek_v3_refuses_what_it_cannot_hold_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (case, err)
         assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
+    shutil.copytree(src, tmp_path / "kimi")  # Kimi K2's config.json: DeepseekV3ForCausalLM, model_type kimi_k2
+    _edit_json(tmp_path / "kimi" / "config.json", model_type="kimi_k2")
+    assert main(["import-hf", "--hf", str(tmp_path / "kimi"), "--out", str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    assert logits_of_checkpoint(str(tmp_path / "ckpt"), torch.zeros(1, 4, dtype=torch.long))[1]["hf_model_type"] == \
+        "deepseek_v3"
 
 
 def _edit_json(path, **changes):

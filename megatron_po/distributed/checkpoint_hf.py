@@ -49,6 +49,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.txt", "chat_template.jinja")
 
 
+# The MTP block's own copy of the embedding, which a one-process model does not have (docs/mtp.md).
+MTP_OWN_EMBEDDING = "mtp.embedding.word_embeddings.weight"
+
+
 def meta_model_tensors(m: ModelConfig, padded_vocab: int) -> dict[str, torch.Tensor]:
     """{global name: meta tensor} of what a checkpoint of this model holds (weights, persistent buffers)."""
     from megatron_po.models.gpt import GPTModel
@@ -66,7 +70,7 @@ def mappings_of(family, m: ModelConfig, ours: list[str]) -> list:
     """The family's table applied to our tensors `ours`, adjusted (families.py), with the Hub's copies of the
     embedding and the head in each multi-token prediction depth: the main ones, or the MTP block's own embedding
     where it keeps one (the last stage's copy under an asynchronous pipeline, docs/mtp.md)."""
-    own = "mtp.embedding.word_embeddings.weight"
+    own = MTP_OWN_EMBEDDING
     mappings = expand(family.tensors, [n for n in ours if n != own], m.num_experts or 0, family.architecture,
                       m.num_layers)
     mappings = family.adjust(mappings, m) if family.adjust else mappings
@@ -286,6 +290,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     vocab = reader.extra.get("vocab_size") or padded  # older checkpoints do not say: keep every row
     hf_vocab = reader.extra.get("hf_vocab_size") or vocab
     expected = meta_model_tensors(m, padded)
+    if m.mtp_num_layers and MTP_OWN_EMBEDDING in specs:  # an asynchronous run's (mappings_of): kept by its last stage
+        expected[MTP_OWN_EMBEDDING] = expected["embedding.word_embeddings.weight"]
     missing = [n for n in expected if n not in specs] + [n for n in specs if n not in expected]
     if missing:
         raise UserError(f"--load {reader.path}: {missing[0]} is in the checkpoint or its model config but not in both")

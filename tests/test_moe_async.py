@@ -286,12 +286,13 @@ def train_emulator(method, optimizer, D, v, k, segments, model, options, mbs=2, 
 
 
 def train_distributed(method, optimizer, v, k, segments, model, options, ep=1, mbs=2, masked=True, clip_grad=0.0,
-                      precision=None, on_rank=None):
+                      precision=None, on_rank=None, etp=None):
     torch.set_num_threads(1)
-    ps.initialize_expert_parallel(ep)
+    ps.initialize_expert_parallel(ep, etp)
     model_parallel_seed(SEED)
     D = ps.get_pipeline_model_parallel_world_size()
     cfg = moe_cfg(D * v, **model)
+    cfg.parallel.sequence_parallel = ps.get_tensor_model_parallel_world_size() > 1  # MoE with TP needs it
     cfg.parallel.ddp_bucket_size = 3000  # several buckets, shards cutting through parameters
     for key, value in (precision or {}).items():
         setattr(cfg.precision, key, value)

@@ -30,7 +30,7 @@ from moe_harness import BASE, M, SEED, VOCAB, full_grad, microbatches
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config
 from megatron_po.distributed.checkpoint_format import named_parameters_global
-from megatron_po.distributed.ddp import DistributedDataParallel, is_expert
+from megatron_po.distributed.ddp import DistributedDataParallel, allreduce_sequence_parallel_grads, is_expert
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.moe.aux_losses import aux_loss_scale
 from megatron_po.optim import build_optimizer
@@ -84,13 +84,14 @@ def reference(name: str, world: int):
     return losses, norms, {f"model.{k}": p.detach().clone() for k, p in net.named_parameters()}
 
 
-def sharded_run(name: str, ep: int, reduce_scatter: bool):
-    """This rank's share of the same steps under DP x EP with the distributed optimizer: (losses averaged over
-    DP, grad norms, {name: full weights}, (expert elements this rank steps, local expert elements), expert DP)."""
+def sharded_run(name: str, ep: int, reduce_scatter: bool | None, etp: int | None = None):
+    """This rank's share of the same steps under DP x EP (x TP) with the distributed optimizer: (losses averaged
+    over DP, grad norms, {name: full weights}, (expert elements this rank steps, local expert elements), expert DP)."""
     torch.set_num_threads(1)
-    ps.initialize_expert_parallel(ep)
+    ps.initialize_expert_parallel(ep, etp)
     model_parallel_seed(SEED)
     cfg = cfg_of(**MODEL)
+    cfg.parallel.sequence_parallel = ps.get_tensor_model_parallel_world_size() > 1  # MoE with TP needs it
     chunks = build_chunks_for_rank(cfg, VOCAB, 0, 1, 1)
     ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), bucket_size=3000,
                                   use_distributed_optimizer=True, reduce_scatter=reduce_scatter)
@@ -112,6 +113,7 @@ def sharded_run(name: str, ep: int, reduce_scatter: bool):
         batches = microbatches(M * dp * (step + 1))[M * dp * step:][d * M:(d + 1) * M]
         loss = synchronous_forward_backward("1f1b", chunks, ddp, batches)
         ddp.finish_grad_sync()
+        allreduce_sequence_parallel_grads(ddp.params)  # TP: the norms saw only this rank's tokens
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         losses.append(loss.item() / dp)
         norms.append(opt.step().grad_norm)

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_po.errors import ConfigError
 from megatron_po.pipeline import cost_model as cmm
+from megatron_po.pipeline import sample_efficiency as se
 from tools import simulate_schedule
 
 MODEL = {"schema": "ttq-cost-model/1", "name": "t", "device": "d", "model": "m", "pipeline_stages": 4,
@@ -146,7 +147,6 @@ def test_the_map_names_the_runner_up():
 def test_advisor_prints_the_prediction_beside_the_bound(tmp_path, capsys):
     """Issue 50 item 3: at any (D, M) the fitted model's prediction, marked as one, with its interval, evaluated as
     the study's predictions file evaluates it; none for an optimizer it was not fitted on, none with ''."""
-    from megatron_po.pipeline import sample_efficiency as se
     path = os.path.join("bench", "results", "gpu_nvidia_h200_a_cost_model.json")
     fit = json.load(open(os.path.join(simulate_schedule.REPO, simulate_schedule.PREDICTIONS)))["fit"]
     simulate_schedule.main(["--cost-model", path, "--optimizer", "muon", "--num-stages", "16", "--num-microbatches", "4"])
@@ -223,3 +223,20 @@ def test_the_advisor_prices_a_long_sequence_and_says_it_is_derived():
     assert ms(long) > ms(plain)  # 8,192 tokens per rank with 8,192-key attention cost more than 4 x 2,048
     with pytest.raises(ConfigError, match="apply with --seq-length"):
         simulate_schedule.methods_table(simulate_schedule.parse_args(argv + ["--context-parallel-size", "2"]))
+
+
+def test_help_states_the_calibrated_interval_and_its_coverage(capsys):
+    """Issue 57 item 5: --help prints the predictions' interval (t x sd in ln r) and the leave-one-depth-out
+    coverage per depth, both read from the committed refit; a fit without a calibrated interval says so."""
+    with pytest.raises(SystemExit):
+        simulate_schedule.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    fit = json.load(open(os.path.join(simulate_schedule.REPO, simulate_schedule.PREDICTIONS)))["fit"]
+    iv = fit["interval"]
+    assert f"ln r +- {se.t90(iv['dof']):.3f} x {iv['sd']:.4f}" in text
+    for c in fit["lodo"]["coverage"]:
+        assert f"D = {c['D']} {c['calibrated']} of {c['n']}" in text and f"D = {c['D']} {c['own']} of {c['n']}" in text
+    n = sum(c["n"] for c in fit["lodo"]["coverage"])
+    assert f"({sum(c['calibrated'] for c in fit['lodo']['coverage'])} of {n}; nominal 80 %)" in text
+    old = os.path.join("bench", "results", "deep_pipelines", "predictions.json")
+    assert "(not calibrated)" in simulate_schedule.calibration_text(old)

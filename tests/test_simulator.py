@@ -68,7 +68,8 @@ def test_heterogeneous_stage_costs_flow_shop_formula():
 
 
 def test_events_respect_rank_order_and_messages():
-    for D, v, M, method in ((3, 1, 5, "1f1b"), (2, 2, 4, "1f1b"), (4, 2, 8, "async"), (3, 1, 4, "gpipe")):
+    for D, v, M, method in ((3, 1, 5, "1f1b"), (2, 2, 4, "1f1b"), (4, 2, 8, "async"), (3, 1, 4, "gpipe"),
+                            (4, 2, 8, "zb-v")):
         s = build_schedule(method, D, v, M)
         c = 0.3
         t = simulate(s, [0.5 + 0.1 * i for i in range(D * v)], 1.1, t_p2p=c, t_step=0.2)
@@ -79,15 +80,50 @@ def test_events_respect_rank_order_and_messages():
             for prev, nxt in zip(evs, evs[1:]):
                 assert nxt.start >= prev.end - 1e-12  # a rank runs one op at a time
             for e in evs:
-                send = comm_of(e.op, r, D, v)[1]
+                send = comm_of(e.op, r, D, v, s.placement)[1]
                 if send:
-                    end_of[send] = e.end
+                    end_of[send] = (e.end, r)
         for r, evs in by_rank.items():
             for e in evs:
-                recv = comm_of(e.op, r, D, v)[0]
+                recv = comm_of(e.op, r, D, v, s.placement)[0]
                 if recv:
-                    assert e.start >= end_of[(r, recv[1])] + c - 1e-12  # input arrived first
+                    sent, sender = end_of[(r, recv[1])]
+                    # input arrived first: from another rank after the message, from this rank's own chunk at once
+                    assert e.start >= sent + (c if sender != r else 0.0) - 1e-12
         assert t.makespan == pytest.approx(max(e.end for e in t.events))
+
+
+def test_a_hand_off_within_one_rank_pays_no_transfer():
+    """Issue 57: a send whose peer is the sending rank itself is no transfer (the executor keeps it in memory).
+    Read off the op lists of every schedule: it happens at ZB-V's turn (2 per micro-batch at any D >= 2) and,
+    at D = 1, between the chunks of any chunked schedule; nowhere else. The simulator charges t_p2p on every
+    other send and nothing there: ZB-V at M = 1 crosses 2 (D - 1) rank boundaries each way, not 2D - 1."""
+    from megatron_po.pipeline.schedules import SCHEDULES, ZB_SCHEDULES, check_schedule, execution_order
+    found = set()
+    for name in [*SCHEDULES, *ZB_SCHEDULES]:
+        for D in (1, 2, 3, 4, 8):
+            for v in (1, 2, 3):
+                for M in (1, 2, 4, 8):
+                    try:
+                        s = build_schedule(name, D, v, M)
+                    except (ConfigError, ValueError):
+                        continue  # a (D, v, M) the schedule does not admit
+                    sends = [(r, comm_of(s.ops[r][i], r, D, s.num_chunks, s.placement)[1])
+                             for r, i in execution_order(s)]
+                    local = sum(send is not None and send[0] == r for r, send in sends)
+                    assert check_schedule(s).local_messages == local
+                    if local:
+                        found.add((s.name, D))
+                        assert D == 1 or local == 2 * M, (s.name, D, v, M, local)
+    assert {n for n, D in found if D > 1} == {"zb-v"}
+    assert {n for n, D in found if D == 1} >= {"zb-v", "interleaved-1f1b", "gpipe"}
+    for D in (1, 2, 4, 8):
+        s = build_schedule("zb-v", D, 2, 1)
+        grown = (simulate(s, 0.5, 0.5, 0.1, t_weight=0.5).makespan - simulate(s, 0.5, 0.5, 0.0, t_weight=0.5).makespan)
+        assert grown == pytest.approx(4 * (D - 1) * 0.1), D
+    # one stage split into chunks never communicates
+    one = interleaved_one_f_one_b(1, 2, 4)
+    assert simulate(one, T_F / 2, T_B / 2, t_p2p=9.0).makespan == pytest.approx(simulate(one, T_F / 2, T_B / 2).makespan)
 
 
 def test_peak_activations_in_timeline():

@@ -21,12 +21,13 @@ copies, activations in flight and the deep-pipeline study's verdict where it has
 judged at (the synchronous run's updates and micro-batches), its seeds and its speed-up range (median and
 10-90 %; "range not computed" where the study did not compute one). For Muon it also prints, for any (D, M), the
 speed-up PREDICTED for PipeOptim, PipeOptim + error feedback and async-naive (median, 10-90 % over seed pairings,
-the median's 80 % interval, the verdict it implies) by the sample-efficiency model fitted on the D = 8 study
-(megatron_po/pipeline/sample_efficiency.py: ln r = beta[method] x tau(D, k) + gamma x log2(M / k), tau the mean
-staleness in updates read off the op lists; the fit: bench/results/deep_pipelines/predictions.md). How well it
-did on the settings it had not seen (D = 4 and 8 at M = 1, D = 16 at M = 4; docs/benchmarks.md, each study
-report): 6 of 8 verdicts right, every PipeOptim one; async-naive at M = 1 met where it predicted a miss; only 2
-of 8 measured medians inside their 80 % intervals, errors both ways: read its intervals as too narrow:
+the median's 80 % interval, the verdict it implies, "uncertain" where that interval crosses the bar) by the
+sample-efficiency model refitted on the D = 4, 8 and 16 studies (megatron_po/pipeline/sample_efficiency.py:
+ln r = beta[method] x tau(D, k) + gamma x log2(M / k), tau the mean staleness in updates read off the op lists;
+the fit: bench/results/deep_pipelines/predictions_refit.md), its interval calibrated by leaving each depth out
+(the figures close this help). The D = 8 fit before it (issue 50, predictions.md) got 6 of 8 verdicts right at
+the settings it had not seen (every PipeOptim one; async-naive at M = 1 met where it predicted a miss) but only
+2 of 8 medians inside its 80 % intervals, which it took from its own residual:
 
     python tools/simulate_schedule.py --cost-model bench/results/gpu_nvidia_h200_a_cost_model.json \
         --optimizer muon --num-stages 8 --num-microbatches 4
@@ -52,7 +53,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
+import math
 import os
+import textwrap
 
 from megatron_po.errors import ConfigError, UserError
 from megatron_po.pipeline import cost_model as cmm
@@ -66,14 +69,41 @@ BAR = 1.25  # issue 36's target: the same loss this much sooner
 # The study's verdicts: the study at >= 512 updates (issue 41) first, then the older short-horizon one.
 VERDICTS = [os.path.join("bench", "results", "deep_pipelines", "*_verdicts.json"),
             os.path.join("bench", "results", "time_to_quality", "deep_pipelines*_verdicts.json")]
-# The sample-efficiency model the predictions come from (bench/deep_pipelines/deep_pipelines_predict.py).
-PREDICTIONS = os.path.join("bench", "results", "deep_pipelines", "predictions.json")
-FITTED = "predicted (model fitted on the D = 8 study: Muon, hidden 64, 512 updates)"
+# The sample-efficiency model the predictions come from (bench/deep_pipelines/deep_pipelines_predict.py): the
+# refit on every depth (issue 57); a fit without a calibrated interval is issue 50's, on the D = 8 study.
+PREDICTIONS = os.path.join("bench", "results", "deep_pipelines", "predictions_refit.json")
+FITTED = ("predicted (model fitted on the D = 4, 8 and 16 studies: Muon, hidden 64, 512 updates; 80 % interval "
+          "calibrated by leaving each depth out)")
+FITTED_D8 = "predicted (model fitted on the D = 8 study: Muon, hidden 64, 512 updates)"
+
+
+def calibration_text(path: str = PREDICTIONS) -> str:
+    """The predictions' interval and its leave-one-depth-out coverage, from the fit at `path` (the --help's last
+    paragraph)."""
+    full = path if os.path.isabs(path) else os.path.join(REPO, path)
+    if not os.path.isfile(full):
+        return f"The predictions' interval: {path} is missing, so no prediction is printed."
+    with open(full) as f:
+        fit = json.load(f)["fit"]
+    if "interval" not in fit:
+        return f"The predictions' interval ({path}): the fit's own residual at a new setting (not calibrated)."
+    iv, cov = fit["interval"], fit["lodo"]["coverage"]
+    h = se.t90(iv["dof"]) * iv["sd"]
+    n, own, cal = (sum(c[k] for c in cov) for k in ("n", "own", "calibrated"))
+    return (f"The predictions' 80 % interval of the median ({path}): ln r +- {se.t90(iv['dof']):.3f} x "
+            f"{iv['sd']:.4f} = +- {h:.4f}, r within a factor {math.exp(h):.3f} either way at every setting; sd = the "
+            f"root-mean-square error of the {iv['dof']} leave-one-depth-out predictions (each depth's units predicted "
+            "by the fit to the other depths), t at that many degrees of freedom. Leave-one-depth-out coverage, the "
+            "width taken from the other depths' errors: " +
+            ", ".join(f"D = {c['D']} {c['calibrated']} of {c['n']}" for c in cov) +
+            f" ({cal} of {n}; nominal 80 %); the fit's own interval (issue 50's construction): " +
+            ", ".join(f"D = {c['D']} {c['own']} of {c['n']}" for c in cov) + f" ({own} of {n}).")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=head, epilog=rest + "\n" + textwrap.fill(calibration_text(), 115),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pipeline-method", choices=["none", "gpipe", "1f1b", "async", "zb-h1", "zb-h2", "zb-v", "all"],
                    default="1f1b",
                    help="1f1b with --num-chunks > 1 is Megatron's interleaved 1F1B; async streams "
@@ -126,10 +156,15 @@ def _fit(path: str | None, optimizer: str) -> dict | None:
         return json.load(f)["fit"]
 
 
+def fitted_label(fit: dict) -> str:
+    """How a prediction of `fit` is marked: the refit with its calibrated interval, or issue 50's D = 8 fit."""
+    return FITTED if "interval" in fit else FITTED_D8
+
+
 def _predicted(fit: dict | None, method: str, ef: bool, D: int, M: int, k, bound: float) -> str | None:
     """The prediction of one asynchronous row, marked as such, or None where the model has no coefficient."""
     p = se.predict(fit, "po-ef" if ef else method, D, M, k, bound) if fit else None
-    return f"{FITTED}: {se.describe(p, cmm.format_speedup)}" if p else None
+    return f"{fitted_label(fit)}: {se.describe(p, cmm.format_speedup)}" if p else None
 
 
 def _simulate(args, method: str, num_chunks: int):
@@ -285,7 +320,7 @@ def throughput_map(args) -> str:
     fit = _fit(args.predictions, opt)
     lines = [f"optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}); per cell: best synchronous "
              "schedule, its ms per micro-batch; the fastest asynchronous stream (k = M) and its speed against it"
-             + (f"; PipeOptim's speed-up to its final loss at k = M, {FITTED}" if fit else ""),
+             + (f"; PipeOptim's speed-up to its final loss at k = M, {fitted_label(fit)}" if fit else ""),
              "| D \\ M | " + " | ".join(str(M) for M in ms) + " |", "|---|" + "---|" * len(ms)]
     runner_up = {label: [] for _, label in SYNC_ROWS}  # per best schedule: the next one's gap per cell, in %
     for D in ds:
@@ -352,7 +387,8 @@ def methods_table(args) -> str:
     verdicts = _verdicts(args.verdicts or VERDICTS, cm, D, M, opt)
     fit = _fit(args.predictions, opt)
     lines = [f"D={D} M={M} optimizer {opt}; cost model {cm['name']} ({cmm.provenance(cm).upper()}): {cm['device']}; "
-             f"{cm['model']}; p2p {cm.get('p2p_ms', 0.0):g} ms",
+             f"prices {cmm.pipeline_priced(cm, D)}; p2p {cm.get('p2p_ms', 0.0):g} ms per message between two ranks "
+             "(none between two chunks of one rank)",
              f"{'method':<27} {'k':>2} {'ms/iteration':>12} {'ms/micro-batch':>14} {'vs best sync':>12} {'bubble':>7} "
              f"{'weights':>7} {'act.':>5}  notes / verdict"]
     for label, k, it, per, bubble, copies, act, note in rows:
@@ -385,8 +421,8 @@ def methods_table(args) -> str:
         lines.append(f"predictions: speed-up to the best synchronous schedule's final loss = bound / r, ln r = "
                      "beta[method] x tau + gamma x log2(M / k) (tau: mean staleness in updates from the op list); "
                      "median [10-90 % over seed pairings], the median's 80 % interval, rule (b) on the predicted 10th "
-                     f"percentile; fitted on the D = 8 study alone ({args.predictions}; how it did on the settings it "
-                     "had not seen: the study's reports, docs/benchmarks.md)")
+                     f"percentile; {fitted_label(fit)[len('predicted ('):-1]} ({args.predictions}; how it did on the "
+                     "settings it had not seen: the study's reports, docs/benchmarks.md)")
     elif opt != "muon":
         lines.append("predictions: none for this optimizer (the sample-efficiency model is fitted on Muon)")
     return "\n".join(lines)

@@ -4,6 +4,7 @@ H200 clock.
 
     python bench/deep_pipelines/deep_pipelines.py --study --jobs 2 --resume        # issue 41's study (hours)
     python bench/deep_pipelines/deep_pipelines.py --study --report-only            # reports from the runs so far
+    python bench/deep_pipelines/deep_pipelines.py --map-study 57 --jobs 1 --resume # issue 57: D = 4, M = 2
     python bench/deep_pipelines/deep_pipelines.py --optimizers muon -M <M> --methods sync <method> --ks <k> \
         --hidden 128 --seeds 3 --far-seeds 3 --jobs 2 --resume   # issue 41 item 4: S and the best unit, wider
     python bench/deep_pipelines/deep_pipelines.py --optimizers muon -M 2 --methods sync pipeoptim --ks M --resume
@@ -12,7 +13,7 @@ H200 clock.
 
 The clock is megatron_po/pipeline/cost_model.py's: each method's seconds per micro-batch from its own op list
 (a synchronous schedule's flush + every rank's step; the asynchronous stream's steady state with a step
-after every k backwards; every send paying the p2p message time) priced by a cost model (default: the
+after every k backwards; every send to another rank paying the p2p message time) priced by a cost model (default: the
 measured H200 model, bench/results/gpu_nvidia_h200_a_cost_model.json). The budget is the time the best
 synchronous schedule S needs for the horizon H (micro-batches of B samples; --study: 512 updates of S); each
 asynchronous unit then trains for floor(budget / its seconds per micro-batch), rounded down to whole evaluation
@@ -21,7 +22,10 @@ intervals, with its lr schedule (warm-up 1/32 of its run, cosine decay) spanning
 synchronous schedules share one unpipelined run per (M, optimizer) (the mean gradient of M micro-batches, one
 step); the asynchronous ones run through `AsyncEmulator` at D stages and update interval k. Each (optimizer, M)
 is a block with its own JSON, report and verdicts file, run in order; finished runs are cached in
-<out>/runs/ (committed), so --resume continues on a fresh clone. The report: deep_pipelines_report.py.
+<out>/runs/ (committed), so --resume continues on a fresh clone. A block's plan (each unit's micro-batches, S
+and the budget) is fixed by its first runs: a later command reads it back from the block's JSON
+(`recorded_plan`), so a correction of the clock re-prices the report and retrains nothing. The report:
+deep_pipelines_report.py.
 """
 
 import argparse
@@ -35,10 +39,10 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 import deep_pipelines_report as report  # noqa: E402
-from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAP_BLOCKS, MAX_GROWTH,  # noqa: E402
+from deep_pipelines_runs import (ASYNC, CLOSE_NAT, D, FAR_SEEDS, LR_GRID, MAP_STUDIES, MAX_GROWTH,  # noqa: E402
                                  MEASURED, OPTIMIZERS, OUT, STUDY_BLOCKS, STUDY_SEEDS, STUDY_UPDATES, Progress,
                                  best_sync, cmm, cv, dump_json, map_units, plan_size, plan_units, provenance_now,
-                                 run_study, study_settings, study_units)
+                                 recorded_plan, run_study, study_settings, study_units)
 from megatron_po.errors import ConfigError  # noqa: E402
 
 
@@ -51,9 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_common.parser(__doc__)
     p.add_argument("--study", action="store_true", help="issue 41's study (module docstring): Muon at M = 2, 4 and "
                    "AdamW at M = 4, in that order, H = 512 x M; ignores --optimizers, -M, --methods, --ks")
-    p.add_argument("--map-study", action="store_true", help="issue 50's study (the pipeline map beyond D = 8): Muon "
-                   "at (D, M) = (4, 1), (8, 1), (16, 4), in that order, H = 512 x M; S, PipeOptim and async-naive at "
-                   "k = M, PipeOptim at k = 2 where M = 1; ignores --depth, --optimizers, -M, --methods, --ks")
+    p.add_argument("--map-study", type=int, nargs="?", const=50, default=None, choices=sorted(MAP_STUDIES),
+                   metavar="ISSUE", help="a map study, each predicted before its runs (deep_pipelines_predict.py): "
+                   "50 (the default; the pipeline map beyond D = 8), Muon at (D, M) = (4, 1), (8, 1), (16, 4), in "
+                   "that order; 57 (the refit's held-out setting), Muon at (4, 2); H = 512 x M; S, PipeOptim and "
+                   "async-naive at k = M, PipeOptim at k = 2 where M = 1; ignores --depth, --optimizers, -M, "
+                   "--methods, --ks")
     p.add_argument("--depth", "-D", type=int, default=D, help=f"pipeline stages D, one layer each (default {D})")
     p.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=list(OPTIMIZERS))
     p.add_argument("--microbatches", "-M", type=int, nargs="+", default=[4], help="M per synchronous update (default 4)")
@@ -148,7 +155,7 @@ def plan_from_args(given: list[str]) -> Plan:
     if a.study:
         pairs = [(D, o, M, *study_units(o, M)) for o, M in STUDY_BLOCKS]
     elif a.map_study:
-        pairs = [(depth, o, M, map_units(o, M), []) for depth, o, M in MAP_BLOCKS]
+        pairs = [(depth, o, M, map_units(o, M), []) for depth, o, M in MAP_STUDIES[a.map_study]]
     else:
         optimizers = ["adamw"] if a.quick and a.optimizers == defaults.optimizers else a.optimizers
         methods = ["sync", "pipeoptim"] if a.quick and a.methods == defaults.methods else a.methods
@@ -191,14 +198,16 @@ def run(plan: Plan, log=print) -> list[str]:
     paths = []
     for b in plan.blocks:
         load0, t0 = os.getloadavg(), time.perf_counter()
+        path = os.path.join(b.s.out, b.name + ".json")
+        horizons, definition = recorded_plan(path, plan.cost_model_path)
         study = run_study(b.s, plan.cm, b.units, {o: plan.grid[o] for o in {u.opt for u in b.units}}, log,
                           plan.deadline, plan.max_growth, b.conditional, plan.close_nat,
-                          plan.far_seeds, progress)
+                          plan.far_seeds, progress, horizons)
         if not any(study["runs"].values()):
             log(f"> {b.name}: no finished run yet, no report")
             continue
-        path = dump_json(os.path.join(b.s.out, b.name + ".json"), b.s, study, plan.cm, plan.cost_model_path,
-                         plan.command, provenance_now(load0, time.perf_counter() - t0))
+        dump_json(path, b.s, study, plan.cm, plan.cost_model_path, plan.command,
+                  provenance_now(load0, time.perf_counter() - t0), definition)
         paths.append(path)
         try:  # a report bug must not stop the study: the JSON holds everything (--from-json redoes it)
             paths += report.regenerate(path)

@@ -255,7 +255,7 @@ def write_verdicts(blocks: list[dict], cms: dict, path: str, source: str, status
         met = [label(r) for r in b["rows"] if r["a"] and r["clocks"]["measured"]["b"]]
         top = headline(b)
         m = top["clocks"]["measured"] if top else None
-        summary = (f"{status}" if status else f"met by {', '.join(met)}" if met else
+        summary = (f"{status}" if status else f"met by {'; '.join(met)}" if met else
                    f"no asynchronous method meets the target ({RULE}; against {dp.LABELS[b['clocks']['measured']['best']]})")
         out["verdicts"][key] = {
             "cost_model": cms["measured"]["name"], "source": source, "rows": rows, "summary": summary,
@@ -283,34 +283,47 @@ def not_run_bounds(study: dict, cm: dict) -> str:
         return ""
     items = [f"{u.label} {dp.best_sync(cm, u.opt, u.M, D)[1] / dp.seconds_per_microbatch(cm, u.opt, u.name, u.M, u.k, D):.2f}x"
              for u in missing]
+    ef = "" if not any(u.name == "po-ef" for u in missing) or any(u.name == "po-ef" for u in ran) else \
+        " (error feedback's work per step derived: 9/7 of the AdamW step)"
     return (f"Not in this study's plan (bound on the measured clock: S's seconds per micro-batch / the unit's; under "
-            f"{BAR}x a unit needs {BAR} / bound x S's sample efficiency to meet (b)): " + "; ".join(items) + ".\n")
+            f"{BAR}x a unit needs {BAR} / bound x S's sample efficiency to meet (b)): " + "; ".join(items) + ef + ".\n")
 
 
-def predictions_for(D: int, M: int, path: str = os.path.join(dp.OUT, "predictions.json")) -> dict:
-    """{(method, k): the prediction committed before the runs (issue 50)} for (D, M), from predictions.json."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        preds = json.load(f)["predictions"]
-    return {(p["method"], p["k"]): p for p in preds if (p["D"], p["M"]) == (D, M)}
+# The predictions committed before a map study's runs: issue 50's (the D = 8 fit), issue 57's (the refit).
+PREDICTION_FILES = ("predictions.json", "predictions_refit.json")
+
+
+def predictions_for(D: int, M: int, folder: str = dp.OUT) -> tuple[dict, dict]:
+    """({(method, k): the prediction committed before the runs} for (D, M), {"md": its file's Markdown name,
+    "fitted_on": what its model was fitted on}) from the first predictions file that predicts (D, M)."""
+    for name in PREDICTION_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        preds = {(p["method"], p["k"]): p for p in data["predictions"] if (p["D"], p["M"]) == (D, M)}
+        if preds:
+            return preds, {"md": name[:-len(".json")] + ".md", "fitted_on": data.get("fitted_on", "the D = 8 study")}
+    return {}, {}
 
 
 def prediction_lines(b: dict, status: str | None) -> list[str]:
-    """The block's units beside what bench/results/deep_pipelines/predictions.md predicted for them before their
-    runs (none for a setting it did not predict), and where the prediction failed."""
-    preds = predictions_for(b["D"], b["M"])
+    """The block's units beside what a predictions file (PREDICTION_FILES) predicted for them before their runs,
+    with the qualifier it gave ("uncertain" where the median's interval crosses the bar; none for a setting no
+    file predicted), and where the prediction failed."""
+    preds, source = predictions_for(b["D"], b["M"])
     rows = [(r, preds[(r["unit"].name, r["unit"].k)]) for r in b["rows"] if (r["unit"].name, r["unit"].k) in preds]
     if not rows:
         return []
-    L = ["Predicted before the runs ([predictions.md](predictions.md): ln r = beta[method] x tau + gamma x log2(M/k), "
-         "fitted on the D = 8 runs) against the outcome, measured H200 clock:\n",
+    L = [f"Predicted before the runs ([{source['md']}]({source['md']}): ln r = beta[method] x tau + gamma x "
+         f"log2(M/k), fitted on {source['fitted_on']}) against the outcome, measured H200 clock:\n",
          "| unit | predicted: median [10-90 %], median's 80 % interval, verdict | measured: median [10-90 %], verdict "
          "| prediction |", "|---|---|---|---|"]
     for r, p in rows:
         a, m = p["measured"], r["clocks"]["measured"]
         said = f"{fmt_x(a['speedup'])} [{fmt_x(a['speedup_p10'])}–{fmt_x(a['speedup_p90'])}], " \
-               f"{fmt_x(a['median_lo'])}–{fmt_x(a['median_hi'])}, {a['verdict']}"
+               f"{fmt_x(a['median_lo'])}–{fmt_x(a['median_hi'])}, {a['verdict']}{'' if a['firm'] else ' (uncertain)'}"
         got = "met" if r["a"] and m["b"] else "not met"
         inside = a["median_lo"] <= m["median"] <= a["median_hi"]
         outcome = ("not yet decided" if status else
@@ -319,6 +332,27 @@ def prediction_lines(b: dict, status: str | None) -> list[str]:
         L.append(f"| {r['unit'].label} | {said} | {fmt_range(m)}, {'not yet decided' if status else got} | {outcome} |")
     L.append("")
     return L
+
+
+def replanned_lines(b: dict, planned: dict | None, eval_interval: int) -> list[str]:
+    """Where the clock changed after the block's runs were planned (issue 57: a hand-off between two chunks of
+    one rank pays no transfer): S and the budget as planned, and each unit whose budget on today's clock would be
+    another number of micro-batches than it ran (the runs stand: (a) reads each at the end of its run, (b) prices
+    its curve on today's clock). Nothing where the plan's clock and today's agree."""
+    c = b["clocks"]["measured"]
+    if not planned or (planned["S"] == c["best"] and abs(planned["S_ms_per_microbatch"] - 1e3 * c["t"][c["best"]]) < 5e-4):
+        return []
+    moved = []
+    for r in b["rows"]:
+        now = int(b["H"] * c["t"][c["best"]] / r["clocks"]["measured"]["t"]) // eval_interval * eval_interval
+        if now != r["horizon"]:
+            moved.append(f"{r['unit'].label} ran {r['horizon']} micro-batches, {now} on today's clock")
+    return [f"The runs were planned on the clock of their day: S = {dp.LABELS[planned['S']]} at "
+            f"{planned['S_ms_per_microbatch']:.3f} ms per micro-batch, budget {planned['budget_s']:.3f} s. The clock "
+            "has changed since (issue 57: a hand-off between two chunks of one rank, ZB-V's turn, pays no transfer): "
+            "the tables price the same runs on today's. " +
+            (f"Budgets it moves: {'; '.join(moved)} ((a) reads each run's end; (b) its curve wherever it reaches)."
+             if moved else "No unit's budget moves by an evaluation interval.") + "\n"]
 
 
 def _load_text(data: dict) -> str:
@@ -347,6 +381,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L = []
     opt, M, H = next(((u.opt, u.M, study["horizons"][u]) for u in study["units"] if u.name == "sync"), (None,) * 3)
     D = study["D"]
+    ef = any(u.name == "po-ef" for u in study["units"])  # error feedback ran here (its derived cost is then stated)
     title = (f"D = {D}, M = {M}, {dp.OPT_LABELS[opt]}, H = {H} micro-batches ({H // M} updates of S)" if opt else f"D = {D}")
     L.append(f"# Where an asynchronous pipeline earns its keep: {title}\n")
     if status:
@@ -369,14 +404,20 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                  f"{d['H']} micro-batches = {d['updates']} updates of S; budget = H x that = {d['budget_s']:.3f} s.")
     rule = data.get("seeds_rule") or {}
     cond = data.get("conditional") or {}
-    if "--map-study" in data["command"].split():  # issue 50's units: fixed per setting, none conditional
-        L.append("- Units: S; " + ", ".join(u["label"] for u in data["units"] if u["name"] != "sync") +
-                 " (issue 50's plan for this setting; none conditional).")
+    words = data["command"].split()
+    if "--map-study" in words:  # a map study's units: fixed per setting, none conditional
+        at = words.index("--map-study") + 1
+        issue = words[at] if at < len(words) and words[at].isdigit() else "50"
+        L.append("- Units: S; " + "; ".join(u["label"] for u in data["units"] if u["name"] != "sync") +
+                 f" (issue {issue}'s plan for this setting; none conditional).")
+    elif "--study" not in words:  # a block of the command line's own units
+        L.append("- Units: S; " + "; ".join(u["label"] for u in data["units"] if u["name"] != "sync") +
+                 " (as the command names them; none conditional).")
     else:
         L.append(
             "- Units: S; at k = M async-naive, PipeOptim and PipeOptim + error feedback (AdamW: PipeOptim and "
             "PipeOptim + error feedback); at k = M/2 PipeOptim (Muon). The other methods at k = M/2 (" +
-            (", ".join(cond.get("units", [])) or "none here") + ") run only if PipeOptim at k = M/2 (seed 1, its "
+            ("; ".join(cond.get("units", [])) or "none here") + ") run only if PipeOptim at k = M/2 (seed 1, its "
             f"best lr) ends within {rule.get('close_nat', dp.CLOSE_NAT)} nat of S (seed 1): decided "
             f"**{cond.get('decided', 'n/a')}**.")
     L.append(
@@ -385,8 +426,9 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         "the others (a unit that far behind fails (a) by several seed standard deviations; its spread is unmeasured, "
         "so (a) takes S's standard deviation for it).")
     L.append(
-        "- Equal tuning: one lr grid per optimizer, common to every unit, factor 2 apart (around the previous D = 8 "
-        "optima); if any unit's best lr (seed 1, its sweep complete) sits at an edge, the grid grows by one point on "
+        "- Equal tuning: one lr grid per optimizer, common to every unit, factor 2 apart, the same at every depth "
+        "(centred on the optima of the earlier H = 256 study at D = 8, `deep_pipelines_runs.LR_GRID`); if any "
+        "unit's best lr (seed 1, its sweep complete) sits at an edge, the grid grows by one point on "
         f"that side for EVERY unit (at most {dp.MAX_GROWTH} times a side). Grids run: " +
         "; ".join(f"{o}: {', '.join(f'{x:g}' for x in g)} (grown low {data['grown'][o]['low']}, high "
                   f"{data['grown'][o]['high']})" for o, g in data["grid"].items()) + ".")
@@ -420,8 +462,8 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
                                         else "") + ". lr, warm-up and horizon per unit (below).\n"
         "- S's schedules run the same updates (the mean gradient of M micro-batches, one step): one unpipelined run "
         f"per seed, priced per schedule on the clock. Asynchronous units run through `AsyncEmulator` at D = {D} and "
-        "update interval k: one step per k micro-batches, lr of micro-batch i*k at step i. PipeOptim + error "
-        "feedback: PipeOptim with `error_feedback=True`.\n")
+        "update interval k: one step per k micro-batches, lr of micro-batch i*k at step i."
+        + (" PipeOptim + error feedback: PipeOptim with `error_feedback=True`." if ef else "") + "\n")
     L.append("| unit | micro-batches | updates | warm-up (micro-batches) | best lr | seeds |")
     L.append("|---|---|---|---|---|---|")
     for e in data["units"]:
@@ -432,11 +474,12 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
     L.append("## Clocks (per-op cost models; seconds per micro-batch from each method's own op list)\n")
     for key, cm in cms.items():
         path = data["cost_model"] if key == "measured" else rel(dp.DERIVED)
-        L.append(f"- **{key}** ({cmm.provenance(cm).upper()}): `{path}`: {cm['name']}: {cm['device']}; {cm['model']}; "
-                 f"p2p {cm.get('p2p_ms', 0.0):g} ms per message (DERIVED: bf16 activation at NVLink bandwidth + NCCL "
-                 "latency, megatron_po/pipeline/cost_model.py), paid by every send of both the synchronous and the "
-                 "asynchronous op lists. Steps: the EAGER optimizer steps measured. Error feedback's work per step is "
-                 "derived (9/7 of the AdamW step).")
+        L.append(f"- **{key}** ({cmm.provenance(cm).upper()}): `{path}`: {cm['name']}: {cm['device']}; prices "
+                 f"{cmm.pipeline_priced(cm, D)}; p2p {cm.get('p2p_ms', 0.0):g} ms per message (DERIVED: bf16 "
+                 "activation at NVLink bandwidth + NCCL latency, megatron_po/pipeline/cost_model.py), paid by every "
+                 "send to another rank of both the synchronous and the asynchronous op lists (a hand-off between two "
+                 "chunks of one rank, ZB-V's turn, pays nothing). Steps: the EAGER optimizer steps measured."
+                 + (" Error feedback's work per step is derived (9/7 of the AdamW step)." if ef else ""))
     L.append("")
     L.append("| clock | optimizer | M | " + " | ".join(dp.LABELS[n] for n in dp.SYNC) + " | best sync |")
     L.append("|---|---|---|" + "---|" * (len(dp.SYNC) + 1))
@@ -466,6 +509,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         L.append(f"S = **{dp.LABELS[c['best']]}**, {1e3 * c['t'][c['best']]:.3f} ms per micro-batch; budget = {b['H']} "
                  f"x that = {c['budget']:.3f} s. S's final validation loss: **{b['sync_final'][0]:.4f} ± "
                  f"{b['sync_final'][1]:.4f}** (mean ± sd, n = {b['sync_n']}).\n")
+        L += replanned_lines(b, (data.get("definition") or {}).get(f"{b['opt']},M={b['M']}"), s["eval_interval"])
         L.append("| unit | micro-batches in the budget | final val loss (mean ± sd, n) | diff to S ± 1 SE | (a) | "
                  "bound (S / unit) | speed-up, measured: median [10th–90th pct] (pairings) | (b) | derived: bound | "
                  "derived: median [10th–90th] | verdict (measured) |")
@@ -482,7 +526,7 @@ def markdown(data: dict, study: dict, blocks: list[dict], cms: dict, png: str | 
         if status:
             L.append(f"**Verdict: not yet decided** ({status}).\n")
         elif met:
-            L.append("**Verdict: met** by " + ", ".join(r["unit"].label for r in met) + ".\n")
+            L.append("**Verdict: met** by " + "; ".join(r["unit"].label for r in met) + ".\n")
         else:
             best_bound = max((r["clocks"]["measured"]["bound"] for r in b["rows"]), default=None)
             L.append(f"**Verdict: not met** by any asynchronous unit run here. The fastest unit's throughput is "

@@ -50,10 +50,12 @@ MAX_GROWTH = 2  # extensions per side at most (compute); a best lr still at an e
 STUDY_BLOCKS = (("muon", 2), ("muon", 4), ("adamw", 4))
 STUDY_UPDATES = 512  # S's optimizer updates at every M: H = 512 x M micro-batches
 STUDY_METHODS = {"muon": ("async-naive", "pipeoptim", "po-ef"), "adamw": ("pipeoptim", "po-ef")}  # at k = M
-# The study of issue 50 (the pipeline map beyond D = 8), fixed before its runs with its predictions
-# (bench/results/deep_pipelines/predictions.md): Muon at (D, M), in the order they run (the cheap ones first);
-# S, PipeOptim and async-naive at k = M, and at M = 1 PipeOptim at k = 2 (an update every two micro-batches).
-MAP_BLOCKS = ((4, "muon", 1), (8, "muon", 1), (16, "muon", 4))
+# The map studies, by issue, each fixed before its runs with its predictions: Muon at (D, M), in the order they
+# run (the cheap ones first); S, PipeOptim and async-naive at k = M, and at M = 1 PipeOptim at k = 2 (an update
+# every two micro-batches) (`map_units`). Issue 50, the pipeline map beyond D = 8
+# (bench/results/deep_pipelines/predictions.md); issue 57, one new setting, D = 4 at M / D = 1/2, predicted by the
+# refit on every depth before its runs (predictions_refit.md).
+MAP_STUDIES = {50: ((4, "muon", 1), (8, "muon", 1), (16, "muon", 4)), 57: ((4, "muon", 2),)}
 CLOSE_NAT = 0.1  # a unit whose seed-1 final loss is within this of S's gets S's seeds (else FAR_SEEDS)
 STUDY_SEEDS, FAR_SEEDS = 5, 1
 # Seconds of single-thread training per micro-batch of B of the 8-layer model (scaled by the layers), for the
@@ -224,7 +226,7 @@ def study_units(opt: str, M: int) -> tuple[list[Unit], list[Unit]]:
 
 
 def map_units(opt: str, M: int) -> list[Unit]:
-    """Issue 50's units for one (D, M): S, PipeOptim and async-naive at k = M; PipeOptim at k = 2 where M = 1."""
+    """A map study's units for one (D, M): S, PipeOptim and async-naive at k = M; PipeOptim at k = 2 where M = 1."""
     return [Unit(opt, "sync", M, M), Unit(opt, "pipeoptim", M, M), Unit(opt, "async-naive", M, M)] + (
         [Unit(opt, "pipeoptim", M, 2)] if M == 1 else [])
 
@@ -269,16 +271,18 @@ def plan_size(s: cv.Settings, cm: dict, units: list[Unit], grid_points: int) -> 
 def run_study(s: cv.Settings, cm: dict, units: list[Unit], grid: dict, log=print,
               deadline: float | None = None, max_growth: int = MAX_GROWTH,
               conditional: list[Unit] = (), close_nat: float = CLOSE_NAT, far_seeds: int | None = None,
-              progress: Progress | None = None) -> dict:
+              progress: Progress | None = None, planned_horizons: dict | None = None) -> dict:
     """Sweep seed 1 over the common grid; grow an optimizer's grid by one point on a side for every unit
     while any unit's best lr sits at that edge (at most max_growth times; judged on units whose sweep is
     complete); add the `conditional` units where `conditional_units` says so (they sweep the grid as grown,
-    and may grow it for every unit); then seeds 2..n at each unit's best lr (`seeds_of`). Returns {"units",
-    "grid", "sweep", "best", "runs", "horizons", "not_run", "planned", "conditional", ...}."""
+    and may grow it for every unit); then seeds 2..n at each unit's best lr (`seeds_of`). Each unit trains for
+    its `planned_horizons` entry where the block's first runs fixed one (`recorded_plan`), else for `horizon`
+    on cm. Returns {"units", "grid", "sweep", "best", "runs", "horizons", "not_run", "planned", "conditional",
+    ...}."""
     far_seeds = s.seeds if far_seeds is None else far_seeds
     units, conditional = list(units), list(conditional)
     wl = tr.prepare_data(s, {u.M for u in units})
-    steps = {u: horizon(s, cm, u) for u in units + conditional}
+    steps = {u: (planned_horizons or {}).get(u) or horizon(s, cm, u) for u in units + conditional}
     grid = {o: list(v) for o, v in grid.items()}
     results: dict = {}
     grown = {o: {"low": 0, "high": 0} for o in grid}
@@ -337,9 +341,11 @@ def settings_as_run(s: cv.Settings, opt: str) -> dict:
     return {k: v for k, v in tr.settings_record(opt_settings(s, opt)).items() if k not in PER_UNIT + ("sync_ms",)}
 
 
-def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, command: str, provenance: dict) -> str:
+def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, command: str, provenance: dict,
+              planned: dict | None = None) -> str:
     """The study's runs, sweeps and settings as they ran (relative paths only): what --from-json rebuilds the
-    report from. `study["definition"]`: S, its horizon and budget and the rules, fixed before the runs."""
+    report from. "definition": S, its horizon and budget, fixed before the runs (`planned`, the one the block's
+    first runs recorded, else on cm now)."""
     units = []
     for u in study["units"]:
         n = study["horizons"][u]
@@ -351,7 +357,7 @@ def dump_json(path: str, s: cv.Settings, study: dict, cm: dict, cm_path: str, co
                       "runs": [{k: r[k] for k in RUN_KEYS} for r in study["runs"][u]]})
     opts = sorted({u.opt for u in study["units"]})
     data = {"command": command, "settings": settings_as_run(s, opts[0]), "cost_model": cm_path,
-            "definition": definition(s, cm, study["units"]), "grid": study["grid"], "grown": study["grown"],
+            "definition": planned or definition(s, cm, study["units"]), "grid": study["grid"], "grown": study["grown"],
             "units": units, "not_run": study["not_run"], "planned_runs": study.get("planned"),
             "done_runs": study.get("done"), "conditional": study.get("conditional"),
             "seeds_rule": study.get("seeds_rule"), "unigram": study["unigram"],
@@ -368,6 +374,21 @@ def definition(s: cv.Settings, cm: dict, units: list[Unit]) -> dict:
         out[f"{opt},M={M}"] = {"S": name, "S_ms_per_microbatch": 1e3 * t, "H": s.steps, "updates": s.steps // M,
                                "budget_s": s.steps * t, "p2p_ms": cm.get("p2p_ms", 0.0)}
     return out
+
+
+def recorded_plan(path: str, cost_model_path: str) -> tuple[dict, dict | None]:
+    """({unit: micro-batches it trains for}, the definition: S and the budget) as the block's JSON at `path`
+    recorded them when its runs were planned on the same cost model file; ({}, None) for a block not yet run.
+    A study's plan is fixed by its first runs: a correction of the clock made later (issue 57: no transfer
+    between two chunks of one rank) re-prices its reports, and neither retrains a run nor renames S's budget."""
+    if not os.path.isfile(path):
+        return {}, None
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("cost_model") != cost_model_path:
+        return {}, None
+    return ({Unit(e["opt"], e["name"], e["M"], e["k"]): e["horizon"] for e in data["units"]},
+            data.get("definition"))
 
 
 def study_from_json(data: dict) -> dict:

@@ -163,6 +163,10 @@ class DistributedDataParallel:
             self._bucket_of[id(p)] = bucket
             offset += n
         total = close(bucket) if bucket is not None else 0
+        # Each bucket's reduction is decided by its own group's size (DESIGN.md): the expert-data-parallel group
+        # has several ranks also where DP x CP = 1 (TP 2 with expert TP 1: both TP ranks route their own tokens
+        # to the same experts), so a DDP with one data-parallel rank may still have expert buckets to sum.
+        self.reduces = self.dp_size > 1 or any(b.size > 1 for b in self.buckets)
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
 
         self._accumulates_into_main_grad: set[int] = set()
@@ -213,7 +217,7 @@ class DistributedDataParallel:
             with torch.no_grad():
                 p.main_grad.add_(p.grad)  # low-precision grad of this backward into the fp32 buffer
             p.grad = None
-        if not self.sync_enabled or self.dp_size == 1:
+        if not self.sync_enabled or not self.reduces:
             return
         bucket = self._bucket_of[id(p)]
         bucket.num_ready += 1
@@ -236,7 +240,7 @@ class DistributedDataParallel:
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets that backward did not complete (unused params), in order, then wait."""
-        if self.dp_size > 1:
+        if self.reduces:
             for bucket in self.buckets:
                 self._launch(bucket)
             for bucket in self.buckets:
@@ -265,7 +269,7 @@ class DistributedDataParallel:
         if not self.use_distributed_optimizer:
             raise RuntimeError("start_param_sync: this DDP was built without use_distributed_optimizer")
         self.finish_param_sync()
-        if self.dp_size == 1:
+        if not self.reduces:
             return
         async_op = self.overlap_param_gather if async_op is None else async_op
         # Issue in forward order (buckets are laid out backwards) so the first layers arrive first.
@@ -283,7 +287,7 @@ class DistributedDataParallel:
         out packed in one message, and waiting (`_wait_gather`, the forward pre-hooks) unpacks each
         rank's pieces into every buffer. One buffer: gathered in place, as `start_param_sync`."""
         self.finish_param_sync()
-        if self.dp_size == 1 or not buffers:
+        if not self.reduces or not buffers:
             return
         for bucket in reversed(self.buckets):
             if bucket.size == 1:

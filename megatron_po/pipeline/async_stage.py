@@ -112,6 +112,9 @@ class AsyncStage:
         self.clip_grad = clip_grad
         self.dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        # Each group's reduction by its own size: MoE experts are summed over their expert-data-parallel group
+        # also where DP x CP = 1 (TP 2 with expert TP 1: both TP ranks route their own tokens to the same experts).
+        self.reduces = self.dp_group is not None or _expert_data_parallel_group(chunks) is not None
         pr = precision if precision is not None else PrecisionConfig()
         self.dtype = model_dtype(pr.bf16, pr.fp16)
 
@@ -131,7 +134,7 @@ class AsyncStage:
         self.ddps = None
         mixed = pr.bf16 or pr.fp16
         # Delay compensation edits each gradient after its backward: the DP mean must wait for the step.
-        bucketed_dp = self.dp_group is not None and not policy_options.get("delay_compensation")
+        bucketed_dp = self.reduces and not policy_options.get("delay_compensation")
         if pr.use_distributed_optimizer or (mixed and pr.accumulate_allreduce_grads_in_fp32) or bucketed_dp:
             # A gradient buffer per chunk: the distributed optimizer reduce-scatters it; fp32 accumulation
             # of low-precision gradients needs it too (the mixed-precision optimizer reads `main_grad`);
@@ -180,7 +183,7 @@ class AsyncStage:
             params = self.ddps[c].params
         else:
             params = self.params[c]
-            if self.dp_group is not None:  # one all-reduce per step of this chunk: the DP mean
+            if self.reduces:  # one all-reduce per group per step of this chunk: the DP mean
                 with timers("grad-sync", 1):
                     _mean_over_data_parallel(params, self.dp_group)
         if self.tp_group is not None:  # sequence parallel: norm weights saw only this TP rank's tokens
@@ -306,11 +309,20 @@ def _stage_expert_group(chunk):
     return ps.get_expert_tensor_and_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
+def _expert_data_parallel_group(chunks):
+    """The expert-data-parallel group of the chunks' MoE experts where it has more than one rank, else None."""
+    if not ps.model_parallel_is_initialized() or not any(is_expert(p) for c in chunks for p in c.parameters()):
+        return None
+    group = ps.get_expert_data_parallel_group()
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 def _mean_over_data_parallel(params, dp_group) -> None:
     """The DP mean of the chunk's gradients in one all-reduce (no gradient buffer: delay compensation edits
     each gradient after its backward). MoE experts as the DDP buckets reduce them: summed over their
-    expert-data-parallel group (each already holds the tokens of every EP rank), scaled by the same 1/DP."""
-    dp = dist.get_world_size(dp_group)
+    expert-data-parallel group (each already holds the tokens of every EP rank), scaled by the same 1/DP.
+    `dp_group` None: one data-parallel rank (the experts may still have several)."""
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     for expert in (False, True):
         grads = [p.grad for p in params if p.grad is not None and is_expert(p) == expert]
         group = ps.get_expert_data_parallel_group() if expert else dp_group

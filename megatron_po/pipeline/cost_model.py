@@ -10,9 +10,9 @@ forward of one micro-batch:
 - `ratios.policy`: {asynchronous method: its weight policy's extra work per op kind ("Forward",
   "Backward", "Step": PipeOptim's restore and prediction, PipeDream's version swap, ...), on the
   "stale" stages (all but the last) or "all"}; async-naive has none;
-- optional `p2p_ms` (one activation or gradient message between neighbouring stages; absent: free; the H200
-  models price it with `p2p_message_ms`, derivation below) and `provenance` ("measured" or "derived": how the
-  figures were obtained, printed with every clock);
+- optional `p2p_ms` (one activation or gradient message between neighbouring stages on two ranks; absent:
+  free; the H200 models price it with `p2p_message_ms`, derivation below) and `provenance` ("measured" or
+  "derived": how the figures were obtained, printed with every clock);
 - `variants`: named replacements of step / policy entries; `source`: one note per figure.
 
 `stage_costs(cm, D, optimizer, method)` gives one method's per-op durations at D stages;
@@ -181,6 +181,15 @@ def provenance(cm: dict) -> str:
     return cm.get("provenance", "measured")
 
 
+def pipeline_priced(cm: dict, D: int) -> str:
+    """The pipeline a clock at D stages prices, in words: the model the cost model prices over its
+    `pipeline_stages`, split over D stages instead, each stage pipeline_stages / D of the priced one (its per-op
+    costs scaled so; `stage_costs`), a p2p message the same at any D."""
+    n = cm["pipeline_stages"]
+    each = "the priced stage" if D == n else f"{n}/{D} = {n / D:.4g} of the priced stage"
+    return f"D = {D} stages, each {each} (the cost model's, at {n} stages: {cm['model']})"
+
+
 def format_speedup(x: float | None, bar: float = 1.25) -> str:
     """A speed-up as the studies' reports and the advisor print it: rounded down to 3 decimals, more where needed
     so that a value under the bar never prints at or above it (1.2486 -> 1.248x; 1.25 - 1e-16 -> 1.2499...x);
@@ -209,8 +218,9 @@ def format_speedup(x: float | None, bar: float = 1.25) -> str:
 # handshake) is of the order of 10 us for small messages in nccl-tests' sendrecv; taken as 10 us, added once
 # per message. A message is one micro-batch's activation (forward) or its gradient (backward) at a stage
 # boundary: tokens x hidden x 2 bytes (bf16), independent of D (the same model over more stages sends the same
-# tensor). Each op list's sends pay it as their arrival delay (simulator.simulate: a send never blocks the rank,
-# the receiver waits for it): synchronous flushes and the asynchronous stream alike.
+# tensor). Each op list's sends to another rank pay it as their arrival delay (simulator.simulate: a send never
+# blocks the rank, the receiver waits for it): synchronous flushes and the asynchronous stream alike. A hand-off
+# between two chunks of one rank (ZB-V's turn of the V) is no message and pays nothing (issue 57).
 H200_NVLINK_P2P_GB_S = 350.0
 H200_NCCL_P2P_LATENCY_US = 10.0
 
@@ -237,8 +247,9 @@ def p2p_derivation(tokens: int, hidden: int, bandwidth_gb_s: float = H200_NVLINK
     return ms, (f"p2p (DERIVED, not measured; megatron_po/pipeline/cost_model.py): one bf16 activation or gradient "
                 f"of {tokens} tokens x hidden {hidden} = {nbytes / 1e6:.1f} MB per message, at {bandwidth_gb_s:g} GB/s "
                 f"one way (NVLink 4 between two H200s of one node: 450 GB/s nominal, 78 % taken) + "
-                f"{latency_us:g} us NCCL latency = {ms:.4f} ms; every send of an op list pays it (forward and "
-                "backward at each stage boundary)")
+                f"{latency_us:g} us NCCL latency = {ms:.4f} ms; every send between two ranks pays it (forward and "
+                "backward at each stage boundary; a hand-off between two chunks of one rank, ZB-V's turn, is no "
+                "message: issue 57)")
 
 
 # --------------------------------------------------------------------------------------------------

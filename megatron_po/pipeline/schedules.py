@@ -253,7 +253,8 @@ class ScheduleStats:
     peak_activations: dict[int, int]  # rank -> max forwards whose backward (split: W) has not run yet
     ops_per_rank: dict[int, int]
     total_ops: int
-    num_messages: int  # p2p sends implied by the ops
+    num_messages: int  # hand-offs between virtual stages implied by the ops (sends)
+    local_messages: int = 0  # of them, those to a chunk on the sending rank itself: no transfer (ZB-V's turn)
 
 
 def check_schedule(schedule: Schedule) -> ScheduleStats:
@@ -321,9 +322,11 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
             raise ValueError(f"{name}: rank {r} has no Step after the last backward of chunk(s) {lost}: "
                              "their gradients are never applied")
     order = execution_order(schedule)
-    num_messages = sum(comm_of(schedule.ops[r][i], r, D, v, schedule.placement)[1] is not None for r, i in order)
+    sends = [(r, comm_of(schedule.ops[r][i], r, D, v, schedule.placement)[1]) for r, i in order]
+    sends = [(r, send) for r, send in sends if send is not None]
     per_rank = {r: len(ops) for r, ops in schedule.ops.items()}
-    return ScheduleStats(peak, per_rank, sum(per_rank.values()), num_messages)
+    return ScheduleStats(peak, per_rank, sum(per_rank.values()), len(sends),
+                         sum(send[0] == r for r, send in sends))
 
 
 def staleness(schedule: Schedule) -> dict[tuple[int, int], dict[int, int]]:

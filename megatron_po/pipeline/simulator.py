@@ -1,7 +1,9 @@
 """Timeline simulator: how long a schedule takes, where its bubbles are, how much it keeps in flight.
 
 Each rank runs its ops in list order. An op starts when its rank is free and its input message has
-arrived (the sender's finish + t_p2p); sends never block (the executor's isend). Costs are per virtual
+arrived (the sender's finish + t_p2p); sends never block (the executor's isend). A hand-off between two
+chunks of the same rank (ZB-V's turn of the V: `comm_of` names the rank itself as the peer) is no
+transfer (the executor keeps it in the rank's memory): it arrives at the sender's finish. Costs are per virtual
 stage: a scalar (every virtual stage the same) or a list of D*v values indexed by `c*D + r`. A model
 split into v chunks per rank therefore costs t/v per chunk when a whole stage costs t.
 
@@ -113,8 +115,8 @@ def simulate(schedule: Schedule, t_forward: Cost, t_backward: Cost, t_p2p: float
             else:
                 duration = t_b[vs] + t_w[vs]
         end = start + duration
-        if send is not None:
-            arrival[(send[0], send[1])] = end + t_p2p
+        if send is not None:  # to another rank it pays the message; to this rank's own next chunk, nothing
+            arrival[(send[0], send[1])] = end + (t_p2p if send[0] != r else 0.0)
         rank_free[r] = end
         events.append(TimelineEvent(r, op, start, end))
 

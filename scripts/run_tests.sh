@@ -16,7 +16,7 @@ bash scripts/setup_env.sh
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/torchinductor}"
-cores=$(nproc)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc reads OMP_NUM_THREADS, set to 1 above)
 workers="${PYTEST_WORKERS:-$(( cores < 8 ? cores : 8 ))}"
 parallel=()
 if [ "$workers" -gt 1 ]; then

@@ -52,6 +52,7 @@ def pytest_collection_modifyitems(session, config, items):
                                  first_seen[item.nodeid.split("::")[0]]))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's durations report, before its closing line
 def pytest_terminal_summary(terminalreporter):
     """scripts/run_tests.sh's wall time, its set-up included, just before pytest's closing line (issue 60)."""
     started = os.environ.get("RUN_TESTS_STARTED")

@@ -272,7 +272,7 @@ def main(argv=None) -> int:
             data["runs"] = [r for r in data["runs"] if (r["label"], r["kind"]) != (label, kind)] + [runs[-1]]
             bench_common.write_text(json_path, bench_common.portable(json.dumps(data, indent=1)) + "\n")
             bench_common.write_text(args.out, render(data))
-        if args.file_seconds and runs[0]["exit_code"] == 0:  # every file measured to its end
+        if args.file_seconds and runs[0]["exit_code"] in (0, 1):  # every file ran to its end (1: a test failed)
             write_file_seconds(runs[0])
         if args.keep or args.reuse:
             log(f"[suite_time] kept {where}")

@@ -9,8 +9,10 @@ each timed from the command's start to its end, with the machine's cores and its
 the time went: per file and per test, and by what the tests spend it on. Writes bench/results/suite_time.md and
 the .json beside it (each label's runs replace that label's earlier ones; the others stay).
 
-    python bench/micro/suite_time.py --label after             # cold then warm, at HEAD (~30 + ~15 min on 2 cores)
+    python bench/micro/suite_time.py --label after             # cold then warm, at HEAD (commit first)
     python bench/micro/suite_time.py --label before --ref main --runs cold
+    python bench/micro/suite_time.py --label x --runs cold --keep --file-seconds   # and tests/file_seconds.json
+    python bench/micro/suite_time.py --label x --runs warm --reuse DIR              # warm, in the kept folder
     python bench/micro/suite_time.py --report-only             # the .md again from the .json
 
 A fresh clone: `git clone` of the checkout at --ref into a temporary folder, the checkout's .venv linked in (the
@@ -50,7 +52,8 @@ TOP_FILES, TOP_TESTS = 30, 25
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+    whole = int(round(seconds))
+    return f"{whole // 60} min {whole % 60:02d} s"
 
 
 def git(*args, cwd=REPO) -> str:

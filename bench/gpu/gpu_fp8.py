@@ -135,15 +135,14 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
                  "loss_delta": ("last loss, FP8 against bf16, absolute difference <= 0.02", "")}
     target_rows = [[what, "not measured (--eager-only)" if k not in ratios else f"{ratios[k]:.4f}{unit}",
                     "" if k not in met else ("met" if met[k] else "NOT MET")] for k, (what, unit) in described.items()]
-    earlier = [name for name, section in read.items() if section.reused]
     return Section("FP8 (torchao) against bf16 and the plain GPT under torchao's FP8", commands, figures, [
         f"--fp8-format hybrid (E4M3 forward, E5M2 gradients), recipe tensorwise, in the QKV, attention-projection and "
         f"MLP GEMMs; embedding and output layer bf16. FP8 eager / bf16 eager: "
         f"{ratios['eager_over_bf16_eager']:.3f}x tokens/s. MFU against the bf16 peak (section peak), model FLOPs "
         f"alike. Last loss: iteration {run.size.iterations}."
-        + (f" bf16 figures from section(s) {', '.join(read)} of this run" if read else "")
-        + (f" ({', '.join(earlier)}: measured by an earlier call on this machine)" if earlier else "")
-        + ("." if read else ""), "",
+        + (" bf16 figures from section(s) " + ", ".join(
+            f"{name} ({'an earlier call on this machine' if section.reused else 'this run'})"
+            for name, section in read.items()) + "." if read else ""), "",
         markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "last loss"], rows), "",
         markdown_table(["target (issue 43)", "measured", ""], target_rows)])
 

@@ -542,7 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measuring process (default 600, quick "
+                    "too: a loaded 2-core CPU took over 300 s for its compiled run with a cold compile cache)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: a section whose estimate (bench/gpu_check/gpu_budget.py) exceeds "
                          "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
@@ -564,7 +565,7 @@ def main(argv=None) -> int:
     t0 = STARTED
     deadline = None if args.budget_s is None else t0 + args.budget_s - WRITE_RESERVE_S
     size = args.size or ("quick" if args.quick else "full")
-    run = Run(size, args.timeout or (300 if size == "quick" else 600), args.stream_methods, deadline, args.eager_only)
+    run = Run(size, args.timeout, args.stream_methods, deadline, args.eager_only)
     for pair in args.seconds:
         name, _, value = pair.partition("=")
         run.estimates[name] = float(value)

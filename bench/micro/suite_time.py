@@ -189,10 +189,13 @@ def render(data: dict) -> str:
     lines += [markdown_table(["label", "cache", "wall", "pytest", "cores", "pytest processes", "load (1-min mean)",
                               "run"], rows), ""]
     for r in runs:
+        cpu = sum(f["cpu_self_s"] + f["cpu_children_s"] for f in r["files"])
         lines += [f"## {r['label']}, {r['kind']}: where the time went", "",
                   f"{r['tests_recorded']} tests recorded; their walls sum to {minutes(r['sum_test_wall_s'])} over "
-                  f"{r['workers']} pytest process(es), against {minutes(r['wall_s'])} of wall (the rest: set-up, "
-                  f"collection, imports). {r['python_execs']} Python processes started by tests at "
+                  f"{r['workers']} pytest process(es) (side by side), against {minutes(r['wall_s'])} of wall for the "
+                  f"command; the CPU time they and the processes they waited for used: {minutes(cpu)} (what the "
+                  f"load does not inflate; compile workers kept for the next compile not counted). "
+                  f"{r['python_execs']} Python processes started by tests at "
                   f"{r['startup_s']:.2f} s of start-up each (`python -c \"{STARTUP_CODE}\"`, measured before the "
                   f"run); {r['forks']} processes forked.", ""]
         total = r["sum_test_wall_s"] or 1.0

@@ -403,3 +403,53 @@ def test_deferred_tensors_are_made_one_at_a_time(tmp_path):
     assert seen == [0] * 6
     weights, _, _ = read_full_checkpoint(str(tmp_path), progress=False)
     assert all(torch.equal(weights[f"w{i}"], torch.full((64, 64), float(i))) for i in range(6))
+
+
+# DeepSeek-V3's config.json as the Hub holds it (its FP8 quantization_config aside: see the refusal above).
+DEEPSEEK_V3_HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
+
+
+def test_deepseek_v3_hub_config_gives_megatron_recipe_flags():
+    """The full-size DeepSeek-V3 config.json (no weights) reads as Megatron's DeepSeek-V3 recipe's model flags, which
+    pass the start-up checks; our config of it writes the same config.json keys back."""
+    import transformers
+
+    from megatron_po.config import ModelConfig, parse_args
+    from megatron_po.config_rules import validate
+    from megatron_po.distributed.checkpoint_hf import model_flags
+    from megatron_po.models.hf.configs import family_of, hf_config, model_fields
+    family = family_of(DEEPSEEK_V3_HUB)
+    fields = model_fields(family, transformers.DeepseekV3Config.from_dict(DEEPSEEK_V3_HUB))
+    recipe = dict(num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+                  multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                  qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True, rope_type="yarn", rotary_base=10000,
+                  rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0, norm_epsilon=1e-6, num_experts=256,
+                  moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+                  moe_layer_freq="([0]*3+[1]*58)", moe_router_score_function="sigmoid",
+                  moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8,
+                  moe_router_group_topk=4, mtp_num_layers=1, untie_embeddings_and_output_weights=True)
+    assert {k: fields.get(k) for k in recipe} == recipe
+    assert "mla_latent_norm_epsilon" not in fields and "yarn_original_max_position_embeddings" not in fields
+    cfg = parse_args(shlex.split(model_flags(fields)) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                                         "--vocab-size", "129280", "--micro-batch-size", "1",
+                                                         "--global-batch-size", "8", "--train-iters", "1",
+                                                         "--expert-model-parallel-size", "8"])
+    validate(cfg, 8)
+    assert vars(cfg.model) == {**vars(ModelConfig()), **fields}
+    back = hf_config(family, ModelConfig(**fields), 129280).to_dict()
+    assert back["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                       "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0}
+    for key, value in DEEPSEEK_V3_HUB.items():
+        if key in back and key != "rope_scaling":
+            assert back[key] == value, key

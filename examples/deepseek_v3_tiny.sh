@@ -7,7 +7,7 @@
 # multi-latent attention (query latent 64, key/value latent 32, YaRN factor 40), top-8 routing within the best 4 of
 # 8 expert groups, sigmoid scores with the expert bias, a shared expert, alltoall dispatch, the local experts as one
 # grouped GEMM. The log shows the MTP loss beside the LM loss and each MoE layer's numbers (docs/moe.md,
-# "DeepSeek-V3 family"). About 6 minutes on 2 CPU cores.
+# "DeepSeek-V3 family"), then the checkpoint is exported to Hugging Face.
 #
 # Extra flags go through (later flags win): `bash examples/deepseek_v3_tiny.sh --pipeline-model-parallel-size 2
 # --expert-model-parallel-size 1 --pipeline-method pipeoptim`.
@@ -44,3 +44,6 @@ $PY -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_gpt.py \
     --data-cache-path $OUT/cache \
     --log-interval 20 --eval-interval 100 --eval-iters 4 --log-throughput \
     --metrics-file $OUT/metrics.jsonl --save $OUT/checkpoints --save-interval 150 "$@"
+
+# The checkpoint as a Hugging Face DeepSeek-V3 (DeepseekV3ForCausalLM; its MTP depth as the Hub's layer 4).
+$PY tools/checkpoint_convert.py export-hf --load $OUT/checkpoints --out $OUT/hf --no-progress

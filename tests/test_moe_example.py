@@ -1,12 +1,12 @@
 """examples/moe_tiny.sh and examples/deepseek_v3_tiny.sh as written, but for their length: their pretrain_gpt.py
 flags (read from the scripts) on the session's small corpus (instead of the full Bible the scripts prepare; a 5 %
 test split of its 300 documents), on the scripts' 2 processes, the two runs one after the other in one launch; then
-moe_tiny.sh's export-hf line.
+their export-hf lines.
 
 Four iterations instead of 300: the runs train (EP = 2, the start-up lines say so), each MoE layer's numbers reach
 the metrics file (the first layer dense, as the scripts' --moe-layer-freq says), the checkpoints are written, and
-moe_tiny.sh's export gives a Qwen2-MoE model that transformers loads without missing or unexpected tensors.
-deepseek_v3_tiny.sh's run has multi-latent attention, group-limited routing and its MTP loss logged apart.
+the exports give a Qwen2-MoE and a DeepSeek-V3 model that transformers loads without missing or unexpected
+tensors. deepseek_v3_tiny.sh's run has multi-latent attention, group-limited routing and its MTP loss logged apart.
 """
 
 import os
@@ -68,8 +68,14 @@ def test_the_moe_examples_train_save_and_export(corpus, tmp_path, capfd):
     assert len(records) == 2 and all(r["mtp_loss"] > 0 and "moe/aux_loss/layer3" in r for r in records), records
     assert os.path.isdir(deepseek_out / "checkpoints")
 
-    export = script_command(text, "tools/checkpoint_convert.py", values)
-    assert export[0] == "export-hf" and convert(export) == 0
     from transformers import AutoModelForCausalLM
-    hf, loading = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
-    assert type(hf).__name__ == "Qwen2MoeForCausalLM" and not any(loading.values()), loading
+    for script, out, cls in [(text, tmp_path, "Qwen2MoeForCausalLM"),
+                             (deepseek_text, deepseek_out, "DeepseekV3ForCausalLM")]:
+        export = script_command(script, "tools/checkpoint_convert.py", dict(values, OUT=str(out)))
+        assert export[0] == "export-hf" and convert(export) == 0
+        hf, loading = AutoModelForCausalLM.from_pretrained(str(out / "hf"), output_loading_info=True)
+        # The MTP depth is the Hub's layer 4, as in DeepSeek-V3's own checkpoint: transformers does not load it
+        unused = {k for k in loading["unexpected_keys"] if not k.startswith("model.layers.4.")}
+        assert type(hf).__name__ == cls and not unused and not loading["missing_keys"], loading
+        assert not loading["mismatched_keys"] and not loading["error_msgs"], loading
+        assert bool(loading["unexpected_keys"]) == (cls == "DeepseekV3ForCausalLM"), loading

@@ -101,8 +101,9 @@ MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32, 
 # GLM-4.5's attention (GQA, a bias on the QKV projection, q/k norms, RoPE on half of each head) and routing
 # (sigmoid, the expert bias, pre-softmax, a dense first layer, a shared expert) under PipeOptim at PP = 2.
 RECIPE_COMMON = {"--position-embedding-type": "rope", "--normalization": "RMSNorm", "--swiglu": True,
-                 "--disable-bias-linear": True, "--moe-router-score-function": "sigmoid", "--moe-router-enable-expert-bias": True,
-                 "--moe-router-bias-update-rate": 1e-2, "--moe-router-topk-scaling-factor": 2.5,
+                 "--disable-bias-linear": True, "--moe-router-score-function": "sigmoid",
+                 "--moe-router-enable-expert-bias": True, "--moe-router-bias-update-rate": 1e-2,
+                 "--moe-router-topk-scaling-factor": 2.5,
                  "--moe-shared-expert-intermediate-size": 32, "--moe-router-dtype": "fp32"}
 DEEPSEEK_V3 = dict(RECIPE_COMMON, **{
     "--multi-latent-attention": True, "--q-lora-rank": 16, "--kv-lora-rank": 16, "--qk-head-dim": 8,
@@ -200,10 +201,10 @@ CONFIGS = [
            "--num-query-groups": 2}),
     gpt("pp2_moe_pipeoptim", ("PipeOptim with MoE at PP = 2",), 2, **ASYNC, **MOE_PIPEOPTIM,
         **{"--pipeline-method": "pipeoptim"}),
-    gpt("ep2_deepseek_v3", ("DeepSeek-V3 at EP = 2: MLA, MTP, group-limited routing, sigmoid with the expert bias, "
-                            "a shared expert",), 2, **DEEPSEEK_V3),
-    gpt("pp2_glm_4_5_pipeoptim", ("GLM-4.5 under PipeOptim at PP = 2: GQA, QKV bias, partial rotary, sigmoid with the "
-                                  "expert bias, a dense first layer",), 2, **ASYNC, **GLM_4_5,
+    gpt("ep2_deepseek_v3", ("DeepSeek-V3 at EP = 2: MLA, MTP, group-limited routing, sigmoid with the expert "
+                            "bias, a shared expert",), 2, **DEEPSEEK_V3),
+    gpt("pp2_glm_4_5_pipeoptim", ("GLM-4.5 under PipeOptim at PP = 2: GQA, QKV bias, partial rotary, sigmoid with "
+                                  "the expert bias, a dense first layer",), 2, **ASYNC, **GLM_4_5,
         **{"--pipeline-method": "pipeoptim"}),
     # FSDP2 (issue 55): parameters, gradients and optimizer state sharded over the DP ranks of each stage
     gpt("dp2_fsdp2", ("FSDP2 at DP = 2 (--use-torch-fsdp2)",), 2, **{"--use-torch-fsdp2": True}),

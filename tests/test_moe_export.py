@@ -150,7 +150,7 @@ def test_the_converter_refuses_an_unexportable_checkpoint_with_one_line(tmp_path
 def test_the_converter_builds_an_moe_model_on_the_meta_device():
     """export-hf and import-hf learn a checkpoint's tensors from the model built on the meta device: the experts'
     per-expert seeding draws its seed from the default generator there too (a meta tensor has no value to seed
-    with; main raised "Tensor.item() cannot be called on meta tensors"). The draw is the one a CPU build makes, so
+    with; before, the build raised "Tensor.item() cannot be called on meta tensors"). The draw is the one a CPU build makes, so
     the weights are the same as before: the MoE golden curves (tests/golden/ep2_moe_*.json) did not move."""
     from megatron_po.config import ModelConfig
     from megatron_po.distributed.checkpoint_hf import meta_model_tensors

@@ -11,7 +11,7 @@ Each constant below is one public recipe's MODEL_ARGS, kept flag for flag in the
 - Qwen3-30B-A3B: THUDM/slime scripts/models/qwen3-30B-A3B.sh @ 624b824a898a
 
 (every flag's meaning here: docs/moe.md, "DeepSeek-V3 family").
-Only the sizes are shrunk, by one substitution for all five (SHRUNK): layers 4 (the recipes' dense first layers:
+Only the sizes are shrunk, by one substitution for all five: layers 4 (the recipes' dense first layers:
 DeepSeek-V3's 3 -> 1, Kimi K2's, Moonlight's and GLM-4.5's 1 kept, Qwen3's 0 kept), hidden 64, dense FFN 128,
 attention heads 4 (GQA: 2 query groups), --kv-channels 16; MLA's q-lora-rank 32, kv-lora-rank 32, qk-head-dim 16,
 qk-pos-emb-head-dim 8, v-head-dim 16; experts 16 of FFN 16 (shared experts 16, Moonlight's 2 x 16 as its script
@@ -19,9 +19,11 @@ computes), vocabulary 128. Everything else keeps the recipe's value: top-k (8, M
 8 groups of which 4: 16 experts in groups of 2; Kimi K2 and Moonlight 1 and 1), scaling factors, score functions,
 rotary base and percent, YaRN factor and mscales, norm epsilon, the switches.
 
-The launcher's flags, which no recipe's MODEL_ARGS holds, are LAUNCH's: mock data through NullTokenizer (the
-recipes' --vocab-size is its vocabulary), sequence 32, micro-batch 2, global batch 8, the lr, iterations, logging,
-no dropout (slime's run scripts pass --attention-dropout 0.0 --hidden-dropout 0.0), the parallel layout.
+Left out: nothing. slime's MODEL_ARGS hold model flags only; the launcher-owned ones (data, tokenizer, batch,
+optimizer, checkpointing, logging, parallel sizes: slime's run scripts, and the non-model half of ModelZoo's yaml)
+are not part of them and are replaced here by LAUNCH: mock data through NullTokenizer (the recipes' --vocab-size
+is its vocabulary), sequence 32, micro-batch 2, global batch 8, the lr, iterations, logging,
+no dropout (ModelZoo's yamls pass --attention-dropout 0.0 --hidden-dropout 0.0), the parallel layout.
 
 - Every recipe's full command line passes the start-up rules at EP 2 on 2 ranks (config_rules.validate: no process).
 - Each model trains on 2 forked gloo ranks at EP 2 (the synchronous schedule) and at PP 2 under PipeOptim (EP 1:

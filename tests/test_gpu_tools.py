@@ -110,7 +110,7 @@ SECTION_TITLES = {"peak": "bf16 matmul peak", "gpt": "GPT through pretrain_gpt.p
                   "gpipe": "Peak memory in GPipe's order", "profile": "One compiled iteration profiled",
                   "moe": "MoE GPT, 8 experts top-2: grouped GEMM against the loop",
                   "fp8": "FP8 (torchao) against bf16", "long_context": "Long context: 256 tokens per sequence, CP = 1",
-                  "targets": "Targets"}
+                  "fsdp": "FSDP2 at DP 1 against DDP", "targets": "Targets"}
 
 
 def run_bench(tmp_path, *args) -> subprocess.CompletedProcess:

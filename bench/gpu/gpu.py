@@ -544,8 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measuring process (default 600, quick "
-                    "too: a loaded 2-core CPU took over 300 s for its compiled run with a cold compile cache)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measuring process (also quick)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: a section whose estimate (bench/gpu_check/gpu_budget.py) exceeds "
                          "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
@@ -557,8 +556,7 @@ def main(argv=None) -> int:
                     help="this machine's state (bench/gpu_check/gpu_state.py): baselines measured there at this code are "
                          "reused, what this run measures is recorded there")
     ap.add_argument("--call", default="", help="this call's label in the state (the check's: call1, call2, ...)")
-    ap.add_argument("--eager-only", action="store_true", help=f"sections {', '.join(EAGER_ONLY)} without their "
-                    "--torch-compile runs (inductor's minutes on a CPU): what the CPU tests run")
+    ap.add_argument("--eager-only", action="store_true", help=f"{', '.join(EAGER_ONLY)} without --torch-compile (CPU tests)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
                     help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
     args = ap.parse_args(argv)

@@ -5,8 +5,9 @@ their export-hf lines.
 
 Four iterations instead of 300 (deepseek_v3_tiny.sh's at a quarter of its batch): the runs train (EP = 2, the
 start-up lines say so), each MoE layer's numbers reach the metrics file (the first layer dense, as the scripts'
---moe-layer-freq says), the checkpoints are written, and the exports give a Qwen2-MoE and a DeepSeek-V3 model that transformers loads without missing or unexpected
-tensors. deepseek_v3_tiny.sh's run has multi-latent attention, group-limited routing and its MTP loss logged apart.
+--moe-layer-freq says), the checkpoints are written, and the exports give a Qwen2-MoE and a DeepSeek-V3 model that
+transformers loads without missing or unexpected tensors (but DeepSeek-V3's MTP depth, which transformers does not
+load). deepseek_v3_tiny.sh's run has multi-latent attention, group-limited routing and its MTP loss logged apart.
 """
 
 import os

@@ -224,6 +224,10 @@ class ModelConfig:
                                             "(default 1, the value Megatron's MLA fixes)")
     yarn_correction_range_round_to_int: bool = _f(True, "MLA's YaRN: --no-yarn-correction-range-round-to-int keeps the "
                                                         "correction range's ends unrounded")
+    mla_latent_norm_epsilon: float | None = _f(None, "MLA: the latent norms' epsilon (default: --norm-epsilon, as "
+                                                     "Megatron's); DeepSeek's own code and transformers' DeepseekV3 "
+                                                     "fix it at 1e-6 whatever the other norms' (Moonlight: 1e-5), "
+                                                     "and import-hf sets it so")
     mla_down_proj_fusion: bool = _f(False, "MLA: no effect here: Megatron's fused query/key-value down-projection "
                                            "kernel switch (the same numbers); needs --multi-latent-attention as there")
     cache_mla_latents: bool = _f(False, "MLA: Megatron's latent KV cache of its inference engine, which conflicts with "

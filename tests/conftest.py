@@ -7,6 +7,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import gzip  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -27,6 +29,38 @@ def write_chapters(path, count: int):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on a GPU (skipped with 'needs CUDA' without one); "
                                        "scripts/run_gpu_tests.sh selects these")
+
+
+# Seconds each test file took in a measured run of the suite (bench/micro/suite_time.py --file-seconds writes it):
+# the slowest files are collected first, so that scripts/run_tests.sh's parallel processes (pytest-xdist, a file per
+# process, in collection order) start them first and no long file runs alone at the end. A file it does not name
+# goes last.
+FILE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    try:
+        with open(FILE_SECONDS) as f:
+            seconds = json.load(f)["seconds"]
+    except (OSError, ValueError, KeyError):
+        return
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+    # stable: the tests of one file keep their order, files of equal weight their collection order
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0),
+                                 first_seen[item.nodeid.split("::")[0]]))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's durations report, before its closing line
+def pytest_terminal_summary(terminalreporter):
+    """scripts/run_tests.sh's wall time, its set-up included, just before pytest's closing line (issue 60)."""
+    started = os.environ.get("RUN_TESTS_STARTED")
+    if started:
+        seconds = time.time() - float(started)
+        terminalreporter.write_line(f"scripts/run_tests.sh: {int(seconds // 60)} min {int(seconds % 60):02d} s of wall "
+                                    f"time on {len(os.sched_getaffinity(0))} cores, "
+                                    f"{os.environ.get('RUN_TESTS_WORKERS', '1')} pytest processes")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ hangs or dies fails the test within `timeout` seconds, and no child outlives the
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -87,3 +88,32 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | No
     if errors:
         raise AssertionError("a rank failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def run_mains(runs: list[tuple[list[str], int | None]]) -> list[int]:
+    """On a forked rank: `training.run_main(argv)` for each (argv, port) in turn; the exit codes. run_main shuts
+    the process group down when it ends, so each run after the first starts a new one, on a port of its own (chosen
+    by the parent with `free_ports`): on the port of the run before, a rank could reach the previous store while
+    rank 0 still tears it down, read the previous run's addresses, and fail to connect (or hang)."""
+    from megatron_po.training import run_main
+    codes = []
+    for argv, port in runs:
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)
+        codes.append(run_main(argv))
+    return codes
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (held open together while chosen, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def in_turn(argvs: list[list[str]]) -> list[tuple[list[str], int | None]]:
+    """`run_mains`' runs for these command lines: the first on the harness's process group, each later one on a
+    free port of its own."""
+    return list(zip(argvs, [None] + free_ports(len(argvs) - 1)))

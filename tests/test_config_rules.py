@@ -505,7 +505,7 @@ RULES = [
                    ["--qk-pos-emb-head-dim", "8"], ["--v-head-dim", "8"], ["--rotary-scaling-factor", "40"],
                    ["--mscale", "0.707"], ["--mscale-all-dim", "1.0"], ["--yarn-original-max-position-embeddings", "8"],
                    ["--yarn-beta-fast", "16"], ["--yarn-beta-slow", "2"], ["--no-yarn-correction-range-round-to-int"],
-                   ["--mla-down-proj-fusion"]]],
+                   ["--mla-down-proj-fusion"], ["--mla-latent-norm-epsilon", "1e-6"]]],
     ("cache-mla-latents-refused", 1, MLA + ["--cache-mla-latents"],
      ["--cache-mla-latents is the latent KV cache of Megatron's inference engine", "drop it"]),
     ("rope-type-yarn-needs-mla", 1, MOCK + ["--rope-type", "yarn"],

@@ -6,10 +6,12 @@
   brings, a baseline this machine measured at this code at no cost; `--plan` prints it on a CPU;
 - the code hash: the git blob ids of a step's files, the same from the files on disk as from git at a commit, and
   changed by an edit to one of them only;
-- the baselines once per machine: a second check on the same (faked) GPU UUID and boot id reuses the first's peak,
-  and its ratios say "same machine"; another boot id measures its own;
+- the baselines once per machine: another (faked) boot id measures its own (tests/test_gpu_tools.py: a second call
+  on the same machine reuses the first's, and its ratios say "same machine");
 - a killed section keeps what it measured: a fake section's child process prints figures and waits until each is in
   the results file before going on, then is killed by the budget; both figures are in the results, `partial`;
+- a section that raises says what, where and its last output lines, in gpu.py's status and on the check's closing
+  screen (issue 58);
 - the background tests' cores: the timed steps and the compile tests get disjoint halves, and a child is pinned.
 """
 
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_common  # noqa: E402,F401  (puts the bench family folders on sys.path)
 import gpu_budget  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_outcome  # noqa: E402
 import gpu_plan  # noqa: E402
 
 ENV = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -177,25 +180,16 @@ def run_check(tmp_path, out: str, gpu: str, boot: str, state: str, *args):
 
 
 def test_baselines_are_measured_once_per_machine(tmp_path):
+    """A machine's state is its GPU since its boot: another boot (a fresh machine) measures its own peak. (The same
+    machine's second call reusing the first's baselines, its ratios saying "same machine": tests/test_gpu_tools.py's
+    lease of two calls.)"""
     gpu, state = "GPU-test-0000", str(tmp_path / "state")
     run_check(tmp_path, "first", gpu, "boot-1", state, "--steps", "peak", "--budget-s", "300")
     first = json.loads((tmp_path / "first" / "gpu_check_call1.json").read_text())
     assert first["status"]["peak"]["status"] == "done" and first["machine"] == {"gpu_uuid": gpu, "boot_id": "boot-1"}
-    # the same GPU since the same boot: the peak is reused, said so, and the ratios read against it say so
-    proc = run_check(tmp_path, "second", gpu, "boot-1", state, "--steps", "gpt", "--budget-s", "300")
-    second = json.loads((tmp_path / "second" / "gpu_check_call2.json").read_text())
-    assert second["status"]["peak"]["status"] == "reused" and second["status"]["gpt"]["status"] == "done"
-    bench = json.loads((tmp_path / "second" / "gpu_cpu_call2.json").read_text())
-    assert bench["sections"]["peak"]["figures"] == json.loads(
-        (tmp_path / "first" / "gpu_cpu_call1.json").read_text())["sections"]["peak"]["figures"]
-    assert "by call1" in bench["sections"]["peak"]["reused"]
-    md = (tmp_path / "second" / "gpu_cpu_call2.md").read_text()
-    assert "Reused, not measured in this run" in md and "**same-machine** ratios" in md
-    assert "## Targets" in proc.stdout.split("[gpu_check] call2")[-1]  # the output ends with the one screen
-    # another boot (a fresh machine): its own peak
-    run_check(tmp_path, "third", gpu, "boot-2", state, "--steps", "peak", "--budget-s", "300")
-    third = json.loads((tmp_path / "third" / "gpu_check_call1.json").read_text())
-    assert third["status"]["peak"]["status"] == "done"
+    run_check(tmp_path, "second", gpu, "boot-2", state, "--steps", "peak", "--budget-s", "300")
+    second = json.loads((tmp_path / "second" / "gpu_check_call1.json").read_text())
+    assert second["status"]["peak"]["status"] == "done"
     assert sorted(os.listdir(state)) == [f"{gpu}_boot-1", f"{gpu}_boot-2"]  # one state per machine
 
 
@@ -241,6 +235,52 @@ time.sleep(600)
     assert data["partial"]["fake"] == {"w: first": 1.5, "w: second": [2, 3]}
     assert (tmp_path / "confirmed").exists()  # written while it ran, each figure as it came
     assert "`fake`: did not finish; what it measured before" in out.read_text()
+
+
+def test_a_section_that_raises_says_what_where_and_its_last_lines_on_the_closing_screen(tmp_path, monkeypatch):
+    """Issue 58: a section that raises is failed with its exception's type and message, where this checkout raised
+    it and the section's last output lines, in gpu.py's status (the traceback in its results) and in the why of the
+    check's closing screen, beside the command that runs it again; gpu.py's own crash says its exit code and the
+    last lines of its log."""
+    import gpu
+    from gpu_run import Run
+    out = tmp_path / "r.md"
+
+    def section_fake(run):
+        child = "print('building'); print('FIGURE {\"x\": 1}'); print('step 1 of 3'); print('step 2 of 3 | tokens')"
+        run._stream([sys.executable, "-c", child], "the fake worker")
+        return [][0]  # what fp8 met reading a loss its run did not write
+
+    monkeypatch.setitem(gpu.SECTIONS, "fake", gpu_budget.Step("fake", "section", (1, 1), (), run="section_fake"))
+    monkeypatch.setattr(gpu, "section_function", lambda name: section_fake)
+    run = Run("quick", 600)
+    run.estimates["fake"] = 1.0
+    info = {"name": "cpu", "slug": "cpu", "torch": "x", "cuda": None, "cpu_cores": 1, "platform": "p", "commit": "c"}
+
+    def write(failures, statuses):
+        gpu.write_results(str(out), info, "fake", run, "now", time.perf_counter(), failures, statuses)
+    failures, statuses = gpu.run_sections(run, ["fake"], write)
+    write(failures, statuses)
+    data = json.loads(out.with_suffix(".json").read_text())
+    status = data["section_status"]["fake"]
+    assert status["status"] == "failed", data
+    line = [n for n, ln in enumerate(open(__file__).read().splitlines(), start=1) if "return [][0]" in ln][0]
+    assert status["note"] == (f"IndexError: list index out of range (at tests/test_gpu_plan.py:{line} in section_fake); "
+                              "last lines: `building` / `step 1 of 3` / `step 2 of 3 | tokens`")
+    assert "Traceback (most recent call last)" in data["failures"][0]["error"] and "return [][0]" in out.read_text()
+
+    update = gpu_outcome.section_statuses(data, ["fake"], 1, str(tmp_path / "gpu.log"))
+    assert update["fake"]["status"] == "failed"  # (its FIGURE line: kept, and said so)
+    assert update["fake"]["note"] == status["note"] + "; its figures so far are in the results (`partial`)"
+    screen = "\n".join(gpu_outcome.closing_steps({"fake": {**update["fake"], "seconds": 2.0}}, " --quick"))
+    row = next(ln for ln in screen.splitlines() if ln.startswith("| fake "))
+    assert status["note"].replace("|", "/") in row and "`bash scripts/gpu_check.sh --steps fake --quick`" in row
+    assert "Failed: fake; again: `bash scripts/gpu_check.sh --steps fake --quick`" in screen
+
+    (tmp_path / "gpu.log").write_text("[gpu.py] fake (0.0 min)\nTraceback (most recent call last):\nMemoryError\n\n")
+    crashed = gpu_outcome.section_statuses({"section_status": {}}, ["fake"], -9, str(tmp_path / "gpu.log"))["fake"]
+    assert crashed == {"status": "failed", "note": "gpu.py exit code -9 before it; last lines: `[gpu.py] fake (0.0 "
+                                                   "min)` / `Traceback (most recent call last):` / `MemoryError`"}
 
 
 def test_the_timed_steps_and_the_background_tests_get_their_own_cores(tmp_path):

@@ -1,14 +1,15 @@
 """Continued pretraining from a Hugging Face checkpoint and back (issue 56 items 3 and 4).
 
-A Llama-3-shaped model (grouped-query attention, llama3 RoPE scaling, untied head) and a Qwen3-MoE (q/k norms,
-4 experts, top-2) are built by `transformers` from tiny configs whose vocabulary is the byte-level BPE tokenizer
+A Llama-3-shaped model (grouped-query attention, llama3 RoPE scaling, untied head), a Qwen3-MoE (q/k norms,
+4 experts, top-2) and a DeepSeek-V3 (MLA, YaRN, MoE, an MTP depth) are built by `transformers` from tiny configs whose vocabulary is the byte-level BPE tokenizer
 of tests/conftest.py (trained locally on the bundled corpus; the Llama's config holds 24 rows more, as Qwen's
 and GLM's do: the run, which pads the tokenizer's ids to its own multiple, loads the rows it has room for),
 saved with that tokenizer, and imported. The
 flag line import-hf prints (model flags from config.json, `--tokenizer-type HuggingFaceTokenizer
 --tokenizer-model DIR`) is what the run gets, with the corpus tools/preprocess_data.py tokenized with that
 tokenizer. Each trains 3 iterations under PipeOptim at PP = 2 (Llama: TP = 2; Qwen3-MoE: TP = 2 with sequence
-parallelism and EP = 2): the loss falls. The trained checkpoint exports (with the tokenizer, which
+parallelism and EP = 2; DeepSeek-V3's shape, with multi-latent attention, group routing and one
+multi-token prediction depth: EP = 2): the loss falls (DeepSeek-V3: the LM loss). The trained checkpoint exports (with the tokenizer, which
 `AutoTokenizer` loads and which encodes as the original) and `transformers` gives our trained model's logits
 (fp32, |delta| <= 1e-5, the export tests' tolerance).
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from test_checkpoint import run_capturing
-from test_hf_families import logits_of_checkpoint
+from test_hf_families import add_mtp_layer, logits_of_checkpoint
 
 from tools.checkpoint_convert import main
 
@@ -40,6 +41,17 @@ MODELS = {
                                          norm_topk_prob=True),
                   {"--tensor-model-parallel-size": 2, "--sequence-parallel": True, "--expert-model-parallel-size": 2,
                    "--expert-tensor-parallel-size": 1}),
+    # DeepSeek-V3's shape: MLA with a query latent and YaRN, a dense first layer, sigmoid routing with the expert
+    # bias in 2 groups, a shared expert, one MTP depth as the Hub holds it; PP 2 x EP 2 (DP 2).
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                             num_nextn_predict_layers=1,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "original_max_position_embeddings": 16,
+                                                              "mscale": 1.0, "mscale_all_dim": 1.0}),
+                    {"--expert-model-parallel-size": 2}),
 }
 RUN = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim", "--seq-length": 32,
        "--micro-batch-size": 2, "--global-batch-size": 8, "--train-iters": 3, "--lr": 3e-3, "--min-lr": 3e-3,
@@ -59,8 +71,11 @@ def test_import_train_export(name, byte_bpe, hf_corpus, tmp_path):
     hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
     spare = 24 if name == "llama3" else 0  # Qwen's and GLM's configs hold more rows than their tokenizers' ids
-    config = getattr(transformers, cls)(vocab_size=len(tok) + spare, **COMMON, **kwargs)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(hf_dir))
+    config = getattr(transformers, cls)(vocab_size=len(tok) + spare, **{**COMMON, **kwargs})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(hf_dir), max_shard_size="200KB")
+    if getattr(config, "num_nextn_predict_layers", 0):
+        add_mtp_layer(model, hf_dir)
     for f in os.listdir(byte_bpe["dir"]):
         shutil.copy(byte_bpe["dir"] / f, hf_dir / f)
 
@@ -84,7 +99,8 @@ def test_import_train_export(name, byte_bpe, hf_corpus, tmp_path):
 
     assert main(["export-hf", "--load", str(run / "ckpt"), "--out", str(tmp_path / "hf2"), "--no-progress"]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")).eval()
-    assert type(back).__name__ == {"llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[name]
+    assert type(back).__name__ == {"llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                   "deepseek_v3": "DeepseekV3ForCausalLM"}[name]
     ids = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
     ours, extra = logits_of_checkpoint(str(run / "ckpt"), ids)
     with torch.no_grad():

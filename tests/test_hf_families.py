@@ -6,7 +6,8 @@ at random (std 0.2, norms around 1, GLM-4.5's expert bias too: nothing is left a
 and saved by `save_pretrained` (some families in several shards). Then:
 - import-hf writes our checkpoint; our GPTModel built from it gives the transformers model's logits (fp32,
   |delta| <= 1e-5, the export tests' tolerance, on logits up to 5.2; measured 0 for Llama, Mistral and Qwen3,
-  7.2e-7 for GPT-2, 8.3e-7 to 1.6e-6 for the MoE families, whose routing weights are computed in another order);
+  7.2e-7 for GPT-2, 8.3e-7 to 1.6e-6 for the MoE families, whose routing weights are computed in another order,
+  4.9e-6 for DeepSeek-V3 and 3.9e-6 for Moonlight's shape, whose attention is multi-latent);
 - the printed flag line parses and validates (one process) to the checkpoint's model config;
 - export-hf (in shards where --max-shard-size says) writes every HF tensor bit for bit, loads with
   `from_pretrained` with nothing missing or unexpected, and names the same class.
@@ -31,6 +32,11 @@ from tools.checkpoint_convert import main
 BASE = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=12, intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=False)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+# Multi-latent attention's sizes in place of grouped-query attention's (DeepseekV3's head_dim is the rotary one).
+BASE_MLA = dict({k: v for k, v in BASE.items() if k != "head_dim"}, num_key_value_heads=4, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # family: (config class, its arguments, --max-shard-size of save_pretrained and export-hf or None)
@@ -50,9 +56,24 @@ FAMILIES = {
                                        use_qk_norm=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5}), "30KB"),
+    # DeepSeek-V3: multi-latent attention with a query latent and YaRN whose factor, mscale and mscale_all_dim all
+    # change numbers (tests/test_mla.py's), group routing (2 groups, the best 1), a dense first layer, a shared
+    # expert, one MTP depth as the Hub holds it.
+    "deepseek_v3": ("DeepseekV3Config", dict(BASE_MLA, **MOE, n_routed_experts=4, n_group=2, topk_group=1,
+                                             first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                                             num_nextn_predict_layers=1, q_lora_rank=16, rope_parameters=YARN),
+                    "30KB"),
+    # Moonlight's shape: no query latent (q_proj), plain RoPE, no groups, two shared experts, norms' epsilon 1e-5
+    # (the latent norms' stays 1e-6 in transformers: --mla-latent-norm-epsilon 1e-6), no MTP depth.
+    "deepseek_v3:moonlight": ("DeepseekV3Config", dict(BASE_MLA, **MOE, n_routed_experts=4, n_group=1,
+                                                       topk_group=1, first_k_dense_replace=1, n_shared_experts=2,
+                                                       routed_scaling_factor=2.446, num_nextn_predict_layers=0,
+                                                       q_lora_rank=None, rms_norm_eps=1e-5,
+                                                       rope_parameters={"rope_type": "default",
+                                                                        "rope_theta": 50000.0}), None),
 }
 # What each family's check above could miss, zeroed in the HF model: the logits must move by >= 1e-3.
-MATTERS = {"glm4_moe": "e_score_correction_bias", "qwen3": "q_norm", "llama": "o_proj.bias",
+MATTERS = {"glm4_moe": "e_score_correction_bias", "deepseek_v3": "kv_a_layernorm", "qwen3": "q_norm", "llama": "o_proj.bias",
            "qwen3_moe": "k_norm", "qwen2_moe": "shared_expert_gate"}
 
 
@@ -105,6 +126,7 @@ def logits_of_checkpoint(ckpt: str, ids: torch.Tensor):
     model = GPTModel(model_config_from_dict(extra["config"]["model"]), extra["padded_vocab_size"], seed=0)
     state = {k: v.float() for k, v in weights.items()}
     state.setdefault("output_layer.weight", state["embedding.word_embeddings.weight"])  # a tied head
+    state.pop("mtp.embedding.word_embeddings.weight", None)  # an asynchronous run's MTP copy (one process: shared)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
         rows = extra.get("hf_vocab_size", extra["vocab_size"])  # an imported checkpoint's, else the run's
@@ -131,7 +153,7 @@ def test_import_and_export_give_the_same_logits_and_tensors(family, tmp_path, ca
                  "--make-vocab-size-divisible-by", "16", "--no-progress"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1].strip()
     ours, extra = logits_of_checkpoint(str(tmp_path / "ckpt"), ids)
-    assert extra["hf_model_type"] == family and ours.shape == theirs.shape
+    assert extra["hf_model_type"] == family.split(":")[0] and ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= 1e-5
 
     # The flag line builds this model (and passes the start-up checks of a one-process run).
@@ -186,6 +208,109 @@ def test_export_refuses_what_no_class_holds_in_one_line():
     assert export_family(ModelConfig(**llama_like, qk_layernorm=True)).model_type == "qwen3"
     with pytest.raises(UserError, match="MistralForCausalLM cannot hold this model: q/k norms"):
         export_family(ModelConfig(**llama_like, qk_layernorm=True), "mistral")
+
+
+# A dense multi-latent attention model of ours (DeepseekV3 holds it as first_k_dense_replace = the layers), YaRN on.
+DENSE_MLA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=32,
+                 normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, position_embedding_type="rope",
+                 add_bias_linear=False, untie_embeddings_and_output_weights=True, multi_latent_attention=True,
+                 q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=12,
+                 qk_layernorm=True, rotary_scaling_factor=4.0, mscale_all_dim=0.8,
+                 yarn_original_max_position_embeddings=8, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def test_a_dense_mla_model_exports_to_deepseek_v3_and_back(tmp_path, capsys):
+    """Our dense MLA GPT (latent norms with --norm-epsilon 1e-5) -> export-hf: DeepseekV3ForCausalLM with
+    first_k_dense_replace 2 and a line saying its latent norms take 1e-6; with --mla-latent-norm-epsilon 1e-6
+    transformers gives our logits (1e-5) and import-hf brings back every tensor bit for bit."""
+    import dataclasses
+
+    import transformers
+
+    from megatron_po.config import Config, ModelConfig
+    from megatron_po.models.gpt import GPTModel
+    from tools.checkpoint_convert import write_weights_checkpoint
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    for latent_eps in (None, 1e-6):
+        model = ModelConfig(**DENSE_MLA, mla_latent_norm_epsilon=latent_eps)
+        torch.manual_seed(0)
+        net = GPTModel(model, 112, seed=0).eval()
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+            ours = net(ids).transpose(0, 1)[..., :101]
+        cfg = Config().to_dict()
+        cfg["model"] = dataclasses.asdict(model)
+        d = tmp_path / str(latent_eps)
+        write_weights_checkpoint(str(d / "ckpt"), dict(net.state_dict()), cfg, 101, 112, "test")
+        capsys.readouterr()
+        assert main(["export-hf", "--load", str(d / "ckpt"), "--out", str(d / "hf"), "--no-progress"]) == 0
+        note = "note: the latent norms here take epsilon 1e-05; DeepseekV3ForCausalLM's"
+        assert (note in capsys.readouterr().out) == (latent_eps is None)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(d / "hf")).eval()
+        assert type(hf).__name__ == "DeepseekV3ForCausalLM" and hf.config.first_k_dense_replace == 2
+        with torch.no_grad():
+            delta = (hf(ids).logits - ours).abs().max().item()
+        assert delta <= 1e-5 if latent_eps else delta > 1e-6  # the epsilon matters
+    assert main(["import-hf", "--hf", str(d / "hf"), "--out", str(d / "back"), "--no-progress"]) == 0
+    back, extra = logits_of_checkpoint(str(d / "back"), ids)
+    assert extra["config"]["model"]["num_experts"] is None and extra["config"]["model"]["mla_latent_norm_epsilon"] == 1e-6
+    assert (back - ours).abs().max().item() <= 1e-5
+    from megatron_po.distributed.checkpoint_load import read_full_checkpoint
+    first, _, _ = read_full_checkpoint(str(d / "ckpt"), progress=False)
+    second, _, _ = read_full_checkpoint(str(d / "back"), progress=False)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k][:101] if "word_emb" in k or "output" in k else first[k], second[k]) for k in first)
+
+
+def test_deepseek_v3_refuses_what_it_cannot_hold_in_one_line(tmp_path, capsys):
+    """Export: an MLA model without the latent norms, with softmax routing, with --mscale but no --mscale-all-dim,
+    with plain RoPE and a softmax scale; import: rope_interleave false, attention_bias, mscale_all_dim without
+    mscale, an explicit attention_factor, fewer key/value heads, a quantized checkpoint. One line each, nothing
+    written. Kimi K2's model_type (kimi_k2, the same class) imports."""
+    import shutil
+
+    from megatron_po.config import ModelConfig
+    from megatron_po.errors import UserError
+    from megatron_po.models.hf.configs import export_family
+    moe = dict(num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    assert export_family(ModelConfig(**DENSE_MLA)).model_type == "deepseek_v3"
+    assert export_family(ModelConfig(**DENSE_MLA, **moe)).model_type == "deepseek_v3"
+    for changes, needle in [
+        (dict(qk_layernorm=False), "DeepseekV3ForCausalLM: multi-latent attention without the latent norms"),
+        (dict(moe, moe_router_score_function="softmax", moe_router_enable_expert_bias=False),
+         "DeepseekV3ForCausalLM: softmax routing"),
+        (dict(mscale=0.9, mscale_all_dim=0.0), "--mscale 0.9 with --mscale-all-dim 0"),
+        (dict(rope_type="rope"), "--rope-type rope with a softmax scale"),
+    ]:
+        with pytest.raises(UserError, match=needle) as e:
+            export_family(ModelConfig(**{**DENSE_MLA, **changes}))
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="LlamaForCausalLM cannot hold this model: multi-latent attention"):
+        export_family(ModelConfig(**DENSE_MLA), "llama")
+
+    src = tmp_path / "hf"
+    hf_model("deepseek_v3:moonlight", src)
+    capsys.readouterr()
+    for case, changes, needle in [
+        ("interleave", dict(rope_interleave=False), "rope_interleave false"),
+        ("bias", dict(attention_bias=True), "attention_bias True: no equivalent here"),
+        ("mscale", dict(rope_parameters=dict(YARN, mscale=0)), "mscale_all_dim 0.8 without mscale"),
+        ("factor", dict(rope_parameters=dict(YARN, attention_factor=1.5)), "attention_factor 1.5"),
+        ("kv-heads", dict(num_key_value_heads=2), "num_key_value_heads 2 with multi-latent attention's 4 heads"),
+        ("quantized", dict(quantization_config={"quant_method": "fp8"}), "quantization_config (fp8)"),
+    ]:
+        shutil.copytree(src, tmp_path / case)
+        _edit_json(tmp_path / case / "config.json", **changes)
+        assert main(["import-hf", "--hf", str(tmp_path / case), "--out", str(tmp_path / "ckpt"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (case, err)
+        assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
+    shutil.copytree(src, tmp_path / "kimi")  # Kimi K2's config.json: DeepseekV3ForCausalLM, model_type kimi_k2
+    _edit_json(tmp_path / "kimi" / "config.json", model_type="kimi_k2")
+    assert main(["import-hf", "--hf", str(tmp_path / "kimi"), "--out", str(tmp_path / "ckpt"), "--no-progress"]) == 0
+    assert logits_of_checkpoint(str(tmp_path / "ckpt"), torch.zeros(1, 4, dtype=torch.long))[1]["hf_model_type"] == \
+        "deepseek_v3"
 
 
 def _edit_json(path, **changes):
@@ -278,3 +403,53 @@ def test_deferred_tensors_are_made_one_at_a_time(tmp_path):
     assert seen == [0] * 6
     weights, _, _ = read_full_checkpoint(str(tmp_path), progress=False)
     assert all(torch.equal(weights[f"w{i}"], torch.full((64, 64), float(i))) for i in range(6))
+
+
+# DeepSeek-V3's config.json as the Hub holds it (its FP8 quantization_config aside: see the refusal above).
+DEEPSEEK_V3_HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
+
+
+def test_deepseek_v3_hub_config_gives_megatron_recipe_flags():
+    """The full-size DeepSeek-V3 config.json (no weights) reads as Megatron's DeepSeek-V3 recipe's model flags, which
+    pass the start-up checks; our config of it writes the same config.json keys back."""
+    import transformers
+
+    from megatron_po.config import ModelConfig, parse_args
+    from megatron_po.config_rules import validate
+    from megatron_po.distributed.checkpoint_hf import model_flags
+    from megatron_po.models.hf.configs import family_of, hf_config, model_fields
+    family = family_of(DEEPSEEK_V3_HUB)
+    fields = model_fields(family, transformers.DeepseekV3Config.from_dict(DEEPSEEK_V3_HUB))
+    recipe = dict(num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+                  multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                  qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True, rope_type="yarn", rotary_base=10000,
+                  rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0, norm_epsilon=1e-6, num_experts=256,
+                  moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+                  moe_layer_freq="([0]*3+[1]*58)", moe_router_score_function="sigmoid",
+                  moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8,
+                  moe_router_group_topk=4, mtp_num_layers=1, untie_embeddings_and_output_weights=True)
+    assert {k: fields.get(k) for k in recipe} == recipe
+    assert "mla_latent_norm_epsilon" not in fields and "yarn_original_max_position_embeddings" not in fields
+    cfg = parse_args(shlex.split(model_flags(fields)) + ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                                         "--vocab-size", "129280", "--micro-batch-size", "1",
+                                                         "--global-batch-size", "8", "--train-iters", "1",
+                                                         "--expert-model-parallel-size", "8"])
+    validate(cfg, 8)
+    assert vars(cfg.model) == {**vars(ModelConfig()), **fields}
+    back = hf_config(family, ModelConfig(**fields), 129280).to_dict()
+    assert back["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                       "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0}
+    for key, value in DEEPSEEK_V3_HUB.items():
+        if key in back and key != "rope_scaling":
+            assert back[key] == value, key

@@ -14,7 +14,8 @@
   [b, heads, s, s] probabilities for the backward, and gives the math kernel's output (1e-6).
 - FLOPs: Megatron's MLA count (num_floating_point_operations), by hand for a DeepSeek-V3-shaped layer, and equal to
   torch's FLOP counter on an MLA GPT's forward + backward but for the latent norms' terms Megatron adds.
-- Hugging Face export refuses an MLA model with one line; the start-up line says what runs.
+- Hugging Face export picks DeepseekV3ForCausalLM, or says in one line why it cannot; the start-up line says what
+  runs.
 """
 
 from __future__ import annotations
@@ -258,12 +259,19 @@ def test_core_keeps_no_probabilities_on_the_cpu():
     torch.testing.assert_close(outs["auto"], outs["local"], rtol=0, atol=1e-6)
 
 
-def test_hugging_face_export_refuses_mla_with_one_line():
+def test_hugging_face_export_is_deepseek_v3_or_one_line():
+    """MLA exports as DeepseekV3ForCausalLM (tests/test_hf_families.py round-trips it); what that class cannot hold
+    (softmax routing, no latent norms) is one line, and no other class takes MLA."""
     from megatron_po.errors import UserError
     from megatron_po.models.hf.configs import export_family
-    for extra in ({}, {"num_experts": 4}):
-        with pytest.raises(UserError, match="multi-latent attention"):
+    assert export_family(gpt_cfg()).model_type == "deepseek_v3"
+    for extra, needle in [({"num_experts": 4}, "DeepseekV3ForCausalLM: softmax routing"),
+                          ({"qk_layernorm": False}, "DeepseekV3ForCausalLM: multi-latent attention without the latent")]:
+        with pytest.raises(UserError, match=needle) as e:
             export_family(dataclasses.replace(gpt_cfg(), **extra))
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="Qwen3ForCausalLM cannot hold this model: multi-latent attention"):
+        export_family(gpt_cfg(), "qwen3")
 
 
 def test_start_up_line_says_what_runs():

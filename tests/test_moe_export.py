@@ -144,3 +144,18 @@ def test_the_converter_refuses_an_unexportable_checkpoint_with_one_line(tmp_path
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
     with open(tmp_path / "ckpt" / "iter_0000000" / "checksums.json") as f:
         assert json.load(f)  # a real checkpoint was refused, not a missing one
+
+
+
+def test_the_converter_builds_an_moe_model_on_the_meta_device():
+    """export-hf and import-hf learn a checkpoint's tensors from the model built on the meta device: the experts'
+    per-expert seeding draws its seed from the default generator there too (a meta tensor has no value to seed
+    with; before, the build raised "Tensor.item() cannot be called on meta tensors"). The draw is the one a CPU build makes, so
+    the weights are the same as before: the MoE golden curves (tests/golden/ep2_moe_*.json) did not move."""
+    from megatron_po.config import ModelConfig
+    from megatron_po.distributed.checkpoint_hf import meta_model_tensors
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_experts=4, moe_router_topk=2,
+                    moe_ffn_hidden_size=16, swiglu=True)
+    experts = {k: t for k, t in meta_model_tensors(m, 64).items() if ".experts." in k}
+    assert experts and all(t.is_meta for t in experts.values())
+    assert {tuple(t.shape) for k, t in experts.items() if k.endswith("fc1")} == {(4, 16, 32)}, experts

@@ -93,6 +93,34 @@ NMT = {"--encoder-num-layers": 1, "--decoder-num-layers": 1, "--hidden-size": 32
 # steps), a dense first layer (Megatron's list form), shared experts, the allgather dispatcher.
 MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 32, "--expert-model-parallel-size": 2}
 
+# The DeepSeek-V3 family (issue 54), shrunk from its Megatron recipes (tests/test_moe_recipes.py has them flag for
+# flag). `ep2_deepseek_v3`: multi-latent attention (query and key/value latents, latent norms, YaRN factor 40),
+# one multi-token-prediction depth (its loss pinned as a series of its own), 8 experts top-4 in 2 of 4 groups
+# (group-limited routing), sigmoid scores with the expert bias moved by 1e-2 per step and the top-k scaling factor,
+# a shared expert, a dense first layer, the sequence aux loss, alltoall, at EP = 2. `pp2_glm_4_5_pipeoptim`:
+# GLM-4.5's attention (GQA, a bias on the QKV projection, q/k norms, RoPE on half of each head) and routing
+# (sigmoid, the expert bias, pre-softmax, a dense first layer, a shared expert) under PipeOptim at PP = 2.
+RECIPE_COMMON = {"--position-embedding-type": "rope", "--normalization": "RMSNorm", "--swiglu": True,
+                 "--disable-bias-linear": True, "--moe-router-score-function": "sigmoid",
+                 "--moe-router-enable-expert-bias": True, "--moe-router-bias-update-rate": 1e-2,
+                 "--moe-router-topk-scaling-factor": 2.5,
+                 "--moe-shared-expert-intermediate-size": 32, "--moe-router-dtype": "fp32"}
+DEEPSEEK_V3 = dict(RECIPE_COMMON, **{
+    "--multi-latent-attention": True, "--q-lora-rank": 16, "--kv-lora-rank": 16, "--qk-head-dim": 8,
+    "--qk-pos-emb-head-dim": 8, "--v-head-dim": 8, "--qk-layernorm": True, "--rotary-scaling-factor": 40,
+    "--mscale": 1.0, "--mscale-all-dim": 1.0, "--num-experts": 8, "--moe-router-topk": 4,
+    "--moe-router-num-groups": 4, "--moe-router-group-topk": 2, "--moe-ffn-hidden-size": 16,
+    "--moe-layer-freq": "[0,1]", "--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": 1e-3,
+    "--moe-token-dispatcher-type": "alltoall", "--moe-grouped-gemm": True, "--mtp-num-layers": 1,
+    "--mtp-loss-scaling-factor": 0.1, "--expert-model-parallel-size": 2,
+    "--untie-embeddings-and-output-weights": True})
+GLM_4_5 = dict(RECIPE_COMMON, **{
+    "--group-query-attention": True, "--num-query-groups": 2, "--add-qkv-bias": True, "--qk-layernorm": True,
+    "--rotary-percent": 0.5, "--rotary-base": 1000000, "--num-experts": 4, "--moe-router-topk": 2,
+    "--moe-ffn-hidden-size": 32, "--moe-router-pre-softmax": True, "--moe-layer-freq": "[0]*1+[1]*3",
+    "--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": 0,
+    "--moe-token-dispatcher-type": "alltoall", "--moe-grouped-gemm": True})
+
 
 @dataclass(frozen=True)
 class Golden:
@@ -172,6 +200,11 @@ CONFIGS = [
            "--position-embedding-type": "rope", "--no-position-embedding": True, "--group-query-attention": True,
            "--num-query-groups": 2}),
     gpt("pp2_moe_pipeoptim", ("PipeOptim with MoE at PP = 2",), 2, **ASYNC, **MOE_PIPEOPTIM,
+        **{"--pipeline-method": "pipeoptim"}),
+    gpt("ep2_deepseek_v3", ("DeepSeek-V3 at EP = 2: MLA, MTP, group-limited routing, sigmoid with the expert "
+                            "bias, a shared expert",), 2, **DEEPSEEK_V3),
+    gpt("pp2_glm_4_5_pipeoptim", ("GLM-4.5 under PipeOptim at PP = 2: GQA, QKV bias, partial rotary, sigmoid with "
+                                  "the expert bias, a dense first layer",), 2, **ASYNC, **GLM_4_5,
         **{"--pipeline-method": "pipeoptim"}),
     # FSDP2 (issue 55): parameters, gradients and optimizer state sharded over the DP ranks of each stage
     gpt("dp2_fsdp2", ("FSDP2 at DP = 2 (--use-torch-fsdp2)",), 2, **{"--use-torch-fsdp2": True}),

@@ -12,6 +12,7 @@ from megatron_po.config import build_parser
 
 # Flags Megatron-LM does not have: this project's own (pipeline methods, predictors, logging sinks, NMT).
 PROJECT_ONLY = {
+    "--mla-latent-norm-epsilon",
     "--max-skipped-steps", "--muon-gram-newton-schulz",
     "--pipeline-method", "--async-update-interval", "--pipeoptim-s-offset", "--pipeoptim-sgd-direction",
     "--pipeoptim-extrapolate-weight-decay", "--weight-predictor", "--rollout-gradient", "--prediction-horizon",
@@ -98,7 +99,9 @@ Notes where our reading differs in detail:
   `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`, `--yarn-beta-slow` and
   `--no-yarn-correction-range-round-to-int` set MLA's YaRN here; in Megatron they configure
   `--position-embedding-type yarn` (not available here) and its MLA keeps 4096, 32, 1 and rounding, the defaults
-  here. `--mla-down-proj-fusion` (a CUDA fusion) is a no-op; `--cache-mla-latents` (inference) is refused. The
+  here. `--mla-down-proj-fusion` (a CUDA fusion) is a no-op; `--cache-mla-latents` (inference) is refused.
+  `--mla-latent-norm-epsilon` (ours) gives the latent norms an epsilon of their own (Megatron's use
+  `--norm-epsilon`; DeepSeek's code and transformers' fix 1e-6: import-hf sets it where they differ). The
   MLA-only flags without `--multi-latent-attention`, `--group-query-attention`, `--rotary-percent`,
   `--use-rope-scaling` and `--rotary-seq-len-interpolation-factor` with it, and `--transformer-impl
   transformer_engine` with it are refused with one line.

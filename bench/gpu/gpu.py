@@ -96,7 +96,7 @@ import gpu_plan  # noqa: E402
 import gpu_state  # noqa: E402
 import gpu_targets  # noqa: E402
 import torch  # noqa: E402
-from gpu_run import Run, Section, failed_lines, gib, measure_ours, num, pct, throughput  # noqa: E402
+from gpu_run import Run, Section, failed_lines, gib, measure_ours, num, pct, throughput, why_failed  # noqa: E402
 from gpu_stream import (D, STREAM_COMPILED_METHODS, STREAM_COMPILED_MUON_METHODS, STREAM_METHOD_KEYS,  # noqa: E402
                         STREAM_METHODS, NoStreamMethod, method_key, section_stream, section_stream_compiled,
                         section_stream_compiled_muon, ttq_cost_model)
@@ -298,6 +298,7 @@ def section_fp16(run: Run) -> Section:
 
 
 SECTIONS = {step.name: step for step in gpu_budget.TABLE if step.kind == "section"}  # bench/gpu_check/gpu_budget.py
+EAGER_ONLY = ("fp8", "moe")  # --eager-only: these without their compiled runs (inductor's minutes on a CPU)
 
 
 def section_function(name: str):
@@ -502,10 +503,11 @@ def run_sections(run: Run, names: list[str], write, state_dir: str | None = None
             log(f"[gpu.py] {name} skipped: estimated {estimate:.0f} s, {max(left, 0):.0f} s of the budget left")
             continue
         log(f"[gpu.py] {name} ({(time.perf_counter() - STARTED) / 60:.1f} min)")
-        started, run.cut_off, run.section = time.perf_counter(), False, name
+        started = run.start_section(name)
         statuses[name] = {**status, "status": "running"}
         try:
-            run.done[name] = section_function(name)(run)
+            eager = {"compiled": False} if run.eager_only and name in EAGER_ONLY else {}
+            run.done[name] = section_function(name)(run, **eager)
             status["status"] = "cut off" if run.cut_off else "done"
         except NoStreamMethod as e:
             status["note"] = str(e)
@@ -518,8 +520,9 @@ def run_sections(run: Run, names: list[str], write, state_dir: str | None = None
                                   "note": "terminated (SIGTERM)"}
             break
         except Exception as e:  # noqa: BLE001  (record it, measure the rest)
-            log(f"[gpu.py] {name} failed: {e}")
-            failures.append((name, f"{type(e).__name__}: {e}"))
+            status["note"], text = why_failed(e, list(run.tail))
+            log(f"[gpu.py] {name} failed: {status['note']}")
+            failures.append((name, text))
             status["status"] = "cut off" if run.cut_off else "failed"
         status["seconds"] = time.perf_counter() - started
         statuses[name] = status
@@ -541,7 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="+", choices=list(SECTIONS), default=[], help="leave these sections out")
     ap.add_argument("--out", help="the .md to write (the .json goes beside it); default "
                                   "bench/results/gpu_<device>[_quick].md")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per measuring process (default 600; quick 300)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per measuring process (also quick)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds for the whole run: a section whose estimate (bench/gpu_check/gpu_budget.py) exceeds "
                          "what is left is skipped, a process still measuring when the budget ends is killed (its section: cut off), "
@@ -553,6 +556,7 @@ def main(argv=None) -> int:
                     help="this machine's state (bench/gpu_check/gpu_state.py): baselines measured there at this code are "
                          "reused, what this run measures is recorded there")
     ap.add_argument("--call", default="", help="this call's label in the state (the check's: call1, call2, ...)")
+    ap.add_argument("--eager-only", action="store_true", help=f"{', '.join(EAGER_ONLY)} without --torch-compile (CPU tests)")
     ap.add_argument("--stream-methods", nargs="+", choices=STREAM_METHOD_KEYS, metavar="METHOD:OPTIMIZER",
                     help="the stream sections' methods to run (default all): " + ", ".join(STREAM_METHOD_KEYS))
     args = ap.parse_args(argv)
@@ -561,7 +565,7 @@ def main(argv=None) -> int:
     t0 = STARTED
     deadline = None if args.budget_s is None else t0 + args.budget_s - WRITE_RESERVE_S
     size = args.size or ("quick" if args.quick else "full")
-    run = Run(size, args.timeout or (300 if size == "quick" else 600), args.stream_methods, deadline)
+    run = Run(size, args.timeout, args.stream_methods, deadline, args.eager_only)
     for pair in args.seconds:
         name, _, value = pair.partition("=")
         run.estimates[name] = float(value)

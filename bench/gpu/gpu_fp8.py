@@ -16,9 +16,10 @@ iteration of each of ours is compared with bf16's. Targets: FP8 compiled >= 1.25
 >= 1.0x the plain FP8 GPT compiled, last loss within 0.02 of bf16's.
 
 bench/gpu/gpu.py's check can call `section_fp8(run)` with its `Run` (registered in its SECTIONS; then the peak and
-the bf16 figures of its sections `gpt` and `compiled`, measured in the same run, are reused rather than measured
-again). This module imports nothing from gpu.py, so that gpu.py can import it. torchao must be importable:
-on a device call, carry `.gpu_wheels/` (scripts/gpu_wheels.sh, docs/fp8.md).
+the bf16 figures of its sections `gpt` and `compiled`, measured in the same run or, baselines, by an earlier call on
+the same machine, are reused rather than measured again: their last loss travels with their figures). This module
+imports nothing from gpu.py, so that gpu.py can import it. torchao must be importable: on a device call, carry
+`.gpu_wheels/` (scripts/gpu_wheels.sh, docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 from bench_common import markdown_table  # noqa: E402
-from gpu_run import Run, Section, last_loss, measure_ours, measure_peak, num, pct, section_alone  # noqa: E402
+from gpu_run import Run, Section, measure_ours, measure_peak, num, pct, section_alone  # noqa: E402
 from gpu_targets import FP8_BOUNDS  # noqa: E402
 
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -77,16 +78,14 @@ def plain_fp8(size, args) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-# bench/gpu/gpu.py's sections measuring our bf16 runs as this section would: name -> measure_ours's label
-REUSED = {"gpt": "gpt", "compiled": "gpt_compiled"}
-
-
-def ours(run: Run, label: str, extra: list[str], reuse: str | None = None) -> tuple[Section, float]:
-    """(section, last loss) of ours with `extra` flags; a bf16 run the check measured already in this run (`reuse`:
-    its section's name) is read from there."""
-    if reuse in run.done:
-        return run.done[reuse], last_loss(run, REUSED[reuse])
-    return measure_ours(run, label, "", extra), last_loss(run, label)
+def ours(run: Run, label: str, extra: list[str], reuse: str | None = None) -> Section:
+    """Ours with `extra` flags; a bf16 run gpu.py's section `reuse` measured as this section would is read from
+    there: measured in this run, or a baseline an earlier call measured on this machine (gpu.py's --state-dir).
+    Its figures carry the last loss (measure_ours); a baseline recorded before they did is measured here again."""
+    done = run.done.get(reuse)
+    if done is not None and done.figures.get("last_lm_loss") is not None:
+        return done
+    return measure_ours(run, label, "", extra)
 
 
 # (key, row, label, flags, gpu.py's section measuring the same run) of ours; "_compiled" ones need --torch-compile
@@ -101,12 +100,14 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
     has not the minutes inductor takes there) and times the plain FP8 GPT eager instead."""
     from gpu_run import throughput
     measure_peak(run)
-    measured, losses, commands = {}, {}, []
+    measured, losses, commands, read = {}, {}, [], {}  # read: gpu.py's sections whose runs served here -> Section
     for key, _, label, flags, reuse in VARIANTS:
         if compiled or not key.endswith("_compiled"):
-            section, losses[key] = ours(run, label, flags, reuse)
-            measured[key] = section.figures
+            section = ours(run, label, flags, reuse)
+            measured[key], losses[key] = section.figures, section.figures["last_lm_loss"]
             commands += section.commands
+            if section is run.done.get(reuse):
+                read[reuse] = section
     plain_key = "plain_fp8_compiled" if compiled else "plain_fp8"
     plain, plain_command = run.worker("plain_fp8", *(["--compile"] if compiled else []), script="gpu_fp8.py")
     measured[plain_key] = {**plain, **throughput(run, plain["ms_per_iteration"])}
@@ -134,13 +135,14 @@ def section_fp8(run: Run, compiled: bool = True) -> Section:
                  "loss_delta": ("last loss, FP8 against bf16, absolute difference <= 0.02", "")}
     target_rows = [[what, "not measured (--eager-only)" if k not in ratios else f"{ratios[k]:.4f}{unit}",
                     "" if k not in met else ("met" if met[k] else "NOT MET")] for k, (what, unit) in described.items()]
-    reused = [reuse for *_, reuse in VARIANTS if reuse in run.done]
     return Section("FP8 (torchao) against bf16 and the plain GPT under torchao's FP8", commands, figures, [
         f"--fp8-format hybrid (E4M3 forward, E5M2 gradients), recipe tensorwise, in the QKV, attention-projection and "
         f"MLP GEMMs; embedding and output layer bf16. FP8 eager / bf16 eager: "
         f"{ratios['eager_over_bf16_eager']:.3f}x tokens/s. MFU against the bf16 peak (section peak), model FLOPs "
         f"alike. Last loss: iteration {run.size.iterations}."
-        + (f" bf16 figures from section(s) {', '.join(reused)} of this run." if reused else ""), "",
+        + (" bf16 figures from section(s) " + ", ".join(
+            f"{name} ({'an earlier call on this machine' if section.reused else 'this run'})"
+            for name, section in read.items()) + "." if read else ""), "",
         markdown_table(["", "ms / iteration", "tokens/s", "model TFLOP/s", "MFU", "last loss"], rows), "",
         markdown_table(["target (issue 43)", "measured", ""], target_rows)])
 

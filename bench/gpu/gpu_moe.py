@@ -30,7 +30,7 @@ import bench_common  # noqa: E402
 bench_common.add_repo_to_path()  # this checkout and every bench family on sys.path
 
 from bench_common import markdown_table  # noqa: E402
-from gpu_run import (Run, Section, failed_lines, gib, last_loss, measure_ours, measure_peak, num, pct,  # noqa: E402
+from gpu_run import (Run, Section, failed_lines, gib, measure_ours, measure_peak, num, pct,  # noqa: E402
                      section_alone)
 
 EXPERTS, TOPK = 8, 2
@@ -79,7 +79,7 @@ def section_moe(run: Run, compiled: bool = True) -> Section:
         except RuntimeError as e:  # one failing variant (an out-of-memory, a compile error) leaves the other
             errors.append((f"{label}: pretrain_gpt.py {' '.join(flags + tuple(compile_flags + extra))}", str(e)))
             continue
-        measured[key], losses[key] = section.figures, last_loss(run, label)
+        measured[key], losses[key] = section.figures, section.figures["last_lm_loss"]
         commands += section.commands
         run.figure(f"{key}: tokens_per_s", section.figures["tokens_per_s"])
     total = next((f["parameters_millions"] for f in measured.values() if f.get("parameters_millions")), None)

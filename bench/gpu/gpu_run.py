@@ -4,6 +4,7 @@ fresh process), a `Section` (its commands, figures and Markdown), and the figure
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,6 +23,10 @@ bench_common.add_repo_to_path()  # this checkout and every bench family on sys.p
 
 from bench_common import REPO, log, markdown_table, offline_env  # noqa: E402
 from gpu_worker import SIZES, Size, padded_vocab  # noqa: E402
+
+
+# Output lines a Run keeps of the section measuring now: a section that fails reports them (gpu.py's run_sections).
+TAIL_LINES = 3
 
 
 class BudgetSpent(RuntimeError):
@@ -51,10 +57,11 @@ class Run:
     section killed half-way leaves what it had measured in the results."""
 
     def __init__(self, size_name: str, timeout: float, stream_methods: list[str] | None = None,
-                 deadline: float | None = None):
+                 deadline: float | None = None, eager_only: bool = False):
         self.size_name, self.size = size_name, SIZES[size_name]
         self.timeout = timeout
         self.stream_methods = stream_methods  # the stream sections' methods to run (keys; None: all of them)
+        self.eager_only = eager_only  # gpu.py --eager-only: its EAGER_ONLY sections without their compiled runs
         self.deadline = deadline
         self.cut_off = False  # a process was killed (or not started) because the budget ran out
         self.done: dict[str, Section] = {}
@@ -65,6 +72,14 @@ class Run:
         self.estimates: dict[str, float] = {}  # seconds to expect per section (the check's plan), over gpu_budget's
         self.code_hashes: dict[str, str] = {}  # gpu_plan.current_hashes: the code each section measures
         self.machine: dict[str, str] = {}  # GPU UUID and boot id (gpu_state)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # the section's last output lines
+
+    def start_section(self, name: str) -> float:
+        """Section `name` measures from now on (its figures, its output lines, whether the budget cut it off);
+        returns the time.perf_counter() of its start."""
+        self.section, self.cut_off = name, False
+        self.tail.clear()
+        return time.perf_counter()
 
     def figure(self, key: str, value) -> None:
         """Keep one figure of the section measuring now, and have the results rewritten with it."""
@@ -102,6 +117,8 @@ class Run:
         try:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
+                if line.strip() and not line.startswith(("FIGURE ", "RESULT ")):
+                    self.tail.append(line.strip())
                 if line.startswith("FIGURE "):
                     for key, value in json.loads(line[len("FIGURE "):]).items():
                         self.figure(prefix + key, value)
@@ -176,12 +193,6 @@ def measure_peak(run: Run) -> None:
         run.done["peak"] = Section("bf16 matmul peak", [command], result)
 
 
-def last_loss(run: Run, label: str) -> float:
-    """The lm loss of the last iteration of `measure_ours(run, label, ...)` (its metrics in the run's tmp)."""
-    records = bench_common.read_metrics(os.path.join(run.tmp, label, "metrics.jsonl"))
-    return [r for r in records if "lm_loss" in r][-1]["lm_loss"]
-
-
 def section_alone(argv: list[str], file: str, doc: str, title: str, section, quick_note: str,
                   model_size=None) -> int:
     """A section of the GPU check run on its own (bench/gpu/gpu_fp8.py, gpu_moe.py): `--quick` (the tiny model, every
@@ -219,6 +230,23 @@ def section_alone(argv: list[str], file: str, doc: str, title: str, section, qui
     bench_common.write_text(os.path.splitext(out)[0] + ".json", bench_common.portable(json.dumps(data, indent=1)))
     log(f"[{name}.py] wrote {out} in {(time.perf_counter() - t0) / 60:.1f} min")
     return 0
+
+
+def why_failed(e: Exception, tail: list[str]) -> tuple[str, str]:
+    """(one line, the whole text) of a section that raised `e`: the exception's type and message, where this checkout
+    raised it (the innermost frame in it), and the section's last output lines (`tail`): the line goes into the
+    status tables (the check's closing screen: issue 58), the text into the results' block of the failed section."""
+    message = str(e).splitlines() or [""]
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(REPO + os.sep)]
+    where = f" (at {os.path.relpath(ours[-1].filename, REPO)}:{ours[-1].lineno} in {ours[-1].name})" \
+        if ours else ""
+    line = f"{type(e).__name__}: {message[0][:300]}{where}"
+    if tail:
+        line += "; last lines: " + " / ".join(f"`{t[:160]}`" for t in tail)
+    text = "".join(traceback.format_exception(e)).rstrip()
+    if tail:
+        text += "\n\nThe section's last output lines:\n" + "\n".join(tail)
+    return line, text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +313,11 @@ def measure_ours(run: Run, label: str, title: str, extra_flags: list[str], size:
     times = sorted(s.global_batch * s.seq / r["tokens_per_sec"] * 1e3 for r in timed)
     figures = throughput(run, times[len(times) // 2], s, model_flags)
     held = next((re.search(r"holds ([\d.]+) M parameters", ln) for ln in output if "holds" in ln), None)
+    losses = [r["lm_loss"] for r in records if "lm_loss" in r]
+    # the last loss kept with the figures: a later section reads it from there, also from a baseline an earlier call
+    # on this machine measured (its metrics file died with that call's temporary folder: issue 58)
     figures.update(parameters_millions=float(held.group(1)) if held else None, iterations_timed=len(times),
+                   last_lm_loss=losses[-1] if losses else None,
                    max_memory_bytes=records[-1].get("max_memory_gb", 0.0) * 2**30, padded_vocab=padded_vocab(s),
                    flops_per_iteration=flops_per_iteration(s, model_flags))
     row = [f"{figures['ms_per_iteration']:.1f}", f"{figures['tokens_per_s']:,.0f}", num(figures["model_tflops"]),

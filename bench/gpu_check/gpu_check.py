@@ -30,8 +30,10 @@ else bench/results/gpu_check/), at most 8 files (what the device tool brings bac
 (the summary: command, device, commit, code hashes, plan, steps), cuda_tests_<call>.log, cpu_compile_tests_<call>.log
 (both compile-test steps), gpu_<call>.log, and gpu.py's gpu_<device>_<call>.md, .json and _cost_model.json;
 <call> is call1, call2, ... on one machine. Machine paths in them are made portable. The output ends with one
-table: every target with its figure at this commit (or, labelled, at the last commit that measured it), met or not,
-and each step that did not run with the command that runs it.
+screen: every target with its figure at this commit (or, labelled, at the last commit that measured it), met or not;
+then every step of the call with its status, seconds and why (a section that raised: the exception's type and
+message, where it was raised and the section's last output lines: issue 58), and the command that runs again each
+step that did not end well.
 
 Exit status 1 when a test or a section failed, else 0 (skipped and cut off steps are named, not failures).
 """
@@ -59,6 +61,8 @@ bench_common.add_repo_to_path()
 
 import gpu_budget  # noqa: E402
 import gpu_plan  # noqa: E402
+from gpu_outcome import (again, closing_steps, count_results, not_run_to_the_end, pytest_summary,  # noqa: E402
+                         section_statuses)
 import gpu_state  # noqa: E402
 import gpu_targets  # noqa: E402
 from bench_common import REPO, RESULTS, load_at_start, log, markdown_table, now, portable  # noqa: E402
@@ -135,24 +139,6 @@ def make_portable(path: str) -> None:
     if os.path.exists(path):
         with open(path, errors="replace") as f:
             bench_common.write_text(path, portable_here(f.read()))
-
-
-def count_results(log_path: str) -> str:
-    """What a cut-off pytest (-v) had reported: "12 PASSED, 1 FAILED" from its per-test lines."""
-    with open(log_path, errors="replace") as f:
-        found = re.findall(r"(PASSED|FAILED|SKIPPED|ERROR)\b", f.read())
-    counts = {word: found.count(word) for word in ("PASSED", "FAILED", "ERROR", "SKIPPED") if word in found}
-    return ", ".join(f"{n} {word.lower()}" for word, n in counts.items()) or "no test finished"
-
-
-def pytest_summary(log_path: str) -> str:
-    """pytest's closing line ("3 failed, 25 passed, 28 deselected in 88.29s"), or ""."""
-    if not os.path.exists(log_path):
-        return ""
-    with open(log_path, errors="replace") as f:
-        found = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|deselected|error).*? in [\d.]+s.*?) ?=*$", f.read(),
-                           re.M)
-    return found[-1] if found else ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +280,8 @@ class Check:
         seconds = [f"{p.step}={p.seconds:.0f}" for p in self.plan if p.step in sections and p.source == "measured"]
         cmd = [sys.executable, "bench/gpu/gpu.py", "--only", *sections, "targets", "--budget-s", f"{budget:.0f}",
                "--out", self.path(results), "--state-dir", self.state_dir, "--call", self.label,
-               *(["--seconds", *seconds] if seconds else []), *(["--quick"] if self.args.quick else [])]
+               *(["--seconds", *seconds] if seconds else []), *(["--quick"] if self.args.quick else []),
+               *(["--eager-only"] if self.args.eager_only else [])]
         log_name = f"gpu_{self.label}.log"
         with self.lock:
             self.commands.append(shown(cmd))
@@ -308,34 +295,20 @@ class Check:
         rc, seconds = run_process(cmd, self.path(log_name), self.left(), env, preexec_fn=pinned(self.timed_cores))
         make_portable(self.path(log_name))
         data = gpu_state.read(self.path(results[:-3] + ".json"))
-        statuses, errors = data.get("section_status", {}), {e["section"]: e["error"] for e in data.get("failures", [])}
         with self.lock:
             self.files = [f for f in self.files if os.path.exists(self.path(f))]
-            for s in sections:
-                st = statuses.get(s)
-                if st is None or st.get("status") == "running":  # gpu.py ended (killed, crashed) in or before it
-                    why = "killed at the end of the budget" if rc is None else f"gpu.py exit code {rc} before it"
-                    if st is not None and s in data.get("partial", {}):
-                        why += "; its figures so far are in the results (`partial`)"
-                    self.status[s].update(status="cut off" if rc is None else "failed", note=why)
-                    continue
-                note = st.get("note", "") or (errors.get(s, "").splitlines() or [""])[0][:160]
-                if s in data.get("partial", {}):
-                    note = (note + "; " if note else "") + "its figures so far are in the results (`partial`)"
-                self.status[s].update(status=st["status"], seconds=st["seconds"], note=note,
-                                      estimate_s=st["estimate_s"])
+            for s, update in section_statuses(data, sections, rc, self.path(log_name)).items():
+                self.status[s].update(update)
         log(f"[gpu_check] gpu.py: exit code {rc} in {seconds:.0f} s")
 
     # ---- the summary
 
     def left_out(self) -> list[str]:
-        return [n for n, st in self.status.items() if st["status"] in ("skipped", "cut off", "not reached")
-                and not st.get("note", "").startswith("none of --stream-methods")]
+        return not_run_to_the_end(self.status)
 
     def rerun_commands(self) -> list[str]:
         left = self.left_out()
-        quick = " --quick" if self.args.quick else ""
-        return [f"bash scripts/gpu_check.sh --steps {' '.join(left)}{quick}"] if left else []
+        return [again(left, self.flags())] if left else []
 
     def target_lines(self) -> list[str]:
         """The closing screen: every target with its figure at this commit, or the last commit's that measured it."""
@@ -357,18 +330,14 @@ class Check:
                              f"{d['device']}): {d['file']}", "met" if t.met(value) else "NOT MET",
                              "sections " + ", ".join(t.sections)])
         lines = ["## Targets", "", markdown_table(["target", "figure", "measured at", "", "from"], rows), ""]
-        left = self.left_out()
-        if left:
-            lines += ["Did not run to the end in this call (each with the command that runs it; the plain "
-                      "`bash scripts/gpu_check.sh` puts what no run measured first anyway):", ""]
-            lines += markdown_table(["step", "status", "why", "command"],
-                                    [[n, self.status[n]["status"], self.status[n].get("note", ""),
-                                      f"`bash scripts/gpu_check.sh --steps {n}{' --quick' if self.args.quick else ''}`"]
-                                     for n in left]).splitlines()
-            lines += ["", f"All of them: `{self.rerun_commands()[0]}`"]
-        else:
-            lines.append("Every step ran to its end.")
-        return lines
+        return lines + self.step_lines()
+
+    def step_lines(self) -> list[str]:
+        return closing_steps(self.status, self.flags())
+
+    def flags(self) -> str:
+        """The flags a command running some steps again takes from this call's: --quick, --eager-only."""
+        return "".join(f" --{f}" for f, on in (("quick", self.args.quick), ("eager-only", self.args.eager_only)) if on)
 
     def write(self, final: bool = False) -> None:
         d = self.device
@@ -512,6 +481,9 @@ def main(argv=None) -> int:
                     help="where the results go (default $OUT when set, else bench/results/gpu_check/)")
     ap.add_argument("--quick", action="store_true",
                     help="one test per test step and gpu.py --quick (a tiny GPT): the whole check on a CPU")
+    ap.add_argument("--eager-only", action="store_true",
+                    help="gpu.py --eager-only: sections fp8 and moe without their compiled runs (inductor's minutes on "
+                         "a CPU): the CPU tests' calls")
     args = ap.parse_args(argv)
     if args.budget_s <= END_RESERVE_S:
         ap.error(f"--budget-s must exceed {END_RESERVE_S:.0f} s (kept for ending the steps and the summary)")

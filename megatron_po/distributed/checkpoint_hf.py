@@ -38,7 +38,8 @@ from megatron_po.distributed.checkpoint_format import (checkpoint_dir, named_buf
 from megatron_po.distributed.checkpoint_load import CheckpointReader
 from megatron_po.distributed.checkpoint_save import save_in_one_process
 from megatron_po.errors import UserError
-from megatron_po.models.hf.configs import export_family, family_of, hf_config, model_config, model_fields
+from megatron_po.models.hf.configs import (export_family, family_of, hf_config, latent_norm_note, model_config,
+                                           model_fields)
 from megatron_po.models.hf.files import HFTensors, ShardedWriter
 from megatron_po.models.hf.families import MTP_SHARED
 from megatron_po.models.hf.tensors import Layout, Mapping, expand, to_ours, to_theirs
@@ -46,6 +47,10 @@ from megatron_po.models.hf.tensors import Layout, Mapping, expand, to_ours, to_t
 # The files of a Hugging Face tokenizer (any of the first four makes a directory a tokenizer's).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "vocab.txt", "chat_template.jinja")
+
+
+# The MTP block's own copy of the embedding, which a one-process model does not have (docs/mtp.md).
+MTP_OWN_EMBEDDING = "mtp.embedding.word_embeddings.weight"
 
 
 def meta_model_tensors(m: ModelConfig, padded_vocab: int) -> dict[str, torch.Tensor]:
@@ -65,7 +70,7 @@ def mappings_of(family, m: ModelConfig, ours: list[str]) -> list:
     """The family's table applied to our tensors `ours`, adjusted (families.py), with the Hub's copies of the
     embedding and the head in each multi-token prediction depth: the main ones, or the MTP block's own embedding
     where it keeps one (the last stage's copy under an asynchronous pipeline, docs/mtp.md)."""
-    own = "mtp.embedding.word_embeddings.weight"
+    own = MTP_OWN_EMBEDDING
     mappings = expand(family.tensors, [n for n in ours if n != own], m.num_experts or 0, family.architecture,
                       m.num_layers)
     mappings = family.adjust(mappings, m) if family.adjust else mappings
@@ -285,6 +290,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     vocab = reader.extra.get("vocab_size") or padded  # older checkpoints do not say: keep every row
     hf_vocab = reader.extra.get("hf_vocab_size") or vocab
     expected = meta_model_tensors(m, padded)
+    if m.mtp_num_layers and MTP_OWN_EMBEDDING in specs:  # an asynchronous run's (mappings_of): kept by its last stage
+        expected[MTP_OWN_EMBEDDING] = expected["embedding.word_embeddings.weight"]
     missing = [n for n in expected if n not in specs] + [n for n in specs if n not in expected]
     if missing:
         raise UserError(f"--load {reader.path}: {missing[0]} is in the checkpoint or its model config but not in both")
@@ -321,6 +328,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if latent_norm_note(m):
+        print(latent_norm_note(m))
     depths = f"; its {m.mtp_num_layers} multi-token prediction depth(s) (mtp.*) left out" if left_out else ""
     print(f"wrote {family.architecture} (vocabulary {hf_vocab}, iteration {reader.iteration}, {len(writer.files)} "
           f"safetensors file(s){', tokenizer from ' + tok_dir if tok_dir else ', no tokenizer'}) to {out}{depths}")

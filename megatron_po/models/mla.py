@@ -9,7 +9,9 @@ d_v (--v-head-dim), latent ranks r_q (--q-lora-rank) and r_kv (--kv-lora-rank):
     head h: softmax([q_nope_h, rope(q_pe_h)] · [k_nope_h, rope(k_pe)] · scale) V_h, then W_o over the heads
 
 The rotary key k_pe is one head shared by every head. `norm` is --normalization over the latent, present with
---qk-layernorm (Megatron's meaning of that flag under MLA; DeepSeek-V3's recipes pass it). The weights and
+--qk-layernorm (Megatron's meaning of that flag under MLA; DeepSeek-V3's recipes pass it), with --norm-epsilon
+unless --mla-latent-norm-epsilon says otherwise (DeepSeek's own code and transformers fix it at 1e-6 whatever
+rms_norm_eps is: Moonlight's norms take 1e-5, its latent norms 1e-6). The weights and
 transformers' DeepseekV3Attention's: q_down = q_a_proj, q_norm = q_a_layernorm, q_up = q_b_proj
 (q_proj without --q-lora-rank), kv_down = kv_a_proj_with_mqa, kv_norm = kv_a_layernorm, kv_up = kv_b_proj,
 proj = o_proj; the same math on the same weights (tests/test_mla.py). Biases: only the output projection's
@@ -72,6 +74,11 @@ def mla_sizes(m: ModelConfig) -> MLASizes:
     """The MLA sizes of the flags, Megatron's defaults where not given."""
     given = {name: getattr(m, name) for name in DEFAULT_SIZES}
     return MLASizes(m.q_lora_rank, **{name: DEFAULT_SIZES[name] if v is None else v for name, v in given.items()})
+
+
+def latent_norm_epsilon(m: ModelConfig) -> float:
+    """The latent norms' epsilon: --mla-latent-norm-epsilon, else --norm-epsilon (Megatron's)."""
+    return m.norm_epsilon if m.mla_latent_norm_epsilon is None else m.mla_latent_norm_epsilon
 
 
 def rope_type(m: ModelConfig) -> str:
@@ -172,7 +179,7 @@ class MultiLatentAttention(AttentionCore):
                                         sequence_parallel=sequence_parallel)
 
         def norm(dim):
-            return build_norm(cfg, dim, sequence_parallel) if cfg.qk_layernorm else None
+            return build_norm(cfg, dim, sequence_parallel, latent_norm_epsilon(cfg)) if cfg.qk_layernorm else None
 
         self.q_proj = self.q_down = self.q_norm = self.q_up = None
         if sizes.q_lora_rank is None:

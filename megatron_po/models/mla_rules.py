@@ -33,6 +33,7 @@ _NEED_MLA = [
     ("--yarn-beta-slow", lambda c: c.m.yarn_beta_slow is not None),
     ("--no-yarn-correction-range-round-to-int", lambda c: not c.m.yarn_correction_range_round_to_int),
     ("--mla-down-proj-fusion", lambda c: c.m.mla_down_proj_fusion),
+    ("--mla-latent-norm-epsilon", lambda c: c.m.mla_latent_norm_epsilon is not None),
 ]
 
 # The plain attention's RoPE options, which MLA's RoPE (--rope-type) does not read.

@@ -49,12 +49,13 @@ class ZeroCenteredNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), 1 + self.weight, self.bias, self.eps)
 
 
-def build_norm(cfg: ModelConfig, hidden: int, sequence_parallel: bool) -> nn.Module:
+def build_norm(cfg: ModelConfig, hidden: int, sequence_parallel: bool, eps: float | None = None) -> nn.Module:
+    """--normalization over `hidden` features, with --norm-epsilon unless `eps` is given."""
+    eps = cfg.norm_epsilon if eps is None else eps
     if cfg.apply_layernorm_1p:
-        norm = ZeroCenteredNorm(cfg.normalization, hidden, cfg.norm_epsilon)
+        norm = ZeroCenteredNorm(cfg.normalization, hidden, eps)
     else:
-        norm = (nn.RMSNorm(hidden, eps=cfg.norm_epsilon) if cfg.normalization == "RMSNorm"
-                else nn.LayerNorm(hidden, eps=cfg.norm_epsilon))
+        norm = nn.RMSNorm(hidden, eps=eps) if cfg.normalization == "RMSNorm" else nn.LayerNorm(hidden, eps=eps)
     for p in norm.parameters():
         # With sequence parallelism each TP rank sees a slice of the tokens, so the norm's (replicated)
         # gradients are partial sums that must be all-reduced over the TP group.

@@ -18,6 +18,17 @@ Mappings beyond the obvious (hidden size, layers, heads, ...):
   bias (--moe-router-enable-expert-bias), `routed_scaling_factor` (--moe-router-topk-scaling-factor), `n_group` /
   `topk_group` (--moe-router-num-groups / --moe-router-group-topk, where a group's score means the same:
   HF_GROUP_SCORE_TOPK); ours renormalizes the top-k when k > 1, so `norm_topk_prob` must be true exactly then.
+- Multi-latent attention (DeepSeek-V3; `mla_fields`, `mla_config`): q_lora_rank (null: none, as Moonlight),
+  kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim <-> --q-lora-rank, --kv-lora-rank, --qk-head-dim,
+  --qk-pos-emb-head-dim, --v-head-dim; the latent norms, always there, <-> --qk-layernorm; RoPE "default" <->
+  --rope-type rope, "yarn" <-> --rope-type yarn with factor, mscale, mscale_all_dim, original_max_position_embeddings,
+  beta_fast, beta_slow, truncate <-> --rotary-scaling-factor, --mscale, --mscale-all-dim,
+  --yarn-original-max-position-embeddings, --yarn-beta-fast, --yarn-beta-slow,
+  --[no-]yarn-correction-range-round-to-int. transformers scales cos/sin by mscale / mscale_all_dim's only when both
+  are given (else by mscale(factor, 1)) and the softmax by mscale_all_dim's under YaRN only: what cannot say ours
+  is one line. Its latent norms' epsilon is fixed at 1e-6 (DeepSeek's code), whatever rms_norm_eps (Moonlight's
+  1e-5): imported as --mla-latent-norm-epsilon where they differ; a model of ours whose latent norms take another
+  exports with a line saying so (`latent_norm_note`: transformers will compute them with 1e-6).
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ from __future__ import annotations
 from megatron_po.config import ModelConfig, ffn_hidden_size, kv_channels, num_query_groups
 from megatron_po.errors import UserError
 from megatron_po.models.hf.families import BY_TYPE, FAMILIES, Family
+from megatron_po.models.mla import (YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_MAX_POSITIONS, latent_norm_epsilon,
+                                     mla_sizes, rope_type, softmax_scale)
 from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_pattern
 from megatron_po.models.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
                                             LLAMA3_ORIGINAL_MAX_POSITIONS)
@@ -37,6 +50,8 @@ LLAMA3_CONSTANTS = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor
 # transformers' group-limited routers (GLM-4.5, DeepSeek-V3) score a group by the sum of its top 2 scores; Megatron's
 # --moe-router-group-topk by the sum of its top top-k / group-topk: the same when that is 2 (DeepSeek-V3: 8 / 4).
 HF_GROUP_SCORE_TOPK = 2
+# DeepseekV3's latent norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default epsilon, not rms_norm_eps.
+HF_LATENT_NORM_EPS = 1e-6
 
 
 def family_of(config: dict) -> Family:
@@ -67,9 +82,17 @@ def model_fields(family: Family, c) -> dict:
     """ModelConfig fields of a transformers config `c` of `family`."""
     if family.model_type == "gpt2":
         return _gpt2_fields(c)
+    if getattr(c, "quantization_config", None):
+        q = c.quantization_config
+        kind = q.get("quant_method", "quantized") if isinstance(q, dict) else type(q).__name__
+        raise UserError(f"quantization_config ({kind}): quantized weights are not read; dequantize the checkpoint "
+                        "first")
     h, nh = c.hidden_size, c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or nh
     head_dim = getattr(c, "head_dim", None) or h // nh
+    if family.mla and kv != nh:
+        raise UserError(f"num_key_value_heads {kv} with multi-latent attention's {nh} heads: each MLA head has its "
+                        "own keys and values")
     if nh % kv:
         raise UserError(f"num_key_value_heads ({kv}) does not divide num_attention_heads ({nh})")
     if getattr(c, "hidden_act", "silu") != "silu":
@@ -82,7 +105,10 @@ def model_fields(family: Family, c) -> dict:
                   norm_epsilon=c.rms_norm_eps, swiglu=True,
                   untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                   hidden_dropout=0.0, attention_dropout=getattr(c, "attention_dropout", 0.0),
-                  init_method_std=c.initializer_range, add_bias_linear=False, **_rope_fields(family, c))
+                  init_method_std=c.initializer_range, add_bias_linear=False,
+                  **(mla_fields(c) if family.mla else _rope_fields(family, c)))
+    if family.mla:  # its head dimensions are its own (mla_fields): no --kv-channels
+        fields["kv_channels"] = None
     if family.linear_bias:
         if bool(getattr(c, "attention_bias", False)) != bool(getattr(c, "mlp_bias", False)):
             raise UserError("attention_bias and mlp_bias differ: --add-bias-linear covers both")
@@ -93,11 +119,67 @@ def model_fields(family: Family, c) -> dict:
     if _has(c, family.qkv_bias):
         fields["add_qkv_bias"] = True
     fields["qk_layernorm"] = _has(c, family.qk_norm)
-    if family.experts is not None:
+    dense = family.holds_dense and not any(_is_moe_layer(family, c, i) for i in range(c.num_hidden_layers))
+    if family.experts is not None and not dense:
         fields.update(_moe_fields(family, c))
     if family.mtp and getattr(c, family.mtp, 0):
         fields["mtp_num_layers"] = getattr(c, family.mtp)
     return fields
+
+
+def mla_fields(c) -> dict:
+    """The multi-latent attention's fields of a DeepseekV3 config `c` (module docstring)."""
+    if not c.rope_interleave:
+        raise UserError("rope_interleave false (rotary rows laid out rotate-half): this MLA reads DeepSeek's "
+                        "interleaved layout (rope_interleave true) only")
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    out = dict(multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+               qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+               rotary_base=_rotary_base(rope))
+    if c.rms_norm_eps != HF_LATENT_NORM_EPS:
+        out["mla_latent_norm_epsilon"] = HF_LATENT_NORM_EPS
+    if kind == "default":
+        return dict(out, rope_type="rope")
+    if kind != "yarn":
+        raise UserError(f"RoPE type {kind!r} with multi-latent attention is not supported (default and yarn are)")
+    factor, mscale, mscale_all_dim = rope.get("factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise UserError(f"yarn RoPE factor {factor!r} is not a number > 0")
+    if rope.get("attention_factor") is not None:
+        raise UserError(f"yarn RoPE attention_factor {rope['attention_factor']}: set here by --mscale and "
+                        "--mscale-all-dim only (give mscale and mscale_all_dim instead)")
+    if not (mscale and mscale_all_dim):  # transformers: cos/sin scaled by mscale(factor, 1)
+        if mscale_all_dim:
+            raise UserError(f"yarn RoPE mscale_all_dim {mscale_all_dim} without mscale: transformers then scales "
+                            "cos/sin by mscale(factor, 1) and the softmax by mscale_all_dim's, which --mscale and "
+                            "--mscale-all-dim cannot say")
+        mscale, mscale_all_dim = 1.0, 0.0
+    original = rope.get("original_max_position_embeddings") or c.max_position_embeddings
+    out.update(rope_type="yarn", rotary_scaling_factor=float(factor), mscale=float(mscale),
+               mscale_all_dim=float(mscale_all_dim), yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+    for field, value, default in (("yarn_original_max_position_embeddings", original, YARN_ORIGINAL_MAX_POSITIONS),
+                                  ("yarn_beta_fast", rope.get("beta_fast") or YARN_BETA_FAST, YARN_BETA_FAST),
+                                  ("yarn_beta_slow", rope.get("beta_slow") or YARN_BETA_SLOW, YARN_BETA_SLOW)):
+        if value != default:
+            out[field] = type(default)(value)
+    return out
+
+
+def _rotary_base(rope: dict) -> int:
+    theta = rope.get("rope_theta", 10000.0)
+    if float(theta) != int(theta):
+        raise UserError(f"rope_theta {theta} is not an integer (--rotary-base is)")
+    return int(theta)
+
+
+def latent_norm_note(m: ModelConfig) -> str | None:
+    """The line saying an MLA model's latent norms take an epsilon DeepseekV3's cannot (it fixes 1e-6), if so."""
+    if not m.multi_latent_attention or not m.qk_layernorm or latent_norm_epsilon(m) == HF_LATENT_NORM_EPS:
+        return None
+    return (f"note: the latent norms here take epsilon {latent_norm_epsilon(m):g}; DeepseekV3ForCausalLM's "
+            f"(q_a_layernorm, kv_a_layernorm) always {HF_LATENT_NORM_EPS:g}, so transformers' logits will differ "
+            "a little (--mla-latent-norm-epsilon)")
 
 
 def _has(c, choice: str | bool) -> bool:
@@ -118,10 +200,7 @@ def _rope_fields(family: Family, c) -> dict:
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "linear", "llama3"):
         raise UserError(f"RoPE type {kind!r} is not supported (default, linear and llama3 are)")
-    theta = rope.get("rope_theta", 10000.0)
-    if float(theta) != int(theta):
-        raise UserError(f"rope_theta {theta} is not an integer (--rotary-base is)")
-    out = dict(rotary_base=int(theta))
+    out = dict(rotary_base=_rotary_base(rope))
     partial = rope.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         if not family.partial_rotary:
@@ -224,8 +303,9 @@ def why_not(family: Family, m: ModelConfig) -> str | None:
     """Why `family` cannot hold the model `m` (None: it can), in one phrase."""
     combo = (m.normalization, "SwiGLU" if m.swiglu else "GELU", m.position_embedding_type)
     moe = m.num_experts is not None
-    if getattr(m, "multi_latent_attention", False):
-        return "multi-latent attention (no family here holds it yet)"
+    if m.multi_latent_attention != family.mla:
+        return ("multi-latent attention (DeepseekV3ForCausalLM holds it)" if m.multi_latent_attention else
+                "plain attention (it holds multi-latent attention)")
     if family.model_type == "gpt2":
         if combo != ("LayerNorm", "GELU", "learned_absolute"):
             return f"normalization={combo[0]}, MLP={combo[1]}, positions={combo[2]} (GPT-2: LayerNorm + GELU + learned)"
@@ -246,12 +326,29 @@ def why_not(family: Family, m: ModelConfig) -> str | None:
     if qkv_bias != _has_always(family.qkv_bias, qkv_bias):
         return "q/k/v biases (--add-qkv-bias) " + ("missing (it always has them)" if family.qkv_bias is True
                                                    else "(it has none)")
+    if family.mla and _why_not_mla(m):
+        return _why_not_mla(m)
     if m.qk_layernorm != _has_always(family.qk_norm, m.qk_layernorm):
         return "q/k norms (--qk-layernorm) " + ("missing (it always has them)" if family.qk_norm is True
                                                 else "(it has none)")
-    if moe != (family.experts is not None):
+    if moe != (family.experts is not None) and not (family.holds_dense and not moe):
         return "a mixture of experts" if moe else "a dense model"
     return _why_not_moe(family, m) if moe else None
+
+
+def _why_not_mla(m: ModelConfig) -> str | None:
+    """What of our multi-latent attention DeepseekV3's cannot say (module docstring)."""
+    if not m.qk_layernorm:
+        return "multi-latent attention without the latent norms (--qk-layernorm; it has q_a_layernorm, kv_a_layernorm)"
+    if rope_type(m) == "rope":
+        if softmax_scale(m) is not None:
+            return (f"--rope-type rope with a softmax scale from --rotary-scaling-factor {m.rotary_scaling_factor:g} "
+                    f"and --mscale-all-dim {m.mscale_all_dim:g} (it scales the softmax under YaRN only)")
+        return None
+    if m.rotary_scaling_factor > 1 and not (m.mscale and m.mscale_all_dim) and (m.mscale, m.mscale_all_dim) != (1, 0):
+        return (f"--mscale {m.mscale:g} with --mscale-all-dim {m.mscale_all_dim:g} (its YaRN reads mscale only with "
+                "mscale_all_dim, else scales cos/sin by mscale(factor, 1))")
+    return None
 
 
 def _has_always(choice: str | bool, wanted: bool) -> bool:
@@ -318,7 +415,7 @@ def export_family(m: ModelConfig, model_type: str | None = None) -> Family:
         reason = why_not(family, m)
         if reason is None:
             return family
-        if (family.experts is None) == (m.num_experts is None):  # dense for dense, MoE for MoE
+        if (family.experts is None) == (m.num_experts is None) or family.holds_dense:  # dense for dense, MoE for MoE
             reasons.append(f"{family.architecture}: {reason}")
     raise UserError(f"no Hugging Face class holds this model ({'; '.join(reasons)})")
 
@@ -345,12 +442,33 @@ def hf_config(family: Family, m: ModelConfig, vocab_size: int):
         kw[family.qkv_bias] = bool(getattr(m, "add_qkv_bias", False))
     if isinstance(family.qk_norm, str):
         kw[family.qk_norm] = m.qk_layernorm
-    if family.experts is not None:
+    if family.mla:
+        kw.update(mla_config(m))
+    if family.experts is not None and m.num_experts is not None:
         kw.update(_moe_config(family, m))
+    elif family.holds_dense:  # every layer dense
+        kw["first_k_dense_replace"] = m.num_layers
     if family.mtp:
         kw[family.mtp] = m.mtp_num_layers or 0
     kw.update(family.fixed)
     return cls(**kw)
+
+
+def mla_config(m: ModelConfig) -> dict:
+    """DeepseekV3's attention keys of our multi-latent attention (module docstring)."""
+    z = mla_sizes(m)
+    if rope_type(m) == "rope":
+        rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    else:
+        rope = {"rope_type": "yarn", "rope_theta": float(m.rotary_base), "factor": m.rotary_scaling_factor,
+                "original_max_position_embeddings": m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITIONS,
+                "beta_fast": m.yarn_beta_fast or YARN_BETA_FAST, "beta_slow": m.yarn_beta_slow or YARN_BETA_SLOW,
+                "mscale": m.mscale, "mscale_all_dim": m.mscale_all_dim}
+        if not m.yarn_correction_range_round_to_int:
+            rope["truncate"] = False
+    return dict(q_lora_rank=z.q_lora_rank, kv_lora_rank=z.kv_lora_rank, qk_nope_head_dim=z.qk_head_dim,
+                qk_rope_head_dim=z.qk_pos_emb_head_dim, v_head_dim=z.v_head_dim, num_key_value_heads=m.num_attention_heads,
+                head_dim=z.qk_pos_emb_head_dim, rope_parameters=rope)
 
 
 def rope_parameters(m: ModelConfig) -> dict:

@@ -16,6 +16,10 @@ under. `FAMILIES` is the list; configs.py reads and writes config.json from thes
                                        the first k layers dense, shared experts, sigmoid scores with the expert
                                        bias (e_score_correction_bias), routed_scaling_factor, group routing,
                                        multi-token prediction (num_nextn_predict_layers: --mtp-num-layers)
+    deepseek_v3 DeepseekV3ForCausalLM  GLM-4.5's MoE, routing and MTP, with multi-latent attention instead of
+                                       grouped-query (--multi-latent-attention, configs.py): DeepSeek-V3/R1,
+                                       Kimi K2 (model_type kimi_k2), Moonlight (no query latent); also a dense MLA
+                                       model (first_k_dense_replace = the number of layers)
 
 Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x)): --moe-shared-expert-gate (Megatron's), imported
 as such. A model of ours with ungated shared experts exports as a zero gate (sigmoid 0 = 1/2) and twice its down
@@ -47,21 +51,33 @@ def _experts(theirs: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
                  for ours, name in (("fc1_gate", gate), ("fc1", up), ("fc2", down)))
 
 
-# The Llama family's tensors around the MLP: embedding, head, final norm, the attention and its norms.
-LLAMA_LIKE = (
+# Every family's tensors but GPT-2's around the attention: embedding, head, final norm, the layer norms, a dense MLP.
+AROUND_ATTENTION = (
     rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", kind="vocab"),
     rule("output_layer.weight", "lm_head.weight", kind="vocab"),
     rule("final_norm.weight", "model.norm.weight", kind="norm"),
     rule("layers.{i}.input_norm.weight", L + "input_layernorm.weight", kind="norm"),
     rule("layers.{i}.post_attention_norm.weight", L + "post_attention_layernorm.weight", kind="norm"),
+    *_swiglu("layers.{i}.mlp.", L + "mlp.", bias=True),  # a dense layer's MLP
+)
+# The Llama family's attention (grouped-query, its biases and q/k norms) and its tensors around it.
+LLAMA_LIKE = AROUND_ATTENTION + (
     *(rule(f"layers.{{i}}.attention.qkv.{s}", *(f"{L}self_attn.{x}_proj.{s}" for x in "qkv"), kind="qkv")
       for s in ("weight", "bias")),
     rule("layers.{i}.attention.proj.weight", L + "self_attn.o_proj.weight"),
     rule("layers.{i}.attention.proj.bias", L + "self_attn.o_proj.bias"),
     rule("layers.{i}.attention.q_norm.weight", L + "self_attn.q_norm.weight", kind="norm"),
     rule("layers.{i}.attention.k_norm.weight", L + "self_attn.k_norm.weight", kind="norm"),
-    *_swiglu("layers.{i}.mlp.", L + "mlp.", bias=True),  # a dense layer's MLP
 )
+# DeepSeek-V3's multi-latent attention (models/mla.py), every tensor a copy: the query from a latent (q_a_proj,
+# q_a_layernorm, q_b_proj) or, without one (Moonlight), from q_proj; the key/value latent with the shared rotary
+# key's rows after it (kv_a_proj_with_mqa), its norm and up-projection; o_proj. The rotary rows stay in DeepSeek's
+# interleaved pairs both ways (rope_interleave true, what our MLA reads).
+MLA = tuple(rule(f"layers.{{i}}.attention.{ours}.weight", f"{L}self_attn.{theirs}.weight",
+                 kind="norm" if "norm" in ours else "copy")
+            for ours, theirs in (("q_proj", "q_proj"), ("q_down", "q_a_proj"), ("q_norm", "q_a_layernorm"),
+                                 ("q_up", "q_b_proj"), ("kv_down", "kv_a_proj_with_mqa"),
+                                 ("kv_norm", "kv_a_layernorm"), ("kv_up", "kv_b_proj"), ("proj", "o_proj")))
 # Multi-token prediction as DeepSeek-V3's and GLM-4.5's Hub checkpoints hold it: depth d is layer L + d (tensors.py's
 # mtp_alias), its transformer layer that layer's tensors (the tables above), these its own; plus copies of the
 # embedding and the head in that layer (MTP_SHARED: written by export, not read by import).
@@ -136,6 +152,9 @@ class Family:
     refused: tuple[str, ...] = ()       # config keys whose true value nothing here expresses (import refuses)
     adjust: Callable | None = None      # adjust(mappings, model config) -> mappings: what the table cannot say
     mtp: str | None = None              # config key of the multi-token prediction depths (MTP rules); None: none
+    mla: bool = False                   # multi-latent attention (DeepSeek-V3's) instead of grouped-query
+    holds_dense: bool = False           # an MoE class that also holds a dense model (every layer dense)
+    aliases: tuple[str, ...] = ()       # other model_types of config.json naming this class (Kimi K2's)
     # What transformers' config class takes besides our mapping (export) and checks nothing of (import).
     fixed: tuple[tuple[str, object], ...] = ()
 
@@ -168,5 +187,11 @@ FAMILIES = (
         qkv_bias="attention_bias", qk_norm="use_qk_norm", partial_rotary=True, experts="n_routed_experts",
         dense_layers="first_k_dense_replace", shared="n_shared_experts", router="sigmoid",
         mtp="num_nextn_predict_layers"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", AROUND_ATTENTION + MLA + QWEN_MOE + MTP + (
+        rule("layers.{i}.mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias"),
+        *_swiglu("layers.{i}.mlp.shared_experts.", L + "mlp.shared_experts.")),
+        qk_norm=True, experts="n_routed_experts", dense_layers="first_k_dense_replace", shared="n_shared_experts",
+        router="sigmoid", refused=("attention_bias",), mtp="num_nextn_predict_layers", mla=True, holds_dense=True,
+        aliases=("kimi_k2",), fixed=(("attention_bias", False), ("rope_interleave", True))),
 )
-BY_TYPE = {f.model_type: f for f in FAMILIES}
+BY_TYPE = {t: f for f in FAMILIES for t in (f.model_type, *f.aliases)}

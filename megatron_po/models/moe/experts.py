@@ -80,8 +80,10 @@ class GroupedExperts(nn.Module):
         rows = slice(etp_rank * f // etp, (etp_rank + 1) * f // etp)
         # One draw of the default generator (the same on every rank of the stage) seeds the layer's experts; each
         # expert's matrices come from a generator of their own, so a rank draws only its experts, one matrix at a
-        # time, and every expert gets the same weights at any EP and expert TP (module docstring).
-        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        # time, and every expert gets the same weights at any EP and expert TP (module docstring). Drawn on the
+        # generator's own device, so a model built on the meta device (import-hf's plan) draws it too.
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.default_generator,
+                                 device=torch.default_generator.device))
 
         def draw(matrix: int, shape: tuple[int, int], std: float, cut) -> torch.Tensor:
             """The local experts' `matrix` (0 fc1, 1 gate, 2 fc2), each drawn whole and cut to this expert-TP slice."""

@@ -1,0 +1,360 @@
+"""Today's open MoE models train here from their own Megatron recipes (issue 54).
+
+Each constant below is one public recipe's MODEL_ARGS, kept flag for flag in the recipe's order, copied from
+
+- DeepSeek-V3: THUDM/slime scripts/models/deepseek-v3.sh @ 624b824a898a, plus multi-token prediction as
+  NVIDIA's Megatron-MoE-ModelZoo model_configs/benchmarking/DeepSeek-V3.yaml @ e8650517d60d writes it
+  (`--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1`; slime passes MTP in its run scripts, not in MODEL_ARGS);
+- Kimi K2: THUDM/slime scripts/models/kimi-k2.sh @ 624b824a898a;
+- Moonlight: THUDM/slime scripts/models/moonlight.sh @ 624b824a898a;
+- GLM-4.5: THUDM/slime scripts/models/glm4.5-355B-A32B.sh @ 624b824a898a;
+- Qwen3-30B-A3B: THUDM/slime scripts/models/qwen3-30B-A3B.sh @ 624b824a898a
+
+(every flag's meaning here: docs/moe.md, "DeepSeek-V3 family").
+Only the sizes are shrunk, by one substitution for all five: layers 4 (the recipes' dense first layers:
+DeepSeek-V3's 3 -> 1, Kimi K2's, Moonlight's and GLM-4.5's 1 kept, Qwen3's 0 kept), hidden 64, dense FFN 128,
+attention heads 4 (GQA: 2 query groups), --kv-channels 16; MLA's q-lora-rank 32, kv-lora-rank 32, qk-head-dim 16,
+qk-pos-emb-head-dim 8, v-head-dim 16; experts 16 of FFN 16 (shared experts 16, Moonlight's 2 x 16 as its script
+computes), vocabulary 128. Everything else keeps the recipe's value: top-k (8, Moonlight 6), the groups (DeepSeek-V3
+8 groups of which 4: 16 experts in groups of 2; Kimi K2 and Moonlight 1 and 1), scaling factors, score functions,
+rotary base and percent, YaRN factor and mscales, norm epsilon, the switches.
+
+Left out: nothing. slime's MODEL_ARGS hold model flags only; the launcher-owned ones (data, tokenizer, batch,
+optimizer, checkpointing, logging, parallel sizes: slime's run scripts, and the non-model half of ModelZoo's yaml)
+are not part of them and are replaced here by LAUNCH: mock data through NullTokenizer (the recipes' --vocab-size
+is its vocabulary), sequence 32, micro-batch 2, global batch 8, the lr, iterations, logging,
+no dropout (ModelZoo's yamls pass --attention-dropout 0.0 --hidden-dropout 0.0), the parallel layout.
+
+- Every recipe's full command line passes the start-up rules at EP 2 on 2 ranks (config_rules.validate: no process).
+- Each model trains on 2 forked gloo ranks at EP 2 (the synchronous schedule) and at PP 2 under PipeOptim (EP 1:
+  2 ranks hold the two stages), its LM loss falling over 8 iterations; the start-up lines say what runs (the routing,
+  MLA, MTP, the switches accepted without effect). One launch per layout runs the five models in sequence.
+"""
+
+import json
+import os
+import re
+
+import pytest
+from cli_args import flags_to_argv
+from dist_harness import in_turn, run_distributed, run_mains
+
+from tools.golden import warm_imports
+
+MOE_LAYER_FREQ_1_DENSE = "[0,1,1,1]"  # slime's `printf -v MOE_LAYER_FREQ "[%s]"` over its arr, 4 layers
+
+DEEPSEEK_V3 = [
+    "--disable-bias-linear",
+    "--num-layers", "4",
+    "--hidden-size", "64",
+    "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4",
+    "--kv-channels", "16",
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size", "128",
+
+    "--multi-latent-attention",
+    "--q-lora-rank", "32",
+    "--kv-lora-rank", "32",
+    "--qk-head-dim", "16",
+    "--qk-pos-emb-head-dim", "8",
+    "--v-head-dim", "16",
+    "--qk-layernorm",
+    "--rotary-scaling-factor", "40",
+    "--rotary-base", "10000",
+    "--mscale", "1.0",
+    "--mscale-all-dim", "1.0",
+    "--attention-softmax-in-fp32",
+    "--no-rope-fusion",
+
+    # moe
+    "--num-experts", "16",
+    "--moe-layer-freq", MOE_LAYER_FREQ_1_DENSE,
+    "--moe-ffn-hidden-size", "16",
+    "--moe-router-topk", "8",
+    "--moe-shared-expert-intermediate-size", "16",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0",
+    "--moe-router-bias-update-rate", "0",
+    "--moe-router-group-topk", "4",
+    "--moe-router-num-groups", "8",
+    "--moe-grouped-gemm",
+    "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion",
+
+    # multi-token prediction (ModelZoo's DeepSeek-V3.yaml)
+    "--mtp-num-layers", "1",
+    "--mtp-loss-scaling-factor", "0.1",
+]
+
+KIMI_K2 = [
+    "--disable-bias-linear",
+    "--num-layers", "4",
+    "--hidden-size", "64",
+    "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4",
+    "--kv-channels", "16",
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size", "128",
+
+    "--multi-latent-attention",
+    "--q-lora-rank", "32",
+    "--kv-lora-rank", "32",
+    "--qk-head-dim", "16",
+    "--qk-pos-emb-head-dim", "8",
+    "--v-head-dim", "16",
+    "--qk-layernorm",
+    "--rotary-scaling-factor", "32.0",
+    "--rotary-base", "50000",
+    "--mscale", "1.0",
+    "--mscale-all-dim", "1.0",
+    "--attention-softmax-in-fp32",
+    "--no-rope-fusion",
+
+    # moe
+    "--num-experts", "16",
+    "--moe-layer-freq", MOE_LAYER_FREQ_1_DENSE,
+    "--moe-ffn-hidden-size", "16",
+    "--moe-router-topk", "8",
+    "--moe-shared-expert-intermediate-size", "16",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0",
+    "--moe-router-bias-update-rate", "0",
+    "--moe-router-group-topk", "1",
+    "--moe-router-num-groups", "1",
+    "--moe-grouped-gemm",
+    "--moe-router-topk-scaling-factor", "2.827",
+    "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion",
+]
+
+MOONLIGHT = [  # MOE_FFN_HIDDEN=16, MOE_SHARED_EXPERTS=2, MOE_ROUTER_TOPK_SCALING_FACTOR=2.446 (the script's variables)
+    "--disable-bias-linear",
+    "--num-layers", "4",
+    "--hidden-size", "64",
+    "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4",
+    "--kv-channels", "16",
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-5",
+    "--rotary-percent", "1.0",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--no-masked-softmax-fusion",
+    "--vocab-size", "128",
+
+    "--multi-latent-attention",
+    "--kv-lora-rank", "32",
+    "--qk-head-dim", "16",
+    "--qk-pos-emb-head-dim", "8",
+    "--v-head-dim", "16",
+    "--qk-layernorm",
+    "--rotary-scaling-factor", "1",
+    "--rotary-base", "50000",
+    "--mscale", "1.0",
+    "--mscale-all-dim", "1.0",
+    "--attention-softmax-in-fp32",
+    "--no-rope-fusion",
+
+    # moe
+    "--num-experts", "16",
+    "--moe-layer-freq", MOE_LAYER_FREQ_1_DENSE,
+    "--moe-ffn-hidden-size", "16",
+    "--moe-router-topk", "6",
+    "--moe-shared-expert-intermediate-size", "32",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0",
+    "--moe-router-bias-update-rate", "0",
+    "--moe-router-group-topk", "1",
+    "--moe-router-num-groups", "1",
+    "--moe-grouped-gemm",
+    "--moe-router-topk-scaling-factor", "2.446",
+    "--moe-token-drop-policy", "probs",
+    "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion",
+]
+
+GLM_4_5 = [  # N_DENSE_LAYERS=1, N_MOE_LAYERS=3
+    "--disable-bias-linear",
+    "--qk-layernorm",
+    "--group-query-attention",
+    "--num-attention-heads", "4",
+    "--num-query-groups", "2",
+    "--kv-channels", "16",
+    "--num-layers", "4",
+    "--hidden-size", "64",
+    "--ffn-hidden-size", "128",
+
+    "--add-qkv-bias",
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--rotary-percent", "0.5",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size", "128",
+
+    "--rotary-base", "1000000",
+
+    # moe
+    "--moe-ffn-hidden-size", "16",
+    "--moe-shared-expert-intermediate-size", "16",
+    "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "0",
+    "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-topk", "8",
+    "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-layer-freq", "[0]*1+[1]*3",
+    "--num-experts", "16",
+    "--moe-grouped-gemm",
+    "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+]
+
+QWEN3_30B_A3B = [  # FIRST_K_DENSE_REPLACE=0: every layer MoE
+    "--disable-bias-linear",
+    "--qk-layernorm",
+    "--group-query-attention",
+    "--num-attention-heads", "4",
+    "--num-query-groups", "2",
+    "--kv-channels", "16",
+    "--num-layers", "4",
+    "--hidden-size", "64",
+    "--ffn-hidden-size", "128",
+
+    "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6",
+    "--rotary-percent", "1.0",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size", "128",
+
+    "--rotary-base", "1000000",
+
+    # moe
+    "--moe-ffn-hidden-size", "16",
+    "--moe-router-score-function", "softmax",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-topk", "8",
+    "--moe-layer-freq", "[1,1,1,1]",
+    "--num-experts", "16",
+    "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs",
+    "--moe-router-dtype", "fp32",
+    "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+]
+
+RECIPES = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "moonlight": MOONLIGHT, "glm_4_5": GLM_4_5,
+           "qwen3_30b_a3b": QWEN3_30B_A3B}
+
+# What a launcher adds around MODEL_ARGS (none of it a model flag): data, batch, schedule, logging, the layout.
+LAUNCH = {"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--seq-length": 32,
+          "--max-position-embeddings": 32, "--micro-batch-size": 2, "--global-batch-size": 8, "--train-iters": 8,
+          "--lr": 3e-3, "--min-lr": 3e-4, "--lr-warmup-iters": 1, "--attention-dropout": 0.0, "--hidden-dropout": 0.0,
+          "--log-interval": 2, "--eval-iters": 0, "--seed": 5}
+EP2 = {"--expert-model-parallel-size": 2}
+PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim"}
+
+
+def command_line(recipe: list[str], out: str | None = None, **layout) -> list[str]:
+    metrics = {"--metrics-file": os.path.join(out, "metrics.jsonl")} if out else {}
+    return recipe + flags_to_argv({**LAUNCH, **layout, **metrics})
+
+
+# --------------------------------------------------------------------------------------------------
+# The recipes as copied
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_recipes_are_copied_flag_for_flag():
+    """The constants hold what the recipes hold: the same flags in the same order (the sizes aside, checked by
+    `test_every_recipe_passes_the_start_up_rules`); a flag dropped or added here fails."""
+    flags = {name: [a for a in argv if a.startswith("--")] for name, argv in RECIPES.items()}
+    mla = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+           "--v-head-dim", "--qk-layernorm", "--rotary-scaling-factor", "--rotary-base", "--mscale",
+           "--mscale-all-dim", "--attention-softmax-in-fp32", "--no-rope-fusion"]
+    assert flags["kimi_k2"] == [f for f in flags["deepseek_v3"] if not f.startswith("--mtp-")]
+    assert flags["moonlight"][flags["moonlight"].index("--multi-latent-attention"):][:12] == \
+        [f for f in mla if f != "--q-lora-rank"]  # no query compression, as Moonlight
+    counts = {"deepseek_v3": 43 + 2, "kimi_k2": 43, "moonlight": 45, "glm_4_5": 33, "qwen3_30b_a3b": 28}
+    assert {name: len(f) for name, f in flags.items()} == counts  # the recipes' flag counts (+ MTP's two)
+    for name, argv in RECIPES.items():
+        assert len(set(flags[name])) == len(flags[name]), name  # no flag given twice
+        assert "--moe-router-dtype" in argv and "--moe-permute-fusion" in argv, name  # the flags main refused
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up rules (no process)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_passes_the_start_up_rules(name):
+    from megatron_po.config import parse_args
+    from megatron_po.config_rules import validate
+    cfg = parse_args(command_line(RECIPES[name], **EP2))
+    validate(cfg, 2)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_ffn_hidden_size) == (4, 64, 16, 16)
+    assert m.moe_router_dtype == "fp32" and m.moe_permute_fusion
+    validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM)), 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: each layout one launch, the five models in sequence
+# --------------------------------------------------------------------------------------------------
+
+
+STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
+    "deepseek_v3": ["> MoE: 16 experts, top-8 in 4 of 8 groups (sigmoid, router in fp32)"],
+    "kimi_k2": ["> MoE: 16 experts, top-8 (sigmoid, router in fp32)"],
+    "moonlight": ["> MoE: 16 experts, top-6 (sigmoid, router in fp32)"],
+    "glm_4_5": ["> MoE: 16 experts, top-8 (sigmoid, router in fp32)"],
+    "qwen3_30b_a3b": ["> MoE: 16 experts, top-8 (softmax, router in fp32)"],
+}
+
+
+@pytest.mark.parametrize("layout", ["ep2", "pp2_pipeoptim"])
+def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
+    flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
+    runs = in_turn([command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()])
+    warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
+    assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2
+    out = capfd.readouterr().out
+    for name in RECIPES:
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            records = [r for r in map(json.loads, f) if "lm_loss" in r]
+        losses = [r["lm_loss"] for r in records]
+        assert len(losses) == 4 and losses[-1] < losses[0] - 0.05, (name, losses)
+        if name == "deepseek_v3":
+            assert all(r["mtp_loss"] > 0 for r in records), records
+        for line in STARTUP[name]:
+            assert line in out, (name, line)
+    assert re.search(r"--moe-permute-fusion.*accepted, no effect here", out), out[-3000:]

@@ -215,5 +215,9 @@ def communication_failure(e: BaseException) -> str | None:
     if fault is None:  # nobody died: a peer is stuck, or this rank's link failed
         report_fault(f"failed in communication: {here}")
         return f"{me}: communication failed (no rank was lost: a stuck peer or a broken link): {here}"
+    watchdog = _WATCHDOG
     stop_watchdog(finished=False)
+    # This rank is about to exit; if it hosts the store, a peer whose watchdog has not polled the fault yet would
+    # find the store gone and name rank 0 instead of the lost rank (wait_until_seen).
+    watchdog.wait_until_seen(timeout=3 * watchdog.interval)
     return f"{me} stops: {fault}; here: {here}"

@@ -29,6 +29,7 @@ import datetime
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -574,6 +575,14 @@ def get_expert_tensor_model_pipeline_parallel_group():
 # --------------------------------------------------------------------------------------------------
 
 _MESHES: dict = {}
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (an FSDP2 parameter or gradient). torch.distributed.tensor imports sympy (~1 s):
+    it is imported where FSDP2 is applied, so that `--help` and a bad flag stay fast (tests/test_startup.py), and no
+    DTensor exists before then."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def device_mesh(group):

@@ -164,17 +164,25 @@ def stop_watchdog(finished: bool = True) -> None:
         _WATCHDOG = None
 
 
+def _stop_once_the_fault_is_seen() -> None:
+    """This rank's main thread is about to exit on the run's fault: stop its watchdog (first: its thread would exit
+    this process after its grace), then wait (at most 3 heartbeats) until every peer's watchdog has seen the fault.
+    If this rank hosts the store, a peer that had not polled it yet would otherwise find the store gone and name
+    rank 0 instead of the rank the fault names (Watchdog.wait_until_seen)."""
+    watchdog = _WATCHDOG
+    stop_watchdog(finished=False)
+    watchdog.wait_until_seen(timeout=3 * watchdog.interval)
+
+
 def report_fault(message: str) -> None:
     """This rank stops with an error its peers may not share: publish it so they stop too."""
     if _WATCHDOG is not None:
-        watchdog = _WATCHDOG
         try:
-            watchdog.publish(f"{describe_rank(watchdog.rank)} {message}")
+            _WATCHDOG.publish(f"{describe_rank(_WATCHDOG.rank)} {message}")
         except Exception:
             stop_watchdog(finished=False)
             return  # the store is gone too: the peers' watchdogs see that
-        stop_watchdog(finished=False)  # first: its thread would exit this process after its grace
-        watchdog.wait_until_seen(timeout=3 * watchdog.interval)
+        _stop_once_the_fault_is_seen()
 
 
 def is_communication_error(e: BaseException) -> bool:
@@ -215,9 +223,5 @@ def communication_failure(e: BaseException) -> str | None:
     if fault is None:  # nobody died: a peer is stuck, or this rank's link failed
         report_fault(f"failed in communication: {here}")
         return f"{me}: communication failed (no rank was lost: a stuck peer or a broken link): {here}"
-    watchdog = _WATCHDOG
-    stop_watchdog(finished=False)
-    # This rank is about to exit; if it hosts the store, a peer whose watchdog has not polled the fault yet would
-    # find the store gone and name rank 0 instead of the lost rank (wait_until_seen).
-    watchdog.wait_until_seen(timeout=3 * watchdog.interval)
+    _stop_once_the_fault_is_seen()
     return f"{me} stops: {fault}; here: {here}"

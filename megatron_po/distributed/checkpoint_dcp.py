@@ -31,7 +31,7 @@ import torch
 from megatron_po import parallel_state as ps
 from megatron_po.distributed.checkpoint_data import JsonEntry
 from megatron_po.distributed.checkpoint_trust import UntrustedCheckpoint, load_metadata, read_byte_entry, trusted_reader
-from megatron_po.distributed.fsdp import is_dtensor, shard_offset
+from megatron_po.distributed.fsdp import shard_offset
 from megatron_po.errors import UserError
 
 def _tp_mesh():
@@ -66,7 +66,7 @@ def global_view(p: torch.Tensor, t: torch.Tensor):
     """`t` (a param or a state tensor shaped like `p`) as DCP should see it: a DTensor when `p` is a
     tensor-parallel shard, this rank's block of the global tensor (a `FlatRange` covering all of `t`) when
     it holds a slice of the experts, else the plain tensor (replicated across TP/DP; DCP writes one copy)."""
-    if is_dtensor(p):  # FSDP2: this rank's rows of the (TP-local, expert-local) parameter
+    if ps.is_dtensor(p):  # FSDP2: this rank's rows of the (TP-local, expert-local) parameter
         if t.shape != p._local_tensor.shape:
             raise ValueError("a tensor checkpointed beside an FSDP2 parameter must be shaped like its shard")
         return FlatRange(p, shard_offset(p), t.reshape(-1))

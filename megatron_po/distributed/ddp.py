@@ -101,9 +101,7 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     if main_grad is not None:
         return main_grad
     grad = p.grad
-    # An FSDP2 DTensor's local shard; tested by attribute so that this module does not import
-    # torch.distributed.tensor (and sympy with it) before a flag is parsed (tests/test_startup.py).
-    return getattr(grad, "_local_tensor", grad)
+    return grad._local_tensor if ps.is_dtensor(grad) else grad
 
 
 class DistributedDataParallel:

@@ -48,16 +48,9 @@ from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.transformer import TransformerLayer
 
 
-# torch.distributed.fsdp and .tensor import sympy (~1 s): they are imported where FSDP2 is applied, so that
-# `--help` and a bad flag stay fast (tests/test_startup.py). No DTensor or FSDPModule exists before then.
-def is_dtensor(t) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
 def local_shard(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of an FSDP2-sharded parameter (a view of the storage its all-gather reads), else `p`."""
-    return p._local_tensor if is_dtensor(p) else p
+    return p._local_tensor if ps.is_dtensor(p) else p
 
 
 def _forget_sharding_propagation() -> None:
@@ -83,6 +76,7 @@ def shard_offset(p: torch.Tensor) -> int:
 
 
 def is_fully_sharded(chunk: nn.Module) -> bool:
+    # torch.distributed.fsdp is imported where FSDP2 is applied (as DTensor's module: ps.is_dtensor)
     module = sys.modules.get("torch.distributed.fsdp")
     return module is not None and isinstance(chunk, module.FSDPModule)
 

@@ -117,8 +117,7 @@ def _global_state(chunks, gather_tp: bool) -> dict[str, torch.Tensor]:
     from megatron_po.distributed.checkpoint_format import named_parameters_global
     out = {}
     for name, p in named_parameters_global(chunks):
-        # FSDP2's DTensor: the shards gathered (tested by attribute: torch.distributed.tensor is imported late)
-        t = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        t = p.detach().full_tensor() if ps.is_dtensor(p) else p.detach().clone()  # FSDP2: the shards gathered
         if gather_tp and getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             from megatron_po.tensor_parallel import gather_tensor
             shards = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]

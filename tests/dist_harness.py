@@ -7,7 +7,6 @@ hangs or dies fails the test within `timeout` seconds, and no child outlives the
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -90,30 +89,29 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | No
     return [out[r] for r in range(world_size)]
 
 
-def run_mains(runs: list[tuple[list[str], int | None]]) -> list[int]:
-    """On a forked rank: `training.run_main(argv)` for each (argv, port) in turn; the exit codes. run_main shuts
-    the process group down when it ends, so each run after the first starts a new one, on a port of its own (chosen
-    by the parent with `free_ports`): on the port of the run before, a rank could reach the previous store while
-    rank 0 still tears it down, read the previous run's addresses, and fail to connect (or hang)."""
+def run_mains(argvs: list[list[str]]) -> list[int]:
+    """On a forked rank: `training.run_main(argv)` for each argv in turn; the exit codes. The first run joins on
+    the harness's port. run_main shuts the process group down when it ends, so each later run starts a new one on
+    a port of its own, chosen by rank 0 just before the run and handed to the others through a small store of the
+    ranks' own: a port chosen in the parent minutes earlier can meanwhile be taken by any other socket on the
+    machine (gloo's connections of a parallel test, CI saw it), and the previous run's port is no better: a rank
+    could reach the previous store while rank 0 still tears it down."""
+    import torch.distributed as dist
+
     from megatron_po.training import run_main
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ports = None
+    if len(argvs) > 1:  # the side store, found through the harness's group while that still exists
+        host = os.environ["MASTER_ADDR"]
+        store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False) if rank == 0 else None
+        port = [store.port if store is not None else None]
+        dist.broadcast_object_list(port, src=0)
+        ports = store if store is not None else dist.TCPStore(host, port[0], world, is_master=False)
     codes = []
-    for argv, port in runs:
-        if port is not None:
-            os.environ["MASTER_PORT"] = str(port)
+    for i, argv in enumerate(argvs):
+        if i > 0:
+            if rank == 0:
+                ports.set(f"port {i}", str(_free_port()))
+            os.environ["MASTER_PORT"] = ports.get(f"port {i}").decode()
         codes.append(run_main(argv))
     return codes
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together while chosen, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
-def in_turn(argvs: list[list[str]]) -> list[tuple[list[str], int | None]]:
-    """`run_mains`' runs for these command lines: the first on the harness's process group, each later one on a
-    free port of its own."""
-    return list(zip(argvs, [None] + free_ports(len(argvs) - 1)))

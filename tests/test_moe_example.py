@@ -14,7 +14,7 @@ import os
 import re
 import shlex
 
-from dist_harness import in_turn, run_distributed, run_mains
+from dist_harness import run_distributed, run_mains
 from test_pretrain_gpt import read_metrics
 
 from tools.checkpoint_convert import main as convert
@@ -56,7 +56,7 @@ def test_the_moe_examples_train_save_and_export(corpus, tmp_path, capfd):
     deepseek = example_argv(deepseek_text, corpus, dict(values, OUT=str(deepseek_out))) + [
         "--micro-batch-size", "2", "--global-batch-size", "8"]
     assert "--expert-model-parallel-size" in argv and "--expert-model-parallel-size" in deepseek
-    assert run_distributed(run_mains, nproc, args=(in_turn([argv, deepseek]),), timeout=300) == [[0, 0]] * nproc
+    assert run_distributed(run_mains, nproc, args=([argv, deepseek],), timeout=300) == [[0, 0]] * nproc
     out = capfd.readouterr().out
     assert "> MoE: 8 experts, top-2 (softmax), in layers [1, 2, 3]; EP 2 x expert TP 1 per stage; alltoall" in out
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "lm_loss" in r]

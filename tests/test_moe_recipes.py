@@ -37,7 +37,7 @@ import re
 
 import pytest
 from cli_args import flags_to_argv
-from dist_harness import in_turn, run_distributed, run_mains
+from dist_harness import run_distributed, run_mains
 
 from tools.golden import warm_imports
 
@@ -344,7 +344,7 @@ STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
 @pytest.mark.parametrize("layout", ["ep2", "pp2_pipeoptim"])
 def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
-    runs = in_turn([command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()])
+    runs = [command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()]
     warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
     assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2
     out = capfd.readouterr().out

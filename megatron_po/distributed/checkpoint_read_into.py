@@ -3,7 +3,7 @@ export-hf, read_full_checkpoint).
 
 DCP's FileSystemReader reads a tensor entry with torch.load, which allocates a tensor of the entry's bytes, and
 then copies that into the destination: while a whole tensor is read, it is in memory twice (export-hf's peak was
-the embedding three times over, bench/results/hf_convert_memory.md). `read_in_place` reads an entry's pickle
+the embedding three times over, bench/results/hf_convert_memory.md). `read_into_destinations` reads an entry's pickle
 alone instead -- torch.load onto the meta device, still weights_only (the same trust: a refused pickle raises as
 before), which gives the tensor's shape, strides and, as `_checkpoint_offset` on its storage, where its bytes
 start in the entry -- and reads the requested bytes into the destination with `readinto`. It takes the read
@@ -25,7 +25,7 @@ import torch
 from megatron_po.errors import UserError
 
 
-def read_in_place(reader, plan, planner):
+def read_into_destinations(reader, plan, planner):
     """Read the items of DCP LoadPlan `plan` that can be read in place (see above) for `planner` through the
     FileSystemReader `reader`, committing each; return the plan of the items left for DCP's own read_data."""
     by_file: dict[str, list] = {}

@@ -14,6 +14,9 @@ of our tensors (a layer's stacked experts) and the HF tensors it is made of, plu
 
 export-hf reads a checkpoint saved at any layout one layer at a time and writes HF's sharded safetensors one
 tensor at a time (models/hf/files.py), config.json from the family's config class and the tokenizer's files.
+Each tensor is read straight into the one returned (checkpoint_read_into.py: no second copy while it is read),
+and each layer is released, its memory handed back to the system, before the next is read. Peak host memory:
+the largest tensor, or one layer and the largest of its HF pieces being written (bench/results/hf_convert_memory.md).
 
 Both write into `<out>.partial` and rename it to `<out>` at the end: the output directory is never half made.
 Tensors keep their dtype both ways (a bf16 Hub checkpoint imports as bf16 weights; the run's fp32 main params

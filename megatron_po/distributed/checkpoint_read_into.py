@@ -2,9 +2,8 @@
 export-hf, read_full_checkpoint).
 
 DCP's FileSystemReader reads a tensor entry with torch.load, which allocates a tensor of the entry's bytes, and
-then copies that into the destination: while a whole tensor is read, it is in memory twice (export-hf's peak was
-the embedding three times over, bench/results/hf_convert_memory.md). `read_into_destinations` reads an entry's pickle
-alone instead -- torch.load onto the meta device, still weights_only (the same trust: a refused pickle raises as
+then copies that into the destination: while a whole tensor is read, it is in memory twice (export-hf's peak held
+the largest tensor twice, docs/reliability.md). `read_into_destinations` reads an entry's pickle alone instead -- torch.load onto the meta device, still weights_only (the same trust: a refused pickle raises as
 before), which gives the tensor's shape, strides and, as `_checkpoint_offset` on its storage, where its bytes
 start in the entry -- and reads the requested bytes into the destination with `readinto`. It takes the read
 items it can do so: a tensor entry without stream transforms, saved in this machine's byte order, whose

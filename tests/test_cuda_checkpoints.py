@@ -96,23 +96,8 @@ def test_a_hugging_face_import_trains_on_the_device(device, tmp_path):
     state loads into the tensors the run made on the device (a CPU tensor left in the model or its optimizer fails
     the step on a GPU), and the losses are the CPU run's (bitwise on the CPU; on a GPU within 1e-4, fp32 on other
     kernels)."""
-    import contextlib
-    import io
-    import shlex
-
-    import transformers
-
-    from tools.checkpoint_convert import main
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                                         max_position_embeddings=64, tie_word_embeddings=False, num_experts=4,
-                                         num_experts_per_tok=2, moe_intermediate_size=16, initializer_range=0.2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "hf"))
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"),
-                     "--no-progress"]) == 0
-    line = shlex.split(printed.getvalue().strip().splitlines()[-1])
+    from test_hf_continue_training import imported_qwen3_moe
+    line = imported_qwen3_moe(tmp_path)
     assert line[line.index("--load") + 1] == str(tmp_path / "imported") and "--finetune" in line
 
     def run(where):

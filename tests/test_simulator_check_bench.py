@@ -50,11 +50,12 @@ def test_quick_check_writes_every_schedule_against_the_simulator(tmp_path):
         if not label.startswith("zb-v"):
             assert cells[:-1] == rows[label]  # kept as measured and priced
     assert f"- run `{earlier}`: `python bench/schedules/simulator_check.py --quick --out " in text
-    replaced = [cells for cells in tables if len(cells) == 7]
+    replaced = [cells for cells in tables if len(cells) == 8]
     zbv = rows["zb-v (2 chunks, V)"]
     assert [cells[:5] for cells in replaced] == [["zb-v (2 chunks, V)", "2", "-", earlier, zbv[4]]]
     # re-priced from the costs the earlier run printed, by the same simulator: its own figure, to rounding
     assert replaced[0][5] == zbv[7] and abs(float(replaced[0][6]) - float(replaced[0][5])) <= 1e-3
+    assert replaced[0][7] == zbv[9]  # `sim run` as that run printed it
 
 
 def test_a_hand_off_within_one_rank_costs_no_message_cpu():

@@ -527,12 +527,13 @@ def repriced(rows, runs, settings):
         costs = same_on_every_rank(cal[3 * (v - 1):3 * v])
         sim_cal = (async_prediction(D, int(k), N, costs, p2p, step) if method == "async" else
                    sync_prediction(method, D, v, int(M), costs, p2p, step))
-        table.append([row[0], M, k, row[-1], row[4], row[7], f"{float(row[4]) / (sim_cal * 1e3):.3f}"])
+        table.append([row[0], M, k, row[-1], row[4], row[7], f"{float(row[4]) / (sim_cal * 1e3):.3f}", row[9]])
     return ["The rows this run replaced, `measured / sim cal` as their run printed it and at today's simulator, from "
             "that run's one-process op and message costs stated above (to 3 decimals in ms, the measured ms to 0.1: "
-            "the ratio to +-0.001); their `sim run` needs each rank's in-run op costs, which are not stored:", "",
+            "the ratio to +-0.001); their `sim run` (as printed then) cannot be re-priced: it needs each rank's "
+            "in-run op costs, which are not stored:", "",
             markdown_table(["schedule", "M", "k", "run", "measured ms", "measured / sim cal (then)",
-                            "measured / sim cal (today)"], table)]
+                            "measured / sim cal (today)", "measured / sim run (then)"], table)]
 
 
 def parse_args(argv=None):

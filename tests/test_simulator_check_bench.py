@@ -56,6 +56,15 @@ def test_quick_check_writes_every_schedule_against_the_simulator(tmp_path):
     # re-priced from the costs the earlier run printed, by the same simulator: its own figure, to rounding
     assert replaced[0][5] == zbv[7] and abs(float(replaced[0][6]) - float(replaced[0][5])) <= 1e-3
     assert replaced[0][7] == zbv[9]  # `sim run` as that run printed it
+    # into the merged file again (no run: its own row as the new one): the row the last run added is replaced,
+    # re-priced from the costs that run printed, and both earlier runs are listed
+    settings = next(line for line in text.splitlines() if line.startswith("D=")).split(" Async:")[0]
+    again, runs, lines = simulator_check.merged(str(out), [merged["zb-v (2 chunks, V)"][:-1]], "later", ["zb-v"],
+                                                settings)
+    assert [row[-1] for row in again] == ["later" if row[0].startswith("zb-v") else earlier for row in again]
+    assert [run.split("`")[1] for run in runs] == [this, earlier]
+    repriced = [cells for cells in simulator_check.table_rows("\n".join(lines).splitlines()) if len(cells) == 8]
+    assert [cells[3] for cells in repriced] == [this] and repriced[0][5] == merged["zb-v (2 chunks, V)"][7]
 
 
 def test_a_hand_off_within_one_rank_costs_no_message_cpu():

@@ -406,11 +406,12 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     emit()
     columns, repriced = COLUMNS, []
     if set(methods) != set(METHODS) and out_path and os.path.exists(out_path):
-        rows, runs, repriced = merged(out_path, rows, run_of(out.lines), methods, settings)
+        rows, runs, repriced = merged(out_path, rows, run_of(out.lines)[0], methods, settings)
         columns = COLUMNS + ["run"]
-        emit(f"Rows from {len(runs) + 1} runs (column `run`): this one (the rows of {', '.join(methods)}) and the "
-             "rows of the other schedules kept from the file's earlier runs as they measured and priced them "
-             "(each run's command, machine, load, date, commit and one-process costs):")
+        emit(f"Rows from {len({row[-1] for row in rows})} runs (column `run`): this one (the rows of "
+             f"{', '.join(methods)}) and the rows of the other schedules kept from the file's earlier runs as they "
+             "measured and priced them; each earlier run's command, machine, load, date, commit and one-process "
+             "costs (those of the rows this run replaced too):")
         for line in runs:
             emit(line)
         emit()
@@ -485,8 +486,9 @@ def row_key(row):
 
 
 def merged(path, rows, this_run, methods, settings):
-    """This run's rows in place of the rows of `methods` in the results file at `path`, the other rows kept,
-    each with its run's label; the kept runs' description lines; the replaced rows re-priced (`repriced`)."""
+    """This run's rows (its label `this_run`) in place of the rows of `methods` in the results file at `path`,
+    the other rows kept, each with its run's label; the description lines of the runs of the kept and the
+    replaced rows; the replaced rows re-priced (`repriced`)."""
     lines = open(path).read().splitlines()
     unscripted = lambda line: re.sub(r"\S+\.py", "", line)  # noqa: E731  (the stages' module has moved since)
     if not any(unscripted(line).startswith(unscripted(settings)) for line in lines):
@@ -494,14 +496,15 @@ def merged(path, rows, this_run, methods, settings):
                          "run every schedule")
     own_label, own = run_of(lines)
     runs = {own_label: own, **{line.split("`")[1]: line for line in lines if line.startswith("- run `")}}
-    old = [row if len(row) == len(COLUMNS) + 1 else row + [own_label] for row in table_rows(lines)]
-    new = {row_key(row): [*map(str, row), this_run[0]] for row in rows}
+    old = [row if len(row) == len(COLUMNS) + 1 else row + [own_label] for row in table_rows(lines)
+           if len(row) >= len(COLUMNS)]  # not the table of the rows an earlier merge replaced
+    new = {row_key(row): [*map(str, row), this_run] for row in rows}
     out = [new.pop(row_key(row)) if row_key(row)[0] in methods else row for row in old
            if row_key(row)[0] not in methods or row_key(row) in new]
     out += new.values()  # rows the file did not have
-    kept = {row[-1] for row in out} - {this_run[0]}
     replaced = [row for row in old if row_key(row)[0] in methods]
-    return out, [runs[label] for label in runs if label in kept], repriced(replaced, runs, settings)
+    listed = {row[-1] for row in out + replaced} - {this_run}
+    return out, [runs[label] for label in runs if label in listed], repriced(replaced, runs, settings)
 
 
 def repriced(rows, runs, settings):

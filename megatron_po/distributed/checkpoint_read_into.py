@@ -3,14 +3,15 @@ export-hf, read_full_checkpoint).
 
 DCP's FileSystemReader reads a tensor entry with torch.load, which allocates a tensor of the entry's bytes, and
 then copies that into the destination: while a whole tensor is read, it is in memory twice (export-hf's peak held
-the largest tensor twice, docs/reliability.md). `read_into_destinations` reads an entry's pickle alone instead -- torch.load onto the meta device, still weights_only (the same trust: a refused pickle raises as
-before), which gives the tensor's shape, strides and, as `_checkpoint_offset` on its storage, where its bytes
-start in the entry -- and reads the requested bytes into the destination with `readinto`. It takes the read
-items it can do so: a tensor entry without stream transforms, saved in this machine's byte order, whose
-requested region is one contiguous run of bytes, into a contiguous CPU destination of the same dtype and shape
-(every entry of a checkpoint read whole, whatever layout saved it, when its chunks split dim 0). The others (a
-device or strided destination, a dtype conversion, a region across rows, byte entries) go DCP's way, whose
-errors are the ones reported.
+the largest tensor twice, docs/reliability.md). `read_into_destinations` reads an entry's pickle alone instead --
+torch.load onto the meta device, still weights_only (the same trust: a refused pickle raises as before), which
+gives the tensor's shape, strides and, as `_checkpoint_offset` on its storage, where its bytes start in the
+entry -- and reads the requested bytes into the destination with `readinto`. It takes the read items it can do
+so: a tensor entry without stream transforms, saved in this machine's byte order, whose requested region is one
+contiguous run of bytes, into a contiguous CPU destination of the same dtype and shape (every entry of a
+checkpoint read whole, whatever layout saved it, when its chunks split dim 0). The others (a device or strided
+destination, a dtype conversion, a region across rows, byte entries; every entry under a torch without the
+offsets) go DCP's way, whose errors are the ones reported.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def _read_one(reader, stream, path: str, item, planner) -> bool:
         return False
     entry = reader._slice_file(stream, storage)  # TrustedReader names this entry should torch.load refuse it
     if _byte_order(entry) != sys.byteorder:  # torch.load swaps the bytes (and cannot on the meta device)
-        return False
+        return False  # (None: a torch whose zip reader is not where this looks)
     entry.seek(0)
     saved = torch.load(entry, map_location="meta", weights_only=True)
-    start = getattr(saved.untyped_storage(), "_checkpoint_offset", None)  # absent before torch 2.5
+    start = getattr(saved.untyped_storage(), "_checkpoint_offset", None)  # absent in an older torch
     region = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
     if (start is None or region.dtype != target.dtype or region.shape != target.shape
             or not region.is_contiguous()):
@@ -75,7 +76,10 @@ def _read_one(reader, stream, path: str, item, planner) -> bool:
     return True
 
 
-def _byte_order(entry) -> str:
+def _byte_order(entry) -> str | None:
     """The byte order torch.save recorded in the entry ("little" when it did not, as torch.load assumes)."""
-    archive = torch._C.PyTorchFileReader(entry)  # the zip reader torch.load uses; its own records only
+    zip_reader = getattr(torch._C, "PyTorchFileReader", None)  # the one torch.load reads the entry with
+    if zip_reader is None:
+        return None
+    archive = zip_reader(entry)
     return archive.get_record("byteorder").decode() if archive.has_record("byteorder") else "little"

@@ -715,5 +715,5 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + RECIPE_RULES + FSDP + MOE_RULES + MLA_RULES + MTP_RULES + FP8_RULES + TE_RULES
-                             + NMT)
+                             + MEGATRON_SWITCHES + RECIPE_RULES + FSDP + MOE_RULES + MLA_RULES + MTP_RULES + FP8_RULES
+                             + TE_RULES + NMT)

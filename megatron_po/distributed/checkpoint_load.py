@@ -4,7 +4,8 @@ Loading checks the checkpoint before reading it, on every rank, and the ranks ag
 (one all-gather) so a problem only some ranks can see fails all of them with the same one-line
 `UserError` instead of leaving the others blocked in a collective: a missing or truncated `.metadata`
 or data file, a parameter missing from the checkpoint or saved with another shape, parameters the
-model lacks, a different optimizer. DCP reshards the global tensors to this rank's pieces; the
+model lacks (the two key mismatches as --dist-ckpt-strictness says: by default both stop the load), a different
+optimizer. DCP reshards the global tensors to this rank's pieces; the
 vocabulary rows, padded per layout, are re-padded here.
 
 `read_full_checkpoint` reads whole tensors in one process, without torch.distributed

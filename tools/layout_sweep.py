@@ -64,7 +64,7 @@ def comparison(layout: Layout) -> str:
     """What an accepted layout's run is compared with."""
     if not layout.is_async:
         return "one process"
-    alone = layout.tp == layout.cp == layout.dp == 1 and sharding_family(layout.sharding) != "fsdp2"
+    alone = layout.tp == layout.cp == layout.dp == 1  # FSDP2 too: sharded over one rank
     return "emulator, bitwise" if alone else "emulator"
 
 

@@ -471,8 +471,10 @@ class CheckpointConfig(CheckpointRecipeFlags):
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
     ckpt_step: int | None = _f(None, "load the checkpoint of this iteration instead of the latest")
     keep_last: int | None = _f(None, "after each save, delete all but the newest N checkpoints (never the tracked one)")
-    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh optimizer, weights loaded)")
-    no_load_rng: bool = _f(False, "do not load the random generators' states")
+    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh optimizer, weights loaded); "
+                                    "without --load nothing to do, as in Megatron")
+    no_load_rng: bool = _f(False, "do not load the random generators' states; without --load nothing to do, "
+                                  "as in Megatron")
     finetune: bool = _f(False, "load the weights only: iteration and consumed samples restart at 0, "
                                "optimizer and random states are not loaded")
     no_verify_checkpoint: bool = _f(False, "load without checking the checkpoint's files against its checksums.json "

@@ -518,10 +518,10 @@ CHECKPOINTS = [
     Rule("keep-last>=1", lambda c: c.ck.keep_last >= 1, lambda c: f"--keep-last must be >= 1 (got {c.ck.keep_last})",
          when=lambda c: c.ck.keep_last is not None),
     *each("{flag}-needs-load", [("--ckpt-step", lambda c: c.ck.ckpt_step is not None and c.ck.load is None),
-                                ("--finetune", lambda c: c.ck.finetune and c.ck.load is None),
-                                ("--no-load-optim", lambda c: c.ck.no_load_optim and c.ck.load is None),
-                                ("--no-load-rng", lambda c: c.ck.no_load_rng and c.ck.load is None)],
+                                ("--finetune", lambda c: c.ck.finetune and c.ck.load is None)],
           lambda c, flag: f"{flag} needs --load"),
+    # --no-load-optim / --no-load-rng without --load: accepted, as Megatron does (ModelZoo's recipes pass them
+    # to every run); they act on the next load, and there is none
     Rule("ckpt-step>=0", lambda c: c.ck.ckpt_step >= 0, lambda c: f"--ckpt-step must be >= 0 (got {c.ck.ckpt_step})",
          when=lambda c: c.ck.ckpt_step is not None),
     # --seed: every rank seeds NumPy with seed + 100 x pipeline rank, which must stay in [0, 2**32)

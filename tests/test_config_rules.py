@@ -268,7 +268,6 @@ RULES = [
     ("keep-last>=1", 1, MOCK + ["--save", "ck", "--keep-last", "0"], ["--keep-last must be >= 1"]),
     ("ckpt-step-needs-load", 1, MOCK + ["--ckpt-step", "3"], ["--ckpt-step needs --load"]),
     ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
-    ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
     ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
     # Megatron's sample-counted schedule
     ("train-samples>=1", 1, MOCK + ["--train-samples", "0"], ["--train-samples must be >= 1 (got 0)"]),
@@ -423,7 +422,6 @@ RULES = [
       for argv in [["--weight-predictor", "rollout"], ["--prediction-horizon", "sqrt"],
                    ["--rollout-gradient", "zero-mean"], ["--delay-compensation-lambda", "0.1"],
                    ["--delay-compensation-adaptive"], ["--async-error-feedback"]]],
-    ("no-load-rng-needs-load", 1, MOCK + ["--no-load-rng"], ["--no-load-rng needs --load"]),
     ("no-save-rng-needs-save", 1, MOCK + ["--no-save-rng"], ["--no-save-rng needs --save"]),
     ("add-qkv-bias-needs-local", 1, MOCK + TE + ["--add-qkv-bias", "--disable-bias-linear"],
      ["--add-qkv-bias needs --transformer-impl local"]),

@@ -368,9 +368,9 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
     runs = [command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()]
     if layout == "ep2":  # DeepSeek-V3 with the recipes' launcher flags, validated at iterations 4 and 8
-        zoo = tmp_path / "deepseek_v3"  # --load: no checkpoint there yet (the run starts from scratch), then --save
+        zoo = tmp_path / "deepseek_v3"  # no --load, as ModelZoo's yaml (--no-load-optim/-rng then act on nothing)
         runs[0] = command_line(DEEPSEEK_V3 + ZOO_LAUNCH, str(zoo), **flags, **{
-            "--tensorboard-dir": str(zoo / "tb"), "--eval-iters": 1, "--eval-interval": 4, "--load": str(zoo / "ck"),
+            "--tensorboard-dir": str(zoo / "tb"), "--eval-iters": 1, "--eval-interval": 4,
             "--save": str(zoo / "ck"), "--save-interval": 500})
     warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
     assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2

@@ -97,7 +97,8 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     workload.cfg = cfg
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None,
+                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage
+                                 or virtual_pipeline_size(cfg) > 1 else None,
                                  context_parallel_size=p.context_parallel_size)
     if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the DP x CP ranks
         ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)

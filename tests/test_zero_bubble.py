@@ -129,9 +129,9 @@ def test_v_placement_routes_messages_down_and_back_up():
     from megatron_po.pipeline.partition import chunk_placements
     from megatron_po.pipeline.schedules import comm_of
     D = 4
-    assert [p["layer_offset"] for r in range(D) for p in chunk_placements(16, r, D, 2, "v")] == [
+    assert [p["layer_offset"] for r in range(D) for p in chunk_placements([2] * 8, r, D, 2, "v")] == [
         0, 14, 2, 12, 4, 10, 6, 8]
-    assert chunk_placements(16, 0, D, 2, "v")[1]["post_process"]
+    assert chunk_placements([2] * 8, 0, D, 2, "v")[1]["post_process"]
     # The last forward of chunk 0 (rank D-1) feeds chunk 1 on the same rank; rank 0's chunk 1 is the loss.
     assert comm_of(Forward(0, 0), D - 1, D, 2, "v") == ((D - 2, ("act", 0, D - 1)), (D - 1, ("act", 0, D)))
     assert comm_of(Forward(0, 1), 0, D, 2, "v") == ((1, ("act", 0, 2 * D - 1)), None)

@@ -26,7 +26,7 @@ from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
 from megatron_po.layer_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, parse_layout,
-                                     pipeline_split)
+                                     pipeline_split, split_flags)
 from megatron_po.models.fp8 import FP8_RULES
 from megatron_po.models.mla_rules import MLA_RULES
 from megatron_po.models.moe.rules import MOE_RULES
@@ -175,13 +175,7 @@ SIZES = [
 ]
 
 def _split_flags(c: Ctx) -> list[str]:
-    """The uneven pipeline split flags given (layer_split.py)."""
-    p = c.p
-    return [flag for flag, given in ((FIRST_FLAG, p.decoder_first_pipeline_num_layers is not None),
-                                     (LAST_FLAG, p.decoder_last_pipeline_num_layers is not None),
-                                     (EMBEDDING_FLAG, p.account_for_embedding_in_pipeline_split),
-                                     (LOSS_FLAG, p.account_for_loss_in_pipeline_split),
-                                     (LAYOUT_FLAG, p.pipeline_model_parallel_layout is not None)) if given]
+    return split_flags(c.p)
 
 
 def _uneven(c: Ctx) -> bool:

@@ -155,3 +155,24 @@ def pipeline_split(cfg, num_stages: int, num_chunks: int) -> list[int]:
                                     account_for_embedding=p.account_for_embedding_in_pipeline_split,
                                     account_for_loss=p.account_for_loss_in_pipeline_split,
                                     layout=p.pipeline_model_parallel_layout, mtp_num_layers=m.mtp_num_layers)
+
+
+def split_flags(parallel) -> list[str]:
+    """The uneven split flags a run's ParallelConfig gives, in the order above."""
+    p = parallel
+    return [flag for flag, given in ((FIRST_FLAG, p.decoder_first_pipeline_num_layers is not None),
+                                     (LAST_FLAG, p.decoder_last_pipeline_num_layers is not None),
+                                     (EMBEDDING_FLAG, p.account_for_embedding_in_pipeline_split),
+                                     (LOSS_FLAG, p.account_for_loss_in_pipeline_split),
+                                     (LAYOUT_FLAG, p.pipeline_model_parallel_layout is not None)) if given]
+
+
+def split_summary(cfg, num_chunks: int) -> str | None:
+    """The start-up line of an uneven split (None for the plain even one): the flags and each virtual stage's
+    transformer layers, e.g. "> pipeline split (--decoder-first-pipeline-num-layers): transformer layers per
+    virtual stage 1 | 3"."""
+    flags = split_flags(cfg.parallel)
+    if not flags:
+        return None
+    counts = pipeline_split(cfg, cfg.parallel.pipeline_model_parallel_size, num_chunks)
+    return f"> pipeline split ({', '.join(flags)}): transformer layers per virtual stage {' | '.join(map(str, counts))}"

@@ -20,6 +20,7 @@ from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
 from megatron_po.errors import UserError
+from megatron_po.layer_split import split_summary
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.mla import mla_summary
 from megatron_po.models.moe.rules import moe_summary, no_op_switches_line
@@ -201,6 +202,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     print_rank0(f"> rank 0 holds {held / 1e6:.2f} M parameters{whole}; world {world} = TP {p.tensor_model_parallel_size}"
                 f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
+    if split_summary(cfg, virtual_pipeline_size(cfg)):
+        print_rank0(split_summary(cfg, virtual_pipeline_size(cfg)))
     if cfg.model.num_experts is not None:
         print_rank0(moe_summary(cfg))
     if cfg.model.multi_latent_attention:

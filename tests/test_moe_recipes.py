@@ -27,8 +27,9 @@ no dropout (ModelZoo's yamls pass --attention-dropout 0.0 --hidden-dropout 0.0),
 
 - Every recipe's full command line passes the start-up rules at EP 2 on 2 ranks (config_rules.validate: no process).
 - Each model trains on 2 forked gloo ranks at EP 2 (the synchronous schedule) and at PP 2 under PipeOptim (EP 1:
-  2 ranks hold the two stages), its LM loss falling over 8 iterations; the start-up lines say what runs (the routing,
-  MLA, MTP, the switches accepted without effect). One launch per layout runs the five models in sequence.
+  2 ranks hold the two stages; DeepSeek-V3 and Kimi K2 split unevenly there, PP2_SPLIT), its LM loss falling over
+  8 iterations; the start-up lines say what runs (the routing, MLA, MTP, the uneven split, the switches accepted
+  without effect). One launch per layout runs the five models in sequence.
 """
 
 import json
@@ -281,6 +282,11 @@ LAUNCH = {"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--seq-lengt
           "--log-interval": 2, "--eval-iters": 0, "--seed": 5}
 EP2 = {"--expert-model-parallel-size": 2}
 PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim"}
+# At PP 2 two recipes split their 4 layers unevenly, as their Megatron launchers do at scale: DeepSeek-V3 by the
+# model zoo's --pipeline-model-parallel-layout "Et|(tt|)*30mL" shrunk (the embedding and one layer, then the rest
+# with the MTP depth and the loss), Kimi K2 by --decoder-first-pipeline-num-layers (1 | 3).
+PP2_SPLIT = {"deepseek_v3": {"--pipeline-model-parallel-layout": "Et|tttmL"},
+             "kimi_k2": {"--decoder-first-pipeline-num-layers": 1}}
 
 
 def command_line(recipe: list[str], out: str | None = None, **layout) -> list[str]:
@@ -324,7 +330,7 @@ def test_every_recipe_passes_the_start_up_rules(name):
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_ffn_hidden_size) == (4, 64, 16, 16)
     assert m.moe_router_dtype == "fp32" and m.moe_permute_fusion
-    validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM)), 2)
+    validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM, **PP2_SPLIT.get(name, {}))), 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,7 +350,8 @@ STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
 @pytest.mark.parametrize("layout", ["ep2", "pp2_pipeoptim"])
 def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
-    runs = [command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()]
+    split = {} if layout == "ep2" else PP2_SPLIT
+    runs = [command_line(argv, str(tmp_path / name), **flags, **split.get(name, {})) for name, argv in RECIPES.items()]
     warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
     assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2
     out = capfd.readouterr().out
@@ -358,3 +365,6 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
         for line in STARTUP[name]:
             assert line in out, (name, line)
     assert re.search(r"--moe-permute-fusion.*accepted, no effect here", out), out[-3000:]
+    if layout != "ep2":  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split (MTP beside the last layers)
+        assert "> pipeline split (--pipeline-model-parallel-layout): transformer layers per virtual stage 1 | 3" in out
+        assert "> pipeline split (--decoder-first-pipeline-num-layers): transformer layers per virtual stage 1 | 3" in out

@@ -177,3 +177,30 @@ def test_uneven_async_distributed_equals_emulator_bitwise(method, optimizer, D, 
     assert weights.keys() == emu_weights.keys()
     assert all(torch.equal(weights[name], emu_weights[name]) for name in weights)
     assert copies == emu_copies
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: saved uneven, loaded even (global layer names, resharding load)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_uneven_checkpoint_loads_under_the_even_split(tmp_path):
+    """PP 2 with layers 1 | 3 (--decoder-first-pipeline-num-layers 1) for 3 iterations, a checkpoint after each;
+    loaded at iteration 2 under the even split 2 | 2, the third iteration's loss and weights match (the names are
+    global: layers.<i> whatever stage held them)."""
+    from test_checkpoint import assert_close, losses, model_weights, train
+
+    def out(name):
+        return str(tmp_path / name)
+
+    even = {"--pipeline-model-parallel-size": 2, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
+            "--lr-decay-iters": 4}
+    uneven = {**even, "--decoder-first-pipeline-num-layers": 1}
+    ref = losses(train(out("uneven"), 2, **uneven, **{"--train-iters": 3, "--save-interval": 1,
+                                                       "--save": out("ck_uneven")}))
+    got = losses(train(out("even"), 2, **even, **{"--train-iters": 3, "--load": out("ck_uneven"), "--ckpt-step": 2,
+                                                   "--save": out("ck_even")}))
+    assert len(got) == 1 and abs(got[0] - ref[2]) <= 1e-5, (got, ref)
+    weights = model_weights(out("ck_uneven"), 3)
+    assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == {"0", "1", "2", "3"}
+    assert_close(model_weights(out("ck_even"), 3), weights, 5e-6)

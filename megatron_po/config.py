@@ -748,7 +748,8 @@ def rampup_batch_size(cfg: Config) -> tuple[int, int, int] | None:
 
 def virtual_pipeline_size(cfg: Config) -> int:
     """Model chunks per pipeline rank (1 without interleaving): --pipeline-model-parallel-layout's stage count / D,
-    or Megatron's (--num-layers + the embedding and loss where counted) / (D x --num-layers-per-virtual-pipeline-stage)."""
+    or Megatron's (--num-layers + the embedding and loss where counted) / (D x
+    --num-layers-per-virtual-pipeline-stage)."""
     p = cfg.parallel
     if p.pipeline_model_parallel_layout is not None:
         return max(1, layout_stage_count(p.pipeline_model_parallel_layout) // p.pipeline_model_parallel_size)

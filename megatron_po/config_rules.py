@@ -185,7 +185,8 @@ def _uneven(c: Ctx) -> bool:
 
 def _split_layers(c: Ctx) -> int:
     """The layers of Megatron's even split: --num-layers, plus the embedding and the loss where counted."""
-    return c.m.num_layers + int(c.p.account_for_embedding_in_pipeline_split) + int(c.p.account_for_loss_in_pipeline_split)
+    p = c.p
+    return c.m.num_layers + int(p.account_for_embedding_in_pipeline_split) + int(p.account_for_loss_in_pipeline_split)
 
 
 def _counted(c: Ctx) -> str:
@@ -201,9 +202,8 @@ UNEVEN_SPLIT = [
          lambda c: f"{_split_flags(c)[0]} is pretrain_gpt.py's; pretrain_nmt.py splits its stacked encoder and "
                    f"decoder layers evenly", when=_split_flags),
     Rule("layout-alone", lambda c: _split_flags(c) == [LAYOUT_FLAG] and _lpv(c) is None,
-         lambda c: f"{LAYOUT_FLAG} names every virtual stage's layers: drop "
-                   f"{next((f for f in _split_flags(c) if f != LAYOUT_FLAG), '--num-layers-per-virtual-pipeline-stage')}"
-                   f" (Megatron takes no more than one of them)",
+         lambda c: f"{LAYOUT_FLAG} names every virtual stage's layers: drop {_beside_layout(c)} (Megatron takes no "
+                   f"more than one of them)",
          when=lambda c: c.p.pipeline_model_parallel_layout is not None),
     Rule("uneven-split-vs-virtual-stages", lambda c: _lpv(c) is None,
          lambda c: f"{' / '.join(f for f in _split_flags(c) if f in (FIRST_FLAG, LAST_FLAG))} with "
@@ -217,6 +217,11 @@ UNEVEN_SPLIT = [
                    f"not a multiple of --pipeline-model-parallel-size ({c.pp})",
          when=lambda c: c.p.pipeline_model_parallel_layout is not None),
 ]
+
+
+def _beside_layout(c: Ctx) -> str:
+    """The first flag given with the layout that the layout replaces."""
+    return next((f for f in _split_flags(c) if f != LAYOUT_FLAG), "--num-layers-per-virtual-pipeline-stage")
 
 
 def _layout_stages(c: Ctx) -> int:

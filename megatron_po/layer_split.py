@@ -110,8 +110,8 @@ def _even(num_layers: int, D: int, v: int, embedding: bool, loss: bool) -> list[
     counts[0] -= int(embedding)
     counts[-1] -= int(loss)
     if min(counts) < 0:
-        raise ConfigError(f"{EMBEDDING_FLAG if counts[0] < 0 else LOSS_FLAG}: the {'first' if counts[0] < 0 else 'last'}"
-                          f" virtual stage has no layer left to give up for the {'embedding' if counts[0] < 0 else 'loss'}")
+        flag, which, part = (EMBEDDING_FLAG, "first", "embedding") if counts[0] < 0 else (LOSS_FLAG, "last", "loss")
+        raise ConfigError(f"{flag}: the {which} virtual stage has no layer left to give up for the {part}")
     return counts
 
 

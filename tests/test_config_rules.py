@@ -146,7 +146,8 @@ RULES = [
      ["--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"]),
     ("layers-vs-stages/counted", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                             "--account-for-loss-in-pipeline-split"],
-     ["--num-layers (4) + 1 (--account-for-loss-in-pipeline-split) is not divisible by --pipeline-model-parallel-size"]),
+     ["--num-layers (4) + 1 (--account-for-loss-in-pipeline-split) is not divisible by "
+      "--pipeline-model-parallel-size"]),
     # uneven pipeline splits (megatron_po/layer_split.py)
     ("uneven-split-needs-pp", 1, MOCK + ["--decoder-last-pipeline-num-layers", "1"],
      ["--decoder-last-pipeline-num-layers", "needs --pipeline-model-parallel-size > 1"]),
@@ -167,8 +168,8 @@ RULES = [
     ("pipeline-split", 2, PP2 + ["--num-layers", "4", "--decoder-first-pipeline-num-layers", "5"],
      ["--decoder-first-pipeline-num-layers (5) = 5 layers; --num-layers is 4"]),
     ("pipeline-split/middle", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
-                                         "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers",
-                                         "2"],
+                                         "--decoder-first-pipeline-num-layers", "3",
+                                         "--decoder-last-pipeline-num-layers", "2"],
      ["the 3 layers left by --decoder-first-pipeline-num-layers (3) + --decoder-last-pipeline-num-layers (2) do not "
       "split evenly over the other 2 pipeline stages"]),
     ("pipeline-split/empty-stage", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--num-layers", "4",

@@ -28,12 +28,12 @@ NUM_LAYERS = 8
 M = 4
 
 
-def make_cfg(name, split=None):
-    """`split`: ParallelConfig fields of an uneven pipeline split (tests/test_uneven_pipeline.py)."""
+def make_cfg(name, parallel=None):
+    """`parallel`: ParallelConfig fields to set (the pipeline method, an uneven split: test_uneven_pipeline.py)."""
     cfg = Config()
     cfg.model = dataclasses.replace(CONFIGS[name], num_layers=NUM_LAYERS)
     cfg.training.seed = SEED
-    cfg.parallel = dataclasses.replace(cfg.parallel, **(split or {}))
+    cfg.parallel = dataclasses.replace(cfg.parallel, **(parallel or {}))
     return cfg
 
 
@@ -69,9 +69,9 @@ def global_grads(chunks):
     return out
 
 
-def pipeline_run(name, method, num_chunks, agreed_shapes=False, split=None):
+def pipeline_run(name, method, num_chunks, agreed_shapes=False, parallel=None):
     model_parallel_seed(SEED)
-    cfg = make_cfg(name, split)
+    cfg = make_cfg(name, parallel)
     D = ps.get_pipeline_model_parallel_world_size()
     chunks = build_chunks_for_rank(cfg, VOCAB, ps.get_pipeline_model_parallel_rank(), D, num_chunks)
     ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), bucket_size=20000)
@@ -134,9 +134,9 @@ def test_one_stage_interleaved_chunks_matches_unpipelined():
     check_against_reference(results, ref_loss, ref_grads)
 
 
-def emulated_run(name, method, D, v, split=None):
+def emulated_run(name, method, D, v, parallel=None):
     model_parallel_seed(SEED)
-    cfg = make_cfg(name, split)
+    cfg = make_cfg(name, parallel)
     mbs = microbatches()
     mailbox = Mailbox()
     runners = {}

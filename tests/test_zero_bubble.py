@@ -139,14 +139,7 @@ def test_v_placement_routes_messages_down_and_back_up():
 
 def v_pipeline_run(method, v):
     """pipeline_run with the config naming the method, so the chunks are placed as its schedule needs."""
-    import test_pipeline_parallel as tpp
-    make_cfg = tpp.make_cfg
-    def cfg_for(name):
-        cfg = make_cfg(name)
-        cfg.parallel.pipeline_method = method
-        return cfg
-    tpp.make_cfg = cfg_for  # forked rank: the patch dies with the process
-    return pipeline_run("llama", method, v)
+    return pipeline_run("llama", method, v, parallel={"pipeline_method": method})
 
 
 def v_emulated_run(method, D, v):
@@ -160,8 +153,7 @@ def v_emulated_run(method, D, v):
     from megatron_po.pipeline.schedules import placement_of
     from megatron_po.tensor_parallel import model_parallel_seed
     model_parallel_seed(SEED)
-    cfg = make_cfg("llama")
-    cfg.parallel.pipeline_method = method
+    cfg = make_cfg("llama", {"pipeline_method": method})
     mbs, mailbox, runners = microbatches(), Mailbox(), {}
     for r in range(D):
         runners[r] = StageRunner(rank=r, num_stages=D, chunks=build_chunks_for_rank(cfg, VOCAB, r, D, v),

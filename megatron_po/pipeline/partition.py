@@ -62,7 +62,8 @@ def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages:
 def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: int, num_stages: int,
                               num_chunks: int, device=None) -> list:
     """The same for the encoder-decoder model: the stacked Le + Ld layers split evenly (models/nmt.py; the uneven
-    split flags are GPT's: config_rules refuses them here); `padded_vocab` = (source, target) padded vocabulary sizes."""
+    split flags are GPT's: config_rules refuses them here); `padded_vocab` = (source, target) padded vocabulary
+    sizes."""
     from megatron_po.models.nmt import NMTModel
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)

@@ -174,6 +174,7 @@ SIZES = [
          lambda c: f"--peak-tflops must be > 0 (got {c.lg.peak_tflops})"),
 ]
 
+
 def _split_flags(c: Ctx) -> list[str]:
     return split_flags(c.p)
 

@@ -249,6 +249,10 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual stage (interleaved pipeline)")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "model chunks per pipeline rank (interleaved "
+                                                                "pipeline): each rank's layers split evenly over its "
+                                                                "chunks; the form Megatron takes with "
+                                                                "--decoder-first/last-pipeline-num-layers")
     # Uneven pipeline splits (Megatron-core's flags and rules: megatron_po/layer_split.py, docs/pipelines.md)
     decoder_first_pipeline_num_layers: int | None = _f(None, "transformer layers on the first pipeline stage; the "
                                                              "rest split evenly over the other stages (default: an "
@@ -748,11 +752,13 @@ def rampup_batch_size(cfg: Config) -> tuple[int, int, int] | None:
 
 def virtual_pipeline_size(cfg: Config) -> int:
     """Model chunks per pipeline rank (1 without interleaving): --pipeline-model-parallel-layout's stage count / D,
-    or Megatron's (--num-layers + the embedding and loss where counted) / (D x
+    --num-virtual-stages-per-pipeline-rank, or Megatron's (--num-layers + the embedding and loss where counted) / (D x
     --num-layers-per-virtual-pipeline-stage)."""
     p = cfg.parallel
     if p.pipeline_model_parallel_layout is not None:
         return max(1, layout_stage_count(p.pipeline_model_parallel_layout) // p.pipeline_model_parallel_size)
+    if p.num_virtual_stages_per_pipeline_rank is not None:
+        return p.num_virtual_stages_per_pipeline_rank
     if p.num_layers_per_virtual_pipeline_stage is None:
         return 1
     counted = (cfg.model.num_layers + int(p.account_for_embedding_in_pipeline_split)

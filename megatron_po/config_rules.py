@@ -202,15 +202,21 @@ UNEVEN_SPLIT = [
     Rule("uneven-split-gpt-only", lambda c: c.workload == "gpt",
          lambda c: f"{_split_flags(c)[0]} is pretrain_gpt.py's; pretrain_nmt.py splits its stacked encoder and "
                    f"decoder layers evenly", when=_split_flags),
-    Rule("layout-alone", lambda c: _split_flags(c) == [LAYOUT_FLAG] and _lpv(c) is None,
+    Rule("one-virtual-stage-flag", lambda c: _lpv(c) is None or _nvs(c) is None,
+         "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set the model "
+         "chunks per rank: give one of them (as Megatron)"),
+    Rule("virtual-stages>=1", lambda c: _nvs(c) >= 1,
+         lambda c: f"--num-virtual-stages-per-pipeline-rank must be >= 1 (got {_nvs(c)})",
+         when=lambda c: _nvs(c) is not None),
+    Rule("layout-alone", lambda c: _split_flags(c) == [LAYOUT_FLAG] and _lpv(c) is None and _nvs(c) is None,
          lambda c: f"{LAYOUT_FLAG} names every virtual stage's layers: drop {_beside_layout(c)} (Megatron takes no "
                    f"more than one of them)",
          when=lambda c: c.p.pipeline_model_parallel_layout is not None),
     Rule("uneven-split-vs-virtual-stages", lambda c: _lpv(c) is None,
          lambda c: f"{' / '.join(f for f in _split_flags(c) if f in (FIRST_FLAG, LAST_FLAG))} with "
-                   f"--num-layers-per-virtual-pipeline-stage: as Megatron, an interleaved uneven split needs the "
-                   f"number of chunks instead (--num-virtual-stages-per-pipeline-rank, not a flag here): give "
-                   f"{LAYOUT_FLAG}", when=lambda c: bool(set(_split_flags(c)) & {FIRST_FLAG, LAST_FLAG})),
+                   f"--num-layers-per-virtual-pipeline-stage: as Megatron, an interleaved uneven split takes the "
+                   f"number of chunks instead: give --num-virtual-stages-per-pipeline-rank",
+         when=lambda c: bool(set(_split_flags(c)) & {FIRST_FLAG, LAST_FLAG})),
     Check("layout-grammar", lambda c: raised(lambda: parse_layout(c.p.pipeline_model_parallel_layout)),
           when=lambda c: c.p.pipeline_model_parallel_layout is not None),
     Rule("layout-stages-vs-pp", lambda c: _layout_stages(c) % c.pp == 0,
@@ -222,7 +228,13 @@ UNEVEN_SPLIT = [
 
 def _beside_layout(c: Ctx) -> str:
     """The first flag given with the layout that the layout replaces."""
-    return next((f for f in _split_flags(c) if f != LAYOUT_FLAG), "--num-layers-per-virtual-pipeline-stage")
+    chunk_flags = [flag for flag, value in (("--num-layers-per-virtual-pipeline-stage", _lpv(c)),
+                                            ("--num-virtual-stages-per-pipeline-rank", _nvs(c))) if value is not None]
+    return next(f for f in _split_flags(c) + chunk_flags if f != LAYOUT_FLAG)
+
+
+def _nvs(c: Ctx) -> int | None:
+    return c.p.num_virtual_stages_per_pipeline_rank
 
 
 def _layout_stages(c: Ctx) -> int:
@@ -324,13 +336,18 @@ LAYOUT = [
          lambda c: f"{c.layers_flag} ({c.m.num_layers}){_counted(c)} is not divisible by "
                    f"--pipeline-model-parallel-size ({c.pp})",
          when=lambda c: _lpv(c) is None and not _uneven(c)),
+    Rule("layers-vs-stages-x-virtual-stages", lambda c: _split_layers(c) % (c.pp * _nvs(c)) == 0,
+         lambda c: f"{c.layers_flag} ({c.m.num_layers}){_counted(c)} is not divisible by "
+                   f"--pipeline-model-parallel-size ({c.pp}) x --num-virtual-stages-per-pipeline-rank ({_nvs(c)})",
+         when=lambda c: _nvs(c) is not None and not _uneven(c)),
     Check("pipeline-split", lambda c: raised(lambda: pipeline_split(c.cfg, c.pp, virtual_pipeline_size(c.cfg))),
           when=lambda c: _split_flags(c) and c.workload == "gpt"),
     Rule("global-batch-vs-micro-x-dp", lambda c: c.gbs % c.mbs_dp == 0,
          lambda c: f"--global-batch-size ({c.gbs}) is not divisible by --micro-batch-size ({c.t.micro_batch_size}) "
                    f"x data-parallel size ({c.dp})"),
     Rule("interleaving-microbatches", lambda c: c.num_mb % c.pp == 0,
-         lambda c: f"--pipeline-method {c.meth} with an interleaved pipeline (--num-layers-per-virtual-pipeline-stage) "
+         lambda c: f"--pipeline-method {c.meth} with an interleaved pipeline ({virtual_pipeline_size(c.cfg)} model "
+                   f"chunks per rank) "
                    f"needs the number of micro-batches ({c.num_mb} = --global-batch-size / (--micro-batch-size x DP)) "
                    f"divisible by --pipeline-model-parallel-size ({c.pp}): the asynchronous stream's segments must "
                    f"end where its groups of {c.pp} micro-batches end (the synchronous interleaved schedules take any "

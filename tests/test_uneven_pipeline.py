@@ -9,8 +9,8 @@ pipeline-split, --pipeline-model-parallel-layout; megatron_po/layer_split.py).
   tolerance of tests/test_pipeline_parallel.py); the emulator equals the distributed run bit for bit.
 - PipeOptim and PipeDream (weight stashing) with uneven stages: the distributed run equals the emulator bit for bit
   (tests/test_async_pipeline.py's harness).
-- A checkpoint saved under an uneven split (global layer names) loads under the even split at the same PP and the
-  next iteration matches (resharding load).
+- A checkpoint saved under an interleaved uneven split (global layer names) loads under the even split at the same
+  PP without interleaving and the next iteration matches (resharding load).
 """
 
 from functools import partial
@@ -117,6 +117,9 @@ def test_recipe_style_command_lines_pass_the_start_up_rules():
     mock = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     for argv, world in [(["--num-layers", "36", "--pipeline-model-parallel-size", "4",
                           "--decoder-first-pipeline-num-layers", "11", "--decoder-last-pipeline-num-layers", "5"], 4),
+                        (["--num-layers", "20", "--pipeline-model-parallel-size", "4",
+                          "--num-virtual-stages-per-pipeline-rank", "2", "--decoder-first-pipeline-num-layers", "2",
+                          "--decoder-last-pipeline-num-layers", "6"], 4),
                         (["--num-layers", "7", "--pipeline-model-parallel-size", "2",
                           "--account-for-embedding-in-pipeline-split"], 2),
                         (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-"
@@ -137,15 +140,18 @@ def test_recipe_style_command_lines_pass_the_start_up_rules():
 # Synchronous schedules: equal to the one-process model; emulator = distributed run
 # --------------------------------------------------------------------------------------------------
 
-SYNC = [  # name, method, D, v, split (8 layers)
+SYNC = [  # name, method, D, v, ParallelConfig fields (8 layers)
     ("llama", "1f1b", 2, 1, {"decoder_first_pipeline_num_layers": 3}),
     ("gpt2", "1f1b", 4, 1, {"pipeline_model_parallel_layout": "E|ttt|tt|tttL"}),  # embedding-only first stage
     ("gpt2", "gpipe", 2, 1, {"pipeline_model_parallel_layout": "Etttttttt|L"}),  # loss-only last stage
     ("llama", "1f1b", 2, 2, {"pipeline_model_parallel_layout": "Ettt|t|ttt|tL"}),  # interleaved
+    ("gpt2", "1f1b", 2, 2, {"decoder_first_pipeline_num_layers": 2,  # Megatron's per-chunk rule: 1 | 3 | 1 | 3
+                            "num_virtual_stages_per_pipeline_rank": 2}),
 ]
 
 
-@pytest.mark.parametrize("name,method,D,v,split", SYNC, ids=[f"{c[0]}-{c[1]}-D{c[2]}v{c[3]}" for c in SYNC])
+@pytest.mark.parametrize("name,method,D,v,split", SYNC, ids=[f"{c[0]}-{c[1]}-D{c[2]}v{c[3]}-{'-'.join(c[4])}"
+                                                              for c in SYNC])
 def test_uneven_pipeline_matches_unpipelined(name, method, D, v, split):
     ref_loss, ref_grads = reference(name)
     results = run_distributed(pipeline_run, D, pp=D, args=(name, method, v, False, split))
@@ -187,22 +193,23 @@ def test_uneven_async_distributed_equals_emulator_bitwise(method, optimizer, D, 
 
 
 def test_uneven_checkpoint_loads_under_the_even_split(tmp_path):
-    """PP 2 with layers 1 | 3 (--decoder-first-pipeline-num-layers 1) for 3 iterations, a checkpoint after each;
-    loaded at iteration 2 under the even split 2 | 2, the third iteration's loss and weights match (the names are
-    global: layers.<i> whatever stage held them)."""
+    """8 layers at PP 2 split 1 | 3 | 1 | 3 (--decoder-first-pipeline-num-layers 2, 2 virtual stages per rank:
+    Megatron's interleaved uneven split) for 3 iterations, a checkpoint after each; loaded at iteration 2 under the
+    even split 4 | 4 without interleaving, the third iteration's loss and weights match (the names are global: layers.<i>
+    whatever stage held them)."""
     from test_checkpoint import assert_close, losses, model_weights, train
 
     def out(name):
         return str(tmp_path / name)
 
-    even = {"--pipeline-model-parallel-size": 2, "--hidden-dropout": 0.0, "--attention-dropout": 0.0,
-            "--lr-decay-iters": 4}
-    uneven = {**even, "--decoder-first-pipeline-num-layers": 1}
+    even = {"--num-layers": 8, "--pipeline-model-parallel-size": 2, "--hidden-dropout": 0.0,
+            "--attention-dropout": 0.0, "--lr-decay-iters": 4}
+    uneven = {**even, "--decoder-first-pipeline-num-layers": 2, "--num-virtual-stages-per-pipeline-rank": 2}
     ref = losses(train(out("uneven"), 2, **uneven, **{"--train-iters": 3, "--save-interval": 1,
                                                        "--save": out("ck_uneven")}))
     got = losses(train(out("even"), 2, **even, **{"--train-iters": 3, "--load": out("ck_uneven"), "--ckpt-step": 2,
                                                    "--save": out("ck_even")}))
     assert len(got) == 1 and abs(got[0] - ref[2]) <= 1e-5, (got, ref)
     weights = model_weights(out("ck_uneven"), 3)
-    assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == {"0", "1", "2", "3"}
+    assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == set(map(str, range(8)))
     assert_close(model_weights(out("ck_even"), 3), weights, 5e-6)

@@ -16,26 +16,16 @@ import re
 from dataclasses import dataclass, field
 from typing import get_args, get_origin, get_type_hints
 
+from megatron_po.config_field import flag as _f
+from megatron_po.config_recipe import (CheckpointRecipeFlags, DataRecipeFlags, LoggingRecipeFlags,
+                                       ModelRecipeFlags, TrainingRecipeFlags)
 from megatron_po.data.tokenizer import TOKENIZER_TYPES
 from megatron_po.errors import ConfigError
 from megatron_po.layer_split import layout_stage_count
 
 
-def _f(default, help: str, choices=None, nargs=None, alias=None):
-    meta = {"help": help}
-    if alias is not None:  # another spelling of the flag (of its --no- form for booleans that default to True)
-        meta["alias"] = alias
-    if choices is not None:
-        meta["choices"] = choices
-    if nargs is not None:
-        meta["nargs"] = nargs
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelRecipeFlags):
     num_layers: int = _f(2, "number of transformer layers")
     hidden_size: int = _f(128, "transformer hidden size")
     ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden; 8/3 x hidden rounded for SwiGLU)")
@@ -338,7 +328,7 @@ class ParallelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataRecipeFlags):
     data_path: list = _f([], "dataset prefix(es), optionally weighted: '0.3 A 0.7 B'", nargs="*")
     split: str = _f("969,30,1", "train,valid,test proportions of documents")
     mock_data: bool = _f(False, "synthetic random tokens instead of a corpus")
@@ -368,7 +358,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(TrainingRecipeFlags):
     micro_batch_size: int = _f(4, "samples per micro-batch")
     global_batch_size: int | None = _f(None, "samples per optimizer step (default micro_batch x DP)")
     train_iters: int = _f(100, "optimizer iterations")
@@ -472,7 +462,7 @@ class PrecisionConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(LoggingRecipeFlags):
     log_interval: int = _f(10, "log every this many iterations")
     metrics_file: str | None = _f(None, "append one JSON object per logged iteration to this file")
     wandb_project: str | None = _f(None, "Weights & Biases project (enables W&B)")
@@ -494,7 +484,7 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(CheckpointRecipeFlags):
     save: str | None = _f(None, "checkpoint directory to save to")
     load: str | None = _f(None, "checkpoint directory to resume from (latest checkpoint)")
     ckpt_format: str = _f("torch_dist", "checkpoint format: torch_dist (torch.distributed.checkpoint), the only one",
@@ -505,8 +495,10 @@ class CheckpointConfig:
     save_interval: int | None = _f(None, "save every this many iterations (and at the end)")
     ckpt_step: int | None = _f(None, "load the checkpoint of this iteration instead of the latest")
     keep_last: int | None = _f(None, "after each save, delete all but the newest N checkpoints (never the tracked one)")
-    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh optimizer, weights loaded)")
-    no_load_rng: bool = _f(False, "do not load the random generators' states")
+    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh optimizer, weights loaded); "
+                                    "without --load nothing to do, as in Megatron")
+    no_load_rng: bool = _f(False, "do not load the random generators' states; without --load nothing to do, "
+                                  "as in Megatron")
     finetune: bool = _f(False, "load the weights only: iteration and consumed samples restart at 0, "
                                "optimizer and random states are not loaded")
     no_verify_checkpoint: bool = _f(False, "load without checking the checkpoint's files against its checksums.json "
@@ -576,7 +568,9 @@ def build_parser(description: str = "megatron_po") -> argparse.ArgumentParser:
     for section, section_cls in _sections():
         group = parser.add_argument_group(section)
         hints = get_type_hints(section_cls)
-        for f in dataclasses.fields(section_cls):
+        # the section's own fields first, then those config_recipe.py mixes in (dataclasses lists a base's first)
+        own = vars(section_cls)["__annotations__"]
+        for f in sorted(dataclasses.fields(section_cls), key=lambda f: f.name not in own):
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_ = f.metadata.get("help", "")

@@ -10,7 +10,8 @@ tests/test_config_rules.py: that test reads this table and fails when a rule has
 The Transformer Engine rules live with its import check in models/te_transformer.py (`TE_RULES`), the FP8
 backend's and recipe's in models/fp8.py (`FP8_RULES`), the Mixture of Experts' in models/moe/rules.py
 (`MOE_RULES`), multi-latent attention's in models/mla_rules.py (`MLA_RULES`), multi-token prediction's in
-models/mtp.py (`MTP_RULES`). This
+models/mtp.py (`MTP_RULES`), the Megatron recipes' launcher and logging flags' in config_recipe_rules.py
+(`RECIPE_RULES`). This
 module sits above config.py (the tree and its derived values) and models/, so config.py imports nothing
 from models/.
 """
@@ -23,6 +24,7 @@ import os
 from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, fsdp2_reshard_after_forward,
                                 kv_channels, recompute_granularity, uses_fsdp2, virtual_pipeline_size)
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
+from megatron_po.config_recipe_rules import RECIPE_RULES
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
 from megatron_po.layer_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, LOSS_FLAG, parse_layout,
@@ -595,10 +597,10 @@ CHECKPOINTS = [
     Rule("keep-last>=1", lambda c: c.ck.keep_last >= 1, lambda c: f"--keep-last must be >= 1 (got {c.ck.keep_last})",
          when=lambda c: c.ck.keep_last is not None),
     *each("{flag}-needs-load", [("--ckpt-step", lambda c: c.ck.ckpt_step is not None and c.ck.load is None),
-                                ("--finetune", lambda c: c.ck.finetune and c.ck.load is None),
-                                ("--no-load-optim", lambda c: c.ck.no_load_optim and c.ck.load is None),
-                                ("--no-load-rng", lambda c: c.ck.no_load_rng and c.ck.load is None)],
+                                ("--finetune", lambda c: c.ck.finetune and c.ck.load is None)],
           lambda c, flag: f"{flag} needs --load"),
+    # --no-load-optim / --no-load-rng without --load: accepted, as Megatron does (ModelZoo's recipes pass them
+    # to every run); they act on the next load, and there is none
     Rule("ckpt-step>=0", lambda c: c.ck.ckpt_step >= 0, lambda c: f"--ckpt-step must be >= 0 (got {c.ck.ckpt_step})",
          when=lambda c: c.ck.ckpt_step is not None),
     # --seed: every rank seeds NumPy with seed + 100 x pipeline rank, which must stay in [0, 2**32)
@@ -792,5 +794,5 @@ def _nmt_longest(c: Ctx) -> int:
 
 
 RULES: list[Rule | Check] = (SIZES + LAYOUT + LEARNING_RATE + DATA + PRECISION + ASYNC + CHECKPOINTS
-                             + MEGATRON_SWITCHES + FSDP + MOE_RULES + MLA_RULES + MTP_RULES + FP8_RULES + TE_RULES
-                             + NMT)
+                             + MEGATRON_SWITCHES + RECIPE_RULES + FSDP + MOE_RULES + MLA_RULES + MTP_RULES + FP8_RULES
+                             + TE_RULES + NMT)

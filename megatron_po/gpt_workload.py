@@ -25,6 +25,16 @@ def build_model_chunks(cfg: Config, padded_vocab: int) -> list:
     return build_pipeline_chunks(cfg, padded_vocab)
 
 
+def model_vocab_size(cfg: Config, tokenizer_vocab_size: int) -> int:
+    """Rows of the model's word embedding and output layer: --padded-vocab-size (start-up checked it holds the
+    tokenizer's vocabulary and divides by TP), else the tokenizer's vocabulary padded to a multiple of
+    --make-vocab-size-divisible-by x TP."""
+    m = cfg.model
+    if m.padded_vocab_size is not None:
+        return m.padded_vocab_size
+    return pad_vocab_size(tokenizer_vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+
+
 def build_data(cfg: Config, tokenizer_vocab_size: int):
     from megatron_po.data.gpt_dataset import build_gpt_datasets
     t = cfg.training
@@ -75,11 +85,9 @@ class GPTWorkload:
 
     def setup(self) -> None:
         """Tokenizer and padded vocabulary (TP-dependent padding)."""
-        from megatron_po.data.tokenizer import build_tokenizer
-        d = self.cfg.data
-        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
-        self.padded_vocab = pad_vocab_size(self.tokenizer.vocab_size, self.cfg.model.make_vocab_size_divisible_by,
-                                           self.cfg.parallel.tensor_model_parallel_size)
+        from megatron_po.data.tokenizer import build_tokenizer_from
+        self.tokenizer = build_tokenizer_from(self.cfg.data)
+        self.padded_vocab = model_vocab_size(self.cfg, self.tokenizer.vocab_size)
 
     def model_chunks(self) -> list:
         return reading_documents(self.cfg, build_model_chunks(self.cfg, self.padded_vocab))

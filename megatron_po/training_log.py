@@ -9,6 +9,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -79,10 +80,25 @@ def truncate_metrics(path: str, iteration: int) -> None:
         os.replace(path + ".tmp", path)
 
 
+def tensorboard_keeps(lc) -> Callable[[str], bool]:
+    """Which numbers of a record TensorBoard gets (LoggingConfig `lc`): all but those Megatron writes there only
+    when asked: the timers and throughput (--log-timers-to-tensorboard), the memory (--log-memory-to-tensorboard),
+    the validation perplexity (--log-validation-ppl-to-tensorboard)."""
+    def keeps(key: str) -> bool:
+        if key.startswith("time/") or key in ("tokens_per_sec", "tflops_per_gpu", "mfu"):
+            return lc.log_timers_to_tensorboard
+        if key in ("memory_gb", "max_memory_gb"):
+            return lc.log_memory_to_tensorboard
+        if key == "val_ppl":
+            return lc.log_validation_ppl_to_tensorboard
+        return True
+    return keeps
+
+
 class Logger:
     """Console line, `--metrics-file` JSON lines, W&B and TensorBoard, from the rank that holds the loss.
-    Every sink gets the same record; TensorBoard takes its numbers (keys such as `time/optimizer` and
-    `staleness/stage0` group into sections there and in W&B)."""
+    Every sink gets the same record, TensorBoard its numbers that `tensorboard_keeps` (keys such as
+    `time/optimizer` and `staleness/stage0` group into sections there and in W&B)."""
 
     def __init__(self, cfg: Config, active: bool):
         self.active = active
@@ -90,6 +106,7 @@ class Logger:
         self.metrics_file = None
         self.wandb = None
         self.tensorboard = None
+        self.tensorboard_keeps = tensorboard_keeps(cfg.logging)
         if not active:
             return
         lc = cfg.logging
@@ -105,7 +122,7 @@ class Logger:
                 self.wandb.summary["pipeline_method"] = cfg.parallel.pipeline_method
         if lc.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(lc.tensorboard_dir)
+            self.tensorboard = SummaryWriter(lc.tensorboard_dir, max_queue=lc.tensorboard_queue_size)
             self.tensorboard.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
             if pipeline:
                 self.tensorboard.add_text("pipeline_method", cfg.parallel.pipeline_method)
@@ -126,7 +143,7 @@ class Logger:
             self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=record["iteration"])
         if self.tensorboard:
             for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)):
+                if k != "iteration" and isinstance(v, (int, float)) and self.tensorboard_keeps(k):
                     self.tensorboard.add_scalar(k, v, record["iteration"])
 
     def close(self):

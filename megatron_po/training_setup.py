@@ -19,7 +19,7 @@ from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
-from megatron_po.errors import UserError
+from megatron_po.errors import ConfigError, UserError
 from megatron_po.layer_split import split_summary
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.mla import mla_summary
@@ -78,6 +78,23 @@ def with_train_iters(cfg: Config, train_iters: int) -> Config:
     return cfg
 
 
+def set_logging_level(cfg: Config) -> int | None:
+    """--logging-level, else the MEGATRON_LOGGING_LEVEL environment variable (Megatron's order), on Python's root
+    logger; the level set, or None (left as it is)."""
+    import logging
+    level = cfg.logging.logging_level
+    env = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    if level is None and env is not None:
+        try:
+            level = int(env)
+        except ValueError:
+            raise ConfigError(f"MEGATRON_LOGGING_LEVEL={env!r} is not an integer logging level (e.g. 40 = ERROR); "
+                            f"--logging-level overrides it") from None
+    if level is not None:
+        logging.getLogger().setLevel(level)
+    return level
+
+
 def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     """The flags checked (before the process group: every rank says the same line; then against the real
     world size), the process groups and the watchdog, the output paths, the seeds. Returns the run's config
@@ -88,6 +105,7 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
         workload.cfg = cfg
     env_world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     validate(cfg, env_world, workload.name)
+    set_logging_level(cfg)
     if cfg.training.deterministic:
         ps.set_deterministic()
     ps.init_distributed(cfg.parallel.distributed_timeout_minutes, backend=cfg.parallel.distributed_backend)
@@ -237,7 +255,8 @@ def resume(cfg: Config, model: Trainable) -> TrainState:
                                 load_optim=not (ck.no_load_optim or finetune),
                                 load_rng=not (ck.no_load_rng or finetune),
                                 policy=model.policy if not finetune else None,
-                                verify=not ck.no_verify_checkpoint)
+                                verify=not ck.no_verify_checkpoint,
+                                strictness=ck.dist_ckpt_strictness or "raise_all")
         if not finetune:
             state = TrainState(**extra["train_state"])
             done = check_resume_iteration(state.iteration, t.train_iters, load_dir)  # past it: one line, exit 2

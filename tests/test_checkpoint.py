@@ -497,7 +497,6 @@ def test_find_checkpoint_and_rotation(tmp_path):
     (["--save", "x", "--keep-last", "0"], "--keep-last must be >= 1"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load"),
     (["--finetune"], "--finetune needs --load"),
-    (["--no-load-optim"], "--no-load-optim needs --load"),
 ])
 def test_checkpoint_flag_rules(flags, needle):
     from megatron_po.config import parse_args

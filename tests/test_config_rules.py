@@ -335,7 +335,6 @@ RULES = [
     ("keep-last>=1", 1, MOCK + ["--save", "ck", "--keep-last", "0"], ["--keep-last must be >= 1"]),
     ("ckpt-step-needs-load", 1, MOCK + ["--ckpt-step", "3"], ["--ckpt-step needs --load"]),
     ("finetune-needs-load", 1, MOCK + ["--finetune"], ["--finetune needs --load"]),
-    ("no-load-optim-needs-load", 1, MOCK + ["--no-load-optim"], ["--no-load-optim needs --load"]),
     ("ckpt-step>=0", 1, MOCK + ["--load", "ck", "--ckpt-step", "-1"], ["--ckpt-step must be >= 0"]),
     # Megatron's sample-counted schedule
     ("train-samples>=1", 1, MOCK + ["--train-samples", "0"], ["--train-samples must be >= 1 (got 0)"]),
@@ -384,6 +383,19 @@ RULES = [
     ("log-params-norm-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--log-params-norm"],
      ["--log-params-norm is logged by the synchronous methods"]),
     ("tiktoken-pattern", 1, MOCK + ["--tiktoken-pattern", "v2"], ["--tiktoken-pattern v2", "TikTokenizer"]),
+    # the Megatron recipes' launcher and logging flags (config_recipe_rules.py)
+    ("lr-warmup-init-range", 1, MOCK + ["--lr", "1e-4", "--lr-warmup-init", "1e-3"],
+     ["--lr-warmup-init (0.001) must be in [0, --lr (0.0001)]"]),
+    ("lr-warmup-init-range/negative", 1, MOCK + ["--lr-warmup-init", "-1e-5"], ["--lr-warmup-init (-1e-05)"]),
+    ("logging-level>=0", 1, MOCK + ["--logging-level", "-1"], ["--logging-level must be >= 0 (got -1", "40 ERROR"]),
+    ("tensorboard-queue-size>=1", 1, MOCK + ["--tensorboard-queue-size", "0"],
+     ["--tensorboard-queue-size must be >= 1 (got 0)"]),
+    ("padded-vocab-size-divides-by-tp", 2, MOCK + ["--tensor-model-parallel-size", "2", "--padded-vocab-size", "129"],
+     ["--padded-vocab-size (129) is not divisible by --tensor-model-parallel-size (2)"]),
+    ("padded-vocab-size-holds-vocab", 1, MOCK + ["--padded-vocab-size", "100"],
+     ["--padded-vocab-size (100) is smaller than the tokenizer's vocabulary (101)"]),  # NullTokenizer: + its EOD
+    ("dist-ckpt-strictness-return", 1, MOCK + ["--dist-ckpt-strictness", "return_all"],
+     ["--dist-ckpt-strictness return_all hands the mismatched keys to a Python caller", "log_all"]),
     ("calculate-per-token-loss-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--calculate-per-token-loss"],
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
@@ -477,7 +489,6 @@ RULES = [
       for argv in [["--weight-predictor", "rollout"], ["--prediction-horizon", "sqrt"],
                    ["--rollout-gradient", "zero-mean"], ["--delay-compensation-lambda", "0.1"],
                    ["--delay-compensation-adaptive"], ["--async-error-feedback"]]],
-    ("no-load-rng-needs-load", 1, MOCK + ["--no-load-rng"], ["--no-load-rng needs --load"]),
     ("no-save-rng-needs-save", 1, MOCK + ["--no-save-rng"], ["--no-save-rng needs --save"]),
     ("add-qkv-bias-needs-local", 1, MOCK + TE + ["--add-qkv-bias", "--disable-bias-linear"],
      ["--add-qkv-bias needs --transformer-impl local"]),
@@ -653,6 +664,8 @@ NMT_RULES = [
     ("mla-gpt-only", 1, NMT + ["--multi-latent-attention"], ["--multi-latent-attention applies to pretrain_gpt.py"]),
     ("add-qkv-bias-gpt-only", 1, NMT + ["--add-qkv-bias"], ["--add-qkv-bias applies to pretrain_gpt.py"]),
     ("mtp-gpt-only", 1, NMT + ["--mtp-num-layers", "1"], ["--mtp-num-layers predicts further tokens of pretrain_gpt.py"]),
+    ("padded-vocab-size-gpt-only", 1, NMT + ["--padded-vocab-size", "1024"],
+     ["--padded-vocab-size sets pretrain_gpt.py's one vocabulary"]),
 ]
 CASES = [(case, world, argv, words, "gpt") for case, world, argv, words in RULES] + \
         [(case, world, argv, words, "nmt") for case, world, argv, words in NMT_RULES]

@@ -122,23 +122,30 @@ LAYOUTS = {
 }
 
 
-def test_an_import_loads_at_any_layout(tmp_path):
-    """A Qwen3-MoE import (4 layers, 4 experts) trained 2 iterations at each layout of LAYOUTS: the losses equal the
-    one-process run's (fp32, |delta| <= 1e-5, as tests/test_checkpoint.py's resharding: reduction orders only;
-    measured <= 4.8e-7)."""
+def imported_qwen3_moe(tmp_path, **config) -> list[str]:
+    """A Qwen3-MoE (vocabulary 128, 4 experts top-2, q/k norms) built by transformers from a tiny config (COMMON's
+    sizes, `config` over them), saved under tmp_path/hf and imported into tmp_path/imported: the flag line import-hf
+    printed (`--load ... --finetune` and the model flags), split."""
     import contextlib
     import io
 
     import transformers
-    from cli_args import flags_to_argv
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=128, **dict(COMMON, num_hidden_layers=4, initializer_range=0.2),
+    config = transformers.Qwen3MoeConfig(vocab_size=128, **dict(COMMON, initializer_range=0.2, **config),
                                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "hf"))
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"),
                      "--no-progress"]) == 0
-    line = shlex.split(printed.getvalue().strip().splitlines()[-1])
+    return shlex.split(printed.getvalue().strip().splitlines()[-1])
+
+
+def test_an_import_loads_at_any_layout(tmp_path):
+    """A Qwen3-MoE import (4 layers, 4 experts) trained 2 iterations at each layout of LAYOUTS: the losses equal the
+    one-process run's (fp32, |delta| <= 1e-5, as tests/test_checkpoint.py's resharding: reduction orders only;
+    measured <= 4.8e-7)."""
+    from cli_args import flags_to_argv
+    line = imported_qwen3_moe(tmp_path, num_hidden_layers=4)
     losses = {}
     for name, (world, layout) in LAYOUTS.items():
         run = tmp_path / name.replace(" ", "_")

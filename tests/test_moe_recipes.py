@@ -30,6 +30,9 @@ no dropout (ModelZoo's yamls pass --attention-dropout 0.0 --hidden-dropout 0.0),
   2 ranks hold the two stages; DeepSeek-V3 and Kimi K2 split unevenly there, PP2_SPLIT), its LM loss falling over
   8 iterations; the start-up lines say what runs (the routing, MLA, MTP, the uneven split, the switches accepted
   without effect). One launch per layout runs the five models in sequence.
+- At EP 2 DeepSeek-V3 also takes the launcher, logging and checkpoint flags of the public recipes (ZOO_LAUNCH:
+  ModelZoo's DeepSeek-V3.yaml, Megatron-LM's Kimi-K2-Instruct.sh conf; config_recipe.py): its TensorBoard event
+  file holds the timers' throughput, the memory and the validation perplexity they ask for.
 """
 
 import json
@@ -281,6 +284,25 @@ LAUNCH = {"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--seq-lengt
           "--lr": 3e-3, "--min-lr": 3e-4, "--lr-warmup-iters": 1, "--attention-dropout": 0.0, "--hidden-dropout": 0.0,
           "--log-interval": 2, "--eval-iters": 0, "--seed": 5}
 EP2 = {"--expert-model-parallel-size": 2}
+
+# The launcher, logging and checkpoint flags around MODEL_ARGS in NVIDIA's Megatron-MoE-ModelZoo
+# model_configs/benchmarking/DeepSeek-V3.yaml @ e8650517d60d (in its order; those that set the run's layout, precision,
+# kernels or sizes left to LAUNCH: --lr-warmup-init scaled with LAUNCH's lr as the yaml's is with its own), then
+# Megatron-LM's examples/post_training/modelopt/conf/moonshotai/Kimi-K2-Instruct.sh @ d98e8a64ddf3 (its padded
+# vocabulary, 163840, shrunk to the 256 rows the other runs pad 129 ids to: the loss criterion compares alike),
+# ModelZoo's Mixtral-8x7B.yaml (--no-ckpt-fully-parallel-save) and the other Megatron launcher flags
+# config_recipe.py adds. Each stopped at start-up as unknown before.
+ZOO_LAUNCH = [
+    "--use-mcore-models", "--use-flash-attn", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native",
+    "--manual-gc", "--manual-gc-interval", "10", "--no-create-attention-mask-in-dataloader",
+    "--lr-warmup-init", "3e-4",
+    "--no-load-optim", "--no-load-rng", "--auto-detect-ckpt-format", "--dist-ckpt-strictness", "log_all",
+    "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+    "--log-throughput", "--logging-level", "40", "--enable-experimental",
+    "--padded-vocab-size", "256", "--trust-remote-code",
+    "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--moe-per-layer-logging",
+    "--tensorboard-queue-size", "100",
+]
 PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim"}
 # At PP 2 two recipes split their 4 layers unevenly, as their Megatron launchers do at scale: DeepSeek-V3 by the
 # model zoo's --pipeline-model-parallel-layout "Et|(tt|)*30mL" shrunk (the embedding and one layer, then the rest
@@ -352,6 +374,11 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
     split = {} if layout == "ep2" else PP2_SPLIT
     runs = [command_line(argv, str(tmp_path / name), **flags, **split.get(name, {})) for name, argv in RECIPES.items()]
+    if layout == "ep2":  # DeepSeek-V3 with the recipes' launcher flags, validated at iterations 4 and 8
+        zoo = tmp_path / "deepseek_v3"  # no --load, as ModelZoo's yaml (--no-load-optim/-rng then act on nothing)
+        runs[0] = command_line(DEEPSEEK_V3 + ZOO_LAUNCH, str(zoo), **flags, **{
+            "--tensorboard-dir": str(zoo / "tb"), "--eval-iters": 1, "--eval-interval": 4,
+            "--save": str(zoo / "ck"), "--save-interval": 500})
     warm_imports()  # once here, not in every forked rank (~20 s on a loaded machine)
     assert run_distributed(run_mains, 2, args=(runs,), timeout=300) == [[0] * len(RECIPES)] * 2
     out = capfd.readouterr().out
@@ -365,6 +392,13 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
         for line in STARTUP[name]:
             assert line in out, (name, line)
     assert re.search(r"--moe-permute-fusion.*accepted, no effect here", out), out[-3000:]
-    if layout != "ep2":  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split (MTP beside the last layers)
+    if layout == "ep2":
+        from test_tensorboard import read_tensorboard
+        scalars, _ = read_tensorboard(zoo / "tb")
+        asked = {"tokens_per_sec", "tflops_per_gpu", "memory_gb", "max_memory_gb", "val_ppl"}
+        assert asked | {"lm_loss", "mtp_loss", "val_loss"} <= scalars.keys(), sorted(scalars)
+        assert sorted(scalars["val_ppl"]) == [4, 8]
+        assert os.path.isdir(zoo / "ck" / "iter_0000008")
+    else:  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split (MTP beside the last layers)
         for flag in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers"):
             assert f"> pipeline split ({flag}): transformer layers per virtual stage 1 | 3" in out, flag

@@ -1,10 +1,12 @@
 """Tracking through pretrain_gpt.py's entry: TensorBoard event files and the W&B offline run read back.
 
 A PP=2 PipeOptim run with --tensorboard-dir, --wandb-project (WANDB_MODE=offline), --log-throughput,
---peak-tflops and --timing-log-level 2 writes the same scalars to the metrics file, TensorBoard and W&B:
+--peak-tflops, --timing-log-level 2 and Megatron's --log-timers-to-tensorboard, --log-memory-to-tensorboard,
+--log-validation-ppl-to-tensorboard writes the same scalars to the metrics file, TensorBoard and W&B:
 loss, lr, grad norm, tokens/s, TFLOP/s per GPU, MFU, memory, the level-2 timers and each stage's
 staleness (1 and 0 for D = 2), and the evaluation; the method goes to W&B's summary and TensorBoard's
-text. A synchronous run at level 1 logs the coarse timers only. An MoE run (EP = 2, a capacity) logs each MoE
+text. A synchronous run at level 1 logs the coarse timers only, and without those three flags TensorBoard leaves
+out the timers, throughput, memory and perplexity (Megatron's defaults) that the metrics file holds. An MoE run (EP = 2, a capacity) logs each MoE
 layer's aux loss, z-loss, tokens per expert and dropped tokens to all three. A multi-token prediction run (PP = 2,
 PipeOptim) logs the MTP losses apart from the LM loss to all three and the console.
 """
@@ -38,7 +40,8 @@ def test_pipeoptim_run_logs_the_same_scalars_to_tensorboard_and_wandb(corpus, tm
         "--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim",
         "--untie-embeddings-and-output-weights": True, "--train-iters": 6, "--log-interval": 2,
         "--eval-interval": 6, "--log-throughput": True, "--peak-tflops": 0.5, "--timing-log-level": 2,
-        "--tensorboard-dir": str(out / "tb"), "--wandb-project": "mpo-test", "--wandb-save-dir": str(out)})
+        "--log-timers-to-tensorboard": True, "--log-memory-to-tensorboard": True,
+        "--log-validation-ppl-to-tensorboard": True, "--tensorboard-dir": str(out / "tb"), "--wandb-project": "mpo-test", "--wandb-save-dir": str(out)})
     assert run_distributed(run_pretrain, 2, args=(argv,), timeout=300) == [0, 0]
     records = read_metrics(out / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [2, 4, 6]
@@ -81,7 +84,11 @@ def test_synchronous_run_at_timing_level_1_logs_the_coarse_timers(corpus, tmp_pa
     assert timers == {"time/forward-backward", "time/grad-sync", "time/optimizer"}
     assert not any(k.startswith(("staleness/", "tflops", "mfu")) for r in records for k in r)  # no PP, no flag
     scalars, texts = read_tensorboard(out / "tb")
-    assert timers <= scalars.keys() and "pipeline_method/text_summary" not in texts
+    assert "pipeline_method/text_summary" not in texts
+    assert {"lm_loss", "lr", "grad_norm", "val_loss"} <= scalars.keys()
+    asked_for = timers | {"tokens_per_sec", "memory_gb", "max_memory_gb", "val_ppl"}  # the metrics file has them
+    assert asked_for <= {k for r in records for k in r}
+    assert not asked_for & scalars.keys()  # without --log-timers/-memory/-validation-ppl-to-tensorboard
 
 
 

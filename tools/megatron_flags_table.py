@@ -26,7 +26,10 @@ PROJECT_ONLY = {
 # Accepted so that Megatron's scripts run; what they change here is said in their help.
 NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
          "--no-create-attention-mask-in-dataloader", "--use-mcore-models", "--moe-permute-fusion",
-         "--moe-router-fusion", "--moe-shared-expert-overlap", "--mla-down-proj-fusion"}
+         "--moe-router-fusion", "--moe-shared-expert-overlap", "--mla-down-proj-fusion",
+         # the Megatron recipes' launcher flags (megatron_po/config_recipe.py)
+         "--use-flash-attn", "--cross-entropy-fusion-impl", "--enable-experimental", "--moe-per-layer-logging",
+         "--auto-detect-ckpt-format", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load"}
 REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-input-jitter-eps", "--cache-mla-latents"}
 
 HEADER = """# Megatron-LM flags in megatron_po
@@ -122,6 +125,16 @@ Notes where our reading differs in detail:
   the name is Hugging Face Trainer's `--torch_compile` in Megatron's spelling, and says which compiler
   (torchtitan's `compile` does not). Every transformer layer is compiled with inductor, under every pipeline
   method; refused with `--transformer-impl transformer_engine` (docs/compile.md).
+- The launcher, logging and checkpoint flags of the public Megatron recipes (megatron_po/config_recipe.py):
+  `--lr-warmup-init` follows Megatron's init + (lr - init) x progress on this code's warm-up clock (see
+  `--lr-warmup-*` above: the first step runs above init); `--logging-level` sets Python's root logger, which this
+  code's printed lines bypass; the three `--log-*-to-tensorboard` gate TensorBoard only (Megatron's
+  `--log-timers-to-tensorboard` gates W&B's timers too; here W&B and the metrics file always get every number);
+  `--padded-vocab-size` is Megatron-LM's TokenizerConfig field, refused with one line below the tokenizer's
+  vocabulary, not divisible by TP, or with pretrain_nmt.py; `--dist-ckpt-strictness` defaults to `raise_all` here
+  (Megatron: `assume_ok_unexpected`, which ignores checkpoint tensors the model lacks), `return_*` are refused
+  (they hand the mismatches to a Python caller) and a parameter skipped by `log_*`/`ignore_all` keeps its initial
+  value and gets a fresh optimizer state; `--trust-remote-code` reaches `AutoTokenizer.from_pretrained`.
 
 | flag | Megatron-LM | what it does here |
 | --- | --- | --- |

@@ -3,6 +3,7 @@
     python bench/schedules/simulator_check.py [--stages 8 --M 2 4 8 --tf 0.02 --tB 0.02 --tW 0.02 --t-step 0.007
                                                --reps 5 --warmup 1 --out bench/results/simulator_check.md]
     python bench/schedules/simulator_check.py --quick     # D=4, M=2, one repetition, 5 ms ops
+    python bench/schedules/simulator_check.py --schedules zb-v   # those rows again, merged into the file
 
 The stages are bench/schedules/zero_bubble.py's (every rank a forked process in a gloo group; each op sleeps its
 cost, then spins its last 0.5 ms; the sleeps trimmed by the excess an op measures in one process, so an
@@ -30,7 +31,14 @@ message); `sim run` = the simulator with the op costs measured inside the run it
 less its waits in blocking receives, per rank, the median over repetitions), the same receive cost and
 latency, and the time run_rank spends between ops posting receives ahead, on the receiving ops: what the
 ops cost with D processes sharing the cores. Where `sim run` matches and `sim` does not, the ops got
-slower, not the simulator wrong.
+slower, not the simulator wrong. A hand-off between two chunks of one rank (ZB-V's turn) is no message in
+the executor, and neither pricing charges one there (issue 57).
+
+`--schedules` runs some schedules' rows only (a change that moves their pricing, as issue 57's did ZB-V's):
+they replace the file's rows of those schedules, its other rows are kept with a `run` column naming the run
+each came from (commit, date; each run's command, load and one-process costs listed), and the replaced rows'
+`sim cal` is re-priced at today's simulator from the costs their run printed (`sim run` cannot be: it needs
+each rank's in-run costs, which the file does not keep).
 """
 
 import os
@@ -40,6 +48,7 @@ import bench_common  # noqa: E402  (puts the bench family folders and the repo o
 bench_common.add_repo_to_path()
 
 import functools  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -69,18 +78,22 @@ SYNC_ROWS = [(label, method, v) for label, method, v, _ in zb.ROWS]  # (label, m
 
 def stage_costs(schedule, rank_costs, p2p):
     """Per virtual stage (t_F, t_B, t_W) lists for the simulator. rank_costs(r) = (t_F, t_B, t_W, extra) of
-    rank r's ops (extra: CPU per received message beside the receive itself); an op that sends adds the send
-    call and one that receives the receive of a message already there, plus extra (p2p = (latency, send
-    call, receive)): the CPU a message costs its two ranks beside the latency the simulator adds to its
-    arrival."""
+    rank r's ops (extra: CPU per received message beside the receive itself); an op that sends to another rank
+    adds the send call and one that receives from another rank the receive of a message already there, plus
+    extra (p2p = (latency, send call, receive)): the CPU a message costs its two ranks beside the latency the
+    simulator adds to its arrival. A hand-off between two chunks of one rank (ZB-V's turn) is no message: the
+    executor keeps it in memory, and the simulator charges it no latency either (issue 57)."""
     D, v = schedule.num_stages, schedule.num_chunks
     _, send, recv = p2p
-    last = D * v - 1
+    rank_of = [rank_chunk_of(vs, D, schedule.placement)[0] for vs in range(D * v)]
+    # a message crosses the boundary vs | vs + 1 unless both sides are one rank (ZB-V's turn: kept in memory)
+    message = [a != b for a, b in zip(rank_of, rank_of[1:])] + [False]
     out = ([], [], [])
-    for vs in range(last + 1):
-        t_f, t_b, t_w, extra = rank_costs(rank_chunk_of(vs, D, schedule.placement)[0])
-        out[0].append(t_f + (recv + extra if vs > 0 else 0.0) + (send if vs < last else 0.0))
-        out[1].append(t_b + (recv + extra if vs < last else 0.0) + (send if vs > 0 else 0.0))
+    for vs, r in enumerate(rank_of):
+        t_f, t_b, t_w, extra = rank_costs(r)
+        from_before, to_after = vs > 0 and message[vs - 1], message[vs]
+        out[0].append(t_f + (recv + extra if from_before else 0.0) + (send if to_after else 0.0))
+        out[1].append(t_b + (recv + extra if to_after else 0.0) + (send if from_before else 0.0))
         out[2].append(t_w)
     return out
 
@@ -169,8 +182,8 @@ def op_busy(acc):
 def op_counts(schedule, rank):
     ops = schedule.ops[rank]
     counts = dict.fromkeys(OP_KINDS, 0)
-    counts["P"] = sum(comm_of(op, rank, schedule.num_stages, schedule.num_chunks, schedule.placement)[0] is not None
-                      for op in ops)
+    recvs = [comm_of(op, rank, schedule.num_stages, schedule.num_chunks, schedule.placement)[0] for op in ops]
+    counts["P"] = sum(recv is not None and recv[0] != rank for recv in recvs)  # the rank's own hand-offs post nothing
     for op in ops:
         counts["F" if isinstance(op, Forward) else "W" if isinstance(op, BackwardWeight)
                else "S" if isinstance(op, Step) else "B"] += 1
@@ -295,11 +308,19 @@ def message_costs(mbs, n=20):
 
 
 def ratio_cell(measured, predicted):
-    ratio = measured / predicted
-    return f"{ratio:.3f}" + ("" if abs(ratio - 1) <= TOLERANCE else " **outside 3 %**")
+    ratio = f"{measured / predicted:.3f}"  # flagged as printed: the counts below read the table's cells
+    return ratio + ("" if abs(float(ratio) - 1) <= TOLERANCE else " **outside 3 %**")
 
 
-def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=None, argv=(), trim=True):
+COLUMNS = ["schedule", "M", "k", "sim ms", "measured ms", "measured / sim", "best / sim", "measured / sim cal",
+           "in-run op ms", "measured / sim run", "policy ms/mb"]
+METHODS = sorted({method for _, method, _ in SYNC_ROWS}) + ["async"]
+
+
+def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=None, argv=(), trim=True,
+              methods=METHODS):
+    """Measure and price the rows of `methods` (all: the whole file); with fewer, and a results file at
+    out_path, their rows replace that file's rows of the same schedules and the others are kept (`merged`)."""
     started = time.perf_counter()
     out = Lines(header(__file__, list(argv)))
     emit = out.emit
@@ -310,12 +331,14 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     p2p_run = (p2p[0], 0.0, p2p[2])  # an op's wall time in the run includes its sends
     ms = lambda xs: " / ".join(f"{x * 1e3:.3f}" for x in xs)  # noqa: E731
     N = 4 * max(Ms)
-    intervals = sorted({1, 2, *Ms})
-    emit(f"D={D} ranks (forked processes, gloo, {os.cpu_count()} CPU cores), M in {list(Ms)}; synthetic sleeping "
-         f"stages of bench/schedules/zero_bubble.py: per stage t_F = {t_f * 1e3:g} ms, t_B = {t_b * 1e3:g} ms, t_W = "
-         f"{t_w * 1e3:g} ms (a fused backward {(t_b + t_w) * 1e3:g} ms; v=2: each chunk half), a step {t_step * 1e3:g} "
-         f"ms per Step op, [{mbs}, {WIDTH}] activations; median of {reps} after {warmup} warm-up. Async: "
-         f"PipeOptim + Adam at k in {intervals}, segments of {N} micro-batches, window {steady_window(N)}.")
+    intervals = sorted({1, 2, *Ms}) if "async" in methods else []
+    settings = (f"D={D} ranks (forked processes, gloo, {os.cpu_count()} CPU cores), M in {list(Ms)}; synthetic "
+                f"sleeping stages of bench/schedules/zero_bubble.py: per stage t_F = {t_f * 1e3:g} ms, t_B = {t_b * 1e3:g} ms, "
+                f"t_W = {t_w * 1e3:g} ms (a fused backward {(t_b + t_w) * 1e3:g} ms; v=2: each chunk half), a step "
+                f"{t_step * 1e3:g} ms per Step op, [{mbs}, {WIDTH}] activations; median of {reps} after {warmup} "
+                f"warm-up.")
+    emit(settings + f" Async: PipeOptim + Adam at k in {sorted({1, 2, *Ms})}, segments of {N} micro-batches, "
+         f"window {steady_window(N)}.")
     emit()
     emit(f"Per-op costs measured in one process (no p2p), F / B / W: {ms(untrimmed[1])} ms per stage and "
          f"{ms(untrimmed[2])} ms per v=2 chunk for ops sleeping their nominal time"
@@ -324,12 +347,14 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
          + f". Step: {cal_step * 1e3:.3f} ms. A message (two ranks, agreed shapes): one-way latency with the "
          f"receiver waiting {p2p[0] * 1e3:.3f} ms, send call {p2p[1] * 1e3:.3f} ms, a receive posted ahead whose "
          f"data is there {p2p[2] * 1e3:.3f} ms. `sim cal` prices the ops at these measured costs, the send call and "
-         f"the receive on the ops that make them, and the latency on every message; `sim` at the nominal costs, "
-         f"no message costs.")
+         f"the receive on the ops that make them, and the latency on every message (a hand-off between two chunks "
+         f"of one rank, ZB-V's turn, is none); `sim` at the nominal costs, no message costs.")
     emit()
     cases, rows, skipped = [], [], []
     for M in Ms:
         for label, method, v in SYNC_ROWS:
+            if method not in methods:
+                continue
             try:
                 build_schedule(method, D, v, M)
             except ConfigError as e:
@@ -339,7 +364,6 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
     load_before = loadavg()[0]
     per_rank = run_distributed(sync_runs, D, pp=D, timeout=TIMEOUT, args=(cases, run_costs, t_step, mbs, warmup, reps))
     load_sync = loadavg()[0]
-    outside, within_best, within_run = [], 0, 0
     ms_each = lambda costs, kinds: "/".join(f"{costs[k] * 1e3:.2f}" for k in kinds)  # noqa: E731
     for label, method, v, M in cases:
         results = [r[(label, M)] for r in per_rank]
@@ -350,19 +374,15 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
         sim = sync_prediction(method, D, v, M, same_on_every_rank(tuple(c / v for c in nominal)), t_step=t_step)
         sim_cal = sync_prediction(method, D, v, M, same_on_every_rank(cal[v]), p2p, cal_step)
         sim_run = sync_prediction(method, D, v, M, in_run_costs([r[1] for r in results]), p2p_run, in_run["S"])
-        if abs(measured / sim - 1) > TOLERANCE:
-            outside.append((f"{label} M={M}", measured / sim, measured / sim_cal, measured / sim_run))
-        within_best += abs(best / sim - 1) <= TOLERANCE
-        within_run += abs(measured / sim_run - 1) <= TOLERANCE
         rows.append([label, M, "-", f"{sim * 1e3:.1f}", f"{measured * 1e3:.1f}", ratio_cell(measured, sim),
                      f"{best / sim:.3f}", f"{measured / sim_cal:.3f}",
                      ms_each(in_run, "FBWSP" if in_run["W"] else "FBSP"), f"{measured / sim_run:.3f}", "-"])
         print("  ", rows[-1], flush=True)
     per_rank = run_distributed(async_runs, D, pp=D, timeout=TIMEOUT,
-                               args=(intervals, N, run_costs, t_step, mbs, warmup, reps))
-    per_mb, _, policy_s, _ = per_rank[D - 1]
+                               args=(intervals, N, run_costs, t_step, mbs, warmup, reps)) if intervals else None
     load_async = loadavg()[0]
     for k in intervals:
+        per_mb, _, policy_s, _ = per_rank[D - 1]
         measured, best = statistics.median(per_mb[k]), min(per_mb[k])
         results = [r[3][k] for r in per_rank]
         in_run = mean_over_ranks(results)
@@ -370,10 +390,6 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
         sim_cal = async_prediction(D, k, N, same_on_every_rank(cal[1]), p2p, cal_step)
         sim_run = async_prediction(D, k, N, in_run_costs(results), p2p_run, in_run["S"])
         label = f"async PipeOptim k={k}" + (f" (k = M at M={k})" if k in Ms else "")
-        if abs(measured / sim - 1) > TOLERANCE:
-            outside.append((label, measured / sim, measured / sim_cal, measured / sim_run))
-        within_best += abs(best / sim - 1) <= TOLERANCE
-        within_run += abs(measured / sim_run - 1) <= TOLERANCE
         rows.append([label, "stream", k, f"{sim * 1e3:.2f}", f"{measured * 1e3:.2f}", ratio_cell(measured, sim),
                      f"{best / sim:.3f}", f"{measured / sim_cal:.3f}", ms_each(in_run, "FBSP"),
                      f"{measured / sim_run:.3f}", f"{statistics.median(policy_s[k]) * 1e3:.2f}"])
@@ -388,32 +404,50 @@ def run_check(D, Ms, t_f, t_b, t_w, t_step, mbs=4, warmup=1, reps=5, out_path=No
          "loaded cores, not the simulator. `policy` = PipeOptim's hooks per micro-batch on the last rank "
          "(prediction, restore; not priced by the simulator).")
     emit()
-    emit(markdown_table(["schedule", "M", "k", "sim ms", "measured ms", "measured / sim", "best / sim",
-                         "measured / sim cal", "in-run op ms", "measured / sim run", "policy ms/mb"], rows))
+    columns, repriced = COLUMNS, []
+    if set(methods) != set(METHODS) and out_path and os.path.exists(out_path):
+        rows, runs, repriced = merged(out_path, rows, run_of(out.lines)[0], methods, settings)
+        columns = COLUMNS + ["run"]
+        emit(f"Rows from {len({row[-1] for row in rows})} runs (column `run`): this one (the rows of "
+             f"{', '.join(methods)}) and the rows of the other schedules kept from the file's earlier runs as they "
+             "measured and priced them; each earlier run's command, machine, load, date, commit and one-process "
+             "costs (those of the rows this run replaced too):")
+        for line in runs:
+            emit(line)
+        emit()
+    emit(markdown_table(columns, rows))
     emit()
     for line in skipped:
         emit(f"Not admitted: {line}")
-    emit(f"Load average (1 min): {load_before:.2f} before the synchronous runs, {load_sync:.2f} after them, "
-         f"{load_async:.2f} after the asynchronous ones.")
+    emit(f"Load average (1 min): {load_before:.2f} before the synchronous runs, {load_sync:.2f} after them"
+         + (f", {load_async:.2f} after the asynchronous ones." if intervals else "; no asynchronous rows run."))
     emit()
-    within_cal = sum(abs(float(row[7]) - 1) <= TOLERANCE for row in rows)
-    emit(f"Within 3 % of `sim`: {len(rows) - len(outside)} of {len(rows)} rows; the best repetition: {within_best}; "
-         f"against `sim cal`: {within_cal}; against `sim run`: {within_run}.")
-    emit()
-    for line in why_outside(outside):
+    for line in summary(rows):
         emit(line)
     emit()
+    if repriced:
+        for line in repriced:
+            emit(line)
+        emit()
     emit(load_at_end(started))
     if out_path:
         out.write(out_path)
         print(f"\nwritten to {out_path}")
-    return rows, outside
+    return rows
 
 
-def why_outside(outside):
-    """One line per row outside 3 % of `sim`: whether the measured op and message costs account for it."""
-    lines = []
-    for label, ratio, cal_ratio, run_ratio in outside:
+def summary(rows):
+    """How many rows are within 3 % of each pricing, and one line per row outside 3 % of `sim`: whether the
+    measured op and message costs account for it."""
+    within = lambda column: sum(abs(float(row[column].split()[0]) - 1) <= TOLERANCE for row in rows)  # noqa: E731
+    flagged = sum("outside" in row[5] for row in rows)
+    lines = [f"Within 3 % of `sim`: {len(rows) - flagged} of {len(rows)} rows; the best repetition: {within(6)}; "
+             f"against `sim cal`: {within(7)}; against `sim run`: {within(9)}.", ""]
+    for row in rows:
+        if "outside" not in row[5]:
+            continue
+        label = row[0] if row[1] == "stream" else f"{row[0]} M={row[1]}"
+        ratio, cal_ratio, run_ratio = (float(row[i].split()[0]) for i in (5, 7, 9))
         explained = [name for name, r in (("sim cal", cal_ratio), ("sim run", run_ratio)) if abs(r - 1) <= TOLERANCE]
         lines.append(f"- {label}: {ratio:.3f} of `sim`; " + (
             f"within 3 % of {' and '.join(explained)} ({cal_ratio:.3f}, {run_ratio:.3f}): the costs the simulator "
@@ -421,6 +455,88 @@ def why_outside(outside):
             f"{cal_ratio:.3f} of `sim cal`, {run_ratio:.3f} of `sim run`: not accounted for by the measured costs "
             "either"))
     return lines
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows of some schedules run again (--schedules), merged into the results file
+# --------------------------------------------------------------------------------------------------
+
+
+def run_of(lines):
+    """(label, description) of the run a results file's opening `lines` describe: `commit date time`, and its
+    command, machine, load and date, one-process costs and load line made one line."""
+    command, machine = lines[0].removeprefix("Command: "), lines[2]
+    label = (re.search(r"commit ([0-9a-f]+(?:-dirty)?)", machine)[1] + " "
+             + re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", machine)[0])
+    costs = [line for line in lines if line.startswith(("Per-op costs", "Load average (1 min)"))]
+    return label, f"- run `{label}`: {command}; {machine.rstrip('.')}. " + " ".join(costs)
+
+
+def table_rows(lines):
+    """The cells of the results table's rows."""
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in lines
+            if line.startswith("| ") and not line.startswith("| schedule")]
+
+
+def row_key(row):
+    """(method, interleaved, M, k) of a row ("async" the method of the stream)."""
+    label = row[0]
+    method = "async" if label.startswith("async") else next(w for w in label.split() if w in METHODS)
+    return method, "v=2" in label, str(row[1]), str(row[2])
+
+
+def merged(path, rows, this_run, methods, settings):
+    """This run's rows (its label `this_run`) in place of the rows of `methods` in the results file at `path`,
+    the other rows kept, each with its run's label; the description lines of the runs of the kept and the
+    replaced rows; the replaced rows re-priced (`repriced`)."""
+    lines = open(path).read().splitlines()
+    unscripted = lambda line: re.sub(r"\S+\.py", "", line)  # noqa: E731  (the stages' module has moved since)
+    if not any(unscripted(line).startswith(unscripted(settings)) for line in lines):
+        raise SystemExit(f"--schedules: {path} was measured at other settings than this run's ({settings}); "
+                         "run every schedule")
+    own_label, own = run_of(lines)
+    runs = {own_label: own, **{line.split("`")[1]: line for line in lines if line.startswith("- run `")}}
+    old = [row if len(row) == len(COLUMNS) + 1 else row + [own_label] for row in table_rows(lines)
+           if len(row) >= len(COLUMNS)]  # not the table of the rows an earlier merge replaced
+    new = {row_key(row): [*map(str, row), this_run] for row in rows}
+    out = [new.pop(row_key(row)) if row_key(row)[0] in methods else row for row in old
+           if row_key(row)[0] not in methods or row_key(row) in new]
+    out += new.values()  # rows the file did not have
+    replaced = [row for row in old if row_key(row)[0] in methods]
+    listed = {row[-1] for row in out + replaced} - {this_run}
+    return out, [runs[label] for label in runs if label in listed], repriced(replaced, runs, settings)
+
+
+def repriced(rows, runs, settings):
+    """Lines: the replaced `rows`' `measured / sim cal` as their run printed it and at today's simulator, from
+    the one-process op and message costs their run's description states (3 decimals in ms; the measured ms
+    to 0.1 ms: the ratio to +-0.001). `sim run` needs each rank's in-run costs, which no run stores."""
+    if not rows:
+        return []
+    D = int(re.match(r"D=(\d+)", settings)[1])
+    N = 4 * max(int(M) for M in re.search(r"M in \[([\d, ]+)\]", settings)[1].split(","))
+    table = []
+    for row in rows:
+        text = runs[row[-1]]
+        x = r"([\d.]+)"
+        cal = [float(c) / 1e3 for c in (re.search(rf"measured {x} / {x} / {x} and {x} / {x} / {x} ms", text) or
+                                        re.search(rf"F / B / W: {x} / {x} / {x} ms per stage and {x} / {x} / {x}", text)
+                                        ).groups()]
+        step = float(re.search(rf"Step: {x} ms", text)[1]) / 1e3
+        p2p = tuple(float(re.search(rf"{what} {x} ms", text)[1]) / 1e3 for what in (
+            "receiver waiting", "send call", "data is there"))
+        method, interleaved, M, k = row_key(row)
+        v = 2 if interleaved or method == "zb-v" else 1
+        costs = same_on_every_rank(cal[3 * (v - 1):3 * v])
+        sim_cal = (async_prediction(D, int(k), N, costs, p2p, step) if method == "async" else
+                   sync_prediction(method, D, v, int(M), costs, p2p, step))
+        table.append([row[0], M, k, row[-1], row[4], row[7], f"{float(row[4]) / (sim_cal * 1e3):.3f}", row[9]])
+    return ["The rows this run replaced, `measured / sim cal` as their run printed it and at today's simulator, from "
+            "that run's one-process op and message costs stated above (to 3 decimals in ms, the measured ms to 0.1: "
+            "the ratio to +-0.001); their `sim run` (as printed then) cannot be re-priced: it needs each rank's "
+            "in-run op costs, which are not stored:", "",
+            markdown_table(["schedule", "M", "k", "run", "measured ms", "measured / sim cal (then)",
+                            "measured / sim cal (today)", "measured / sim run (then)"], table)]
 
 
 def parse_args(argv=None):
@@ -431,6 +547,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="D=4, M=2, one repetition, 5 ms ops, no trim (a smoke test: the trim's one-process "
                         "measurement is too noisy at that size on loaded cores)")
+    p.add_argument("--schedules", nargs="+", choices=METHODS, default=METHODS, metavar="METHOD",
+                   help=f"run these schedules' rows only ({', '.join(METHODS)}; default all); where --out exists, "
+                        "they replace its rows of these schedules and its other rows are kept, each with the run it "
+                        "came from, the replaced ones re-priced at today's simulator from their run's stated costs")
     p.add_argument("--out", default=os.path.join(bench_common.RESULTS, "simulator_check.md"))
     a = p.parse_args(argv)
     if a.quick:
@@ -443,7 +563,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     bench_common.offline_env()
-    run_check(a.stages, a.M, a.tf, a.tB, a.tW, a.t_step, a.mbs, a.warmup, a.reps, a.out, argv, trim=not a.no_trim)
+    run_check(a.stages, a.M, a.tf, a.tB, a.tW, a.t_step, a.mbs, a.warmup, a.reps, a.out, argv, trim=not a.no_trim,
+              methods=a.schedules)
     return 0
 
 

@@ -5,8 +5,8 @@ Chosen by Megatron's `--tokenizer-type` names; each gives the ids Megatron-LM's 
   GPT-2 algorithm; `<|endoftext|>` is the end-of-document (EOD) token. Text is encoded as plain text (a literal
   "<|endoftext|>" in it is not turned into the special id), as Megatron's own GPT-2 tokenizer does.
 - HuggingFaceTokenizer: `--tokenizer-model` = a local directory (AutoTokenizer) or a tokenizer.json file,
-  never downloaded. `tokenize` adds the tokenizer's own special tokens (e.g. Llama-3's BOS) as Megatron does;
-  EOD is the tokenizer's eos token.
+  never downloaded (the Python code a directory ships runs only with --trust-remote-code). `tokenize` adds the
+  tokenizer's own special tokens (e.g. Llama-3's BOS) as Megatron does; EOD is the tokenizer's eos token.
 - GPTSentencePieceTokenizer: a sentencepiece `.model`; plain `encode`, EOD = the model's eos.
 - Llama2Tokenizer: a sentencepiece `.model`; every text starts with BOS (no EOS; `--append-eod` adds it).
 - SentencePieceTokenizer: this project's name for GPTSentencePieceTokenizer's behaviour (EOD = `</s>`).
@@ -180,7 +180,7 @@ class GPT2BPETokenizer:
 class HuggingFaceTokenizer:
     """A Hugging Face tokenizer from a local directory (AutoTokenizer) or one tokenizer.json file."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, trust_remote_code: bool = False):
         import transformers
 
         if not (os.path.isdir(path) or os.path.isfile(path)):
@@ -188,10 +188,14 @@ class HuggingFaceTokenizer:
                             f"(HuggingFaceTokenizer loads local files only)")
         try:
             if os.path.isdir(path):
-                self.tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                                            trust_remote_code=trust_remote_code)
             else:
                 self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
         except Exception as e:  # tokenizers raises bare Exceptions; whatever it is, the cause is the user's file
+            if not trust_remote_code and "trust_remote_code" in str(e):
+                raise DataError(f"--tokenizer-model {path!r} ships its own Python code (auto_map in its "
+                                f"tokenizer_config.json): add --trust-remote-code to run it") from e
             raise DataError(f"--tokenizer-model {path!r} is not a loadable Hugging Face tokenizer: "
                             f"{_reason(e)}") from e
         self.vocab_size = len(self.tokenizer)
@@ -252,14 +256,15 @@ def tokenizer_flag_error(tokenizer_type: str, tokenizer_model=None, vocab_size=N
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None,
-                    vocab_file: str | None = None, merge_file: str | None = None):
+                    vocab_file: str | None = None, merge_file: str | None = None, trust_remote_code: bool = False):
+    """`trust_remote_code`: HuggingFaceTokenizer may run the code its directory ships (--trust-remote-code)."""
     error = tokenizer_flag_error(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
     if error:
         raise ConfigError(error)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, trust_remote_code)
     if tokenizer_type == "Llama2Tokenizer":
         return Llama2Tokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
@@ -267,3 +272,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     return NullTokenizer(vocab_size)
+
+
+def build_tokenizer_from(d):
+    """The tokenizer the data flags (config.DataConfig `d`) name."""
+    return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file,
+                           d.trust_remote_code)

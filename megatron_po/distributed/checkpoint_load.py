@@ -4,7 +4,8 @@ Loading checks the checkpoint before reading it, on every rank, and the ranks ag
 (one all-gather) so a problem only some ranks can see fails all of them with the same one-line
 `UserError` instead of leaving the others blocked in a collective: a missing or truncated `.metadata`
 or data file, a parameter missing from the checkpoint or saved with another shape, parameters the
-model lacks, a different optimizer. DCP reshards the global tensors to this rank's pieces; the
+model lacks (the two key mismatches as --dist-ckpt-strictness says: by default both stop the load), a different
+optimizer. DCP reshards the global tensors to this rank's pieces; the
 vocabulary rows, padded per layout, are re-padded here.
 
 `read_full_checkpoint` reads whole tensors in one process, without torch.distributed
@@ -43,6 +44,20 @@ def _repadded(name: str, saved: tuple, shape: tuple, vocab_size: int | None) -> 
             and min(saved[0], shape[0]) >= vocab_size)
 
 
+# --dist-ckpt-strictness (Megatron's StrictHandling values) as this load honours them. Megatron's words: an
+# "unexpected" key is one the model asks for and the checkpoint lacks, a "missing" key one the checkpoint holds and
+# the model does not ask for. Skipped parameters keep their initial values (and get a fresh optimizer state).
+RAISE_UNEXPECTED = ("raise_all", "raise_unexpected", "assume_ok_unexpected")
+LOG_UNEXPECTED = ("log_unexpected", "log_all")
+RAISE_MISSING = ("raise_all",)
+LOG_MISSING = ("log_all",)
+
+
+def _in_checkpoint(meta, name: str) -> bool:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    return isinstance(meta.get(f"model.{name}"), TensorStorageMetadata)
+
+
 def _check_fits(md, names, stepped: dict, load_optim: bool, vocab_size: int | None) -> str | None:
     """This rank's first reason why the checkpoint cannot be loaded into its parameters, or None."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -70,11 +85,12 @@ def _mtp_copy_left_out(surplus: list[str], meta, ours: set[str]) -> bool:
 
 
 def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_rng: bool = True,
-                    step: int | None = None, policy=None, verify: bool = True) -> dict:
+                    step: int | None = None, policy=None, verify: bool = True, strictness: str = "raise_all") -> dict:
     """Load checkpoint `step` (default: the tracker's) under `root` into the model (and optimizer, and
     the async weight `policy`); return its `extra`. Collective over all ranks. `verify` (not
     --no-verify-checkpoint): check every file against the checkpoint's checksums.json first, each rank
-    a share of them."""
+    a share of them. `strictness` (--dist-ckpt-strictness): what a parameter the checkpoint lacks, or a
+    checkpoint tensor the model lacks, does (see RAISE_UNEXPECTED and its neighbours)."""
     iteration = find_checkpoint(root, step) if os.path.isdir(root) else None
     if iteration is None:
         raise UserError(f"--load {root}: no checkpoint there" if os.path.isdir(root)
@@ -100,6 +116,10 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
     meta = md.state_dict_metadata
     names = for_checkpoint(named_parameters_for_load(chunks), meta)
     buffers = named_buffers_global(chunks)  # loaded like weights that no optimizer steps (an expert bias)
+    model_names = [n for n, _ in names + buffers]
+    if strictness not in RAISE_UNEXPECTED:  # those the checkpoint lacks keep their initial values
+        names = [(n, p) for n, p in names if _in_checkpoint(meta, n)]
+        buffers = [(n, b) for n, b in buffers if _in_checkpoint(meta, n)]
     stepped = stepped_params(optimizer)
     load_optim = load_optim and bool(stepped)
 
@@ -116,17 +136,24 @@ def load_checkpoint(root: str, chunks, optimizer, load_optim: bool = True, load_
 
     # Does it fit? Every rank checks its own parameters, rank 0 the checkpoint's surplus; all agree.
     misfit = _check_fits(md, names + buffers, stepped, load_optim, extra.get("vocab_size"))
-    error, all_names = agree(f"{where}: {misfit}" if misfit else None, [n for n, _ in names + buffers])
+    error, all_names = agree(f"{where}: {misfit}" if misfit else None, model_names)
     if error is None and dist.get_rank() == 0:
         ours = {n for rank_names in all_names for n in rank_names}
+        absent = sorted(n for n in ours if not _in_checkpoint(meta, n))
+        if absent and strictness in LOG_UNEXPECTED:
+            print(f"> {where}: {len(absent)} parameters of this model are not in the checkpoint and keep their "
+                  f"initial values (--dist-ckpt-strictness {strictness}): {', '.join(absent)}", flush=True)
         extra_params = sorted(k[len("model."):] for k in meta if k.startswith("model.") and k[len("model."):] not in ours)
         if _mtp_copy_left_out(extra_params, meta, ours):
             print(f"> {path}: {MTP_OWN_EMBEDDING} (an asynchronous run's copy of the word embedding, trained apart by "
                   "the MTP loss) not loaded: this run's MTP block reads the embedding (docs/mtp.md)", flush=True)
             extra_params.remove(MTP_OWN_EMBEDDING)
-        if extra_params:
+        if extra_params and strictness in RAISE_MISSING:
             error = (f"{where}: the checkpoint has parameter {extra_params[0]} that this model lacks "
                      f"({len(extra_params)} such; saved from another model configuration?)")
+        elif extra_params and strictness in LOG_MISSING:
+            print(f"> {where}: {len(extra_params)} tensors of the checkpoint are not in this model, not loaded "
+                  f"(--dist-ckpt-strictness {strictness}): {', '.join(extra_params)}", flush=True)
     error, _ = agree(error)
     if error:
         raise UserError(error)

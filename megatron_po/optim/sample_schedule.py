@@ -8,7 +8,8 @@ iteration that starts after `c` consumed samples is G once c > SAMPLES, else
 ramp iterations as start at c <= min(SAMPLES, N), then (N - c) // G more (a partial last batch is dropped).
 
 The lr counts samples like Megatron's scheduler. Our one convention: during warm-up a step already uses the lr
-of the samples it completes, lr x (c + b) / W, so the first step does not run at lr 0; decay reads c. The
+of the samples it completes, init + (lr - init) x (c + b) / W (init: --lr-warmup-init, Megatron's start of the
+warm-up, default 0), so the first step does not run at the start value itself; decay reads c. The
 single-process studies under bench/ run the same rule on the micro-batch clock (`microbatch_lr`: one sample
 per micro-batch, step i of a chunk that steps every k micro-batches at the lr of micro-batch i x k).
 As in Megatron, c counts only the samples of iterations whose step was applied (its scheduler steps only on
@@ -121,7 +122,7 @@ class SampleSchedule:
         done = self.consumed_before(iteration) if updated is None else updated
         return sample_lr(done, self.batch(iteration), self.t.lr_decay_style,
                          self.t.lr if peak is None else peak, self.t.min_lr if low is None else low,
-                         self.warmup, self.decay, self.wsd, self.unit)
+                         self.warmup, self.decay, self.wsd, self.unit, self.t.lr_warmup_init)
 
     def decoupled_lr_at(self, iteration: int, updated: int | None = None) -> float | None:
         """--decoupled-lr's schedule for the input embedding and output layer (None without it)."""
@@ -133,11 +134,13 @@ class SampleSchedule:
 
 
 def sample_lr(consumed: int, batch: int, style: str, lr: float, min_lr: float, warmup: float, decay: float,
-              wsd: float, unit: int = 1) -> float:
-    """The lr of a step of `batch` samples that starts after `consumed` samples (see the module notes)."""
+              wsd: float, unit: int = 1, init: float = 0.0) -> float:
+    """The lr of a step of `batch` samples that starts after `consumed` samples (see the module notes);
+    `init`: where the warm-up starts (--lr-warmup-init)."""
     if warmup > 0 and consumed < warmup:
-        done = consumed + batch  # (lr x done / W in this order: the studies' cached runs were made with it)
-        return lr * done / warmup if done <= warmup else lr
+        done = consumed + batch  # ((lr - init) x done / W in this order: the studies' cached runs were made with
+        # it at init 0, where init + (lr - init) x done / W is lr x done / W to the bit)
+        return init + (lr - init) * done / warmup if done <= warmup else lr
     if style == "constant":
         return lr
     if consumed >= decay:
@@ -164,7 +167,8 @@ def microbatch_lr(step: int, every: int, t) -> float:
     --train-iters), so warm-up and decay span the same samples for every method and update interval."""
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
     wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, (decay - t.lr_warmup_iters) // 10)
-    return sample_lr(step * every, 1, t.lr_decay_style, t.lr, t.min_lr, t.lr_warmup_iters, decay, wsd)
+    return sample_lr(step * every, 1, t.lr_decay_style, t.lr, t.min_lr, t.lr_warmup_iters, decay, wsd,
+                     init=t.lr_warmup_init)
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -1,0 +1,102 @@
+"""The launcher, logging and checkpoint-loading flags that public Megatron recipes pass (NVIDIA's
+Megatron-MoE-ModelZoo configs, Megatron-LM's post-training confs), as fields mixed into config.py's sections:
+`ModelConfig(ModelRecipeFlags)` and so on, so each lands in its section (`cfg.training.lr_warmup_init`) and
+config.py stays one tree. Megatron-LM's names, defaults and meanings; where this code differs the help says so.
+
+What each does here:
+- implemented: --lr-warmup-init (optim/sample_schedule.py), --logging-level (training_setup.py),
+  --log-timers-to-tensorboard, --log-memory-to-tensorboard, --log-validation-ppl-to-tensorboard and
+  --tensorboard-queue-size (training_log.py), --padded-vocab-size (gpt_workload.py), --dist-ckpt-strictness
+  (distributed/checkpoint_load.py), --trust-remote-code (data/tokenizer.py);
+- accepted, no effect (a GPU kernel or a Megatron code path that has no counterpart here, said in the help):
+  --use-flash-attn, --cross-entropy-fusion-impl, --enable-experimental, --moe-per-layer-logging,
+  --auto-detect-ckpt-format, --no-ckpt-fully-parallel-save, --ckpt-fully-parallel-load.
+Their start-up rules: config_recipe_rules.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_po.config_field import flag
+
+# Megatron's StrictHandling values (megatron/core/dist_checkpointing/validation.py).
+DIST_CKPT_STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all"]
+
+
+@dataclass
+class ModelRecipeFlags:
+    padded_vocab_size: int | None = flag(None, "the model's vocabulary (embedding and output layer rows) instead of "
+                                               "the tokenizer's padded to --make-vocab-size-divisible-by x TP "
+                                               "(Megatron's); must hold the tokenizer's vocabulary and divide by "
+                                               "--tensor-model-parallel-size (pretrain_gpt.py)")
+    use_flash_attn: bool = flag(False, "Megatron's legacy FlashAttention switch: accepted, no effect, as in Megatron "
+                                       "Core (--attention-backend chooses the kernel; its default auto lets PyTorch "
+                                       "pick its flash kernel where the device has one)")
+    cross_entropy_fusion_impl: str = flag("native", "which fused cross entropy Megatron's "
+                                                    "--cross-entropy-loss-fusion runs (native or Transformer "
+                                                    "Engine's): accepted, no effect: the vocab-parallel cross "
+                                                    "entropy here has one implementation",
+                                          choices=["native", "te"])
+
+
+@dataclass
+class DataRecipeFlags:
+    trust_remote_code: bool = flag(False, "HuggingFaceTokenizer: let transformers run the Python code a local "
+                                          "tokenizer directory ships (auto_map in its tokenizer_config.json, e.g. "
+                                          "Kimi K2's); without it such a tokenizer is refused")
+
+
+@dataclass
+class TrainingRecipeFlags:
+    lr_warmup_init: float = flag(0.0, "the lr the linear warm-up starts from (Megatron's): init + (--lr - init) x "
+                                      "the warm-up's progress (--decoupled-lr's warm-up starts there too); "
+                                      "0 <= init <= --lr")
+    enable_experimental: bool = flag(False, "Megatron's switch of its experimental code paths: accepted, no effect "
+                                            "(nothing here is gated behind it)")
+
+
+@dataclass
+class LoggingRecipeFlags:
+    logging_level: int | None = flag(None, "level of Python's root logger (Megatron's: 40 = ERROR, 30 = WARNING, "
+                                           "20 = INFO; default the MEGATRON_LOGGING_LEVEL environment variable, "
+                                           "else unchanged): the libraries' log records below it are dropped; "
+                                           "this code's own lines are printed and stay")
+    log_timers_to_tensorboard: bool = flag(False, "TensorBoard also gets the timers (time/*, --timing-log-level) and "
+                                                  "the throughput (tokens_per_sec; tflops_per_gpu, mfu with "
+                                                  "--log-throughput), as Megatron's; the metrics file and W&B "
+                                                  "always get them")
+    log_memory_to_tensorboard: bool = flag(False, "TensorBoard also gets the memory (memory_gb, max_memory_gb), as "
+                                                  "Megatron's; the metrics file and W&B always get it")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "TensorBoard also gets the validation perplexity "
+                                                          "(val_ppl; val_loss always), as Megatron's; the metrics "
+                                                          "file and W&B always get it")
+    tensorboard_queue_size: int = flag(1000, "TensorBoard events held before they are written to disk "
+                                             "(SummaryWriter's max_queue, as Megatron's)")
+    moe_per_layer_logging: bool = flag(False, "MoE: Megatron's per-layer logging of the routers' losses: accepted, "
+                                              "no effect: each MoE layer's numbers are always logged here "
+                                              "(moe/<name>/layer<i>) beside their means")
+
+
+@dataclass
+class CheckpointRecipeFlags:
+    dist_ckpt_strictness: str | None = flag(None, "--load's handling of a parameter the checkpoint lacks (Megatron's "
+                                                  "'unexpected' key) and of a checkpoint tensor the model lacks "
+                                                  "('missing'): raise_all (the default here; Megatron's: "
+                                                  "assume_ok_unexpected) stops on either with one line; "
+                                                  "assume_ok_unexpected, raise_unexpected stop on the first and "
+                                                  "skip the second; log_unexpected logs the first, skips the second; "
+                                                  "log_all logs both; ignore_all skips both; a skipped parameter "
+                                                  "keeps its initial value and gets a fresh optimizer state; "
+                                                  "return_unexpected, return_all are refused (they hand the keys "
+                                                  "to a Python caller)", choices=DIST_CKPT_STRICTNESS)
+    auto_detect_ckpt_format: bool = flag(False, "Megatron's choice between its legacy and distributed checkpoint "
+                                                "formats at --load: accepted, no effect: there is one format here "
+                                                "(torch_dist, DCP), and --load stops with one line on another")
+    ckpt_fully_parallel_save: bool = flag(True, "Megatron's switch-off of spreading the save over the data-parallel "
+                                                "ranks: accepted, no effect: DCP's save plan here writes each "
+                                                "replicated tensor once, spread over the ranks that hold it")
+    ckpt_fully_parallel_load: bool = flag(False, "Megatron's load of each tensor by one data-parallel rank and an "
+                                                 "exchange: accepted, no effect: each rank reads its own pieces "
+                                                 "through DCP")

@@ -117,8 +117,9 @@ def _even(num_layers: int, D: int, v: int, embedding: bool, loss: bool) -> list[
 
 def _uneven_ranks(num_layers: int, D: int, first: int | None, last: int | None) -> list[int]:
     for flag, n in ((FIRST_FLAG, first), (LAST_FLAG, last)):
-        if n is not None and n < 0:
-            raise ConfigError(f"{flag} must be >= 0 (got {n})")
+        if n is not None and n < 1:  # Megatron's TransformerConfig: "must be larger than 0"
+            raise ConfigError(f"{flag} must be >= 1, as Megatron (got {n}); a stage of the embedding or the loss "
+                              f"alone is {LAYOUT_FLAG} 'E|...' or '...|L'")
     rest = num_layers - (first or 0) - (last or 0)
     middle = D - (first is not None) - (last is not None)
     given = " + ".join(f"{flag} ({n})" for flag, n in ((FIRST_FLAG, first), (LAST_FLAG, last)) if n is not None)

@@ -183,6 +183,8 @@ RULES = [
       "--pipeline-model-parallel-size (2)"]),
     ("pipeline-split", 2, PP2 + ["--num-layers", "4", "--decoder-first-pipeline-num-layers", "5"],
      ["--decoder-first-pipeline-num-layers (5) = 5 layers; --num-layers is 4"]),
+    ("pipeline-split/zero", 2, PP2 + ["--num-layers", "4", "--decoder-last-pipeline-num-layers", "0"],
+     ["--decoder-last-pipeline-num-layers must be >= 1, as Megatron (got 0)", "--pipeline-model-parallel-layout"]),
     ("pipeline-split/middle", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
                                          "--decoder-first-pipeline-num-layers", "3",
                                          "--decoder-last-pipeline-num-layers", "2"],

@@ -305,9 +305,10 @@ ZOO_LAUNCH = [
 ]
 PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim"}
 # At PP 2 two recipes split their 4 layers unevenly, as their Megatron launchers do at scale: DeepSeek-V3 by the
-# model zoo's --pipeline-model-parallel-layout "Et|(tt|)*30mL" shrunk (the embedding and one layer, then the rest
-# with the MTP depth and the loss), Kimi K2 by --decoder-first-pipeline-num-layers (1 | 3).
-PP2_SPLIT = {"deepseek_v3": {"--pipeline-model-parallel-layout": "Et|tttmL"},
+# model zoo's --pipeline-model-parallel-layout "Et|(tt|)*30mL" shrunk to two stages (the embedding and every layer,
+# then a last stage of the MTP depth and the loss alone, no transformer layer of the model's, as the zoo's), Kimi K2
+# by --decoder-first-pipeline-num-layers (1 | 3).
+PP2_SPLIT = {"deepseek_v3": {"--pipeline-model-parallel-layout": "Etttt|mL"},
              "kimi_k2": {"--decoder-first-pipeline-num-layers": 1}}
 
 
@@ -399,6 +400,7 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
         assert asked | {"lm_loss", "mtp_loss", "val_loss"} <= scalars.keys(), sorted(scalars)
         assert sorted(scalars["val_ppl"]) == [4, 8]
         assert os.path.isdir(zoo / "ck" / "iter_0000008")
-    else:  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split (MTP beside the last layers)
-        for flag in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers"):
-            assert f"> pipeline split ({flag}): transformer layers per virtual stage 1 | 3" in out, flag
+    else:  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split
+        for flag, split in (("--pipeline-model-parallel-layout", "4 | 0"), ("--decoder-first-pipeline-num-layers",
+                                                                            "1 | 3")):
+            assert f"> pipeline split ({flag}): transformer layers per virtual stage {split}" in out, flag

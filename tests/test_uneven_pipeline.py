@@ -74,7 +74,7 @@ def megatron_rule(L, D, v, first=None, last=None, embedding=False, loss=False):
 
 SPLITS = [  # L, D, v, flags
     (36, 4, 1, dict(first=11, last=5)), (61, 4, 1, dict(first=16)), (61, 4, 1, dict(last=13)),
-    (8, 2, 1, dict(first=3)), (8, 2, 1, dict(last=0)), (8, 2, 1, dict(first=0, last=8)),
+    (8, 2, 1, dict(first=3)), (8, 2, 1, dict(last=1)), (8, 2, 1, dict(first=1, last=7)),
     (12, 3, 1, dict(first=2, last=6)),
     (20, 4, 2, dict(first=2, last=6)), (20, 4, 2, dict(first=2)), (24, 3, 2, dict(last=4)), (14, 4, 1, dict(last=2)),
     (7, 2, 1, dict(embedding=True)), (7, 4, 1, dict(loss=True)), (6, 4, 1, dict(embedding=True, loss=True)),

@@ -21,6 +21,7 @@ from megatron_po.config_recipe import (CheckpointRecipeFlags, DataRecipeFlags, L
                                        ModelRecipeFlags, TrainingRecipeFlags)
 from megatron_po.data.tokenizer import TOKENIZER_TYPES
 from megatron_po.errors import ConfigError
+from megatron_po.layer_split import layout_stage_count
 
 
 @dataclass
@@ -238,6 +239,29 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual stage (interleaved pipeline)")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "model chunks per pipeline rank (interleaved "
+                                                                "pipeline): each rank's layers split evenly over its "
+                                                                "chunks; the form Megatron takes with "
+                                                                "--decoder-first/last-pipeline-num-layers")
+    # Uneven pipeline splits (Megatron-core's flags and rules: megatron_po/layer_split.py, docs/pipelines.md)
+    decoder_first_pipeline_num_layers: int | None = _f(None, "transformer layers on the first pipeline stage; the "
+                                                             "rest split evenly over the other stages (default: an "
+                                                             "even split)")
+    decoder_last_pipeline_num_layers: int | None = _f(None, "transformer layers on the last pipeline stage; the rest "
+                                                            "split evenly over the other stages (default: an even "
+                                                            "split)")
+    account_for_embedding_in_pipeline_split: bool = _f(False, "count the embedding as one layer in the even pipeline "
+                                                              "split: the first virtual stage builds one layer fewer")
+    account_for_loss_in_pipeline_split: bool = _f(False, "count the loss (final norm, output layer) as one layer in "
+                                                         "the even pipeline split: the last virtual stage builds one "
+                                                         "layer fewer")
+    pipeline_model_parallel_layout: str | None = _f(None, "every virtual stage's layers, e.g. \"Et|(tt|)*30mL\": E "
+                                                          "embedding, t transformer layer, m MTP depth, L loss, '|' "
+                                                          "between virtual stages (their count / "
+                                                          "--pipeline-model-parallel-size = model chunks per rank), "
+                                                          "(...)*n and x*n repeat. Here E goes first on virtual stage "
+                                                          "0 and m, L on the last one (Megatron can also put m on a "
+                                                          "stage of its own); a stage holding nothing is refused")
     sequence_parallel: bool = _f(False, "split LayerNorm/dropout activations along the sequence over TP ranks")
     pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b, zero-bubble zb-h1, zb-h2, zb-v) or "
                               "asynchronous method",
@@ -721,11 +745,19 @@ def rampup_batch_size(cfg: Config) -> tuple[int, int, int] | None:
 
 
 def virtual_pipeline_size(cfg: Config) -> int:
-    """Model chunks per pipeline rank (1 without interleaving)."""
+    """Model chunks per pipeline rank (1 without interleaving): --pipeline-model-parallel-layout's stage count / D,
+    --num-virtual-stages-per-pipeline-rank, or Megatron's (--num-layers + the embedding and loss where counted) / (D x
+    --num-layers-per-virtual-pipeline-stage)."""
     p = cfg.parallel
+    if p.pipeline_model_parallel_layout is not None:
+        return max(1, layout_stage_count(p.pipeline_model_parallel_layout) // p.pipeline_model_parallel_size)
+    if p.num_virtual_stages_per_pipeline_rank is not None:
+        return p.num_virtual_stages_per_pipeline_rank
     if p.num_layers_per_virtual_pipeline_stage is None:
         return 1
-    return cfg.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+    counted = (cfg.model.num_layers + int(p.account_for_embedding_in_pipeline_split)
+               + int(p.account_for_loss_in_pipeline_split))
+    return counted // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
 
 
 def normalize_nmt(cfg: Config) -> Config:

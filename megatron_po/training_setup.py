@@ -20,6 +20,7 @@ from megatron_po.distributed.checkpoint_load import load_checkpoint
 from megatron_po.distributed.ddp import DistributedDataParallel
 from megatron_po.distributed.fsdp import FullyShardedDataParallel, fsdp_precision, local_shard, shard_chunks
 from megatron_po.errors import ConfigError, UserError
+from megatron_po.layer_split import split_summary
 from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.mla import mla_summary
 from megatron_po.models.moe.rules import moe_summary, no_op_switches_line
@@ -115,7 +116,8 @@ def initialize(cfg: Config, workload) -> tuple[Config, SampleSchedule]:
     workload.cfg = cfg
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage else None,
+                                 virtual_pipeline_size(cfg) if p.num_layers_per_virtual_pipeline_stage
+                                 or virtual_pipeline_size(cfg) > 1 else None,
                                  context_parallel_size=p.context_parallel_size)
     if cfg.model.num_experts is not None:  # MoE: the expert groups, carved from the DP x CP ranks
         ps.initialize_expert_parallel(p.expert_model_parallel_size, p.expert_tensor_parallel_size)
@@ -219,6 +221,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
     print_rank0(f"> rank 0 holds {held / 1e6:.2f} M parameters{whole}; world {world} = TP {p.tensor_model_parallel_size}"
                 f"{cp} x DP {ps.get_data_parallel_world_size()} x PP {p.pipeline_model_parallel_size}; "
                 f"pipeline method {p.pipeline_method}; device {ps.get_device()}")
+    if split_summary(cfg, virtual_pipeline_size(cfg)):
+        print_rank0(split_summary(cfg, virtual_pipeline_size(cfg)))
     if cfg.model.num_experts is not None:
         print_rank0(moe_summary(cfg))
     if cfg.model.multi_latent_attention:

@@ -28,13 +28,21 @@ from megatron_po.tensor_parallel import model_parallel_seed
 EVAL = [get_batch(i, salt=9) for i in range(2)]
 
 
+def with_parallel(cfg, parallel):
+    for key, value in (parallel or {}).items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
 def optimizer_kwargs(optimizer):
     return {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9}
 
 
-def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, masked=True, **options):
+def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, masked=True, parallel=None, **options):
+    """`parallel`: ParallelConfig fields to set (an uneven split: tests/test_uneven_pipeline.py)."""
     model_parallel_seed(SEED)
-    emu = AsyncEmulator(make_cfg(D * v), VOCAB, method, D, v, k, optimizer, optimizer_kwargs(optimizer),
+    emu = AsyncEmulator(with_parallel(make_cfg(D * v), parallel), VOCAB, method, D, v, k, optimizer,
+                        optimizer_kwargs(optimizer),
                         lr_fn_for(optimizer), clip_grad, **options)
     batch = lambda mb: get_batch(mb, mbs=mbs, masked=masked)  # noqa: E731
     losses = []
@@ -46,12 +54,12 @@ def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, m
 
 
 def train_distributed(method, optimizer, v, k, segments, clip_grad=0.0, mbs=2, masked=True,
-                      sequence_parallel=False, precision=None, on_rank=None, **options):
+                      sequence_parallel=False, precision=None, on_rank=None, parallel=None, **options):
     """`precision`: PrecisionConfig fields to set; `on_rank(rank)` is called on the AsyncPipelineRank
     before training (to instrument it)."""
     model_parallel_seed(SEED)
     D = ps.get_pipeline_model_parallel_world_size()
-    cfg = make_cfg(D * v)
+    cfg = with_parallel(make_cfg(D * v), parallel)
     cfg.parallel.sequence_parallel = sequence_parallel
     cfg.parallel.ddp_bucket_size = 3000  # several buckets, shards cutting through parameters
     for key, value in (precision or {}).items():

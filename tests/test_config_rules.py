@@ -19,6 +19,7 @@ from megatron_po.models import fp8, te_transformer
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 PP2_ASYNC = MOCK + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+PP2 = MOCK + ["--pipeline-model-parallel-size", "2"]
 TE = ["--transformer-impl", "transformer_engine"]
 TE_FP8 = MOCK + TE + ["--fp8-format", "hybrid"]  # default sizes: hidden 128, MLP 512, 128 x 4 tokens
 NMT = ["--data-path", "corpus", "--tokenizer-model", "t.model"]  # pretrain_nmt.py: one corpus prefix, en -> fr
@@ -143,6 +144,74 @@ RULES = [
      ["--num-layers (4)", "--pipeline-model-parallel-size (2) x --num-layers-per-virtual-pipeline-stage (3)"]),
     ("layers-vs-stages", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
      ["--num-layers (3) is not divisible by --pipeline-model-parallel-size (2)"]),
+    ("layers-vs-stages/counted", 2, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                            "--account-for-loss-in-pipeline-split"],
+     ["--num-layers (4) + 1 (--account-for-loss-in-pipeline-split) is not divisible by "
+      "--pipeline-model-parallel-size"]),
+    # uneven pipeline splits (megatron_po/layer_split.py)
+    ("uneven-split-needs-pp", 1, MOCK + ["--decoder-last-pipeline-num-layers", "1"],
+     ["--decoder-last-pipeline-num-layers", "needs --pipeline-model-parallel-size > 1"]),
+    ("layout-alone", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|tL", "--decoder-first-pipeline-num-layers", "1"],
+     ["--pipeline-model-parallel-layout", "drop --decoder-first-pipeline-num-layers"]),
+    ("layout-alone/virtual-stages", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|tL",
+                                              "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--pipeline-model-parallel-layout", "drop --num-layers-per-virtual-pipeline-stage"]),
+    ("uneven-split-vs-virtual-stages", 2, PP2 + ["--num-layers", "4", "--decoder-first-pipeline-num-layers", "2",
+                                                 "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--decoder-first-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage",
+      "give --num-virtual-stages-per-pipeline-rank"]),
+    ("one-virtual-stage-flag", 2, PP2 + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank", "give one of them"]),
+    ("virtual-stages>=1", 2, PP2 + ["--num-virtual-stages-per-pipeline-rank", "0"],
+     ["--num-virtual-stages-per-pipeline-rank must be >= 1 (got 0)"]),
+    ("layout-alone/virtual-stages-per-rank", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|tL",
+                                                       "--num-virtual-stages-per-pipeline-rank", "1"],
+     ["drop --num-virtual-stages-per-pipeline-rank"]),
+    ("layers-vs-stages-x-virtual-stages", 2, PP2 + ["--num-layers", "6", "--num-virtual-stages-per-pipeline-rank",
+                                                    "2"],
+     ["--num-layers (6) is not divisible by --pipeline-model-parallel-size (2) x "
+      "--num-virtual-stages-per-pipeline-rank (2)"]),
+    ("pipeline-split/chunks", 2, PP2 + ["--num-layers", "8", "--decoder-first-pipeline-num-layers", "3",
+                                        "--num-virtual-stages-per-pipeline-rank", "2"],
+     ["pipeline rank 0's 3 layers (--decoder-first-pipeline-num-layers) do not split evenly over its 2 model "
+      "chunks"]),
+    ("layout-grammar", 2, PP2 + ["--pipeline-model-parallel-layout", "Ex|tL"],
+     ["--pipeline-model-parallel-layout 'Ex|tL': unknown layer letter(s) x"]),
+    ("layout-stages-vs-pp", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|t|L"],
+     ["--pipeline-model-parallel-layout 'Et|t|L' names 3 virtual stages, not a multiple of "
+      "--pipeline-model-parallel-size (2)"]),
+    ("pipeline-split", 2, PP2 + ["--num-layers", "4", "--decoder-first-pipeline-num-layers", "5"],
+     ["--decoder-first-pipeline-num-layers (5) = 5 layers; --num-layers is 4"]),
+    ("pipeline-split/zero", 2, PP2 + ["--num-layers", "4", "--decoder-last-pipeline-num-layers", "0"],
+     ["--decoder-last-pipeline-num-layers must be >= 1, as Megatron (got 0)", "--pipeline-model-parallel-layout"]),
+    ("pipeline-split/middle", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                                         "--decoder-first-pipeline-num-layers", "3",
+                                         "--decoder-last-pipeline-num-layers", "2"],
+     ["the 3 layers left by --decoder-first-pipeline-num-layers (3) + --decoder-last-pipeline-num-layers (2) do not "
+      "split evenly over the other 2 pipeline stages"]),
+    ("pipeline-split/empty-stage", 4, MOCK + ["--pipeline-model-parallel-size", "4", "--num-layers", "4",
+                                              "--decoder-first-pipeline-num-layers", "2",
+                                              "--decoder-last-pipeline-num-layers", "2"],
+     ["leave virtual stage 1 without a transformer layer", "refused here"]),
+    ("pipeline-split/layout-count", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|tttL"],
+     ["--pipeline-model-parallel-layout 'Et|tttL' places 4 transformer layers t; --num-layers is 2"]),
+    ("pipeline-split/layout-embedding", 2, PP2 + ["--pipeline-model-parallel-layout", "tE|tL"],
+     ["the embedding E comes once, first on virtual stage 0"]),
+    ("pipeline-split/layout-loss", 2, PP2 + ["--pipeline-model-parallel-layout", "Et|Lt"],
+     ["the loss L comes once, last on the last virtual stage"]),
+    ("pipeline-split/layout-empty", 4, MOCK + ["--pipeline-model-parallel-size", "2", "--num-layers", "2",
+                                               "--pipeline-model-parallel-layout", "Et||t|L"],
+     ["virtual stage 1 holds nothing", "refused here"]),
+    ("pipeline-split/layout-mtp-count", 2, PP2 + MTP + ["--pipeline-model-parallel-layout", "Et|tL"],
+     ["places 0 MTP depths m; --mtp-num-layers is 1"]),
+    ("pipeline-split/layout-standalone-mtp", 2, PP2 + MTP + ["--pipeline-model-parallel-layout", "Etm|tL"],
+     ["the MTP depths m go on the last virtual stage after its transformer layers",
+      "standalone MTP stage is not built here"]),
+    ("pipeline-split/account-with-uneven", 2, PP2 + ["--decoder-first-pipeline-num-layers", "1",
+                                                     "--account-for-embedding-in-pipeline-split"],
+     ["--account-for-embedding-in-pipeline-split", "Megatron takes no standalone embedding or loss stage with an "
+                                                   "uneven split"]),
     ("global-batch-vs-micro-x-dp", 2, MOCK + ["--micro-batch-size", "3", "--global-batch-size", "8"],
      ["--global-batch-size (8) is not divisible by --micro-batch-size (3) x data-parallel size (2)"]),
     ("interleaving-microbatches", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--num-layers", "4",
@@ -548,6 +617,8 @@ RULES = [
 
 # (id, world size, pretrain_nmt.py argv, words the error line must contain)
 NMT_RULES = [
+    ("uneven-split-gpt-only", 2, NMT + ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers",
+                                        "1"], ["--decoder-last-pipeline-num-layers is pretrain_gpt.py's"]),
     ("fsdp-gpt-only", 2, NMT + ["--use-torch-fsdp2"], ["--use-torch-fsdp2", "wired for GPT (pretrain_gpt.py) only"]),
     ("eod-mask-loss-gpt-only", 1, NMT + ["--eod-mask-loss"], ["--eod-mask-loss applies to pretrain_gpt.py"]),
     ("recompute-full-gpt-only", 1, NMT + ["--recompute-granularity", "full", "--recompute-method", "block",

@@ -2,7 +2,8 @@
 (tools/layout_sweep.py over the space of tools/layout_space.py).
 
 A fixed-seed sample of 30 accepted layouts on 2, 4 and 8 gloo processes (the four models of layout_space.MODELS:
-dense, MoE, MLA + MTP, MoE with DeepSeek-V3's routing; DDP, the distributed optimizer and FSDP2), and one pipeline
+dense, MoE, MLA + MTP, MoE with DeepSeek-V3's routing; DDP, the distributed optimizer and FSDP2; even and uneven
+pipeline splits), and one pipeline
 layout under every pipeline method drawn by the same sampler (the asynchronous ones under pipeline parallelism
 alone, so each method is held to its emulator bit for bit): each trains 3
 iterations through `training.pretrain` and its loss and grad norm of every iteration equal
@@ -98,7 +99,7 @@ def test_sample_covers_the_space():
     assert {layout.method for layout in accepted if layout.pp > 1} == set(SYNC_METHODS + ASYNC_METHODS)
     for flag in (lambda x: x.tp > 1, lambda x: x.cp > 1, lambda x: x.dp > 1, lambda x: x.ep > 1,
                  lambda x: x.layers_per_virtual_stage is not None, lambda x: x.sharding != "ddp",
-                 lambda x: x.recompute != "none", lambda x: x.recompute == "moe-layer",
+                 lambda x: x.recompute != "none", lambda x: x.recompute == "moe-layer", lambda x: x.split == "layout",
                  lambda x: x.capacity != "dropless", lambda x: x.grouped_gemm):
         assert any(map(flag, accepted))
     assert len(refused) >= 10 and all(verdict(layout) == line for layout, line in refused)

@@ -27,8 +27,9 @@ no dropout (ModelZoo's yamls pass --attention-dropout 0.0 --hidden-dropout 0.0),
 
 - Every recipe's full command line passes the start-up rules at EP 2 on 2 ranks (config_rules.validate: no process).
 - Each model trains on 2 forked gloo ranks at EP 2 (the synchronous schedule) and at PP 2 under PipeOptim (EP 1:
-  2 ranks hold the two stages), its LM loss falling over 8 iterations; the start-up lines say what runs (the routing,
-  MLA, MTP, the switches accepted without effect). One launch per layout runs the five models in sequence.
+  2 ranks hold the two stages; DeepSeek-V3 and Kimi K2 split unevenly there, PP2_SPLIT), its LM loss falling over
+  8 iterations; the start-up lines say what runs (the routing, MLA, MTP, the uneven split, the switches accepted
+  without effect). One launch per layout runs the five models in sequence.
 - At EP 2 DeepSeek-V3 also takes the launcher, logging and checkpoint flags of the public recipes (ZOO_LAUNCH:
   ModelZoo's DeepSeek-V3.yaml, Megatron-LM's Kimi-K2-Instruct.sh conf; config_recipe.py): its TensorBoard event
   file holds the timers' throughput, the memory and the validation perplexity they ask for.
@@ -303,6 +304,12 @@ ZOO_LAUNCH = [
     "--tensorboard-queue-size", "100",
 ]
 PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipeoptim"}
+# At PP 2 two recipes split their 4 layers unevenly, as their Megatron launchers do at scale: DeepSeek-V3 by the
+# model zoo's --pipeline-model-parallel-layout "Et|(tt|)*30mL" shrunk to two stages (the embedding and every layer,
+# then a last stage of the MTP depth and the loss alone, no transformer layer of the model's, as the zoo's), Kimi K2
+# by --decoder-first-pipeline-num-layers (1 | 3).
+PP2_SPLIT = {"deepseek_v3": {"--pipeline-model-parallel-layout": "Etttt|mL"},
+             "kimi_k2": {"--decoder-first-pipeline-num-layers": 1}}
 
 
 def command_line(recipe: list[str], out: str | None = None, **layout) -> list[str]:
@@ -346,7 +353,7 @@ def test_every_recipe_passes_the_start_up_rules(name):
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_ffn_hidden_size) == (4, 64, 16, 16)
     assert m.moe_router_dtype == "fp32" and m.moe_permute_fusion
-    validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM)), 2)
+    validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM, **PP2_SPLIT.get(name, {}))), 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,7 +373,8 @@ STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
 @pytest.mark.parametrize("layout", ["ep2", "pp2_pipeoptim"])
 def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
-    runs = [command_line(argv, str(tmp_path / name), **flags) for name, argv in RECIPES.items()]
+    split = {} if layout == "ep2" else PP2_SPLIT
+    runs = [command_line(argv, str(tmp_path / name), **flags, **split.get(name, {})) for name, argv in RECIPES.items()]
     if layout == "ep2":  # DeepSeek-V3 with the recipes' launcher flags, validated at iterations 4 and 8
         zoo = tmp_path / "deepseek_v3"  # no --load, as ModelZoo's yaml (--no-load-optim/-rng then act on nothing)
         runs[0] = command_line(DEEPSEEK_V3 + ZOO_LAUNCH, str(zoo), **flags, **{
@@ -392,3 +400,7 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
         assert asked | {"lm_loss", "mtp_loss", "val_loss"} <= scalars.keys(), sorted(scalars)
         assert sorted(scalars["val_ppl"]) == [4, 8]
         assert os.path.isdir(zoo / "ck" / "iter_0000008")
+    else:  # DeepSeek-V3's layout and Kimi K2's first-stage size, as split
+        for flag, split in (("--pipeline-model-parallel-layout", "4 | 0"), ("--decoder-first-pipeline-num-layers",
+                                                                            "1 | 3")):
+            assert f"> pipeline split ({flag}): transformer layers per virtual stage {split}" in out, flag

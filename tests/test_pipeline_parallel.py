@@ -28,10 +28,12 @@ NUM_LAYERS = 8
 M = 4
 
 
-def make_cfg(name):
+def make_cfg(name, parallel=None):
+    """`parallel`: ParallelConfig fields to set (the pipeline method, an uneven split: test_uneven_pipeline.py)."""
     cfg = Config()
     cfg.model = dataclasses.replace(CONFIGS[name], num_layers=NUM_LAYERS)
     cfg.training.seed = SEED
+    cfg.parallel = dataclasses.replace(cfg.parallel, **(parallel or {}))
     return cfg
 
 
@@ -67,9 +69,9 @@ def global_grads(chunks):
     return out
 
 
-def pipeline_run(name, method, num_chunks, agreed_shapes=False):
+def pipeline_run(name, method, num_chunks, agreed_shapes=False, parallel=None):
     model_parallel_seed(SEED)
-    cfg = make_cfg(name)
+    cfg = make_cfg(name, parallel)
     D = ps.get_pipeline_model_parallel_world_size()
     chunks = build_chunks_for_rank(cfg, VOCAB, ps.get_pipeline_model_parallel_rank(), D, num_chunks)
     ddp = DistributedDataParallel(chunks, ps.get_data_parallel_group(), bucket_size=20000)
@@ -132,9 +134,9 @@ def test_one_stage_interleaved_chunks_matches_unpipelined():
     check_against_reference(results, ref_loss, ref_grads)
 
 
-def emulated_run(name, method, D, v):
+def emulated_run(name, method, D, v, parallel=None):
     model_parallel_seed(SEED)
-    cfg = make_cfg(name)
+    cfg = make_cfg(name, parallel)
     mbs = microbatches()
     mailbox = Mailbox()
     runners = {}

@@ -129,9 +129,9 @@ def test_v_placement_routes_messages_down_and_back_up():
     from megatron_po.pipeline.partition import chunk_placements
     from megatron_po.pipeline.schedules import comm_of
     D = 4
-    assert [p["layer_offset"] for r in range(D) for p in chunk_placements(16, r, D, 2, "v")] == [
+    assert [p["layer_offset"] for r in range(D) for p in chunk_placements([2] * 8, r, D, 2, "v")] == [
         0, 14, 2, 12, 4, 10, 6, 8]
-    assert chunk_placements(16, 0, D, 2, "v")[1]["post_process"]
+    assert chunk_placements([2] * 8, 0, D, 2, "v")[1]["post_process"]
     # The last forward of chunk 0 (rank D-1) feeds chunk 1 on the same rank; rank 0's chunk 1 is the loss.
     assert comm_of(Forward(0, 0), D - 1, D, 2, "v") == ((D - 2, ("act", 0, D - 1)), (D - 1, ("act", 0, D)))
     assert comm_of(Forward(0, 1), 0, D, 2, "v") == ((1, ("act", 0, 2 * D - 1)), None)
@@ -139,14 +139,7 @@ def test_v_placement_routes_messages_down_and_back_up():
 
 def v_pipeline_run(method, v):
     """pipeline_run with the config naming the method, so the chunks are placed as its schedule needs."""
-    import test_pipeline_parallel as tpp
-    make_cfg = tpp.make_cfg
-    def cfg_for(name):
-        cfg = make_cfg(name)
-        cfg.parallel.pipeline_method = method
-        return cfg
-    tpp.make_cfg = cfg_for  # forked rank: the patch dies with the process
-    return pipeline_run("llama", method, v)
+    return pipeline_run("llama", method, v, parallel={"pipeline_method": method})
 
 
 def v_emulated_run(method, D, v):
@@ -160,8 +153,7 @@ def v_emulated_run(method, D, v):
     from megatron_po.pipeline.schedules import placement_of
     from megatron_po.tensor_parallel import model_parallel_seed
     model_parallel_seed(SEED)
-    cfg = make_cfg("llama")
-    cfg.parallel.pipeline_method = method
+    cfg = make_cfg("llama", {"pipeline_method": method})
     mbs, mailbox, runners = microbatches(), Mailbox(), {}
     for r in range(D):
         runners[r] = StageRunner(rank=r, num_stages=D, chunks=build_chunks_for_rank(cfg, VOCAB, r, D, v),

@@ -5,7 +5,8 @@ A `Layout` is one point of the product of every parallel flag and every flag tha
 weights move: the world size (2, 4 or 8 processes), the model (`MODELS`: a tiny dense GPT, a tiny MoE GPT, a tiny
 GPT with multi-latent attention and multi-token prediction, a tiny MoE with DeepSeek-V3's routing), TP with or
 without sequence parallelism, CP and `--cp-comm-type`, PP with every pipeline method (synchronous schedules and
-asynchronous methods) and `--num-layers-per-virtual-pipeline-stage`, the update interval of the asynchronous
+asynchronous methods), `--num-layers-per-virtual-pipeline-stage` and the split of the layers over the stages (`SPLITS`:
+even, Megatron's uneven first stage or a layout string), the update interval of the asynchronous
 methods, the micro-batch size, tied or untied embeddings, the optimizer, how data parallelism holds the
 optimizer (`SHARDING`: DDP, the distributed optimizer with or without its overlapped gather, FSDP2 with or without
 the reshard after forward, each also by its --data-parallel-sharding-strategy name) and its bucket size, EP,
@@ -15,7 +16,9 @@ expert TP, the MoE dispatcher, capacity, grouped GEMM, load balancing and expert
 starts, and returns the refusal's line if not.
 
 `draw(rng)` draws one layout: the sizes mostly fit the world (TP x CP x PP dividing it, EP x expert TP dividing
-the ranks of a stage), and one draw in ten takes sizes freely, so that the size rules' refusals are drawn too.
+the ranks of a stage), and one draw in ten takes sizes freely, so that the size rules' refusals are drawn too. The
+split of a pipelined layout is drawn from a generator of its own, seeded by the rest of the layout, so the other
+axes draw as they did before the split joined the space.
 `sample(seed, count)` draws (fixed seed) until `count` distinct layouts are accepted; it returns them and the
 refused ones met on the way.
 """
@@ -28,6 +31,7 @@ import io
 import os
 import random
 import sys
+import zlib
 from dataclasses import dataclass
 from unittest import mock
 
@@ -107,6 +111,12 @@ RECOMPUTE = {"none": {}, "selective": {"--recompute-granularity": "selective"},
              "full-block": {"--recompute-granularity": "full", "--recompute-method": "block",
                             "--recompute-num-layers": 1},
              "moe-layer": {"--moe-layer-recompute": True}}  # MoE models only
+# How the layers split over the pipeline's virtual stages (docs/pipelines.md, "Uneven splits"): evenly; the first
+# stage one layer short of its even share (--decoder-first-pipeline-num-layers, the rest even over the other stages:
+# refused where it does not divide, or with --num-layers-per-virtual-pipeline-stage, as Megatron); or a
+# --pipeline-model-parallel-layout moving one layer from the first virtual stage to the last (the MTP depth and the
+# loss there; the layout names the chunks, so it replaces --num-layers-per-virtual-pipeline-stage).
+SPLITS = ("even", "first", "layout")
 CAPACITY = {"dropless": {}, "probs": {"--moe-expert-capacity-factor": 1.0},
             "position": {"--moe-expert-capacity-factor": 1.0, "--moe-token-drop-policy": "position"},
             "padded": {"--moe-expert-capacity-factor": 1.0, "--moe-pad-expert-input-to-capacity": True}}
@@ -130,6 +140,7 @@ class Layout:
     sharding: str = "ddp"
     small_buckets: bool = False
     recompute: str = "none"
+    split: str = "even"  # SPLITS; pipelined layouts only
     # MoE only
     ep: int = 1
     etp: int | None = None  # None: Megatron's default, the TP size
@@ -172,6 +183,7 @@ class Layout:
              **RECOMPUTE[self.recompute]}
         if self.cp > 1:
             f["--cp-comm-type"] = self.cp_comm
+        f.update(self._split_flags())
         if self.is_moe:
             f.update({"--expert-model-parallel-size": self.ep, "--expert-tensor-parallel-size": self.etp,
                       "--moe-token-dispatcher-type": self.dispatcher, **CAPACITY[self.capacity],
@@ -179,6 +191,24 @@ class Layout:
             if self.expert_bias:
                 f.update({"--moe-router-enable-expert-bias": True, "--moe-router-score-function": "sigmoid"})
         return f
+
+    def _split_flags(self) -> dict:
+        """The flags of `split` (nothing for the even split)."""
+        layers = MODELS[self.model]["--num-layers"]
+        if self.split == "first":
+            return {"--decoder-first-pipeline-num-layers": max(0, layers // self.pp - 1)}
+        if self.split != "layout":
+            return {}
+        per_chunk = self.layers_per_virtual_stage or layers // self.pp
+        if layers % (self.pp * per_chunk):  # refused as the even split is (the layer-count rules)
+            return {}
+        stages = layers // per_chunk
+        counts = [per_chunk] * stages
+        counts[0], counts[-1] = counts[0] - 1, counts[-1] + 1
+        tail = "m" * (MODELS[self.model].get("--mtp-num-layers") or 0) + "L"
+        text = "|".join(("E" if vs == 0 else "") + "t" * n + (tail if vs == stages - 1 else "")
+                        for vs, n in enumerate(counts))
+        return {"--pipeline-model-parallel-layout": text, "--num-layers-per-virtual-pipeline-stage": None}
 
     def argv(self) -> list[str]:
         return flags_to_argv(self.flags())
@@ -201,6 +231,7 @@ class Layout:
         parts += [] if self.sharding == "ddp" else [self.sharding]
         parts += [f"buckets:{SMALL_BUCKETS}"] if self.small_buckets else []
         parts += [] if self.recompute == "none" else [f"recompute:{self.recompute}"]
+        parts += [] if self.split == "even" else [f"split:{self.split}"]
         if self.is_moe:
             parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp is not None else ""))
             parts.append(self.dispatcher)
@@ -264,6 +295,10 @@ def draw(rng: random.Random) -> Layout:
             # The emulator sees each DP rank group's micro-batches as one micro-batch (tools/layout_sweep.py);
             # the routers' losses and capacities are per micro-batch, so only per-sequence ones compare.
             layout = dataclasses.replace(layout, capacity="dropless", load_balancing="seq_aux_loss")
+    if layout.pp > 1:  # its own generator: the draws above stay those of the space without this axis
+        split_rng = random.Random(zlib.crc32(layout.name().encode()))
+        first = ("first",) if layout.layers_per_virtual_stage is None else ()  # Megatron: not with interleaving
+        layout = dataclasses.replace(layout, split=split_rng.choice(("even", "even", "layout") + first))
     return layout
 
 

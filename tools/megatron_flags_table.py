@@ -163,7 +163,9 @@ def kind(flag: str) -> str:
 
 
 def render() -> str:
-    lines = [f"| `{flag}` | {kind(flag)} | {help_.replace('|', '/').replace('%%', '%')} |" for flag, help_ in flag_rows()]
+    bar = "\\|"  # a literal | inside a table cell (GitHub's markdown)
+    lines = [f"| `{flag}` | {kind(flag)} | {help_.replace('|', bar).replace('%%', '%')} |"
+             for flag, help_ in flag_rows()]
     return HEADER + "\n".join(lines) + "\n"
 
 

@@ -1,10 +1,12 @@
 """Split the GPT layers over D pipeline ranks x v model chunks.
 
 Virtual stage `vs = c*D + r` (rank r, chunk c, Megatron's numbering; ZB-V's "v" placement:
-`schedules.virtual_stage`) holds the contiguous layers
-`[vs*n, (vs+1)*n)` with `n = L / (D*v)`; virtual stage 0 also holds the embedding and the last one
+`schedules.virtual_stage`) holds the next `counts[vs]` contiguous layers, where `counts` is
+layer_split.py's `pipeline_split` of the config (an even split `L / (D*v)`, or Megatron's uneven rules:
+--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split,
+--pipeline-model-parallel-layout); virtual stage 0 also holds the embedding and the last one
 the final norm, output layer and loss, and the multi-token prediction depths (--mtp-num-layers, Megatron's
-placement: beside its n layers, models/mtp.py). Every builder of a rank's chunks ends in `placed` (device,
+placement: beside its layers, models/mtp.py). Every builder of a rank's chunks ends in `placed` (device,
 --torch-compile).
 """
 
@@ -16,28 +18,23 @@ import torch
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, is_async, virtual_pipeline_size
-from megatron_po.errors import ConfigError
+from megatron_po.layer_split import layers_per_virtual_stage, pipeline_split
 from megatron_po.models.compiled_layers import compile_layers
 from megatron_po.models.gpt import GPTModel
 from megatron_po.pipeline.schedules import placement_of, virtual_stage
 from megatron_po.pipeline.zero_bubble import ZB_SCHEDULES
 
 
-def layers_per_virtual_stage(num_layers: int, num_stages: int, num_chunks: int) -> int:
-    if num_layers % (num_stages * num_chunks) != 0:
-        raise ConfigError(f"--num-layers ({num_layers}) is not divisible by pipeline stages ({num_stages}) x "
-                          f"model chunks ({num_chunks})")
-    return num_layers // (num_stages * num_chunks)
-
-
-def chunk_placements(num_layers: int, rank: int, num_stages: int, num_chunks: int,
+def chunk_placements(counts: list[int], rank: int, num_stages: int, num_chunks: int,
                      placement: str = "interleaved") -> list[dict]:
-    """Per model chunk of pipeline rank `rank`: its pre_process, post_process, layer_offset, num_layers.
-    `placement` "v" (ZB-V): chunk 0 is virtual stage `rank`, chunk 1 is 2D-1-rank (schedules.virtual_stage)."""
-    n = layers_per_virtual_stage(num_layers, num_stages, num_chunks)
+    """Per model chunk of pipeline rank `rank`: its pre_process, post_process, layer_offset, num_layers, from
+    `counts` (the layers of each virtual stage, layer_split.py). `placement` "v" (ZB-V): chunk 0 is virtual
+    stage `rank`, chunk 1 is 2D-1-rank (schedules.virtual_stage)."""
     last = num_stages * num_chunks - 1
+    offsets = [sum(counts[:vs]) for vs in range(last + 1)]
     vss = [virtual_stage(rank, c, num_stages, placement) for c in range(num_chunks)]
-    return [dict(pre_process=vs == 0, post_process=vs == last, layer_offset=vs * n, num_layers=n) for vs in vss]
+    return [dict(pre_process=vs == 0, post_process=vs == last, layer_offset=offsets[vs], num_layers=counts[vs])
+            for vs in vss]
 
 
 def placed(cfg: Config, chunks: list, device=None) -> list:
@@ -54,7 +51,7 @@ def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages:
     """The v model chunks of pipeline rank `rank` (pure in the rank: the emulator builds every rank)."""
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)
-    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
+    for placement in chunk_placements(pipeline_split(cfg, num_stages, num_chunks), rank, num_stages, num_chunks, where):
         # asynchronous stages sum no gradient across stages: an MTP block apart from the embedding owns its copy
         chunks.append(GPTModel(cfg.model, padded_vocab, cfg.training.seed,
                                sequence_parallel=cfg.parallel.sequence_parallel,
@@ -64,12 +61,14 @@ def build_chunks_for_rank(cfg: Config, padded_vocab: int, rank: int, num_stages:
 
 def build_nmt_chunks_for_rank(cfg: Config, padded_vocab: tuple[int, int], rank: int, num_stages: int,
                               num_chunks: int, device=None) -> list:
-    """The same for the encoder-decoder model: the stacked Le + Ld layers split evenly (models/nmt.py);
-    `padded_vocab` = (source, target) padded vocabulary sizes."""
+    """The same for the encoder-decoder model: the stacked Le + Ld layers split evenly (models/nmt.py; the uneven
+    split flags are GPT's: config_rules refuses them here); `padded_vocab` = (source, target) padded vocabulary
+    sizes."""
     from megatron_po.models.nmt import NMTModel
     chunks = []
     where = placement_of(cfg.parallel.pipeline_method)
-    for placement in chunk_placements(cfg.model.num_layers, rank, num_stages, num_chunks, where):
+    even = layers_per_virtual_stage(cfg.model.num_layers, num_stages, num_chunks)
+    for placement in chunk_placements(even, rank, num_stages, num_chunks, where):
         chunks.append(NMTModel(cfg.model, cfg.nmt, *padded_vocab, cfg.training.seed, **placement))
     return placed(cfg, chunks, device)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
-                                 recompute_granularity)
+                                 recomputes_core_attention)
 from megatron_po.models.context_parallel_attention import context_parallel_attention
 from megatron_po.models.moe.layer import MoELayer
 from megatron_po.models.moe.layout import moe_layer_numbers
@@ -216,7 +216,7 @@ class AttentionCore(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
-        self.recompute_core = recompute_granularity(cfg) == "selective"
+        self.recompute_core = recomputes_core_attention(cfg)
         # --context-parallel-size > 1: this rank holds 2 of the sequence's 2 x CP chunks (context_parallel_attention.py)
         self.context_parallel = ps.get_context_parallel_world_size() > 1
         self.cp_comm_type = cfg.cp_comm_type

@@ -5,7 +5,8 @@ lines of the flags accepted with no effect or as another's spelling."""
 from __future__ import annotations
 
 from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity
-from megatron_po.config_check import Check, Ctx, Rule, cuda_device, each
+from megatron_po import config_check
+from megatron_po.config_check import Check, Ctx, Rule, each
 from megatron_po.errors import UserError
 
 # Megatron-core's --recompute-modules (transformer_config.py, Megatron-LM d98e8a6); RECOMPUTE_MODULES: those here
@@ -13,8 +14,6 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
                               "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
 # Megatron's --cuda-graph-scope / --cuda-graph-modules values (arguments.py, the same commit)
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration")
-# the Adam state the predicting methods extrapolate from (optim/optimizers.py Adam: ΔW from the stored moments)
-_PREDICTING_METHODS = ("pipeoptim", "spectrain")
 
 
 def _tokenizer_vocab_size(c: Ctx) -> int | None:
@@ -107,14 +106,14 @@ PRECISION_AWARE_RULES = [
     Rule("main-grads-dtype-bf16-vs-fp32", lambda c: not c.pr.accumulate_allreduce_grads_in_fp32,
          "--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 contradict (as in Megatron): drop one",
          when=lambda c: _precision_aware(c) and c.t.main_grads_dtype == "bf16"),
-    Rule("precision-aware-no-prediction", lambda c: c.meth not in _PREDICTING_METHODS,
+    Rule("precision-aware-no-prediction", lambda c: c.meth != "pipeoptim",  # SpecTrain takes SGD only
          lambda c: f"--exp-avg-dtype / --exp-avg-sq-dtype below fp32 with --pipeline-method {c.meth}: its weight "
                    f"prediction rebuilds Adam's step from the stored, rounded moments, not the step's own: use fp32 "
                    f"state or another method", when=_lower_state),
     Rule("optimizer-cpu-offload-needs-precision-aware", _precision_aware,
          "--optimizer-cpu-offload needs --use-precision-aware-optimizer (as Megatron's: its hybrid optimizer is that "
          "code path)", when=lambda c: c.t.optimizer_cpu_offload),
-    Rule("optimizer-cpu-offload-gpu", lambda c: not cuda_device(),
+    Rule("optimizer-cpu-offload-gpu", lambda c: not config_check.cuda_device(),
          "--optimizer-cpu-offload on a GPU: offloading the optimizer state and step to the CPU is not implemented "
          "here: drop it", when=lambda c: c.t.optimizer_cpu_offload),
     Rule("optimizer-offload-fraction-range", lambda c: 0 <= c.t.optimizer_offload_fraction <= 1,

@@ -24,7 +24,8 @@ import os
 from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, fsdp2_reshard_after_forward,
                                 kv_channels, recompute_granularity, recomputes_moe_layers, uses_fsdp2,
                                 virtual_pipeline_size)
-from megatron_po.config_check import Check, Ctx, Rule, at_least, cuda_device, each, raised
+from megatron_po import config_check
+from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.config_recipe_rules import RECIPE_RULES
 from megatron_po.data.tokenizer import tokenizer_flag_error
 from megatron_po.errors import ConfigError
@@ -218,7 +219,7 @@ LAYOUT = [
     Rule("attention-backend-needs-half", lambda c: c.pr.bf16 or c.pr.fp16,
          lambda c: f"--attention-backend {c.m.attention_backend} runs half-precision kernels: add --bf16 or --fp16 "
                    f"(or use auto)", when=lambda c: c.m.attention_backend in ("flash", "fused")),
-    Rule("attention-backend-needs-cuda", lambda c: cuda_device(),
+    Rule("attention-backend-needs-cuda", lambda c: config_check.cuda_device(),
          lambda c: f"--attention-backend {c.m.attention_backend} needs a CUDA device (its kernels are GPU-only); on "
                    f"CPU use auto, local or unfused", when=lambda c: c.m.attention_backend in ("flash", "fused")),
     Rule("ffn-vs-tp", lambda c: ffn_hidden_size(c.m) % c.tp == 0,

@@ -8,10 +8,18 @@ What each does here:
   --log-timers-to-tensorboard, --log-memory-to-tensorboard, --log-validation-ppl-to-tensorboard and
   --tensorboard-queue-size (training_log.py), --padded-vocab-size (gpt_workload.py), --dist-ckpt-strictness
   (distributed/checkpoint_load.py), --trust-remote-code (data/tokenizer.py);
+- implemented, model and optimizer: --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype
+  bf16|fp16 (optim/optimizers.py Adam) and --main-grads-dtype bf16 (the bf16 gradient buffer); --recompute-modules
+  core_attn, moe (config.py recompute_modules); --moe-router-force-load-balancing (models/moe/router.py
+  RandomLogits); --use-rotary-position-embeddings (= --position-embedding-type rope, config_from_namespace);
 - accepted, no effect (a GPU kernel or a Megatron code path that has no counterpart here, said in the help):
   --use-flash-attn, --cross-entropy-fusion-impl, --enable-experimental, --moe-per-layer-logging,
-  --auto-detect-ckpt-format, --no-ckpt-fully-parallel-save, --ckpt-fully-parallel-load.
-Their start-up rules: config_recipe_rules.py.
+  --auto-detect-ckpt-format, --no-ckpt-fully-parallel-save, --ckpt-fully-parallel-load, --moe-enable-deepep (the
+  flex dispatcher runs the alltoall one), --cuda-graph-impl, --cuda-graph-scope, --te-rng-tracker,
+  --optimizer-cpu-offload (CPU runs; refused on a GPU), --overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction;
+- refused with one line: --exp-avg-dtype / --exp-avg-sq-dtype fp8, --main-params-dtype fp16, the --recompute-modules
+  moe_act, layernorm, mla_up_proj, mlp, shared_experts (and Megatron's others).
+Their start-up rules and lines: config_recipe_rules.py.
 """
 
 from __future__ import annotations

@@ -84,6 +84,12 @@ def count_calls(module_type, method="forward"):
     ("full-block-1", BLOCK, TransformerLayer, "forward", 4),
     ("selective", SELECTIVE, SelfAttention, "core_attention", 6),
     ("selective-granularity", dict(recompute_granularity="selective"), SelfAttention, "core_attention", 6),
+    # --recompute-modules (Megatron's names): core_attn is the attention core; moe alone leaves it kept
+    ("modules-core-attn", dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+     SelfAttention, "core_attention", 6),
+    ("modules-moe-only", dict(recompute_granularity="selective", recompute_modules=["moe"]), SelfAttention,
+     "core_attention", 3),
+    ("modules-without-selective", dict(recompute_modules=["core_attn"]), SelfAttention, "core_attention", 3),
 ])
 def test_recomputed_parts_run_twice_in_training_once_in_eval(monkeypatch, name, recompute, module, method,
                                                               train_calls):

@@ -83,8 +83,16 @@ def test_moments_take_half_the_memory_and_a_load_keeps_their_dtype():
         assert s["exp_avg"].dtype == torch.bfloat16 and torch.equal(s["exp_avg"], w["exp_avg"].bfloat16())
 
 
-def test_state_dtypes_are_adams_only():
+def test_state_dtypes_are_adams_only_and_reach_both_optimizer_builders():
+    from megatron_po.config import parse_args
     from megatron_po.errors import ConfigError
+    from megatron_po.optim.build import precision_aware_kwargs
+    from megatron_po.pipeline.async_pipeline import optimizer_kwargs_from_config
+    mock = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    t = parse_args(mock + ["--use-precision-aware-optimizer", "--exp-avg-dtype", "fp16"]).training
+    assert precision_aware_kwargs(t) == dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=None)
+    assert optimizer_kwargs_from_config(t)["exp_avg_dtype"] == torch.float16  # the asynchronous stages'
+    assert precision_aware_kwargs(parse_args(mock).training) == {}
     with pytest.raises(ConfigError, match="apply to --optimizer adam or adamw, not lion"):
         build_optimizer("lion", _params(), lr=1e-3, exp_avg_dtype=torch.bfloat16)
 
@@ -106,13 +114,16 @@ PRECISION_AWARE = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
 def test_recipe_run_with_bf16_moments_trains_saves_and_resumes(tmp_path, capfd):
     """The launcher hands the dtypes to the distributed optimizer's Adam: the losses leave those of the same run
     with fp32 moments after the first step (and stay near them); a checkpoint of bf16 moments resumes."""
+    pipedream = ["--pipeline-model-parallel-size", "2", "--pipeline-method", "pipedream",
+                 "--untie-embeddings-and-output-weights"]
     argvs = [_tiny(tmp_path / "a", 4, *PRECISION_AWARE, "--save", str(tmp_path / "ck")),
              _tiny(tmp_path / "b", 5, *PRECISION_AWARE, "--load", str(tmp_path / "ck")),
-             _tiny(tmp_path / "c", 4)]
-    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0, 0, 0], [0, 0, 0]]
+             _tiny(tmp_path / "c", 4),
+             _tiny(tmp_path / "d", 2, *PRECISION_AWARE, *pipedream)]  # an asynchronous stage's optimizer too
+    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0] * 4] * 2
     out = capfd.readouterr().out
     assert out.count("> --use-precision-aware-optimizer: Adam's exp_avg stored in bf16, exp_avg_sq in bf16, both "
-                     "computed in fp32; main params fp32; gradient buffer bf16") == 2
+                     "computed in fp32; main params fp32; gradient buffer bf16") == 3
 
     def losses(name):
         with open(tmp_path / name / "metrics.jsonl") as f:

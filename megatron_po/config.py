@@ -660,7 +660,9 @@ def recompute_granularity(m: ModelConfig) -> str | None:
     return "selective" if m.recompute_activations else m.recompute_granularity
 
 
-RECOMPUTE_MODULES = ("core_attn", "moe")  # the --recompute-modules this code implements (Megatron-core's names)
+# the --recompute-modules this code implements (Megatron-core's names): the attention core, the dense MLP, each MoE
+# layer, the MoE layers' shared experts
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
 
 
 def recompute_modules(m: ModelConfig) -> tuple[str, ...]:

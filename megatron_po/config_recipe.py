@@ -10,7 +10,7 @@ What each does here:
   (distributed/checkpoint_load.py), --trust-remote-code (data/tokenizer.py);
 - implemented, model and optimizer: --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype
   bf16|fp16 (optim/optimizers.py Adam) and --main-grads-dtype bf16 (the bf16 gradient buffer); --recompute-modules
-  core_attn, moe (config.py recompute_modules); --moe-router-force-load-balancing (models/moe/router.py
+  core_attn, mlp, moe, shared_experts (config.py recompute_modules); --moe-router-force-load-balancing (models/moe/router.py
   RandomLogits); --use-rotary-position-embeddings (= --position-embedding-type rope, config_from_namespace);
 - accepted, no effect (a GPU kernel or a Megatron code path that has no counterpart here, said in the help):
   --use-flash-attn, --cross-entropy-fusion-impl, --enable-experimental, --moe-per-layer-logging,
@@ -18,7 +18,7 @@ What each does here:
   flex dispatcher runs the alltoall one), --cuda-graph-impl, --cuda-graph-scope, --te-rng-tracker,
   --optimizer-cpu-offload (CPU runs; refused on a GPU), --overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction;
 - refused with one line: --exp-avg-dtype / --exp-avg-sq-dtype fp8, --main-params-dtype fp16, the --recompute-modules
-  moe_act, layernorm, mla_up_proj, mlp, shared_experts (and Megatron's others).
+  moe_act, layernorm, mla_up_proj (and Megatron's others).
 Their start-up rules and lines: config_recipe_rules.py.
 """
 
@@ -52,9 +52,10 @@ class ModelRecipeFlags:
     # Megatron-core's selective recomputation by module (transformer_config.py, Megatron-LM d98e8a6)
     recompute_modules: list | None = flag(None, "--recompute-granularity selective: the modules recomputed "
                                                 "(Megatron's, default core_attn): core_attn (the attention core, "
-                                                "softmax(QKᵀ)V), moe (each MoE layer, as --moe-layer-recompute); "
-                                                "Megatron's moe_act, layernorm, mla_up_proj, mlp, shared_experts "
-                                                "are refused here; no effect without selective, as in Megatron",
+                                                "softmax(QKᵀ)V), mlp (the dense MLP), moe (each MoE layer, as "
+                                                "--moe-layer-recompute), shared_experts (the MoE layers' shared "
+                                                "experts); Megatron's moe_act, layernorm, mla_up_proj are refused "
+                                                "here; no effect without selective, as in Megatron",
                                           nargs="+")
     moe_router_force_load_balancing: bool = flag(False, "MoE, for benchmarking (Megatron's): the router's logits "
                                                         "replaced by standard normal noise (seeded per step, "

@@ -4,7 +4,7 @@ lines of the flags accepted with no effect or as another's spelling."""
 
 from __future__ import annotations
 
-from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity
+from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity, recompute_modules
 from megatron_po import config_check
 from megatron_po.config_check import Check, Ctx, Rule, each
 from megatron_po.errors import UserError
@@ -83,7 +83,7 @@ def _recompute_modules_error(c: Ctx) -> str | None:
     missing = [m for m in given if m not in RECOMPUTE_MODULES]
     if missing:
         return (f"--recompute-modules {' '.join(missing)}: not implemented here (this code recomputes "
-                f"{' and '.join(RECOMPUTE_MODULES)}, or whole layers with --recompute-granularity full): drop them")
+                f"{', '.join(RECOMPUTE_MODULES)}, or whole layers with --recompute-granularity full): drop them")
     return None
 
 
@@ -123,6 +123,9 @@ PRECISION_AWARE_RULES = [
 MODEL_RECIPE_RULES = [
     Check("recompute-modules", _recompute_modules_error,
           when=lambda c: c.m.recompute_modules is not None and recompute_granularity(c.m) == "selective"),
+    Rule("recompute-modules-mlp-local", lambda c: c.m.transformer_impl == "local",
+         "--recompute-modules mlp recomputes the local layers' MLP; Transformer Engine's LayerNormMLP is not: use "
+         "--transformer-impl local or drop mlp", when=lambda c: "mlp" in recompute_modules(c.m)),
     Rule("cuda-graph-scope", lambda c: all(s in CUDA_GRAPH_SCOPES for s in c.m.cuda_graph_scope),
          lambda c: f"--cuda-graph-scope {' '.join(c.m.cuda_graph_scope)}: Megatron's scopes are "
                    f"{', '.join(CUDA_GRAPH_SCOPES)}", when=lambda c: c.m.cuda_graph_scope is not None),

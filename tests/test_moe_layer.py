@@ -23,7 +23,7 @@ from megatron_po.models.moe.experts import GroupedExperts, grouped_mm_error
 from megatron_po.models.moe.layer import MoELayer, take_records
 from megatron_po.models.moe.layout import parse_layer_freq
 from megatron_po.models.moe.router import capacity_mask, expert_capacity, topk_routing, update_expert_bias
-from megatron_po.models.transformer import TransformerLayer
+from megatron_po.models.transformer import SharedExpertMLP, TransformerLayer
 from megatron_po.tensor_parallel import model_parallel_seed
 
 
@@ -298,8 +298,9 @@ def test_moe_layer_recomputation_is_bitwise_counts_once_and_keeps_only_its_input
 def moe_layer_saved_bytes(**kw) -> int:
     """Bytes one MoE layer's forward saves for its backward (16 x 2 tokens)."""
     model_parallel_seed(SEED)
-    layer = MoELayer(moe_cfg(**kw), sequence_parallel=False, layer_number=0,
-                     shared_experts=lambda: TransformerLayer(moe_cfg(num_experts=None), False).mlp)
+    cfg = moe_cfg(**kw)
+    layer = MoELayer(cfg, sequence_parallel=False, layer_number=0,
+                     shared_experts=lambda: SharedExpertMLP(cfg, False, cfg.moe_shared_expert_intermediate_size))
     total = [0]
 
     def pack(t):
@@ -313,13 +314,17 @@ def moe_layer_saved_bytes(**kw) -> int:
 def test_recompute_modules_moe_is_the_moe_layer_recompute():
     """Megatron-core's --recompute-granularity selective --recompute-modules moe (its --moe-layer-recompute's
     current spelling): the same gradients as without, the layer keeps only its input; with core_attn alone the MoE
-    layer keeps its activations."""
+    layer keeps its activations; shared_experts recomputes the shared experts only."""
     selective = dict(recompute_granularity="selective")
     plain, recomputed = run_model(), run_model(**selective, recompute_modules=["moe"])
     assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
     assert plain[2] == recomputed[2]
     assert moe_layer_saved_bytes(**selective, recompute_modules=["moe"]) == 16 * 2 * BASE.hidden_size * 4
     assert moe_layer_saved_bytes(**selective, recompute_modules=["core_attn"]) == moe_layer_saved_bytes()
+    # shared_experts: the shared experts alone recomputed, the same gradients, less kept
+    shared = dict(selective, recompute_modules=["shared_experts"])
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], run_model(**shared)[0]))
+    assert moe_layer_saved_bytes(**shared) < moe_layer_saved_bytes()
 
 
 def test_forced_load_balancing_routes_evenly_whatever_the_router_learned():

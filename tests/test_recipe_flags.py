@@ -197,7 +197,7 @@ def test_model_recipe_flags_megatron_spellings_and_no_op_lines():
     flags = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "moe_router", "--te-rng-tracker",
              "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
              "--optimizer-offload-fraction", "1.0", "--recompute-granularity", "full", "--recompute-method", "uniform",
-             "--recompute-num-layers", "1", "--recompute-modules", "moe_act"]
+             "--recompute-num-layers", "1", "--recompute-modules", "moe_act"]  # no effect: full
     cfg = parse_args(MOCK + flags)
     validate(cfg, 1)  # on the CPU; on a GPU --optimizer-cpu-offload is refused (tests/test_config_rules.py)
     notes = recipe_notes(cfg)

@@ -149,9 +149,10 @@ Notes where our reading differs in detail:
   optimizer only); refused: fp8 moments, `--main-params-dtype fp16`, and moments below fp32 under PipeOptim (its
   prediction rebuilds the step from the stored, rounded moments). `--main-grads-dtype bf16` is the bf16 gradient
   buffer (this project's default with `--bf16`); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
-  (Megatron turns that on with bf16). `--recompute-modules` takes Megatron's `core_attn` and `moe` (the
-  `--moe-layer-recompute` of each MoE layer) under `--recompute-granularity selective`; `moe_act`, `layernorm`,
-  `mla_up_proj`, `mlp`, `shared_experts` are refused with one line. `--use-rotary-position-embeddings` sets
+  (Megatron turns that on with bf16). `--recompute-modules` takes Megatron's `core_attn`, `mlp` (the dense MLP,
+  local layers), `moe` (the `--moe-layer-recompute` of each MoE layer) and `shared_experts` under
+  `--recompute-granularity selective`; `moe_act`, `layernorm`, `mla_up_proj` (Megatron's output-discarding
+  checkpoints) are refused with one line. `--use-rotary-position-embeddings` sets
   `--position-embedding-type rope`. `--optimizer-cpu-offload` needs the precision-aware optimizer (as Megatron's)
   and is accepted on a CPU run (the optimizer is there already), refused on a GPU (not implemented);
   `--cuda-graph-impl`, `--cuda-graph-scope`, `--te-rng-tracker`: no CUDA graph is captured here (one start-up line).

@@ -169,7 +169,8 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
         experts = cfg.model.num_experts is not None
         return FSDPOptimizer(inner, groups, scaler, t.clip_grad, ps.get_data_parallel_group(with_context_parallel=True),
                              ps.get_model_parallel_group(), expert_group=expert_norm_group(cfg),
-                             expert_shard_group=ps.get_expert_data_parallel_group() if experts else None)
+                             expert_shard_group=ps.get_expert_data_parallel_group() if experts else None,
+                             model_order=ddp.params)
     if pr.use_distributed_optimizer:
         return DistributedOptimizer(inner, groups, ddp, scaler, t.clip_grad, ps.get_model_parallel_group(),
                                     expert_group=expert_norm_group(cfg))

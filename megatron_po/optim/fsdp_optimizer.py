@@ -9,7 +9,13 @@ its state is 1/DP of the unsharded one. A step (`MainParamsOptimizer.step`):
      the backward, in fp32 or --grad-reduce-in-bf16's bf16), its local tensor attached to the shard;
   2. unscale (fp16), found-inf and the squared norm summed over the shards' group (DP x CP; experts: their
      expert-DP group) and then the model-parallel group (synchronous: TP x PP; asynchronous: the stage's TP), so
-     every element counts once; clipping;
+     every element counts once; clipping. The parameters' squares are added in the model's order (`model_order`),
+     the order the plain fp32 path adds them in (clip_grads.clip_grad_norm_ over DDP's or a chunk's parameters),
+     not the param groups' (decay, then no decay): the fp32 sum of squares rounds differently in another order,
+     and with clipping active that last bit moved every weight (sharded over one rank, k >= 2 or interleaved:
+     up to 7e-8 off the emulator, tools/layout_sweep.py). Over one rank the norm is then the plain path's bit for
+     bit; over several, each rank sums its shards' squares and the ranks' sums are added, which is a grouping
+     no unsharded run has (docs/fsdp.md);
   3. the inner step on the shards. Nothing is copied back: the next gather of each unit delivers the update.
 Every per-element optimizer (Adam, AdamW, SGD and its momentum, Nesterov, RMSprop, Adagrad, Lion, NAdamW, NAG)
 takes exactly the step the unsharded one takes on those elements.
@@ -44,22 +50,31 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
     shard_group: the ranks the dense parameters are sharded over (DP x CP); expert_shard_group: the experts'
         (expert DP). Their squares are summed over these first, then over `model_parallel_group` (dense) and
         `expert_group` (experts: the expert model-parallel group, optim/clip_grads.py).
+    model_order: the model's parameters in module order (FullyShardedDataParallel.params; a superset of
+        model_param_groups' is fine): the order their squares are added in, as the plain optimizer's path does.
     """
 
     predicts_into_model_weights = False  # the shards are the live weights: a policy caches them to predict
 
     def __init__(self, inner_optimizer_factory: Callable[[list[dict]], PredictiveOptimizer], model_param_groups,
                  grad_scaler=None, clip_grad: float = 0.0, shard_group=None, model_parallel_group=None,
-                 expert_group=None, expert_shard_group=None):
+                 expert_group=None, expert_shard_group=None, *, model_order):
         self.shard_group, self.expert_shard_group = shard_group, expert_shard_group
         super().__init__(inner_optimizer_factory, model_param_groups, grad_scaler, clip_grad, model_parallel_group,
                          expert_group=expert_group)
+        position = {id(p): i for i, p in enumerate(model_order)}
+        self._norm_order = sorted(range(len(self.model_params)), key=lambda i: position[id(self.model_params[i])])
 
     def _main_params_of(self, model_params):
         dtypes = {local_shard(p).dtype for p in model_params}
         if dtypes != {torch.float32}:
             raise ConfigError(f"FSDP2 keeps fp32 sharded parameters (the main params); got {sorted(map(str, dtypes))}")
         return [local_shard(p) for p in model_params]
+
+    def _norm_pieces(self):
+        """(shard's grad, parameter) in the model's order (see the module docstring, step 2)."""
+        pieces = [(self.main_params[i].grad, self.model_params[i]) for i in self._norm_order]
+        return [(g, p) for g, p in pieces if g is not None]
 
     def _attach_shards(self, attach, groups):
         """Muon orthogonalises whole matrices: each assembled by one owner rank from the shards (optim/muon_dp.py)."""

@@ -170,7 +170,8 @@ class AsyncStage:
             shard_group = ps.get_data_parallel_group(with_context_parallel=True)
             self.optimizers = [FSDPOptimizer(inner, groups(c), scaler(), clip_grad, shard_group, self.tp_group,
                                              expert_group=eg,
-                                             expert_shard_group=ps.get_expert_data_parallel_group() if eg else None)
+                                             expert_shard_group=ps.get_expert_data_parallel_group() if eg else None,
+                                             model_order=self.fsdp.params)
                                for c, eg in zip(chunks, self.expert_groups)]
         elif pr.use_distributed_optimizer:
             self.optimizers = [DistributedOptimizer(inner, groups(c), ddp, scaler(), clip_grad, self.tp_group,

@@ -4,8 +4,8 @@ lines of the flags accepted with no effect or as another's spelling."""
 
 from __future__ import annotations
 
-from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity, recompute_modules
 from megatron_po import config_check
+from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity, recompute_modules
 from megatron_po.config_check import Check, Ctx, Rule, each
 from megatron_po.errors import UserError
 
@@ -38,7 +38,7 @@ def _padded_vocab(c: Ctx) -> bool:
     return c.m.padded_vocab_size is not None
 
 
-RECIPE_RULES = [
+LAUNCHER_RULES = [
     Rule("lr-warmup-init-range", lambda c: 0 <= c.t.lr_warmup_init <= c.t.lr,
          lambda c: f"--lr-warmup-init ({c.t.lr_warmup_init}) must be in [0, --lr ({c.t.lr})]: the warm-up climbs "
                    f"from it to --lr"),
@@ -131,8 +131,7 @@ MODEL_RECIPE_RULES = [
                    f"{', '.join(CUDA_GRAPH_SCOPES)}", when=lambda c: c.m.cuda_graph_scope is not None),
 ]
 
-
-RECIPE_RULES += PRECISION_AWARE_RULES + MODEL_RECIPE_RULES
+RECIPE_RULES = LAUNCHER_RULES + PRECISION_AWARE_RULES + MODEL_RECIPE_RULES
 
 # The flags accepted with no effect here: (flag as the line names it, given, what runs instead)
 _NO_EFFECT = [

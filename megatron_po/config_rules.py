@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 import os
 
+from megatron_po import config_check
 from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, fsdp2_reshard_after_forward,
                                 kv_channels, recompute_granularity, recomputes_moe_layers, uses_fsdp2,
                                 virtual_pipeline_size)
-from megatron_po import config_check
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.config_recipe_rules import RECIPE_RULES
 from megatron_po.data.tokenizer import tokenizer_flag_error

@@ -58,10 +58,12 @@ class ModelRecipeFlags:
                                                 "here; no effect without selective, as in Megatron",
                                           nargs="+")
     moe_router_force_load_balancing: bool = flag(False, "MoE, for benchmarking (Megatron's): the router's logits "
-                                                        "replaced by standard normal noise (seeded per step, "
-                                                        "layer and rank) in the forward, the gradient passed to "
-                                                        "the real logits unchanged (a straight-through estimator): "
-                                                        "every expert gets about the same number of tokens")
+                                                        "replaced by standard normal noise in the forward (the "
+                                                        "default generator's, alike on the TP and CP ranks that "
+                                                        "route the same tokens; Megatron's differs per rank), the "
+                                                        "gradient passed to the real logits unchanged (a "
+                                                        "straight-through estimator): every expert gets about the "
+                                                        "same number of tokens")
     moe_enable_deepep: bool = flag(False, "MoE: Megatron's DeepEP kernels of the flex dispatcher (needs "
                                           "--moe-token-dispatcher-type flex, as there): accepted, no effect here: "
                                           "flex runs the alltoall dispatcher (the same numbers; a start-up line "

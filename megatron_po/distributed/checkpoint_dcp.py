@@ -241,11 +241,12 @@ def dcp_save(state: dict, path: str) -> None:
     dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=Planner())
 
 
-def dcp_load(state: dict, path: str, metadata=None) -> None:
+def dcp_load(state: dict, path: str, metadata=None, without_copy: bool = False) -> None:
     """dcp.load whose failures (DCP raises them on every rank, as a BaseException) become UserError.
     Tensors are filled in place (`FlatRange` entries: the blocks of their pieces); other values are
     returned in `state`, read by checkpoint_trust.read_byte_entry (never by DCP's plain torch.load).
-    `metadata`: the checkpoint's, from `read_metadata` (else read again)."""
+    `metadata`: the checkpoint's, from `read_metadata` (else read again). `without_copy`: CPU tensors read
+    straight into `state`'s, without DCP's intermediate copy (checkpoint_read_into.py)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -275,7 +276,8 @@ def dcp_load(state: dict, path: str, metadata=None) -> None:
     try:
         with warnings.catch_warnings():  # without a process group DCP warns that it reads in one process
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(plain, storage_reader=trusted_reader(path, metadata), planner=Planner(flatten_state_dict=False))
+            dcp.load(plain, storage_reader=trusted_reader(path, metadata, without_copy),
+                     planner=Planner(flatten_state_dict=False))
     except (Exception, CheckpointException) as e:
         refused = _entry_error(e)
         if isinstance(refused, UntrustedCheckpoint):

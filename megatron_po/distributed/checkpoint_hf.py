@@ -14,6 +14,9 @@ of our tensors (a layer's stacked experts) and the HF tensors it is made of, plu
 
 export-hf reads a checkpoint saved at any layout one layer at a time and writes HF's sharded safetensors one
 tensor at a time (models/hf/files.py), config.json from the family's config class and the tokenizer's files.
+Each tensor is read straight into the one returned (checkpoint_read_into.py: no second copy while it is read),
+and each layer is released, its memory handed back to the system, before the next is read. Peak host memory:
+the largest tensor, or one layer and the largest of its HF pieces being written (bench/results/hf_convert_memory.md).
 
 Both write into `<out>.partial` and rename it to `<out>` at the end: the output directory is never half made.
 Tensors keep their dtype both ways (a bf16 Hub checkpoint imports as bf16 weights; the run's fp32 main params
@@ -315,11 +318,8 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
         writer = ShardedWriter(staging, plan, max_shard_bytes)
         from tqdm import tqdm
         for group in tqdm(groups, unit="part", desc="exporting", disable=not progress):
-            ours = reader.read([f"model.{mp.ours}" for mp in group if mp.ours is not None])
-            for mp in group:
-                t = ours.pop(f"model.{mp.ours}") if mp.ours is not None else None
-                for name, x in zip(mp.theirs, to_theirs(mp, t, layout, dtype)):
-                    writer.write(name, x)
+            _export_group(reader, group, writer, layout, dtype)
+            _hand_back_freed_memory()
         writer.close()
         for f in TOKENIZER_FILES if tok_dir else ():
             if os.path.isfile(os.path.join(tok_dir, f)):
@@ -334,6 +334,29 @@ def export_hf(load: str, out: str, step: int | None = None, model_type: str | No
     print(f"wrote {family.architecture} (vocabulary {hf_vocab}, iteration {reader.iteration}, {len(writer.files)} "
           f"safetensors file(s){', tokenizer from ' + tok_dir if tok_dir else ', no tokenizer'}) to {out}{depths}")
     return family.architecture
+
+
+def _export_group(reader: CheckpointReader, group: list, writer: ShardedWriter, layout: Layout,
+                  dtype: torch.dtype) -> None:
+    """Read one layer's tensors (each straight into its own, CheckpointReader.read) and write their HF tensors;
+    all of them released on return, before the next layer is read: the peak is one layer, or the largest tensor."""
+    ours = reader.read([f"model.{mp.ours}" for mp in group if mp.ours is not None])
+    for mp in group:
+        t = ours.pop(f"model.{mp.ours}") if mp.ours is not None else None
+        for name, x in zip(mp.theirs, to_theirs(mp, t, layout, dtype)):
+            writer.write(name, x)
+
+
+def _hand_back_freed_memory() -> None:
+    """Return the memory of freed tensors to the system (glibc's malloc_trim; elsewhere nothing). After the first
+    large free glibc serves allocations up to 32 MiB (a layer's tensors) from its heap, and keeps them there when
+    freed: a layer's worth of memory would stay resident under the next tensor, the largest one included."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def _run_tokenizer(config: dict) -> str | None:

@@ -294,7 +294,8 @@ def _load_grad_scalers(optimizers, small: dict, saved_layout: tuple) -> None:
 class CheckpointReader:
     """A checkpoint read in this process alone, without torch.distributed (DCP without a process group
     assembles each tensor from every rank's shards): `extra`, `iteration`, `specs` ({entry: DCP tensor
-    metadata}) and `read(entries)`, which loads just those."""
+    metadata}) and `read(entries)`, which loads just those, each read straight into the tensor returned
+    (checkpoint_read_into.py: no second copy of it while it is read)."""
 
     def __init__(self, root: str, step: int | None = None):
         if not os.path.isdir(root):
@@ -312,7 +313,7 @@ class CheckpointReader:
 
     def read(self, entries) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(tuple(self.specs[k].size), dtype=self.specs[k].properties.dtype) for k in entries}
-        dcp_load(state, self.path, self.metadata)
+        dcp_load(state, self.path, self.metadata, without_copy=True)
         return state
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from megatron_po.distributed import checkpoint_data
+from megatron_po.distributed.checkpoint_read_into import read_into_destinations
 from megatron_po.errors import UserError
 
 # How the refusals end: what the rule is for.
@@ -141,11 +142,12 @@ def load_metadata(meta_file: str):
                 f"torch.distributed.checkpoint's metadata is made of ({_WHY})") from None
 
 
-def trusted_reader(path: str, metadata=None):
+def trusted_reader(path: str, metadata=None, without_copy: bool = False):
     """A torch.distributed.checkpoint FileSystemReader of `path` that reads `.metadata` through
     `MetadataUnpickler` (the tensors it reads with weights_only=True already), or returns `metadata`,
     when given, read so before (a load reads a checkpoint in several dcp.load calls). A tensor entry that
-    torch's weights-only unpickler refuses raises UntrustedCheckpoint naming the file and the entry."""
+    torch's weights-only unpickler refuses raises UntrustedCheckpoint naming the file and the entry.
+    `without_copy`: the tensors it can are read straight into their destinations (checkpoint_read_into.py)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -174,6 +176,8 @@ def trusted_reader(path: str, metadata=None):
 
         def read_data(self, plan, planner):
             try:
+                if without_copy:
+                    plan = read_into_destinations(self, plan, planner)
                 return super().read_data(plan, planner)
             except pickle.UnpicklingError as e:  # a tensor's torch.load(weights_only=True): non-tensor
                 where = self._entry_being_read() or (str(self.path), "?")  # entries raise UntrustedCheckpoint

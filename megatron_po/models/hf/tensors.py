@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -135,11 +135,14 @@ def to_ours(m: Mapping, read: Callable[[str], torch.Tensor], layout: Layout) -> 
 
 
 def to_theirs(m: Mapping, t: torch.Tensor | None, layout: Layout, dtype: torch.dtype,
-              device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """The HF tensors of `m` from our tensor `t` (kind "zeros": from nothing, in `dtype`)."""
+              device: str | torch.device = "cpu") -> Iterator[torch.Tensor]:
+    """The HF tensors of `m` from our tensor `t` (kind "zeros": from nothing, in `dtype`), each made contiguous
+    when it is asked for (a q, k, v split copies one of them at a time)."""
     if m.kind == "zeros":
-        return [torch.zeros(m.shape, dtype=dtype, device=device)]
-    return [x.contiguous() for x in KINDS[m.kind][1](t, layout)]
+        yield torch.zeros(m.shape, dtype=dtype, device=device)
+        return
+    for x in KINDS[m.kind][1](t, layout):
+        yield x.contiguous()
 
 
 # --------------------------------------------------------------------------------------------------

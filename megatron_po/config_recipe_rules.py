@@ -5,7 +5,7 @@ lines of the flags accepted with no effect or as another's spelling."""
 from __future__ import annotations
 
 from megatron_po import config_check
-from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity, recompute_modules
+from megatron_po.config import RECOMPUTE_MODULES, recompute_granularity, recompute_modules, uses_fsdp2
 from megatron_po.config_check import Check, Ctx, Rule, each
 from megatron_po.errors import UserError
 
@@ -106,6 +106,9 @@ PRECISION_AWARE_RULES = [
     Rule("main-grads-dtype-bf16-vs-fp32", lambda c: not c.pr.accumulate_allreduce_grads_in_fp32,
          "--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 contradict (as in Megatron): drop one",
          when=lambda c: _precision_aware(c) and c.t.main_grads_dtype == "bf16"),
+    Rule("main-grads-dtype-bf16-fsdp2", lambda c: c.pr.grad_reduce_in_bf16,
+         "--main-grads-dtype bf16 under FSDP2: add --grad-reduce-in-bf16 (FSDP2 reduces the gradients in fp32 "
+         "otherwise)", when=lambda c: _precision_aware(c) and c.t.main_grads_dtype == "bf16" and uses_fsdp2(c.cfg)),
     Rule("precision-aware-no-prediction", lambda c: c.meth != "pipeoptim",  # SpecTrain takes SGD only
          lambda c: f"--exp-avg-dtype / --exp-avg-sq-dtype below fp32 with --pipeline-method {c.meth}: its weight "
                    f"prediction rebuilds Adam's step from the stored, rounded moments, not the step's own: use fp32 "

@@ -8,7 +8,8 @@ FusedAdam): Adam's moments stored in bf16 or fp16, computed in fp32.
 - Memory: the moments take 2 + 2 bytes per parameter instead of 4 + 4.
 - Checkpoint: a load keeps the stored dtype.
 - Through the launcher on 2 ranks (the distributed optimizer at DP 2, bf16, the gradient buffer in bf16 by
-  --main-grads-dtype bf16): trains, says so at start-up, saves and resumes.
+  --main-grads-dtype bf16): its losses leave the fp32-moment run's after the first step and stay near them, it
+  says so at start-up, saves and resumes; PipeDream at PP 2 and FSDP2 at DP 2 run with it.
 The one-line refusals (fp8 state, fp16 main params, other optimizers, PipeOptim's prediction) are rows of
 tests/test_config_rules.py.
 """
@@ -104,11 +105,12 @@ def _tiny(out, iters, *extra):
     return MOCK + ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "1e-2",
                    "--log-interval", "1", "--eval-iters", "0", "--make-vocab-size-divisible-by", "4", "--bf16",
-                   "--use-distributed-optimizer", "--metrics-file", str(out / "metrics.jsonl"), *extra]
+                   "--metrics-file", str(out / "metrics.jsonl"), *extra]
 
 
 PRECISION_AWARE = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
                    "--main-grads-dtype", "bf16"]
+DISTOPT = ["--use-distributed-optimizer"]
 
 
 def test_recipe_run_with_bf16_moments_trains_saves_and_resumes(tmp_path, capfd):
@@ -116,14 +118,15 @@ def test_recipe_run_with_bf16_moments_trains_saves_and_resumes(tmp_path, capfd):
     with fp32 moments after the first step (and stay near them); a checkpoint of bf16 moments resumes."""
     pipedream = ["--pipeline-model-parallel-size", "2", "--pipeline-method", "pipedream",
                  "--untie-embeddings-and-output-weights"]
-    argvs = [_tiny(tmp_path / "a", 4, *PRECISION_AWARE, "--save", str(tmp_path / "ck")),
-             _tiny(tmp_path / "b", 5, *PRECISION_AWARE, "--load", str(tmp_path / "ck")),
-             _tiny(tmp_path / "c", 4),
-             _tiny(tmp_path / "d", 2, *PRECISION_AWARE, *pipedream)]  # an asynchronous stage's optimizer too
-    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0] * 4] * 2
+    argvs = [_tiny(tmp_path / "a", 4, *DISTOPT, *PRECISION_AWARE, "--save", str(tmp_path / "ck")),
+             _tiny(tmp_path / "b", 5, *DISTOPT, *PRECISION_AWARE, "--load", str(tmp_path / "ck")),
+             _tiny(tmp_path / "c", 4, *DISTOPT),
+             _tiny(tmp_path / "d", 2, *DISTOPT, *PRECISION_AWARE, *pipedream),  # an asynchronous stage's optimizer
+             _tiny(tmp_path / "e", 2, *PRECISION_AWARE, "--use-torch-fsdp2", "--grad-reduce-in-bf16")]  # FSDP2's
+    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0] * 5] * 2
     out = capfd.readouterr().out
     assert out.count("> --use-precision-aware-optimizer: Adam's exp_avg stored in bf16, exp_avg_sq in bf16, both "
-                     "computed in fp32; main params fp32; gradient buffer bf16") == 3
+                     "computed in fp32; main params fp32; gradient buffer bf16") == 4
 
     def losses(name):
         with open(tmp_path / name / "metrics.jsonl") as f:

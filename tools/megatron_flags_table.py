@@ -148,7 +148,7 @@ Notes where our reading differs in detail:
   adam is adamw here) with any of the distributed, mixed-precision and FSDP2 optimizers (Megatron: the distributed
   optimizer only); refused: fp8 moments, `--main-params-dtype fp16`, and moments below fp32 under PipeOptim (its
   prediction rebuilds the step from the stored, rounded moments). `--main-grads-dtype bf16` is the bf16 gradient
-  buffer (this project's default with `--bf16`); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
+  buffer (this project's default with `--bf16`; FSDP2 needs `--grad-reduce-in-bf16` with it); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
   (Megatron turns that on with bf16). `--recompute-modules` takes Megatron's `core_attn`, `mlp` (the dense MLP,
   local layers), `moe` (the `--moe-layer-recompute` of each MoE layer) and `shared_experts` under
   `--recompute-granularity selective`; `moe_act`, `layernorm`, `mla_up_proj` (Megatron's output-discarding

@@ -622,6 +622,8 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
         values = dict(values, tokenizer_type="GPT2BPETokenizer")
     if values["data_parallel_sharding_strategy"] == "optim":  # Megatron-FSDP's name of the distributed optimizer
         values = dict(values, use_distributed_optimizer=True)
+    if values["use_rotary_position_embeddings"]:  # Megatron's older spelling, which overrides the newer flag
+        values = dict(values, position_embedding_type="rope")
     sections = {}
     for section, section_cls in _sections():
         sections[section] = section_cls(**{f.name: values[f.name] for f in dataclasses.fields(section_cls)})
@@ -680,6 +682,30 @@ def num_query_groups(m: ModelConfig) -> int:
 def recompute_granularity(m: ModelConfig) -> str | None:
     """The activation recomputation in effect: --recompute-activations is Megatron's alias of selective."""
     return "selective" if m.recompute_activations else m.recompute_granularity
+
+
+# the --recompute-modules this code implements (Megatron-core's names): the attention core, the dense MLP, each MoE
+# layer, the MoE layers' shared experts
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+
+
+def recompute_modules(m: ModelConfig) -> tuple[str, ...]:
+    """The modules selective recomputation recomputes: --recompute-modules, Megatron's default core_attn; none
+    without selective (where Megatron ignores the flag too)."""
+    if recompute_granularity(m) != "selective":
+        return ()
+    return tuple(m.recompute_modules) if m.recompute_modules is not None else ("core_attn",)
+
+
+def recomputes_core_attention(m: ModelConfig) -> bool:
+    """Whether the attention core, softmax(QKᵀ)V, is recomputed in the backward."""
+    return "core_attn" in recompute_modules(m)
+
+
+def recomputes_moe_layers(m: ModelConfig) -> bool:
+    """Whether each MoE layer is recomputed in the backward: --moe-layer-recompute, or --recompute-modules moe
+    (Megatron's --moe-layer-recompute is its deprecated spelling)."""
+    return m.moe_layer_recompute or "moe" in recompute_modules(m)
 
 
 MTP_LOSS_SCALING_FACTOR = 0.1  # Megatron's default of --mtp-loss-scaling-factor

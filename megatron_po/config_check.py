@@ -81,6 +81,12 @@ class Check:
         return self.find(c) if self.when is None or self.when(c) else None
 
 
+def cuda_device() -> bool:
+    """Whether this run's device is a GPU (for the rules whose answer depends on it)."""
+    from megatron_po.parallel_state import get_device  # the one place that picks the device
+    return get_device().type == "cuda"
+
+
 def raised(fn) -> str | None:
     """The line of the ConfigError (or the data module's DataError, here a flag's) that `fn()` raises."""
     try:

@@ -8,10 +8,18 @@ What each does here:
   --log-timers-to-tensorboard, --log-memory-to-tensorboard, --log-validation-ppl-to-tensorboard and
   --tensorboard-queue-size (training_log.py), --padded-vocab-size (gpt_workload.py), --dist-ckpt-strictness
   (distributed/checkpoint_load.py), --trust-remote-code (data/tokenizer.py);
+- implemented, model and optimizer: --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype
+  bf16|fp16 (optim/optimizers.py Adam) and --main-grads-dtype bf16 (the bf16 gradient buffer); --recompute-modules
+  core_attn, mlp, moe, shared_experts (config.py recompute_modules); --moe-router-force-load-balancing (models/moe/router.py
+  RandomLogits); --use-rotary-position-embeddings (= --position-embedding-type rope, config_from_namespace);
 - accepted, no effect (a GPU kernel or a Megatron code path that has no counterpart here, said in the help):
   --use-flash-attn, --cross-entropy-fusion-impl, --enable-experimental, --moe-per-layer-logging,
-  --auto-detect-ckpt-format, --no-ckpt-fully-parallel-save, --ckpt-fully-parallel-load.
-Their start-up rules: config_recipe_rules.py.
+  --auto-detect-ckpt-format, --no-ckpt-fully-parallel-save, --ckpt-fully-parallel-load, --moe-enable-deepep (the
+  flex dispatcher runs the alltoall one), --cuda-graph-impl, --cuda-graph-scope, --te-rng-tracker,
+  --optimizer-cpu-offload (CPU runs; refused on a GPU), --overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction;
+- refused with one line: --exp-avg-dtype / --exp-avg-sq-dtype fp8, --main-params-dtype fp16, the --recompute-modules
+  moe_act, layernorm, mla_up_proj (and Megatron's others).
+Their start-up rules and lines: config_recipe_rules.py.
 """
 
 from __future__ import annotations
@@ -39,6 +47,38 @@ class ModelRecipeFlags:
                                                     "Engine's): accepted, no effect: the vocab-parallel cross "
                                                     "entropy here has one implementation",
                                           choices=["native", "te"])
+    use_rotary_position_embeddings: bool = flag(False, "Megatron's older spelling of --position-embedding-type "
+                                                       "rope (it sets it, whatever that flag says, as Megatron's)")
+    # Megatron-core's selective recomputation by module (transformer_config.py, Megatron-LM d98e8a6)
+    recompute_modules: list | None = flag(None, "--recompute-granularity selective: the modules recomputed "
+                                                "(Megatron's, default core_attn): core_attn (the attention core, "
+                                                "softmax(QKᵀ)V), mlp (the dense MLP), moe (each MoE layer, as "
+                                                "--moe-layer-recompute), shared_experts (the MoE layers' shared "
+                                                "experts); Megatron's moe_act, layernorm, mla_up_proj are refused "
+                                                "here; no effect without selective, as in Megatron",
+                                          nargs="+")
+    moe_router_force_load_balancing: bool = flag(False, "MoE, for benchmarking (Megatron's): the router's logits "
+                                                        "replaced by standard normal noise in the forward (the "
+                                                        "default generator's, alike on the TP and CP ranks that "
+                                                        "route the same tokens; Megatron's differs per rank), the "
+                                                        "gradient passed to the real logits unchanged (a "
+                                                        "straight-through estimator): every expert gets about the "
+                                                        "same number of tokens")
+    moe_enable_deepep: bool = flag(False, "MoE: Megatron's DeepEP kernels of the flex dispatcher (needs "
+                                          "--moe-token-dispatcher-type flex, as there): accepted, no effect here: "
+                                          "flex runs the alltoall dispatcher (the same numbers; a start-up line "
+                                          "says so)")
+    cuda_graph_impl: str = flag("none", "Megatron's CUDA graph capture (local or transformer_engine per layer, "
+                                        "full_iteration): accepted, no effect here: nothing is captured, the layers "
+                                        "run eagerly (or compiled with --torch-compile), the same numbers (a "
+                                        "start-up line says so)",
+                                choices=["none", "local", "transformer_engine", "full_iteration"])
+    cuda_graph_scope: list | None = flag(None, "Megatron's parts of a layer --cuda-graph-impl captures (attn, mlp, "
+                                               "moe, moe_router, moe_preprocess, mamba, full_iteration): accepted, "
+                                               "no effect here (see --cuda-graph-impl)", nargs="+")
+    te_rng_tracker: bool = flag(False, "Megatron's choice of Transformer Engine's RNG tracker over Megatron-core's "
+                                       "(for CUDA graphs): accepted, no effect here: the model-parallel random "
+                                       "streams are tensor_parallel/random.py's")
 
 
 @dataclass
@@ -55,6 +95,37 @@ class TrainingRecipeFlags:
                                       "0 <= init <= --lr")
     enable_experimental: bool = flag(False, "Megatron's switch of its experimental code paths: accepted, no effect "
                                             "(nothing here is gated behind it)")
+    # Megatron's precision-aware optimizer (megatron/core/optimizer/optimizer_config.py, Megatron-LM d98e8a6):
+    # Transformer Engine's FusedAdam storing its tensors in lower precision; here the Adam state dtypes
+    # (optim/optimizers.py Adam), the other two as said.
+    use_precision_aware_optimizer: bool = flag(False, "Megatron's precision-aware optimizer: lets --exp-avg-dtype, "
+                                                      "--exp-avg-sq-dtype, --main-grads-dtype, --main-params-dtype "
+                                                      "differ from fp32 (--optimizer adam or adamw; any of the "
+                                                      "distributed, mixed-precision or FSDP2 optimizers, where "
+                                                      "Megatron needs --use-distributed-optimizer)")
+    exp_avg_dtype: str = flag("fp32", "--use-precision-aware-optimizer: Adam's first moment stored in this dtype and "
+                                      "computed in fp32 (each step upcasts it, steps with the unrounded value, stores "
+                                      "it rounded, as Transformer Engine's FusedAdam); fp8 (scaled) is refused",
+                              choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = flag("fp32", "--use-precision-aware-optimizer: Adam's second moment stored in this dtype "
+                                         "(as --exp-avg-dtype); fp8 is refused",
+                                 choices=["fp32", "fp16", "bf16", "fp8"])
+    main_grads_dtype: str = flag("fp32", "--use-precision-aware-optimizer: bf16 keeps the gradient buffer in bf16 "
+                                         "(needs --bf16; this project's default with --bf16 already, the "
+                                         "optimizer upcasts each gradient as FusedAdam does); fp32: the buffer as "
+                                         "--accumulate-allreduce-grads-in-fp32 says",
+                                 choices=["fp32", "bf16"])
+    main_params_dtype: str = flag("fp32", "--use-precision-aware-optimizer: dtype of the main params; fp16 is "
+                                          "refused (the main params are fp32 here)", choices=["fp32", "fp16"])
+    optimizer_cpu_offload: bool = flag(False, "Megatron's hybrid CPU/GPU optimizer (optimizer states and step on "
+                                              "the CPU; needs --use-precision-aware-optimizer as there): on a CPU "
+                                              "run accepted, no effect (state and step are on the CPU already); "
+                                              "on a GPU refused, not implemented here")
+    optimizer_offload_fraction: float = flag(0.0, "--optimizer-cpu-offload: the fraction of the optimizer state "
+                                                  "offloaded, in [0, 1]")
+    overlap_cpu_optimizer_d2h_h2d: bool = flag(False, "--optimizer-cpu-offload: overlap the CPU step with the "
+                                                      "device<->host copies: accepted, no effect (there are no "
+                                                      "copies on a CPU run)")
 
 
 @dataclass

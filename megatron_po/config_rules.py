@@ -21,8 +21,10 @@ from __future__ import annotations
 import math
 import os
 
+from megatron_po import config_check
 from megatron_po.config import (Config, DataConfig, TrainingConfig, ffn_hidden_size, fsdp2_reshard_after_forward,
-                                kv_channels, recompute_granularity, uses_fsdp2, virtual_pipeline_size)
+                                kv_channels, recompute_granularity, recomputes_moe_layers, uses_fsdp2,
+                                virtual_pipeline_size)
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.config_recipe_rules import RECIPE_RULES
 from megatron_po.data.tokenizer import tokenizer_flag_error
@@ -52,11 +54,6 @@ def validate(cfg: Config, world_size: int, workload: str = "gpt") -> None:
 # --------------------------------------------------------------------------------------------------
 # The checks that need code
 # --------------------------------------------------------------------------------------------------
-
-
-def _cuda_device() -> bool:
-    from megatron_po.parallel_state import get_device  # the one place that picks the device
-    return get_device().type == "cuda"
 
 
 def _nccl_usable(c: Ctx) -> bool:
@@ -291,7 +288,7 @@ LAYOUT = [
     Rule("attention-backend-needs-half", lambda c: c.pr.bf16 or c.pr.fp16,
          lambda c: f"--attention-backend {c.m.attention_backend} runs half-precision kernels: add --bf16 or --fp16 "
                    f"(or use auto)", when=lambda c: c.m.attention_backend in ("flash", "fused")),
-    Rule("attention-backend-needs-cuda", lambda c: _cuda_device(),
+    Rule("attention-backend-needs-cuda", lambda c: config_check.cuda_device(),
          lambda c: f"--attention-backend {c.m.attention_backend} needs a CUDA device (its kernels are GPU-only); on "
                    f"CPU use auto, local or unfused", when=lambda c: c.m.attention_backend in ("flash", "fused")),
     Rule("ffn-vs-tp", lambda c: ffn_hidden_size(c.m) % c.tp == 0,
@@ -712,7 +709,7 @@ FSDP = [
                    f"backward gathers the weights the method put in the shards then; drop "
                    f"--torch-fsdp2-no-reshard-after-forward (--data-parallel-sharding-strategy optim_grads)",
          when=lambda c: _fsdp(c) and c.is_async),
-    Rule("fsdp-async-recompute", lambda c: recompute_granularity(c.m) is None and not c.m.moe_layer_recompute,
+    Rule("fsdp-async-recompute", lambda c: recompute_granularity(c.m) is None and not recomputes_moe_layers(c.m),
          lambda c: f"{'--recompute-granularity' if recompute_granularity(c.m) else '--moe-layer-recompute'} with "
                    f"--pipeline-method {c.meth} under FSDP2: the recomputation in the "
                    f"backward gathers the live shards, not the weights the forward ran on; recomputation composes "

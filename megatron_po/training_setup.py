@@ -14,6 +14,7 @@ from megatron_po import rank_watchdog
 from megatron_po.async_training import build_async_engine
 from megatron_po.config import (Config, fsdp2_reshard_after_forward, is_async, num_microbatches, uses_fsdp2,
                                 virtual_pipeline_size)
+from megatron_po.config_recipe_rules import recipe_notes
 from megatron_po.config_rules import validate
 from megatron_po.distributed.checkpoint_format import find_checkpoint
 from megatron_po.distributed.checkpoint_load import load_checkpoint
@@ -25,6 +26,7 @@ from megatron_po.models.fp8 import fp8_summary
 from megatron_po.models.mla import mla_summary
 from megatron_po.models.moe.rules import moe_summary, no_op_switches_line
 from megatron_po.optim import build_optimizer
+from megatron_po.optim.build import precision_aware_kwargs
 from megatron_po.optim.clip_grads import expert_norm_group
 from megatron_po.optim.distributed_optimizer import DistributedOptimizer
 from megatron_po.optim.fsdp_optimizer import FSDPOptimizer
@@ -158,7 +160,7 @@ def build_optimizer_for(cfg: Config, chunks, ddp):
         return build_optimizer(t.optimizer, groups, lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
                                **muon_kwargs(t), nadam_momentum_decay=t.nadam_momentum_decay,
-                               compile_step=cfg.model.torch_compile)
+                               compile_step=cfg.model.torch_compile, **precision_aware_kwargs(t))
 
     groups = optimizer_param_groups(t.optimizer, chunks, t.weight_decay)
     if t.decoupled_lr is not None:
@@ -229,6 +231,8 @@ def build_model(cfg: Config, workload, schedule: SampleSchedule) -> Trainable:
         print_rank0(mla_summary(cfg.model, p.tensor_model_parallel_size))
     if no_op_switches_line(cfg.model):
         print_rank0(no_op_switches_line(cfg.model))
+    for line in recipe_notes(cfg):
+        print_rank0(line)
     return model
 
 

@@ -11,7 +11,7 @@ when a rule has no row, so a new rule comes with its case.
 import fake_transformer_engine
 import pytest
 
-from megatron_po import config_rules
+from megatron_po import config_check, config_rules
 from megatron_po.config import normalize_nmt, parse_args
 from megatron_po.config_rules import validate
 from megatron_po.errors import ConfigError
@@ -398,6 +398,44 @@ RULES = [
      ["--padded-vocab-size (100) is smaller than the tokenizer's vocabulary (101)"]),  # NullTokenizer: + its EOD
     ("dist-ckpt-strictness-return", 1, MOCK + ["--dist-ckpt-strictness", "return_all"],
      ["--dist-ckpt-strictness return_all hands the mismatched keys to a Python caller", "log_all"]),
+    # --use-precision-aware-optimizer and its dtype flags, CPU offload, --recompute-modules, CUDA graphs
+    *[(f"{flag[2:]}-needs-precision-aware", 1, MOCK + [flag, "bf16"],
+       [f"{flag} other than fp32 needs --use-precision-aware-optimizer"])
+      for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-grads-dtype")],
+    ("main-params-dtype-needs-precision-aware", 1, MOCK + ["--main-params-dtype", "fp16"],
+     ["--main-params-dtype other than fp32 needs --use-precision-aware-optimizer"]),
+    ("precision-aware-adam", 1, MOCK + ["--use-precision-aware-optimizer", "--optimizer", "muon"],
+     ["--use-precision-aware-optimizer holds Adam's state", "not muon"]),
+    *[(f"{flag[2:]}-fp8-refused", 1, MOCK + ["--use-precision-aware-optimizer", flag, "fp8"],
+       [f"{flag} fp8", "not implemented here"]) for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype")],
+    ("main-params-dtype-fp16-refused", 1, MOCK + ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"],
+     ["--main-params-dtype fp16 is not implemented here"]),
+    ("main-grads-dtype-bf16-needs-bf16", 1, MOCK + ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+     ["--main-grads-dtype bf16 needs --bf16"]),
+    ("main-grads-dtype-bf16-vs-fp32", 1, MOCK + ["--bf16", "--accumulate-allreduce-grads-in-fp32",
+                                                 "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+     ["--main-grads-dtype bf16 and --accumulate-allreduce-grads-in-fp32 contradict"]),
+    ("main-grads-dtype-bf16-fsdp2", 2, MOCK + ["--bf16", "--use-torch-fsdp2", "--use-precision-aware-optimizer",
+                                                "--main-grads-dtype", "bf16"],
+     ["--main-grads-dtype bf16 under FSDP2: add --grad-reduce-in-bf16"]),
+    ("precision-aware-no-prediction", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-precision-aware-optimizer",
+                                                      "--exp-avg-sq-dtype", "bf16"],
+     ["--exp-avg-dtype / --exp-avg-sq-dtype below fp32 with --pipeline-method pipeoptim"]),
+    ("optimizer-cpu-offload-needs-precision-aware", 1, MOCK + ["--optimizer-cpu-offload"],
+     ["--optimizer-cpu-offload needs --use-precision-aware-optimizer"]),
+    ("optimizer-cpu-offload-gpu", 1, MOCK + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"],
+     ["--optimizer-cpu-offload on a GPU", "not implemented here"]),
+    ("optimizer-offload-fraction-range", 1, MOCK + ["--optimizer-offload-fraction", "1.5"],
+     ["--optimizer-offload-fraction (1.5) must be in [0, 1]"]),
+    ("recompute-modules", 1, MOCK + ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                                     "moe_act", "layernorm"], ["--recompute-modules moe_act layernorm: not implemented "
+                                                               "here", "core_attn, mlp, moe, shared_experts"]),
+    ("recompute-modules-mlp-local", 1, MOCK + TE + ["--recompute-activations", "--recompute-modules", "mlp"],
+     ["--recompute-modules mlp", "--transformer-impl local"]),
+    ("recompute-modules/unknown", 1, MOCK + ["--recompute-activations", "--recompute-modules", "attention"],
+     ["--recompute-modules attention: not Megatron's module names"]),
+    ("cuda-graph-scope", 1, MOCK + ["--cuda-graph-scope", "attn", "layers"], ["--cuda-graph-scope attn layers",
+                                                                           "moe_router"]),
     ("calculate-per-token-loss-sync-only", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--calculate-per-token-loss"],
      ["--calculate-per-token-loss", "--pipeline-method pipeoptim"]),
     ("no-save-optim-needs-save", 1, MOCK + ["--no-save-optim"], ["--no-save-optim needs --save"]),
@@ -509,7 +547,8 @@ RULES = [
                    ["--moe-aux-loss-coeff", "0.1"], ["--moe-z-loss-coeff", "0.1"], ["--moe-router-enable-expert-bias"],
                    ["--moe-expert-capacity-factor", "1"], ["--moe-pad-expert-input-to-capacity"], ["--moe-grouped-gemm"],
                    ["--moe-layer-freq", "2"], ["--moe-router-num-groups", "2"], ["--moe-router-group-topk", "1"],
-                   ["--moe-router-dtype", "fp64"], ["--moe-layer-recompute"]]],
+                   ["--moe-router-dtype", "fp64"], ["--moe-layer-recompute"], ["--moe-router-force-load-balancing"],
+                   ["--moe-enable-deepep"]]],
     *[(f"{argv[0][2:]}-refused", 1, MOCK + ["--num-experts", "8"] + argv, [f"{argv[0]} is Megatron's, not implemented"])
       for argv in [["--moe-input-jitter-eps", "0.01"]]],
     ("moe-group-topk-needs-groups", 1, MOCK + ["--num-experts", "8", "--moe-router-group-topk", "2"],
@@ -529,8 +568,11 @@ RULES = [
      ["--moe-router-group-topk 3 of --moe-router-num-groups 4", "with --moe-router-topk 2"]),
     ("moe-sinkhorn-refused", 1, MOCK + ["--num-experts", "8", "--moe-router-load-balancing-type", "sinkhorn"],
      ["--moe-router-load-balancing-type sinkhorn is Megatron's, not implemented here"]),
-    ("moe-flex-refused", 1, MOCK + ["--num-experts", "8", "--moe-token-dispatcher-type", "flex"],
-     ["--moe-token-dispatcher-type flex (DeepEP)", "use alltoall or allgather"]),
+    ("moe-deepep-needs-flex", 1, MOCK + ["--num-experts", "8", "--moe-enable-deepep"],
+     ["--moe-enable-deepep needs --moe-token-dispatcher-type flex (got allgather"]),
+    ("moe-flex-no-padding", 1, MOCK + ["--num-experts", "8", "--moe-token-dispatcher-type", "flex",
+                                       "--moe-expert-capacity-factor", "1", "--moe-pad-expert-input-to-capacity"],
+     ["--moe-token-dispatcher-type flex with --moe-pad-expert-input-to-capacity"]),
     ("moe-topk-range", 1, MOCK + ["--num-experts", "8", "--moe-router-topk", "9"],
      ["--moe-router-topk (9) must be in [1, --num-experts (8)]"]),
     ("moe-layer-freq", 1, MOCK + ["--num-experts", "8", "--moe-layer-freq", "[0]*3"],
@@ -675,10 +717,12 @@ CASE_IDS = [r[0] for r in RULES] + ["nmt:" + r[0] for r in NMT_RULES]
 
 
 @pytest.fixture(autouse=True)
-def no_visible_gpu(monkeypatch):
+def no_visible_gpu(monkeypatch, request):
     """`te-importable` fails on every machine: TE's import fails without TE, and with it no GPU is visible."""
     monkeypatch.setattr(te_transformer, "_gpu_visible", lambda: False)
-    monkeypatch.setattr(config_rules, "_cuda_device", lambda: False)  # --attention-backend flash/fused need one
+    # --attention-backend flash/fused need a GPU; --optimizer-cpu-offload's row runs on a faked one
+    on_gpu = "optimizer-cpu-offload-gpu" in request.node.name
+    monkeypatch.setattr(config_check, "cuda_device", lambda: on_gpu)
     # `fp8-gpu-capability`'s row runs on a faked A100 (compute capability 8.0); the other rows fail before it.
     monkeypatch.setattr(fp8, "_cuda_capability", lambda: ("NVIDIA A100", (8, 0)))
 

@@ -23,7 +23,7 @@ from megatron_po.models.moe.experts import GroupedExperts, grouped_mm_error
 from megatron_po.models.moe.layer import MoELayer, take_records
 from megatron_po.models.moe.layout import parse_layer_freq
 from megatron_po.models.moe.router import capacity_mask, expert_capacity, topk_routing, update_expert_bias
-from megatron_po.models.transformer import TransformerLayer
+from megatron_po.models.transformer import SharedExpertMLP, TransformerLayer
 from megatron_po.tensor_parallel import model_parallel_seed
 
 
@@ -290,22 +290,73 @@ def test_moe_layer_recomputation_is_bitwise_counts_once_and_keeps_only_its_input
     assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
     assert plain[2] == recomputed[2]
-
-    def saved_bytes(**kw):
-        model_parallel_seed(SEED)
-        layer = MoELayer(moe_cfg(**kw), sequence_parallel=False, layer_number=0,
-                         shared_experts=lambda: TransformerLayer(moe_cfg(num_experts=None), False).mlp)
-        total = [0]
-
-        def pack(t):
-            total[0] += t.numel() * t.element_size()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(torch.randn(16, 2, BASE.hidden_size, requires_grad=True))
-        return total[0]
-    kept, recomputed_kept = saved_bytes(), saved_bytes(moe_layer_recompute=True)
+    kept, recomputed_kept = moe_layer_saved_bytes(), moe_layer_saved_bytes(moe_layer_recompute=True)
     input_bytes = 16 * 2 * BASE.hidden_size * 4
     assert recomputed_kept == input_bytes and kept > 10 * input_bytes, (kept, recomputed_kept)
+
+
+def moe_layer_saved_bytes(**kw) -> int:
+    """Bytes one MoE layer's forward saves for its backward (16 x 2 tokens)."""
+    model_parallel_seed(SEED)
+    cfg = moe_cfg(**kw)
+    layer = MoELayer(cfg, sequence_parallel=False, layer_number=0,
+                     shared_experts=lambda: SharedExpertMLP(cfg, False, cfg.moe_shared_expert_intermediate_size))
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(torch.randn(16, 2, BASE.hidden_size, requires_grad=True))
+    return total[0]
+
+
+def test_recompute_modules_moe_is_the_moe_layer_recompute():
+    """Megatron-core's --recompute-granularity selective --recompute-modules moe (its --moe-layer-recompute's
+    current spelling): the same gradients as without, the layer keeps only its input; with core_attn alone the MoE
+    layer keeps its activations; shared_experts recomputes the shared experts only."""
+    selective = dict(recompute_granularity="selective")
+    plain, recomputed = run_model(), run_model(**selective, recompute_modules=["moe"])
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
+    assert plain[2] == recomputed[2]
+    assert moe_layer_saved_bytes(**selective, recompute_modules=["moe"]) == 16 * 2 * BASE.hidden_size * 4
+    assert moe_layer_saved_bytes(**selective, recompute_modules=["core_attn"]) == moe_layer_saved_bytes()
+    # shared_experts: the shared experts alone recomputed, the same gradients, less kept
+    shared = dict(selective, recompute_modules=["shared_experts"])
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], run_model(**shared)[0]))
+    assert moe_layer_saved_bytes(**shared) < moe_layer_saved_bytes()
+
+
+def test_forced_load_balancing_routes_evenly_whatever_the_router_learned():
+    """--moe-router-force-load-balancing (Megatron's RandomSTE): a router whose weights send every token to
+    expert 0 gives each of 8 experts 4096 x 2 / 8 tokens within 10 % (random normal logits; the binomial's
+    standard deviation is 30 of 1024); the gradient reaches the router's weight through the logits unchanged; a
+    recomputed MoE layer draws the same logits (bitwise the same gradients)."""
+    from megatron_po.models.moe.router import RandomLogits, TopKRouter
+    model_parallel_seed(SEED)
+    cfg = moe_cfg(num_experts=8, moe_router_topk=2)
+    x = torch.randn(512, 8, cfg.hidden_size) + 1
+    counts = {}
+    for forced in (False, True):
+        router = TopKRouter(dataclasses.replace(cfg, moe_router_force_load_balancing=forced), sequence_parallel=False)
+        with torch.no_grad():
+            router.weight.zero_()
+            router.weight[0] = 10.0  # every token's highest logit: expert 0
+        router.record = None
+        router.eval()
+        _, routing_map = router(x)
+        counts[forced] = routing_map.sum(dim=0)
+    assert counts[False][0] == 4096 and counts[False].sum() == 8192
+    assert ((counts[True] - 1024).abs() < 103).all(), counts[True]
+    logits = torch.randn(6, 8, requires_grad=True)
+    upstream = torch.randn(6, 8)
+    drawn = RandomLogits.apply(logits)
+    assert not torch.equal(drawn, logits)
+    drawn.backward(upstream)
+    assert torch.equal(logits.grad, upstream)
+    forced = dict(moe_router_force_load_balancing=True)
+    plain, recomputed = run_model(**forced), run_model(**forced, moe_layer_recompute=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], recomputed[0]))
 
 
 def test_compiled_moe_layer_equals_eager_and_never_recompiles():

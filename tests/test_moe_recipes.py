@@ -311,6 +311,17 @@ PP2_PIPEOPTIM = {"--pipeline-model-parallel-size": 2, "--pipeline-method": "pipe
 PP2_SPLIT = {"deepseek_v3": {"--pipeline-model-parallel-layout": "Etttt|mL"},
              "kimi_k2": {"--decoder-first-pipeline-num-layers": 1}}
 
+# The engine flags slime's run scripts pass around these MODEL_ARGS (THUDM/slime @ 624b824a898a): OPTIMIZER_ARGS'
+# CPU offload with the precision-aware optimizer (run-deepseek-r1.sh, run-kimi-k2-Instruct.sh,
+# run-moonlight-16B-A3B.sh, run-glm4.7-355B-A32B.sh, which sources glm4.5-355B-A32B.sh's MODEL_ARGS, and
+# run-qwen3-30B-A3B.sh), and DeepEP's flex dispatcher (the same scripts but Qwen3's). Accepted here with start-up
+# lines (a CPU run: the optimizer is on the CPU; flex runs the alltoall dispatcher); each stopped as unknown before.
+SLIME_OFFLOAD = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
+SLIME_DEEPEP = ["--moe-enable-deepep", "--moe-token-dispatcher-type", "flex"]
+SLIME_RUN = {"deepseek_v3": SLIME_OFFLOAD + SLIME_DEEPEP, "kimi_k2": SLIME_OFFLOAD + SLIME_DEEPEP,
+             "moonlight": SLIME_OFFLOAD + SLIME_DEEPEP, "glm_4_5": SLIME_OFFLOAD + SLIME_DEEPEP[1:] + SLIME_DEEPEP[:1],
+             "qwen3_30b_a3b": SLIME_OFFLOAD}
+
 
 def command_line(recipe: list[str], out: str | None = None, **layout) -> list[str]:
     metrics = {"--metrics-file": os.path.join(out, "metrics.jsonl")} if out else {}
@@ -354,6 +365,8 @@ def test_every_recipe_passes_the_start_up_rules(name):
     assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_ffn_hidden_size) == (4, 64, 16, 16)
     assert m.moe_router_dtype == "fp32" and m.moe_permute_fusion
     validate(parse_args(command_line(RECIPES[name], **PP2_PIPEOPTIM, **PP2_SPLIT.get(name, {}))), 2)
+    for layout in (EP2, PP2_PIPEOPTIM):  # with slime's run-script engine flags
+        validate(parse_args(command_line(RECIPES[name] + SLIME_RUN[name], **layout)), 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,7 +387,8 @@ STARTUP = {  # what each model's start-up lines say (rank 0's stdout)
 def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
     flags = EP2 if layout == "ep2" else PP2_PIPEOPTIM
     split = {} if layout == "ep2" else PP2_SPLIT
-    runs = [command_line(argv, str(tmp_path / name), **flags, **split.get(name, {})) for name, argv in RECIPES.items()]
+    runs = [command_line(argv + SLIME_RUN[name], str(tmp_path / name), **flags, **split.get(name, {}))
+            for name, argv in RECIPES.items()]
     if layout == "ep2":  # DeepSeek-V3 with the recipes' launcher flags, validated at iterations 4 and 8
         zoo = tmp_path / "deepseek_v3"  # no --load, as ModelZoo's yaml (--no-load-optim/-rng then act on nothing)
         runs[0] = command_line(DEEPSEEK_V3 + ZOO_LAUNCH, str(zoo), **flags, **{
@@ -393,6 +407,10 @@ def test_every_recipe_trains_with_its_loss_falling(layout, tmp_path, capfd):
         for line in STARTUP[name]:
             assert line in out, (name, line)
     assert re.search(r"--moe-permute-fusion.*accepted, no effect here", out), out[-3000:]
+    assert out.count("> --optimizer-cpu-offload, --overlap-cpu-optimizer-d2h-h2d: accepted, no effect here") == \
+        len(RECIPES) - (layout == "ep2")  # all but ep2's DeepSeek-V3, which carries ModelZoo's launcher flags
+    assert len(re.findall(r"--moe-token-dispatcher-type flex, --moe-enable-deepep: accepted, no effect here", out)) \
+        == (3 if layout == "ep2" else 4)
     if layout == "ep2":
         from test_tensorboard import read_tensorboard
         scalars, _ = read_tensorboard(zoo / "tb")

@@ -13,6 +13,11 @@ each doing what Megatron's does:
   loaded into a RoPE model) stops the default load, loads under log_all with a line naming it; a checkpoint that
   lacks a parameter (RoPE into learned positions) stops raise_unexpected, loads under log_unexpected (the
   iteration resumed, the parameter kept as initialized).
+- --use-rotary-position-embeddings is --position-embedding-type rope; --moe-enable-deepep's flex dispatcher is
+  the alltoall one; --cuda-graph-impl / --cuda-graph-scope / --te-rng-tracker / the CPU offload flags are accepted
+  with one start-up line (--use-precision-aware-optimizer: tests/test_precision_aware_optimizer.py;
+  --recompute-modules: tests/test_recompute.py, tests/test_moe_layer.py; --moe-router-force-load-balancing:
+  tests/test_moe_layer.py).
 The recipe-style command line with all of them trains in tests/test_moe_recipes.py (DeepSeek-V3 with ModelZoo's
 launcher flags); the one-line start-up errors are rows of tests/test_config_rules.py.
 """
@@ -169,3 +174,37 @@ def test_dist_ckpt_strictness_on_tensors_only_one_side_has(tmp_path, capfd):
         with open(tmp_path / name / "metrics.jsonl") as f:
             return [r["iteration"] for r in map(json.loads, f) if "lm_loss" in r]
     assert iterations("c") == [3] and iterations("e") == [4]  # both resumed where their checkpoint left off
+
+
+def test_model_recipe_flags_megatron_spellings_and_no_op_lines():
+    """--use-rotary-position-embeddings sets --position-embedding-type rope (over that flag, as Megatron's);
+    --moe-enable-deepep with the flex dispatcher runs the alltoall one; CUDA graphs, TE's RNG tracker and the CPU
+    offload of a CPU run are accepted with one start-up line saying what runs instead."""
+    from megatron_po.config_recipe_rules import recipe_notes
+    from megatron_po.models.moe.dispatcher import DISPATCHERS, AllToAllDispatcher
+    from megatron_po.models.moe.rules import no_op_switches_line
+    cfg = parse_args(MOCK + ["--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings"])
+    validate(cfg, 1)
+    assert cfg.model.position_embedding_type == "rope"
+    assert recipe_notes(cfg) == ["> --use-rotary-position-embeddings: Megatron's older spelling of "
+                                 "--position-embedding-type rope (in effect)"]
+    assert recipe_notes(parse_args(MOCK)) == []
+    moe = parse_args(MOCK + ["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"])
+    validate(moe, 1)
+    assert DISPATCHERS[moe.model.moe_token_dispatcher_type] is AllToAllDispatcher
+    assert "--moe-token-dispatcher-type flex, --moe-enable-deepep: accepted, no effect here" in \
+        no_op_switches_line(moe.model)
+    flags = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "moe_router", "--te-rng-tracker",
+             "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+             "--optimizer-offload-fraction", "1.0", "--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1", "--recompute-modules", "moe_act"]  # no effect: full
+    cfg = parse_args(MOCK + flags)
+    validate(cfg, 1)  # on the CPU; on a GPU --optimizer-cpu-offload is refused (tests/test_config_rules.py)
+    notes = recipe_notes(cfg)
+    assert len(notes) == 3 and all("\n" not in line for line in notes)
+    assert notes[0] == ("> --recompute-modules moe_act: no effect without --recompute-granularity selective (as in "
+                        "Megatron)")
+    assert notes[1].startswith("> --cuda-graph-impl, --cuda-graph-scope, --te-rng-tracker, --optimizer-cpu-offload, "
+                               "--overlap-cpu-optimizer-d2h-h2d: accepted, no effect here")
+    assert "the optimizer state and step are on the CPU already" in notes[1]
+    assert notes[2].startswith("> --use-precision-aware-optimizer: Adam's exp_avg stored in fp32")

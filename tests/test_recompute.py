@@ -20,7 +20,7 @@ from test_transformer_engine import fake_te, one_thread  # noqa: F401  (fixtures
 
 from megatron_po.models.gpt import GPTModel, masked_mean_loss
 from megatron_po.models.recompute import layer_groups
-from megatron_po.models.transformer import SelfAttention, TransformerLayer
+from megatron_po.models.transformer import MLP, SelfAttention, TransformerLayer
 from megatron_po.pipeline.async_pipeline import AsyncEmulator, AsyncPipelineRank
 from megatron_po.pipeline.executor import Mailbox, StageRunner, emulate
 from megatron_po.pipeline.partition import build_chunks_for_rank
@@ -84,6 +84,14 @@ def count_calls(module_type, method="forward"):
     ("full-block-1", BLOCK, TransformerLayer, "forward", 4),
     ("selective", SELECTIVE, SelfAttention, "core_attention", 6),
     ("selective-granularity", dict(recompute_granularity="selective"), SelfAttention, "core_attention", 6),
+    # --recompute-modules (Megatron's names): core_attn is the attention core; moe alone leaves it kept
+    ("modules-core-attn", dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+     SelfAttention, "core_attention", 6),
+    ("modules-moe-only", dict(recompute_granularity="selective", recompute_modules=["moe"]), SelfAttention,
+     "core_attention", 3),
+    ("modules-without-selective", dict(recompute_modules=["core_attn"]), SelfAttention, "core_attention", 3),
+    ("modules-mlp", dict(recompute_granularity="selective", recompute_modules=["mlp"]), MLP, "compute", 6),
+    ("modules-core-attn-only", dict(recompute_granularity="selective"), MLP, "compute", 3),
 ])
 def test_recomputed_parts_run_twice_in_training_once_in_eval(monkeypatch, name, recompute, module, method,
                                                               train_calls):
@@ -124,6 +132,16 @@ def single_model_run(recompute, rope=False):
 def test_single_model_bitwise(granularity, rope):
     """Losses, gradients and the random stream after the step are those of the run without it."""
     assert_same(single_model_run(GRANULARITIES[granularity], rope), single_model_run(NONE, rope), granularity)
+
+
+MODULES_MLP = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["gpt2", "llama"])
+def test_recompute_modules_mlp_bitwise(rope):
+    """--recompute-modules core_attn mlp (Megatron-core's names): the attention core and the dense MLP recomputed,
+    the same losses, gradients and random stream as without."""
+    assert_same(single_model_run(MODULES_MLP, rope), single_model_run(NONE, rope), "mlp")
 
 
 # ---- synchronous pipelines (executor emulator) -----------------------------------------------------------
@@ -206,6 +224,11 @@ def test_asynchronous_methods_bitwise(method, granularity):
             continue
         expect_more = keeps and r < 2
         assert (n > ref_copies[(r, c)]) == expect_more, (r, c, n, ref_copies[(r, c)])
+
+
+def test_pipeoptim_recompute_modules_mlp_bitwise():
+    """The recomputed MLP reads the weights its forward predicted, not the live ones the backward sees."""
+    assert_same(async_run("pipeoptim", MODULES_MLP)[:3], async_run("pipeoptim", NONE)[:3], "pipeoptim mlp")
 
 
 def test_interleaved_pipeoptim_bitwise():

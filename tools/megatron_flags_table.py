@@ -29,7 +29,10 @@ NO_OP = {"--overlap-grad-reduce", "--overlap-p2p-communication", "--cross-entrop
          "--moe-router-fusion", "--moe-shared-expert-overlap", "--mla-down-proj-fusion",
          # the Megatron recipes' launcher flags (megatron_po/config_recipe.py)
          "--use-flash-attn", "--cross-entropy-fusion-impl", "--enable-experimental", "--moe-per-layer-logging",
-         "--auto-detect-ckpt-format", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load"}
+         "--auto-detect-ckpt-format", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+         # and their engine flags (config_recipe.py): kernels, CUDA graphs, the CPU offload of a CPU run
+         "--moe-enable-deepep", "--cuda-graph-impl", "--cuda-graph-scope", "--te-rng-tracker",
+         "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--optimizer-offload-fraction"}
 REFUSED = {"--tiktoken-pattern", "--fp8-param-gather", "--moe-input-jitter-eps", "--cache-mla-latents"}
 
 HEADER = """# Megatron-LM flags in megatron_po
@@ -88,8 +91,12 @@ Notes where our reading differs in detail:
   Megatron-core's names, defaults and meanings (models/moe/). Where the details differ: a micro-batch's routing
   (capacity, dropped tokens, auxiliary losses) is decided over all its tokens also under sequence parallelism
   (Megatron: each TP rank's own), so any layout drops the tokens the one-process run drops; the drop policies
-  break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` and the `flex`
-  dispatcher are refused, as are the listed Megatron flags marked refused. `--moe-router-dtype` leaves the
+  break ties by position; `--moe-layer-freq`'s list form is parsed, not `eval`ed; `sinkhorn` is refused, as are
+  the listed Megatron flags marked refused; the `flex` dispatcher (DeepEP's, `--moe-enable-deepep`, which needs it
+  as in Megatron) runs the alltoall one, the same tokens to the same experts (a start-up line says so).
+  `--moe-router-force-load-balancing` replaces the router's logits by standard normal noise with a straight-through
+  gradient, as Megatron's (drawn from the stage's default generator after the sequence gather, so the TP and CP
+  ranks agree; Megatron draws per rank). `--moe-router-dtype` leaves the
   default (no flag) as Megatron's: the gating GEMM in the model dtype, the scores in fp32. `--moe-permute-fusion`,
   `--moe-router-fusion` and `--moe-shared-expert-overlap` are accepted and change nothing (one start-up line says
   what runs instead). Every synchronous and asynchronous pipeline method, the distributed optimizer and Muon run
@@ -135,6 +142,20 @@ Notes where our reading differs in detail:
   (Megatron: `assume_ok_unexpected`, which ignores checkpoint tensors the model lacks), `return_*` are refused
   (they hand the mismatches to a Python caller) and a parameter skipped by `log_*`/`ignore_all` keeps its initial
   value and gets a fresh optimizer state; `--trust-remote-code` reaches `AutoTokenizer.from_pretrained`.
+- The model and optimizer flags of the public recipes (config_recipe.py; Megatron-LM d98e8a6 read):
+  `--use-precision-aware-optimizer` stores Adam's moments in `--exp-avg-dtype` / `--exp-avg-sq-dtype` (bf16, fp16)
+  and computes them in fp32, as Transformer Engine's FusedAdam; it takes `--optimizer adam` or `adamw` (Megatron's
+  adam is adamw here) with any of the distributed, mixed-precision and FSDP2 optimizers (Megatron: the distributed
+  optimizer only); refused: fp8 moments, `--main-params-dtype fp16`, and moments below fp32 under PipeOptim (its
+  prediction rebuilds the step from the stored, rounded moments). `--main-grads-dtype bf16` is the bf16 gradient
+  buffer (this project's default with `--bf16`; FSDP2 needs `--grad-reduce-in-bf16` with it); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
+  (Megatron turns that on with bf16). `--recompute-modules` takes Megatron's `core_attn`, `mlp` (the dense MLP,
+  local layers), `moe` (the `--moe-layer-recompute` of each MoE layer) and `shared_experts` under
+  `--recompute-granularity selective`; `moe_act`, `layernorm`, `mla_up_proj` (Megatron's output-discarding
+  checkpoints) are refused with one line. `--use-rotary-position-embeddings` sets
+  `--position-embedding-type rope`. `--optimizer-cpu-offload` needs the precision-aware optimizer (as Megatron's)
+  and is accepted on a CPU run (the optimizer is there already), refused on a GPU (not implemented);
+  `--cuda-graph-impl`, `--cuda-graph-scope`, `--te-rng-tracker`: no CUDA graph is captured here (one start-up line).
 
 | flag | Megatron-LM | what it does here |
 | --- | --- | --- |

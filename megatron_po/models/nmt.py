@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig, NMTConfig, recompute_granularity
+from megatron_po.config import ModelConfig, NMTConfig, recomputes_core_attention
 from megatron_po.dynamo_import import import_dynamo
 from megatron_po.models.gpt import Embedding, GPTModel, _seeded
 from megatron_po.models.recompute import maybe_recompute
@@ -64,7 +64,7 @@ class CrossAttention(nn.Module):
         self.num_local_heads, self.head_dim = nh // tp, h // nh
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
-        self.recompute_core = recompute_granularity(cfg) == "selective"
+        self.recompute_core = recomputes_core_attention(cfg)
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.q = ColumnParallelLinear(h, h, bias=cfg.add_bias_linear, gather_output=False,
                                       init_method=init_normal(cfg.init_method_std))

@@ -57,7 +57,7 @@ from torch import nn
 
 from megatron_po import parallel_state as ps
 from megatron_po.config import (ModelConfig, ffn_hidden_size, fp8_backend, kv_channels, num_query_groups,
-                                 recompute_granularity)
+                                 recompute_granularity, recomputes_core_attention)
 from megatron_po.config_check import Check, Ctx, Rule, raised
 from megatron_po.errors import ConfigError
 from megatron_po.models.recompute import maybe_recompute
@@ -277,7 +277,7 @@ class TESelfAttention(nn.Module):
             tp_size=tp, tp_group=parallel["tp_group"], get_rng_state_tracker=get_rng_tracker)
         self.proj = te.Linear(nh * self.head_dim, h, bias=cfg.add_bias_linear, parallel_mode="row",
                               init_method=_no_init, **parallel)
-        self.recompute_core = recompute_granularity(cfg) == "selective"
+        self.recompute_core = recomputes_core_attention(cfg)
 
     def forward(self, x: torch.Tensor, rotary=None, is_first_microbatch: bool | None = None) -> torch.Tensor:
         qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [s, b, (nh + 2g) hd/tp], whole sequence

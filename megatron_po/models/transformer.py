@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups,
-                                 recompute_granularity)
+from megatron_po.config import (ModelConfig, ffn_hidden_size, kv_channels, num_query_groups, recompute_modules,
+                                 recomputes_core_attention)
 from megatron_po.models.context_parallel_attention import context_parallel_attention
 from megatron_po.models.moe.layer import MoELayer
 from megatron_po.models.moe.layout import moe_layer_numbers
@@ -216,7 +216,7 @@ class AttentionCore(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.attention_backend = cfg.attention_backend
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
-        self.recompute_core = recompute_granularity(cfg) == "selective"
+        self.recompute_core = recomputes_core_attention(cfg)
         # --context-parallel-size > 1: this rank holds 2 of the sequence's 2 x CP chunks (context_parallel_attention.py)
         self.context_parallel = ps.get_context_parallel_world_size() > 1
         self.cp_comm_type = cfg.cp_comm_type
@@ -318,9 +318,15 @@ class SelfAttention(AttentionCore):
 
 
 class MLP(nn.Module):
+    """The dense MLP; recomputed in the backward with --recompute-modules mlp (Megatron-core's name; the shared
+    experts: shared_experts), keeping only its input."""
+
+    recompute_module = "mlp"
+
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, hidden_size: int | None = None):
         """`hidden_size`: the MLP's own (MoE's shared experts), else --ffn-hidden-size."""
         super().__init__()
+        self.recompute = self.recompute_module in recompute_modules(cfg)
         h, f = cfg.hidden_size, hidden_size or ffn_hidden_size(cfg)
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         col = lambda: ColumnParallelLinear(h, f, bias=cfg.add_bias_linear, gather_output=False,  # noqa: E731
@@ -334,6 +340,9 @@ class MLP(nn.Module):
                                      init_method=init_normal(out_std), sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return maybe_recompute(self.recompute, self.compute, x, params=list(self.parameters()))
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         up, _ = self.fc1(x)
         if self.swiglu:
             gate, _ = self.fc1_gate(x)
@@ -349,6 +358,8 @@ class SharedExpertMLP(MLP):
     output is scaled by sigmoid(x w), w [1, hidden] (Megatron's SharedExpertMLP gate; Qwen2-MoE's
     shared_expert_gate), drawn after the MLP's weights."""
 
+    recompute_module = "shared_experts"
+
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, hidden_size: int):
         super().__init__(cfg, sequence_parallel, hidden_size)
         self.gate_weight = None
@@ -357,8 +368,8 @@ class SharedExpertMLP(MLP):
             # Replicated; under sequence parallelism each TP rank's gradient covers its own tokens: summed over TP.
             self.gate_weight.sequence_parallel = sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().compute(x)
         return out if self.gate_weight is None else out * torch.sigmoid(F.linear(x, self.gate_weight))
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from megatron_po.errors import ConfigError
 from megatron_po.optim.muon import Muon
 from megatron_po.optim.nadamw import NAdamW
@@ -15,6 +17,18 @@ from megatron_po.optim.nag import NAG
 from megatron_po.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, PredictiveOptimizer, RMSprop
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "nesterov", "rmsprop", "adagrad", "lion", "muon", "nadamw", "nag")
+
+# --exp-avg-dtype / --exp-avg-sq-dtype values this code stores (fp8 is refused at start-up); fp32: the main params'
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_aware_kwargs(training_config) -> dict:
+    """`build_optimizer` keyword arguments of --use-precision-aware-optimizer's Adam state dtypes (TrainingConfig
+    fields of the same names); none without the flag."""
+    t = training_config
+    if not t.use_precision_aware_optimizer:
+        return {}
+    return dict(exp_avg_dtype=STATE_DTYPES[t.exp_avg_dtype], exp_avg_sq_dtype=STATE_DTYPES[t.exp_avg_sq_dtype])
 
 
 def build_optimizer(
@@ -41,6 +55,8 @@ def build_optimizer(
     muon_gram_newton_schulz: bool = False,
     nadam_momentum_decay: float = 4e-3,
     compile_step: bool = False,
+    exp_avg_dtype: torch.dtype | None = None,
+    exp_avg_sq_dtype: torch.dtype | None = None,
 ) -> PredictiveOptimizer:
     """The optimizer named by `--optimizer`, from Megatron-style flag values.
 
@@ -52,13 +68,19 @@ def build_optimizer(
     part uses the adam_* values.
     `compile_step` (--torch-compile): the per-group step, with PipeOptim's prediction fused into it, runs
     under torch.compile (optim/fused_prediction.py); otherwise eagerly, as foreach ops.
+    `exp_avg_dtype`, `exp_avg_sq_dtype` (--use-precision-aware-optimizer): Adam's stored moments, adam and adamw only.
     Bad values raise ConfigError.
     """
+    state_dtypes = dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+    if name not in ("adam", "adamw") and any(d is not None for d in state_dtypes.values()):
+        raise ConfigError(f"--exp-avg-dtype / --exp-avg-sq-dtype apply to --optimizer adam or adamw, not {name}")
     try:
         if name == "adam":
-            optimizer = Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+            optimizer = Adam(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
+                             **state_dtypes)
         elif name == "adamw":
-            optimizer = AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay)
+            optimizer = AdamW(params, lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay,
+                              **state_dtypes)
         elif name == "sgd":
             optimizer = SGD(params, lr, weight_decay=weight_decay, momentum=sgd_momentum,
                             direction=sgd_direction)

@@ -20,7 +20,8 @@ d of each bucket. Per step:
 
 Memory per parameter (Adam, bf16 params, fp32 grads): 2 (params) + 4 (grads) + 12/DP (fp32 main param,
 exp_avg, exp_avg_sq), Megatron's 6 + 12/DP. With fp32 model params the main shard is still a separate
-fp32 copy (8 + 12/DP instead of Megatron's 8 + 8/DP): it is what makes prediction copy-free.
+fp32 copy (8 + 12/DP instead of Megatron's 8 + 8/DP): it is what makes prediction copy-free. With
+--use-precision-aware-optimizer's bf16 moments (optimizers.py Adam) the shard's state is 2 + 2 bytes: 6 + 8/DP.
 
 PipeOptim over sharded state: `predict_model_params(s)` computes Ŵ = W_main - s·lr·ΔW for this rank's
 shard from this rank's optimizer state, writes it into the model weights' owned ranges and all-gathers

@@ -488,9 +488,17 @@ class Adam(PredictiveOptimizer):
     """torch.optim.Adam (no amsgrad); weight decay is an L2 term added to the gradient.
 
     ΔW = m̂/(√v̂ + ε) with the bias corrections of the parameter's current step count. No extra state.
+
+    `exp_avg_dtype`, `exp_avg_sq_dtype` (Megatron's --use-precision-aware-optimizer --exp-avg-dtype /
+    --exp-avg-sq-dtype; default: the parameter's dtype): the moments are *stored* in that dtype and computed in
+    the parameter's, as Transformer Engine's FusedAdam does (its multi_tensor_adam kernel loads m and v into
+    fp32, updates them, steps the weight with the unrounded values and stores them rounded): each step upcasts
+    the stored moments, runs the ordinary step and rounds them back. ΔW rebuilt from the state between steps
+    (`update_direction`) then reads the rounded moments, not the ones the step used.
     """
 
     decoupled_weight_decay = False
+    state_dtypes = {"exp_avg": None, "exp_avg_sq": None}  # None: the parameter's
 
     def __init__(
         self,
@@ -499,22 +507,36 @@ class Adam(PredictiveOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        exp_avg_dtype: torch.dtype | None = None,
+        exp_avg_sq_dtype: torch.dtype | None = None,
     ):
         _check_non_negative(lr=lr, eps=eps, weight_decay=weight_decay)
         _check_betas(betas)
+        self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def init_state(self, group, param, state):
         state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        for key, dtype in self.state_dtypes.items():
+            state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, grads, states):
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
             if not state:
                 self.init_state(group, p, state)
+        stored = {key: [s[key] for s in states] for key, dtype in self.state_dtypes.items() if dtype is not None}
+        if not stored:
+            return self._adam_step(group, params, grads, states)
+        # the lower-precision moments: computed in the parameters' dtype, stored rounded (see the docstring)
+        wide = [{**s, **{key: s[key].to(p.dtype) for key in stored}} for p, s in zip(params, states)]
+        d = self._adam_step(group, params, grads, wide)
+        for key, tensors in stored.items():
+            torch._foreach_copy_(tensors, [s[key] for s in wide])
+        return d
+
+    def _adam_step(self, group, params, grads, states):
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         _increment_steps(states)
@@ -561,8 +583,10 @@ class AdamW(Adam):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        exp_avg_dtype: torch.dtype | None = None,
+        exp_avg_sq_dtype: torch.dtype | None = None,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, exp_avg_dtype, exp_avg_sq_dtype)
 
 
 class RMSprop(PredictiveOptimizer):

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megatron_po import parallel_state as ps
 from megatron_po.config import Config, TrainingConfig, uses_fsdp2, virtual_pipeline_size
 from megatron_po.errors import ConfigError
+from megatron_po.optim.build import precision_aware_kwargs
 from megatron_po.optim.muon import muon_kwargs
 from megatron_po.pipeline.async_policy import shift_microbatches
 from megatron_po.pipeline.async_stage import AsyncStage, fp32_gradient_specs, segment_schedule
@@ -83,7 +84,7 @@ def optimizer_kwargs_from_config(t: TrainingConfig) -> dict:
     """`build_optimizer` keyword arguments from the training flags."""
     return dict(lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
                 adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum, **muon_kwargs(t),
-                nadam_momentum_decay=t.nadam_momentum_decay)
+                nadam_momentum_decay=t.nadam_momentum_decay, **precision_aware_kwargs(t))
 
 
 def _training_defaults(cfg: Config, optimizer_name, optimizer_kwargs, clip_grad) -> tuple[str, dict, float]:

@@ -181,4 +181,6 @@ class AllGatherDispatcher:
         return reduce_scatter_rows(combined, self.group, context.sizes, self.rank).to(y.dtype)
 
 
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+# Megatron's flex dispatcher (DeepEP's kernels, --moe-enable-deepep) moves the same tokens to the same experts as its
+# alltoall: here it is the alltoall one (a start-up line says so, rules.py NO_OP_SWITCHES).
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher, "flex": AllToAllDispatcher}

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megatron_po import parallel_state as ps
-from megatron_po.config import ModelConfig
+from megatron_po.config import ModelConfig, recomputes_moe_layers
 from megatron_po.models.moe.dispatcher import DISPATCHERS
 from megatron_po.models.moe.experts import GroupedExperts
 from megatron_po.models.moe.layout import local_experts
@@ -86,7 +86,7 @@ class MoELayer(nn.Module):
         self.dispatcher = DISPATCHERS[cfg.moe_token_dispatcher_type](cfg.num_experts)
         self.shared_experts = shared_experts() if shared_experts is not None else None
         self.record = self.router.record = MoERecord(cfg.num_experts)
-        self.recompute = cfg.moe_layer_recompute
+        self.recompute = recomputes_moe_layers(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recompute:

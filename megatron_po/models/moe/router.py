@@ -16,6 +16,9 @@ optimizer step by `rate x sign(mean load - load)` of the tokens each expert got 
 asynchronous pipeline that is every step of the chunk, possibly between a micro-batch's forward and its
 backward: a recomputation then routes with the bias its forward saw (`recompute_state`).
 
+--moe-router-force-load-balancing (Megatron's, for benchmarks): the logits replaced by standard normal noise in
+the forward, the gradient passed straight through (`RandomLogits`).
+
 Capacity (--moe-expert-capacity-factor f): an expert takes at most ceil(f x T x k / E) of a micro-batch's T
 tokens, those with the highest weights (--moe-token-drop-policy probs) or the first ones (position); with
 --moe-pad-expert-input-to-capacity every expert gets exactly that many (padding tokens of weight 0). Ties are
@@ -130,6 +133,22 @@ def _sum_over_data_parallel(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
     return counts, ps.get_data_parallel_world_size()
 
 
+class RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing (Megatron's RandomSTE, moe_utils.py, Megatron-LM d98e8a6): the forward
+    returns standard normal logits in place of the router's, the backward hands the gradient to the real logits
+    unchanged. Drawn from the default generator after the sequence gather, so every TP and CP rank of a stage draws
+    the same logits for the same tokens (Megatron draws per rank: its ranks route their own tokens), and a
+    recomputed MoE layer draws them again (checkpoint restores the generator)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 # Buffers that stay fp32 in a bf16/fp16 model: the expert bias and the load counts (bf16 would round them).
 _FP32_BUFFERS = ("expert_bias", "tokens_per_expert", "global_tokens_per_expert", "global_forwards")
 
@@ -181,6 +200,8 @@ class TopKRouter(nn.Module):
         logits = logits.reshape(-1, self.num_experts).to(self.dtype or torch.float32)
         training = self.training and torch.is_grad_enabled()
         cfg = self.cfg
+        if cfg.moe_router_force_load_balancing:
+            logits = RandomLogits.apply(logits)
         if training and cfg.moe_z_loss_coeff:
             loss = z_loss(logits)
             logits = attach(logits, loss * cfg.moe_z_loss_coeff * cp)

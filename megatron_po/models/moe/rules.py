@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_po.config import fp8_backend, recompute_granularity
+from megatron_po.config import fp8_backend, recompute_granularity, recomputes_moe_layers
 from megatron_po.config_check import Check, Ctx, Rule, at_least, each, raised
 from megatron_po.models.moe.experts import grouped_mm_error
 from megatron_po.models.moe.layout import expert_ffn_hidden_size, moe_layer_numbers, parse_layer_freq
@@ -51,6 +51,8 @@ _NEED_EXPERTS = [
     ("--moe-router-num-groups", lambda c: c.m.moe_router_num_groups is not None),
     ("--moe-router-group-topk", lambda c: c.m.moe_router_group_topk is not None),
     ("--moe-router-dtype", lambda c: c.m.moe_router_dtype is not None),
+    ("--moe-router-force-load-balancing", lambda c: c.m.moe_router_force_load_balancing),
+    ("--moe-enable-deepep", lambda c: c.m.moe_enable_deepep),
 ]
 
 # Megatron's MoE flags this code does not take: one line each, never silently ignored.
@@ -85,8 +87,12 @@ MOE_RULES = [
     Rule("moe-sinkhorn-refused", lambda c: c.m.moe_router_load_balancing_type != "sinkhorn",
          "--moe-router-load-balancing-type sinkhorn is Megatron's, not implemented here: use aux_loss, seq_aux_loss "
          "or none"),
-    Rule("moe-flex-refused", lambda c: c.m.moe_token_dispatcher_type != "flex",
-         "--moe-token-dispatcher-type flex (DeepEP) is Megatron's, not available here: use alltoall or allgather"),
+    Rule("moe-deepep-needs-flex", lambda c: c.m.moe_token_dispatcher_type == "flex",
+         lambda c: f"--moe-enable-deepep needs --moe-token-dispatcher-type flex (got {c.m.moe_token_dispatcher_type}; "
+                   f"DeepEP is the flex dispatcher's backend, as in Megatron)", when=lambda c: c.m.moe_enable_deepep),
+    Rule("moe-flex-no-padding", lambda c: not c.m.moe_pad_expert_input_to_capacity,
+         "--moe-token-dispatcher-type flex with --moe-pad-expert-input-to-capacity: Megatron's DeepEP dispatcher "
+         "does not pad; use alltoall", when=lambda c: _moe(c) and c.m.moe_token_dispatcher_type == "flex"),
     Rule("moe-topk-range", lambda c: 1 <= c.m.moe_router_topk <= c.m.num_experts,
          lambda c: f"--moe-router-topk ({c.m.moe_router_topk}) must be in [1, --num-experts ({c.m.num_experts})]",
          when=_moe),
@@ -177,6 +183,9 @@ NO_OP_SWITCHES = [
     ("--moe-router-fusion", lambda m: m.moe_router_fusion, "the routing runs unfused (the same formulas)"),
     ("--moe-shared-expert-overlap", lambda m: m.moe_shared_expert_overlap,
      "the shared experts run after the routed ones, not overlapped with the dispatch"),
+    ("--moe-token-dispatcher-type flex", lambda m: m.moe_token_dispatcher_type == "flex",
+     "flex runs the alltoall dispatcher (the same tokens to the same experts)"),
+    ("--moe-enable-deepep", lambda m: m.moe_enable_deepep, "no DeepEP kernels: torch.distributed's all-to-all"),
 ]
 
 
@@ -185,8 +194,8 @@ def no_op_switches_line(m) -> str | None:
     given = [(flag, instead) for flag, on, instead in NO_OP_SWITCHES if on(m)]
     if not given:
         return None
-    return (f"> {', '.join(flag for flag, _ in given)}: accepted, no effect here (Transformer Engine kernels and "
-            f"CUDA stream overlap): {'; '.join(instead for _, instead in given)}")
+    return (f"> {', '.join(flag for flag, _ in given)}: accepted, no effect here (Transformer Engine and DeepEP "
+            f"kernels, CUDA stream overlap): {'; '.join(instead for _, instead in given)}")
 
 
 def moe_summary(cfg) -> str:
@@ -206,4 +215,4 @@ def moe_summary(cfg) -> str:
             f"{ps.get_expert_tensor_parallel_world_size()} per stage; {m.moe_token_dispatcher_type} dispatcher; "
             f"{capacity}; experts as {'one grouped GEMM' if m.moe_grouped_gemm else 'a loop over the local experts'}"
             f"{'; recomputed with their layers' if recompute_granularity(m) == 'full' else ''}"
-            f"{'; MoE layers recomputed in the backward' if m.moe_layer_recompute else ''}")
+            f"{'; MoE layers recomputed in the backward' if recomputes_moe_layers(m) else ''}")

@@ -105,7 +105,8 @@ class TrainingRecipeFlags:
                                                       "Megatron needs --use-distributed-optimizer)")
     exp_avg_dtype: str = flag("fp32", "--use-precision-aware-optimizer: Adam's first moment stored in this dtype and "
                                       "computed in fp32 (each step upcasts it, steps with the unrounded value, stores "
-                                      "it rounded, as Transformer Engine's FusedAdam); fp8 (scaled) is refused",
+                                      "it rounded, as Transformer Engine's FusedAdam; PipeOptim's weight prediction "
+                                      "reads the stored moments upcast to fp32); fp8 (scaled) is refused",
                               choices=["fp32", "fp16", "bf16", "fp8"])
     exp_avg_sq_dtype: str = flag("fp32", "--use-precision-aware-optimizer: Adam's second moment stored in this dtype "
                                          "(as --exp-avg-dtype); fp8 is refused",

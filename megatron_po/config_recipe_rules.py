@@ -70,10 +70,6 @@ def _precision_aware(c: Ctx) -> bool:
     return c.t.use_precision_aware_optimizer
 
 
-def _lower_state(c: Ctx) -> bool:
-    return _precision_aware(c) and (c.t.exp_avg_dtype != "fp32" or c.t.exp_avg_sq_dtype != "fp32")
-
-
 def _recompute_modules_error(c: Ctx) -> str | None:
     given = c.m.recompute_modules
     unknown = [m for m in given if m not in MEGATRON_RECOMPUTE_MODULES]
@@ -109,10 +105,6 @@ PRECISION_AWARE_RULES = [
     Rule("main-grads-dtype-bf16-fsdp2", lambda c: c.pr.grad_reduce_in_bf16,
          "--main-grads-dtype bf16 under FSDP2: add --grad-reduce-in-bf16 (FSDP2 reduces the gradients in fp32 "
          "otherwise)", when=lambda c: _precision_aware(c) and c.t.main_grads_dtype == "bf16" and uses_fsdp2(c.cfg)),
-    Rule("precision-aware-no-prediction", lambda c: c.meth != "pipeoptim",  # SpecTrain takes SGD only
-         lambda c: f"--exp-avg-dtype / --exp-avg-sq-dtype below fp32 with --pipeline-method {c.meth}: its weight "
-                   f"prediction rebuilds Adam's step from the stored, rounded moments, not the step's own: use fp32 "
-                   f"state or another method", when=_lower_state),
     Rule("optimizer-cpu-offload-needs-precision-aware", _precision_aware,
          "--optimizer-cpu-offload needs --use-precision-aware-optimizer (as Megatron's: its hybrid optimizer is that "
          "code path)", when=lambda c: c.t.optimizer_cpu_offload),

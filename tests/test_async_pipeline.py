@@ -34,15 +34,18 @@ def with_parallel(cfg, parallel):
     return cfg
 
 
-def optimizer_kwargs(optimizer):
-    return {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9}
+def optimizer_kwargs(optimizer, extra=None):
+    """`extra`: more build_optimizer keyword arguments (Adam's state dtypes: tests/test_precision_aware_optimizer.py)."""
+    return {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9, **(extra or {})}
 
 
-def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, masked=True, parallel=None, **options):
-    """`parallel`: ParallelConfig fields to set (an uneven split: tests/test_uneven_pipeline.py)."""
+def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, masked=True, parallel=None,
+                   optimizer_options=None, **options):
+    """`parallel`: ParallelConfig fields to set (an uneven split: tests/test_uneven_pipeline.py);
+    `optimizer_options`: more optimizer keyword arguments (`optimizer_kwargs`)."""
     model_parallel_seed(SEED)
     emu = AsyncEmulator(with_parallel(make_cfg(D * v), parallel), VOCAB, method, D, v, k, optimizer,
-                        optimizer_kwargs(optimizer),
+                        optimizer_kwargs(optimizer, optimizer_options),
                         lr_fn_for(optimizer), clip_grad, **options)
     batch = lambda mb: get_batch(mb, mbs=mbs, masked=masked)  # noqa: E731
     losses = []
@@ -54,9 +57,10 @@ def train_emulator(method, optimizer, D, v, k, segments, clip_grad=0.0, mbs=2, m
 
 
 def train_distributed(method, optimizer, v, k, segments, clip_grad=0.0, mbs=2, masked=True,
-                      sequence_parallel=False, precision=None, on_rank=None, parallel=None, **options):
+                      sequence_parallel=False, precision=None, on_rank=None, parallel=None, optimizer_options=None,
+                      **options):
     """`precision`: PrecisionConfig fields to set; `on_rank(rank)` is called on the AsyncPipelineRank
-    before training (to instrument it)."""
+    before training (to instrument it); `parallel`, `optimizer_options`: as train_emulator's."""
     model_parallel_seed(SEED)
     D = ps.get_pipeline_model_parallel_world_size()
     cfg = with_parallel(make_cfg(D * v), parallel)
@@ -64,7 +68,7 @@ def train_distributed(method, optimizer, v, k, segments, clip_grad=0.0, mbs=2, m
     cfg.parallel.ddp_bucket_size = 3000  # several buckets, shards cutting through parameters
     for key, value in (precision or {}).items():
         setattr(cfg.precision, key, value)
-    rank = AsyncPipelineRank(cfg, VOCAB, method, v, k, optimizer, optimizer_kwargs(optimizer),
+    rank = AsyncPipelineRank(cfg, VOCAB, method, v, k, optimizer, optimizer_kwargs(optimizer, optimizer_options),
                              lr_fn_for(optimizer), clip_grad, **options)
     if on_rank is not None:
         on_rank(rank)

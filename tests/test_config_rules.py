@@ -418,9 +418,6 @@ RULES = [
     ("main-grads-dtype-bf16-fsdp2", 2, MOCK + ["--bf16", "--use-torch-fsdp2", "--use-precision-aware-optimizer",
                                                 "--main-grads-dtype", "bf16"],
      ["--main-grads-dtype bf16 under FSDP2: add --grad-reduce-in-bf16"]),
-    ("precision-aware-no-prediction", 2, PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--use-precision-aware-optimizer",
-                                                      "--exp-avg-sq-dtype", "bf16"],
-     ["--exp-avg-dtype / --exp-avg-sq-dtype below fp32 with --pipeline-method pipeoptim"]),
     ("optimizer-cpu-offload-needs-precision-aware", 1, MOCK + ["--optimizer-cpu-offload"],
      ["--optimizer-cpu-offload needs --use-precision-aware-optimizer"]),
     ("optimizer-cpu-offload-gpu", 1, MOCK + ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"],
@@ -768,6 +765,13 @@ def test_the_base_command_lines_are_valid(monkeypatch):
     validate(parse_args(CP2 + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel", "--cp-comm-type", "all_gather"]), 8)
     validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"]), 2)
+    # PipeOptim predicts from the stored bf16 moments (tests/test_precision_aware_optimizer.py)
+    low_moments = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim"] + low_moments), 2)
+    validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--bf16", "--use-distributed-optimizer",
+                                     "--main-grads-dtype", "bf16"] + low_moments), 4)
+    validate(parse_args(PP2_ASYNC + ["--pipeline-method", "pipeoptim", "--bf16", "--use-torch-fsdp2",
+                                     "--grad-reduce-in-bf16"] + low_moments), 4)
     validate(parse_args(MOCK + ["--fp16", "--loss-scale", "8"]), 1)
     validate(parse_args(["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-model", "t.model", "--split", "9,1"]), 1)
     validate(parse_args(["--data-path", "A", "B", "--tokenizer-model", "t.model"]), 1)  # unweighted, as Megatron

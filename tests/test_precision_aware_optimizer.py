@@ -10,17 +10,30 @@ FusedAdam): Adam's moments stored in bf16 or fp16, computed in fp32.
 - Through the launcher on 2 ranks (the distributed optimizer at DP 2, bf16, the gradient buffer in bf16 by
   --main-grads-dtype bf16): its losses leave the fp32-moment run's after the first step and stay near them, it
   says so at start-up, saves and resumes; PipeDream at PP 2 and FSDP2 at DP 2 run with it.
-The one-line refusals (fp8 state, fp16 main params, other optimizers, PipeOptim's prediction) are rows of
-tests/test_config_rules.py.
+- PipeOptim's prediction reads the state the optimizer holds, the stored moments upcast to fp32: Ŵ equals an
+  explicit fp32 closed form on the stored bf16 moments bit for bit (and not the one on the step's unrounded
+  moments) on every path: the separate prediction (new tensors, into bf16 targets), the one the step writes
+  (fp32, bf16, into chunked targets), the kept ΔW (keep_direction), the mixed-precision optimizer's bf16 model
+  weights; compiled ("aot_eager") within float rounding (rtol 1e-5, as eager vs compiled elsewhere).
+- Whole runs with bf16 moments: PipeOptim's distributed run at PP 2 equals the emulator bit for bit (straight,
+  and interleaved AdamW with the decay extrapolated, whose later forwards use the kept ΔW); at PP 2 x DP 2 the
+  distributed optimizer and FSDP2 equal the plain optimizer bit for bit (tests/test_async_pipeline.py's rule).
+The one-line refusals (fp8 state, fp16 main params, other optimizers) are rows of tests/test_config_rules.py.
 """
 
 import json
+import math
+from functools import partial
 
 import pytest
 import torch
 from dist_harness import run_distributed, run_mains
+from test_async_pipeline import merge, train_distributed, train_emulator
 
+import megatron_po.optim.fused_prediction as fused_prediction
 from megatron_po.optim import build_optimizer
+from megatron_po.optim.fused_prediction import PredictionRequest
+from megatron_po.optim.mixed_precision import MixedPrecisionOptimizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,6 +109,137 @@ def test_state_dtypes_are_adams_only_and_reach_both_optimizer_builders():
     assert precision_aware_kwargs(parse_args(mock).training) == {}
     with pytest.raises(ConfigError, match="apply to --optimizer adam or adamw, not lion"):
         build_optimizer("lion", _params(), lr=1e-3, exp_avg_dtype=torch.bfloat16)
+
+
+# ---- PipeOptim's prediction from the stored moments ------------------------------------------------------
+
+BF16_MOMENTS = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+HYPER = dict(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+
+
+def _closed_form(w, m, v, t, steps, decay=0.0, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8):
+    """Ŵ = W(1 − s·lr·λ) − s·lr·m̂/(√v̂ + ε), written out in fp32 from the moments m, v (upcast here) after t
+    steps; λ: the decoupled decay when it is extrapolated."""
+    m, v = m.float(), v.float()
+    denominator = v.sqrt() / math.sqrt(1 - beta2**t) + eps
+    start = w * (1 - steps * lr * decay) if decay else w
+    return start + (-steps * lr / (1 - beta1**t)) * m / denominator
+
+
+def _round_moments(state):
+    """torch's Adam state as the step reads ours: its moments rounded to bf16 (kept in fp32)."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key].copy_(state[key].bfloat16().float())
+
+
+def _stored_closed_form(opt, params, steps, decay=0.0):
+    return [_closed_form(p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"].item(),
+                         steps, decay) for p in params]
+
+
+@pytest.mark.parametrize("name,include_weight_decay", [("adam", False), ("adamw", True)])
+def test_prediction_is_the_closed_form_on_the_stored_moments_on_every_path(name, include_weight_decay):
+    """Separate (new tensors; into bf16 targets), written by the step (fp32, bf16, into targets a few tensors at a
+    time) and from the kept ΔW: each Ŵ the fp32 closed form on the stored bf16 moments, bit for bit (bf16: that
+    rounded once), never the one on the unrounded moments the step used (torch's Adam fed the rounded moments
+    holds them after its step)."""
+    torch_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    separate, fused, kept, ref = _params(), _params(), _params(), _params()
+    opts = [build_optimizer(name, params, **HYPER, **BF16_MOMENTS) for params in (separate, fused, kept)]
+    sep_opt, fused_opt, kept_opt = opts
+    kept_opt.keep_direction = True
+    reference = torch_cls(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    decay = 0.1 if include_weight_decay else 0.0
+    for step, s in enumerate((2.0, 3.0, 1.5, 1.0)):
+        grads = _grads(step, separate)
+        for params in (separate, fused, kept, ref):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        for r in ref:  # the step reads the stored (rounded) moments
+            _round_moments(reference.state[r])
+        new32 = PredictionRequest(s, include_weight_decay)
+        new16 = PredictionRequest(s, include_weight_decay, dtype=torch.bfloat16)
+        targets = [[torch.zeros_like(p, dtype=torch.bfloat16) for p in separate]]
+        into16 = PredictionRequest(s, include_weight_decay, targets=targets, chunk_numel=20)  # several chunks
+        fused_opt.plan_prediction(new32, new16, into16)
+        for opt in (*opts, reference):
+            opt.step()
+        assert all(torch.equal(p, q) for params in (fused, kept, ref) for p, q in zip(separate, params))
+        assert {sep_opt.state[p][key].dtype for p in separate for key in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+        closed = _stored_closed_form(sep_opt, separate, s, decay)
+        unrounded = [_closed_form(r.detach(), reference.state[r]["exp_avg"], reference.state[r]["exp_avg_sq"], step + 1,
+                                  s, decay) for r in ref]
+        assert not any(torch.equal(c, u) for c, u in zip(closed, unrounded))  # the moments' rounding shows in Ŵ
+        out16 = [[torch.zeros_like(p, dtype=torch.bfloat16) for p in separate]]
+        sep_opt.predict(s, include_weight_decay, out=out16)
+        paths = {"separate": [w for _, w in sep_opt.predicted(s, include_weight_decay)],
+                 "written by the step": [w for _, w in new32.predicted],
+                 "kept": [w for _, w in kept_opt.predicted(s, include_weight_decay)],
+                 "kept, again": [w for _, w in kept_opt.predicted(s, include_weight_decay)],
+                 "separate into bf16": out16[0], "written by the step in bf16": [w for _, w in new16.predicted],
+                 "written by the step into bf16 targets": targets[0]}
+        for path, predicted in paths.items():
+            assert len(predicted) == len(closed), path
+            assert all(torch.equal(w, c.to(w.dtype)) for w, c in zip(predicted, closed)), (path, step)
+        assert not fused_opt._kept_direction and len(kept_opt._kept_direction) == len(kept)
+        for p, d in zip(separate, sep_opt.update_direction()[0]):  # ΔW itself: fp32, from the upcast moments
+            state, t = sep_opt.state[p], step + 1
+            denominator = state["exp_avg_sq"].float().sqrt() / math.sqrt(1 - 0.95**t) + 1e-8
+            assert d.dtype == torch.float32 and torch.equal(d, state["exp_avg"].float() / denominator / (1 - 0.9**t))
+
+
+def test_mixed_precision_bf16_weights_are_predicted_from_the_stored_moments():
+    """--bf16: the fp32 main params step, the bf16 model weights get Ŵ (written by the step for a pointer swap,
+    or predicted into them): the closed form on the main params and the stored moments, rounded once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(lambda groups: build_optimizer("adamw", groups, **HYPER, **BF16_MOMENTS),
+                                  list(model.parameters()))
+    for step, s in enumerate((2.0, 3.0, 1.5)):
+        gen = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        request = PredictionRequest(s)
+        opt.plan_prediction(request)
+        assert not opt.step().skipped
+        closed = [c.bfloat16() for c in _stored_closed_form(opt.optimizer, opt.main_params, s)]
+        assert [p for p, _ in request.predicted] == list(model.parameters())
+        assert all(torch.equal(w, c) for (_, w), c in zip(request.predicted, closed))
+        live = [p.detach().clone() for p in model.parameters()]
+        opt.predict_model_params(s)
+        assert all(torch.equal(p, c) for p, c in zip(model.parameters(), closed))
+        opt.restore_model_params()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), live))
+
+
+def test_compiled_step_predicts_from_the_stored_moments(monkeypatch):
+    """--torch-compile's fused step ("aot_eager": the same graph, no code generation) writes Ŵ from the stored
+    moments it has just rounded: its displacement Ŵ − W is the closed form's within float rounding (the bias
+    corrections in fp32), far from the unrounded moments' one; no graph break."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(fused_prediction, "COMPILE_BACKEND", "aot_eager")
+    params, ref = _params(), _params()
+    opt = build_optimizer("adamw", params, **HYPER, **BF16_MOMENTS)
+    opt.compile_fused_step = True
+    reference = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    for step, s in enumerate((2.0, 3.0, 1.5)):
+        for p, r, g in zip(params, ref, _grads(step, params)):
+            p.grad, r.grad = g.clone(), g.clone()
+            _round_moments(reference.state[r])
+        request = PredictionRequest(s, include_weight_decay=True)
+        opt.plan_prediction(request)
+        opt.step()
+        reference.step()
+        closed = _stored_closed_form(opt, params, s, decay=0.1)
+        for (p, w), c, r in zip(request.predicted, closed, ref):
+            unrounded = _closed_form(r.detach(), reference.state[r]["exp_avg"], reference.state[r]["exp_avg_sq"],
+                                     step + 1, s, decay=0.1)
+            torch.testing.assert_close(w - p, c - p, rtol=1e-4, atol=1e-7)
+            assert (unrounded - c).abs().max() > 20 * (w - c).abs().max()
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
 
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]

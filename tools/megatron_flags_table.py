@@ -146,9 +146,9 @@ Notes where our reading differs in detail:
   `--use-precision-aware-optimizer` stores Adam's moments in `--exp-avg-dtype` / `--exp-avg-sq-dtype` (bf16, fp16)
   and computes them in fp32, as Transformer Engine's FusedAdam; it takes `--optimizer adam` or `adamw` (Megatron's
   adam is adamw here) with any of the distributed, mixed-precision and FSDP2 optimizers (Megatron: the distributed
-  optimizer only); refused: fp8 moments, `--main-params-dtype fp16`, and moments below fp32 under PipeOptim (its
-  prediction rebuilds the step from the stored, rounded moments). `--main-grads-dtype bf16` is the bf16 gradient
-  buffer (this project's default with `--bf16`; FSDP2 needs `--grad-reduce-in-bf16` with it); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
+  optimizer only) and every pipeline method (PipeOptim's prediction reads the stored moments upcast to fp32, the
+  state the optimizer holds); refused: fp8 moments, `--main-params-dtype fp16`. `--main-grads-dtype bf16` is the
+  bf16 gradient buffer (this project's default with `--bf16`; FSDP2 needs `--grad-reduce-in-bf16` with it); fp32 leaves the buffer to `--accumulate-allreduce-grads-in-fp32`
   (Megatron turns that on with bf16). `--recompute-modules` takes Megatron's `core_attn`, `mlp` (the dense MLP,
   local layers), `moe` (the `--moe-layer-recompute` of each MoE layer) and `shared_experts` under
   `--recompute-granularity selective`; `moe_act`, `layernorm`, `mla_up_proj` (Megatron's output-discarding

@@ -4,7 +4,8 @@ An asynchronous stage at k = 1 steps a chunk and then, as its very next op on th
 on the prediction Ŵ = W − s·lr·ΔW (s read from the schedule). Predicting separately before the forward
 means reading W and the optimizer state again and rebuilding ΔW from it (or keeping the step's factored
 ΔW alive until then: `keep_direction`, 4 bytes per parameter for Adam). Fused, the step writes Ŵ right
-after W, from the ΔW it has just computed (Adam's m and √v̂ + ε, ...), which then dies with the step.
+after W, from the ΔW it has just computed (Adam's m and √v̂ + ε, ...), which then dies with the step (with
+Adam's lower-precision moments, --exp-avg-dtype, from the stored moments it has just rounded: optimizers.Adam).
 
 A `PredictionRequest` says what to write; a policy hands it to the optimizer before the step
 (`PredictiveOptimizer.plan_prediction`), and the next `step()` fulfils it for every param group:
@@ -306,8 +307,13 @@ def _joined(directions: list, outs: list[list], jobs: list[tuple]):
 
 def group_update(optimizer, group, params, grads, states, positions, all_params, jobs, keep):
     """The fused pass of one param group: `optimizer._step_group` (the update rule), then each job's Ŵ
-    from the ΔW it returned (`write_group`). Returns (that ΔW if `keep` else None, the jobs' outputs)."""
+    from the ΔW it returned (`write_group`). Returns (that ΔW if `keep` else None, the jobs' outputs).
+    A step that returns none (Adam with lower-precision moments: ΔW is the stored moments', not the step's)
+    has it rebuilt from the state it left: for the whole group when it is kept, else by each job a chunk at
+    a time (`_extrapolate`)."""
     d = optimizer._step_group(group, params, grads, states)
+    if d is None and keep:
+        d = optimizer._direction(group, params, states)
     outs = [write_group(optimizer, group, positions, params, states, all_params, job, d) for job in jobs]
     return (d if keep else None), outs
 

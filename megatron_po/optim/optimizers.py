@@ -493,8 +493,11 @@ class Adam(PredictiveOptimizer):
     --exp-avg-sq-dtype; default: the parameter's dtype): the moments are *stored* in that dtype and computed in
     the parameter's, as Transformer Engine's FusedAdam does (its multi_tensor_adam kernel loads m and v into
     fp32, updates them, steps the weight with the unrounded values and stores them rounded): each step upcasts
-    the stored moments, runs the ordinary step and rounds them back. ΔW rebuilt from the state between steps
-    (`update_direction`) then reads the rounded moments, not the ones the step used.
+    the stored moments, runs the ordinary step and rounds them back. ΔW (`update_direction`, PipeOptim's
+    prediction) is the state the optimizer holds: the stored, rounded moments upcast to the parameter's dtype,
+    on every path: such a step returns no ΔW of its own (the unrounded one it stepped with is gone), so the
+    prediction the step writes (fused_prediction.py) rebuilds it from the stored moments, as the separate
+    prediction does; keeping it (`keep_direction`) holds the upcast first moment too (4 more bytes per parameter).
     """
 
     decoupled_weight_decay = False
@@ -529,10 +532,10 @@ class Adam(PredictiveOptimizer):
             return self._adam_step(group, params, grads, states)
         # the lower-precision moments: computed in the parameters' dtype, stored rounded (see the docstring)
         wide = [{**s, **{key: s[key].to(p.dtype) for key in stored}} for p, s in zip(params, states)]
-        d = self._adam_step(group, params, grads, wide)
+        self._adam_step(group, params, grads, wide)
         for key, tensors in stored.items():
             torch._foreach_copy_(tensors, [s[key] for s in wide])
-        return d
+        return None  # ΔW is the stored moments' (`_direction`), not the unrounded ones' the step used
 
     def _adam_step(self, group, params, grads, states):
         lr, weight_decay = group["lr"], group["weight_decay"]
@@ -562,10 +565,11 @@ class Adam(PredictiveOptimizer):
         step_counts = [_step_value(s["step"]) for s in states]
         bias_corrections1 = [1 - beta1**t for t in step_counts]
         bias_corrections2_sqrt = [(1 - beta2**t) ** 0.5 for t in step_counts]
-        denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        # Lower-precision moments (`state_dtypes`) upcast to the parameter's dtype (fp32): the state held.
+        denominators = torch._foreach_sqrt([s["exp_avg_sq"].to(p.dtype) for p, s in zip(params, states)])
         torch._foreach_div_(denominators, bias_corrections2_sqrt)
         torch._foreach_add_(denominators, group["eps"])
-        return _Direction([s["exp_avg"] for s in states], denominators, bias_corrections1)
+        return _Direction([s["exp_avg"].to(p.dtype) for p, s in zip(params, states)], denominators, bias_corrections1)
 
 
 class AdamW(Adam):

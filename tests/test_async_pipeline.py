@@ -35,7 +35,7 @@ def with_parallel(cfg, parallel):
 
 
 def optimizer_kwargs(optimizer, extra=None):
-    """`extra`: more build_optimizer keyword arguments (Adam's state dtypes: tests/test_precision_aware_optimizer.py)."""
+    """`extra`: more build_optimizer keyword arguments (Adam's state dtypes, test_precision_aware_optimizer.py)."""
     return {"lr": LR[optimizer], "weight_decay": 0.01, "sgd_momentum": 0.9, **(extra or {})}
 
 

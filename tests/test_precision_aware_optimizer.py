@@ -9,7 +9,7 @@ FusedAdam): Adam's moments stored in bf16 or fp16, computed in fp32.
 - Checkpoint: a load keeps the stored dtype.
 - Through the launcher on 2 ranks (the distributed optimizer at DP 2, bf16, the gradient buffer in bf16 by
   --main-grads-dtype bf16): its losses leave the fp32-moment run's after the first step and stay near them, it
-  says so at start-up, saves and resumes; PipeDream at PP 2 and FSDP2 at DP 2 run with it.
+  says so at start-up, saves and resumes; PipeDream and PipeOptim at PP 2 and FSDP2 at DP 2 run with it.
 - PipeOptim's prediction reads the state the optimizer holds, the stored moments upcast to fp32: Ŵ equals an
   explicit fp32 closed form on the stored bf16 moments bit for bit (and not the one on the step's unrounded
   moments) on every path: the separate prediction (new tensors, into bf16 targets), the one the step writes
@@ -17,7 +17,8 @@ FusedAdam): Adam's moments stored in bf16 or fp16, computed in fp32.
   weights; compiled ("aot_eager") within float rounding (rtol 1e-5, as eager vs compiled elsewhere).
 - Whole runs with bf16 moments: PipeOptim's distributed run at PP 2 equals the emulator bit for bit (straight,
   and interleaved AdamW with the decay extrapolated, whose later forwards use the kept ΔW); at PP 2 x DP 2 the
-  distributed optimizer and FSDP2 equal the plain optimizer bit for bit (tests/test_async_pipeline.py's rule).
+  distributed optimizer and FSDP2 equal the plain optimizer, and under --bf16 the distributed optimizer the
+  mixed-precision one, bit for bit (tests/test_async_pipeline.py's rule); the launcher runs PipeOptim at PP 2.
 The one-line refusals (fp8 state, fp16 main params, other optimizers) are rows of tests/test_config_rules.py.
 """
 
@@ -260,17 +261,18 @@ DISTOPT = ["--use-distributed-optimizer"]
 def test_recipe_run_with_bf16_moments_trains_saves_and_resumes(tmp_path, capfd):
     """The launcher hands the dtypes to the distributed optimizer's Adam: the losses leave those of the same run
     with fp32 moments after the first step (and stay near them); a checkpoint of bf16 moments resumes."""
-    pipedream = ["--pipeline-model-parallel-size", "2", "--pipeline-method", "pipedream",
-                 "--untie-embeddings-and-output-weights"]
+    pp2 = ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
     argvs = [_tiny(tmp_path / "a", 4, *DISTOPT, *PRECISION_AWARE, "--save", str(tmp_path / "ck")),
              _tiny(tmp_path / "b", 5, *DISTOPT, *PRECISION_AWARE, "--load", str(tmp_path / "ck")),
              _tiny(tmp_path / "c", 4, *DISTOPT),
-             _tiny(tmp_path / "d", 2, *DISTOPT, *PRECISION_AWARE, *pipedream),  # an asynchronous stage's optimizer
-             _tiny(tmp_path / "e", 2, *PRECISION_AWARE, "--use-torch-fsdp2", "--grad-reduce-in-bf16")]  # FSDP2's
-    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0] * 5] * 2
+             # an asynchronous stage's optimizer; PipeOptim's prediction from the stored moments
+             _tiny(tmp_path / "d", 2, *DISTOPT, *PRECISION_AWARE, *pp2, "--pipeline-method", "pipedream"),
+             _tiny(tmp_path / "e", 2, *PRECISION_AWARE, "--use-torch-fsdp2", "--grad-reduce-in-bf16"),  # FSDP2's
+             _tiny(tmp_path / "f", 2, *PRECISION_AWARE, *pp2, "--pipeline-method", "pipeoptim")]
+    assert run_distributed(run_mains, 2, args=(argvs,), timeout=300) == [[0] * 6] * 2
     out = capfd.readouterr().out
     assert out.count("> --use-precision-aware-optimizer: Adam's exp_avg stored in bf16, exp_avg_sq in bf16, both "
-                     "computed in fp32; main params fp32; gradient buffer bf16") == 4
+                     "computed in fp32; main params fp32; gradient buffer bf16") == 5
 
     def losses(name):
         with open(tmp_path / name / "metrics.jsonl") as f:
@@ -279,3 +281,86 @@ def test_recipe_run_with_bf16_moments_trains_saves_and_resumes(tmp_path, capfd):
     assert list(low) == list(wide) == [1, 2, 3, 4] and list(resumed) == [5]
     assert low[1] == wide[1]  # before any step
     assert all(low[i] != wide[i] and abs(low[i] - wide[i]) < 0.05 for i in (3, 4)), (low, wide)
+
+
+# ---- whole PipeOptim runs with bf16 moments --------------------------------------------------------------
+
+PP2_CASES = [  # method, optimizer, D, v, k, segments, options
+    ("pipeoptim", "adam", 2, 1, 1, (4, 4), {}),
+    # interleaved: a chunk's later forwards after its step predict from the kept ΔW (the upcast moments)
+    ("pipeoptim", "adamw", 2, 2, 1, (4, 6), {"include_weight_decay": True}),
+]
+
+
+def _stored_dtypes(rank) -> set:
+    return {t.dtype for opt in rank.stage.optimizers for state in getattr(opt, "optimizer", opt).state.values()
+            for key, t in state.items() if key in ("exp_avg", "exp_avg_sq")}
+
+
+def _emulated_pp2_cases():
+    return [train_emulator(m, o, D, v, k, seg, optimizer_options=BF16_MOMENTS, **opts)
+            for m, o, D, v, k, seg, opts in PP2_CASES]
+
+
+def _distributed_pp2_cases():
+    from test_fused_prediction import count_fused
+    out = []
+    for m, o, _, v, k, seg, opts in PP2_CASES:
+        ranks, written = [], []
+
+        def instrument(rank, ranks=ranks, written=written):
+            ranks.append(rank)
+            count_fused(rank.stage.policy, True, written)
+        result = train_distributed(m, o, v, k, seg, optimizer_options=BF16_MOMENTS, on_rank=instrument, **opts)
+        out.append((*result, _stored_dtypes(ranks[0]), len(written)))
+    return out
+
+
+def test_pipeoptim_with_bf16_moments_distributed_equals_emulator_bitwise():
+    """PP 2, fp32 weights, Adam's moments stored in bf16: every micro-batch's loss, the evaluation, the final
+    weights and the weight copies of the distributed run are the emulator's bit for bit; stage 0 predicts, some
+    of it written by the step (the fused path ran)."""
+    emulated = run_distributed(_emulated_pp2_cases, 1)[0]
+    first, last = run_distributed(_distributed_pp2_cases, 2, pp=2)
+    for case, emu, a, b in zip(PP2_CASES, emulated, first, last):
+        assert a[0] is None and b[0] == emu[0] and b[1] == emu[1], case
+        weights, copies = merge([a, b])
+        assert weights.keys() == emu[2].keys() and all(torch.equal(weights[n], emu[2][n]) for n in weights), case
+        assert copies == emu[3], case
+        assert a[5] == b[5] == {torch.bfloat16}, case
+        assert a[6] > 0 and (b[6] == 0) == (case[3] == 1), case  # straight: the last stage's s is 0
+
+
+DP2_RUNS = {  # name: (PrecisionConfig fields, ParallelConfig fields)
+    "plain": ({}, {}),
+    "distributed optimizer": ({"use_distributed_optimizer": True}, {}),
+    "FSDP2": ({}, {"use_torch_fsdp2": True}),
+    "bf16": ({"bf16": True}, {}),
+    "bf16, distributed optimizer": ({"bf16": True, "use_distributed_optimizer": True}, {}),
+}
+
+
+def _dp2_runs():
+    out = {}
+    for name, (precision, parallel) in DP2_RUNS.items():
+        ranks = []
+        result = train_distributed("pipeoptim", "adam", 1, 1, (4, 4), mbs=4, masked=False, precision=precision,
+                                   parallel=parallel, optimizer_options=BF16_MOMENTS, on_rank=ranks.append)
+        out[name] = (*result, _stored_dtypes(ranks[0]))
+    return out
+
+
+def test_pp2_dp2_distributed_optimizer_and_fsdp2_predict_from_their_shards_of_the_stored_moments():
+    """PipeOptim at PP 2 x DP 2, bf16 moments: each DP rank predicts its shard from its shard of the stored
+    moments; the distributed optimizer and FSDP2 equal the plain optimizer (replicated state) bit for bit, and under
+    --bf16 the distributed optimizer equals the mixed-precision optimizer, as with fp32 state
+    (tests/test_async_pipeline.py: the reduce-scatter and the all-reduce over two ranks both add a/2 + b/2, the
+    step and the prediction are per element)."""
+    for runs in run_distributed(_dp2_runs, 4, pp=2, timeout=300):
+        assert all(run[5] == {torch.bfloat16} for run in runs.values())
+        for name, plain in (("distributed optimizer", runs["plain"]), ("FSDP2", runs["plain"]),
+                            ("bf16, distributed optimizer", runs["bf16"])):
+            other = runs[name]
+            assert other[0] == plain[0] and other[1] == plain[1], name
+            assert other[2].keys() == plain[2].keys(), name
+            assert all(torch.equal(other[2][n], plain[2][n]) for n in plain[2]), name

@@ -18,7 +18,7 @@ from typing import get_args, get_origin, get_type_hints
 
 from megatron_po.config_field import flag as _f
 from megatron_po.config_recipe import (CheckpointRecipeFlags, DataRecipeFlags, LoggingRecipeFlags,
-                                       ModelRecipeFlags, TrainingRecipeFlags)
+                                       ModelRecipeFlags, ParallelRecipeFlags, TrainingRecipeFlags)
 from megatron_po.data.tokenizer import TOKENIZER_TYPES
 from megatron_po.errors import ConfigError
 from megatron_po.layer_split import layout_stage_count
@@ -235,33 +235,10 @@ class ModelConfig(ModelRecipeFlags):
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(ParallelRecipeFlags):
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual stage (interleaved pipeline)")
-    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "model chunks per pipeline rank (interleaved "
-                                                                "pipeline): each rank's layers split evenly over its "
-                                                                "chunks; the form Megatron takes with "
-                                                                "--decoder-first/last-pipeline-num-layers")
-    # Uneven pipeline splits (Megatron-core's flags and rules: megatron_po/layer_split.py, docs/pipelines.md)
-    decoder_first_pipeline_num_layers: int | None = _f(None, "transformer layers on the first pipeline stage; the "
-                                                             "rest split evenly over the other stages (default: an "
-                                                             "even split)")
-    decoder_last_pipeline_num_layers: int | None = _f(None, "transformer layers on the last pipeline stage; the rest "
-                                                            "split evenly over the other stages (default: an even "
-                                                            "split)")
-    account_for_embedding_in_pipeline_split: bool = _f(False, "count the embedding as one layer in the even pipeline "
-                                                              "split: the first virtual stage builds one layer fewer")
-    account_for_loss_in_pipeline_split: bool = _f(False, "count the loss (final norm, output layer) as one layer in "
-                                                         "the even pipeline split: the last virtual stage builds one "
-                                                         "layer fewer")
-    pipeline_model_parallel_layout: str | None = _f(None, "every virtual stage's layers, e.g. \"Et|(tt|)*30mL\": E "
-                                                          "embedding, t transformer layer, m MTP depth, L loss, '|' "
-                                                          "between virtual stages (their count / "
-                                                          "--pipeline-model-parallel-size = model chunks per rank), "
-                                                          "(...)*n and x*n repeat. Here E goes first on virtual stage "
-                                                          "0 and m, L on the last one (Megatron can also put m on a "
-                                                          "stage of its own); a stage holding nothing is refused")
     sequence_parallel: bool = _f(False, "split LayerNorm/dropout activations along the sequence over TP ranks")
     pipeline_method: str = _f("1f1b", "pipeline schedule (synchronous: gpipe, 1f1b, zero-bubble zb-h1, zb-h2, zb-v) or "
                               "asynchronous method",

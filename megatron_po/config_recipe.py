@@ -19,6 +19,9 @@ What each does here:
   --optimizer-cpu-offload (CPU runs; refused on a GPU), --overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction;
 - refused with one line: --exp-avg-dtype / --exp-avg-sq-dtype fp8, --main-params-dtype fp16, the --recompute-modules
   moe_act, layernorm, mla_up_proj (and Megatron's others).
+- the pipeline split: --decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split,
+  --pipeline-model-parallel-layout, --num-virtual-stages-per-pipeline-rank (layer_split.py; rules in
+  layer_split_rules.py).
 Their start-up rules and lines: config_recipe_rules.py.
 """
 
@@ -79,6 +82,33 @@ class ModelRecipeFlags:
     te_rng_tracker: bool = flag(False, "Megatron's choice of Transformer Engine's RNG tracker over Megatron-core's "
                                        "(for CUDA graphs): accepted, no effect here: the model-parallel random "
                                        "streams are tensor_parallel/random.py's")
+
+
+@dataclass
+class ParallelRecipeFlags:
+    """How the layers split over pipeline stages (Megatron-core's flags: DeepSeek-V3's and Kimi K2's recipes split
+    unevenly), read by layer_split.py."""
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        None, "model chunks per pipeline rank (interleaved pipeline): each rank's layers split evenly over its "
+              "chunks; the form Megatron takes with --decoder-first/last-pipeline-num-layers")
+    # Uneven pipeline splits (Megatron-core's flags and rules: megatron_po/layer_split.py, docs/pipelines.md)
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, "transformer layers on the first pipeline stage; the rest split evenly over the other stages "
+              "(default: an even split)")
+    decoder_last_pipeline_num_layers: int | None = flag(
+        None, "transformer layers on the last pipeline stage; the rest split evenly over the other stages "
+              "(default: an even split)")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, "count the embedding as one layer in the even pipeline split: the first virtual stage builds one "
+               "layer fewer")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, "count the loss (final norm, output layer) as one layer in the even pipeline split: the last virtual "
+               "stage builds one layer fewer")
+    pipeline_model_parallel_layout: str | None = flag(
+        None, "every virtual stage's layers, e.g. \"Et|(tt|)*30mL\": E embedding, t transformer layer, m MTP depth, "
+              "L loss, '|' between virtual stages (their count / --pipeline-model-parallel-size = model chunks per "
+              "rank), (...)*n and x*n repeat. Here E goes first on virtual stage 0 and m, L on the last one (Megatron "
+              "can also put m on a stage of its own); a stage holding nothing is refused")
 
 
 @dataclass

@@ -16,6 +16,10 @@ import socket
 import traceback
 
 
+# What a rank reports: its result, or where it failed (the harness's set-up, or `fn`)
+OK, SET_UP, RAN = "ok", "set-up", "ran"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -25,6 +29,7 @@ def _free_port() -> int:
 def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp=1):
     # A hung rank prints every thread's stack shortly before the parent gives up on it.
     faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
+    stage = SET_UP
     try:
         import torch
         import torch.distributed as dist
@@ -38,16 +43,17 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp=1
         ps.destroy_model_parallel()
         ps.init_distributed(timeout_minutes=2)
         ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp)
+        stage = RAN
         out = fn(*args)
         if dist.is_initialized():  # fn may have shut the group down itself (e.g. run_main)
             dist.barrier()
         # Plain pickle copies tensors by value (the multiprocessing reducers would share them through
         # file descriptors, which die with this process).
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((rank, OK, pickle.dumps(out)))
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, stage, traceback.format_exc()))
     finally:
         results.close()
         results.join_thread()  # flush the queue before the hard exit
@@ -57,7 +63,25 @@ def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp=1
 def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
                     args: tuple = (), timeout: float = 180.0, cp: int = 1) -> list:
     """Run `fn(*args)` on `world_size` ranks (`cp`: the context-parallel size); return the list of results
-    indexed by rank."""
+    indexed by rank. The harness's own process-group set-up (before `fn` runs) is tried twice, on a new port the
+    second time: it can lose its port or its gloo connections to another socket of a test running beside it on the
+    machine (CI saw "Gloo connectFullMesh failed ... Connection closed by peer" once in ~2,200 tests). A set-up that
+    fails twice, and anything `fn` raises, fails the test."""
+    failures = []
+    for _ in range(2):
+        status, got = _launch(fn, world_size, tp, pp, vpp, args, timeout, cp)
+        if status != SET_UP:
+            break
+        failures.append(got)
+    if status == SET_UP:
+        raise AssertionError("the ranks' process groups could not be set up, twice:\n" + "\n".join(failures))
+    if status != OK:
+        raise AssertionError("a rank failed:\n" + got)
+    return got
+
+
+def _launch(fn, world_size, tp, pp, vpp, args, timeout, cp) -> tuple[str, object]:
+    """One launch: (OK, results by rank), or (SET_UP or RAN, the failing rank's traceback)."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
@@ -65,28 +89,28 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int | No
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, errors = {}, []
+    out, failed = {}, None
     try:
         for _ in range(world_size):
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"distributed test timed out after {timeout}s; "
                                    f"finished ranks: {sorted(out)}") from None
-            if ok:
+            if status == OK:
                 out[rank] = pickle.loads(value)
             else:
-                errors.append(f"--- rank {rank} ---\n{value}")
+                failed = (status, f"--- rank {rank} ---\n{value}")
                 break  # the other ranks may now block forever; fail at once
     finally:
         for p in procs:
-            p.join(timeout=0.5 if errors else 10)
+            p.join(timeout=0.5 if failed else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
-    return [out[r] for r in range(world_size)]
+    if failed:
+        return failed
+    return OK, [out[r] for r in range(world_size)]
 
 
 def run_mains(argvs: list[list[str]]) -> list[int]:

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 
@@ -20,10 +21,34 @@ import traceback
 OK, SET_UP, RAN = "ok", "set-up", "ran"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A port nothing listens on now, drawn below the kernel's ephemeral range: a port the kernel hands out (bind to
+    0) can be handed out again, to any outgoing connection of another test (gloo opens many), in the seconds before a
+    launched rank binds it; CI lost a rendezvous port that way. Drawn with the system's randomness, not `random`'s
+    (tests seed it), so two tests beside each other rarely draw the same one."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw busy: what the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(10001, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 
 
 def _child(rank, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp=1):
@@ -84,7 +109,7 @@ def _launch(fn, world_size, tp, pp, vpp, args, timeout, cp) -> tuple[str, object
     """One launch: (OK, results by rank), or (SET_UP or RAN, the failing rank's traceback)."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, tp, pp, vpp, fn, args, results, timeout, cp))
              for r in range(world_size)]
     for p in procs:
@@ -135,7 +160,7 @@ def run_mains(argvs: list[list[str]]) -> list[int]:
     for i, argv in enumerate(argvs):
         if i > 0:
             if rank == 0:
-                ports.set(f"port {i}", str(_free_port()))
+                ports.set(f"port {i}", str(free_port()))
             os.environ["MASTER_PORT"] = ports.get(f"port {i}").decode()
         codes.append(run_main(argv))
     return codes

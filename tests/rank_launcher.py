@@ -8,21 +8,16 @@ whatever a run left behind (children included) by scanning /proc.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+
+from dist_harness import free_port  # one port chooser for every launch the tests make
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_VAR = "MEGATRON_PO_RUN_TAG"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID", "SLURM_NTASKS",
                 "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, argv: list[str], world: int, log_dir: str, tag: str,

@@ -312,10 +312,8 @@ def test_flat_ranges_split_into_contiguous_blocks():
 # ---- atomicity ---------------------------------------------------------------------------------------
 
 def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dist_harness import free_port
+    return free_port()
 
 
 def _rank_main(rank, port, argv):

@@ -175,10 +175,8 @@ def bad_input(case, corpus, tmp_path):
 
 
 def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dist_harness import free_port
+    return free_port()
 
 
 @pytest.mark.parametrize("case", BAD_INPUT_CASES)
